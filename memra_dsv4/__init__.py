@@ -1,0 +1,1 @@
+"""memra-dsv4: a CuPy + raw-CUDA runtime for DeepSeek-V4-Flash on H200s, with an exact NumPy oracle."""
