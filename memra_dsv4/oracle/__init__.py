@@ -1,0 +1,1 @@
+"""The NumPy oracle of DeepSeek-V4-Flash: the arithmetic contract of the GPU runtime."""

@@ -1,0 +1,244 @@
+"""Seams: the numeric-class policy and the environment switches of memra-dsv4.
+
+Contract
+--------
+* ``NumericsPolicy`` is the ONE place where a numeric class (``exact`` / ``bf16`` /
+  ``reference``) is turned into arithmetic.  The oracle and its ops never test the class name;
+  they call the policy's hooks (``store``, ``act_in``, ``linear``, ``kv_sim``, ``fp4_sim``,
+  ``f32``, ``head_rms``...).  ``POLICIES[name]`` holds the three frozen instances.
+* ``Seam(name, env, default, allowed, doc)`` describes one switch.  ``SEAMS`` is the registry.
+  ``resolve(seam, explicit)`` returns the value to use: an explicit (constructor / CLI) value
+  wins over the environment, the environment over the default; anything outside ``allowed``
+  raises ``ValueError`` naming the variable (or argument) and the allowed values.
+* ``MEMRA_DSV4_NUMERICS`` is read once, at import of this module, validated, and announced on
+  stderr as ``memra_dsv4: numerics = <value>`` (only when the variable is set; the default is
+  announced by the first ``Oracle`` built without an explicit class).
+* ``seam_table_markdown()`` renders the registry for the README.
+
+Numeric classes (what each hook does)
+-------------------------------------
+``exact``      float64 everywhere; no bf16 rounding, no quantisation simulation (no KV FP8 sim,
+               no indexer FP4 sim, no activation quant).  The Hadamard rotation is kept (it is
+               math, not a rounding).  Weights are the exactly dequantised checkpoint values.
+``bf16``       (default) arrays are float32.  bf16 rounding at every GEMM activation input and
+               at every tensor the reference keeps in bf16 (residual streams, norm outputs,
+               linear outputs, caches, attention output, indexer scores, the per-head q norm in
+               bf16 arithmetic).  fp32 islands (RMS statistics, hc mixes / Sinkhorn, RoPE,
+               compressor projections and pooling, router, SwiGLU, attention softmax) are
+               float32 values.  The QAT simulations of the model (KV nope FP8 sim, indexer
+               Hadamard + FP4 sim) are kept: they are part of the model's definition.
+``reference``  ``bf16`` plus the official kernels' arithmetic: per-128 ue8m0 FP8 activation
+               quantisation (``act_quant_fp8``) before every FP8 and FP4 linear (output bf16),
+               and the attention probabilities cast to bf16 before the P.V product.
+
+Reductions: every matrix product and every sum over candidates is accumulated in float64 and
+rounded once to the class's precision (``f32``/``store``).  That makes the bf16/reference
+results the correctly rounded fp32 value of each island, independent of BLAS blocking and of
+batch shape (an M=1 decode row equals the same row of an M=L prefill), which is what the
+decode/prefill bit-consistency contract needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
+
+__all__ = [
+    "Seam", "SEAMS", "SEAM_NUMERICS", "resolve", "seam_table_markdown", "env_value",
+    "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
+    "LINEAR_KINDS",
+]
+
+
+# ---------------------------------------------------------------------------------- seams
+@dataclass(frozen=True)
+class Seam:
+    name: str                 # short name used in messages and tables
+    env: str                  # environment variable
+    default: str
+    allowed: tuple[str, ...]  # empty tuple = free-form string
+    doc: str
+
+    def check(self, value: str, source: str) -> str:
+        if self.allowed and value not in self.allowed:
+            raise ValueError(f"{source} = {value!r} is not valid; allowed: "
+                             f"{', '.join(self.allowed)}")
+        return value
+
+
+SEAM_NUMERICS = Seam(
+    "numerics", "MEMRA_DSV4_NUMERICS", "bf16", ("bf16", "reference", "exact"),
+    "Numeric class of the oracle (and the GPU path's contract): `bf16` (bf16 storage, fp32 "
+    "islands, QAT sims), `reference` (+ FP8 activation quant before FP8/FP4 linears), "
+    "`exact` (float64, no rounding or simulation).")
+SEAM_DECODE_PATH = Seam(
+    "decode_path", "MEMRA_DSV4_DECODE_PATH", "auto", ("auto", "incremental", "reprefill"),
+    "How a decode step is computed: `incremental` (KV caches + compressor state machine), "
+    "`reprefill` (re-run the whole prefix; slow, the consistency oracle), `auto` (incremental "
+    "where implemented).")
+SEAM_DEVICE = Seam(
+    "device", "MEMRA_DSV4_DEVICE", "auto", ("auto", "oracle", "gpu"),
+    "Where `run`/`demo` execute: `gpu` (memra_dsv4.gpu, needs CuPy + a GPU), `oracle` "
+    "(NumPy), `auto` (GPU when present, else the oracle, and says so).")
+SEAM_PROF = Seam(
+    "prof", "MEMRA_DSV4_PROF", "0", ("0", "1"),
+    "`1` records per-phase GPU timings (CUDA events) and prints them at exit.")
+SEAM_DEBUG = Seam(
+    "debug", "MEMRA_DSV4_DEBUG", "0", ("0", "1"),
+    "`1` enables extra invariant checks (finite activations, index ranges) at a speed cost.")
+SEAM_REQUIRE_PARITY = Seam(
+    "require_parity", "MEMRA_DSV4_REQUIRE_PARITY", "0", ("0", "1"),
+    "Tests: `1` turns a skipped transformers parity test (torch/transformers missing) into a "
+    "failure.")
+
+SEAMS: dict[str, Seam] = {s.name: s for s in (
+    SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_REQUIRE_PARITY)}
+
+
+def env_value(seam: Seam) -> str:
+    """The environment's value of ``seam`` (validated), or its default when unset/empty."""
+    raw = os.environ.get(seam.env, "")
+    if raw == "":
+        return seam.default
+    return seam.check(raw.strip(), f"environment variable {seam.env}")
+
+
+def resolve(seam: Seam | str, explicit: str | None = None) -> str:
+    """Explicit value (constructor/CLI) > environment > default; invalid -> ValueError."""
+    if isinstance(seam, str):
+        if seam not in SEAMS:
+            raise ValueError(f"unknown seam {seam!r}; known: {', '.join(SEAMS)}")
+        seam = SEAMS[seam]
+    if explicit is not None:
+        if not isinstance(explicit, str):
+            raise ValueError(f"{seam.name} = {explicit!r}: expected a string; allowed: "
+                             f"{', '.join(seam.allowed)}")
+        return seam.check(explicit, f"{seam.name} (argument; env {seam.env})")
+    if seam is SEAM_NUMERICS:
+        return _NUMERICS_AT_LOAD if _NUMERICS_AT_LOAD is not None else seam.default
+    return env_value(seam)
+
+
+def seam_table_markdown() -> str:
+    rows = ["| variable | default | allowed | meaning |", "|---|---|---|---|"]
+    for s in SEAMS.values():
+        allowed = ", ".join(f"`{a}`" for a in s.allowed) if s.allowed else "any"
+        rows.append(f"| `{s.env}` | `{s.default}` | {allowed} | {s.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _read_numerics_once() -> str | None:
+    raw = os.environ.get(SEAM_NUMERICS.env, "")
+    if raw == "":
+        return None
+    value = SEAM_NUMERICS.check(raw.strip(), f"environment variable {SEAM_NUMERICS.env}")
+    print(f"memra_dsv4: numerics = {value}", file=sys.stderr)
+    return value
+
+
+# Read once at load.  An invalid value is an error at import, naming the variable.
+_NUMERICS_AT_LOAD: str | None = _read_numerics_once()
+
+
+# ---------------------------------------------------------------------- numerics policy
+# kinds of linear layers, by how the reference computes them
+#   fp8 : FP8 e4m3 weight (128x128 e8m0 scales): act_quant (reference) -> fp8_gemm -> bf16 out
+#   fp4 : MXFP4 routed expert weight: act_quant (reference) -> fp4_gemm -> bf16 out
+#   bf16: bf16 weight, bf16 input, fp32 accumulation, bf16 out (wo_a, indexer weights_proj)
+#   f32 : fp32 weight (the bf16 checkpoint value) on an fp32 input, fp32 out (compressor
+#         wkv/wgate, router gate, lm head)
+LINEAR_KINDS = ("fp8", "fp4", "bf16", "f32")
+NUMERICS_CLASSES = ("exact", "bf16", "reference")
+DEFAULT_NUMERICS = SEAM_NUMERICS.default
+
+
+@dataclass(frozen=True)
+class NumericsPolicy:
+    """Arithmetic hooks of one numeric class.  All hooks are pure array -> array functions."""
+    name: str
+    dtype: type = field(default=np.float32)  # storage dtype of every activation array
+    bf16_storage: bool = True    # round bf16-kept tensors (and GEMM inputs) to bf16
+    qat_sims: bool = True        # KV nope FP8 sim, indexer FP4 sim
+    act_quant: bool = False      # FP8 activation quant before FP8/FP4 linears
+    attn_probs_bf16: bool = False  # P cast to bf16 before P.V (sparse_attn kernel)
+
+    # -- precision points ---------------------------------------------------------------
+    def arr(self, x) -> np.ndarray:
+        """Bring an array into this class's dtype without any other rounding."""
+        return np.asarray(x, dtype=self.dtype)
+
+    def f32(self, x) -> np.ndarray:
+        """An fp32 island's output: correctly rounded to float32 (float64 kept for exact)."""
+        return np.asarray(x, dtype=self.dtype)
+
+    def store(self, x) -> np.ndarray:
+        """A tensor the reference keeps in bf16 (streams, norm/linear outputs, caches)."""
+        x = np.asarray(x, dtype=self.dtype)
+        return round_bf16(x) if self.bf16_storage else x
+
+    def act_in(self, x) -> np.ndarray:
+        """Activation input of a bf16/FP8/FP4 GEMM (bf16 in the reference)."""
+        return self.store(x)
+
+    # -- QAT simulations ----------------------------------------------------------------
+    def kv_sim(self, kv, rope_dim: int) -> np.ndarray:
+        kv = self.arr(kv)
+        return kv_fp8_sim(kv, rope_dim) if self.qat_sims else kv
+
+    def fp4_sim(self, x, block: int = 32) -> np.ndarray:
+        x = self.arr(x)
+        return fp4_sim(x, block) if self.qat_sims else x
+
+    # -- linears ------------------------------------------------------------------------
+    def linear(self, x, w, kind: str) -> np.ndarray:
+        """y = x @ w.T for one linear kind (see LINEAR_KINDS); accumulation in float64."""
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"linear kind {kind!r}; expected one of {LINEAR_KINDS}")
+        x = self.arr(x)
+        if kind == "f32":
+            return self.f32(mm(x, w.T))
+        x = self.act_in(x)
+        if self.act_quant and kind in ("fp8", "fp4"):
+            q, s = act_quant_fp8(x, 128)
+            x = (q.reshape(*x.shape[:-1], -1, 128) * s[..., None]).reshape(x.shape)
+        return self.store(mm(x, w.T))
+
+    # -- the q head norm ----------------------------------------------------------------
+    def head_rms(self, x, eps: float) -> np.ndarray:
+        """Unweighted RMS norm over the last dim (M:498).  bf16 classes: bf16 tensor
+        arithmetic as torch does it, q <- bf16(q * bf16(rsqrt(bf16(bf16(mean(bf16(q^2))) + eps))))
+        with the mean accumulated wide; exact: x * rsqrt(mean(x^2) + eps) in float64."""
+        x = self.arr(x)
+        if not self.bf16_storage:
+            return x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps)
+        sq = round_bf16(x * x)
+        mean = round_bf16(self.f32(np.mean(sq.astype(np.float64), axis=-1, keepdims=True)))
+        var = round_bf16(mean + self.dtype(eps))
+        r = round_bf16(self.f32(1.0 / np.sqrt(var.astype(np.float64))))
+        return round_bf16(x * r)
+
+
+def mm(a, b) -> np.ndarray:
+    """Matrix product accumulated in float64, returned as a's dtype (one rounding)."""
+    a = np.asarray(a)
+    out = np.matmul(a.astype(np.float64, copy=False), np.asarray(b).astype(np.float64, copy=False))
+    return out.astype(a.dtype if a.dtype in (np.float32, np.float64) else np.float64, copy=False)
+
+
+POLICIES: dict[str, NumericsPolicy] = {
+    "exact": NumericsPolicy("exact", dtype=np.float64, bf16_storage=False, qat_sims=False),
+    "bf16": NumericsPolicy("bf16"),
+    "reference": NumericsPolicy("reference", act_quant=True, attn_probs_bf16=True),
+}
+
+
+def policy(numerics: str | NumericsPolicy | None = None) -> NumericsPolicy:
+    """The policy for an explicit class name (or env / default when None)."""
+    if isinstance(numerics, NumericsPolicy):
+        return numerics
+    return POLICIES[resolve(SEAM_NUMERICS, numerics)]
