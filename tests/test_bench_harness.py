@@ -1,0 +1,191 @@
+"""CPU tests of bench/harness.py and bench/plot.py: arms, interleaving, statistics, floors, results."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import pytest
+
+from bench import harness
+from bench.harness import (
+    Arm,
+    PerfCounterTimer,
+    arm_label,
+    floors,
+    parse_arms,
+    phase_breakdown,
+    run_interleaved,
+    summarize,
+    write_results,
+)
+from memra_dsv4.profiling import build_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- arms
+
+
+def test_parse_arms_syntax():
+    assert parse_arms("path=legacy,path=device+dense=fp8") == [
+        {"path": "legacy"},
+        {"path": "device", "dense": "fp8"},
+    ]
+    assert parse_arms(" path=a , path=b + mtp.k=1 ") == [{"path": "a"}, {"path": "b", "mtp.k": "1"}]
+    assert parse_arms("path=a,path=a") == [{"path": "a"}, {"path": "a"}]  # an A/A pair is allowed
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "empty"),
+    ("   ", "empty"),
+    ("path=a,,path=b", "arm 2 is empty"),
+    ("path=a,", "arm 2 is empty"),
+    ("path", "not key=value"),
+    ("path=a+", "not key=value"),
+    ("path=", "invalid value"),
+    ("=x", "invalid key"),
+    ("1st=x", "invalid key"),
+    ("path=a=b", "invalid value"),
+    ("path=a+path=b", "sets 'path' twice"),
+])
+def test_parse_arms_rejects_malformed(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_arms(spec)
+
+
+def test_arm_label_inverts_parse():
+    spec = "path=legacy,path=device+dense=fp8"
+    assert ",".join(arm_label(a) for a in parse_arms(spec)) == spec
+
+
+# ---------------------------------------------------------------- interleaving
+
+
+class FakeTimer:
+    """Runs fn and returns a scripted time, logging which calls were timed."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+        self.calls = 0
+
+    def __call__(self, fn) -> float:
+        self.log.append("timer")
+        fn()
+        self.calls += 1
+        return float(self.calls)
+
+
+def test_run_interleaved_is_round_robin_with_untimed_warmup():
+    log: list[str] = []
+    arms = [Arm("A", lambda: log.append("A")), Arm("B", lambda: log.append("B"))]
+    timer = FakeTimer(log)
+    samples = run_interleaved(arms, steps=3, warmup=2, timer=timer, progress=False)
+    assert log == ["A", "B"] * 2 + ["timer", "A", "timer", "B"] * 3
+    assert samples == {"A": [1.0, 3.0, 5.0], "B": [2.0, 4.0, 6.0]}
+    assert list(samples) == ["A", "B"]
+
+
+def test_run_interleaved_validates():
+    arm = Arm("A", lambda: None)
+    timer = FakeTimer([])
+    with pytest.raises(ValueError, match="at least one arm"):
+        run_interleaved([], 1, 0, timer, progress=False)
+    with pytest.raises(ValueError, match="unique"):
+        run_interleaved([arm, Arm("A", lambda: None)], 1, 0, timer, progress=False)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        run_interleaved([arm], 0, 0, timer, progress=False)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        run_interleaved([arm], 1, -1, timer, progress=False)
+
+
+def test_perf_counter_timer_measures_the_call():
+    ms = PerfCounterTimer()(lambda: time.sleep(0.02))
+    assert 19.0 <= ms < 500.0
+
+
+# ---------------------------------------------------------------- statistics and floors
+
+
+def test_summarize_known_values():
+    s = summarize([float(x) for x in range(10, 0, -1)])  # 1..10, unsorted
+    assert s["n"] == 10
+    assert s["median"] == pytest.approx(5.5) and s["mean"] == pytest.approx(5.5)
+    assert s["p10"] == pytest.approx(1.9) and s["p90"] == pytest.approx(9.1)
+    assert s["iqr"] == pytest.approx(7.75 - 3.25)
+    assert s["tok_s"] == pytest.approx(1000.0 / 5.5)
+    assert summarize([2.0], tokens_per_step=1.6)["tok_s"] == pytest.approx(800.0)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_floors():
+    # The Flash batch-1 anchor: 11.22 GB read per token at the 4.3 TB/s copy rate -> 2.61 ms.
+    assert floors(11.22e9, 4.3e12) == pytest.approx(2.609, abs=1e-3)
+    assert floors({"A": 4.3e9, "B": 8.6e9}, 4.3e12) == {"A": pytest.approx(1.0), "B": pytest.approx(2.0)}
+    with pytest.raises(ValueError):
+        floors(1.0, 0.0)
+
+
+def test_phase_breakdown_takes_one_tree_level():
+    rows = build_report({"step": [100.0], "step/attn": [30.0], "step/moe": [60.0], "step/moe/e": [50.0]})
+    assert phase_breakdown(rows, depth=1) == {"step/attn": 30.0, "step/moe": 60.0}
+    assert phase_breakdown(rows) == {"step": 100.0}
+
+
+# ---------------------------------------------------------------- results
+
+
+def payload() -> dict:
+    return {
+        "config": {"model": "synthetic:tiny", "steps": 5, "ctx": 128},
+        "arms": {
+            "path=legacy": {"settings": {"path": "legacy"}, "summary": summarize([3.0, 3.2, 3.1]),
+                            "phases_us": {"attn": 900.0, "moe": 1500.0}, "floor_ms": 2.6},
+            "path=device": {"settings": {"path": "device"}, "summary": summarize([2.8, 2.9, 3.0]),
+                            "phases_us": {"attn": 700.0, "moe": 1600.0, "head": 100.0}},
+        },
+    }
+
+
+def test_write_results_json_and_png(tmp_path):
+    json_path, png_path = write_results(payload(), out_dir=tmp_path, gpu_name="NVIDIA H200", commit="abcdef0123")
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-nvidia-h200-abcdef0\.json", json_path.name)
+    doc = json.loads(json_path.read_text())
+    assert doc["arms"]["path=device"]["phases_us"]["head"] == 100.0
+    assert doc["meta"]["gpu"] == "NVIDIA H200" and doc["meta"]["commit"] == "abcdef0"
+    assert json_path.name.startswith(doc["meta"]["date"])
+    assert png_path == json_path.with_suffix(".png")
+    assert png_path.read_bytes()[:8] == PNG_MAGIC
+
+    again, _ = write_results(payload(), out_dir=tmp_path, gpu_name="NVIDIA H200", commit="abcdef0123")
+    assert again.name == json_path.stem + "-2.json"  # never overwrites an earlier run
+
+
+def test_write_results_keeps_json_when_plotting_is_unavailable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bench.plot", None)  # import now raises ImportError
+    json_path, png_path = write_results(payload(), out_dir=tmp_path, gpu_name="cpu", commit="1234567")
+    assert png_path is None and json_path.exists()
+    assert "python -m bench.plot" in capsys.readouterr().err
+
+
+def test_plot_cli_redraws_from_json(tmp_path):
+    from bench import plot
+
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps({**payload(), "meta": {"gpu": "cpu", "date": "2026-01-01", "commit": "x"}}))
+    assert plot.main([str(src)]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_gpu_name_falls_back_to_cpu_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert harness.gpu_name() == "cpu"
+
+
+def test_git_commit_short(tmp_path):
+    commit = harness.git_commit_short()
+    assert commit == "nogit" or re.fullmatch(r"[0-9a-f]{7}", commit)
+    assert harness.git_commit_short(tmp_path) == "nogit"  # not a repository
