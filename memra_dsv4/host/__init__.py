@@ -1,0 +1,1 @@
+"""Host-side (NumPy) rules shared by the oracle and mirrored by the GPU kernels."""
