@@ -1,0 +1,403 @@
+"""The DeepSeek-V4 NumPy oracle: prefill forward and the MTP block.
+
+API
+---
+``Oracle(ckpt, numerics=None, shared_expert_clamp=True)``
+    ``ckpt``: anything with ``.config`` (a ``Dsv4Config``) and ``.dequant(name)`` (exact
+    float32 / int64 values of a stored tensor, native names): ``memra_dsv4.checkpoint.Checkpoint``,
+    ``memra_dsv4.oracle.fake.FakeWeights``.  ``numerics``: ``"bf16"`` (default), ``"reference"``,
+    ``"exact"`` or None (then ``MEMRA_DSV4_NUMERICS``, then bf16); see ``memra_dsv4.seams``.
+    ``shared_expert_clamp``: clamp the shared expert's SwiGLU at ``swiglu_limit`` like the routed
+    experts (current official revision and transformers; True) or not (initial revision).
+
+``Oracle.prefill(token_ids, all_logits=False, capture=False) -> ForwardOut``
+    One sequence from position 0.  ``logits``: [vocab] of the last position, or [S, vocab]
+    with ``all_logits``; float32 (float64 for ``exact``).  ``hc_state``: [hc, dim], the
+    pre-hc_head streams of the last position (the MTP drafter input); ``streams``: the same for
+    every position [S, hc, dim].  ``captures`` (with ``capture=True``): one dict per trunk block,
+    ``captures_top``: embed / hc_head / final_norm (names below).
+
+``Oracle.mtp_forward(hc_state_rows, next_token_ids, capture=False) -> MtpOut``
+    The MTP block (layer id n_layers: ratio 0, learned routing) over S rows taken as positions
+    0..S-1: row i combines the trunk streams of position i with the embedding of token i+1 (the
+    caller passes ``next_token_ids[i]`` = token i+1) and predicts token i+2.
+    ``logits`` [S, vocab]; ``streams`` [S, hc, dim] (the MTP block's output, before its
+    hc_head); ``captures`` as for one trunk block plus "mtp.e", "mtp.h0", "hc_head",
+    "final_norm".
+
+Invalid input (empty prompt, non-integer ids, ids outside 0..vocab-1, wrong shapes/dtypes)
+raises ``ValueError`` naming the problem before any computation.
+
+Capture names (per block dict; S tokens, H heads, n compressed entries)
+-----------------------------------------------------------------------
+``hc_attn.x`` [S,dim], ``hc_attn.post`` [S,hc], ``hc_attn.comb`` [S,hc,hc]   hc_pre outputs
+``attn_norm`` [S,dim]            attention input x
+``attn.qr`` [S,q_lora]           q latent after q_norm (the indexer's input)
+``attn.q`` [S,H,hd]              q after the per-head RMS and RoPE
+``attn.kv`` [S,hd]               the window vectors (kv_norm, RoPE, FP8 sim)
+``attn.comp`` [n,hd]             compressed entries (ratio > 0 layers)
+``attn.index.q`` [S,nI,dI]       indexer queries (RoPE, Hadamard, FP4 sim)      (CSA only)
+``attn.index.weights`` [S,nI]    indexer head weights                          (CSA only)
+``attn.index.keys`` [n,dI]       indexer compressed keys                       (CSA only)
+``attn.index.scores`` [S,n]      index scores (entries k >= (t+1)//4 are not valid) (CSA)
+``attn.index.sel`` [S,min(topk,n)] selected entries in score order, -1 padded   (CSA only)
+``attn.cand`` [S,W+C]            canonical candidate rows of the kv buffer [kv ; comp]
+                                 (window chronological, then entries + S ascending; -1 skip)
+``attn.o`` [S,H,hd]              attention output after the inverse RoPE
+``attn.out`` [S,dim]             after wo_a (grouped) and wo_b
+``attn.streams`` [S,hc,dim]      streams after the attention hc_post
+``hc_ffn.x``, ``hc_ffn.post``, ``hc_ffn.comb``, ``ffn_norm``   as for attention
+``moe.scores`` [S,E]             sqrtsoftplus scores (unbiased)
+``moe.idx`` [S,k]                expert picks (learned: biased-score order; hash: tid2eid order)
+``moe.weights`` [S,k]            routing weights (normalised, x routed_scaling_factor)
+``moe.shared`` [S,dim]           shared expert output
+``moe.out`` [S,dim]              MoE output (routed in ascending expert id + shared)
+``block.out`` [S,hc,dim]         block output streams
+Top level: ``embed`` [S,dim], ``hc_head`` [S,dim], ``final_norm`` [S,dim].
+
+Reuse by decode / chunked prefill
+---------------------------------
+The per-token pieces are methods of ``_Layer`` working on explicit positions:
+``q_path``, ``kv_path``, ``compress`` (projections + ``ops.compress_pool`` over complete
+blocks, optionally seeded with a previous block's pending rows), ``indexer_select``,
+``attend`` (``ops.sparse_attention_with_sinks`` over a canonical candidate list) and
+``out_proj``.  Decode calls the same routines with one row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memra_dsv4.host import indices as hidx
+from memra_dsv4.host.rope import layer_cos_sin
+from memra_dsv4.oracle import ops
+from memra_dsv4.seams import NumericsPolicy, policy
+
+__all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
+
+
+@dataclass
+class ForwardOut:
+    logits: np.ndarray                   # [vocab] or [S, vocab]
+    hc_state: np.ndarray                 # [hc, dim] pre-hc_head streams, last position
+    streams: np.ndarray                  # [S, hc, dim] pre-hc_head streams, every position
+    captures: list[dict[str, np.ndarray]] | None = None
+    captures_top: dict[str, np.ndarray] | None = None
+    numerics: str = "bf16"
+
+
+@dataclass
+class MtpOut:
+    logits: np.ndarray                   # [S, vocab]
+    streams: np.ndarray                  # [S, hc, dim] MTP block output (pre its hc_head)
+    captures: dict[str, np.ndarray] | None = None
+    numerics: str = "bf16"
+
+
+# ------------------------------------------------------------------------------ checks
+def check_token_ids(token_ids, vocab: int, what: str = "token_ids") -> np.ndarray:
+    """int64 [S] from a 1-D non-empty integer sequence with values in 0..vocab-1."""
+    if isinstance(token_ids, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of integers, got {type(token_ids).__name__}")
+    try:
+        a = np.asarray(token_ids)
+    except Exception as e:  # ragged lists etc.
+        raise ValueError(f"{what}: not an array of integers ({e})") from None
+    if a.dtype == object or a.dtype.kind not in "iu":
+        if a.dtype.kind == "b":
+            raise ValueError(f"{what} must be integers, got booleans")
+        if a.size == 0 and a.ndim == 1:
+            raise ValueError(f"{what} is empty (an empty prompt has nothing to predict from)")
+        raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be 1-D [S], got shape {a.shape}")
+    if a.size == 0:
+        raise ValueError(f"{what} is empty (an empty prompt has nothing to predict from)")
+    bad = (a < 0) | (a >= vocab)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{what}[{i}] = {int(a[i])} is outside the vocabulary 0..{vocab - 1} "
+                         f"({int(bad.sum())} ids out of range)")
+    return a.astype(np.int64)
+
+
+# --------------------------------------------------------------------------- one layer
+class _Layer:
+    """Weights and routines of one block (trunk layer or MTP stage)."""
+
+    def __init__(self, oracle: "Oracle", prefix: str, layer_id: int):
+        self.o, self.p, self.lid = oracle, prefix, layer_id
+        cfg = oracle.config
+        self.cfg = cfg
+        self.pol: NumericsPolicy = oracle.pol
+        self.ratio = cfg.compress_ratio(layer_id)
+        self.kind = cfg.attn_kind(layer_id)
+        self.hash = cfg.is_hash_layer(layer_id)
+
+    def w(self, leaf: str) -> np.ndarray:
+        return self.o.weight(f"{self.p}.{leaf}")
+
+    def rope(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        return layer_cos_sin(self.cfg, self.lid, positions, self.pol.dtype)
+
+    # ---------------------------------------------------------------- attention pieces
+    def q_path(self, x, cos, sin):
+        """x [T, dim] -> (qr [T, q_lora], q [T, H, hd]) (M:496-499)."""
+        cfg, pol = self.cfg, self.pol
+        qr = ops.rmsnorm(ops.linear(x, self.w("attn.wq_a.weight"), "fp8", pol=pol),
+                         self.w("attn.q_norm.weight"), cfg.rms_norm_eps, pol=pol)
+        q = ops.linear(qr, self.w("attn.wq_b.weight"), "fp8", pol=pol)
+        q = q.reshape(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+        q = ops.head_rms(q, cfg.rms_norm_eps, pol=pol)
+        return qr, ops.apply_rope(q, cos[:, None], sin[:, None], pol=pol)
+
+    def kv_path(self, x, cos, sin):
+        """x [T, dim] -> window vectors [T, hd] (M:502-506)."""
+        cfg, pol = self.cfg, self.pol
+        kv = ops.rmsnorm(ops.linear(x, self.w("attn.wkv.weight"), "fp8", pol=pol),
+                         self.w("attn.kv_norm.weight"), cfg.rms_norm_eps, pol=pol)
+        kv = ops.apply_rope(kv, cos, sin, pol=pol)
+        return pol.kv_sim(kv, cfg.qk_rope_head_dim)
+
+    def compress(self, x, positions, *, indexer: bool, prev=None):
+        """Compressed entries of every complete block among ``positions`` (which must start at
+        a block boundary).  ``prev`` = (a, z) pending rows of the previous block (overlap
+        only), None at a sequence start.  Returns (entries [nb, d], (a, z) projections)."""
+        cfg, pol = self.cfg, self.pol
+        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+        r = self.ratio
+        a, z = ops.compressor_project(x, self.w(f"{sub}.wkv.weight"), self.w(f"{sub}.wgate.weight"),
+                                      self.w(f"{sub}.ape"), positions, pol=pol)
+        nb = len(positions) // r
+        d = cfg.index_head_dim if indexer else cfg.head_dim
+        if nb == 0:
+            return np.zeros((0, d), dtype=pol.dtype), (a, z)
+        pa, pz = (None, None) if prev is None else prev
+        ac, zc = ops.compress_candidates(a[:nb * r], z[:nb * r], r, prev_a=pa, prev_z=pz)
+        pooled = ops.compress_pool(ac, zc, pol=pol)
+        kpos = np.asarray(positions[:nb * r:r], dtype=np.int64)  # k*r: first token of block
+        cos, sin = self.rope(kpos)
+        ent = ops.compress_entry_postprocess(pooled, self.w(f"{sub}.norm.weight"), cos, sin,
+                                             rope_dim=cfg.qk_rope_head_dim, rotate=indexer,
+                                             eps=cfg.rms_norm_eps, pol=pol)
+        return ent, (a, z)
+
+    def indexer_select(self, x, qr, positions, cos, sin, cap):
+        """CSA top-k per query over the complete indexer keys (M:380-433).
+        Returns the selection [T, min(topk, n)] in score order, -1 padded."""
+        cfg, pol = self.cfg, self.pol
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        qI = ops.linear(qr, self.w("attn.indexer.wq_b.weight"), "fp8", pol=pol)
+        qI = ops.apply_rope(qI.reshape(x.shape[0], nI, dI), cos[:, None], sin[:, None], pol=pol)
+        qI = pol.fp4_sim(ops.hadamard(qI, pol=pol), 32)
+        keys, _ = self.compress(x, positions, indexer=True)
+        wts = ops.indexer_weights(x, self.w("attn.indexer.weights_proj.weight"),
+                                  n_heads=nI, head_dim=dI, pol=pol)
+        scores = ops.indexer_scores(qI, wts, keys, pol=pol)
+        sel = ops.indexer_topk(scores, hidx.n_complete(np.asarray(positions), self.ratio),
+                               cfg.index_topk)
+        if cap is not None:
+            cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys,
+                        "attn.index.scores": scores, "attn.index.sel": sel})
+        return sel
+
+    def attend(self, q, kv_rows, cand):
+        """Sparse attention with sinks over canonical candidate rows (K:276-368)."""
+        return ops.sparse_attention_with_sinks(q, kv_rows, cand, self.w("attn.attn_sink"),
+                                               self.cfg.head_dim ** -0.5, pol=self.pol)
+
+    def out_proj(self, o, cos, sin):
+        """Inverse RoPE, grouped wo_a, wo_b (M:534-543).  o [T, H, hd] -> [T, dim]."""
+        cfg, pol = self.cfg, self.pol
+        o = ops.apply_rope(o, cos[:, None], sin[:, None], inverse=True, pol=pol)
+        u = ops.wo_grouped(o, self.w("attn.wo_a.weight"), groups=cfg.o_groups, pol=pol)
+        return o, ops.linear(u, self.w("attn.wo_b.weight"), "fp8", pol=pol)
+
+    def attention_prefill(self, x, cap):
+        """The attention sub-layer for positions 0..S-1 (M:484-543, start_pos = 0)."""
+        cfg = self.cfg
+        S = x.shape[0]
+        pos = np.arange(S, dtype=np.int64)
+        cos, sin = self.rope(pos)
+        qr, q = self.q_path(x, cos, sin)
+        kv = self.kv_path(x, cos, sin)
+        win = hidx.window_matrix(S, cfg.sliding_window)
+        kv_rows, comp_sel, comp = kv, None, None
+        if self.ratio:
+            if self.kind == "csa":
+                comp_sel = self.indexer_select(x, qr, pos, cos, sin, cap)
+            else:
+                comp_sel = hidx.hca_matrix(S, self.ratio)
+            comp, _ = self.compress(x, pos, indexer=False)
+            kv_rows = np.concatenate([kv, comp], axis=0)
+        cand = hidx.candidate_matrix(win, comp_sel, offset=S)
+        o = self.attend(q, kv_rows, cand)
+        o, out = self.out_proj(o, cos, sin)
+        if cap is not None:
+            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
+                        "attn.o": o, "attn.out": out})
+            if comp is not None:
+                cap["attn.comp"] = comp
+        return out
+
+    # ---------------------------------------------------------------------- MoE
+    def moe(self, x, token_ids, cap):
+        cfg, pol = self.cfg, self.pol
+        logits = ops.router_logits(x, self.w("ffn.gate.weight"), pol=pol)
+        if self.hash:
+            idx, wts, scores = ops.router(logits, k=cfg.num_experts_per_tok,
+                                          route_scale=cfg.routed_scaling_factor,
+                                          tid2eid=self.o.tid2eid(self.p), token_ids=token_ids)
+        else:
+            idx, wts, scores = ops.router(logits, k=cfg.num_experts_per_tok,
+                                          route_scale=cfg.routed_scaling_factor,
+                                          bias=self.w("ffn.gate.bias"))
+        T, k = idx.shape
+        routed = np.zeros((T, k, cfg.hidden_size), dtype=pol.dtype)
+        for e in np.unique(idx):
+            rows, picks = np.nonzero(idx == e)
+            ep = f"ffn.experts.{int(e)}"
+            routed[rows, picks] = ops.expert_ffn(
+                x[rows], self.w(f"{ep}.w1.weight"), self.w(f"{ep}.w2.weight"),
+                self.w(f"{ep}.w3.weight"), limit=cfg.swiglu_limit, weight=wts[rows, picks],
+                kind="fp4", pol=pol)
+        shared = ops.expert_ffn(
+            x, self.w("ffn.shared_experts.w1.weight"), self.w("ffn.shared_experts.w2.weight"),
+            self.w("ffn.shared_experts.w3.weight"),
+            limit=cfg.swiglu_limit if self.o.shared_expert_clamp else 0.0, kind="fp8", pol=pol)
+        y = ops.moe_combine(routed, idx, shared, pol=pol)
+        if cap is not None:
+            cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
+                        "moe.shared": shared, "moe.out": y})
+        return y
+
+    # -------------------------------------------------------------------- block
+    def hc_pre(self, streams, sub: str):
+        cfg = self.cfg
+        return ops.hc_pre(streams, self.w(f"hc_{sub}_fn"), self.w(f"hc_{sub}_scale"),
+                          self.w(f"hc_{sub}_base"), hc_mult=cfg.hc_mult,
+                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                          norm_eps=cfg.rms_norm_eps, pol=self.pol)
+
+    def block_prefill(self, streams, token_ids, cap):
+        cfg, pol = self.cfg, self.pol
+        x, post, comb = self.hc_pre(streams, "attn")
+        xn = ops.rmsnorm(x, self.w("attn_norm.weight"), cfg.rms_norm_eps, pol=pol)
+        a = self.attention_prefill(xn, cap)
+        s1 = ops.hc_post(a, streams, post, comb, pol=pol)
+        if cap is not None:
+            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
+                        "attn_norm": xn, "attn.streams": s1})
+        x, post, comb = self.hc_pre(s1, "ffn")
+        xn = ops.rmsnorm(x, self.w("ffn_norm.weight"), cfg.rms_norm_eps, pol=pol)
+        f = self.moe(xn, token_ids, cap)
+        s2 = ops.hc_post(f, s1, post, comb, pol=pol)
+        if cap is not None:
+            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
+                        "ffn_norm": xn, "block.out": s2})
+        return s2
+
+
+# ------------------------------------------------------------------------------ oracle
+class Oracle:
+    def __init__(self, ckpt, numerics: str | None = None, *, shared_expert_clamp: bool = True):
+        if not hasattr(ckpt, "config") or not hasattr(ckpt, "dequant"):
+            raise ValueError("Oracle: ckpt must have .config and .dequant(name) "
+                             "(memra_dsv4.checkpoint.Checkpoint or oracle.fake.FakeWeights)")
+        self.ckpt = ckpt
+        self.config = ckpt.config
+        self.pol: NumericsPolicy = policy(numerics)
+        self.numerics = self.pol.name
+        self.shared_expert_clamp = bool(shared_expert_clamp)
+        self._w: dict[str, np.ndarray] = {}
+        cfg = self.config
+        self.layers = [_Layer(self, f"layers.{l}", l) for l in range(cfg.num_hidden_layers)]
+        self.mtp_layers = ([_Layer(self, f"mtp.{s}", cfg.num_hidden_layers + s)
+                            for s in range(cfg.num_drafter_stages)]
+                           if cfg.drafter_kind == "mtp" else [])
+
+    # ---------------------------------------------------------------- weights
+    def weight(self, name: str) -> np.ndarray:
+        """Exactly dequantised weight in the class's dtype (cached)."""
+        w = self._w.get(name)
+        if w is None:
+            w = self.pol.arr(self.ckpt.dequant(name))
+            w.setflags(write=False)
+            self._w[name] = w
+        return w
+
+    def tid2eid(self, prefix: str) -> np.ndarray:
+        name = f"{prefix}.ffn.gate.tid2eid"
+        w = self._w.get(name)
+        if w is None:
+            w = np.asarray(self.ckpt.dequant(name), dtype=np.int64)
+            self._w[name] = w
+        return w
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        return self.weight("embed.weight")[ids]
+
+    def _head(self, streams, prefix: str, rows):
+        """hc_head -> final norm -> fp32 logits for ``rows`` of streams [S, hc, dim]."""
+        cfg, pol = self.config, self.pol
+        y = ops.hc_head(streams, self.weight(f"{prefix}hc_head_fn"),
+                        self.weight(f"{prefix}hc_head_scale"), self.weight(f"{prefix}hc_head_base"),
+                        hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, pol=pol)
+        yn = ops.rmsnorm(y, self.weight(f"{prefix}norm.weight"), cfg.rms_norm_eps, pol=pol)
+        return y, yn, ops.lm_head(yn[rows], self.weight("head.weight"), pol=pol)
+
+    # ---------------------------------------------------------------- prefill
+    def prefill(self, token_ids, all_logits: bool = False, capture: bool = False) -> ForwardOut:
+        cfg, pol = self.config, self.pol
+        ids = check_token_ids(token_ids, cfg.vocab_size)
+        e = self._embed(ids)
+        streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
+        caps = [] if capture else None
+        for layer in self.layers:
+            cap = {} if capture else None
+            streams = layer.block_prefill(streams, ids, cap)
+            if capture:
+                caps.append(cap)
+        rows = slice(None) if all_logits else slice(-1, None)
+        y, yn, logits = self._head(streams, "", rows)
+        top = {"embed": e, "hc_head": y, "final_norm": yn} if capture else None
+        return ForwardOut(logits=logits if all_logits else logits[0], hc_state=streams[-1].copy(),
+                          streams=streams, captures=caps, captures_top=top, numerics=pol.name)
+
+    # ---------------------------------------------------------------- MTP
+    def mtp_forward(self, hc_state_rows, next_token_ids, capture: bool = False) -> MtpOut:
+        cfg, pol = self.config, self.pol
+        if not self.mtp_layers:
+            raise ValueError(f"config {cfg.name!r} has no MTP block (drafter kind "
+                             f"{cfg.drafter_kind!r})")
+        h = np.asarray(hc_state_rows)
+        if h.dtype.kind != "f":
+            raise ValueError(f"hc_state_rows must be floating point, got dtype {h.dtype}")
+        if h.ndim == 2:
+            h = h[None]
+        if h.ndim != 3 or h.shape[1:] != (cfg.hc_mult, cfg.hidden_size):
+            raise ValueError(f"hc_state_rows must be [S, {cfg.hc_mult}, {cfg.hidden_size}], "
+                             f"got shape {np.asarray(hc_state_rows).shape}")
+        ids = check_token_ids(next_token_ids, cfg.vocab_size, "next_token_ids")
+        if ids.shape[0] != h.shape[0]:
+            raise ValueError(f"next_token_ids has {ids.shape[0]} entries but hc_state_rows has "
+                             f"{h.shape[0]} rows")
+        if not np.isfinite(h).all():
+            raise ValueError("hc_state_rows contains non-finite values")
+        layer = self.mtp_layers[0]
+        p = layer.p
+        eps = cfg.rms_norm_eps
+        hs = pol.store(h)
+        e = ops.rmsnorm(self._embed(ids), layer.w("enorm.weight"), eps, pol=pol)
+        z = ops.rmsnorm(hs, layer.w("hnorm.weight"), eps, pol=pol)
+        ep = ops.linear(e, layer.w("e_proj.weight"), "fp8", pol=pol)
+        hp = ops.linear(z, layer.w("h_proj.weight"), "fp8", pol=pol)
+        h0 = pol.store(hp + ep[:, None, :])
+        cap = {} if capture else None
+        out = layer.block_prefill(h0, ids, cap)
+        y, yn, logits = self._head(out, f"{p}.", slice(None))
+        if capture:
+            cap.update({"mtp.e": e, "mtp.h0": h0, "hc_head": y, "final_norm": yn})
+        return MtpOut(logits=logits, streams=out, captures=cap, numerics=pol.name)
