@@ -1,0 +1,264 @@
+// Shared device helpers for every kernels_cu/*.cu.
+//
+// The same text compiles under nvcc (CI: tools/compile_kernels.py, -arch=sm_90a) and NVRTC
+// (runtime: -std=c++17 -arch=sm_90a -I<kernels_cu>), so it includes no CUDA headers: bf16, e4m3,
+// e8m0 and e2m1 are handled with integer bit math, and the few intrinsics used are built in.
+//
+// Storage conventions (host side): bf16 tensors are uint16 bit patterns, FP8/FP4/e8m0 are uint8.
+//
+// Numerics policy of these kernels (the NumPy twins in memra_dsv4/oracle are the contract):
+//  * Elementwise math that the twin evaluates in float64 and then stores (f64 -> f32 -> bf16)
+//    is evaluated here in double with explicit _rn intrinsics (no FMA contraction), in the same
+//    order, and rounded the same way: the result is bit-identical whenever the twin's order is.
+//  * Short statistics (RMS, pooling softmax, Hadamard) accumulate in double: their rounded
+//    result equals the twin's correctly rounded float64 value except in astronomically rare
+//    ties.
+//  * Long dot products on the hot path (attention, indexer, expert GEMV, router GEMV)
+//    accumulate in f32 in a FIXED order that depends only on the row being computed, never on
+//    the number of rows in the launch (decode == prefill bit-for-bit).
+//  * NVRTC under CuPy adds -ftz=true: f32 denormals flush. Nothing here relies on f32
+//    denormals (bf16 construction of tiny MXFP4 values is done on integer bits).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define DEV __device__ __forceinline__
+
+namespace memra {
+
+// ------------------------------------------------------------------------------- constants
+DEV float f32_inf() { return __int_as_float(0x7f800000); }
+DEV float f32_ninf() { return __int_as_float(0xff800000); }
+DEV double f64_ninf() { return __longlong_as_double(0xfff0000000000000ULL); }
+
+// ------------------------------------------------------------------------------------ bf16
+DEV float bf16_to_f32(u32 h) { return __uint_as_float(h << 16); }
+
+// f32 -> bf16 bits, round to nearest even (the twin's encode_bf16: u += 0x7FFF + ((u>>16)&1);
+// overflow rounds to inf as IEEE RNE does); NaN -> quiet NaN with the sign kept.
+DEV u32 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+// round to bf16 precision, staying in f32
+DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// the twins' pol.store() of a float64 value: f64 -> f32 (RN) -> bf16 (RNE)
+DEV u32 f64_to_bf16(double d) { return f32_to_bf16(__double2float_rn(d)); }
+
+DEV u32 pack_bf16x2(float lo, float hi) { return f32_to_bf16(lo) | (f32_to_bf16(hi) << 16); }
+DEV float bf16lo(u32 w) { return __uint_as_float(w << 16); }
+DEV float bf16hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// 8 bf16 in a uint4 -> 8 floats
+DEV void unpack8(const uint4& v, float* f) {
+    f[0] = bf16lo(v.x); f[1] = bf16hi(v.x);
+    f[2] = bf16lo(v.y); f[3] = bf16hi(v.y);
+    f[4] = bf16lo(v.z); f[5] = bf16hi(v.z);
+    f[6] = bf16lo(v.w); f[7] = bf16hi(v.w);
+}
+DEV uint4 pack8(const float* f) {
+    uint4 v;
+    v.x = pack_bf16x2(f[0], f[1]);
+    v.y = pack_bf16x2(f[2], f[3]);
+    v.z = pack_bf16x2(f[4], f[5]);
+    v.w = pack_bf16x2(f[6], f[7]);
+    return v;
+}
+
+// ------------------------------------------------------------------------------------ e4m3
+// e4m3fn byte -> f32, exact. E=0: m * 2^-9; else (8+m) * 2^(E-10). 0x7F/0xFF -> NaN.
+DEV float e4m3_to_f32(u32 b) {
+    u32 s = (b & 0x80u) << 24;
+    u32 e = (b >> 3) & 15u, m = b & 7u;
+    if ((b & 0x7fu) == 0x7fu) return __uint_as_float(s | 0x7fc00000u);
+    if (e == 0) return __uint_as_float(s | __float_as_uint((float)m * 0.001953125f));
+    return __uint_as_float(s | ((e + 120u) << 23) | (m << 20));
+}
+
+// Round an f32 value to the e4m3fn grid (RNE; subnormal quantum 2^-9), saturating at +-448.
+// The callers clamp to +-448 first, as the reference does. Result stays an f32.
+DEV float round_e4m3(float x) {
+    u32 u = __float_as_uint(x);
+    u32 s = u & 0x80000000u;
+    u32 a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return x;  // NaN propagates
+    float r;
+    if (a < 0x3c800000u) {  // |x| < 2^-6: fixed quantum 2^-9 (x * 512 is exact)
+        r = rintf(__uint_as_float(a) * 512.0f) * 0.001953125f;
+    } else {               // normal: keep 3 mantissa bits, RNE on the bit pattern
+        a += 0x7ffffu + ((a >> 20) & 1u);
+        a &= 0xfff00000u;
+        r = fminf(__uint_as_float(a), 448.0f);
+    }
+    return __uint_as_float(__float_as_uint(r) | s);
+}
+
+// ------------------------------------------------------------------------------------ e2m1
+// Round to +-{0, .5, 1, 1.5, 2, 3, 4, 6} (RNE: 2.5->2, 3.5->4, 5->4, .25->0, .75->1), saturating.
+DEV float round_e2m1(float x) {
+    u32 u = __float_as_uint(x);
+    u32 s = u & 0x80000000u;
+    float a = __uint_as_float(u & 0x7fffffffu);
+    if (a != a) return x;
+    float q = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);  // the grid's quantum at |x|
+    float r = fminf(rintf(a / q) * q, 6.0f);               // a/q exact (q = 2^k)
+    return __uint_as_float(__float_as_uint(r) | s);
+}
+
+// e2m1 nibble -> f32 (exact). Codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 = sign.
+DEV float e2m1_to_f32(u32 n) {
+    u32 c = n & 7u;
+    // f16 bit pattern c << 9 is e2m1(c) * 2^-14 (1 -> f16 subnormal 2^-15); build the f32
+    // directly instead: exponent e = (c >> 1), mantissa (c & 1); c == 1 is 0.5.
+    u32 bits = c < 2u ? (c ? 0x3f000000u : 0u) : ((((c >> 1) + 126u) << 23) | ((c & 1u) << 22));
+    return __uint_as_float(bits | ((n & 8u) << 28));
+}
+
+// ------------------------------------------------------------------------------------ e8m0
+// e8m0 byte -> f32 2^(b-127). b = 0 is 2^-127 (an f32 subnormal: flushed under -ftz when used in
+// f32 arithmetic; MXFP4 bf16 dequant avoids f32 arithmetic for that reason). 0xFF -> NaN.
+DEV float e8m0_to_f32(u32 b) {
+    if (b == 0u) return __uint_as_float(0x00400000u);
+    if (b == 255u) return __uint_as_float(0x7fc00000u);
+    return __uint_as_float(b << 23);
+}
+
+// ------------------------------------------------------------------- ue8m0 block scale rule
+// s = 2^ceil(log2(amax * f32(1/qmax))), exponent read off the f32 bits of t = amax * inv_qmax
+// (exponent - 127, +1 if the mantissa is non-zero). Returns the exponent e (s = 2^e).
+DEV int ue8m0_exp(float amax, float inv_qmax) {
+    u32 t = __float_as_uint(__fmul_rn(amax, inv_qmax));
+    return (int)((t >> 23) & 0xffu) - 127 + ((t & 0x7fffffu) != 0u ? 1 : 0);
+}
+DEV float pow2f(int e) { return __uint_as_float((u32)(e + 127) << 23); }  // e in [-126, 127]
+
+// fp8 simulation of one value given its block's scale exponent e: bf16(e4m3(clip(x/s)) * s).
+// x/s and q*s are exact (s = 2^e), so this is the twin's fp8_sim bit for bit.
+DEV float fp8_sim_value(float x, int e) {
+    float v = __fmul_rn(x, pow2f(-e));
+    v = fminf(fmaxf(v, -448.0f), 448.0f);
+    return __fmul_rn(round_e4m3(v), pow2f(e));  // <= 4 significant bits: exact in bf16
+}
+DEV float fp4_sim_value(float x, int e) {
+    float v = __fmul_rn(x, pow2f(-e));
+    v = fminf(fmaxf(v, -6.0f), 6.0f);
+    return __fmul_rn(round_e2m1(v), pow2f(e));
+}
+// f32(1/448) and f32(1/6) as the reference computes them
+DEV float inv_448() { return __uint_as_float(0x3b124925u); }       // f32(1/448)
+DEV float inv_6() { return __uint_as_float(0x3e2aaaabu); }         // f32(1/6)
+DEV float act_amax_floor() { return 1e-4f; }                       // f32(1e-4)
+DEV float fp4_amax_floor() { return __uint_as_float(0x01c00000u); }  // f32(6 * 2^-126)
+
+// ------------------------------------------------------------------------------ reductions
+DEV float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEV double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+DEV float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// xor-butterfly over groups of G consecutive lanes (G a power of two <= 32)
+template <int G>
+DEV float group_max(float v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+template <int G>
+DEV float group_sum(float v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <int G>
+DEV double group_sum(double v) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Block sum of one double per thread, fixed order: xor-tree in each warp, then warp 0 adds the
+// warp partials in warp order. `red` is NWARPS doubles of shared memory. All threads get the sum.
+template <int NWARPS>
+DEV double block_sum(double v, double* red) {
+    v = warp_sum(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (NWARPS == 1) return v;
+    __syncthreads();  // red may still be read from a previous call
+    if (l == 0) red[w] = v;
+    __syncthreads();
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < NWARPS; ++i) s += red[i];
+    return s;
+}
+
+// ------------------------------------------------------------------------ shared math
+// In-warp FWHT of 128 values: lane holds v[0..3] = elements 4*lane .. 4*lane+3. Exact in double.
+DEV void fwht128_warp(double* v) {
+    const int lane = threadIdx.x & 31;
+    // h = 1: pairs (0,1), (2,3)
+    double a0 = __dadd_rn(v[0], v[1]), a1 = __dsub_rn(v[0], v[1]);
+    double a2 = __dadd_rn(v[2], v[3]), a3 = __dsub_rn(v[2], v[3]);
+    // h = 2: pairs (0,2), (1,3)
+    v[0] = __dadd_rn(a0, a2); v[2] = __dsub_rn(a0, a2);
+    v[1] = __dadd_rn(a1, a3); v[3] = __dsub_rn(a1, a3);
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {  // h = 4m: partner lane ^ m
+        const bool upper = (lane & m) != 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const double o = __shfl_xor_sync(0xffffffffu, v[i], m);
+            v[i] = upper ? __dsub_rn(o, v[i]) : __dadd_rn(v[i], o);  // (a+b, a-b), a = lower
+        }
+    }
+}
+
+// One RoPE pair in double (twin host.rope.rotate_pairs: a*c - b*s, a*s + b*c; inverse: s -> -s),
+// rounded f64 -> f32. a, b are bf16 values, c, s f32: every product is exact in double.
+DEV void rope_pair(float& a_io, float& b_io, float c, float s, bool inverse) {
+    const double a = a_io, b = b_io, cc = c, ss = s;
+    double re, im;
+    if (!inverse) {
+        re = __dsub_rn(__dmul_rn(a, cc), __dmul_rn(b, ss));
+        im = __dadd_rn(__dmul_rn(a, ss), __dmul_rn(b, cc));
+    } else {
+        re = __dadd_rn(__dmul_rn(a, cc), __dmul_rn(b, ss));
+        im = __dsub_rn(__dmul_rn(b, cc), __dmul_rn(a, ss));
+    }
+    a_io = __double2float_rn(re);
+    b_io = __double2float_rn(im);
+}
+
+// ------------------------------------------------------------------------- memory helpers
+DEV uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+DEV void stg16(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+
+DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// 16-byte cp.async, zero-filled when !valid (src-size 0)
+DEV void cp_async16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "r"(valid ? 16 : 0));
+}
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+}  // namespace memra

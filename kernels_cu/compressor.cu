@@ -1,0 +1,223 @@
+// KV compressor: gate-score position bias, softmax pooling and the entry post-processing
+// (dsv4_attention.md §4, M:279-377).
+//
+// compress_add_ape: z[t, :] = f32(z[t, :] + ape[pos[t] % r, :]) in place (twin
+//   oracle.ops.compressor_project's last step). Grid-stride, one thread per element.
+// compress_pool_overlap (r = 4, coff = 2): entry k, channel c pools 8 candidates in the twin's
+//   order (oracle.ops.compress_candidates): the previous block's LOWER halves (rows 4k-4..4k-1,
+//   cols c) then its own block's UPPER halves (rows 4k..4k+3, cols d+c). Entry 0's predecessor is
+//   `prev` (the pending rows 0..3: decode / chunked prefill) or, when prev is null, kv 0 and
+//   score -inf (block 0 of a sequence). Decode emits with kv = state rows 4..7, prev = rows 0..3.
+// compress_pool_plain (any other r): entry k pools rows kr..kr+r-1 (decode: the state rows).
+//   Both pool with THE routine of the twin (oracle.ops.compress_pool): m = max, e = exp(z - m),
+//   den = sum e, num = sum (e > 0 ? e*a : 0), candidates in index order, all in double, one f32
+//   rounding of num/den. Thread per (entry, channel); grid (ceil(d/128), n_entries), block 128.
+//   The same code serves prefill (many entries) and decode (one), so both give the same bits.
+// norm_rope_sim_*: the entry post-processing (oracle.ops.compress_entry_postprocess) and, with a
+//   bf16 input, the main KV path k_t = kv_sim(rope(rmsnorm(wkv x))) (M:502-506):
+//     v = bf16(in) [f32 input only]; y = bf16(w * (v * rsqrt(mean(v^2) + eps)))   (double stats)
+//     RoPE on the last R dims at position pos[row] (double, like host.rope.rotate_pairs)
+//     fp8 sim of dims [0, D-R) in blocks of 64  (main compressor / KV)      SIM = 1
+//     or Hadamard-128 (double FWHT) -> bf16 -> fp4 sim in blocks of 32 (indexer)   SIM = 2
+//   One CTA of D/EPT threads per row (thread owns EPT consecutive dims); output row k goes to
+//   out + k * ld_out (write straight into a cache).
+#include "common.cuh"
+
+using namespace memra;
+
+// z: [T, C] f32 in place; ape: [r, C] f32; pos: [T] int32 absolute positions.
+extern "C" __global__ void __launch_bounds__(256)
+compress_add_ape(float* z, const float* __restrict__ ape, const int* __restrict__ pos, int T, int C, int r) {
+    const i64 total = (i64)T * C;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const int t = (int)(i / C), c = (int)(i % C);
+        const int pr = __ldg(pos + t) % r;
+        z[i] = __fadd_rn(z[i], __ldg(ape + (i64)pr * C + c));
+    }
+}
+
+namespace {
+
+// The pooling routine over n candidates, given as (a, z) pairs fetched by `get(i, a, z)`.
+template <int NMAX, typename Get>
+DEV float pool_small(int n, Get get) {
+    double a[NMAX], z[NMAX];
+    double m = f64_ninf();
+#pragma unroll
+    for (int i = 0; i < NMAX; ++i) {
+        if (i < n) {
+            get(i, a[i], z[i]);
+            m = fmax(m, z[i]);
+        }
+    }
+    double den = 0.0, num = 0.0;
+#pragma unroll
+    for (int i = 0; i < NMAX; ++i) {
+        if (i < n) {
+            const double e = exp(__dsub_rn(z[i], m));
+            const double term = e > 0.0 ? __dmul_rn(e, a[i]) : 0.0;
+            den = i == 0 ? e : __dadd_rn(den, e);
+            num = i == 0 ? term : __dadd_rn(num, term);
+        }
+    }
+    return __double2float_rn(__ddiv_rn(num, den));
+}
+
+}  // namespace
+
+// kv, score: [rows, ld] f32 (ld >= 2d; token rows 4k..4k+3 are block k); prev_kv, prev_score:
+// [4, ld_prev] f32 or null; out: [n_entries, ld_out] f32. grid (ceil(d/128), n_entries), block 128.
+extern "C" __global__ void __launch_bounds__(128)
+compress_pool_overlap(const float* __restrict__ kv, const float* __restrict__ score, int ld,
+                      const float* __restrict__ prev_kv, const float* __restrict__ prev_score, int ld_prev,
+                      float* __restrict__ out, int ld_out, int d) {
+    const int c = blockIdx.x * 128 + threadIdx.x;
+    const i64 k = blockIdx.y;
+    if (c >= d) return;
+    const float p = pool_small<8>(8, [&](int i, double& a, double& z) {
+        if (i < 4) {
+            if (k > 0) {
+                const i64 off = (4 * k - 4 + i) * (i64)ld + c;
+                a = __ldg(kv + off);
+                z = __ldg(score + off);
+            } else if (prev_kv != nullptr) {
+                a = __ldg(prev_kv + (i64)i * ld_prev + c);
+                z = __ldg(prev_score + (i64)i * ld_prev + c);
+            } else {
+                a = 0.0;
+                z = f64_ninf();
+            }
+        } else {
+            const i64 off = (4 * k + i - 4) * (i64)ld + d + c;
+            a = __ldg(kv + off);
+            z = __ldg(score + off);
+        }
+    });
+    out[k * ld_out + c] = p;
+}
+
+// kv, score: [n_entries * r, ld] f32 (ld >= d); out [n_entries, ld_out]. grid (ceil(d/128), n_entries), block 128.
+extern "C" __global__ void __launch_bounds__(128)
+compress_pool_plain(const float* __restrict__ kv, const float* __restrict__ score, int ld,
+                    float* __restrict__ out, int ld_out, int d, int r) {
+    const int c = blockIdx.x * 128 + threadIdx.x;
+    const i64 k = blockIdx.y;
+    if (c >= d) return;
+    const float* kp = kv + k * r * (i64)ld + c;
+    const float* zp = score + k * r * (i64)ld + c;
+    double m = f64_ninf();
+    for (int i = 0; i < r; ++i) m = fmax(m, (double)__ldg(zp + (i64)i * ld));
+    double den = 0.0, num = 0.0;
+    for (int i = 0; i < r; ++i) {
+        const double e = exp(__dsub_rn((double)__ldg(zp + (i64)i * ld), m));
+        const double term = e > 0.0 ? __dmul_rn(e, (double)__ldg(kp + (i64)i * ld)) : 0.0;
+        den = i == 0 ? e : __dadd_rn(den, e);
+        num = i == 0 ? term : __dadd_rn(num, term);
+    }
+    out[k * ld_out + c] = __double2float_rn(__ddiv_rn(num, den));
+}
+
+namespace {
+
+enum { SIM_NONE = 0, SIM_FP8 = 1, SIM_HAD_FP4 = 2 };
+
+template <int D, int EPT, bool IN_F32, int SIM>
+DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict__ w, double eps,
+                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                           const int* __restrict__ pos, int R, u16* out, int ld_out) {
+    constexpr int NT = D / EPT;
+    constexpr int NW = NT / 32;
+    static_assert(NT % 32 == 0, "one or more whole warps per row");
+    static_assert(SIM != SIM_HAD_FP4 || (D == 128 && EPT == 4), "Hadamard path is one warp of 4 dims");
+    __shared__ double red[NW > 0 ? NW : 1];
+    const i64 row = blockIdx.x;
+    const int d0 = threadIdx.x * EPT;
+    float v[EPT];
+    if (IN_F32) {
+        const float* in = reinterpret_cast<const float*>(in_v) + row * ld_in + d0;
+#pragma unroll
+        for (int i = 0; i < EPT; i += 4) {
+            const float4 q = __ldg(reinterpret_cast<const float4*>(in + i));
+            v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
+            v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
+        }
+    } else {
+        const u16* in = reinterpret_cast<const u16*>(in_v) + row * ld_in + d0;
+#pragma unroll
+        for (int i = 0; i < EPT; i += 4) {
+            const uint2 q = __ldg(reinterpret_cast<const uint2*>(in + i));
+            v[i] = bf16lo(q.x); v[i + 1] = bf16hi(q.x);
+            v[i + 2] = bf16lo(q.y); v[i + 3] = bf16hi(q.y);
+        }
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) ss = __fma_rn((double)v[i], (double)v[i], ss);
+    ss = block_sum<NW>(ss, red);
+    const double r = 1.0 / sqrt(ss / (double)D + eps);
+#pragma unroll
+    for (int i = 0; i < EPT; ++i)
+        v[i] = bf16_to_f32(f64_to_bf16(__dmul_rn((double)__ldg(w + d0 + i), __dmul_rn((double)v[i], r))));
+    if (d0 >= D - R) {  // rope slice (D - R is a multiple of EPT)
+        const int p = __ldg(pos + row);
+        const int j0 = (d0 - (D - R)) >> 1;
+#pragma unroll
+        for (int i = 0; i < EPT; i += 2) {
+            const float c = __ldg(cos_t + (i64)p * (R >> 1) + j0 + (i >> 1));
+            const float s = __ldg(sin_t + (i64)p * (R >> 1) + j0 + (i >> 1));
+            rope_pair(v[i], v[i + 1], c, s, false);
+            v[i] = round_bf16(v[i]);
+            v[i + 1] = round_bf16(v[i + 1]);
+        }
+    }
+    if (SIM == SIM_FP8) {  // blocks of 64 on the nope dims; 64/EPT lanes per block
+        constexpr int G = 64 / EPT;
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = group_max<G>(amax);
+        if (d0 < D - R) {
+            const int e = ue8m0_exp(fmaxf(amax, act_amax_floor()), inv_448());
+#pragma unroll
+            for (int i = 0; i < EPT; ++i) v[i] = fp8_sim_value(v[i], e);
+        }
+    } else if (SIM == SIM_HAD_FP4) {
+        double h[4] = {v[0], v[1], v[2], v[3]};
+        fwht128_warp(h);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = round_bf16(__double2float_rn(__dmul_rn(h[i], 0.08838834764831845)));
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        amax = group_max<8>(amax);
+        const int e = ue8m0_exp(fmaxf(amax, fp4_amax_floor()), inv_6());
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = fp4_sim_value(v[i], e);
+    }
+    u16* o = out + row * ld_out + d0;
+#pragma unroll
+    for (int i = 0; i < EPT; i += 4) {
+        uint2 q;
+        q.x = pack_bf16x2(v[i], v[i + 1]);
+        q.y = pack_bf16x2(v[i + 2], v[i + 3]);
+        *reinterpret_cast<uint2*>(o + i) = q;
+    }
+}
+
+}  // namespace
+
+// in: [n, ld_in] f32 (pooled) or bf16; w: [D] f32 norm weight; cos/sin: [n_pos, R/2] f32;
+// pos: [n] int32 rope positions (k*r for entries, t for tokens); out: [n, ld_out] bf16.
+// grid (n), block D/EPT. R % EPT == 0 and (SIM_FP8) (D - R) % 64 == 0.
+#define NORM_ROPE_SIM(NAME, D, EPT, IN_F32, SIM)                                                  \
+    extern "C" __global__ void __launch_bounds__(D / EPT)                                         \
+    NAME(const void* in, int ld_in, const float* __restrict__ w, double eps,                     \
+         const float* __restrict__ cos_t, const float* __restrict__ sin_t,                        \
+         const int* __restrict__ pos, int R, u16* out, int ld_out) {                              \
+        norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, w, eps, cos_t, sin_t, pos, R, out, ld_out); \
+    }
+
+NORM_ROPE_SIM(norm_rope_fp8_d512_f32in, 512, 8, true, SIM_FP8)
+NORM_ROPE_SIM(norm_rope_fp8_d512_bf16in, 512, 8, false, SIM_FP8)
+NORM_ROPE_SIM(norm_rope_fp8_d128_f32in, 128, 4, true, SIM_FP8)
+NORM_ROPE_SIM(norm_rope_fp8_d128_bf16in, 128, 4, false, SIM_FP8)
+NORM_ROPE_SIM(norm_rope_hadfp4_d128_f32in, 128, 4, true, SIM_HAD_FP4)
+NORM_ROPE_SIM(norm_rope_hadfp4_d128_bf16in, 128, 4, false, SIM_HAD_FP4)

@@ -1,0 +1,104 @@
+// RMSNorm family.
+//
+// rmsnorm_bf16_w{f32,bf16}: y = bf16(w * (x * rsqrt(mean(x^2) + eps))) per row (M:183-196),
+//   twin oracle.ops.rmsnorm. One CTA of 128 threads per row; each thread owns the 8-element
+//   chunks c = tid, tid+128, ... The sum of squares accumulates in double (x^2 is exact), per
+//   thread in chunk order, then a fixed warp/block tree; the scale and product are double,
+//   rounded f64 -> f32 -> bf16 like the twin's store(). Row results never depend on M.
+//   y may alias x (every thread reads its chunks before writing them).
+// head_rms_bf16: the unweighted per-head q norm in bf16 tensor arithmetic (M:498), twin
+//   NumericsPolicy.head_rms: sq = bf16(x*x); mean = bf16(f32(mean(sq))); var = bf16(mean + f32(eps));
+//   r = bf16(f32(1/sqrt(var))); y = bf16(x * r). One warp per row (head); in place allowed.
+#include "common.cuh"
+
+using namespace memra;
+
+namespace {
+
+constexpr int RMS_THREADS = 128;
+
+template <typename WT>
+DEV float load_w(const WT* w, int i);
+template <>
+DEV float load_w<float>(const float* w, int i) { return __ldg(w + i); }
+template <>
+DEV float load_w<u16>(const u16* w, int i) { return bf16_to_f32(__ldg(w + i)); }
+
+template <typename WT>
+DEV void rmsnorm_row(const u16* x, const WT* __restrict__ w, u16* y,
+                     int n, double eps) {
+    __shared__ double red[RMS_THREADS / 32];
+    const int nc = n >> 3;
+    double ss = 0.0;
+    for (int c = threadIdx.x; c < nc; c += RMS_THREADS) {
+        float f[8];
+        unpack8(ldg16(x + 8 * c), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            double d = (double)f[i];
+            ss = __fma_rn(d, d, ss);  // d*d is exact in double: the fma rounds only the sum
+        }
+    }
+    ss = block_sum<RMS_THREADS / 32>(ss, red);
+    const double r = 1.0 / sqrt(ss / (double)n + eps);
+    for (int c = threadIdx.x; c < nc; c += RMS_THREADS) {
+        float f[8];
+        unpack8(ldg16(x + 8 * c), f);
+        uint4 o;
+        u32 h[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            h[i] = f64_to_bf16(__dmul_rn((double)load_w<WT>(w, 8 * c + i), __dmul_rn((double)f[i], r)));
+        o.x = h[0] | (h[1] << 16);
+        o.y = h[2] | (h[3] << 16);
+        o.z = h[4] | (h[5] << 16);
+        o.w = h[6] | (h[7] << 16);
+        stg16(y + 8 * c, o);
+    }
+}
+
+}  // namespace
+
+// x, y: [M, n] bf16 (n % 8 == 0, rows 16-byte aligned); w: [n]. grid (M), block 128.
+extern "C" __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bf16_wf32(const u16* x, const float* __restrict__ w, u16* y,
+                  int n, double eps) {
+    const i64 row = blockIdx.x;
+    rmsnorm_row<float>(x + row * n, w, y + row * n, n, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(RMS_THREADS)
+rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
+                   int n, double eps) {
+    const i64 row = blockIdx.x;
+    rmsnorm_row<u16>(x + row * n, w, y + row * n, n, eps);
+}
+
+// x, y: [rows, n] bf16, n % 8 == 0. One warp per row; block 128 (4 rows). grid ceil(rows/4).
+extern "C" __global__ void __launch_bounds__(128)
+head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps) {
+    const int lane = threadIdx.x & 31;
+    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const u16* xr = x + row * n;
+    u16* yr = y + row * n;
+    const int nc = n >> 3;
+    double ss = 0.0;
+    for (int c = lane; c < nc; c += 32) {
+        float f[8];
+        unpack8(ldg16(xr + 8 * c), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = __dadd_rn(ss, (double)round_bf16(__fmul_rn(f[i], f[i])));
+    }
+    ss = warp_sum(ss);  // bf16 squares: the double sum is exact for any realistic range
+    const float mean = round_bf16(__double2float_rn(ss / (double)n));
+    const float var = round_bf16(__fadd_rn(mean, eps));
+    const float r = round_bf16(__double2float_rn(1.0 / sqrt((double)var)));
+    for (int c = lane; c < nc; c += 32) {
+        float f[8];
+        unpack8(ldg16(xr + 8 * c), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], r);
+        stg16(yr + 8 * c, pack8(f));
+    }
+}
