@@ -4,8 +4,9 @@ API
 ---
 ``Oracle(ckpt, numerics=None, shared_expert_clamp=True)``
     ``ckpt``: anything with ``.config`` (a ``Dsv4Config``) and ``.dequant(name)`` (exact
-    float32 / int64 values of a stored tensor, native names): ``memra_dsv4.checkpoint.Checkpoint``,
-    ``memra_dsv4.oracle.fake.FakeWeights``.  ``numerics``: ``"bf16"`` (default), ``"reference"``,
+    float32 / int64 values of a stored tensor, native names), e.g.
+    ``memra_dsv4.checkpoint.Checkpoint`` (``.open(dir)`` or ``.from_arrays(cfg, synth_arrays(...))``).
+    ``numerics``: ``"bf16"`` (default), ``"reference"``,
     ``"exact"`` or None (then ``MEMRA_DSV4_NUMERICS``, then bf16); see ``memra_dsv4.seams``.
     ``shared_expert_clamp``: clamp the shared expert's SwiGLU at ``swiglu_limit`` like the routed
     experts (current official revision and transformers; True) or not (initial revision).
@@ -305,7 +306,7 @@ class Oracle:
     def __init__(self, ckpt, numerics: str | None = None, *, shared_expert_clamp: bool = True):
         if not hasattr(ckpt, "config") or not hasattr(ckpt, "dequant"):
             raise ValueError("Oracle: ckpt must have .config and .dequant(name) "
-                             "(memra_dsv4.checkpoint.Checkpoint or oracle.fake.FakeWeights)")
+                             "(e.g. memra_dsv4.checkpoint.Checkpoint)")
         self.ckpt = ckpt
         self.config = ckpt.config
         self.pol: NumericsPolicy = policy(numerics)
