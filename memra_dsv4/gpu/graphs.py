@@ -1,0 +1,145 @@
+"""CUDA-graph capture and replay with CuPy, on one device or spanning a pipeline of devices.
+
+Contract
+--------
+* ``capture(stream, fn) -> cupy.cuda.Graph``: makes ``stream`` (non-blocking; capture refuses
+  the legacy stream) current on its device, begins a relaxed-mode capture, calls ``fn()``
+  (which enqueues work: RawKernels on the current stream, ``GemmPlan.run``, ``memcpyAsync``),
+  ends the capture and instantiates the graph.  If ``fn`` raises, the capture is ended and
+  discarded so the stream is usable again, and the error propagates.  Nothing inside ``fn``
+  may synchronise or allocate: every buffer comes from the arena (CuPy exposes no graph-exec
+  update, so a graph is tied to the addresses it captured), every GEMM plan and every kernel
+  is built before capture.
+* ``replay(graph, stream)`` launches it.  A graph may be replayed on any stream of the
+  capturing device; it re-reads its input buffers on every replay.
+* Two devices in one graph (verified_on_h200.md): capture starts on a stream of device 0;
+  ``Fork(origin, *others)`` creates, BEFORE the capture, one event per branch each way;
+  ``fork()`` records on the origin and makes each other stream wait (that stream joins the
+  capture), ``join()`` records on each other stream and makes the origin wait; every forked
+  stream must be joined before ``capture`` returns.  The copy between devices is a
+  ``cudaMemcpyAsync(..., cudaMemcpyDefault)`` (``runtime.boundary_copy``);
+  ``cudaMemcpyPeerAsync`` cannot be captured.
+* ``GraphSet`` keeps one graph per integer bucket (decode batch sizes) on one stream, captured
+  largest first, and replays the smallest bucket that holds ``n``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from memra_dsv4.gpu import runtime
+
+__all__ = ["capture", "replay", "Fork", "GraphSet", "CaptureError"]
+
+
+class CaptureError(RuntimeError):
+    """Stream capture could not start or finish."""
+
+
+def _abort_capture(stream) -> None:
+    import cupy
+
+    rt = cupy.cuda.runtime
+    try:
+        g = rt.streamEndCapture(stream.ptr)  # ends even an invalidated capture
+        if g:
+            rt.graphDestroy(g)
+    except rt.CUDARuntimeError:
+        pass
+
+
+def capture(stream, fn: Callable[[], None], *, upload: bool = True):
+    """Capture the work ``fn`` enqueues on ``stream`` into an instantiated ``cupy.cuda.Graph``."""
+    import cupy
+
+    if stream.ptr in (0, 1, 2):  # null, legacy and per-thread default streams
+        raise CaptureError("capture: pass a cupy.cuda.Stream(non_blocking=True), not a default stream")
+    device = stream.device_id if stream.device_id >= 0 else cupy.cuda.runtime.getDevice()
+    runtime.advance_capture_epoch()
+    with cupy.cuda.Device(device), stream:
+        stream.begin_capture()
+        try:
+            fn()
+        except BaseException:
+            _abort_capture(stream)
+            raise
+        try:
+            graph = stream.end_capture()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise CaptureError(f"capture on device {device}: ending the capture failed ({e}); "
+                               f"a forked stream not joined back, a synchronising call or an "
+                               f"uncapturable API (e.g. cudaMemcpyPeerAsync) inside fn") from e
+        if upload:
+            graph.upload(stream)  # move the first-launch setup cost out of the timed path
+    return graph
+
+
+def replay(graph, stream) -> None:
+    graph.launch(stream)
+
+
+class Fork:
+    """Events (created now, before any capture) to bring streams into and out of a capture
+    that runs on ``origin``; the other streams may belong to other devices."""
+
+    def __init__(self, origin, *others) -> None:
+        import cupy
+
+        if not others:
+            raise ValueError("Fork: no streams to fork to")
+        self.origin = origin
+        self.others = others
+        # An event is recorded only on a stream of the device it was created on.
+        with cupy.cuda.Device(_device_of(origin)):
+            self._out = [cupy.cuda.Event(disable_timing=True) for _ in others]
+        self._back = []
+        for s in others:
+            with cupy.cuda.Device(_device_of(s)):
+                self._back.append(cupy.cuda.Event(disable_timing=True))
+
+    def fork(self) -> None:
+        for ev, s in zip(self._out, self.others):
+            ev.record(self.origin)
+            s.wait_event(ev)
+
+    def join(self) -> None:
+        for ev, s in zip(self._back, self.others):
+            ev.record(s)
+            self.origin.wait_event(ev)
+
+
+def _device_of(stream) -> int:
+    import cupy
+
+    return stream.device_id if stream.device_id >= 0 else cupy.cuda.runtime.getDevice()
+
+
+class GraphSet:
+    """One captured graph per bucket (e.g. decode batch size) on one stream."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.graphs: dict[int, object] = {}
+
+    def capture_all(self, buckets, make_fn: Callable[[int], Callable[[], None]]) -> None:
+        # Largest first, as nano-vllm does: the biggest shapes decide any lazily sized state.
+        for b in sorted(set(int(x) for x in buckets), reverse=True):
+            self.graphs[b] = capture(self.stream, make_fn(b))
+
+    def bucket_for(self, n: int) -> int:
+        fits = [b for b in self.graphs if b >= n]
+        if not fits:
+            raise KeyError(f"GraphSet: no captured bucket holds n={n} (buckets {sorted(self.graphs)})")
+        return min(fits)
+
+    def replay(self, n: int) -> int:
+        """Replay the smallest bucket >= n; return that bucket."""
+        b = self.bucket_for(n)
+        self.graphs[b].launch(self.stream)
+        return b
+
+    def __contains__(self, bucket: int) -> bool:
+        return bucket in self.graphs
+
+    def __len__(self) -> int:
+        return len(self.graphs)

@@ -1,0 +1,220 @@
+"""Kernel loading: one ``cupy.RawModule`` per ``kernels_cu/<stem>.cu``, compiled once, at warmup.
+
+Contract
+--------
+* Ops declare what they launch at import time: ``register(stem, name_expressions)`` (module
+  function; ``KernelLoader.register`` is the same call).  Name expressions are the C++ names
+  of the template instances (``"rmsnorm<4096>"``) or plain ``extern "C"`` names; every one of
+  them is compiled into the stem's module.  Registration is process-wide, so every device's
+  loader builds the same modules.
+* ``KernelLoader(device_id)`` compiles for that device.  ``warm_all()`` compiles every
+  registered module and materialises every registered kernel (so no compile and no module
+  load happens on first use), returning milliseconds per module (printed under
+  ``MEMRA_DSV4_DEBUG=1``).  ``get(stem, name)`` returns the cached ``cupy.RawKernel``: the same
+  object on every call, never a new one (``RawModule.get_function`` builds a fresh RawKernel
+  each time, which costs host time and loses per-kernel attributes).  A stem whose registered
+  names grew after warmup is rebuilt on the next ``get``/``warm_all`` (announced at debug).
+* NVRTC options: ``-std=c++17 -arch=sm_90a -I<kernels_dir> -DMEMRA_DSV4_HEADERS=<hash>``.
+    - ``-arch=sm_90a`` defines ``__CUDA_ARCH_FEAT_SM90_ALL`` (wgmma, setmaxnreg).  CuPy appends
+      its own ``-arch=sm_90`` after ours; measured on CuPy 14.2 / H200, ours takes effect.
+    - No ``--use_fast_math``: device numerics must match the NumPy twins.  CuPy silently adds
+      ``-ftz=true`` (denormals flush to zero) and ``--device-as-default-execution-space`` to
+      every NVRTC compile; references must treat fp32 denormals accordingly.
+    - CuPy writes the source to a temporary file before compiling, so ``#include
+      "common.cuh"`` resolves through ``-I<kernels_dir>`` only.
+    - CuPy's disk cache keys on the .cu text and the options, not on included headers; the
+      ``-DMEMRA_DSV4_HEADERS`` hash of every header under ``kernels_dir`` makes a header edit
+      invalidate the cached cubins.
+* Cache: compiled cubins go to ``CUPY_CACHE_DIR``, which ``memra_dsv4.gpu`` sets to
+  ``<repo>/.memra_cache/cupy`` (or ``~/.memra_cache/cupy``) unless already set.
+  ``configure_cache_dir()`` also repoints CuPy's disk backend when CuPy was imported before
+  the variable was set (CuPy 14 reads it once at import).
+* A compile failure raises ``KernelCompileError`` naming the .cu file, the device, the options
+  and carrying NVRTC's log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import time
+
+from memra_dsv4.gpu import REPO_ROOT, default_cache_dir
+
+__all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader",
+           "nvrtc_options", "header_fingerprint", "configure_cache_dir", "KERNELS_DIR",
+           "BASE_OPTIONS"]
+
+KERNELS_DIR = os.environ.get("MEMRA_DSV4_KERNELS_DIR", os.path.join(REPO_ROOT, "kernels_cu"))
+BASE_OPTIONS = ("-std=c++17", "-arch=sm_90a")
+_HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
+_STEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# stem -> name expressions in registration order (deduplicated)
+_REGISTRY: dict[str, tuple[str, ...]] = {}
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC could not compile (or load) a kernels_cu module."""
+
+
+def register(stem: str, name_expressions=()) -> None:
+    """Declare that ``kernels_cu/<stem>.cu`` must provide ``name_expressions``."""
+    if not isinstance(stem, str) or not _STEM.match(stem):
+        raise ValueError(f"kernel module stem {stem!r} must be a C identifier (the .cu file name "
+                         f"without extension)")
+    if isinstance(name_expressions, str):
+        name_expressions = (name_expressions,)
+    names = list(_REGISTRY.get(stem, ()))
+    for n in name_expressions:
+        if not isinstance(n, str) or not n.strip():
+            raise ValueError(f"{stem}.cu: name expression {n!r} is not a non-empty string")
+        if n not in names:
+            names.append(n)
+    if _REGISTRY.get(stem) != tuple(names):
+        _REGISTRY[stem] = tuple(names)
+
+
+def registered() -> dict[str, tuple[str, ...]]:
+    return dict(_REGISTRY)
+
+
+def header_fingerprint(kernels_dir: str) -> str:
+    """sha256 (16 hex) over every header under ``kernels_dir``: path and content."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(kernels_dir):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(_HEADER_SUFFIXES):
+                path = os.path.join(root, f)
+                h.update(os.path.relpath(path, kernels_dir).encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+                h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def nvrtc_options(kernels_dir: str) -> tuple[str, ...]:
+    kernels_dir = os.path.abspath(kernels_dir)
+    return BASE_OPTIONS + (f"-I{kernels_dir}",
+                           f"-DMEMRA_DSV4_HEADERS=0x{header_fingerprint(kernels_dir)}")
+
+
+def configure_cache_dir() -> str:
+    """Make CuPy's kernel cache live in ``CUPY_CACHE_DIR`` (set by ``memra_dsv4.gpu``)."""
+    path = os.environ.setdefault("CUPY_CACHE_DIR", default_cache_dir())
+    compiler = sys.modules.get("cupy.cuda.compiler")
+    backend = getattr(compiler, "_kernel_cache_backend", None)
+    current = getattr(backend, "_cache_dir", None)
+    if current is not None and os.path.abspath(current) != os.path.abspath(path):
+        # CuPy was imported before CUPY_CACHE_DIR was set and froze its default directory.
+        from cupy.cuda._compiler_cache import DiskKernelCacheBackend
+
+        compiler._set_kernel_cache_backend(DiskKernelCacheBackend(path))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _debug() -> bool:
+    from memra_dsv4.gpu import runtime
+
+    return runtime.DEBUG
+
+
+class KernelLoader:
+    """Compiled kernels_cu modules and their cached RawKernels for one device."""
+
+    def __init__(self, device_id: int, kernels_dir: str | None = None) -> None:
+        self.device_id = int(device_id)
+        self.kernels_dir = os.path.abspath(kernels_dir or KERNELS_DIR)
+        if not os.path.isdir(self.kernels_dir):
+            raise FileNotFoundError(f"kernels directory {self.kernels_dir} does not exist")
+        self.cache_dir = configure_cache_dir()
+        self._modules: dict[str, tuple[tuple[str, ...], object]] = {}  # stem -> (names, RawModule)
+        self._kernels: dict[tuple[str, str], object] = {}
+        self.compile_ms: dict[str, float] = {}
+
+    register = staticmethod(register)
+
+    def source_path(self, stem: str) -> str:
+        return os.path.join(self.kernels_dir, f"{stem}.cu")
+
+    # ------------------------------------------------------------------ building
+    def _build(self, stem: str) -> object:
+        import cupy
+
+        names = _REGISTRY.get(stem)
+        if names is None:
+            raise KeyError(f"kernel module {stem!r} is not registered; the op wrapper must call "
+                           f"memra_dsv4.gpu.kernel_loader.register({stem!r}, [...]) at import")
+        built = self._modules.get(stem)
+        if built is not None and built[0] == names:
+            return built[1]
+        if built is not None and _debug():
+            print(f"memra_dsv4: recompiling {stem}.cu after warmup: new name expressions "
+                  f"{sorted(set(names) - set(built[0]))}", file=sys.stderr)
+        path = self.source_path(stem)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                source = fh.read()
+        except OSError as e:
+            raise KernelCompileError(f"{path}: cannot read kernel source ({e})") from None
+        options = nvrtc_options(self.kernels_dir)
+        t0 = time.perf_counter()
+        try:
+            with cupy.cuda.Device(self.device_id):
+                module = cupy.RawModule(code=source, options=options,
+                                        name_expressions=list(names) if names else None)
+                module.compile()
+                kernels = {n: module.get_function(n) for n in names}
+        except Exception as e:  # NVRTC CompileException, NVRTCError, CUDADriverError on load
+            log = e.get_message() if hasattr(e, "get_message") else str(e)
+            raise KernelCompileError(
+                f"{path}: NVRTC compile/load failed on device {self.device_id} "
+                f"({type(e).__name__}); options {' '.join(options)}; name expressions "
+                f"{list(names)}\n--- NVRTC log (line numbers refer to {os.path.basename(path)}) ---\n"
+                f"{log}") from e
+        ms = (time.perf_counter() - t0) * 1e3
+        self.compile_ms[stem] = ms
+        self._modules[stem] = (names, module)
+        for n, k in kernels.items():
+            self._kernels[(stem, n)] = k
+        if _debug():
+            print(f"memra_dsv4: {stem}.cu ready on device {self.device_id} in {ms:.1f} ms "
+                  f"({len(names)} kernels)", file=sys.stderr)
+        return module
+
+    def warm_all(self) -> dict[str, float]:
+        """Compile (or load from the disk cache) every registered module that is not built yet,
+        or whose registered names changed; return the ms of each module's latest build."""
+        for stem in sorted(_REGISTRY):
+            self._build(stem)
+        return {stem: self.compile_ms[stem] for stem in sorted(_REGISTRY)}
+
+    def module(self, stem: str):
+        return self._build(stem)
+
+    def get(self, stem: str, name: str):
+        """The RawKernel ``name`` of ``kernels_cu/<stem>.cu`` (cached, built at warmup)."""
+        k = self._kernels.get((stem, name))
+        if k is not None:
+            return k  # a kernel stays valid when its stem is rebuilt for new names
+        names = _REGISTRY.get(stem, ())
+        if name not in names:
+            raise KeyError(f"kernel {name!r} of {stem}.cu is not registered (registered: "
+                           f"{list(names)}); add it to the module's register({stem!r}, ...) call")
+        self._build(stem)
+        return self._kernels[(stem, name)]
+
+
+_LOADERS: dict[int, KernelLoader] = {}
+
+
+def get_loader(device_id: int) -> KernelLoader:
+    """The process-wide loader of ``device_id`` (ops share it so modules compile once)."""
+    loader = _LOADERS.get(int(device_id))
+    if loader is None:
+        loader = _LOADERS[int(device_id)] = KernelLoader(device_id)
+    return loader
