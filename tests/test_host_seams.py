@@ -1,0 +1,69 @@
+"""Seam registry and the numeric-class policy."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from memra_dsv4 import seams
+from memra_dsv4.host.quant import round_bf16
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_resolve_precedence_and_errors(monkeypatch):
+    assert seams.resolve("numerics", "exact") == "exact"
+    with pytest.raises(ValueError, match="MEMRA_DSV4_NUMERICS.*bf16, reference, exact"):
+        seams.resolve("numerics", "fp64")
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "reprefill")
+    assert seams.resolve("decode_path") == "reprefill"
+    assert seams.resolve("decode_path", "incremental") == "incremental"   # explicit wins
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "bogus")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_PATH"):
+        seams.resolve("decode_path")
+    with pytest.raises(ValueError, match="unknown seam"):
+        seams.resolve("nope")
+
+
+def _import_with_env(value):
+    env = dict(os.environ, MEMRA_DSV4_NUMERICS=value, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-c", "import memra_dsv4.seams as s; "
+                           "print(s.resolve('numerics'))"], env=env, capture_output=True,
+                          text=True, cwd=REPO)
+
+
+def test_numerics_env_read_once_and_announced():
+    r = _import_with_env("exact")
+    assert r.returncode == 0, r.stderr
+    assert "memra_dsv4: numerics = exact" in r.stderr and r.stdout.strip() == "exact"
+    r = _import_with_env("fp64")
+    assert r.returncode != 0 and "MEMRA_DSV4_NUMERICS" in r.stderr and "bf16" in r.stderr
+
+
+def test_seam_table():
+    md = seams.seam_table_markdown()
+    for s in seams.SEAMS.values():
+        assert f"`{s.env}`" in md
+
+
+def test_policy_hooks():
+    x = np.array([1.0 + 2.0 ** -10, 3.14159], dtype=np.float64)
+    ex, bf, ref = (seams.POLICIES[n] for n in ("exact", "bf16", "reference"))
+    assert ex.dtype == np.float64 and bf.dtype == np.float32
+    np.testing.assert_array_equal(ex.store(x), x)
+    np.testing.assert_array_equal(bf.store(x), round_bf16(x.astype(np.float32)))
+    kv = np.random.default_rng(0).standard_normal((2, 128))
+    np.testing.assert_array_equal(ex.kv_sim(kv, 64), kv)          # no sims in exact
+    assert not np.array_equal(bf.kv_sim(kv, 64), kv.astype(np.float32))
+    np.testing.assert_array_equal(bf.kv_sim(kv, 64)[:, 64:], kv[:, 64:].astype(np.float32))
+    w = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+    xx = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32)
+    y_bf, y_ref = bf.linear(xx, w, "fp8"), ref.linear(xx, w, "fp8")
+    np.testing.assert_array_equal(y_bf, round_bf16(y_bf))
+    assert not np.array_equal(y_bf, y_ref)                          # act quant only in reference
+    np.testing.assert_array_equal(bf.linear(xx, w, "bf16"), ref.linear(xx, w, "bf16"))
+    assert seams.policy(None).name == seams.resolve("numerics")
+    with pytest.raises(ValueError):
+        bf.linear(xx, w, "int8")
