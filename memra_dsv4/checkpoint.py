@@ -21,11 +21,13 @@ Contract
   first 10 of each kind by name with counts.  A config with `dspark_*` keys is checked against
   the DSpark table only; a NextN/MTP checkpoint under a DSpark config (or the reverse) fails with
   a message saying exactly that.
-* Access: `names()`, `spec(name)` (the expected `TensorSpec`, equal in dtype and shape to what is
-  stored), `raw(name)` (read-only NumPy view of the stored bytes in the storage dtype: BF16 as
+* Access: `names()` / `specs()` (table order), `spec(name)` (the expected `TensorSpec`, equal
+  in dtype and shape to what is stored), `raw(name)` (read-only NumPy view of the stored bytes in the storage dtype: BF16 as
   uint16, F8_* and U8 as uint8, I8 as int8, shape as stored), `dequant(name)` (exact float32;
-  int64 for I64), `expert_kind(layer)`, `layer_bytes(unit)`, `group_bytes(unit)`,
-  `total_bytes()`, `location(name)`.
+  int64 for I64; bf16/f32 NaN or inf refused), `expert_kind(layer)` / `expert_kinds`,
+  `layer_bytes(unit)`, `group_bytes(unit)`, `total_bytes()`, `location(name)` (shard path and
+  absolute byte range, for direct-to-device readers).  Decoder refusals (e8m0 0xFF, e4m3 NaN
+  codes, weight_scale_2 <= 0) raise `CheckpointError` naming the file and tensor.
 * Placement units (`layer_bytes`, `group_bytes`, `placement_units`): an int is a layer id as in
   `TensorSpec.layer` (trunk 0..n-1, drafter stage s = n + s); the strings `"embed"`, `"head"`
   (head.weight + norm + hc_head), `"mtp.S"` (drafter stage S) and `"drafter"` (all stages).
@@ -399,6 +401,9 @@ class Checkpoint:
         self._arrays = arrays
         self._specs, self._kinds = _census(config, stored, source)
         self._by_name = {s.name: s for s in self._specs}
+        self._by_unit: dict[int | str, list[TensorSpec]] = {}
+        for s in self._specs:
+            self._by_unit.setdefault(unit_of(config, s), []).append(s)
         self._maps: dict[str, np.ndarray] = {}
 
     # -------------------------------------------------------------- constructors
@@ -482,17 +487,17 @@ class Checkpoint:
         elif isinstance(unit, (int, np.integer)) and not isinstance(unit, bool) \
                 and 0 <= unit < n + stages:
             return int(unit)
+        stage_ids = f" or 'mtp.0'..'mtp.{stages - 1}'" if stages else ""
         raise CheckpointError(f"unknown unit {unit!r}: expected a layer id 0..{n + stages - 1}, "
-                              f"'embed', 'head', 'drafter' or 'mtp.0'..'mtp.{stages - 1}'"
-                              if stages else f"unknown unit {unit!r}: expected a layer id "
-                              f"0..{n - 1}, 'embed' or 'head'")
+                              f"'embed', 'head', 'drafter'{stage_ids}")
 
-    def _specs_of(self, unit: int | str) -> Iterable[TensorSpec]:
+    def _specs_of(self, unit: int | str) -> list[TensorSpec]:
         u = self._unit(unit)
-        n = self.config.num_hidden_layers
         if u == "drafter":
-            return [s for s in self._specs if s.layer is not None and s.layer >= n]
-        return [s for s in self._specs if unit_of(self.config, s) == u]
+            n = self.config.num_hidden_layers
+            return [s for l, specs in self._by_unit.items()
+                    if isinstance(l, int) and l >= n for s in specs]
+        return self._by_unit.get(u, [])
 
     def layer_bytes(self, unit: int | str) -> int:
         return sum(s.nbytes for s in self._specs_of(unit))

@@ -309,7 +309,9 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     out.setdefault("rope_factor", 1.0)
     out.setdefault("beta_fast", 32.0)
     out.setdefault("beta_slow", 1.0)
-    out.setdefault("num_nextn_predict_layers", 0)
+    # Absent key: the reference default (ModelArgs.n_mtp_layers = 1); the official
+    # inference/config.json leaves it unset while listing 44 compress_ratios (43 + 1 MTP).
+    out.setdefault("num_nextn_predict_layers", 1)
     for k, default in (("hc_mult", 4), ("hc_sinkhorn_iters", 20), ("hc_eps", 1e-6),
                        ("rms_norm_eps", 1e-6), ("n_shared_experts", 1)):
         out.setdefault(k, default)

@@ -53,7 +53,7 @@ import numpy as np
 from .checkpoint import INDEX_FILE, Checkpoint, CheckpointError, placement_units, unit_of
 from .config import (DRAFTER_DSPARK, DRAFTER_MTP, DRAFTER_NONE, QUANT_BLOCK, ConfigError,
                      Dsv4Config, preset)
-from .formats import (E2M1_MAX, E4M3_MAX, encode_bf16, encode_e2m1, encode_e4m3, encode_e8m0,
+from .formats import (E2M1_MAX, E4M3_MAX, encode_bf16, encode_e4m3, encode_e8m0,
                       numpy_storage_dtype, pack_e2m1)
 from .tensors import EXPERT_FORMATS, ITEMSIZE, TensorSpec, expected_tensors
 
@@ -103,7 +103,10 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 def _normal(rng: np.random.Generator, shape, std: float, mean: float = 0.0) -> np.ndarray:
     x = rng.standard_normal(shape, dtype=np.float32)
-    return x * np.float32(std) + np.float32(mean)
+    x *= np.float32(std)      # in place: Flash-size draws are 100s of MB
+    if mean:
+        x += np.float32(mean)
+    return x
 
 
 def _ceil_log2(t: np.ndarray) -> np.ndarray:
@@ -132,11 +135,36 @@ def _mx_exponents(w: np.ndarray) -> np.ndarray:
     return _ceil_log2(amax / E2M1_MAX)
 
 
+# e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: the midpoints between neighbouring codes, and
+# whether a value exactly on the midpoint rounds up (ties to the even code: 0.75 -> 1 (code 2),
+# 1.75 -> 2 (code 4), 3.5 -> 4 (code 6); the others round down).
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                   (3.5, True), (5.0, False))
+
+
+def _e2m1_codes(v: np.ndarray) -> np.ndarray:
+    """RNE e2m1 codes of float32 values already within [-6, 6].
+
+    Equal to `formats.encode_e2m1` on that domain (tested), ~20x faster: seven comparisons
+    instead of a general minifloat rounding, which matters at Flash size (768 expert matrices
+    per layer).  Signs are kept, so values that round to zero from below give -0 (code 8).
+    """
+    a = np.abs(v)
+    code = np.zeros(v.shape, np.uint8)
+    for mid, tie_up in _E2M1_MIDPOINTS:
+        code += (a >= np.float32(mid)) if tie_up else (a > np.float32(mid))
+    code |= np.signbit(v).astype(np.uint8) << 3
+    return code
+
+
 def _quant_mxfp4(w: np.ndarray, k: np.ndarray, zero: np.ndarray, name: str
                  ) -> tuple[np.ndarray, np.ndarray]:
     """float32 [out, in] with block exponents k [out, in/32] -> (I8 packed, e8m0 scale)."""
-    blocks = w.reshape(*k.shape, MX_BLOCK) / np.ldexp(np.float32(1), k)[..., None]
-    codes = encode_e2m1(blocks, name)            # x / 2^k is exact; RNE onto the e2m1 grid
+    # x / 2^k is exact, and k = ceil(log2(amax/6)) (or larger) keeps every value within +-6.
+    blocks = w.reshape(*k.shape, MX_BLOCK) / np.ldexp(np.float32(1), k).astype(np.float32)[..., None]
+    if np.abs(blocks).max() > E2M1_MAX:
+        raise ValueError(f"{name}: block exponents leave values beyond the e2m1 range")
+    codes = _e2m1_codes(blocks)
     codes[zero] = 0
     scale = (k + 127).astype(np.uint8)
     scale[zero] = 0                               # the official all-zero-block sentinel, 2^-127

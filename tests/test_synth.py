@@ -10,9 +10,9 @@ import pytest
 
 from memra_dsv4.checkpoint import INDEX_FILE, Checkpoint, CheckpointError
 from memra_dsv4.config import Dsv4Config, flash_0731_config, preset
-from memra_dsv4.formats import E2M1_VALUES, E4M3_VALUES, numpy_storage_dtype
-from memra_dsv4.synth import (FULL_PRESETS, main, mxfp4_expert_to_nvfp4, synth_arrays,
-                              with_drafter, write_checkpoint)
+from memra_dsv4.formats import E2M1_VALUES, E4M3_VALUES, encode_e2m1, numpy_storage_dtype
+from memra_dsv4.synth import (FULL_PRESETS, _e2m1_codes, main, mxfp4_expert_to_nvfp4,
+                              synth_arrays, with_drafter, write_checkpoint)
 from memra_dsv4.tensors import expected_tensors
 
 SEED = 3
@@ -101,6 +101,18 @@ def test_nvfp4_cast_refuses_blocks_outside_the_window(mx):
     bad[f"{p}.w2.scale"] = scale
     with pytest.raises(ValueError, match=rf"{p}.w2.weight: 1 MXFP4 blocks outside the lossless"):
         mxfp4_expert_to_nvfp4(bad, p, (0.001, 0.001))
+
+
+def test_fast_e2m1_codes_equal_the_shared_encoder():
+    """synth's comparison-based e2m1 rounding is formats.encode_e2m1 on [-6, 6], ties included."""
+    grid = E2M1_VALUES[:8].astype(np.float32)
+    mids = (grid[1:] + grid[:-1]) / 2
+    edges = np.concatenate([grid, mids, np.nextafter(mids, np.float32(0)),
+                            np.nextafter(mids, np.float32(7)), [np.float32(1e-30), np.float32(6)]])
+    rng = np.random.default_rng(0)
+    v = np.concatenate([edges, -edges, rng.uniform(-6, 6, 100_000).astype(np.float32),
+                        np.float32([0.0, -0.0])])
+    np.testing.assert_array_equal(_e2m1_codes(v), encode_e2m1(v))
 
 
 def test_formats_use_their_range(tiny, mx):
