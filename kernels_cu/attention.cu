@@ -1,0 +1,319 @@
+// Sparse attention with sinks over a candidate index list (dsv4_attention.md §3.4, §6; K:276-368),
+// twin oracle.ops.sparse_attention_with_sinks.
+//
+//   o[t,h] = sum_j e^{s_j} kv_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = scale * (q[t,h] . kv_{idx[t,j]})
+//
+// MQA: one shared K = V row per candidate, so a CTA serves a group of HG heads of one token and
+// every kv row it gathers is used by all HG heads (the bandwidth-friendly layout).
+//
+// Numerics (fixed order, never dependent on T or on the split count):
+//   * the candidate list is cut into tiles of 32 (the canonical layout puts the 128-wide window
+//     first, then the compressed entries; -1 = skip; a tail beyond K is skipped);
+//   * per tile and head: s_j in f32 (q.kv accumulated in f32 FMA over the lane's dims in a fixed
+//     order, then a fixed 5-stage reduce-scatter across the warp), m_t = max_j s_j,
+//     p_j = exp(s_j - m_t) (f32), l_t = sum_j p_j (xor tree), a_t = sum_j p'_j kv_j with p'_j = p_j
+//     or bf16(p_j) (probs_bf16 = 1: the `reference` class casts P to bf16 before P.V; note the
+//     cast is relative to the tile max, not the global max as in the twin);
+//   * tiles are merged strictly in tile order: M' = max(M, m_t), L = L a + l_t b, A = A a + a_t b
+//     with a = exp(M - M'), b = exp(m_t - M') (0 for an empty side);
+//   * o = A / (L + exp(sink - M)) -> bf16.
+// The tile partials are the atoms: the fused path (n_split = 1: one CTA walks every tile and
+// merges in registers) and the split path (n_split > 1: CTAs write per-tile partials to a
+// workspace, sparse_attn_combine_* merges them) execute the identical merge sequence, so decode
+// (split, for parallelism) and prefill (fused) give the same bits.
+//
+// Layout: grid (T, H/HG, n_split), block 32*NW, HG = HPW*NW (warp w owns heads w*HPW..). Tiles of
+// 32 kv rows are gathered into shared memory with cp.async (zero-filled for invalid slots) and
+// double-buffered. Lane l owns the dims of 16-byte (8-dim) chunks l, l+32, ... (D = 128: 4-dim
+// chunks), so a warp reading a kv row touches 512 contiguous bytes: conflict-free.
+// Dynamic shared memory: 2 * 32 * D * 2 bytes (D = 512: 64 KiB; the wrapper raises the limit).
+#include "common.cuh"
+
+using namespace memra;
+
+namespace {
+
+constexpr int TJ = 32;  // candidates per tile
+
+template <int D>
+struct Lanes {
+    static constexpr int U = D >= 256 ? 8 : 4;  // dims per lane chunk
+    static constexpr int NCH = D / (32 * U);    // chunks per lane
+    static_assert(NCH * 32 * U == D, "D must be 128, 256 or a multiple of 256");
+    DEV static int dim(int lane, int ch) { return (lane + 32 * ch) * U; }
+};
+
+// load U bf16 dims at p (smem or global) as floats
+template <int U>
+DEV void load_dims(const u16* p, float* f) {
+    if (U == 8) {
+        unpack8(*reinterpret_cast<const uint4*>(p), f);
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        f[0] = bf16lo(v.x); f[1] = bf16hi(v.x); f[2] = bf16lo(v.y); f[3] = bf16hi(v.y);
+    }
+}
+
+// value select in registers (a plain ?: on two array elements can become a select of addresses,
+// i.e. a local-memory array)
+DEV float sel(bool c, float a, float b) {
+    float r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
+        : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+    return r;
+}
+
+// One reduce-scatter stage over the lane pairs (lane, lane ^ HALF): afterwards p[0..HALF) hold
+// the pair sums of the candidates whose bit HALF equals the lane's bit HALF.
+template <int HALF>
+DEV void rs_stage(float* p, int lane) {
+    const bool upper = (lane & HALF) != 0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const float send = sel(upper, p[i], p[i + HALF]);
+        const float keep = sel(upper, p[i + HALF], p[i]);
+        p[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, HALF));
+    }
+}
+
+DEV float merge_scale(float m_from, float m_to) {  // exp(m_from - m_to), 0 for an empty side
+    return m_from == f32_ninf() ? 0.0f : expf(__fsub_rn(m_from, m_to));
+}
+
+template <int D, int NT>
+DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
+                    int K, int tile) {
+    constexpr int CPR = D / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < TJ * CPR; c += NT) {
+        const int r = c / CPR, cc = c % CPR;
+        const int j = tile * TJ + r;
+        const int id = j < K ? __ldg(idx_row + j) : -1;
+        const u16* src = id >= 0 ? kv + (i64)id * ld_kv + 8 * cc : kv;
+        cp_async16(buf + r * D + 8 * cc, src, id >= 0);
+    }
+    cp_async_commit();
+}
+
+template <int D, int HPW, int NW>
+DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
+                          const int* __restrict__ idx, int K, const float* __restrict__ sink,
+                          float scale, u16* __restrict__ out, int H, int probs_bf16, float* __restrict__ ws_ml,
+                          float* __restrict__ ws_acc) {
+    using L = Lanes<D>;
+    constexpr int U = L::U, NCH = L::NCH, NT = 32 * NW, HG = HPW * NW;
+    extern __shared__ __align__(16) u16 smem[];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const i64 t = blockIdx.x;
+    const int h0 = blockIdx.y * HG + wid * HPW;
+    const int n_tiles = (K + TJ - 1) / TJ;
+    const int n_split = gridDim.z;
+    const int tps = (n_tiles + n_split - 1) / n_split;
+    const int tile0 = blockIdx.z * tps;
+    const int tile1 = min(n_tiles, tile0 + tps);
+    const int* idx_row = idx + t * K;
+
+    float qf[HPW][NCH][U];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh)
+#pragma unroll
+        for (int ch = 0; ch < NCH; ++ch)
+            load_dims<U>(q + ((t * H + h0 + hh) * (i64)D) + L::dim(lane, ch), qf[hh][ch]);
+
+    float M[HPW], Ls[HPW], A[HPW][NCH][U];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        M[hh] = f32_ninf();
+        Ls[hh] = 0.0f;
+#pragma unroll
+        for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+            for (int u = 0; u < U; ++u) A[hh][ch][u] = 0.0f;
+    }
+
+    if (tile0 < tile1) issue_tile<D, NT>(smem, kv, ld_kv, idx_row, K, tile0);
+    for (int tile = tile0; tile < tile1; ++tile) {
+        u16* buf = smem + ((tile - tile0) & 1) * (TJ * D);
+        if (tile + 1 < tile1) {
+            issue_tile<D, NT>(smem + ((tile + 1 - tile0) & 1) * (TJ * D), kv, ld_kv, idx_row, K, tile + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        // ---- logits: per-lane partial dots for all 32 rows, then reduce-scatter (lane j <- row j)
+        float s[HPW];
+        {
+            float p[HPW][TJ];
+#pragma unroll
+            for (int j = 0; j < TJ; ++j) {
+#pragma unroll
+                for (int hh = 0; hh < HPW; ++hh) p[hh][j] = 0.0f;
+#pragma unroll
+                for (int ch = 0; ch < NCH; ++ch) {
+                    float kf[U];
+                    load_dims<U>(buf + j * D + L::dim(lane, ch), kf);
+#pragma unroll
+                    for (int hh = 0; hh < HPW; ++hh)
+#pragma unroll
+                        for (int u = 0; u < U; ++u) p[hh][j] = __fmaf_rn(qf[hh][ch][u], kf[u], p[hh][j]);
+                }
+            }
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                rs_stage<16>(p[hh], lane);
+                rs_stage<8>(p[hh], lane);
+                rs_stage<4>(p[hh], lane);
+                rs_stage<2>(p[hh], lane);
+                rs_stage<1>(p[hh], lane);
+                s[hh] = p[hh][0];  // the full dot of candidate row `lane`
+            }
+        }
+        const int j_me = tile * TJ + lane;
+        const bool valid = j_me < K && __ldg(idx_row + j_me) >= 0;
+
+        // ---- per-tile softmax statistics and P.V
+        float pv[HPW], mt[HPW], lt[HPW];
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            const float sj = valid ? __fmul_rn(s[hh], scale) : f32_ninf();
+            mt[hh] = warp_max(sj);
+            const float pj = valid ? expf(__fsub_rn(sj, mt[hh])) : 0.0f;
+            lt[hh] = warp_sum(pj);
+            pv[hh] = probs_bf16 ? round_bf16(pj) : pj;
+        }
+        float at[HPW][NCH][U];
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh)
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+                for (int u = 0; u < U; ++u) at[hh][ch][u] = 0.0f;
+#pragma unroll 4
+        for (int j = 0; j < TJ; ++j) {
+            float pj[HPW];
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) pj[hh] = __shfl_sync(0xffffffffu, pv[hh], j);
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch) {
+                float kf[U];
+                load_dims<U>(buf + j * D + L::dim(lane, ch), kf);
+#pragma unroll
+                for (int hh = 0; hh < HPW; ++hh)
+#pragma unroll
+                    for (int u = 0; u < U; ++u) at[hh][ch][u] = __fmaf_rn(pj[hh], kf[u], at[hh][ch][u]);
+            }
+        }
+        __syncthreads();  // every warp is done with buf before it is refilled
+
+        if (n_split == 1) {  // merge into the running state (same sequence as the combine kernel)
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                const float Mn = fmaxf(M[hh], mt[hh]);
+                const float a = merge_scale(M[hh], Mn), b = merge_scale(mt[hh], Mn);
+                Ls[hh] = __fadd_rn(__fmul_rn(Ls[hh], a), __fmul_rn(lt[hh], b));
+#pragma unroll
+                for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+                    for (int u = 0; u < U; ++u)
+                        A[hh][ch][u] = __fadd_rn(__fmul_rn(A[hh][ch][u], a), __fmul_rn(at[hh][ch][u], b));
+                M[hh] = Mn;
+            }
+        } else {  // write the tile partial
+#pragma unroll
+            for (int hh = 0; hh < HPW; ++hh) {
+                const i64 slot = (t * H + h0 + hh) * (i64)n_tiles + tile;
+                if (lane == 0) {
+                    ws_ml[2 * slot] = mt[hh];
+                    ws_ml[2 * slot + 1] = lt[hh];
+                }
+#pragma unroll
+                for (int ch = 0; ch < NCH; ++ch) {
+                    float* dst = ws_acc + slot * D + L::dim(lane, ch);
+#pragma unroll
+                    for (int u = 0; u < U; u += 4)
+                        *reinterpret_cast<float4*>(dst + u) =
+                            make_float4(at[hh][ch][u], at[hh][ch][u + 1], at[hh][ch][u + 2], at[hh][ch][u + 3]);
+                }
+            }
+        }
+    }
+
+    if (n_split == 1) {
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            const float den = __fadd_rn(Ls[hh], expf(__fsub_rn(__ldg(sink + h0 + hh), M[hh])));
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch) {
+                float o[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) o[u] = __fdiv_rn(A[hh][ch][u], den);
+                u16* dst = out + (t * H + h0 + hh) * (i64)D + L::dim(lane, ch);
+                if (U == 8) {
+                    stg16(dst, pack8(o));
+                } else {
+                    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// q: [T, H, D] bf16; kv: [N, ld_kv] bf16; idx: [T, K] int32 (-1 = skip); sink: [H] f32;
+// out: [T, H, D] bf16 (n_split = 1); ws_ml: [T, H, n_tiles, 2] f32, ws_acc: [T, H, n_tiles, D] f32
+// (n_split > 1, n_tiles = ceil(K/32)). grid (T, H/HG, n_split), block 32*NW,
+// dynamic smem 2*32*D*2 bytes.
+#define SPARSE_ATTN(NAME, D, HPW, NW)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                          \
+    NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
+         int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
+         int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc) {                  \
+        sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc); \
+    }
+
+SPARSE_ATTN(sparse_attn_d512_hg16, 512, 2, 8)
+SPARSE_ATTN(sparse_attn_d512_hg8, 512, 1, 8)
+SPARSE_ATTN(sparse_attn_d512_hg4, 512, 1, 4)
+SPARSE_ATTN(sparse_attn_d128_hg16, 128, 2, 8)
+SPARSE_ATTN(sparse_attn_d128_hg8, 128, 1, 8)
+SPARSE_ATTN(sparse_attn_d128_hg4, 128, 1, 4)
+
+// Merge per-tile partials in tile order (the fused path's exact sequence) and write o.
+// grid (T, H), block D/4: thread owns 4 consecutive dims.
+template <int D>
+DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
+                                  const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
+    const i64 th = (i64)blockIdx.x * H + blockIdx.y;
+    const int d0 = threadIdx.x * 4;
+    float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const i64 slot = th * n_tiles + tile;
+        const float mt = __ldg(ws_ml + 2 * slot), lt = __ldg(ws_ml + 2 * slot + 1);
+        const float4 at = __ldg(reinterpret_cast<const float4*>(ws_acc + slot * D + d0));
+        const float a4[4] = {at.x, at.y, at.z, at.w};
+        const float Mn = fmaxf(M, mt);
+        const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
+        Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
+        M = Mn;
+    }
+    const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + blockIdx.y), M)));
+    float o[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) o[u] = __fdiv_rn(A[u], den);
+    *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+sparse_attn_combine_d512(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
+                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
+    sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles);
+}
+extern "C" __global__ void __launch_bounds__(32)
+sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
+                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
+    sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles);
+}

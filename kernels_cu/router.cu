@@ -1,0 +1,155 @@
+// MoE router (dsv4_model_and_formats §5.1, M:546-584).
+//
+// router_logits_bf16: logits[t, e] = f32(x_t . W_e) for bf16 x [T, D] and bf16 W [E, D]
+//   (twin oracle.ops.router_logits: fp32 x . fp32 W^T). Each bf16 x bf16 product is exact in
+//   f32 and is accumulated in double (per lane in chunk order, then a warp xor-tree), so the
+//   rounded result is the twin's correctly rounded value (up to double-rounding ties). Grid
+//   (ceil(E/8), ceil(T/4)), block 256: warp = one expert row for 4 tokens (W read once per 4
+//   tokens). A row's result does not depend on T. Use it for decode; a cuBLASLt f32 GEMM may be
+//   used for long prefills (then the two paths agree only to f32 rounding).
+// router_select_e{32,64,128,256,384,512}: per token (one warp): s = sqrt(softplus(logit)) (torch
+//   softplus, threshold 20; exp/log1p evaluated in double and rounded to f32 at the twin's
+//   rounding points), then
+//     learned (bias != null): top-k of f32(s + bias), descending, ties -> lower expert id;
+//     hash (bias == null):    idx = tid2eid[token_ids[t]] (int32 table [V, k], converted from the
+//                             checkpoint's int64 at load), pick order kept;
+//   weights = (s[idx] / sum_j s[idx_j]) * f32(route_scale) in f32, the sum in pick order (twin
+//   host.routing.route). Outputs idx int32 [T, k] (the twin returns int64), weights f32 [T, k],
+//   scores f32 [T, E] (optional). Block 128 = 4 tokens.
+#include "common.cuh"
+
+using namespace memra;
+
+constexpr int RL_TOK = 4;
+
+// x: [T, D] bf16; w: [E, D] bf16; out: [T, E] f32. D % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+router_logits_bf16(const u16* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out,
+                   int T, int D, int E) {
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * RL_TOK;
+    if (e >= E) return;
+    double acc[RL_TOK];
+#pragma unroll
+    for (int t = 0; t < RL_TOK; ++t) acc[t] = 0.0;
+    const int nc = D >> 3;
+    for (int c = lane; c < nc; c += 32) {
+        float wf[8];
+        unpack8(ldg16(w + (i64)e * D + 8 * c), wf);
+#pragma unroll
+        for (int t = 0; t < RL_TOK; ++t) {
+            if (t0 + t < T) {
+                float xf[8];
+                unpack8(ldg16(x + (i64)(t0 + t) * D + 8 * c), xf);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[t] = __dadd_rn(acc[t], (double)__fmul_rn(wf[i], xf[i]));
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < RL_TOK; ++t) {
+        const double s = warp_sum(acc[t]);
+        if (lane == 0 && t0 + t < T) out[(i64)(t0 + t) * E + e] = __double2float_rn(s);
+    }
+}
+
+namespace {
+
+constexpr int RS_WARPS = 4;
+constexpr int RS_KMAX = 16;
+
+DEV float sqrtsoftplus(float x) {
+    float sp;
+    if (x > 20.0f) {
+        sp = x;
+    } else {
+        const float ex = __double2float_rn(exp((double)x));      // np.exp (f32)
+        sp = __double2float_rn(log1p((double)ex));               // np.log1p (f32)
+    }
+    return __fsqrt_rn(sp);
+}
+
+template <int EPL>
+DEV void router_select_body(const float* __restrict__ logits, const float* __restrict__ bias,
+                            const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
+                            int* __restrict__ idx_out, float* __restrict__ w_out,
+                            float* __restrict__ scores_out, int T, int E, int k, float route_scale) {
+    __shared__ float s_sh[RS_WARPS][32 * EPL];
+    __shared__ int sel[RS_WARPS][RS_KMAX];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const i64 t = (i64)blockIdx.x * RS_WARPS + wid;
+    if (t >= T) return;  // whole warp
+    float b[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        float s = 0.0f, bs = f32_ninf();
+        if (e < E) {
+            s = sqrtsoftplus(__ldg(logits + t * E + e));
+            if (scores_out != nullptr) scores_out[t * E + e] = s;
+            if (bias != nullptr) bs = __fadd_rn(s, __ldg(bias + e));
+        }
+        s_sh[wid][lane + 32 * i] = s;
+        b[i] = bs;
+    }
+    if (bias != nullptr) {
+        u32 taken = 0;
+        for (int j = 0; j < k; ++j) {
+            float bv = f32_ninf();
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                const int e = lane + 32 * i;
+                if (e < E && !((taken >> i) & 1u) && (b[i] > bv || bi == 0x7fffffff)) {
+                    bv = b[i];
+                    bi = e;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {  // (value desc, id asc): a total order
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < EPL; ++i)
+                if (bi == lane + 32 * i) taken |= 1u << i;
+            if (lane == 0) sel[wid][j] = bi;
+        }
+    } else if (lane < k) {
+        sel[wid][lane] = __ldg(tid2eid + (i64)__ldg(token_ids + t) * k + lane);
+    }
+    __syncwarp();
+    if (lane < k) {
+        float tot = s_sh[wid][sel[wid][0]];
+        for (int j = 1; j < k; ++j) tot = __fadd_rn(tot, s_sh[wid][sel[wid][j]]);
+        const int e = sel[wid][lane];
+        idx_out[t * k + lane] = e;
+        w_out[t * k + lane] = __fmul_rn(__fdiv_rn(s_sh[wid][e], tot), route_scale);
+    }
+}
+
+}  // namespace
+
+// logits [T, E] f32; bias [E] f32 (learned) or null (hash: tid2eid [V, k] int32, token_ids [T]
+// int32); idx_out [T, k] int32; w_out [T, k] f32; scores_out [T, E] f32 or null. E <= 32*EPL,
+// k <= 16. grid ceil(T/4), block 128.
+#define ROUTER_SELECT(NAME, EPL)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                            \
+    NAME(const float* __restrict__ logits, const float* __restrict__ bias,                       \
+         const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ idx_out, \
+         float* __restrict__ w_out, float* __restrict__ scores_out, int T, int E, int k, float route_scale) { \
+        router_select_body<EPL>(logits, bias, tid2eid, token_ids, idx_out, w_out, scores_out, T, E, k, \
+                                route_scale);                                                    \
+    }
+
+ROUTER_SELECT(router_select_e32, 1)
+ROUTER_SELECT(router_select_e64, 2)
+ROUTER_SELECT(router_select_e128, 4)
+ROUTER_SELECT(router_select_e256, 8)
+ROUTER_SELECT(router_select_e384, 12)
+ROUTER_SELECT(router_select_e512, 16)
