@@ -8,12 +8,13 @@ Contract
   them is compiled into the stem's module.  Registration is process-wide, so every device's
   loader builds the same modules.
 * ``KernelLoader(device_id)`` compiles for that device.  ``warm_all()`` compiles every
-  registered module and materialises every registered kernel (so no compile and no module
-  load happens on first use), returning milliseconds per module (printed under
-  ``MEMRA_DSV4_DEBUG=1``).  ``get(stem, name)`` returns the cached ``cupy.RawKernel``: the same
-  object on every call, never a new one (``RawModule.get_function`` builds a fresh RawKernel
-  each time, which costs host time and loses per-kernel attributes).  A stem whose registered
-  names grew after warmup is rebuilt on the next ``get``/``warm_all`` (announced at debug).
+  registered module and materialises every registered kernel, so no compile and no module
+  load happens on first use (``warm_all(stems)`` limits it to some stems); it returns
+  milliseconds per module (printed under ``MEMRA_DSV4_DEBUG=1``).  ``get(stem, name)``
+  returns the cached ``cupy.RawKernel``: the same object on every call, never a new one
+  (``RawModule.get_function`` builds a fresh RawKernel each time, which costs host time and
+  loses per-kernel attributes).  A stem whose registered names grew after warmup is rebuilt
+  on the next ``get``/``warm_all`` (announced at debug).
 * NVRTC options: ``-std=c++17 -arch=sm_90a -I<kernels_dir> -DMEMRA_DSV4_HEADERS=<hash>``.
     - ``-arch=sm_90a`` defines ``__CUDA_ARCH_FEAT_SM90_ALL`` (wgmma, setmaxnreg).  CuPy appends
       its own ``-arch=sm_90`` after ours; measured on CuPy 14.2 / H200, ours takes effect.
@@ -186,12 +187,13 @@ class KernelLoader:
                   f"({len(names)} kernels)", file=sys.stderr)
         return module
 
-    def warm_all(self) -> dict[str, float]:
-        """Compile (or load from the disk cache) every registered module that is not built yet,
-        or whose registered names changed; return the ms of each module's latest build."""
-        for stem in sorted(_REGISTRY):
+    def warm_all(self, stems=None) -> dict[str, float]:
+        """Compile (or load from the disk cache) every registered module (or just ``stems``)
+        not built yet or whose registered names changed; return ms of each latest build."""
+        todo = sorted(_REGISTRY) if stems is None else list(stems)
+        for stem in todo:
             self._build(stem)
-        return {stem: self.compile_ms[stem] for stem in sorted(_REGISTRY)}
+        return {stem: self.compile_ms[stem] for stem in todo}
 
     def module(self, stem: str):
         return self._build(stem)

@@ -103,9 +103,10 @@ def debug_sync(stream, what: str) -> None:
 def _debug_sync(stream, what: str) -> None:
     import cupy
 
-    if stream.is_capturing():
-        return
     try:
+        # After a fault every runtime call (is_capturing too) returns the sticky error.
+        if stream.is_capturing():
+            return
         stream.synchronize()
     except cupy.cuda.runtime.CUDARuntimeError as e:
         raise LaunchError(f"device error after launch {what!r} on device "

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The one script to run on the GPU machine, from the repository root, in a single call:
+#
+#   tools/gpu_check.sh                      # = tests
+#   tools/gpu_check.sh tests [PYTEST ARGS]  # GPU tests (tests/gpu, -m gpu); extra args go to pytest
+#   tools/gpu_check.sh bench-decode ARGS    # python3 -m bench.decode_step ARGS
+#   tools/gpu_check.sh bench-prefill ARGS   # python3 -m bench.prefill_step ARGS
+#   tools/gpu_check.sh all                  # tests, then both benches with their defaults
+#
+# What it does first, every time: installs the carried wheels (.whl/*.whl: nvmath-python,
+# nvtx; the machine has no internet) into /tmp/site without dependencies, puts /tmp/site and
+# the repository on PYTHONPATH (no install of the repo itself), and writes env.log (GPUs,
+# driver, package versions, cuBLASLt version).  Logs go to $OUT (the device tool's folder that
+# comes back; ./out when unset), flat names, at most 8 files: env.log, pip.log,
+# gpu_tests.log, bench_decode.log, bench_prefill.log and the newest bench result (json, png).
+# Exit status: non-zero when any step failed (later steps of "all" still run).
+# MEMRA_DSV4_DEBUG=1 in the environment makes every checked launch synchronise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+# ---------------------------------------------------------------------------- environment
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+        .whl/*.whl >"$OUT/pip.log" 2>&1 || { echo "gpu_check: wheel install failed, see pip.log"; cat "$OUT/pip.log"; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+
+{
+    echo "== $(date -u +%FT%TZ)  commit $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
+    nvidia-smi topo -m 2>/dev/null | head -8
+    "$PY" - <<'EOF' 2>&1
+import importlib, sys
+print("python", sys.version.split()[0])
+for mod in ("numpy", "cupy", "cuda.bindings", "cuda.core", "nvmath", "nvtx", "ml_dtypes", "torch"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod:<14}", getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
+    except Exception as e:
+        print(f"{mod:<14} MISSING ({type(e).__name__}: {e})")
+try:
+    import cupy
+    rt = cupy.cuda.runtime
+    print("cuda driver", rt.driverGetVersion(), "runtime", rt.runtimeGetVersion(),
+          "devices", rt.getDeviceCount())
+    n = rt.getDeviceCount()
+    for a in range(n):
+        print(f"  peer from {a}:", [rt.deviceCanAccessPeer(a, b) for b in range(n) if b != a])
+except Exception as e:
+    print("cupy runtime query failed:", e)
+try:
+    from nvmath.bindings import cublasLt
+    print("cublasLt", cublasLt.get_version())
+except Exception as e:
+    print("cublasLt load failed:", e)
+import os
+print("CUPY_CACHE_DIR", os.environ.get("CUPY_CACHE_DIR", "(set by memra_dsv4.gpu)"),
+      "MEMRA_DSV4_DEBUG", os.environ.get("MEMRA_DSV4_DEBUG", "0"))
+EOF
+} 2>&1 | tee "$OUT/env.log"
+
+# ---------------------------------------------------------------------------- steps
+status=0
+
+run_tests() {
+    echo "== gpu tests"
+    "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== gpu tests exit $rc" | tee -a "$OUT/gpu_tests.log"
+    return "$rc"
+}
+
+run_bench() {  # run_bench <log name> <python module> [args...]
+    local log=$1 module=$2
+    shift 2
+    if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
+        echo "gpu_check: module $module not found (bench not written yet?)" | tee "$OUT/$log"
+        return 1
+    fi
+    echo "== $module $*"
+    "$PY" -m "$module" "$@" 2>&1 | tee "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    # Bring back the newest result pair (json + png) under flat names.
+    local newest
+    newest=$(ls -t bench/results/*.json 2>/dev/null | head -1)
+    if [ -n "$newest" ]; then
+        cp "$newest" "$OUT/" && [ -f "${newest%.json}.png" ] && cp "${newest%.json}.png" "$OUT/"
+    fi
+    return "$rc"
+}
+
+step=${1:-tests}
+[ $# -gt 0 ] && shift
+case "$step" in
+    tests)         run_tests "$@" || status=1 ;;
+    bench-decode)  run_bench bench_decode.log bench.decode_step "$@" || status=1 ;;
+    bench-prefill) run_bench bench_prefill.log bench.prefill_step "$@" || status=1 ;;
+    all)
+        run_tests || status=1
+        run_bench bench_decode.log bench.decode_step || status=1
+        run_bench bench_prefill.log bench.prefill_step || status=1
+        ;;
+    *)
+        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|all]" >&2
+        exit 2 ;;
+esac
+echo "== gpu_check: $step finished with status $status (logs in $OUT)"
+exit "$status"
