@@ -1,0 +1,289 @@
+// Lightning indexer: scores and a deterministic top-k (dsv4_attention.md §5, M:380-433).
+//
+// indexer_scores_d128: I[t, k] = bf16( sum_h bf16( relu(bf16(q[t,h] . K[k])) * w[t,h] ) ) for
+//   k < n_valid[t] (columns n_valid[t] <= k < N are written as -inf), twin oracle.ops.indexer_scores.
+//   q.K: f32 FMA over d = 0..127 in order (bf16 x bf16 products are exact in f32; only the sums
+//   round), rounded once to bf16; relu * w is exact in f32, then bf16; the head sum is double in
+//   head order, rounded f64 -> f32 -> bf16 (the twin's order). A score depends only on (t, k).
+//   Layout: grid (ceil(N/64), T), block 256. A CTA stages q[t] ([H, 128] as f32) and 64 keys
+//   (transposed, [128][64] bf16) in shared memory; thread (hg = tid/16, kg = tid%16) computes 4
+//   heads x 4 consecutive keys (H % 4 == 0, H <= 64: the index_n_heads of every config); the 64 x H
+//   products go back to shared memory (reusing the key tile) for the ordered head sums. H <= 64.
+//   Dynamic smem: H*128*4 + 128*64*2 bytes (H = 64: 48 KiB).
+// indexer_topk: per token, the top min(k, n) of row t over columns < n = min(n_valid[t], N), score
+//   descending, ties -> lower index (host.indices.topk_desc), written as idx + offset with -1
+//   padding to `width` columns. order = 0: score order (oracle.ops.indexer_topk); order = 1:
+//   ascending index (the canonical compressed segment, host.indices.candidate_matrix).
+//   Scores are bf16 bits mapped to order-preserving 16-bit keys (-0 == +0). Radix select on the
+//   high then the low byte (shared histograms, warp-aggregated atomics: counts are exact, so the
+//   threshold is deterministic), then every key above the threshold plus the lowest-index
+//   `need` keys equal to it (ordered block compaction), then a bitonic sort of the <= 1024
+//   (key, index) pairs in shared memory. Block 512, grid T. k <= 1024; NaN scores unsupported.
+#include "common.cuh"
+
+using namespace memra;
+
+namespace {
+
+constexpr int IS_KC = 64;      // keys per CTA
+constexpr int IS_THREADS = 256;
+constexpr int IS_D = 128;
+
+}  // namespace
+
+// q: [T, H, 128] bf16; w: [T, H] bf16 (indexer head weights, already scaled and stored);
+// keys: [N, ld_k] bf16; n_valid: [T] int32; out: [T, ld_out] bf16. H % 4 == 0, H <= 64.
+// grid (ceil(N/64), T), block 256, dynamic smem H*512 + 16384 bytes.
+extern "C" __global__ void __launch_bounds__(IS_THREADS)
+indexer_scores_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
+                    int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H, int N) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* qs = reinterpret_cast<float*>(smem_raw);                      // [H][128]
+    u16* kt = reinterpret_cast<u16*>(smem_raw + (size_t)H * IS_D * 4);   // [128][64]
+    float* prod = reinterpret_cast<float*>(kt);                           // [64 keys][H] after the dots (H <= 64)
+    const i64 t = blockIdx.y;
+    const int k0 = blockIdx.x * IS_KC;
+    const int nv = min(__ldg(n_valid + t), N);
+    u16* orow = out + t * ld_out;
+    if (k0 >= nv) {  // nothing causal here: -inf
+        for (int j = threadIdx.x; j < IS_KC; j += IS_THREADS)
+            if (k0 + j < N) orow[k0 + j] = 0xff80u;
+        return;
+    }
+    // stage q[t] as f32 and the key tile transposed
+    const u16* qt = q + t * H * IS_D;
+    for (int c = threadIdx.x; c < H * IS_D / 8; c += IS_THREADS) {
+        float f[8];
+        unpack8(ldg16(qt + 8 * c), f);
+        *reinterpret_cast<float4*>(qs + 8 * c) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4*>(qs + 8 * c + 4) = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    for (int c = threadIdx.x; c < IS_KC * IS_D / 8; c += IS_THREADS) {
+        const int kk = c % IS_KC, dc = c / IS_KC;  // a warp writes 32 consecutive keys of one dim row
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (k0 + kk < nv) v = ldg16(keys + (i64)(k0 + kk) * ld_k + 8 * dc);
+        const u32 ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            kt[(8 * dc + 2 * i) * IS_KC + kk] = (u16)(ws[i] & 0xffffu);
+            kt[(8 * dc + 2 * i + 1) * IS_KC + kk] = (u16)(ws[i] >> 16);
+        }
+    }
+    __syncthreads();
+    const int hg = threadIdx.x >> 4, kg = threadIdx.x & 15;
+    const int h0 = hg * 4;  // this thread's 4 heads (idle when h0 >= H)
+    float dot[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) dot[a][b] = 0.0f;
+    if (h0 < H) {
+        for (int d = 0; d < IS_D; d += 4) {
+            float qv[4][4], kv[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float4 v = *reinterpret_cast<const float4*>(qs + (h0 + a) * IS_D + d);
+                qv[a][0] = v.x; qv[a][1] = v.y; qv[a][2] = v.z; qv[a][3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint2 v = *reinterpret_cast<const uint2*>(kt + (d + i) * IS_KC + 4 * kg);
+                kv[i][0] = bf16lo(v.x); kv[i][1] = bf16hi(v.x); kv[i][2] = bf16lo(v.y); kv[i][3] = bf16hi(v.y);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)  // d ascending for every (head, key)
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[i][b], dot[a][b]);
+        }
+    }
+    __syncthreads();  // the key tile becomes the product buffer [64 keys][64 heads]
+    if (h0 < H) {
+        const u16* wt = w + t * H;
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const float wv = bf16_to_f32(__ldg(wt + h0 + a));
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const float s = fmaxf(round_bf16(dot[a][b]), 0.0f);
+                prod[(4 * kg + b) * 64 + h0 + a] = round_bf16(__fmul_rn(s, wv));
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < IS_KC) {
+        const int k = k0 + threadIdx.x;
+        const float* pr = prod + threadIdx.x * 64;
+        double acc = (double)pr[0];
+        for (int h = 1; h < H; ++h) acc = __dadd_rn(acc, (double)pr[h]);
+        if (k < N) orow[k] = k < nv ? (u16)f64_to_bf16(acc) : (u16)0xff80u;
+    }
+}
+
+namespace {
+
+constexpr int TK_THREADS = 512;
+constexpr int TK_KMAX = 1024;
+
+DEV u32 score_key(u32 b) {  // bf16 bits -> order-preserving 16-bit key; -0 == +0
+    if ((b & 0x7fffu) == 0u) b = 0u;
+    return (b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u);
+}
+
+// Given hist[256] (shared) and `need` >= 1, find the bucket b with above(b) < need <= above(b) + hist[b],
+// scanning from the top. Returns b; *above_out = number of keys in buckets > b. Called by warp 0.
+DEV int find_bucket(const int* hist, int need, int* above_out) {
+    const int lane = threadIdx.x & 31;
+    // lane l owns buckets 255-8l .. 248-8l (descending)
+    int c[8], sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        c[i] = hist[255 - 8 * lane - i];
+        sum += c[i];
+    }
+    int incl = sum;  // inclusive prefix over lanes (descending buckets)
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+    }
+    const int excl = incl - sum;
+    const u32 hit = __ballot_sync(0xffffffffu, excl < need && need <= incl);
+    const int src = __ffs(hit) - 1;
+    int b = 0, above = 0;
+    if (lane == src) {
+        int run = excl;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            if (run < need && need <= run + c[i]) {
+                b = 255 - 8 * lane - i;
+                above = run;
+                break;
+            }
+            run += c[i];
+        }
+    }
+    b = __shfl_sync(0xffffffffu, b, src);
+    above = __shfl_sync(0xffffffffu, above, src);
+    *above_out = above;
+    return b;
+}
+
+DEV void hist_add(int* hist, u32 bin, bool active) {
+    const u32 peers = __match_any_sync(0xffffffffu, active ? bin : 0xffffffffu);
+    const int leader = __ffs(peers) - 1;
+    if (active && (int)(threadIdx.x & 31) == leader) atomicAdd(hist + bin, __popc(peers));
+}
+
+}  // namespace
+
+// scores: [T, ld_s] bf16; n_valid: [T] int32; out: [T, ld_out] int32 (first `width` columns
+// written); k <= 1024, width >= min(k, N). grid (T), block 512.
+extern "C" __global__ void __launch_bounds__(TK_THREADS)
+indexer_topk(const u16* __restrict__ scores, int ld_s, const int* __restrict__ n_valid, int N, int k,
+             int* __restrict__ out, int ld_out, int width, int offset, int order) {
+    __shared__ int hist[256];
+    __shared__ u64 items[TK_KMAX];
+    __shared__ int warp_cnt[TK_THREADS / 32];
+    __shared__ int s_b1, s_above1, s_b2, s_above2, s_count;
+    const i64 t = blockIdx.x;
+    const u16* row = scores + t * ld_s;
+    const int n = min(__ldg(n_valid + t), N);
+    const int ksel = min(k, n);
+    int thr = -1, n_gt = 0;  // keys > thr are all taken; `need` keys == thr, lowest index first
+    if (ksel > 0 && ksel < n) {
+        for (int i = threadIdx.x; i < 256; i += TK_THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int base = 0; base < n; base += TK_THREADS) {
+            const int j = base + threadIdx.x;
+            const bool act = j < n;
+            hist_add(hist, act ? score_key(row[j]) >> 8 : 0u, act);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            int above;
+            const int b = find_bucket(hist, ksel, &above);
+            if (threadIdx.x == 0) { s_b1 = b; s_above1 = above; }
+        }
+        __syncthreads();
+        const int b1 = s_b1, above1 = s_above1;
+        for (int i = threadIdx.x; i < 256; i += TK_THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int base = 0; base < n; base += TK_THREADS) {
+            const int j = base + threadIdx.x;
+            const u32 key = j < n ? score_key(row[j]) : 0u;
+            const bool act = j < n && (int)(key >> 8) == b1;
+            hist_add(hist, key & 0xffu, act);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            int above;
+            const int b = find_bucket(hist, ksel - above1, &above);
+            if (threadIdx.x == 0) { s_b2 = b; s_above2 = above; }
+        }
+        __syncthreads();
+        thr = (b1 << 8) | s_b2;
+        n_gt = above1 + s_above2;
+    }
+    // collect: every key > thr (any slot order: the sort below makes it deterministic), then the
+    // first `need` keys == thr in index order
+    if (threadIdx.x == 0) s_count = 0;
+    __syncthreads();
+    const int need = ksel - n_gt;
+    int eq_base = 0;
+    for (int base = 0; base < n; base += TK_THREADS) {
+        const int j = base + threadIdx.x;
+        const u32 key = j < n ? score_key(row[j]) : 0u;
+        const bool gt = j < n && (int)key > thr;
+        const bool eq = j < n && thr >= 0 && (int)key == thr;
+        if (gt) {
+            const int slot = atomicAdd(&s_count, 1);
+            items[slot] = ((u64)key << 32) | (u64)(0xffffffffu - (u32)j);
+        }
+        // ordered compaction of the ties
+        const u32 bal = __ballot_sync(0xffffffffu, eq);
+        const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+        if (lane == 0) warp_cnt[wid] = __popc(bal);
+        __syncthreads();
+        int before = eq_base, total = 0;
+        for (int w2 = 0; w2 < TK_THREADS / 32; ++w2) {
+            if (w2 < wid) before += warp_cnt[w2];
+            total += warp_cnt[w2];
+        }
+        before += __popc(bal & ((1u << lane) - 1u));
+        if (eq && before < need) items[n_gt + before] = ((u64)key << 32) | (u64)(0xffffffffu - (u32)j);
+        eq_base += total;
+        __syncthreads();
+    }
+    // sort ksel items descending by (key, -index), or by -index only for order == 1
+    int P = 1;
+    while (P < ksel) P <<= 1;
+    for (int i = threadIdx.x; i < P; i += TK_THREADS) {
+        if (i >= ksel) {
+            items[i] = 0ull;
+        } else if (order == 1) {
+            items[i] &= 0xffffffffull;
+        }
+    }
+    __syncthreads();
+    for (int size = 2; size <= P; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < P; i += TK_THREADS) {
+                const int pj = i ^ stride;
+                if (pj > i) {
+                    const u64 a = items[i], b = items[pj];
+                    const bool desc = (i & size) == 0;  // final order: descending
+                    if (desc ? (a < b) : (a > b)) {
+                        items[i] = b;
+                        items[pj] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    int* orow = out + t * ld_out;
+    for (int i = threadIdx.x; i < width; i += TK_THREADS)
+        orow[i] = i < ksel ? (int)(0xffffffffu - (u32)(items[i] & 0xffffffffull)) + offset : -1;
+}
