@@ -73,7 +73,9 @@ import numpy as np
 
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.rope import layer_cos_sin
+from memra_dsv4.host.routing import route_weights, sqrtsoftplus
 from memra_dsv4.oracle import ops
+from memra_dsv4.oracle._blas import single_threaded_blas
 from memra_dsv4.seams import NumericsPolicy, policy
 
 __all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
@@ -122,6 +124,14 @@ def check_token_ids(token_ids, vocab: int, what: str = "token_ids") -> np.ndarra
         raise ValueError(f"{what}[{i}] = {int(a[i])} is outside the vocabulary 0..{vocab - 1} "
                          f"({int(bad.sum())} ids out of range)")
     return a.astype(np.int64)
+
+
+def _forced(value, shape, name: str, where: str) -> np.ndarray:
+    a = np.asarray(value)
+    if a.shape != tuple(shape) or a.dtype.kind not in "iu":
+        raise ValueError(f"force_decisions {where} {name}: expected integer array of shape "
+                         f"{tuple(shape)}, got {a.dtype} {a.shape}")
+    return a
 
 
 # --------------------------------------------------------------------------- one layer
@@ -185,9 +195,9 @@ class _Layer:
                                              eps=cfg.rms_norm_eps, pol=pol)
         return ent, (a, z)
 
-    def indexer_select(self, x, qr, positions, cos, sin, cap):
+    def indexer_select(self, x, qr, positions, cos, sin, cap, force=None):
         """CSA top-k per query over the complete indexer keys (M:380-433).
-        Returns the selection [T, min(topk, n)] in score order, -1 padded."""
+        Returns the selection [T, min(topk, n)] in score order, -1 padded (or ``force``)."""
         cfg, pol = self.cfg, self.pol
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         qI = ops.linear(qr, self.w("attn.indexer.wq_b.weight"), "fp8", pol=pol)
@@ -199,6 +209,8 @@ class _Layer:
         scores = ops.indexer_scores(qI, wts, keys, pol=pol)
         sel = ops.indexer_topk(scores, hidx.n_complete(np.asarray(positions), self.ratio),
                                cfg.index_topk)
+        if force is not None:
+            sel = _forced(force, sel.shape, "attn.index.sel", self.p)
         if cap is not None:
             cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys,
                         "attn.index.scores": scores, "attn.index.sel": sel})
@@ -216,7 +228,7 @@ class _Layer:
         u = ops.wo_grouped(o, self.w("attn.wo_a.weight"), groups=cfg.o_groups, pol=pol)
         return o, ops.linear(u, self.w("attn.wo_b.weight"), "fp8", pol=pol)
 
-    def attention_prefill(self, x, cap):
+    def attention_prefill(self, x, cap, force=None):
         """The attention sub-layer for positions 0..S-1 (M:484-543, start_pos = 0)."""
         cfg = self.cfg
         S = x.shape[0]
@@ -228,7 +240,8 @@ class _Layer:
         kv_rows, comp_sel, comp = kv, None, None
         if self.ratio:
             if self.kind == "csa":
-                comp_sel = self.indexer_select(x, qr, pos, cos, sin, cap)
+                comp_sel = self.indexer_select(x, qr, pos, cos, sin, cap,
+                                               (force or {}).get("attn.index.sel"))
             else:
                 comp_sel = hidx.hca_matrix(S, self.ratio)
             comp, _ = self.compress(x, pos, indexer=False)
@@ -244,10 +257,14 @@ class _Layer:
         return out
 
     # ---------------------------------------------------------------------- MoE
-    def moe(self, x, token_ids, cap):
+    def moe(self, x, token_ids, cap, force=None):
         cfg, pol = self.cfg, self.pol
         logits = ops.router_logits(x, self.w("ffn.gate.weight"), pol=pol)
-        if self.hash:
+        if force is not None:  # replay picks of another run; weights from this run's scores
+            idx = _forced(force, (x.shape[0], cfg.num_experts_per_tok), "moe.idx", self.p)
+            scores = sqrtsoftplus(logits)
+            wts = route_weights(scores, idx.astype(np.int64), cfg.routed_scaling_factor)
+        elif self.hash:
             idx, wts, scores = ops.router(logits, k=cfg.num_experts_per_tok,
                                           route_scale=cfg.routed_scaling_factor,
                                           tid2eid=self.o.tid2eid(self.p), token_ids=token_ids)
@@ -282,18 +299,18 @@ class _Layer:
                           iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                           norm_eps=cfg.rms_norm_eps, pol=self.pol)
 
-    def block_prefill(self, streams, token_ids, cap):
+    def block_prefill(self, streams, token_ids, cap, force=None):
         cfg, pol = self.cfg, self.pol
         x, post, comb = self.hc_pre(streams, "attn")
         xn = ops.rmsnorm(x, self.w("attn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-        a = self.attention_prefill(xn, cap)
+        a = self.attention_prefill(xn, cap, force)
         s1 = ops.hc_post(a, streams, post, comb, pol=pol)
         if cap is not None:
             cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
                         "attn_norm": xn, "attn.streams": s1})
         x, post, comb = self.hc_pre(s1, "ffn")
         xn = ops.rmsnorm(x, self.w("ffn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-        f = self.moe(xn, token_ids, cap)
+        f = self.moe(xn, token_ids, cap, (force or {}).get("moe.idx"))
         s2 = ops.hc_post(f, s1, post, comb, pol=pol)
         if cap is not None:
             cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
@@ -350,15 +367,29 @@ class Oracle:
         return y, yn, ops.lm_head(yn[rows], self.weight("head.weight"), pol=pol)
 
     # ---------------------------------------------------------------- prefill
-    def prefill(self, token_ids, all_logits: bool = False, capture: bool = False) -> ForwardOut:
+    def prefill(self, token_ids, all_logits: bool = False, capture: bool = False, *,
+                force_decisions=None) -> ForwardOut:
+        """See the module doc.  ``force_decisions`` (testing/diagnosis): a list with one dict
+        per trunk block holding "moe.idx" [S, k] and/or "attn.index.sel" [S, w] (e.g. the
+        ``captures`` of another run); those discrete choices are replayed instead of recomputed
+        (routing weights still come from this run's scores), so two numeric classes can be
+        compared without router / indexer near-tie flips."""
+        with single_threaded_blas():
+            return self._prefill(token_ids, all_logits, capture, force_decisions)
+
+    def _prefill(self, token_ids, all_logits, capture, force_decisions) -> ForwardOut:
         cfg, pol = self.config, self.pol
         ids = check_token_ids(token_ids, cfg.vocab_size)
+        if force_decisions is not None and len(force_decisions) != len(self.layers):
+            raise ValueError(f"force_decisions has {len(force_decisions)} entries; expected one "
+                             f"per trunk block ({len(self.layers)})")
         e = self._embed(ids)
         streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
         caps = [] if capture else None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             cap = {} if capture else None
-            streams = layer.block_prefill(streams, ids, cap)
+            streams = layer.block_prefill(streams, ids, cap,
+                                          None if force_decisions is None else force_decisions[i])
             if capture:
                 caps.append(cap)
         rows = slice(None) if all_logits else slice(-1, None)
@@ -369,6 +400,10 @@ class Oracle:
 
     # ---------------------------------------------------------------- MTP
     def mtp_forward(self, hc_state_rows, next_token_ids, capture: bool = False) -> MtpOut:
+        with single_threaded_blas():
+            return self._mtp_forward(hc_state_rows, next_token_ids, capture)
+
+    def _mtp_forward(self, hc_state_rows, next_token_ids, capture) -> MtpOut:
         cfg, pol = self.config, self.pol
         if not self.mtp_layers:
             raise ValueError(f"config {cfg.name!r} has no MTP block (drafter kind "
