@@ -38,13 +38,15 @@ and return 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 
 from memra_dsv4.config import CSA_RATIO, ConfigError, Dsv4Config, preset
-from memra_dsv4.tensors import EXPERT_FORMATS, G_EMBED, G_EXPERTS, G_HEAD, TensorSpec, expected_tensors
+from memra_dsv4.tensors import (EXPERT_FORMATS, G_EMBED, G_EXPERTS, G_HEAD, TensorSpec,
+                                expected_tensors)
 
 __all__ = ["plan_split", "Placement", "Stage", "PlacementError", "weight_bytes_on_device",
            "layer_kv_bytes", "DENSE_ARMS", "DEFAULT_WORKSPACE_BYTES", "DEFAULT_CONTEXT_BYTES",
@@ -69,6 +71,11 @@ def weight_bytes_on_device(spec: TensorSpec, dense: str) -> int:
     if spec.kind == "e8m0":                      # its 128x128 block-scale sidecar
         return 0 if dense == "bf16" else spec.nbytes * 4
     return spec.nbytes
+
+
+@functools.lru_cache(maxsize=8)
+def _specs(cfg: Dsv4Config, experts: str) -> tuple[TensorSpec, ...]:
+    return tuple(expected_tensors(cfg, experts))   # ~100k specs for Flash: build once
 
 
 def layer_kv_bytes(cfg: Dsv4Config, layer: int, max_seq_len: int, max_batch: int = 1) -> int:
@@ -190,7 +197,7 @@ def plan_split(cfg: Dsv4Config, n_devices: int, experts: str = "mxfp4", max_seq_
         raise PlacementError(f"max_seq_len ({max_seq_len}) and max_batch ({max_batch}) must be "
                              f">= 1 and workspace_bytes ({workspace_bytes}) >= 0")
 
-    specs = expected_tensors(cfg, experts)
+    specs = _specs(cfg, experts)
     layer_w = [0] * n_layers
     embed_w = head_w = drafter_w = 0
     for s in specs:

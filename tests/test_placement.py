@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -20,9 +21,14 @@ from memra_dsv4.tensors import expected_tensors
 FLASH = preset("flash")
 
 
+@functools.lru_cache(maxsize=None)
+def _table(cfg, experts="mxfp4"):
+    return tuple(expected_tensors(cfg, experts))
+
+
 def _whole(cfg, experts="mxfp4", dense="stored", max_seq_len=4096, workspace=0, n=1, drafter=True):
     """Everything the devices hold together, summed independently of the split."""
-    specs = expected_tensors(cfg, experts)
+    specs = _table(cfg, experts)
     n_layers = cfg.num_hidden_layers
     w = sum(weight_bytes_on_device(s, dense) for s in specs
             if drafter or s.layer is None or s.layer < n_layers)
@@ -74,22 +80,19 @@ def test_totals_sum_to_the_whole_and_ranges_tile_the_trunk(n, dense):
 
 def test_three_devices_is_optimal_against_brute_force():
     p = plan_split(FLASH, 3, dense="stored")
-    best = None
     L = FLASH.num_hidden_layers
-    for a in range(1, L - 1):
-        for b in range(a + 1, L):
-            try_p = [p.layer_bytes[:a], p.layer_bytes[a:b], p.layer_bytes[b:]]
-            extra = [p.stages[0].total_bytes - sum(p.layer_bytes[p.stages[0].layers.start:p.stages[0].layers.stop]),
-                     p.stages[1].total_bytes - sum(p.layer_bytes[p.stages[1].layers.start:p.stages[1].layers.stop]),
-                     p.stages[2].total_bytes - sum(p.layer_bytes[p.stages[2].layers.start:p.stages[2].layers.stop])]
-            worst = max(sum(x) + e for x, e in zip(try_p, extra))
-            best = worst if best is None else min(best, worst)
+    # What each stage carries besides its layers (embed / head + drafter, workspace).
+    extra = [s.total_bytes - sum(p.layer_bytes[s.layers.start:s.layers.stop]) for s in p.stages]
+    best = min(
+        max(sum(p.layer_bytes[:a]) + extra[0], sum(p.layer_bytes[a:b]) + extra[1],
+            sum(p.layer_bytes[b:]) + extra[2])
+        for a in range(1, L - 1) for b in range(a + 1, L))
     assert p.max_stage_bytes == best
 
 
 def test_dense_bf16_arm_doubles_fp8_linears_only():
     """Reference doc: non-expert weights of the 43 trunk layers are 6.27 GiB stored, 11.7 in bf16."""
-    specs = expected_tensors(FLASH)
+    specs = _table(FLASH)
     trunk = [s for s in specs if s.layer is not None and s.layer < 43 and s.group != "experts"]
     assert round(sum(weight_bytes_on_device(s, "stored") for s in trunk) / GiB, 2) == 6.27
     assert round(sum(weight_bytes_on_device(s, "bf16") for s in trunk) / GiB, 1) == 11.7

@@ -1,4 +1,4 @@
-"""The workspace arena: every device buffer of the runtime lives at a fixed offset of ONE allocation.
+"""The workspace arena: every device buffer lives at a fixed offset of ONE allocation per device.
 
 Contract
 --------

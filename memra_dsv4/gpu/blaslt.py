@@ -1,4 +1,4 @@
-"""cuBLASLt GEMM plans for the linear layers, Y[M,N] = X[M,K] . W[N,K]^T, via nvmath.bindings.cublasLt.
+"""cuBLASLt GEMM plans for the linear layers, Y[M,N] = X[M,K] . W[N,K]^T (nvmath.bindings).
 
 Contract
 --------
@@ -265,6 +265,7 @@ class GemmPlan:
 
         lt = _lt()
         self.key = key
+        self._ctx = lt_ctx   # keeps the handle and the workspace alive as long as the plan
         self.device_id = lt_ctx.device_id
         self.handle = lt_ctx.handle
         self.workspace_ptr = lt_ctx.workspace_ptr
@@ -284,10 +285,10 @@ class GemmPlan:
                 if key.block_scaled:
                     self._set_desc(A.A_SCALE_MODE, int(lt.MatmulMatrixScale.BLK128x128_32F))
                     self._set_desc(A.B_SCALE_MODE, int(lt.MatmulMatrixScale.VEC128_32F))
-                layouts = key.layouts()
-                self.a_layout = lt.matrix_layout_create(_cuda_dtype(layouts["A"][0]), *layouts["A"][1:])
-                self.b_layout = lt.matrix_layout_create(_cuda_dtype(layouts["B"][0]), *layouts["B"][1:])
-                self.d_layout = lt.matrix_layout_create(_cuda_dtype(layouts["D"][0]), *layouts["D"][1:])
+                layouts = key.layouts()   # C = D: beta is 0, C is never read
+                for attr, which in (("a_layout", "A"), ("b_layout", "B"), ("d_layout", "D")):
+                    dtype, rows, cols, ld = layouts[which]
+                    setattr(self, attr, lt.matrix_layout_create(_cuda_dtype(dtype), rows, cols, ld))
             except Exception as e:
                 self.close()
                 raise BlasLtError(f"{key.label}: building descriptors failed: {e}") from e
@@ -390,7 +391,9 @@ class GemmPlan:
 
         key = self.key
         storage = {"bf16": np.uint16, "f32": np.float32, "e4m3": np.uint8}
-        checks = [("w", w, key.w_shape, key.a_dtype, True), ("x", x, key.x_shape, key.b_dtype, False),
+        # W must be exactly [N, K]; X and Y may have spare rows beyond M (bucket padding).
+        checks = [("w", w, key.w_shape, key.a_dtype, True),
+                  ("x", x, key.x_shape, key.b_dtype, False),
                   ("y", y, key.y_shape, key.d_dtype, False)]
         for label, arr, shape, dt, exact in checks:
             ok_shape = arr.shape == shape if exact else (

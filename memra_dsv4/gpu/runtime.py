@@ -1,4 +1,4 @@
-"""Devices, streams, peer access, the CUDA version check, debug synchronisation, and the stage-boundary copy.
+"""Devices, streams, peer access, version check, debug synchronisation, stage-boundary copy.
 
 Contract
 --------
@@ -8,13 +8,13 @@ Contract
   and enables peer access between every ordered pair of listed devices for which
   ``cudaDeviceCanAccessPeer`` says yes ("already enabled" is fine).  Enabled pairs are recorded
   module-wide (``peer_enabled``) so ``boundary_copy`` can pick its path.
-* ``MEMRA_DSV4_DEBUG=1`` is read ONCE, at import of this module, and announced on stderr.  With
-  it, ``debug_sync(stream, what)`` synchronises ``stream`` after a launch and raises
-  ``LaunchError`` naming ``what`` when the device reports an error; ``checked(name)`` decorates
-  an op so that every call is followed by ``debug_sync`` on the current stream.  Without it
-  ``debug_sync`` is one flag test and ``checked`` returns the function unchanged (no wrapper,
-  no cost).  ``debug_sync`` is a no-op while the stream is capturing (synchronising would
-  invalidate the capture).
+* ``MEMRA_DSV4_DEBUG=1`` (the ``debug`` seam of ``memra_dsv4.seams``) is read ONCE, at import
+  of this module, and announced on stderr.  With it, ``debug_sync(stream, what)``
+  synchronises ``stream`` after a launch and raises ``LaunchError`` naming ``what`` when the
+  device reports an error; ``checked(name)`` decorates an op so that every call is followed
+  by ``debug_sync`` on its stream.  Without it ``debug_sync`` is one flag test and
+  ``checked`` returns the function unchanged (no wrapper, no cost).  ``debug_sync`` is a
+  no-op while the stream is capturing (synchronising would invalidate the capture).
 * ``boundary_copy(dst, src, nbytes, stream)`` moves the hidden state across a pipeline stage
   boundary.  With peer access it is ONE ``cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault,
   stream)``: capturable into a CUDA graph, unlike ``cudaMemcpyPeerAsync`` (verified_on_h200.md).
@@ -22,17 +22,19 @@ Contract
   buffer: device->host on ``stream``, an event, host->device on ``dst_stream`` (default:
   ``stream``; a memcpy may be issued to a stream of another device).  A second event marks the
   bounce buffer free again, and the next bounce waits on it, so back-to-back boundary copies
-  on different streams never overwrite a buffer still being read.  Both paths are
-  asynchronous; the consumer orders itself after the copy with an event as usual.
+  on different streams never overwrite a buffer still being read; a buffer outgrown by a
+  larger copy is kept, never freed, since a captured graph may hold its address.  Both paths
+  are asynchronous; the consumer orders itself after the copy with an event as usual.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
+from memra_dsv4.seams import SEAM_DEBUG, env_value
 
 __all__ = [
     "DEBUG", "LaunchError", "CudaVersionError", "check_versions", "Devices", "DeviceHandles",
@@ -42,13 +44,11 @@ __all__ = [
 
 
 def _read_debug_flag() -> bool:
-    raw = os.environ.get("MEMRA_DSV4_DEBUG", "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"MEMRA_DSV4_DEBUG = {raw!r} is not valid; allowed: 0, 1")
-    if raw == "1":
+    value = env_value(SEAM_DEBUG)   # validated against the seam registry ("0" / "1")
+    if value == "1":
         print("memra_dsv4: debug = 1 (every checked launch synchronises its stream)",
               file=sys.stderr)
-    return raw == "1"
+    return value == "1"
 
 
 DEBUG: bool = _read_debug_flag()
@@ -255,6 +255,7 @@ class _Bounce:
     def __init__(self) -> None:
         self.mem = None
         self.nbytes = 0
+        self._retired: list = []  # outgrown buffers: a captured graph may still point at one
         self._events: dict[tuple[str, int], object] = {}
         self.free = None         # the event recorded after the last host->device half
         self.free_token = None   # ("eager",) or ("capture", epoch) of that record
@@ -264,8 +265,8 @@ class _Bounce:
 
         if self.mem is not None and nbytes <= self.nbytes:
             return
-        if self.free is not None and self.free_token == ("eager",):
-            self.free.synchronize()  # the old buffer may still be read by an earlier H2D
+        if self.mem is not None:
+            self._retired.append(self.mem)  # never freed: graphs captured on it stay valid
         # Portable: pinned for every context, so both devices' copies run at full speed.
         self.mem = cupy.cuda.PinnedMemory(nbytes, cupy.cuda.runtime.hostAllocPortable)
         self.nbytes = nbytes
