@@ -1,0 +1,434 @@
+"""The GPU prefill of DeepSeek-V4 (bf16 numeric class), pipelined over devices.
+
+API
+---
+``Dsv4Gpu.load(ckpt, devices=(0,), numerics="bf16", force_bounce=False)``
+    Uploads ``ckpt`` (a ``memra_dsv4.checkpoint.Checkpoint``) split over ``devices`` with
+    ``placement.plan_split`` (embedding on the first device, head group on the last); tqdm
+    progress, then prints the bytes placed on each device.
+``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4")``
+    Random weights built on the devices in the stored formats (full-size benchmarks).
+``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
+    ``logits`` [vocab] float32 of the last position (NumPy), ``hc_state`` [hc, dim], ``streams``
+    None (not gathered; pass ``capture=True`` for host copies), ``captures``: one dict per
+    block with the oracle's capture names (NumPy), ``captures_top``: embed / hc_head /
+    final_norm.  ``boundary_paths`` records "peer"/"bounce" per stage boundary.
+``generate_reprefill(ids, max_new) -> list[int]``: greedy continuation by re-prefill.
+
+Invalid token ids (out of range, empty, non-integer, longer than ``max_seq_len``) raise
+``ValueError`` before any device work.  Only the ``bf16`` numeric class is implemented.
+
+Exactly one stage-boundary copy per boundary per forward: the [S, hc, dim] float32 streams
+move with ``runtime.boundary_copy`` (peer copy with peer access, else a pinned host bounce;
+``force_bounce=True`` forces the bounce for tests).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from memra_dsv4.config import Dsv4Config, preset
+from memra_dsv4.host import indices as hidx
+from memra_dsv4.host.rope import layer_cos_sin
+from memra_dsv4.oracle.model import ForwardOut, check_token_ids
+from memra_dsv4.profiling import phase
+
+__all__ = ["Dsv4Gpu", "ForwardOut"]
+
+
+class Dsv4Gpu:
+    def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
+                 force_bounce: bool = False, max_seq_len: int | None = None) -> None:
+        import cupy as cp
+        from memra_dsv4.gpu import runtime
+        from memra_dsv4.gpu.ops_glue import GemmBackend
+
+        if numerics != "bf16":
+            raise ValueError(f"numerics = {numerics!r}: the GPU path implements only 'bf16'")
+        self.config = config
+        self.stages = stages
+        self.devices = tuple(devices)
+        self.numerics = numerics
+        self.force_bounce = bool(force_bounce)
+        self.max_seq_len = int(max_seq_len or min(config.max_position_embeddings, 65536))
+        self.devs = runtime.Devices(self.devices)
+        self.gemm = {d: GemmBackend(d) for d in self.devices}
+        self.boundary_paths: list[str] = []
+        self._cp = cp
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _plan(cfg, devices, experts):
+        from memra_dsv4.gpu.weights import weight_plan
+        return weight_plan(cfg, len(devices), experts)
+
+    @classmethod
+    def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
+             max_seq_len: int | None = None) -> "Dsv4Gpu":
+        from memra_dsv4.gpu.weights import load_stage_weights
+
+        devices = tuple(int(d) for d in devices)
+        cfg = ckpt.config
+        kinds = set(ckpt.expert_kinds.values()) if hasattr(ckpt, "expert_kinds") else {"mxfp4"}
+        plan = cls._plan(cfg, devices, "nvfp4" if "nvfp4" in kinds else "mxfp4")
+        bar = _bar(len(ckpt.names()), "loading")
+        stages = [load_stage_weights(ckpt, devices[i], layers, emb, head, progress=bar)
+                  for i, layers, emb, head in plan]
+        if bar is not None:
+            bar.close()
+        _print_bytes(stages)
+        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len)
+
+    @classmethod
+    def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
+                  force_bounce: bool = False, max_seq_len: int | None = None) -> "Dsv4Gpu":
+        from memra_dsv4.gpu.weights import synthetic_stage_weights
+        from memra_dsv4.tensors import expected_tensors
+
+        cfg = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
+        devices = tuple(int(d) for d in devices)
+        plan = cls._plan(cfg, devices, experts)
+        bar = _bar(len(expected_tensors(cfg, experts)), "synthesising")
+        stages = [synthetic_stage_weights(cfg, devices[i], layers, emb, head, seed, experts,
+                                          progress=bar)
+                  for i, layers, emb, head in plan]
+        if bar is not None:
+            bar.close()
+        _print_bytes(stages)
+        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len)
+
+    # ------------------------------------------------------------------ API
+    def check_ids(self, token_ids) -> np.ndarray:
+        ids = check_token_ids(token_ids, self.config.vocab_size)
+        if ids.shape[0] > self.max_seq_len:
+            raise ValueError(f"token_ids has {ids.shape[0]} tokens, past max_seq_len "
+                             f"{self.max_seq_len}")
+        return ids
+
+    def forward(self, token_ids, capture: bool = False) -> ForwardOut:
+        cp = self._cp
+        cfg = self.config
+        ids = self.check_ids(token_ids)
+        S = ids.shape[0]
+        caps = [] if capture else None
+        top = {} if capture else None
+        self.boundary_paths = []
+        streams = None
+        for si, st in enumerate(self.stages):
+            dev = self.devs[st.device]
+            sp = f"prefill/stage{si}"
+            with cp.cuda.Device(st.device), dev.compute:
+                with phase(sp):
+                    ids_d = cp.asarray(ids)
+                    if st.has_embed:
+                        with phase(f"{sp}/embed"):
+                            e = _f32(st["embed.weight"][ids_d])
+                            streams = cp.ascontiguousarray(
+                                cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                            if capture:
+                                top["embed"] = cp.asnumpy(e)
+                    for layer in st.layers:
+                        cap = {} if capture else None
+                        with phase(f"{sp}/block"):
+                            streams = _Block(self, st, layer, f"{sp}/block").prefill(
+                                streams, ids, ids_d, cap)
+                        if capture:
+                            caps.append({k: cp.asnumpy(v) for k, v in cap.items()})
+                    if st.has_head:
+                        with phase(f"{sp}/head"):
+                            logits, y, yn = self._head(st, streams)
+                        out_state = cp.asnumpy(streams[-1])
+                        logits_h = cp.asnumpy(logits)
+                        if capture:
+                            top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
+            if si + 1 < len(self.stages):
+                streams = self._boundary(streams, si)
+        for d in self.devs:
+            d.compute.synchronize()
+        return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
+                          captures_top=top, numerics=self.numerics)
+
+    def _boundary(self, streams, si: int):
+        """Move the streams to the next stage's device: exactly one boundary_copy."""
+        cp = self._cp
+        from memra_dsv4.gpu import runtime
+
+        src_dev = self.devs[self.stages[si].device]
+        dst_id = self.stages[si + 1].device
+        with phase("prefill/boundary_copy"):
+            with cp.cuda.Device(dst_id):
+                dst = cp.empty(streams.shape, dtype=streams.dtype)
+                cp.cuda.Device(dst_id).synchronize()  # dst allocated before the copy reads it
+            with cp.cuda.Device(src_dev.id):
+                path = runtime.boundary_copy(dst, streams, streams.nbytes, src_dev.compute,
+                                             dst_stream=self.devs[dst_id].compute
+                                             if self.force_bounce else None,
+                                             force_bounce=self.force_bounce)
+                src_dev.compute.synchronize()
+            self.devs[dst_id].compute.synchronize()
+        self.boundary_paths.append(path)
+        return dst
+
+    def _head(self, st, streams):
+        from memra_dsv4.gpu import ops_glue as G
+
+        cp = self._cp
+        cfg = self.config
+        y = G.hc_head(streams, st["hc_head_fn"].astype(cp.float64), st["hc_head_scale"],
+                      st["hc_head_base"], hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        yn = G.rmsnorm(y, _f64(st["norm.weight"]), cfg.rms_norm_eps)
+        logits = G.linear(self.gemm[st.device], yn[-1:], st["head.weight"], out="f32")[0]
+        return logits, y, yn
+
+    def generate_reprefill(self, token_ids, max_new: int) -> list[int]:
+        ids = list(self.check_ids(token_ids))
+        if not isinstance(max_new, (int, np.integer)) or max_new < 0:
+            raise ValueError(f"max_new = {max_new!r} must be a non-negative integer")
+        out = []
+        for _ in range(int(max_new)):
+            nxt = int(np.argmax(self.forward(ids).logits))
+            out.append(nxt)
+            ids.append(nxt)
+        return out
+
+
+# ------------------------------------------------------------------------------ helpers
+def _bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr)
+
+
+def _print_bytes(stages) -> None:
+    for st in stages:
+        print(f"memra_dsv4: device {st.device}: layers {st.layers.start}..{st.layers.stop - 1}"
+              f"{' +embed' if st.has_embed else ''}{' +head' if st.has_head else ''}: "
+              f"{st.nbytes / 2**30:.2f} GiB of weights placed", file=sys.stderr)
+
+
+def _f32(u16):
+    from memra_dsv4.gpu.ops_glue import to_f32
+    return to_f32(u16)
+
+
+def _f64(u16):
+    import cupy as cp
+    return _f32(u16).astype(cp.float64)
+
+
+class _Block:
+    """One trunk block on one device: the oracle's block_prefill as a straight op sequence."""
+
+    def __init__(self, model: Dsv4Gpu, st, layer: int, ph: str) -> None:
+        self.m, self.st, self.lid, self.ph = model, st, layer, ph
+        self.cfg = model.config
+        self.p = f"layers.{layer}"
+        self.g = model.gemm[st.device]
+        self.ratio = self.cfg.compress_ratio(layer)
+        self.kind = self.cfg.attn_kind(layer)
+
+    def w(self, leaf: str):
+        return self.st[f"{self.p}.{leaf}"]
+
+    def lin(self, x, leaf: str, out: str = "bf16"):
+        from memra_dsv4.gpu.ops_glue import linear
+        return linear(self.g, x, self.w(leaf), out)
+
+    def rope_tables(self, positions):
+        import cupy as cp
+        c, s = layer_cos_sin(self.cfg, self.lid, np.asarray(positions), np.float32)
+        return cp.asarray(c), cp.asarray(s)
+
+    def hc_pre(self, streams, sub: str):
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        return G.hc_pre(streams, self.w(f"hc_{sub}_fn").astype(cp.float64),
+                        self.w(f"hc_{sub}_scale"), self.w(f"hc_{sub}_base"), hc=cfg.hc_mult,
+                        iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+
+    # ---------------------------------------------------------------------- block
+    def prefill(self, streams, ids, ids_d, cap):
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        with phase(f"{self.ph}/attn"):
+            x, post, comb = self.hc_pre(streams, "attn")
+            xn = G.rmsnorm(x, _f64(self.w("attn_norm.weight")), eps)
+            a = self.attention(xn, cap)
+            s1 = G.hc_post(a, streams, post, comb)
+        if cap is not None:
+            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
+                        "attn_norm": xn, "attn.streams": s1})
+        with phase(f"{self.ph}/ffn"):
+            x, post, comb = self.hc_pre(s1, "ffn")
+            xn = G.rmsnorm(x, _f64(self.w("ffn_norm.weight")), eps)
+            f = self.moe(xn, ids_d, cap)
+            s2 = G.hc_post(f, s1, post, comb)
+        if cap is not None:
+            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
+                        "ffn_norm": xn, "block.out": s2})
+        return s2
+
+    # ------------------------------------------------------------------ attention
+    def compress(self, x, cos_all, sin_all, indexer: bool):
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+        r = self.ratio
+        S = x.shape[0]
+        a = self.lin(x, f"{sub}.wkv.weight", "f32")
+        zg = self.lin(x, f"{sub}.wgate.weight", "f32")
+        pos = cp.arange(S, dtype=cp.int64)
+        z = (zg + self.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
+        nb = S // r
+        d = cfg.index_head_dim if indexer else cfg.head_dim
+        if nb == 0:
+            return cp.zeros((0, d), dtype=cp.float32)
+        ac, zc = G.compress_candidates(a[:nb * r], z[:nb * r], r)
+        pooled = G.compress_pool(ac, zc)
+        kpos = np.arange(nb, dtype=np.int64) * r
+        cos, sin = self.rope_tables(kpos)
+        c = G.rmsnorm(G.store(pooled), _f64(self.w(f"{sub}.norm.weight")), cfg.rms_norm_eps)
+        c = G.rope(c, cos, sin)
+        if indexer:
+            return G.fp4_sim(G.hadamard(c), 32)
+        return G.kv_sim(c, cfg.qk_rope_head_dim)
+
+    def attention(self, x, cap):
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        S = x.shape[0]
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        cos, sin = self.rope_tables(np.arange(S))
+        with phase(f"{self.ph}/attn/q"):
+            qr = G.rmsnorm(self.lin(x, "attn.wq_a.weight"), _f64(self.w("attn.q_norm.weight")), eps)
+            q = self.lin(qr, "attn.wq_b.weight").reshape(S, H, hd)
+            q = G.rope(G.head_rms(q, eps), cos[:, None], sin[:, None])
+        with phase(f"{self.ph}/attn/kv"):
+            kv = G.rmsnorm(self.lin(x, "attn.wkv.weight"), _f64(self.w("attn.kv_norm.weight")), eps)
+            kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
+        win = cp.asarray(hidx.window_matrix(S, cfg.sliding_window))
+        kv_rows, comp_sel, comp = kv, None, None
+        if self.ratio:
+            if self.kind == "csa":
+                with phase(f"{self.ph}/attn/indexer"):
+                    comp_sel = self.indexer(x, qr, cos, sin, cap)
+            else:
+                comp_sel = cp.asarray(hidx.hca_matrix(S, self.ratio))
+            with phase(f"{self.ph}/attn/compressor"):
+                comp = self.compress(x, cos, sin, indexer=False)
+            kv_rows = cp.concatenate([kv, comp], axis=0)
+        cand = G.candidates(win, comp_sel, S)
+        with phase(f"{self.ph}/attn/sparse_attention"):
+            o = G.sparse_attention(q, kv_rows, cand, self.w("attn.attn_sink"), hd ** -0.5)
+        with phase(f"{self.ph}/attn/output"):
+            o = G.rope(o, cos[:, None], sin[:, None], inverse=True)
+            Gn = cfg.o_groups
+            og = o.reshape(S, Gn, -1)
+            wa = self.w("attn.wo_a.weight")
+            R = wa.shape[0] // Gn
+            u = cp.concatenate([G.linear(self.g, cp.ascontiguousarray(og[:, g]),
+                                         wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
+            out = self.lin(u, "attn.wo_b.weight")
+        if cap is not None:
+            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
+                        "attn.o": o, "attn.out": out})
+            if comp is not None:
+                cap["attn.comp"] = comp
+        return out
+
+    def indexer(self, x, qr, cos, sin, cap):
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        S = x.shape[0]
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        qI = self.lin(qr, "attn.indexer.wq_b.weight").reshape(S, nI, dI)
+        qI = G.fp4_sim(G.hadamard(G.rope(qI, cos[:, None], sin[:, None])), 32)
+        keys = self.compress(x, cos, sin, indexer=True)
+        wts = self.lin(x, "attn.indexer.weights_proj.weight")
+        wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
+        n = keys.shape[0]
+        if n == 0:  # no complete block yet: nothing to select
+            sel = cp.full((S, 0), -1, dtype=cp.int32)
+            if cap is not None:
+                cap.update({"attn.index.q": qI, "attn.index.weights": wts,
+                            "attn.index.keys": keys,
+                            "attn.index.scores": cp.zeros((S, 0), cp.float32),
+                            "attn.index.sel": sel})
+            return sel
+        scores = cp.empty((S, n), dtype=cp.float32)
+        chunk = max(1, (1 << 28) // max(1, nI * n))
+        for s0 in range(0, S, chunk):
+            qq = qI[s0:s0 + chunk]                                    # [c, nI, dI]
+            s = G.store(cp.matmul(qq, keys.T))                        # [c, nI, n]
+            s = G.store(cp.maximum(s, 0) * wts[s0:s0 + chunk, :, None])
+            scores[s0:s0 + chunk] = G.store(s.astype(cp.float64).sum(axis=1).astype(cp.float32))
+        n_valid = (cp.arange(S, dtype=cp.int64) + 1) // self.ratio
+        sel = G.topk_desc_rows(scores, n_valid, cfg.index_topk)
+        if cap is not None:
+            cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys,
+                        "attn.index.scores": scores, "attn.index.sel": sel})
+        return sel
+
+    # ------------------------------------------------------------------------ MoE
+    def moe(self, x, ids_d, cap):
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        T = x.shape[0]
+        k = cfg.num_experts_per_tok
+        with phase(f"{self.ph}/ffn/moe/router"):
+            logits = self.lin(x, "ffn.gate.weight", "f32")
+            scores = G.sqrtsoftplus(logits)
+            if cfg.is_hash_layer(self.lid):
+                idx = self.w("ffn.gate.tid2eid")[ids_d].astype(cp.int64)
+            else:
+                idx = G.route_learned(scores, self.w("ffn.gate.bias"), k)
+            wts = G.route_weights(scores, idx, cfg.routed_scaling_factor)
+        with phase(f"{self.ph}/ffn/moe/dispatch"):
+            idx_h = cp.asnumpy(idx)
+            flat = idx_h.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            experts, starts = np.unique(flat[order], return_index=True)
+            bounds = list(starts) + [flat.size]
+        routed = cp.zeros((T, k, cfg.hidden_size), dtype=cp.float32)
+        fmt = self.st.expert_fmt[self.lid]
+        key = f"{self.p}.ffn.experts"
+        with phase(f"{self.ph}/ffn/moe/experts"):
+            I, D = cfg.moe_intermediate_size, cfg.hidden_size
+            scratch = {w: cp.empty(s, dtype=cp.uint16) for w, s in
+                       (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))}
+            for j, e in enumerate(experts):
+                sel = order[bounds[j]:bounds[j + 1]]
+                rows_h, picks_h = sel // k, sel % k
+                rows, picks = cp.asarray(rows_h), cp.asarray(picks_h)
+                ws = {}
+                for w in ("w1", "w2", "w3"):
+                    ws2 = self.st.ws2[f"{key}.{w}"][e] if fmt == "nvfp4" else None
+                    G.dequant_fp4_bf16(fmt, self.st[f"{key}.{w}.packed"][e],
+                                       self.st[f"{key}.{w}.scale"][e], ws2, scratch[w])
+                xe = x[rows]
+                gate = G.linear(self.g, xe, scratch["w1"])
+                up = G.linear(self.g, xe, scratch["w3"])
+                h = G.swiglu_clamped(gate, up, cfg.swiglu_limit, wts[rows, picks])
+                routed[rows, picks] = G.linear(self.g, G.store(h), scratch["w2"])
+        with phase(f"{self.ph}/ffn/moe/shared"):
+            gate = self.lin(x, "ffn.shared_experts.w1.weight")
+            up = self.lin(x, "ffn.shared_experts.w3.weight")
+            h = G.swiglu_clamped(gate, up, cfg.swiglu_limit)
+            shared = self.lin(G.store(h), "ffn.shared_experts.w2.weight")
+        with phase(f"{self.ph}/ffn/moe/combine"):
+            y = G.moe_combine(routed, idx, shared)
+        if cap is not None:
+            cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
+                        "moe.shared": shared, "moe.out": y})
+        return y

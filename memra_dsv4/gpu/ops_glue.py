@@ -1,0 +1,494 @@
+"""CuPy twins of the oracle primitives (memra_dsv4.oracle.ops, bf16 class), for the GPU prefill.
+
+Contract
+--------
+* Activations are float32 CuPy arrays whose values lie on the bf16 grid wherever the oracle
+  ``store``s them (``store`` = RNE to bf16 with the kernels' bit trick, kept in float32);
+  fp32 islands stay float32.  bf16 weights are uint16 bit patterns (the arena convention).
+* Each function mirrors the oracle function of the same name with the ``bf16`` policy: the
+  same order of roundings, short reductions in index order, float64 where the oracle
+  accumulates in float64 for the non-GEMM islands (norm statistics, hc mixes and Sinkhorn
+  inputs, pooling, RoPE).  GEMMs run on bf16 inputs with fp32 accumulation (cuBLASLt via
+  ``memra_dsv4.gpu.blaslt``, or ``cupy.matmul`` in fp32 with ``MEMRA_DSV4_GEMM=cupy``), and the
+  sparse attention / indexer scores accumulate in fp32: those are the only places the GPU
+  path differs from the oracle (which rounds a float64 accumulation once), hence bf16-class
+  bounds, not bitwise equality, in the tests.
+* Discrete choices (router top-k, indexer top-k) sort a 64-bit composite key (score bits,
+  then the index), so ties go to the lower index exactly as ``host.indices.topk_desc`` /
+  ``host.routing.select_learned``, independent of sort stability.
+* The routed-expert dequantisation uses kernels_cu/experts.cu (dequant_mxfp4_bf16 /
+  dequant_nvfp4_bf16) and falls back to a CuPy formula if that module fails to build.
+These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
+one by one (same signatures, same tests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from memra_dsv4.host.quant import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR
+
+__all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "head_rms", "rope",
+           "hc_pre", "hc_post", "hc_head", "kv_sim", "fp4_sim", "hadamard", "compress_pool",
+           "compress_candidates", "topk_desc_rows", "candidates", "sparse_attention",
+           "route_learned", "route_weights", "sqrtsoftplus", "swiglu_clamped", "moe_combine",
+           "dequant_fp4_bf16", "sort_key_desc"]
+
+_GEMM_MODE = os.environ.get("MEMRA_DSV4_GEMM", "blaslt")
+if _GEMM_MODE not in ("blaslt", "cupy"):
+    raise ValueError(f"MEMRA_DSV4_GEMM = {_GEMM_MODE!r} is not valid; allowed: blaslt, cupy")
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+# ------------------------------------------------------------------------- bf16 helpers
+def to_f32(u16):
+    """bf16 bit patterns (uint16) -> float32, exact."""
+    cp = _cp()
+    return (u16.astype(cp.uint32) << 16).view(cp.float32)
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bits, RNE (u += 0x7FFF + ((u >> 16) & 1)), as host.quant.round_bf16."""
+    cp = _cp()
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    u = x.view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+
+
+def store(x):
+    """A bf16-kept tensor: RNE to bf16, held as float32 (float64 inputs go through float32)."""
+    return to_f32(bf16_bits(x))
+
+
+# ------------------------------------------------------------------------------ GEMMs
+class GemmBackend:
+    """Y[M, N] = X[M, K] . W[N, K]^T with bf16 X (float32 bf16-valued) and bf16-bit W.
+
+    One per device.  cuBLASLt bf16 x bf16 -> f32 plans are built on first use of a shape and
+    cached (BlasLt caches by GemmKey)."""
+
+    def __init__(self, device_id: int, mode: str | None = None) -> None:
+        cp = _cp()
+        self.device_id = int(device_id)
+        self.mode = mode or _GEMM_MODE
+        self.lt = None
+        self.flops = 0
+        if self.mode == "blaslt":
+            from memra_dsv4.gpu.blaslt import DEFAULT_WORKSPACE_BYTES, BlasLt
+
+            with cp.cuda.Device(self.device_id):
+                self.workspace = cp.zeros(DEFAULT_WORKSPACE_BYTES, dtype=cp.uint8)
+            self.lt = BlasLt(self.device_id, self.workspace)
+
+    def mm(self, x, w_u16):
+        """float32 [M, N] = bf16(x) . w^T, fp32 accumulation.  x: float32 (rounded to bf16
+        here; a no-op when x is already bf16-valued) or uint16 bits; w_u16: uint16 [N, K]."""
+        cp = _cp()
+        xb = x if x.dtype == cp.uint16 else bf16_bits(x)
+        xb = cp.ascontiguousarray(xb)
+        M, K = xb.shape
+        N, K2 = w_u16.shape
+        if K != K2:
+            raise ValueError(f"gemm: x [{M}, {K}] vs w [{N}, {K2}]")
+        self.flops += 2 * M * N * K
+        if self.mode == "cupy":
+            return cp.matmul(to_f32(xb), to_f32(w_u16).T)
+        from memra_dsv4.gpu.blaslt import GemmKey
+
+        y = cp.empty((M, N), dtype=cp.float32)
+        plan = self.lt.plan(GemmKey(M, N, K, "bf16", "bf16", "f32"))
+        plan.run_arrays(cp.ascontiguousarray(w_u16), xb, y, cp.cuda.get_current_stream())
+        return y
+
+
+def linear(g: GemmBackend, x, w_u16, out: str = "bf16"):
+    """oracle ops.linear for kinds fp8/fp4/bf16 (out='bf16': stored) and f32 (out='f32')."""
+    lead = x.shape[:-1]
+    y = g.mm(x.reshape(-1, x.shape[-1]), w_u16)
+    y = y.reshape(*lead, w_u16.shape[0])
+    return store(y) if out == "bf16" else y
+
+
+# ------------------------------------------------------------------------------ norms
+def rmsnorm(x, w_f64, eps: float):
+    cp = _cp()
+    x64 = x.astype(cp.float64)
+    r = 1.0 / cp.sqrt(cp.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return store((w_f64 * (x64 * r)).astype(cp.float32))
+
+
+def head_rms(x, eps: float):
+    """NumericsPolicy.head_rms of the bf16 class (bf16 tensor arithmetic)."""
+    cp = _cp()
+    sq = store(x * x)
+    mean = store(cp.mean(sq.astype(cp.float64), axis=-1, keepdims=True).astype(cp.float32))
+    var = store(mean + cp.float32(eps))
+    r = store((1.0 / cp.sqrt(var.astype(cp.float64))).astype(cp.float32))
+    return store(x * r)
+
+
+def rope(x, cos, sin, inverse: bool = False):
+    """ops.apply_rope: interleaved pairs on the last 2P dims, float64, stored.  cos/sin
+    float32 CuPy arrays broadcastable to x[..., :P]."""
+    cp = _cp()
+    P = cos.shape[-1]
+    D = x.shape[-1]
+    out = x.copy()
+    r = x[..., D - 2 * P:].astype(cp.float64)
+    a, b = r[..., 0::2], r[..., 1::2]
+    c = cos.astype(cp.float64)
+    s = sin.astype(cp.float64)
+    if inverse:
+        s = -s
+    rot = cp.empty(r.shape, dtype=cp.float64)
+    rot[..., 0::2] = a * c - b * s
+    rot[..., 1::2] = a * s + b * c
+    out[..., D - 2 * P:] = rot.astype(cp.float32)
+    return store(out)
+
+
+# -------------------------------------------------------------------- hyper-connections
+def _sigmoid32(x):
+    cp = _cp()
+    one = cp.float32(1)
+    return (one / (one + cp.exp(-x))).astype(cp.float32)
+
+
+def _hc_mixes(X, fn_f64, norm_eps: float):
+    cp = _cp()
+    x = X.reshape(X.shape[0], -1).astype(cp.float64)
+    r = 1.0 / cp.sqrt(cp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    return (cp.matmul(x, fn_f64.T) * r).astype(cp.float32)
+
+
+def _weighted(X, pre):
+    cp = _cp()
+    X64, p64 = X.astype(cp.float64), pre.astype(cp.float64)
+    acc = p64[:, 0, None] * X64[:, 0, :]
+    for i in range(1, X.shape[1]):
+        acc = acc + p64[:, i, None] * X64[:, i, :]
+    return acc
+
+
+def _sinkhorn(L, iters: int, eps: float):
+    cp = _cp()
+    e = cp.float32(eps)
+    m = L.max(axis=-1, keepdims=True)
+    C = cp.exp(L - m)
+    rs = C[..., 0] + C[..., 1] + C[..., 2] + C[..., 3]  # hc = 4 (config enforces), in order
+
+    def rowsum(C):
+        return C[..., 0] + C[..., 1] + C[..., 2] + C[..., 3]
+
+    def colsum(C):
+        return C[..., 0, :] + C[..., 1, :] + C[..., 2, :] + C[..., 3, :]
+
+    C = C / rs[..., :, None] + e
+    C = C / (colsum(C)[..., None, :] + e)
+    for _ in range(iters - 1):
+        C = C / (rowsum(C)[..., :, None] + e)
+        C = C / (colsum(C)[..., None, :] + e)
+    return C.astype(cp.float32)
+
+
+def hc_pre(streams, fn_f64, scale, base, *, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """ops.hc_pre: (y [T, D] stored, post [T, hc] f32, comb [T, hc, hc] f32).
+    scale/base: float32 CuPy arrays."""
+    cp = _cp()
+    mixes = _hc_mixes(streams, fn_f64, norm_eps)
+    T = mixes.shape[0]
+    pre = _sigmoid32(mixes[:, :hc] * scale[0] + base[:hc]) + cp.float32(hc_eps)
+    post = cp.float32(2) * _sigmoid32(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(T, hc, hc)
+    comb = _sinkhorn(logits.astype(cp.float32), iters, hc_eps)
+    y = store(_weighted(streams, pre.astype(cp.float32)).astype(cp.float32))
+    return y, post.astype(cp.float32), comb
+
+
+def hc_post(f, residual, post, comb):
+    """ops.hc_post: new_j = store(post_j f + sum_i comb[i, j] R_i), float64, i ascending."""
+    cp = _cp()
+    f64 = f.astype(cp.float64)
+    R = residual.astype(cp.float64)
+    P = post.astype(cp.float64)
+    C = comb.astype(cp.float64)
+    acc = P[:, :, None] * f64[:, None, :]
+    for i in range(R.shape[1]):
+        acc = acc + C[:, i, :, None] * R[:, i, None, :]
+    return store(acc.astype(cp.float32))
+
+
+def hc_head(streams, fn_f64, scale, base, *, hc_eps: float, norm_eps: float):
+    cp = _cp()
+    mixes = _hc_mixes(streams, fn_f64, norm_eps)
+    pre = _sigmoid32(mixes * scale[0] + base) + cp.float32(hc_eps)
+    return store(_weighted(streams, pre.astype(cp.float32)).astype(cp.float32))
+
+
+# ------------------------------------------------------------------- quant simulations
+def _round_minifloat(x, mbits: int, emin: int, maxval: float):
+    """formats.round_minifloat for float32, overflow 'saturate'."""
+    cp = _cp()
+    _, e = cp.frexp(x)
+    e = cp.maximum(e.astype(cp.int32) - 1, emin)
+    q = cp.ldexp(cp.ones(e.shape, dtype=x.dtype), e - mbits)
+    r = (cp.rint(x / q) * q).astype(x.dtype)
+    return cp.where(cp.abs(r) > maxval, cp.copysign(cp.asarray(maxval, dtype=x.dtype), r), r)
+
+
+def _ue8m0(amax, qmax: float):
+    """quant.ue8m0_scale (float32; amax > 0 finite by construction of the floors)."""
+    cp = _cp()
+    t = (amax.astype(cp.float32) * cp.float32(1.0 / qmax)).astype(cp.float32)
+    bits = t.view(cp.uint32)
+    e = ((bits >> 23) & 0xFF).astype(cp.int32) - 127 + ((bits & 0x7FFFFF) != 0).astype(cp.int32)
+    return ((e + 127).astype(cp.uint32) << 23).view(cp.float32)
+
+
+def _block_sim(x, block: int, fp4: bool):
+    cp = _cp()
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    if fp4:
+        qmax, floor, mb, emin = 6.0, FP4_AMAX_FLOOR, 1, 0
+    else:
+        qmax, floor, mb, emin = 448.0, ACT_AMAX_FLOOR, 3, -6
+    amax = cp.maximum(cp.abs(xb).max(axis=-1), cp.float32(floor))
+    s = _ue8m0(amax, qmax)[..., None]
+    q = _round_minifloat(cp.clip(xb / s, -qmax, qmax).astype(cp.float32), mb, emin, qmax)
+    return store((q * s).reshape(x.shape))
+
+
+def kv_sim(kv, rope_dim: int):
+    """quant.kv_fp8_sim: fp8 sim (block 64) of the nope dims, rope dims untouched."""
+    nope = kv.shape[-1] - rope_dim
+    out = kv.copy()
+    out[..., :nope] = _block_sim(_cp().ascontiguousarray(kv[..., :nope]), 64, False)
+    return out
+
+
+def fp4_sim(x, block: int = 32):
+    return _block_sim(_cp().ascontiguousarray(x), block, True)
+
+
+_HAD: dict = {}
+
+
+def hadamard(x):
+    """ops.hadamard: store(x @ H_n * n^-1/2), float64 (exact for bf16 inputs in practice)."""
+    cp = _cp()
+    n = x.shape[-1]
+    dev = cp.cuda.runtime.getDevice()
+    H = _HAD.get((n, dev))
+    if H is None:
+        from memra_dsv4.oracle.ops import hadamard_matrix
+        H = _HAD[(n, dev)] = cp.asarray(hadamard_matrix(n) * (n ** -0.5))
+    y = cp.matmul(x.reshape(-1, n).astype(cp.float64), H)
+    return store(y.reshape(x.shape).astype(cp.float32))
+
+
+# ------------------------------------------------------------------------- compressor
+def compress_candidates(a, z, ratio: int):
+    """ops.compress_candidates at a sequence start (no pending rows)."""
+    cp = _cp()
+    nb = a.shape[0] // ratio
+    if ratio != 4:
+        return a.reshape(nb, ratio, -1), z.reshape(nb, ratio, -1)
+    d = a.shape[-1] // 2
+    ab, zb = a.reshape(nb, 4, 2 * d), z.reshape(nb, 4, 2 * d)
+    pa = cp.zeros((1, 4, d), dtype=a.dtype)
+    pz = cp.full((1, 4, d), -cp.inf, dtype=z.dtype)
+    lower_a = cp.concatenate([pa, ab[:-1, :, :d]], axis=0)
+    lower_z = cp.concatenate([pz, zb[:-1, :, :d]], axis=0)
+    return (cp.concatenate([lower_a, ab[:, :, d:]], axis=1),
+            cp.concatenate([lower_z, zb[:, :, d:]], axis=1))
+
+
+def compress_pool(a_cand, z_cand):
+    """ops.compress_pool: softmax over candidates per channel, float64, in index order."""
+    cp = _cp()
+    a64 = a_cand.astype(cp.float64)
+    z64 = z_cand.astype(cp.float64)
+    m = cp.max(z64, axis=-2, keepdims=True)
+    e = cp.exp(z64 - m)
+    num = cp.zeros(e.shape[:-2] + e.shape[-1:], dtype=cp.float64)
+    den = cp.zeros_like(num)
+    ea = e * cp.where(e > 0, a64, 0.0)
+    for i in range(e.shape[-2]):
+        den = den + e[..., i, :]
+        num = num + ea[..., i, :]
+    return (num / den).astype(cp.float32)
+
+
+# ---------------------------------------------------------------------- top-k / indices
+def sort_key_desc(scores_f32, idx_bits: int = 32):
+    """uint64 keys whose ASCENDING order is score descending, ties -> lower index."""
+    cp = _cp()
+    s = cp.ascontiguousarray(scores_f32, dtype=cp.float32)
+    u = s.view(cp.uint32).astype(cp.uint64)
+    neg = (u >> 31) == 1
+    key = cp.where(neg, u ^ cp.uint64(0xFFFFFFFF), u | cp.uint64(0x80000000))  # ascending float
+    inv = cp.uint64(0xFFFFFFFF) - key                                           # descending
+    idx = cp.arange(s.shape[-1], dtype=cp.uint64)
+    return (inv << cp.uint64(32)) | idx
+
+
+def topk_desc_rows(scores, n_valid, k: int):
+    """ops.indexer_topk: int32 [T, min(k, N)] per row over the first n_valid[t] entries,
+    score order, -1 padded."""
+    cp = _cp()
+    T, N = scores.shape
+    width = min(int(k), N)
+    keys = sort_key_desc(scores)
+    col = cp.arange(N, dtype=cp.int64)[None, :]
+    keys = cp.where(col < n_valid[:, None], keys, cp.uint64(0xFFFFFFFFFFFFFFFF))
+    keys = cp.sort(keys, axis=-1)[:, :width]
+    sel = (keys & cp.uint64(0xFFFFFFFF)).astype(cp.int32)
+    j = cp.arange(width, dtype=cp.int64)[None, :]
+    return cp.where(j < cp.minimum(n_valid, k)[:, None], sel, -1).astype(cp.int32)
+
+
+def candidates(window_mat, comp_mat, offset: int):
+    """indices.candidate_matrix on the device (comp_mat rows: entry ids, -1 = none)."""
+    cp = _cp()
+    if comp_mat is None or comp_mat.shape[-1] == 0:
+        return window_mat.copy()
+    c = comp_mat.astype(cp.int64)
+    big = cp.iinfo(cp.int64).max
+    c = cp.sort(cp.where(c >= 0, c, big), axis=-1)
+    c = cp.where(c == big, -1, c + offset).astype(cp.int32)
+    return cp.concatenate([window_mat.astype(cp.int32), c], axis=-1)
+
+
+# ------------------------------------------------------------------- sparse attention
+def sparse_attention(q, kv_rows, idx, sink, scale: float, chunk: int = 256):
+    """ops.sparse_attention_with_sinks, float32 logits/softmax/P.V, output stored.
+    q [T, H, D]; kv_rows [N, D]; idx [T, K] (-1 skip); sink [H] float32."""
+    cp = _cp()
+    T, H, D = q.shape
+    out = cp.empty((T, H, D), dtype=cp.float32)
+    sk = sink.astype(cp.float32)
+    for s0 in range(0, T, chunk):
+        qq = q[s0:s0 + chunk]
+        ii = idx[s0:s0 + chunk]
+        valid = ii >= 0
+        g = kv_rows[cp.where(valid, ii, 0)]                                  # [c, K, D]
+        g = cp.where(valid[..., None], g, cp.float32(0))
+        logits = cp.matmul(qq, g.transpose(0, 2, 1)) * cp.float32(scale)     # [c, H, K]
+        logits = cp.where(valid[:, None, :], logits, cp.float32(-cp.inf))
+        m = cp.maximum(logits.max(axis=-1), sk[None, :])                     # [c, H]
+        p = cp.exp(logits - m[..., None])
+        den = p.sum(axis=-1) + cp.exp(sk[None, :] - m)
+        out[s0:s0 + chunk] = cp.matmul(p, g) / den[..., None]
+    return store(out)
+
+
+# ------------------------------------------------------------------------------- MoE
+def sqrtsoftplus(logits):
+    cp = _cp()
+    x = logits.astype(cp.float32)
+    sp = cp.log1p(cp.exp(cp.minimum(x, cp.float32(20.0)))).astype(cp.float32)
+    return cp.sqrt(cp.where(x > 20.0, x, sp)).astype(cp.float32)
+
+
+def route_weights(scores, idx, route_scale: float):
+    cp = _cp()
+    w = cp.take_along_axis(scores, idx, axis=-1)
+    tot = w[:, 0].copy()
+    for j in range(1, w.shape[-1]):
+        tot = tot + w[:, j]
+    return (w / tot[:, None] * cp.float32(route_scale)).astype(cp.float32)
+
+
+def route_learned(scores, bias, k: int):
+    """host.routing.select_learned: top-k of scores + bias, ties -> lower expert id."""
+    cp = _cp()
+    biased = (scores + bias.astype(cp.float32)).astype(cp.float32)
+    keys = cp.sort(sort_key_desc(biased), axis=-1)[:, :k]
+    return (keys & cp.uint64(0xFFFFFFFF)).astype(cp.int64)
+
+
+def swiglu_clamped(gate, up, limit: float, weight=None):
+    """ops.swiglu_clamped: float64 math, float32 island output (times the routing weight)."""
+    cp = _cp()
+    g = gate.astype(cp.float64)
+    u = up.astype(cp.float64)
+    if limit > 0:
+        u = cp.clip(u, -limit, limit)
+        g = cp.minimum(g, limit)
+    h = (g / (1.0 + cp.exp(-g))).astype(cp.float32) * u.astype(cp.float32)
+    h = h.astype(cp.float32)
+    if weight is not None:
+        h = (weight.astype(cp.float32)[:, None] * h).astype(cp.float32)
+    return h
+
+
+def moe_combine(routed, idx, shared):
+    """ops.moe_combine: fp32 sum of the picks in ascending expert id (stable), + shared, stored."""
+    cp = _cp()
+    T, k, _ = routed.shape
+    # stable ascending order by id: key = id * k + pick
+    order = cp.argsort(idx.astype(cp.int64) * k + cp.arange(k, dtype=cp.int64)[None, :], axis=-1)
+    rs = cp.take_along_axis(routed, order[..., None], axis=1)
+    acc = cp.zeros((T, routed.shape[2]), dtype=cp.float32)
+    for j in range(k):
+        acc = acc + rs[:, j]
+    return store(acc + shared)
+
+
+# ------------------------------------------------------------------ expert dequant
+_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+_KERNEL_OK: dict[int, bool] = {}
+
+
+def _kernels(device: int):
+    from memra_dsv4.gpu import kernel_loader as kl
+
+    kl.register("experts", ["dequant_mxfp4_bf16", "dequant_nvfp4_bf16"])
+    return kl.get_loader(device)
+
+
+def dequant_fp4_bf16(fmt: str, packed, scale, ws2, out):
+    """Dequantise one routed expert matrix into the bf16 scratch ``out`` [R, C] (uint16).
+    packed [R, C/2] u8; scale: MXFP4 e8m0 [R, C/32] / NVFP4 e4m3 [R, C/16]; ws2: float (NVFP4)."""
+    cp = _cp()
+    R, C = out.shape
+    dev = out.device.id
+    if _KERNEL_OK.get(dev, True):
+        try:
+            L = _kernels(dev)
+            blocks = int(min(max(1, (R * C // 32 + 255) // 256), 132 * 16))
+            if fmt == "mxfp4":
+                L.get("experts", "dequant_mxfp4_bf16")(
+                    (blocks,), (256,), (packed, scale, out, np.int64(R), np.int32(C)))
+            else:
+                L.get("experts", "dequant_nvfp4_bf16")(
+                    (blocks,), (256,), (packed, scale, np.float32(ws2), out, np.int64(R),
+                                        np.int32(C)))
+            return out
+        except Exception as e:  # build failure: say so once, use the CuPy formula
+            from memra_dsv4.gpu.kernel_loader import KernelCompileError
+            if not isinstance(e, (KernelCompileError, KeyError)):
+                raise
+            print(f"memra_dsv4: experts.cu unavailable on device {dev} ({str(e)[:200]}); "
+                  f"using the CuPy dequant", file=sys.stderr)
+            _KERNEL_OK[dev] = False
+    lut = cp.asarray(_E2M1)
+    p = packed.reshape(R, C // 2)
+    vals = cp.stack([lut[p & 15], lut[p >> 4]], axis=-1).reshape(R, C)
+    if fmt == "mxfp4":
+        s = (scale.astype(cp.uint32) << 23).view(cp.float32)  # 2^(b-127); b=0 would be 2^-127
+        s = cp.where(scale == 0, cp.float32(2.0 ** -127), s)
+        w = (vals.reshape(R, C // 32, 32) * s[..., None]).reshape(R, C)
+    else:
+        from memra_dsv4.formats import E4M3_VALUES
+        s = cp.asarray(E4M3_VALUES.astype(np.float32))[scale]
+        w = ((vals.reshape(R, C // 16, 16) * s[..., None]) * cp.float32(ws2)).reshape(R, C)
+    out[...] = bf16_bits(w.astype(cp.float32))
+    return out
