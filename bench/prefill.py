@@ -1,0 +1,98 @@
+"""Prefill throughput of the GPU runtime.
+
+    python -m bench.prefill --model synthetic:flash --devices 0,1 --tokens 1024,8192
+
+Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
+TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
+measured in the same run (an 8192^3 cuBLASLt bf16 GEMM), and the phase breakdown (set
+MEMRA_DSV4_PROF=events for GPU phase times).  JSON + PNG via bench.harness.write_results.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+
+def bf16_peak_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
+    import cupy as cp
+    from memra_dsv4.gpu.ops_glue import GemmBackend
+
+    with cp.cuda.Device(device):
+        g = GemmBackend(device, "blaslt")
+        x = cp.zeros((n, n), dtype=cp.uint16)
+        w = cp.zeros((n, n), dtype=cp.uint16)
+        for _ in range(3):
+            g.mm(x, w)
+        cp.cuda.Device(device).synchronize()
+        t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+        t0.record()
+        for _ in range(iters):
+            g.mm(x, w)
+        t1.record()
+        t1.synchronize()
+        ms = cp.cuda.get_elapsed_time(t0, t1) / iters
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="synthetic:flash")
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--tokens", default="1024,8192")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("MEMRA_DSV4_PROF", "events")
+    from bench.harness import phase_breakdown, summarize, write_results
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.profiling import build_report, phase_collect, phase_reset
+
+    devices = tuple(int(d) for d in a.devices.split(","))
+    if not a.model.startswith("synthetic:"):
+        from memra_dsv4.checkpoint import Checkpoint
+        m = Dsv4Gpu.load(Checkpoint.open(a.model), devices=devices)
+    else:
+        m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=devices, seed=0)
+    peak = bf16_peak_tflops(devices[0])
+    print(f"bf16 GEMM peak (cuBLASLt 8192^3): {peak:.0f} TFLOP/s")
+    rng = np.random.default_rng(0)
+    arms = {}
+    for T in [int(t) for t in a.tokens.split(",")]:
+        ids = rng.integers(0, m.config.vocab_size, T)
+        for _ in range(a.warmup):
+            m.forward(ids)
+        phase_reset()
+        for g in m.gemm.values():
+            g.flops = 0
+        samples = []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            m.forward(ids)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        flops = sum(g.flops for g in m.gemm.values()) / a.iters
+        rows = build_report(phase_collect(), 0.0, a.iters)
+        med = float(np.median(samples))
+        tflops = flops / (med * 1e-3) / 1e12
+        print(f"T={T}: median {med:.1f} ms, {T / med * 1e3:.0f} tok/s, GEMM {tflops:.1f} TFLOP/s "
+              f"({100 * tflops / peak:.1f}% of peak)")
+        arms[f"T={T}"] = {"settings": {"tokens": str(T)},
+                          "summary": summarize(samples, tokens_per_step=T),
+                          "phases_us": phase_breakdown(rows, depth=0),
+                          "tokens_per_s": T / med * 1e3, "gemm_tflops": tflops,
+                          "gemm_flops": flops, "peak_bf16_tflops": peak}
+        for r in rows:
+            if r.depth <= 3:
+                print(f"  {'  ' * r.depth}{r.label:28s} {r.per_step_us / 1e3:9.2f} ms/step "
+                      f"{100 * r.share:5.1f}%")
+    js, png = write_results({"config": {"model": a.model, "devices": list(devices),
+                                        "iters": a.iters, "warmup": a.warmup},
+                             "arms": arms})
+    print(f"results: {js} {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
