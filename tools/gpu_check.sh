@@ -3,8 +3,8 @@
 #
 #   tools/gpu_check.sh                      # = tests
 #   tools/gpu_check.sh tests [PYTEST ARGS]  # GPU tests (tests/gpu, -m gpu); extra args go to pytest
-#   tools/gpu_check.sh bench-decode ARGS    # python3 -m bench.decode_step ARGS
-#   tools/gpu_check.sh bench-prefill ARGS   # python3 -m bench.prefill_step ARGS
+#   tools/gpu_check.sh bench-decode ARGS    # python3 -m $BENCH_DECODE (bench.decode_step) ARGS
+#   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill_step) ARGS
 #   tools/gpu_check.sh all                  # tests, then both benches with their defaults
 #
 # What it does first, every time: installs the carried wheels (.whl/*.whl: nvmath-python,
@@ -22,6 +22,8 @@ OUT=${OUT:-$REPO/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+BENCH_DECODE=${BENCH_DECODE:-bench.decode_step}
+BENCH_PREFILL=${BENCH_PREFILL:-bench.prefill_step}
 
 # ---------------------------------------------------------------------------- environment
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -99,12 +101,12 @@ step=${1:-tests}
 [ $# -gt 0 ] && shift
 case "$step" in
     tests)         run_tests "$@" || status=1 ;;
-    bench-decode)  run_bench bench_decode.log bench.decode_step "$@" || status=1 ;;
-    bench-prefill) run_bench bench_prefill.log bench.prefill_step "$@" || status=1 ;;
+    bench-decode)  run_bench bench_decode.log "$BENCH_DECODE" "$@" || status=1 ;;
+    bench-prefill) run_bench bench_prefill.log "$BENCH_PREFILL" "$@" || status=1 ;;
     all)
         run_tests || status=1
-        run_bench bench_decode.log bench.decode_step || status=1
-        run_bench bench_prefill.log bench.prefill_step || status=1
+        run_bench bench_decode.log "$BENCH_DECODE" || status=1
+        run_bench bench_prefill.log "$BENCH_PREFILL" || status=1
         ;;
     *)
         echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|all]" >&2
