@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh                      # = tests
 #   tools/gpu_check.sh tests [PYTEST ARGS]  # GPU tests (tests/gpu, -m gpu); extra args go to pytest
 #   tools/gpu_check.sh bench-decode ARGS    # python3 -m $BENCH_DECODE (bench.decode_step) ARGS
-#   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill_step) ARGS
+#   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill) ARGS
 #   tools/gpu_check.sh all                  # tests, then both benches with their defaults
 #
 # What it does first, every time: installs the carried wheels (.whl/*.whl: nvmath-python,
@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 BENCH_DECODE=${BENCH_DECODE:-bench.decode_step}
-BENCH_PREFILL=${BENCH_PREFILL:-bench.prefill_step}
+BENCH_PREFILL=${BENCH_PREFILL:-bench.prefill}
 
 # ---------------------------------------------------------------------------- environment
 if compgen -G ".whl/*.whl" >/dev/null; then
