@@ -14,6 +14,9 @@ Contract
   stderr as ``memra_dsv4: numerics = <value>`` (only when the variable is set; the default is
   announced by the first ``Oracle`` built without an explicit class).
 * ``seam_table_markdown()`` renders the registry for the README.
+* Owners read their own variables (profiling: MEMRA_DSV4_PROF, gpu.runtime: MEMRA_DSV4_DEBUG,
+  gpu.ops_glue: MEMRA_DSV4_GEMM, gpu.kernel_loader: MEMRA_DSV4_KERNELS_DIR); the registry is
+  the one list of what exists, with the allowed values they validate against.
 
 Numeric classes (what each hook does)
 -------------------------------------
@@ -49,7 +52,8 @@ import numpy as np
 from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
-    "Seam", "SEAMS", "SEAM_NUMERICS", "resolve", "seam_table_markdown", "env_value",
+    "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
+    "SEAM_GEMM", "SEAM_KERNELS_DIR", "SEAM_REQUIRE_PARITY", "resolve", "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
     "LINEAR_KINDS",
 ]
@@ -86,18 +90,28 @@ SEAM_DEVICE = Seam(
     "Where `run`/`demo` execute: `gpu` (memra_dsv4.gpu, needs CuPy + a GPU), `oracle` "
     "(NumPy), `auto` (GPU when present, else the oracle, and says so).")
 SEAM_PROF = Seam(
-    "prof", "MEMRA_DSV4_PROF", "0", ("0", "1"),
-    "`1` records per-phase GPU timings (CUDA events) and prints them at exit.")
+    "prof", "MEMRA_DSV4_PROF", "off", ("off", "nvtx", "events"),
+    "Phase brackets (memra_dsv4.profiling): `off`, `nvtx` (ranges for Nsight), `events` "
+    "(CUDA-event timings, reported at the end).")
+SEAM_GEMM = Seam(
+    "gemm", "MEMRA_DSV4_GEMM", "blaslt", ("blaslt", "cupy"),
+    "GPU GEMM backend: `blaslt` (cuBLASLt bf16 / FP8 block-scaled plans) or `cupy` (fp32 "
+    "cupy.matmul, a debugging reference).")
+SEAM_KERNELS_DIR = Seam(
+    "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
+    "Directory of the CUDA sources compiled at warmup (any path).")
 SEAM_DEBUG = Seam(
     "debug", "MEMRA_DSV4_DEBUG", "0", ("0", "1"),
-    "`1` enables extra invariant checks (finite activations, index ranges) at a speed cost.")
+    "`1`: every checked GPU launch synchronises its stream and names itself on error "
+    "(read once at import of memra_dsv4.gpu.runtime).")
 SEAM_REQUIRE_PARITY = Seam(
     "require_parity", "MEMRA_DSV4_REQUIRE_PARITY", "0", ("0", "1"),
     "Tests: `1` turns a skipped transformers parity test (torch/transformers missing) into a "
     "failure.")
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
-    SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_REQUIRE_PARITY)}
+    SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
+    SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:
