@@ -1,0 +1,96 @@
+"""Sparse attention with sinks (kernels_cu/attention.cu), twin oracle.ops.sparse_attention_with_sinks.
+
+sparse_attention(q, kv, idx, sink, scale, probs_bf16=False, n_split=1)
+    probs_bf16=False: the ``bf16`` numeric class (P kept f32); True: the ``reference`` class
+    (P cast to bf16 before P.V, relative to each 32-candidate tile's max).
+    n_split > 1 spreads each (token, head group)'s tiles over n_split CTAs and merges the
+    per-tile partials in tile order with a second kernel: the same bits as n_split = 1, more
+    parallelism for decode.  The workspace (f32, workspace_size() elements) may be passed in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, null_or, out_array, row_stride, sm_count
+
+STEM = "attention"
+KERNELS = ("sparse_attn_d512_hg16", "sparse_attn_d512_hg8", "sparse_attn_d512_hg4",
+           "sparse_attn_d128_hg16", "sparse_attn_d128_hg8", "sparse_attn_d128_hg4",
+           "sparse_attn_combine_d512", "sparse_attn_combine_d128")
+kernel_loader.register(STEM, KERNELS)
+
+TILE = 32
+# head group -> threads (HG = heads-per-warp * warps)
+_HG_THREADS = {16: 256, 8: 256, 4: 128}
+
+
+def head_group(H: int) -> int:
+    for hg in (16, 8, 4):
+        if H % hg == 0:
+            return hg
+    raise AssertionError(f"sparse_attention: H = {H} must be a multiple of 4")
+
+
+def n_tiles(K: int) -> int:
+    return (int(K) + TILE - 1) // TILE
+
+
+def workspace_size(T: int, H: int, D: int, K: int) -> int:
+    """float32 elements of the split-path workspace: T*H*n_tiles*(2 + D)."""
+    return int(T) * int(H) * n_tiles(K) * (2 + int(D))
+
+
+def auto_split(T: int, H: int, K: int) -> int:
+    """Enough CTAs for ~2 waves when the fused grid is small (decode); 1 otherwise."""
+    ctas = T * (H // head_group(H))
+    target = 2 * sm_count()
+    if ctas >= target:
+        return 1
+    return max(1, min(n_tiles(K), (target + ctas - 1) // ctas))
+
+
+def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
+                     n_split: int | None = 1, workspace=None):
+    """q [T, H, D] bf16; kv [N, D] bf16 rows (K = V; last axis contiguous, e.g. a cache view);
+    idx [T, K] int32 (-1 = skip); sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}.
+    n_split None = auto_split."""
+    check(q, "sparse_attention.q", np.uint16)
+    assert q.ndim == 3, f"sparse_attention.q: expected [T, H, D], got {q.shape}"
+    T, H, D = q.shape
+    assert D in (128, 512), f"sparse_attention: head dim {D} unsupported (128, 512)"
+    check(kv, "sparse_attention.kv", np.uint16, rows_strided=True)
+    assert kv.shape[1] == D, f"sparse_attention.kv: row width {kv.shape[1]} != {D}"
+    assert row_stride(kv) % 8 == 0, "sparse_attention.kv: rows must be 16-byte aligned"
+    check(idx, "sparse_attention.idx", np.int32)
+    assert idx.ndim == 2 and idx.shape[0] == T, f"sparse_attention.idx: expected [{T}, K], got {idx.shape}"
+    K = idx.shape[1]
+    check(sink, "sparse_attention.sink", np.float32, (H,))
+    out = out_array(out, "sparse_attention.out", (T, H, D), np.uint16)
+    if T == 0:
+        return out
+    hg = head_group(H)
+    if n_split is None:
+        n_split = auto_split(T, H, K)
+    nt = n_tiles(K)
+    n_split = max(1, min(int(n_split), max(1, nt)))
+    k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}")
+    smem = dynamic_smem(k, 2 * TILE * D * 2)
+    if n_split == 1:
+        k((T, H // hg, 1), (_HG_THREADS[hg],),
+          (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
+           i32(int(probs_bf16)), null_or(None), null_or(None)), shared_mem=smem)
+        return out
+    need = workspace_size(T, H, D, K)
+    if workspace is None:
+        workspace = cupy().empty((need,), dtype=np.float32)
+    check(workspace, "sparse_attention.workspace", np.float32)
+    assert workspace.size >= need, f"sparse_attention.workspace: {workspace.size} < {need} floats"
+    ws_ml = workspace[: T * H * nt * 2]
+    ws_acc = workspace[T * H * nt * 2: need]
+    k((T, H // hg, n_split), (_HG_THREADS[hg],),
+      (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
+       i32(int(probs_bf16)), ws_ml, ws_acc), shared_mem=smem)
+    kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,), (ws_ml, ws_acc, sink, out, i32(H), i32(nt)))
+    return out

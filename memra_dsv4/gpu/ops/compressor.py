@@ -1,0 +1,116 @@
+"""KV compressor ops (kernels_cu/compressor.cu).
+
+add_ape(z, ape, pos)                   twin: the ``+ ape[pos % r]`` of oracle.ops.compressor_project
+pool_overlap(kv, score, n_entries)     twin oracle.ops.compress_pool(*compress_candidates(.., 4))
+pool_plain(kv, score, ratio, n)        twin oracle.ops.compress_pool(*compress_candidates(.., r))
+norm_rope_sim(x, w, eps, cos, sin, pos, mode)
+                                       twin oracle.ops.compress_entry_postprocess (f32 input), or
+                                       kv_sim(rope(rmsnorm(x))) of the main KV path (bf16 input)
+
+Decode uses the same kernels on the pending state: pool_overlap(state_kv[4:8], state_score[4:8],
+1, prev_kv=state_kv[0:4], prev_score=state_score[0:4]); pool_plain(state_kv, state_score, r, 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, grid_stride_blocks, i32, kernel, null_or, out_array, row_stride
+
+STEM = "compressor"
+KERNELS = ("compress_add_ape", "compress_pool_overlap", "compress_pool_plain",
+           "norm_rope_fp8_d512_f32in", "norm_rope_fp8_d512_bf16in", "norm_rope_fp8_d128_f32in",
+           "norm_rope_fp8_d128_bf16in", "norm_rope_hadfp4_d128_f32in", "norm_rope_hadfp4_d128_bf16in")
+kernel_loader.register(STEM, KERNELS)
+
+
+def add_ape(z, ape, pos):
+    """z [T, C] f32 in place: z[t] = f32(z[t] + ape[pos[t] % r]); ape [r, C] f32; pos [T] int32."""
+    check(z, "add_ape.z", np.float32)
+    T, C = z.shape
+    check(ape, "add_ape.ape", np.float32, (None, C))
+    check(pos, "add_ape.pos", np.int32, (T,))
+    if T * C:
+        kernel(STEM, "compress_add_ape")((grid_stride_blocks(T * C),), (256,),
+                                         (z, ape, pos, i32(T), i32(C), i32(ape.shape[0])))
+    return z
+
+
+def pool_overlap(kv, score, n_entries: int, out=None, prev_kv=None, prev_score=None):
+    """Ratio-4 overlap pooling.  kv, score: [>= 4*n_entries, 2d] f32 rows (last axis contiguous;
+    score already includes ape); prev_kv/prev_score: [4, >= 2d] f32 rows of the previous block
+    (pending rows 0..3) or None for block 0 of a sequence.  -> out [n_entries, d] f32."""
+    check(kv, "pool_overlap.kv", np.float32, rows_strided=True)
+    check(score, "pool_overlap.score", np.float32, kv.shape, rows_strided=True)
+    assert row_stride(kv) == row_stride(score), "pool_overlap: kv and score row strides differ"
+    d = kv.shape[1] // 2
+    assert kv.shape[0] >= 4 * n_entries, f"pool_overlap: {kv.shape[0]} rows < 4 * {n_entries}"
+    if out is None:
+        out = out_array(None, "pool_overlap.out", (n_entries, d), np.float32)
+    check(out, "pool_overlap.out", np.float32, (n_entries, d), rows_strided=True)
+    ld_prev = 0
+    if prev_kv is not None:
+        check(prev_kv, "pool_overlap.prev_kv", np.float32, rows_strided=True)
+        check(prev_score, "pool_overlap.prev_score", np.float32, prev_kv.shape, rows_strided=True)
+        assert prev_kv.shape[0] >= 4 and prev_kv.shape[1] >= d, f"pool_overlap.prev_kv: shape {prev_kv.shape}"
+        assert row_stride(prev_kv) == row_stride(prev_score), "pool_overlap: prev row strides differ"
+        ld_prev = row_stride(prev_kv)
+    if n_entries and d:
+        kernel(STEM, "compress_pool_overlap")(
+            ((d + 127) // 128, n_entries), (128,),
+            (kv, score, i32(row_stride(kv)), null_or(prev_kv), null_or(prev_score), i32(ld_prev),
+             out, i32(row_stride(out)), i32(d)))
+    return out
+
+
+def pool_plain(kv, score, ratio: int, n_entries: int, out=None):
+    """Non-overlap pooling (any ratio != 4): entry k pools rows k*r .. k*r + r - 1.
+    kv, score: [>= r*n_entries, >= d] f32 rows (d = kv.shape[1]); -> out [n_entries, d] f32."""
+    check(kv, "pool_plain.kv", np.float32, rows_strided=True)
+    check(score, "pool_plain.score", np.float32, kv.shape, rows_strided=True)
+    assert row_stride(kv) == row_stride(score), "pool_plain: kv and score row strides differ"
+    d = kv.shape[1]
+    assert kv.shape[0] >= ratio * n_entries, f"pool_plain: {kv.shape[0]} rows < {ratio} * {n_entries}"
+    if out is None:
+        out = out_array(None, "pool_plain.out", (n_entries, d), np.float32)
+    check(out, "pool_plain.out", np.float32, (n_entries, d), rows_strided=True)
+    if n_entries and d:
+        kernel(STEM, "compress_pool_plain")(((d + 127) // 128, n_entries), (128,),
+                                            (kv, score, i32(row_stride(kv)), out, i32(row_stride(out)),
+                                             i32(d), i32(ratio)))
+    return out
+
+
+_NRS = {(512, "fp8", True): ("norm_rope_fp8_d512_f32in", 64),
+        (512, "fp8", False): ("norm_rope_fp8_d512_bf16in", 64),
+        (128, "fp8", True): ("norm_rope_fp8_d128_f32in", 32),
+        (128, "fp8", False): ("norm_rope_fp8_d128_bf16in", 32),
+        (128, "hadfp4", True): ("norm_rope_hadfp4_d128_f32in", 32),
+        (128, "hadfp4", False): ("norm_rope_hadfp4_d128_bf16in", 32)}
+
+
+def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=None):
+    """Per row: v = bf16(x) (f32 x) | x (bf16 x); y = rmsnorm(v, weight, eps); RoPE(pos[row]) on the
+    last R = 2*cos.shape[1] dims; then mode 'fp8' = FP8 sim of dims [0, D-R) (block 64) or
+    'hadfp4' = Hadamard-128 + FP4 sim (block 32).  x: [n, D] float32 or bf16 (last axis
+    contiguous); weight [D] f32; pos [n] int32; out [n, D] bf16 rows (may be a strided cache view)."""
+    assert x.ndim == 2 and x.dtype in (np.float32, np.uint16), f"norm_rope_sim.x: {x.shape} {x.dtype}"
+    check(x, "norm_rope_sim.x", x.dtype, rows_strided=True)
+    n, D = x.shape
+    key = (D, mode, x.dtype == np.float32)
+    assert key in _NRS, f"norm_rope_sim: D = {D}, mode {mode!r} unsupported (have {sorted(_NRS)})"
+    name, threads = _NRS[key]
+    check(weight, "norm_rope_sim.weight", np.float32, (D,))
+    check(pos, "norm_rope_sim.pos", np.int32, (n,))
+    check(cos, "norm_rope_sim.cos", np.float32)
+    check(sin, "norm_rope_sim.sin", np.float32, cos.shape)
+    R = 2 * cos.shape[1]
+    assert R % 8 == 0 and (mode != "fp8" or (D - R) % 64 == 0), f"norm_rope_sim: rope dims {R} unsupported"
+    if out is None:
+        out = out_array(None, "norm_rope_sim.out", (n, D), np.uint16)
+    check(out, "norm_rope_sim.out", np.uint16, (n, D), rows_strided=True)
+    if n:
+        kernel(STEM, name)((n,), (threads,), (x, i32(row_stride(x)), weight, np.float64(eps), cos, sin, pos,
+                                              i32(R), out, i32(row_stride(out))))
+    return out

@@ -1,0 +1,92 @@
+"""Routed-expert weight ops (kernels_cu/experts.cu).
+
+dequant_mxfp4(packed, scale)          twin formats.dequant_mxfp4 -> bf16 (exact)
+dequant_nvfp4(packed, wscale, ws2)    twin formats.dequant_nvfp4 -> bf16 (RNE of the f32 product)
+pointer_table(arrays)                 u64 device array of base pointers (per-expert tables)
+gemv_fp4(fmt, x, expert_ids, wptr, sptr, O, K, ...)
+    y[s, o] = bf16(sum_k W_{e_s}[o, k] x[s // x_div, k]) reading the stored FP4 bytes,
+    twin oracle.ops.linear(x, dequant(W_e), "fp4") per slot (bf16 class: x as given;
+    reference class: pass the FP8-simulated x, quant_sim.fp8_sim(x, 128)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, cupy, grid_stride_blocks, i32, kernel, null_or, out_array, row_stride
+
+STEM = "experts"
+KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16",
+           "gemv_mxfp4_k1", "gemv_mxfp4_k2", "gemv_mxfp4_k4",
+           "gemv_nvfp4_k1", "gemv_nvfp4_k2", "gemv_nvfp4_k4")
+kernel_loader.register(STEM, KERNELS)
+
+GEMV_ROWS_PER_CTA = 32
+
+
+def dequant_mxfp4(packed, scale, out=None):
+    """packed [R, C/2] uint8; scale [R, C/32] uint8 (e8m0) -> out [R, C] bf16."""
+    check(packed, "dequant_mxfp4.packed", np.uint8)
+    R, C = packed.shape[0], 2 * packed.shape[1]
+    assert packed.ndim == 2 and C % 32 == 0, f"dequant_mxfp4: packed shape {packed.shape}"
+    check(scale, "dequant_mxfp4.scale", np.uint8, (R, C // 32))
+    out = out_array(out, "dequant_mxfp4.out", (R, C), np.uint16)
+    if R * C:
+        kernel(STEM, "dequant_mxfp4_bf16")((grid_stride_blocks(R * C // 32),), (256,),
+                                           (packed, scale, out, np.int64(R), i32(C)))
+    return out
+
+
+def dequant_nvfp4(packed, wscale, ws2: float, out=None):
+    """packed [R, C/2] uint8; wscale [R, C/16] uint8 (e4m3); ws2 f32 scalar -> out [R, C] bf16."""
+    check(packed, "dequant_nvfp4.packed", np.uint8)
+    R, C = packed.shape[0], 2 * packed.shape[1]
+    assert packed.ndim == 2 and C % 32 == 0, f"dequant_nvfp4: packed shape {packed.shape}"
+    check(wscale, "dequant_nvfp4.wscale", np.uint8, (R, C // 16))
+    out = out_array(out, "dequant_nvfp4.out", (R, C), np.uint16)
+    if R * C:
+        kernel(STEM, "dequant_nvfp4_bf16")((grid_stride_blocks(R * C // 32),), (256,),
+                                           (packed, wscale, np.float32(ws2), out, np.int64(R), i32(C)))
+    return out
+
+
+def pointer_table(arrays):
+    """uint64 device array of the base pointers of ``arrays`` (one per expert; build once)."""
+    cp = cupy()
+    return cp.asarray(np.array([a.data.ptr for a in arrays], dtype=np.uint64))
+
+
+def stacked_pointer_table(stacked):
+    """Pointer table of a stacked [E, ...] tensor: base + e * stride."""
+    cp = cupy()
+    check(stacked, "stacked_pointer_table", stacked.dtype)
+    E = stacked.shape[0]
+    stride = stacked.strides[0]
+    return cp.asarray(np.array([stacked.data.ptr + e * stride for e in range(E)], dtype=np.uint64))
+
+
+def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x_div: int = 1, ws2=None):
+    """fmt 'mxfp4' | 'nvfp4'.  x [n_x, K] bf16; expert_ids [S] int32 (< 0: zero row);
+    wptr/sptr uint64 [E] (packed [O, K/2] u8; scales [O, K/32] e8m0 | [O, K/16] e4m3);
+    ws2 f32 [E] (nvfp4) -> out [S, O] bf16 (rows may be strided).  Slot s reads x row s // x_div.
+    K % 32 == 0, K <= 4096."""
+    assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4: format {fmt!r}"
+    check(x, "gemv_fp4.x", np.uint16, (None, K))
+    check(expert_ids, "gemv_fp4.expert_ids", np.int32)
+    S = expert_ids.size
+    assert (S + x_div - 1) // x_div <= x.shape[0], f"gemv_fp4: {S} slots / x_div {x_div} > {x.shape[0]} x rows"
+    check(wptr, "gemv_fp4.wptr", np.uint64)
+    check(sptr, "gemv_fp4.sptr", np.uint64, wptr.shape)
+    if fmt == "nvfp4":
+        check(ws2, "gemv_fp4.ws2", np.float32, wptr.shape)
+    assert K % 32 == 0 and K <= 4096, f"gemv_fp4: K = {K} (need K % 32 == 0, K <= 4096)"
+    kpl = 1 if K <= 1024 else (2 if K <= 2048 else 4)
+    if out is None:
+        out = out_array(None, "gemv_fp4.out", (S, O), np.uint16)
+    check(out, "gemv_fp4.out", np.uint16, (S, O), rows_strided=True)
+    if S and O:
+        kernel(STEM, f"gemv_{fmt}_k{kpl}")(((O + GEMV_ROWS_PER_CTA - 1) // GEMV_ROWS_PER_CTA, S), (256,),
+                                         (x, i32(x_div), expert_ids, wptr, sptr, null_or(ws2 if fmt == "nvfp4" else None),
+                                          out, i32(row_stride(out)), i32(O), i32(K)))
+    return out

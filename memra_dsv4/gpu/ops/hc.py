@@ -1,0 +1,119 @@
+"""Hyper-connection ops (kernels_cu/hc.cu).
+
+hc_mixes(streams, fn, norm_eps)                  twin oracle.ops._hc_mixes (mixes only)
+hc_pre_finish(mixes, scale, base, streams, ...)  twin host.hc.hc_split + oracle.ops._weighted_streams
+hc_pre(streams, fn, scale, base, ...)            twin oracle.ops.hc_pre (= hc_mixes + hc_pre_finish)
+hc_weighted_sum(pre, streams)                    twin oracle.ops._weighted_streams (host-substituted pre)
+hc_head(streams, fn, scale, base, ...)           twin oracle.ops.hc_head
+hc_post(f, residual, post, comb)                 twin oracle.ops.hc_post (bit-identical)
+
+Streams are [T, hc, D] bf16 (uint16) with hc = 4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, i32, kernel, out_array
+
+STEM = "hc"
+KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
+           "hc_post")
+kernel_loader.register(STEM, KERNELS)
+
+HC = 4
+
+
+def _streams(X, name):
+    check(X, name, np.uint16)
+    assert X.ndim == 3 and X.shape[1] == HC and X.shape[2] % 8 == 0, (
+        f"{name}: expected [T, {HC}, D] with D % 8 == 0, got {X.shape}")
+    return X.shape[0], X.shape[2]
+
+
+def hc_mixes(streams, fn, norm_eps: float, out=None):
+    """mixes [T, rows] f32 = (fn . vec(X_t)) * rsqrt(mean(vec(X_t)^2) + norm_eps), double
+    accumulation.  fn [rows, hc*D] float32 with rows % 6 == 0 (hc_pre: 24) or rows == 4 (hc_head)."""
+    T, D = _streams(streams, "hc_mixes.streams")
+    n = HC * D
+    rows = fn.shape[0]
+    check(fn, "hc_mixes.fn", np.float32, (rows, n))
+    out = out_array(out, "hc_mixes.out", (T, rows), np.float32)
+    if T:
+        if rows % 6 == 0:
+            name, r = "hc_mixes_r6", 6
+        else:
+            assert rows % 4 == 0, f"hc_mixes: {rows} rows (need a multiple of 6 or 4)"
+            name, r = "hc_mixes_r4", 4
+        kernel(STEM, name)(((T + 3) // 4, rows // r), (256,),
+                           (streams, fn, out, i32(T), i32(n), i32(rows), np.float64(norm_eps)))
+    return out
+
+
+def hc_pre_finish(mixes, scale, base, streams, *, iters: int, hc_eps: float, y=None, pre=None,
+                  post=None, comb=None):
+    """Split (pre/post/comb with Sinkhorn, f32) + y = bf16(sum_i pre_i X_i).
+    Returns (y [T, D] bf16, pre [T, 4], post [T, 4], comb [T, 4, 4]) (comb[i, j]: i = source)."""
+    T, D = _streams(streams, "hc_pre.streams")
+    check(mixes, "hc_pre.mixes", np.float32, (T, (2 + HC) * HC))
+    check(scale, "hc_pre.scale", np.float32, (3,))
+    check(base, "hc_pre.base", np.float32, ((2 + HC) * HC,))
+    y = out_array(y, "hc_pre.y", (T, D), np.uint16)
+    pre = out_array(pre, "hc_pre.pre", (T, HC), np.float32)
+    post = out_array(post, "hc_pre.post", (T, HC), np.float32)
+    comb = out_array(comb, "hc_pre.comb", (T, HC, HC), np.float32)
+    if T:
+        kernel(STEM, "hc_pre_split_apply")((T,), (128,), (mixes, scale, base, streams, y, pre, post, comb,
+                                                          i32(D), i32(iters), np.float32(hc_eps)))
+    return y, pre, post, comb
+
+
+def hc_pre(streams, fn, scale, base, *, iters: int, hc_eps: float, norm_eps: float, mixes=None,
+           y=None, pre=None, post=None, comb=None):
+    """oracle.ops.hc_pre: returns (y, post, comb) (pre stays in ``pre`` when given).
+    ``mixes`` [T, 24] f32 scratch (allocated when None)."""
+    T, D = _streams(streams, "hc_pre.streams")
+    mixes = hc_mixes(streams, fn, norm_eps, out=mixes)
+    y, pre, post, comb = hc_pre_finish(mixes, scale, base, streams, iters=iters, hc_eps=hc_eps,
+                                       y=y, pre=pre, post=post, comb=comb)
+    return y, post, comb
+
+
+def hc_weighted_sum(pre, streams, out=None):
+    """y = bf16(sum_i pre_i X_i) in double (bit-identical to the twin given pre [T, 4] f32)."""
+    T, D = _streams(streams, "hc_weighted_sum.streams")
+    check(pre, "hc_weighted_sum.pre", np.float32, (T, HC))
+    out = out_array(out, "hc_weighted_sum.out", (T, D), np.uint16)
+    if T:
+        kernel(STEM, "hc_weighted_sum")((T,), (128,), (pre, streams, out, i32(D)))
+    return out
+
+
+def hc_head(streams, fn, scale, base, *, hc_eps: float, norm_eps: float, out=None, mixes=None):
+    """oracle.ops.hc_head: pre = sigmoid(mixes * scale[0] + base) + hc_eps; y = bf16(sum pre_i X_i)."""
+    T, D = _streams(streams, "hc_head.streams")
+    check(scale, "hc_head.scale", np.float32, (1,))
+    check(base, "hc_head.base", np.float32, (HC,))
+    mixes = hc_mixes(streams, fn, norm_eps, out=mixes)
+    out = out_array(out, "hc_head.out", (T, D), np.uint16)
+    if T:
+        kernel(STEM, "hc_head_apply")((T,), (128,), (mixes, scale, base, streams, out, i32(D),
+                                                     np.float32(hc_eps)))
+    return out
+
+
+def hc_post(f, residual, post, comb, out=None):
+    """new_j = bf16(post_j f + sum_i comb[i, j] R_i) -> [T, 4, D] (out must not alias residual)."""
+    T, D = _streams(residual, "hc_post.residual")
+    check(f, "hc_post.f", np.uint16, (T, D))
+    check(post, "hc_post.post", np.float32, (T, HC))
+    check(comb, "hc_post.comb", np.float32, (T, HC, HC))
+    out = out_array(out, "hc_post.out", (T, HC, D), np.uint16)
+    assert out.data.ptr != residual.data.ptr or T == 0, "hc_post: out must not alias residual"
+    if T:
+        kernel(STEM, "hc_post")((T,), (128,), (f, residual, post, comb, out, i32(D)))
+    return out
+
+
+__all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post"]

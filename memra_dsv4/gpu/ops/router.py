@@ -1,0 +1,63 @@
+"""MoE router ops (kernels_cu/router.cu).
+
+logits(x, w_gate)              twin oracle.ops.router_logits (f32 out, double accumulation)
+select(logits, k, route_scale, bias=... | tid2eid=..., token_ids=...)
+                               twin host.routing.route: (idx int32 [T, k], weights f32 [T, k],
+                               scores f32 [T, E]); the twin's idx is int64, the values are equal.
+tid2eid for the hash layers is int32 [V, k] (the checkpoint's int64, converted at load).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or, out_array
+
+STEM = "router"
+_SELECT = {32: "router_select_e32", 64: "router_select_e64", 128: "router_select_e128",
+           256: "router_select_e256", 384: "router_select_e384", 512: "router_select_e512"}
+KERNELS = ("router_logits_bf16",) + tuple(_SELECT.values())
+kernel_loader.register(STEM, KERNELS)
+
+KMAX = 16
+
+
+def logits(x, w_gate, out=None):
+    """x [T, D] bf16; w_gate [E, D] bf16 -> out [T, E] f32."""
+    check(x, "router.logits.x", np.uint16)
+    T, D = x.shape
+    assert D % 8 == 0, f"router.logits: D = {D} must be a multiple of 8"
+    E = w_gate.shape[0]
+    check(w_gate, "router.logits.w_gate", np.uint16, (E, D))
+    out = out_array(out, "router.logits.out", (T, E), np.float32)
+    if T and E:
+        kernel(STEM, "router_logits_bf16")(((E + 7) // 8, (T + 3) // 4), (256,),
+                                           (x, w_gate, out, i32(T), i32(D), i32(E)))
+    return out
+
+
+def select(logits, k: int, route_scale: float, *, bias=None, tid2eid=None, token_ids=None,
+           idx=None, weights=None, scores=None, want_scores: bool = True):
+    """Learned (bias [E] f32) or hash (tid2eid [V, k] int32 + token_ids [T] int32) routing.
+    Returns (idx int32 [T, k], weights f32 [T, k], scores f32 [T, E] or None)."""
+    check(logits, "router.select.logits", np.float32)
+    T, E = logits.shape
+    assert 1 <= k <= min(KMAX, E), f"router.select: k = {k} outside 1..{min(KMAX, E)}"
+    assert (bias is None) != (tid2eid is None), "router.select: give exactly one of bias / tid2eid"
+    if bias is not None:
+        check(bias, "router.select.bias", np.float32, (E,))
+    else:
+        check(tid2eid, "router.select.tid2eid", np.int32, (None, k))
+        check(token_ids, "router.select.token_ids", np.int32, (T,))
+    cap = next((c for c in sorted(_SELECT) if c >= E), None)
+    assert cap is not None, f"router.select: E = {E} > {max(_SELECT)}"
+    idx = out_array(idx, "router.select.idx", (T, k), np.int32)
+    weights = out_array(weights, "router.select.weights", (T, k), np.float32)
+    if want_scores or scores is not None:
+        scores = out_array(scores, "router.select.scores", (T, E), np.float32)
+    if T:
+        kernel(STEM, _SELECT[cap])(((T + 3) // 4,), (128,),
+                                   (logits, null_or(bias), null_or(tid2eid), null_or(token_ids), idx, weights,
+                                    null_or(scores), i32(T), i32(E), i32(k), np.float32(route_scale)))
+    return idx, weights, scores
