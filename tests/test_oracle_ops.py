@@ -209,3 +209,15 @@ def test_router_and_lm_head_are_fp32():
     np.testing.assert_array_equal(lg, (x.astype(np.float64) @ wg.T.astype(np.float64)).astype(np.float32))
     idx, w, s = ops.router(lg, k=2, route_scale=1.5, bias=np.zeros(8, np.float32))
     np.testing.assert_allclose(w.sum(-1), 1.5, rtol=1e-6)
+
+
+def test_named_wrappers():
+    q = bf((3, 2, 128), 2.0)
+    np.testing.assert_array_equal(ops.head_rms_bf16(q, 1e-6), ops.head_rms(q, 1e-6, pol=BF))
+    a, z = rng.standard_normal((8, 64)), rng.standard_normal((8, 64))
+    np.testing.assert_array_equal(ops.compress_pool_overlap(a, z, pol=EX),
+                                  ops.compress_pool(*ops.compress_candidates(a, z, 4), pol=EX))
+    np.testing.assert_array_equal(ops.compress_pool_ratio(a, z, 8, pol=EX),
+                                  ops.compress_pool(*ops.compress_candidates(a, z, 8), pol=EX))
+    with pytest.raises(ValueError):
+        ops.compress_pool_ratio(a, z, 4)

@@ -30,11 +30,12 @@ from memra_dsv4.host.routing import route, sqrtsoftplus
 from memra_dsv4.seams import POLICIES, NumericsPolicy, mm
 
 __all__ = [
-    "BF16", "rmsnorm", "head_rms", "linear", "hc_pre", "hc_post", "hc_head", "apply_rope",
-    "kv_fp8_sim", "hadamard", "hadamard_matrix", "compressor_project", "compress_candidates",
-    "compress_pool", "compress_entry_postprocess", "indexer_weights", "indexer_scores",
-    "indexer_topk", "sparse_attention_with_sinks", "wo_grouped", "router_logits", "router",
-    "swiglu_clamped", "expert_ffn", "moe_combine", "lm_head",
+    "BF16", "rmsnorm", "head_rms", "head_rms_bf16", "linear", "hc_pre", "hc_post", "hc_head",
+    "apply_rope", "kv_fp8_sim", "hadamard", "hadamard_matrix", "compressor_project",
+    "compress_candidates", "compress_pool", "compress_pool_overlap", "compress_pool_ratio",
+    "compress_entry_postprocess", "indexer_weights", "indexer_scores", "indexer_topk",
+    "sparse_attention_with_sinks", "wo_grouped", "router_logits", "router", "swiglu_clamped",
+    "expert_ffn", "moe_combine", "lm_head",
 ]
 
 BF16: NumericsPolicy = POLICIES["bf16"]
@@ -63,6 +64,11 @@ def head_rms(x, eps: float, *, pol: NumericsPolicy = BF16) -> np.ndarray:
     """Unweighted per-head RMS norm of q [..., H, D] over D (M:498), in bf16 tensor arithmetic
     for the bf16/reference classes (see NumericsPolicy.head_rms)."""
     return pol.head_rms(x, eps)
+
+
+def head_rms_bf16(x, eps: float) -> np.ndarray:
+    """``head_rms`` with the bf16 tensor arithmetic of M:498 (the bf16 / reference classes)."""
+    return BF16.head_rms(x, eps)
 
 
 def linear(x, w, kind: str, *, pol: NumericsPolicy = BF16) -> np.ndarray:
@@ -215,6 +221,21 @@ def compress_pool(a_cand, z_cand, *, pol: NumericsPolicy = BF16) -> np.ndarray:
     den = _sum_ordered(e, -2)
     num = _sum_ordered(e * np.where(e > 0, a64, 0.0), -2)
     return pol.f32(num / den)
+
+
+def compress_pool_overlap(a, z, *, prev_a=None, prev_z=None,
+                          pol: NumericsPolicy = BF16) -> np.ndarray:
+    """Ratio-4 overlap pooling of nb complete blocks: a, z [nb*4, 2d] -> entries [nb, d]
+    (= compress_pool(*compress_candidates(a, z, 4, prev_a=..., prev_z=...)))."""
+    ac, zc = compress_candidates(a, z, 4, prev_a=prev_a, prev_z=prev_z)
+    return compress_pool(ac, zc, pol=pol)
+
+
+def compress_pool_ratio(a, z, ratio: int, *, pol: NumericsPolicy = BF16) -> np.ndarray:
+    """Non-overlapping ratio-r pooling (r >= 8): a, z [nb*r, d] -> entries [nb, d]."""
+    if ratio == 4:
+        raise ValueError("compress_pool_ratio: ratio 4 is the overlap layout; use compress_pool_overlap")
+    return compress_pool(*compress_candidates(a, z, ratio), pol=pol)
 
 
 def compress_entry_postprocess(pooled, norm_w, cos, sin, *, rope_dim: int, rotate: bool,
