@@ -11,8 +11,9 @@ Contract
   wins over the environment, the environment over the default; anything outside ``allowed``
   raises ``ValueError`` naming the variable (or argument) and the allowed values.
 * ``MEMRA_DSV4_NUMERICS`` is read once, at import of this module, validated, and announced on
-  stderr as ``memra_dsv4: numerics = <value>`` (only when the variable is set; the default is
-  announced by the first ``Oracle`` built without an explicit class).
+  stderr as ``memra_dsv4: numerics = <value>``: at import when the variable is set, otherwise
+  the first time the default is used (an ``Oracle`` or ``run`` without an explicit class).
+  Announced once per process.
 * ``seam_table_markdown()`` renders the registry for the README.
 * Owners read their own variables (profiling: MEMRA_DSV4_PROF, gpu.runtime: MEMRA_DSV4_DEBUG,
   gpu.ops_glue: MEMRA_DSV4_GEMM, gpu.kernel_loader: MEMRA_DSV4_KERNELS_DIR); the registry is
@@ -134,6 +135,10 @@ def resolve(seam: Seam | str, explicit: str | None = None) -> str:
                              f"{', '.join(seam.allowed)}")
         return seam.check(explicit, f"{seam.name} (argument; env {seam.env})")
     if seam is SEAM_NUMERICS:
+        global _ANNOUNCED
+        if not _ANNOUNCED:   # env unset: announce the default the first time it is used
+            print(f"memra_dsv4: numerics = {seam.default}", file=sys.stderr)
+            _ANNOUNCED = True
         return _NUMERICS_AT_LOAD if _NUMERICS_AT_LOAD is not None else seam.default
     return env_value(seam)
 
@@ -157,6 +162,7 @@ def _read_numerics_once() -> str | None:
 
 # Read once at load.  An invalid value is an error at import, naming the variable.
 _NUMERICS_AT_LOAD: str | None = _read_numerics_once()
+_ANNOUNCED: bool = _NUMERICS_AT_LOAD is not None
 
 
 # ---------------------------------------------------------------------- numerics policy

@@ -28,16 +28,23 @@ def test_resolve_precedence_and_errors(monkeypatch):
 
 
 def _import_with_env(value):
-    env = dict(os.environ, MEMRA_DSV4_NUMERICS=value, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("MEMRA_DSV4_NUMERICS", None)
+    if value is not None:
+        env["MEMRA_DSV4_NUMERICS"] = value
     return subprocess.run([sys.executable, "-c", "import memra_dsv4.seams as s; "
-                           "print(s.resolve('numerics'))"], env=env, capture_output=True,
-                          text=True, cwd=REPO)
+                           "print(s.resolve('numerics')); s.resolve('numerics')"], env=env,
+                          capture_output=True, text=True, cwd=REPO)
 
 
 def test_numerics_env_read_once_and_announced():
     r = _import_with_env("exact")
     assert r.returncode == 0, r.stderr
     assert "memra_dsv4: numerics = exact" in r.stderr and r.stdout.strip() == "exact"
+    assert r.stderr.count("numerics =") == 1
+    r = _import_with_env(None)
+    assert r.returncode == 0 and r.stdout.strip() == "bf16"
+    assert r.stderr.count("memra_dsv4: numerics = bf16") == 1
     r = _import_with_env("fp64")
     assert r.returncode != 0 and "MEMRA_DSV4_NUMERICS" in r.stderr and "bf16" in r.stderr
 
