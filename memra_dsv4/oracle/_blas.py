@@ -14,7 +14,7 @@ import ctypes
 import re
 import threading
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()   # re-entrant: a nested call keeps one thread and restores
 _API = None  # (get, set) or False
 
 

@@ -10,6 +10,9 @@ API
     ``"exact"`` or None (then ``MEMRA_DSV4_NUMERICS``, then bf16); see ``memra_dsv4.seams``.
     ``shared_expert_clamp``: clamp the shared expert's SwiGLU at ``swiglu_limit`` like the routed
     experts (current official revision and transformers; True) or not (initial revision).
+    ``cache_weights``: keep dequantised weights (float32; float64 for exact) between calls
+    (True).  With Flash dimensions one layer's 256 experts are ~25 GB in float32; pass False
+    to dequantise on every use instead.
 
 ``Oracle.prefill(token_ids, all_logits=False, capture=False) -> ForwardOut``
     One sequence from position 0.  ``logits``: [vocab] of the last position, or [S, vocab]
@@ -320,7 +323,8 @@ class _Layer:
 
 # ------------------------------------------------------------------------------ oracle
 class Oracle:
-    def __init__(self, ckpt, numerics: str | None = None, *, shared_expert_clamp: bool = True):
+    def __init__(self, ckpt, numerics: str | None = None, *, shared_expert_clamp: bool = True,
+                 cache_weights: bool = True):
         if not hasattr(ckpt, "config") or not hasattr(ckpt, "dequant"):
             raise ValueError("Oracle: ckpt must have .config and .dequant(name) "
                              "(e.g. memra_dsv4.checkpoint.Checkpoint)")
@@ -329,6 +333,7 @@ class Oracle:
         self.pol: NumericsPolicy = policy(numerics)
         self.numerics = self.pol.name
         self.shared_expert_clamp = bool(shared_expert_clamp)
+        self.cache_weights = bool(cache_weights)
         self._w: dict[str, np.ndarray] = {}
         cfg = self.config
         self.layers = [_Layer(self, f"layers.{l}", l) for l in range(cfg.num_hidden_layers)]
@@ -343,7 +348,8 @@ class Oracle:
         if w is None:
             w = self.pol.arr(self.ckpt.dequant(name))
             w.setflags(write=False)
-            self._w[name] = w
+            if self.cache_weights:
+                self._w[name] = w
         return w
 
     def tid2eid(self, prefix: str) -> np.ndarray:
