@@ -11,6 +11,9 @@ rotation of both indexer q and k leaves q.k unchanged; routing weight before/aft
 same linear map) or we configure the oracle like HF (shared-expert clamp on, which is also the
 current reference).  All-position logits must agree to relative L2 <= PARITY_REL_L2.
 
+The MTP block, which transformers does not implement, is checked by running its weights through
+one HF decoder layer (test_mtp_block_matches_transformers_layer).
+
 Skips when torch/transformers are missing, unless MEMRA_DSV4_REQUIRE_PARITY=1 (then fails).
 """
 
@@ -237,3 +240,61 @@ def test_parity_is_sensitive():
     narrow = Oracle(Checkpoint.from_arrays(cfg.replace(sliding_window=7), synth_arrays(cfg, 3)),
                     "exact").prefill(ids, all_logits=True).logits
     assert rel_l2(narrow, theirs) > 100 * PARITY_REL_L2
+
+
+# ----------------------------------------------------------------------------- MTP block
+def test_mtp_block_matches_transformers_layer():
+    """transformers has no MTP module (difference T20), but the MTP block is a plain decoder
+    layer (layer id n_layers: sliding window, learned routing) with its own hc_head and norm
+    and the trunk's embed/head.  Build a one-layer HF model from the mtp.0 weights, compute the
+    MTP input h0 = h_proj(hnorm(streams)) + e_proj(enorm(embed[next])) in torch (M:760-764),
+    run the HF layer with a sliding causal mask at positions 0..S-1, and compare logits."""
+    cfg = preset("tiny")
+    ckpt = Checkpoint.from_arrays(cfg, synth_arrays(cfg, 4))
+    oracle = Oracle(ckpt, "exact")
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 13)
+    trunk = oracle.prefill(ids[:-1], all_logits=True)
+    ours = oracle.mtp_forward(trunk.streams, ids[1:]).logits
+
+    one = cfg.replace(num_hidden_layers=1, compress_ratios=(0, 0), num_hash_layers=0)
+    model = DeepseekV4ForCausalLM(hf_config(one)).float().eval()
+    d = lambda n: torch.from_numpy(np.ascontiguousarray(ckpt.dequant(n)))
+    sd = {}
+    for leaf, hf in _LAYER_MAP.items():
+        if f"mtp.0.{leaf}" in ckpt:
+            sd[f"model.layers.0.{hf}"] = d(f"mtp.0.{leaf}")
+    E = cfg.n_routed_experts
+    sd["model.layers.0.mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([d(f"mtp.0.ffn.experts.{e}.w1.weight"), d(f"mtp.0.ffn.experts.{e}.w3.weight")]) for e in range(E)])
+    sd["model.layers.0.mlp.experts.down_proj"] = torch.stack([d(f"mtp.0.ffn.experts.{e}.w2.weight") for e in range(E)])
+    sd.update({"model.embed_tokens.weight": d("embed.weight"), "lm_head.weight": d("head.weight"),
+               "model.norm.weight": d("mtp.0.norm.weight"), "model.hc_head.hc_fn": d("mtp.0.hc_head_fn"),
+               "model.hc_head.hc_base": d("mtp.0.hc_head_base"),
+               "model.hc_head.hc_scale": d("mtp.0.hc_head_scale")})
+    assert set(sd) == set(model.state_dict())
+    model.load_state_dict(sd, strict=True)
+
+    eps = cfg.rms_norm_eps
+    rms = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    X = torch.from_numpy(trunk.streams.astype(np.float32))
+    nxt = torch.from_numpy(ids[1:])
+    e = rms(d("embed.weight")[nxt], d("mtp.0.enorm.weight"))
+    z = rms(X, d("mtp.0.hnorm.weight"))
+    h0 = (z @ d("mtp.0.h_proj.weight").T + (e @ d("mtp.0.e_proj.weight").T)[:, None])[None]
+    S, W = h0.shape[1], cfg.sliding_window
+    i = torch.arange(S)
+    ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+    mask = torch.where(ok, 0.0, float("-inf"))[None, None]
+    pos = i[None]
+    with torch.no_grad():
+        pe = {k: model.model.rotary_emb(h0[:, :, 0], position_ids=pos, layer_type=k)
+              for k in ("main", "compress")}
+        out = model.model.layers[0](h0, input_ids=nxt[None], position_embeddings=pe,
+                                    position_ids=pos, attention_mask=mask, cache=None)
+        theirs = model.lm_head(model.model.norm(model.model.hc_head(out)))[0].numpy()
+    err = rel_l2(ours, theirs)
+    print(f"MTP block: rel L2 {err:.3g}")
+    assert err <= PARITY_REL_L2, f"MTP block rel L2 {err:.3g}"
+    # sensitivity: the trunk streams of the wrong position (shifted by one) are far off
+    shifted = oracle.mtp_forward(np.roll(trunk.streams, 1, axis=0), ids[1:]).logits
+    assert rel_l2(shifted, theirs) > 100 * PARITY_REL_L2
