@@ -66,6 +66,10 @@ The per-token pieces are methods of ``_Layer`` working on explicit positions:
 blocks, optionally seeded with a previous block's pending rows), ``indexer_select``,
 ``attend`` (``ops.sparse_attention_with_sinks`` over a canonical candidate list) and
 ``out_proj``.  Decode calls the same routines with one row.
+
+Decode state machine (``memra_dsv4.oracle.decode`` / ``spec``, mixed in as ``DecodeMixin``):
+``new_state``, ``prefill_state``, ``decode_step``, ``prefill_chunk``, ``verify``, ``commit``,
+``new_mtp_state``, ``mtp_propose``; ``Oracle.prefill`` itself stays stateless.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.host.routing import route_weights, sqrtsoftplus
 from memra_dsv4.oracle import ops
 from memra_dsv4.oracle._blas import single_threaded_blas
+from memra_dsv4.oracle.decode import DecodeMixin
 from memra_dsv4.seams import NumericsPolicy, policy
 
 __all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
@@ -322,7 +327,7 @@ class _Layer:
 
 
 # ------------------------------------------------------------------------------ oracle
-class Oracle:
+class Oracle(DecodeMixin):
     def __init__(self, ckpt, numerics: str | None = None, *, shared_expert_clamp: bool = True,
                  cache_weights: bool = True):
         if not hasattr(ckpt, "config") or not hasattr(ckpt, "dequant"):

@@ -1,0 +1,418 @@
+"""The oracle's decode state machine: prefill into a state, one-token decode, chunked prefill,
+and the batched speculative ``verify`` with its ``commit`` / rollback.
+
+Reference: /work/shared/reference/dsv4_attention.md 4 (compressor), 6 (index layout), 7 (state
+machine, reset hazard 7.3, consistency contract 7.4); dsv4_speculative.md 4.2 (rollback).
+
+ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence against a
+``DecodeState``: ``prefill_state`` is a chunk from a reset state at p0 = 0, ``decode_step`` a
+chunk of one token, ``prefill_chunk`` a chunk of any length, ``verify`` a chunk of k+1 tokens
+that keeps a rollback journal.  Per layer it uses the very ops (and the per-token methods of
+``model._Layer``) that ``Oracle.prefill`` uses, with the canonical candidate layout of
+``memra_dsv4.host.indices`` (window chronological, W wide; compressed entries ascending), so a
+position's result does not depend on how the sequence was split (tests:
+tests/test_oracle_decode.py, bit-equal in every class).
+
+Chunk semantics (7.4): window vectors of earlier positions come from the ring; chunk tokens go
+through the compressor state machine (the pending rows are prepended: the current block's
+pending tokens, and for ratio 4 the previous block's rows as the overlap half); an entry
+emitted inside the chunk is visible to chunk token t iff (k+1)*r <= t+1; the ring is written
+after the chunk's reads (with S > W only the last W survive).
+
+API (methods of ``Oracle`` via ``DecodeMixin``; also plain functions here)
+--------------------------------------------------------------------------
+``oracle.new_state(max_seq_len=4096) -> DecodeState``      fresh state (position 0)
+``oracle.prefill_state(tokens, state=None, all_logits=False) -> StepOut``
+    Starts a NEW sequence: the state is reset first (a fresh one is made when None), then
+    ``tokens`` run as one chunk.  ``Oracle.prefill`` (stateless) is unchanged.
+``oracle.decode_step(state, token) -> logits [vocab]``     one token at position state.pos
+``oracle.prefill_chunk(state, tokens, all_logits=False) -> logits``   a chunk of any length
+``oracle.verify(state, tokens) -> logits [k+1, vocab]``    speculative verify (below)
+``oracle.commit(state, n_accepted)``                       keep / roll back (below)
+``oracle.new_mtp_state()``, ``oracle.mtp_propose(...)``    the MTP drafter (oracle/spec.py)
+
+Logits are float32 (float64 for ``exact``), like ``Oracle.prefill``.  ``StepOut.streams``
+holds the pre-hc_head streams [S, hc, dim] of the chunk rows (the MTP input).
+
+Verify / commit convention
+--------------------------
+``verify(state, [t_last, d1, .., dk])`` processes positions pos .. pos+k in one batched pass
+(t_last is the newest token not yet fed, e.g. the previous round's bonus token; d_i are the
+drafts for positions pos+i) and returns k+1 logits rows; row i predicts position pos+i+1.  It
+journals, per layer, what a rollback needs: the ring slots it overwrites (old rows) and its own
+window vectors, the compressor and indexer-compressor pending rows and its projections, and
+the counts of compressed / indexer rows before it.  Until ``commit`` the state refuses every
+call except ``commit`` and ``prefill_state`` (which resets).
+``commit(state, n)`` with 0 <= n <= k keeps positions pos .. pos+n (t_last and the first n
+drafts) and rolls back pos+n+1 .. pos+k: afterwards ``state.pos`` = old pos + n + 1 and the state
+is exactly (array for array) what plain ``decode_step`` of those n+1 tokens leaves.  The bonus
+token (argmax / sample of row n) is NOT in the state: feed it as t_last of the next verify (or
+to ``decode_step``).  k ranges over 1 .. MAX_DRAFT.
+
+Bad input (ids out of range, a position past max_seq_len, k out of range, n > k, a state of
+another config / class, calls in the wrong order) raises ValueError naming the problem before
+anything is written: the state is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memra_dsv4.host import indices as hidx
+from memra_dsv4.oracle import ops
+from memra_dsv4.oracle._blas import single_threaded_blas
+from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, CompressorState, DecodeState, LayerCache
+
+__all__ = [
+    "StepOut", "VerifyJournal", "MAX_DRAFT", "DecodeMixin", "new_state", "prefill_state",
+    "decode_step", "prefill_chunk", "verify", "commit", "forward_chunk", "check_state",
+]
+
+MAX_DRAFT = 16
+
+
+@dataclass
+class StepOut:
+    logits: np.ndarray                    # [vocab] (last position) or [S, vocab]
+    streams: np.ndarray                   # [S, hc, dim] pre-hc_head streams of the chunk rows
+    state: DecodeState
+    numerics: str = "bf16"
+
+    @property
+    def hc_state(self) -> np.ndarray:
+        """[hc, dim] pre-hc_head streams of the last position."""
+        return self.streams[-1]
+
+
+@dataclass
+class _LayerJournal:
+    slots: np.ndarray                     # ring slots the verify wrote (unique)
+    old_rows: np.ndarray                  # their rows before the verify
+    kv: np.ndarray                        # the verify's window vectors [S, hd]
+    comp_state: CompressorState | None = None
+    comp_az: tuple | None = None          # (a, z) [S, coff*d] of the verify positions
+    n_comp: int = 0
+    idx_state: CompressorState | None = None
+    idx_az: tuple | None = None
+    n_idx: int = 0
+
+
+@dataclass
+class VerifyJournal:
+    p0: int
+    k: int
+    last_hc: np.ndarray | None
+    streams: np.ndarray                   # [k+1, hc, dim]
+    layers: list[_LayerJournal] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- checks
+def _ids(oracle, tokens, what: str) -> np.ndarray:
+    from memra_dsv4.oracle.model import check_token_ids
+    return check_token_ids(tokens, oracle.config.vocab_size, what)
+
+
+def _token(oracle, token) -> np.ndarray:
+    t = np.asarray(token)
+    if t.ndim != 0:
+        raise ValueError(f"token must be one integer id, got shape {t.shape} "
+                         f"(use prefill_chunk for several tokens)")
+    return _ids(oracle, t.reshape(1), "token")
+
+
+def check_state(oracle, state, role: str = "trunk") -> DecodeState:
+    """The state must be a DecodeState built for this oracle's config, class and role."""
+    if not isinstance(state, DecodeState):
+        raise ValueError(f"state must be a DecodeState (from oracle.new_state()), got "
+                         f"{type(state).__name__}")
+    if state.role != role:
+        raise ValueError(f"state is a {state.role!r} state; this call needs a {role!r} state")
+    if state.config is not oracle.config and state.config != oracle.config:
+        raise ValueError(f"state was built for config {getattr(state.config, 'name', '?')!r}, "
+                         f"not this oracle's {oracle.config.name!r}")
+    if state.numerics != oracle.numerics:
+        raise ValueError(f"state was built for numerics {state.numerics!r}, not this "
+                         f"oracle's {oracle.numerics!r}")
+    return state
+
+
+def _check_room(state: DecodeState, n: int, what: str) -> None:
+    if state.pos + n > state.max_seq_len:
+        raise ValueError(f"{what}: positions {state.pos}..{state.pos + n - 1} exceed "
+                         f"max_seq_len {state.max_seq_len} (state.pos = {state.pos})")
+
+
+def _check_no_journal(state: DecodeState, what: str) -> None:
+    if state.journal is not None:
+        raise ValueError(f"{what}: the state has an uncommitted verify of "
+                         f"{state.journal.k + 1} tokens at position {state.journal.p0}; "
+                         f"call commit(state, n_accepted) first")
+
+
+# -------------------------------------------------------------------------- compressor
+def _compress_chunk(layer, cs: CompressorState, x, p0: int, *, indexer: bool):
+    """Entries completed by positions p0..p0+S-1 given the pending rows ``cs`` (not modified).
+    Returns (entries [nb, d], a, z) with (a, z) the chunk's projections."""
+    cfg, pol = layer.cfg, layer.pol
+    sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+    r = cs.ratio
+    S = x.shape[0]
+    positions = p0 + np.arange(S, dtype=np.int64)
+    a, z = ops.compressor_project(x, layer.w(f"{sub}.wkv.weight"), layer.w(f"{sub}.wgate.weight"),
+                                  layer.w(f"{sub}.ape"), positions, pol=pol)
+    rem0 = p0 % r
+    b0 = p0 - rem0
+    nb = (rem0 + S) // r
+    d = cfg.index_head_dim if indexer else cfg.head_dim
+    if nb == 0:
+        return np.zeros((0, d), dtype=pol.dtype), a, z
+    ca, cz = cs.cur_rows(rem0)
+    A = np.concatenate([ca, a], axis=0)[:nb * r]
+    Z = np.concatenate([cz, z], axis=0)[:nb * r]
+    if cs.overlap:
+        pa, pz = cs.prev_rows()
+        ac, zc = ops.compress_candidates(A, Z, r, prev_a=pa, prev_z=pz)
+    else:
+        ac, zc = ops.compress_candidates(A, Z, r)
+    pooled = ops.compress_pool(ac, zc, pol=pol)
+    kpos = b0 + r * np.arange(nb, dtype=np.int64)      # k*r: first token of the entry's block
+    cos, sin = layer.rope(kpos)
+    ent = ops.compress_entry_postprocess(pooled, layer.w(f"{sub}.norm.weight"), cos, sin,
+                                         rope_dim=cfg.qk_rope_head_dim, rotate=indexer,
+                                         eps=cfg.rms_norm_eps, pol=pol)
+    return ent, a, z
+
+
+# --------------------------------------------------------------------------- attention
+def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
+    """The attention sub-layer for positions p0..p0+S-1 against ``cache``; updates the cache
+    (ring after the reads, entries, pending rows) and, when ``jl`` is a list, appends the
+    layer's rollback journal to it."""
+    cfg, pol = layer.cfg, layer.pol
+    S = x.shape[0]
+    W = cfg.sliding_window
+    pos = p0 + np.arange(S, dtype=np.int64)
+    cos, sin = layer.rope(pos)
+    qr, q = layer.q_path(x, cos, sin)
+    kv = layer.kv_path(x, cos, sin)
+
+    # window: earlier positions from the ring (chronological), then the chunk's own vectors
+    h0 = max(0, p0 - W)
+    hist = cache.ring[np.arange(h0, p0, dtype=np.int64) % W]
+    win = hidx.window_matrix(S, W, start=p0)
+    win = np.where(win >= 0, win - h0, -1).astype(np.int32)
+    rows = [hist, kv]
+    offset = hist.shape[0] + S
+
+    comp_sel = None
+    new_ent = new_keys = None
+    az = idx_az = None
+    if cache.ratio:
+        if cache.kind == "csa":
+            nI, dI = cfg.index_n_heads, cfg.index_head_dim
+            new_keys, ia, iz = _compress_chunk(layer, cache.idx_state, x, p0, indexer=True)
+            idx_az = (ia, iz)
+            keys = np.concatenate([cache.idx_keys.view(), new_keys], axis=0)
+            qI = ops.linear(qr, layer.w("attn.indexer.wq_b.weight"), "fp8", pol=pol)
+            qI = ops.apply_rope(qI.reshape(S, nI, dI), cos[:, None], sin[:, None], pol=pol)
+            qI = pol.fp4_sim(ops.hadamard(qI, pol=pol), 32)
+            wts = ops.indexer_weights(x, layer.w("attn.indexer.weights_proj.weight"),
+                                      n_heads=nI, head_dim=dI, pol=pol)
+            scores = ops.indexer_scores(qI, wts, keys, pol=pol)
+            comp_sel = ops.indexer_topk(scores, hidx.n_complete(pos, cache.ratio), cfg.index_topk)
+        else:
+            comp_sel = hidx.hca_matrix(S, cache.ratio, start=p0)
+        new_ent, ca, cz = _compress_chunk(layer, cache.comp_state, x, p0, indexer=False)
+        az = (ca, cz)
+        rows.append(cache.comp.view())
+        rows.append(new_ent)
+    cand = hidx.candidate_matrix(win, comp_sel, offset=offset)
+    o = layer.attend(q, np.concatenate(rows, axis=0), cand)
+    _, out = layer.out_proj(o, cos, sin)
+
+    # ---- writes (after every read)
+    keep = pos[-min(S, W):]
+    slots = keep % W
+    if jl is not None:
+        j = _LayerJournal(slots=slots.copy(), old_rows=cache.ring[slots].copy(), kv=kv.copy())
+        if cache.ratio:
+            j.comp_state, j.comp_az, j.n_comp = cache.comp_state.copy(), az, cache.comp.n
+        if cache.kind == "csa":
+            j.idx_state, j.idx_az, j.n_idx = cache.idx_state.copy(), idx_az, cache.idx_keys.n
+        jl.append(j)
+    cache.ring[slots] = kv[-len(keep):]
+    if cache.ratio:
+        cache.comp.append(new_ent)
+        cache.comp_state.advance(*az, p0)
+    if cache.kind == "csa":
+        cache.idx_keys.append(new_keys)
+        cache.idx_state.advance(*idx_az, p0)
+    return out
+
+
+def block_chunk(layer, cache: LayerCache, streams, token_ids, p0: int, jl: list | None = None):
+    """One block (hc_pre, attention, hc_post, hc_pre, MoE, hc_post) over a chunk; the same
+    sequence of ops as ``model._Layer.block_prefill``."""
+    cfg, pol = layer.cfg, layer.pol
+    x, post, comb = layer.hc_pre(streams, "attn")
+    xn = ops.rmsnorm(x, layer.w("attn_norm.weight"), cfg.rms_norm_eps, pol=pol)
+    a = _attention_chunk(layer, cache, xn, p0, jl)
+    s1 = ops.hc_post(a, streams, post, comb, pol=pol)
+    x, post, comb = layer.hc_pre(s1, "ffn")
+    xn = ops.rmsnorm(x, layer.w("ffn_norm.weight"), cfg.rms_norm_eps, pol=pol)
+    f = layer.moe(xn, token_ids, None)
+    return ops.hc_post(f, s1, post, comb, pol=pol)
+
+
+def forward_chunk(oracle, state: DecodeState, ids: np.ndarray, *, all_logits: bool = False,
+                  journal: VerifyJournal | None = None) -> StepOut:
+    """Trunk forward of validated ids at positions state.pos.. (no checks; advances pos)."""
+    with single_threaded_blas():
+        return _forward_chunk(oracle, state, ids, all_logits, journal)
+
+
+def _forward_chunk(oracle, state, ids, all_logits, journal) -> StepOut:
+    cfg = oracle.config
+    p0 = state.pos
+    e = oracle._embed(ids)
+    streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
+    for layer, cache in zip(oracle.layers, state.layers):
+        jl = journal.layers if journal is not None else None
+        streams = block_chunk(layer, cache, streams, ids, p0, jl)
+    rows = slice(None) if all_logits else slice(-1, None)
+    _, _, logits = oracle._head(streams, "", rows)
+    state.pos = p0 + ids.shape[0]
+    state.last_hc = streams[-1].copy()
+    return StepOut(logits=logits if all_logits else logits[0], streams=streams, state=state,
+                   numerics=oracle.numerics)
+
+
+# -------------------------------------------------------------------------------- API
+def new_state(oracle, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> DecodeState:
+    """A fresh trunk state (position 0) for ``oracle``."""
+    return DecodeState.create(oracle.config, oracle.numerics, oracle.pol.dtype,
+                              range(oracle.config.num_hidden_layers), max_seq_len)
+
+
+def prefill_state(oracle, tokens, state: DecodeState | None = None, *,
+                  all_logits: bool = False) -> StepOut:
+    """Start a new sequence: reset ``state`` (or make one), run ``tokens`` from position 0."""
+    if state is None:
+        state = new_state(oracle)
+    check_state(oracle, state)
+    ids = _ids(oracle, tokens, "tokens")
+    if ids.shape[0] > state.max_seq_len:
+        raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds max_seq_len "
+                         f"{state.max_seq_len}")
+    state.reset()
+    return forward_chunk(oracle, state, ids, all_logits=all_logits)
+
+
+def prefill_chunk(oracle, state: DecodeState, tokens, *, all_logits: bool = False) -> np.ndarray:
+    """Continue the sequence of ``state`` by ``tokens`` (any length >= 1); logits of the last
+    position ([vocab]) or of every chunk position ([S, vocab])."""
+    check_state(oracle, state)
+    _check_no_journal(state, "prefill_chunk")
+    ids = _ids(oracle, tokens, "tokens")
+    _check_room(state, ids.shape[0], "prefill_chunk")
+    return forward_chunk(oracle, state, ids, all_logits=all_logits).logits
+
+
+def decode_step(oracle, state: DecodeState, token) -> np.ndarray:
+    """Consume one token at position state.pos; logits [vocab] of that position."""
+    check_state(oracle, state)
+    _check_no_journal(state, "decode_step")
+    ids = _token(oracle, token)
+    _check_room(state, 1, "decode_step")
+    return forward_chunk(oracle, state, ids).logits
+
+
+def verify(oracle, state: DecodeState, tokens, *, return_streams: bool = False):
+    """Speculative verify of [t_last, d1..dk] at positions pos..pos+k (see the module doc).
+    Returns logits [k+1, vocab] (and the streams [k+1, hc, dim] with ``return_streams``)."""
+    check_state(oracle, state)
+    _check_no_journal(state, "verify")
+    ids = _ids(oracle, tokens, "tokens")
+    k = ids.shape[0] - 1
+    if not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"verify: k = {k} drafts (tokens = [t_last, d1..dk] has "
+                         f"{ids.shape[0]} entries); k must be in 1..{MAX_DRAFT}")
+    _check_room(state, k + 1, "verify")
+    jr = VerifyJournal(p0=state.pos, k=k, last_hc=state.last_hc, streams=None)
+    out = forward_chunk(oracle, state, ids, all_logits=True, journal=jr)
+    jr.streams = out.streams
+    state.journal = jr
+    return (out.logits, out.streams) if return_streams else out.logits
+
+
+def _rollback_layer(cache: LayerCache, j: _LayerJournal, p0: int, last_kept: int) -> None:
+    W = cache.window
+    n_keep = last_kept - p0 + 1
+    # ring: each written slot gets the newest KEPT position mapping to it, else its old row
+    for slot, old in zip(j.slots, j.old_rows):
+        q = last_kept - ((last_kept - slot) % W)          # newest position <= last_kept in slot
+        cache.ring[slot] = j.kv[q - p0] if q >= p0 else old
+    if cache.ratio:
+        cache.comp_state = j.comp_state.copy()
+        cache.comp_state.advance(j.comp_az[0][:n_keep], j.comp_az[1][:n_keep], p0)
+        cache.comp.truncate((last_kept + 1) // cache.ratio)
+    if cache.kind == "csa":
+        cache.idx_state = j.idx_state.copy()
+        cache.idx_state.advance(j.idx_az[0][:n_keep], j.idx_az[1][:n_keep], p0)
+        cache.idx_keys.truncate((last_kept + 1) // 4)
+
+
+def commit(oracle, state: DecodeState, n_accepted) -> None:
+    """Keep positions pos..pos+n of the last verify, roll back the rest (module doc)."""
+    check_state(oracle, state)
+    jr = state.journal
+    if jr is None:
+        raise ValueError("commit: the state has no uncommitted verify (call verify first)")
+    if isinstance(n_accepted, bool) or not isinstance(n_accepted, (int, np.integer)):
+        raise ValueError(f"commit: n_accepted must be an integer, got {n_accepted!r}")
+    n = int(n_accepted)
+    if not 0 <= n <= jr.k:
+        raise ValueError(f"commit: n_accepted = {n} is outside 0..k = 0..{jr.k} (the verify "
+                         f"had {jr.k} drafts)")
+    last_kept = jr.p0 + n
+    if n < jr.k:
+        for cache, j in zip(state.layers, jr.layers):
+            _rollback_layer(cache, j, jr.p0, last_kept)
+    state.pos = last_kept + 1
+    state.last_hc = jr.streams[n].copy()
+    state.journal = None
+
+
+# ------------------------------------------------------------------------------ mixin
+class DecodeMixin:
+    """The decode / speculative API as ``Oracle`` methods (implemented in this module and
+    ``memra_dsv4.oracle.spec``)."""
+
+    def new_state(self, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> DecodeState:
+        return new_state(self, max_seq_len)
+
+    def prefill_state(self, tokens, state: DecodeState | None = None, *,
+                      all_logits: bool = False) -> StepOut:
+        return prefill_state(self, tokens, state, all_logits=all_logits)
+
+    def decode_step(self, state: DecodeState, token) -> np.ndarray:
+        return decode_step(self, state, token)
+
+    def prefill_chunk(self, state: DecodeState, tokens, *, all_logits: bool = False):
+        return prefill_chunk(self, state, tokens, all_logits=all_logits)
+
+    def verify(self, state: DecodeState, tokens, *, return_streams: bool = False):
+        return verify(self, state, tokens, return_streams=return_streams)
+
+    def commit(self, state: DecodeState, n_accepted) -> None:
+        return commit(self, state, n_accepted)
+
+    def new_mtp_state(self, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> DecodeState:
+        from memra_dsv4.oracle.spec import new_mtp_state
+        return new_mtp_state(self, max_seq_len)
+
+    def mtp_propose(self, mtp_state: DecodeState, hc_rows, next_tokens, k: int = 1, **kw):
+        from memra_dsv4.oracle.spec import mtp_propose
+        return mtp_propose(self, mtp_state, hc_rows, next_tokens, k, **kw)

@@ -1,0 +1,279 @@
+"""Speculative decoding on the oracle: the MTP block as a drafter with its own sliding-window
+cache, and the draft / verify / commit loop (greedy: lossless by construction; sampled: the
+min(1, p/q) rule of ``memra_dsv4.oracle.sampling.spec_accept``).
+
+Reference: dsv4_model_and_formats.md 7 (MTP block, DeepSeek alignment), dsv4_speculative.md 3
+(recursive MTP for k > 1, vLLM convention) and 4 (acceptance, rollback).
+
+MTP drafter
+-----------
+``oracle.new_mtp_state(max_seq_len=4096)``: a ``DecodeState`` (role "mtp") holding one
+``LayerCache`` for the MTP block (ratio 0: the window ring only).  MTP position i combines the
+trunk's pre-hc_head streams of position i with the embedding of token i+1 and predicts token
+i+2; its ring row i % W is written from that input (same positions as the trunk).
+
+``oracle.mtp_propose(mtp_state, hc_rows, next_tokens, k=1, sampler=None) -> MtpDraft``
+    ``hc_rows`` [m, hc, dim]: trunk streams of positions P..P+m-1 with P = mtp_state.pos (every
+    trunk position not yet given to the MTP); ``next_tokens`` [m]: the tokens of positions
+    P+1..P+m (the last one is the newest known token, e.g. the bonus).  These m rows are TRUE
+    history: they are run as one chunk and stay in the MTP cache (mtp_state.pos += m).  The last
+    row's logits give draft 1 (a prediction for position P+m+1).  For k > 1 the single MTP layer
+    is re-applied recursively on a scratch copy of the cache (vLLM convention): step j takes the
+    MTP block's own output streams of step j-1 as its "trunk state" and draft j-1 as its token.
+    Scratch rows never reach ``mtp_state``.  ``sampler(logits) -> id`` picks each draft
+    (default: greedy argmax).  Returns tokens [k] and the logits [k, vocab] they came from.
+    The first row equals ``Oracle.mtp_forward`` of the whole history at its last row, and the
+    recursive rows equal ``mtp_forward`` with the MTP's own output streams appended as rows
+    (tests/test_oracle_spec.py, bit-equal).
+
+Drafters and the loop
+---------------------
+A drafter has ``begin(oracle, max_seq_len)`` and ``propose(hc_rows, next_tokens, k, sampler)
+-> (tokens [k], logits [k, V] or None)`` with the argument convention of ``mtp_propose``.
+``MtpDrafter`` wraps the MTP block.  ``speculative_generate(oracle, prompt, max_new_tokens, k,
+drafter=None, temperature=0.0, top_p=1.0, generator=None)`` runs:
+
+    out = prefill_state(prompt); g = pick(out.logits); drafts = propose(out.streams, prompt[1:] + [g])
+    repeat: logits = verify(state, [g] + drafts)        # positions pos..pos+k
+            greedy: n = leading drafts equal to the argmax of their row; bonus = argmax(row n)
+            sampled: (n, bonus) = spec_accept(p(rows), q(draft logits), drafts)
+            commit(state, n); emit drafts[:n] + [bonus]; g = bonus
+            drafts = propose(streams[:n + 1], drafts[:n] + [bonus], k)
+
+so every emitted token is the target's own choice: the greedy tokens equal ``greedy_generate``
+(plain prefill + decode_step) exactly.  The last round drafts at most (tokens still wanted - 1)
+so exactly ``max_new_tokens`` come out.  ``SpecResult`` has the tokens and, per round, the
+number drafted and accepted (bonus excluded); ``acceptance_rate`` = accepted / drafted,
+``mean_accepted_length`` = tokens emitted per verify (accepted + bonus, the DSpark/vLLM
+"acceptance length").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memra_dsv4.oracle import ops
+from memra_dsv4.oracle._blas import single_threaded_blas
+from memra_dsv4.oracle.decode import (MAX_DRAFT, block_chunk, check_state, commit, decode_step,
+                                      new_state, prefill_state, verify)
+from memra_dsv4.oracle.sampling import greedy, sample_from_probs, sampling_probs, spec_accept
+from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, DecodeState
+
+__all__ = [
+    "MtpDraft", "new_mtp_state", "mtp_propose", "MtpDrafter", "SpecResult",
+    "speculative_generate", "greedy_generate",
+]
+
+
+@dataclass
+class MtpDraft:
+    tokens: np.ndarray        # int64 [k]
+    logits: np.ndarray        # [k, vocab]
+
+
+# --------------------------------------------------------------------------------- MTP
+def _mtp_layer(oracle):
+    if not oracle.mtp_layers:
+        raise ValueError(f"config {oracle.config.name!r} has no MTP block (drafter kind "
+                         f"{oracle.config.drafter_kind!r})")
+    return oracle.mtp_layers[0]
+
+
+def new_mtp_state(oracle, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> DecodeState:
+    layer = _mtp_layer(oracle)
+    return DecodeState.create(oracle.config, oracle.numerics, oracle.pol.dtype, [layer.lid],
+                              max_seq_len, role="mtp")
+
+
+def _mtp_chunk(oracle, mstate: DecodeState, h: np.ndarray, ids: np.ndarray):
+    """MTP block over rows at positions mstate.pos.. (no checks).  The same ops as
+    ``Oracle.mtp_forward``.  Returns (logits of the last row [vocab], output streams [S,hc,dim])."""
+    cfg, pol = oracle.config, oracle.pol
+    layer = oracle.mtp_layers[0]
+    eps = cfg.rms_norm_eps
+    hs = pol.store(h)
+    e = ops.rmsnorm(oracle._embed(ids), layer.w("enorm.weight"), eps, pol=pol)
+    z = ops.rmsnorm(hs, layer.w("hnorm.weight"), eps, pol=pol)
+    ep = ops.linear(e, layer.w("e_proj.weight"), "fp8", pol=pol)
+    hp = ops.linear(z, layer.w("h_proj.weight"), "fp8", pol=pol)
+    h0 = pol.store(hp + ep[:, None, :])
+    out = block_chunk(layer, mstate.layers[0], h0, ids, mstate.pos)
+    _, _, logits = oracle._head(out, f"{layer.p}.", slice(-1, None))
+    mstate.pos += ids.shape[0]
+    mstate.last_hc = out[-1].copy()
+    return logits[0], out
+
+
+def mtp_propose(oracle, mtp_state: DecodeState, hc_rows, next_tokens, k: int = 1, *,
+                sampler=None) -> MtpDraft:
+    """Draft k tokens with the MTP block (module doc)."""
+    from memra_dsv4.oracle.model import check_token_ids
+    cfg = oracle.config
+    _mtp_layer(oracle)
+    check_state(oracle, mtp_state, role="mtp")
+    h = np.asarray(hc_rows)
+    if h.dtype.kind != "f":
+        raise ValueError(f"hc_rows must be floating point, got dtype {h.dtype}")
+    if h.ndim == 2:
+        h = h[None]
+    if h.ndim != 3 or h.shape[1:] != (cfg.hc_mult, cfg.hidden_size) or h.shape[0] == 0:
+        raise ValueError(f"hc_rows must be [m >= 1, {cfg.hc_mult}, {cfg.hidden_size}], got "
+                         f"shape {np.asarray(hc_rows).shape}")
+    if not np.isfinite(h).all():
+        raise ValueError("hc_rows contains non-finite values")
+    ids = check_token_ids(next_tokens, cfg.vocab_size, "next_tokens")
+    if ids.shape[0] != h.shape[0]:
+        raise ValueError(f"next_tokens has {ids.shape[0]} entries but hc_rows has {h.shape[0]} rows")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"k = {k!r} drafts; k must be an integer in 1..{MAX_DRAFT}")
+    m = h.shape[0]
+    if mtp_state.pos + m + k - 1 > mtp_state.max_seq_len:
+        raise ValueError(f"mtp_propose: positions up to {mtp_state.pos + m + k - 2} exceed "
+                         f"max_seq_len {mtp_state.max_seq_len}")
+    with single_threaded_blas():
+        return _propose(oracle, mtp_state, h, ids, k, sampler if sampler is not None else greedy)
+
+
+def _propose(oracle, mtp_state, h, ids, k, pick) -> MtpDraft:
+    lg, out = _mtp_chunk(oracle, mtp_state, h.astype(oracle.pol.dtype, copy=False), ids)
+    toks, rows = [int(pick(lg))], [lg]
+    if k > 1:
+        scratch = mtp_state.copy()
+        hs = out[-1:]
+        for _ in range(k - 1):
+            lg, o = _mtp_chunk(oracle, scratch, hs, np.array([toks[-1]], dtype=np.int64))
+            toks.append(int(pick(lg)))
+            rows.append(lg)
+            hs = o[-1:]
+    return MtpDraft(tokens=np.array(toks, dtype=np.int64), logits=np.stack(rows))
+
+
+class MtpDrafter:
+    """The MTP block as a drafter (see the module doc)."""
+
+    name = "mtp"
+
+    def begin(self, oracle, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> None:
+        self.oracle = oracle
+        self.state = new_mtp_state(oracle, max_seq_len)
+
+    def propose(self, hc_rows, next_tokens, k: int, sampler=None):
+        d = mtp_propose(self.oracle, self.state, hc_rows, next_tokens, k, sampler=sampler)
+        return d.tokens, d.logits
+
+
+# -------------------------------------------------------------------------------- loop
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    drafted: list[int] = field(default_factory=list)    # per verify round
+    accepted: list[int] = field(default_factory=list)   # per verify round (bonus excluded)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.drafted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        d = sum(self.drafted)
+        return sum(self.accepted) / d if d else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> str:
+        return (f"{len(self.tokens)} tokens, {self.rounds} verify rounds, accepted "
+                f"{sum(self.accepted)}/{sum(self.drafted)} drafts "
+                f"({self.acceptance_rate:.1%}), mean accepted length "
+                f"{self.mean_accepted_length:.2f}")
+
+
+def _check_n(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{what} must be a positive integer, got {n!r}")
+    return int(n)
+
+
+def greedy_generate(oracle, prompt, max_new_tokens: int, *, state=None) -> list[int]:
+    """Plain greedy decoding: prefill_state, then one decode_step per token."""
+    n = _check_n(max_new_tokens, "max_new_tokens")
+    out = prefill_state(oracle, prompt, state)
+    st = out.state
+    if len(prompt) + n - 1 > st.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({n}) - 1 exceeds "
+                         f"max_seq_len {st.max_seq_len}")
+    toks = [greedy(out.logits)]
+    while len(toks) < n:
+        toks.append(greedy(decode_step(oracle, st, toks[-1])))
+    return toks
+
+
+def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
+                         temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                         state: DecodeState | None = None) -> SpecResult:
+    """Draft (k per round) / verify / commit until ``max_new_tokens`` tokens (module doc)."""
+    n_new = _check_n(max_new_tokens, "max_new_tokens")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"k = {k!r}; k must be an integer in 1..{MAX_DRAFT}")
+    sampled = float(temperature) != 0.0
+    probs = (lambda lg: sampling_probs(lg, temperature, top_p))  # validates temperature/top_p
+    probs(np.zeros(2))
+    if sampled and generator is None:
+        generator = np.random.default_rng()
+    if state is None:
+        state = new_state(oracle)
+    check_state(oracle, state)
+    ids = np.asarray(prompt)
+    if ids.ndim == 1 and ids.shape[0] + n_new - 1 > state.max_seq_len:
+        raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
+                         f"max_seq_len {state.max_seq_len}")
+    drafter = drafter if drafter is not None else MtpDrafter()
+    out = prefill_state(oracle, prompt, state)
+    ids = np.asarray(prompt, dtype=np.int64)
+
+    def pick(lg):
+        return sample_from_probs(probs(lg), generator) if sampled else greedy(lg)
+
+    g = pick(out.logits)
+    res = SpecResult(tokens=[g])
+    if n_new == 1:
+        return res
+    drafter.begin(oracle, state.max_seq_len)
+    kk = min(k, n_new - 1)
+    dt, dl = drafter.propose(out.streams, np.append(ids[1:], g), kk, pick)
+    while len(res.tokens) < n_new:
+        remaining = n_new - len(res.tokens)
+        kk = min(len(dt), remaining - 1)
+        if kk == 0:                                   # one token left: plain step
+            res.tokens.append(pick(decode_step(oracle, state, g)))
+            break
+        dt = np.asarray(dt[:kk], dtype=np.int64)
+        logits, streams = verify(oracle, state, np.append(g, dt), return_streams=True)
+        if sampled:
+            if dl is None:
+                raise ValueError(f"drafter {type(drafter).__name__} returned no draft logits: "
+                                 f"sampled speculative decoding needs its distribution")
+            n, bonus = spec_accept(probs(logits), probs(np.asarray(dl)[:kk]), dt, generator)
+        else:
+            n = 0
+            while n < kk and greedy(logits[n]) == int(dt[n]):
+                n += 1
+            bonus = greedy(logits[n])
+        commit(oracle, state, n)
+        res.drafted.append(kk)
+        res.accepted.append(n)
+        new = [int(t) for t in dt[:n]] + [int(bonus)]
+        res.tokens.extend(new)
+        g = int(bonus)
+        remaining = n_new - len(res.tokens)
+        if remaining <= 0:
+            break
+        if remaining == 1:                            # nothing left to draft for
+            dt, dl = np.zeros(0, dtype=np.int64), None
+            continue
+        dt, dl = drafter.propose(streams[:n + 1], np.array(new, dtype=np.int64),
+                                 min(k, remaining - 1), pick)
+    return res
