@@ -177,7 +177,10 @@ def test_captures(tiny):
         if kind != "sliding":
             assert c["attn.comp"].shape == (S // cfg.compress_ratio(l), hd)
     np.testing.assert_array_equal(out.captures[-1]["block.out"][-1], out.hc_state)
-    np.testing.assert_array_equal(out.captures[1]["block.out"], out.captures[1]["block.out"])
+    head = o["bf16"].weight("head.weight")
+    np.testing.assert_allclose(out.captures_top["final_norm"][-1].astype(np.float64) @ head.T.astype(np.float64),
+                               out.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.captures_top["embed"], o["bf16"].weight("embed.weight")[_ids(cfg, S)])
 
 
 # ------------------------------------------------------------------------- boundaries
