@@ -1,0 +1,143 @@
+"""Helpers of the GPU kernel tests (tests/gpu/test_kernels_*.py): fresh seeds, bf16 data, and
+ulp-based comparisons whose failure messages carry the seed and the worst elements.
+
+NumPy only (the tests move arrays to and from the device themselves).  Every random test draws a
+fresh seed (``MEMRA_DSV4_TEST_SEED`` pins it) and puts it in every assertion message, so a
+failure can be replayed bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from memra_dsv4.formats import decode_bf16, encode_bf16
+
+__all__ = ["fresh_seed", "rng_for", "bf16", "rand_bf16", "bits_of", "ulp_bf16", "ulp_dist_bf16",
+           "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe"]
+
+
+def fresh_seed() -> int:
+    """A new seed per call (time and os.urandom) unless MEMRA_DSV4_TEST_SEED is set."""
+    pinned = os.environ.get("MEMRA_DSV4_TEST_SEED", "")
+    if pinned:
+        return int(pinned)
+    return int.from_bytes(os.urandom(4), "little") ^ (time.time_ns() & 0xFFFFFFFF)
+
+
+def rng_for(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def bf16(x) -> np.ndarray:
+    """float -> float32 on the bf16 grid (RNE)."""
+    return decode_bf16(encode_bf16(np.asarray(x, dtype=np.float32)))
+
+
+def bits_of(x) -> np.ndarray:
+    """bf16-valued float32 -> uint16 bits (exact; asserts the values are on the grid)."""
+    x = np.asarray(x, dtype=np.float32)
+    b = encode_bf16(x)
+    assert np.array_equal(decode_bf16(b).view(np.uint32), x.view(np.uint32)), "bits_of: value not on the bf16 grid"
+    return b
+
+
+def rand_bf16(rng, shape, scale: float = 1.0, spread: int = 0) -> np.ndarray:
+    """bf16-valued float32 normal(0, scale) data; spread > 0 multiplies by 2^U(-spread, spread)."""
+    x = rng.standard_normal(shape).astype(np.float64) * scale
+    if spread:
+        x = x * np.exp2(rng.integers(-spread, spread + 1, size=shape))
+    return bf16(x.astype(np.float32))
+
+
+def ulp_bf16(x) -> np.ndarray:
+    """Spacing of the bf16 grid at |x| (2^-133 for subnormals/zero)."""
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    return np.where(a >= 2.0 ** -126, np.exp2(e - 7), 2.0 ** -133)
+
+
+def _ordered(u: np.ndarray, sign: int) -> np.ndarray:
+    u = u.astype(np.int64)
+    return np.where(u & sign, -(u & (sign - 1)), u)
+
+
+def ulp_dist_bf16(a_bits, b_bits) -> np.ndarray:
+    """|ordinal distance| between bf16 bit patterns (+0 and -0 are equal)."""
+    return np.abs(_ordered(np.asarray(a_bits, np.uint16), 0x8000) - _ordered(np.asarray(b_bits, np.uint16), 0x8000))
+
+
+def ulp_dist_f32(a, b) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    b = np.ascontiguousarray(b, dtype=np.float32).view(np.uint32)
+    return np.abs(_ordered(a, 0x80000000) - _ordered(b, 0x80000000))
+
+
+def describe(seed: int, **ctx) -> str:
+    items = ", ".join(f"{k}={v}" for k, v in ctx.items())
+    return f"[seed={seed}{', ' + items if items else ''}; rerun with MEMRA_DSV4_TEST_SEED={seed}]"
+
+
+def _worst(dist, got, want, n=5) -> str:
+    flat = np.argsort(dist.reshape(-1))[::-1][:n]
+    rows = []
+    for f in flat:
+        idx = np.unravel_index(f, dist.shape)
+        rows.append(f"{tuple(int(i) for i in idx)}: got {got[idx]!r} want {want[idx]!r} ({int(dist[idx])} ulp)")
+    return "\n    ".join(rows)
+
+
+def assert_bf16(got_bits, want, what: str, seed: int, *, max_ulp: int = 0, max_frac: float = 0.0, **ctx):
+    """got (uint16 bits) vs want (bf16-valued float32, or bits): every element within max_ulp,
+    and at most max_frac of the elements differing at all."""
+    got_bits = np.asarray(got_bits, dtype=np.uint16)
+    want_bits = np.asarray(want) if np.asarray(want).dtype == np.uint16 else encode_bf16(np.asarray(want, np.float32))
+    assert got_bits.shape == want_bits.shape, f"{what}: shape {got_bits.shape} != {want_bits.shape}"
+    gnan, wnan = np.isnan(decode_bf16(got_bits)), np.isnan(decode_bf16(want_bits))
+    assert np.array_equal(gnan, wnan), f"{what}: NaN pattern differs {describe(seed, **ctx)}"
+    dist = np.where(gnan, 0, ulp_dist_bf16(got_bits, want_bits))
+    n_diff = int((dist > 0).sum())
+    bad = dist > max_ulp
+    frac = n_diff / max(1, dist.size)
+    if bad.any() or frac > max_frac:
+        g, w = decode_bf16(got_bits), decode_bf16(want_bits)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} elements beyond {max_ulp} bf16 ulp, {n_diff}/{dist.size} differ "
+            f"(allowed fraction {max_frac}) {describe(seed, **ctx)}\n    {_worst(dist, g, w)}")
+    return n_diff
+
+
+def assert_f32(got, want, what: str, seed: int, *, max_ulp: int = 0, max_frac: float = 1.0, **ctx):
+    got = np.asarray(got, dtype=np.float32)
+    want = np.asarray(want, dtype=np.float32)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    both_nan = np.isnan(got) & np.isnan(want)
+    dist = np.where(both_nan, 0, ulp_dist_f32(got, want))
+    n_diff = int((dist > 0).sum())
+    bad = dist > max_ulp
+    if bad.any() or n_diff / max(1, dist.size) > max_frac:
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} elements beyond {max_ulp} f32 ulp, {n_diff}/{dist.size} differ "
+            f"{describe(seed, **ctx)}\n    {_worst(dist, got, want)}")
+    return n_diff
+
+
+def assert_within(got, want, bound, what: str, seed: int, **ctx):
+    """|got - want| <= bound elementwise (float64 comparison; bound broadcasts)."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    err = np.abs(got - want)
+    bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), err.shape)
+    bad = ~(err <= bound)
+    if bad.any():
+        ratio = np.where(bound > 0, err / np.where(bound > 0, bound, 1), np.inf)
+        flat = np.argsort(np.where(np.isfinite(ratio), ratio, 1e300).reshape(-1))[::-1][:5]
+        rows = []
+        for f in flat:
+            idx = np.unravel_index(f, err.shape)
+            rows.append(f"{tuple(int(i) for i in idx)}: got {got[idx]!r} want {want[idx]!r} "
+                        f"|err| {err[idx]:.3e} bound {bound[idx]:.3e}")
+        raise AssertionError(f"{what}: {int(bad.sum())}/{err.size} elements out of bound "
+                             f"{describe(seed, **ctx)}\n    " + "\n    ".join(rows))

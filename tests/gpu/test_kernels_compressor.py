@@ -1,0 +1,140 @@
+"""kernels_cu/compressor.cu against oracle.ops.compress_candidates + compress_pool,
+compress_entry_postprocess and the main KV path (rmsnorm -> apply_rope -> kv_fp8_sim).
+
+Bounds:
+* add_ape: one f32 add, bit-identical;
+* pooling: double softmax in the twin's candidate order, one f32 rounding: POOL_MAX_ULP f32 ulp
+  (a difference needs a last-bit difference of exp() AND a rounding tie);
+* decode emit == prefill entry: bitwise (the same routine on the same values);
+* post-processing: expected bit-identical; a statistics tie could move one bf16 value by 1 ulp,
+  which the FP8/FP4 simulation can turn into one grid step (NRS_MAX_ULP), on at most NRS_MAX_FRAC.
+Boundary cases: block 0 (previous slots -inf), entries with a given predecessor (decode /
+chunked prefill), Flash d = 512 / ratio 128 and tiny d = 128 / ratio 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from memra_dsv4.config import preset  # noqa: E402
+from memra_dsv4.gpu.ops import compressor as K  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_bf16, assert_f32, bf16, bits_of, fresh_seed, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.host.quant import kv_fp8_sim  # noqa: E402
+from memra_dsv4.host.rope import layer_cos_sin  # noqa: E402
+from memra_dsv4.oracle import ops as O  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+POOL_MAX_ULP = 1
+POOL_MAX_FRAC = 1e-4
+NRS_MAX_ULP = 16
+NRS_MAX_FRAC = 1e-4
+EPS = 1e-6
+
+
+def _proj(rng, rows, C):
+    a = (rng.standard_normal((rows, C)) * 2).astype(np.float32)
+    z = (rng.standard_normal((rows, C)) * rng.choice([0.5, 4.0, 30.0], size=(rows, 1))).astype(np.float32)
+    return a, z
+
+
+def test_add_ape():
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, C, r = 37, 1024, 4
+    z = rng.standard_normal((T, C)).astype(np.float32)
+    ape = rng.standard_normal((r, C)).astype(np.float32)
+    pos = (rng.integers(0, 10000, T)).astype(np.int32)
+    zg = cp.asarray(z)
+    K.add_ape(zg, cp.asarray(ape), cp.asarray(pos))
+    assert_f32(zg.get(), z + ape[pos % r], "add_ape", seed)
+
+
+@pytest.mark.parametrize("nb,d", [(1, 512), (5, 512), (33, 128), (2, 128)])
+def test_pool_overlap_prefill_and_decode(nb, d):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    a, z = _proj(rng, 4 * nb, 2 * d)
+    want = O.compress_pool(*O.compress_candidates(a, z, 4))
+    ag, zg = cp.asarray(a), cp.asarray(z)
+    got = K.pool_overlap(ag, zg, nb)
+    assert_f32(got.get(), want, "pool_overlap prefill", seed, max_ulp=POOL_MAX_ULP, max_frac=POOL_MAX_FRAC, nb=nb, d=d)
+    # decode: the pending state [8, 2d] (rows 0..3 previous block, 4..7 this block) emits entry k
+    for k in sorted({0, nb - 1, nb // 2}):
+        st_a = np.zeros((8, 2 * d), np.float32)
+        st_z = np.full((8, 2 * d), -np.inf, np.float32)
+        if k > 0:
+            st_a[:4], st_z[:4] = a[4 * k - 4:4 * k], z[4 * k - 4:4 * k]
+        st_a[4:], st_z[4:] = a[4 * k:4 * k + 4], z[4 * k:4 * k + 4]
+        sa, sz = cp.asarray(st_a), cp.asarray(st_z)
+        one = K.pool_overlap(sa[4:8], sz[4:8], 1, prev_kv=sa[0:4], prev_score=sz[0:4])
+        assert cp.array_equal(one[0], got[k]), f"pool_overlap: decode emit of entry {k} != prefill [seed={seed}]"
+
+
+def test_pool_overlap_with_predecessor():
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    nb, d = 3, 512
+    a, z = _proj(rng, 4 * nb, 2 * d)
+    pa, pz = _proj(rng, 4, 2 * d)
+    want = O.compress_pool(*O.compress_candidates(a, z, 4, prev_a=pa, prev_z=pz))
+    got = K.pool_overlap(cp.asarray(a), cp.asarray(z), nb, prev_kv=cp.asarray(pa), prev_score=cp.asarray(pz))
+    assert_f32(got.get(), want, "pool_overlap with predecessor", seed, max_ulp=POOL_MAX_ULP, max_frac=POOL_MAX_FRAC)
+
+
+@pytest.mark.parametrize("nb,d,r", [(3, 512, 128), (1, 512, 128), (4, 128, 16), (2, 512, 32)])
+def test_pool_plain_prefill_and_decode(nb, d, r):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    a, z = _proj(rng, r * nb, d)
+    want = O.compress_pool(*O.compress_candidates(a, z, r))
+    got = K.pool_plain(cp.asarray(a), cp.asarray(z), r, nb)
+    assert_f32(got.get(), want, "pool_plain", seed, max_ulp=POOL_MAX_ULP, max_frac=POOL_MAX_FRAC, nb=nb, d=d, r=r)
+    k = nb - 1
+    one = K.pool_plain(cp.asarray(a[k * r:(k + 1) * r].copy()), cp.asarray(z[k * r:(k + 1) * r].copy()), r, 1)
+    assert cp.array_equal(one[0], got[k]), f"pool_plain: decode emit != prefill [seed={seed}]"
+
+
+@pytest.fixture(scope="module")
+def yarn_table():
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(65536))
+    return cos, sin, cp.asarray(cos), cp.asarray(sin)
+
+
+@pytest.mark.parametrize("n,d,mode,r", [(5, 512, "fp8", 4), (3, 512, "fp8", 128), (7, 128, "hadfp4", 4),
+                                        (4, 128, "fp8", 16), (1, 512, "fp8", 4)])
+def test_entry_postprocess(yarn_table, n, d, mode, r):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    cos, sin, cos_g, sin_g = yarn_table
+    pooled = (rng.standard_normal((n, d)) * 1.5).astype(np.float32)
+    w = bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0)
+    pos = (np.arange(n) * r + r * rng.integers(0, 100)).astype(np.int32)
+    want = O.compress_entry_postprocess(pooled, w, cos[pos], sin[pos], rope_dim=64, rotate=(mode == "hadfp4"), eps=EPS)
+    got = K.norm_rope_sim(cp.asarray(pooled), cp.asarray(w), EPS, cos_g, sin_g, cp.asarray(pos), mode)
+    assert_bf16(got.get(), want, "entry post-process", seed, max_ulp=NRS_MAX_ULP, max_frac=NRS_MAX_FRAC,
+                n=n, d=d, mode=mode)
+    # written straight into rows of a cache (row-strided view)
+    cache = cp.zeros((n + 3, d), dtype=cp.uint16)
+    K.norm_rope_sim(cp.asarray(pooled), cp.asarray(w), EPS, cos_g, sin_g, cp.asarray(pos), mode, out=cache[2:2 + n])
+    assert cp.array_equal(cache[2:2 + n], got) and not cache[:2].any() and not cache[2 + n:].any(), (
+        f"norm_rope_sim into a cache view [seed={seed}]")
+
+
+@pytest.mark.parametrize("T,d", [(9, 512), (1, 512), (6, 128)])
+def test_main_kv_path(yarn_table, T, d):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    cos, sin, cos_g, sin_g = yarn_table
+    x = rand_bf16(rng, (T, d), 1.0, spread=2)
+    w = bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0)
+    pos = rng.integers(0, 65536, T).astype(np.int32)
+    c = O.rmsnorm(x, w, EPS)
+    c = O.apply_rope(c, cos[pos], sin[pos])
+    want = kv_fp8_sim(c, 64)
+    got = K.norm_rope_sim(cp.asarray(bits_of(x)), cp.asarray(w), EPS, cos_g, sin_g, cp.asarray(pos), "fp8")
+    assert_bf16(got.get(), want, "kv path (norm, rope, fp8 sim)", seed, max_ulp=NRS_MAX_ULP, max_frac=NRS_MAX_FRAC,
+                T=T, d=d)

@@ -1,0 +1,140 @@
+"""kernels_cu/experts.cu against formats.dequant_mxfp4 / dequant_nvfp4 and oracle.ops.linear.
+
+Bounds:
+* dequantisation: bit-identical to the twin's float32 value rounded to bf16 (MXFP4 is exact,
+  bf16 subnormals included; NVFP4 rounds the twin's f32 product once more, as the kernel does);
+* fused GEMV: the kernel accumulates in f32 (32-element chunk partials x block scale, chunk
+  order, 5-level warp tree); |got - want| <= ulp_bf16(want) + GEMV_TERMS(K) * 2^-24 * sum_k |w x|
+  with GEMV_TERMS(K) = 32 + K/1024 + 5 (the longest rounding chain), against the twin's
+  correctly rounded float64 sum; slots are independent (one slot alone == the same slot in a batch).
+Flash sizes: 256 experts of w1/w3 [2048, 4096] (x_div = 6: slot s reads token s // 6) and
+w2 [4096, 2048]; tiny: [128, 256].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from memra_dsv4.formats import dequant_mxfp4, dequant_nvfp4, encode_e4m3  # noqa: E402
+from memra_dsv4.gpu.ops import experts as K  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_bf16, assert_within, bits_of, describe, fresh_seed, rand_bf16, rng_for, ulp_bf16  # noqa: E402
+from memra_dsv4.oracle import ops as O  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def gemv_terms(K_in: int) -> int:
+    return 32 + K_in // 1024 + 5
+
+
+@pytest.mark.parametrize("R,C", [(256, 4096), (64, 2048), (3, 32)])
+def test_dequant_mxfp4(R, C):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    scale = rng.integers(0, 253, (R, C // 32), dtype=np.uint8)   # 0 (2^-127, bf16 subnormals) .. 252 (no overflow)
+    scale[0, 0], scale[-1, -1] = 0, 1
+    want = dequant_mxfp4(packed, scale, "w")
+    got = K.dequant_mxfp4(cp.asarray(packed), cp.asarray(scale))
+    assert_bf16(got.get(), want, "dequant_mxfp4", seed, R=R, C=C)
+
+
+@pytest.mark.parametrize("R,C", [(256, 4096), (16, 64)])
+@pytest.mark.parametrize("ws2", [2.0 ** -9, 0.0123456])
+def test_dequant_nvfp4(R, C, ws2):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    packed = rng.integers(0, 256, (R, C // 2), dtype=np.uint8)
+    wscale = rng.integers(0, 0x7F, (R, C // 16), dtype=np.uint8)  # non-negative e4m3, no NaN
+    want = dequant_nvfp4(packed, wscale, np.float32(ws2), "w")
+    got = K.dequant_nvfp4(cp.asarray(packed), cp.asarray(wscale), ws2)
+    assert_bf16(got.get(), want, "dequant_nvfp4", seed, R=R, C=C, ws2=ws2)
+
+
+def _to_nvfp4(scale):
+    """The lossless MXFP4 -> NVFP4 cast of one matrix's scales (nibbles are copied unchanged):
+    per-16 e4m3 scales 2^(k - m) and weight_scale_2 = 2^m, m = max k - 8."""
+    k = scale.astype(np.int64) - 127
+    m = int(k.max()) - 8
+    k16 = np.repeat(k, 2, axis=-1) - m
+    assert k16.min() >= -9, "scale range too wide for a lossless cast"
+    return encode_e4m3(np.exp2(k16.astype(np.float64))), np.float32(2.0 ** m)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash_w13", "flash_w2", "tiny"])
+def test_gemv_fp4(fmt, case):
+    """Flash-sized stacked expert tensors (all 256 experts allocated on the device); only the
+    experts the slots select carry random data (the rest are zeros), to keep the host side fast."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, O_, K_in, T, topk = {"flash_w13": (256, 2048, 4096, 3, 6), "flash_w2": (256, 4096, 2048, 2, 6),
+                            "tiny": (8, 128, 256, 5, 2)}[case]
+    ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)]).astype(np.int32).reshape(-1)
+    ids[-1] = -1                                                    # an empty slot: zero row
+    S = ids.size
+    x_div = topk if case != "flash_w2" else 1
+    x = rand_bf16(rng, (S // x_div if x_div > 1 else S, K_in), 1.0)
+    nsc = K_in // 32 if fmt == "mxfp4" else K_in // 16
+    pg = cp.zeros((E, O_, K_in // 2), dtype=cp.uint8)
+    sg = cp.zeros((E, O_, nsc), dtype=cp.uint8)
+    ws2 = np.ones(E, np.float32)
+    W = {}
+    for e in sorted(set(int(i) for i in ids if i >= 0)):
+        packed = rng.integers(0, 256, (O_, K_in // 2), dtype=np.uint8)
+        scale = rng.integers(118, 135, (O_, K_in // 32), dtype=np.uint8)
+        if fmt == "mxfp4":
+            sc = scale
+            W[e] = dequant_mxfp4(packed, scale, "w")
+        else:
+            sc, ws2[e] = _to_nvfp4(scale)
+            W[e] = dequant_nvfp4(packed, sc, ws2[e], "w")
+            assert np.array_equal(W[e], dequant_mxfp4(packed, scale, "w")), "lossless cast broken"
+        pg[e] = cp.asarray(packed)
+        sg[e] = cp.asarray(sc)
+    want = np.zeros((S, O_), np.float32)
+    absum = np.zeros((S, O_), np.float64)
+    for s_ in range(S):
+        e = int(ids[s_])
+        if e >= 0:
+            xr = x[s_ // x_div]
+            want[s_] = O.linear(xr[None], W[e], "fp4")[0]
+            absum[s_] = np.abs(W[e].astype(np.float64)) @ np.abs(xr.astype(np.float64))
+    wptr, sptr = K.stacked_pointer_table(pg), K.stacked_pointer_table(sg)
+    ws2g = cp.asarray(ws2) if fmt == "nvfp4" else None
+    xg, ig = cp.asarray(bits_of(x)), cp.asarray(ids)
+    got = K.gemv_fp4(fmt, xg, ig, wptr, sptr, O_, K_in, x_div=x_div, ws2=ws2g)
+    gotf = (got.get().astype(np.uint32) << 16).view(np.float32)
+    bound = ulp_bf16(want) + gemv_terms(K_in) * 2.0 ** -24 * absum
+    assert_within(gotf, want, bound, f"gemv_{fmt}", seed, case=case)
+    assert not got[-1].any(), f"gemv_{fmt}: slot with expert -1 not zero {describe(seed, case=case)}"
+    # slot independence (decode of one token == the same slot of a batch)
+    s = 1
+    one = K.gemv_fp4(fmt, xg[s // x_div: s // x_div + 1].copy(), ig[s:s + 1].copy(), wptr, sptr, O_, K_in,
+                     x_div=1, ws2=ws2g)
+    assert cp.array_equal(one[0], got[s]), f"gemv_{fmt}: slot alone != in batch {describe(seed, case=case)}"
+
+
+def test_gemv_pointer_table_of_separate_tensors():
+    """Per-expert pointer tables over separately allocated tensors (the arena case)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, O_, K_in = 4, 64, 1024
+    packs = [rng.integers(0, 256, (O_, K_in // 2), dtype=np.uint8) for _ in range(E)]
+    scales = [rng.integers(120, 130, (O_, K_in // 32), dtype=np.uint8) for _ in range(E)]
+    pg = [cp.asarray(p) for p in packs]
+    sg = [cp.asarray(s) for s in scales]
+    ids = np.array([3, 0, 2, 2], np.int32)
+    x = rand_bf16(rng, (4, K_in), 1.0)
+    got = K.gemv_fp4("mxfp4", cp.asarray(bits_of(x)), cp.asarray(ids), K.pointer_table(pg), K.pointer_table(sg),
+                     O_, K_in)
+    gotf = (got.get().astype(np.uint32) << 16).view(np.float32)
+    for s_, e in enumerate(ids):
+        W = dequant_mxfp4(packs[e], scales[e], "w")
+        want = O.linear(x[s_][None], W, "fp4")[0]
+        absum = np.abs(W.astype(np.float64)) @ np.abs(x[s_].astype(np.float64))
+        assert_within(gotf[s_], want, ulp_bf16(want) + gemv_terms(K_in) * 2.0 ** -24 * absum,
+                      "gemv via pointer table", seed, slot=s_)

@@ -1,0 +1,113 @@
+"""kernels_cu/indexer.cu against oracle.ops.indexer_scores / indexer_topk.
+
+Scores: the kernel's per-(h, k) dot is an f32 FMA chain rounded once to bf16, the twin's a
+correctly rounded float64 sum; they differ when the f32 sum lands on the other side of a bf16
+rounding boundary (~1e-4 of the dots).  One head's term then moves by <= 2 bf16 ulp of itself, so
+|got - want| <= ulp(want) + 2^-6 * sum_h |term_h|, and at least SCORE_MIN_EXACT of the scores
+are bit-identical.  Columns at or beyond n_valid[t] are -inf.
+Top-k: exact (same input scores): indices, order, -1 padding, ties to the lower index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from memra_dsv4.gpu.ops import indexer as K  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_within, bf16, bits_of, describe, fresh_seed, rand_bf16, rng_for, ulp_bf16  # noqa: E402
+from memra_dsv4.host.indices import candidate_matrix  # noqa: E402
+from memra_dsv4.host.quant import fp4_sim  # noqa: E402
+from memra_dsv4.oracle import ops as O  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SCORE_MIN_EXACT = 0.97
+SCORE_TERM_REL = 2.0 ** -6
+
+
+def _fp4ish(rng, shape):
+    """Data like the real indexer operands: Hadamard-rotated, FP4-simulated bf16."""
+    return fp4_sim(O.hadamard(rand_bf16(rng, shape, 1.0)), 32)
+
+
+@pytest.mark.parametrize("T,H,N", [(3, 64, 2048), (1, 64, 16384), (5, 4, 37), (4, 8, 300)])
+def test_scores(T, H, N):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    q = _fp4ish(rng, (T, H, 128))
+    keys = _fp4ish(rng, (N, 128))
+    w = bf16(rng.standard_normal((T, H)).astype(np.float32) * np.float32(128 ** -0.5 * H ** -0.5))
+    n_valid = rng.integers(0, N + 1, T).astype(np.int32)
+    n_valid[0] = N
+    got = K.scores(cp.asarray(bits_of(q)), cp.asarray(bits_of(w)), cp.asarray(bits_of(keys)),
+                   cp.asarray(n_valid)).get()
+    gotf = (got.astype(np.uint32) << 16).view(np.float32)
+    want = O.indexer_scores(q, w, keys)
+    # bound from the twin's own per-head terms
+    s = O.BF16.store(np.einsum("thd,nd->thn", q.astype(np.float64), keys.astype(np.float64)))
+    terms = np.abs(O.BF16.store(np.maximum(s, 0) * w[:, :, None])).astype(np.float64).sum(axis=1)
+    mask = np.arange(N)[None, :] < n_valid[:, None]
+    bound = ulp_bf16(want) + SCORE_TERM_REL * terms
+    assert_within(np.where(mask, gotf, 0), np.where(mask, want, 0), np.where(mask, bound, 0),
+                  "indexer scores", seed, T=T, H=H, N=N)
+    exact = (got == bits_of(want)) | ~mask
+    frac = exact[mask].mean() if mask.any() else 1.0
+    assert frac >= SCORE_MIN_EXACT, f"indexer scores: only {frac:.4f} bit-identical {describe(seed, T=T, H=H, N=N)}"
+    assert np.all(got[~mask] == 0xFF80), f"indexer scores: non-causal columns not -inf {describe(seed)}"
+
+
+def _topk_case(rng, T, N, kind):
+    if kind == "ties":      # few distinct values: the tie-break decides almost everything
+        vals = bf16(rng.integers(-3, 4, (T, N)).astype(np.float32) * np.float32(0.5))
+    elif kind == "zeros":   # +0 / -0 ties
+        vals = np.where(rng.random((T, N)) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)
+        vals[:, ::7] = bf16(rng.standard_normal((T, len(range(0, N, 7)))).astype(np.float32))
+    else:
+        vals = rand_bf16(rng, (T, N), 1.0, spread=8)
+        vals[:, rng.integers(0, N, 5)] = -np.inf
+    return vals
+
+
+@pytest.mark.parametrize("T,N,k,kind", [(2, 16384, 512, "rand"), (3, 16384, 512, "ties"), (4, 2000, 512, "rand"),
+                                        (5, 300, 8, "ties"), (6, 37, 2, "zeros"), (3, 5000, 1024, "ties"),
+                                        (2, 700, 512, "zeros")])
+@pytest.mark.parametrize("order", ["score", "index"])
+def test_topk(T, N, k, kind, order):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    vals = _topk_case(rng, T, N, kind)
+    n_valid = rng.integers(0, N + 1, T).astype(np.int32)
+    n_valid[0] = N
+    if T > 2:
+        n_valid[1] = min(N, k // 2)   # fewer valid than k: -1 padding
+        n_valid[2] = 0
+    offset = int(rng.integers(0, 1000))
+    got = K.topk(cp.asarray(bits_of(vals)), cp.asarray(n_valid), k, offset=offset, order=order).get()
+    sel = O.indexer_topk(vals, n_valid, k)
+    if order == "score":
+        want = np.where(sel >= 0, sel + offset, -1)
+    else:
+        want = candidate_matrix(np.zeros((T, 0), np.int32), sel, offset)
+    if not np.array_equal(got, want):
+        bad = np.argwhere(got != want)
+        t, j = bad[0]
+        raise AssertionError(f"indexer topk ({order}): {len(bad)} entries differ, first at token {t} col {j}: "
+                             f"got {got[t, max(0, j - 3):j + 4]} want {want[t, max(0, j - 3):j + 4]} "
+                             f"(n_valid {n_valid[t]}) {describe(seed, T=T, N=N, k=k, kind=kind)}")
+
+
+def test_topk_on_gpu_scores_matches_twin_selection():
+    """The pipeline of decode: GPU scores -> GPU top-k == twin top-k of those same scores."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, H, N, k = 2, 64, 4096, 512
+    q = _fp4ish(rng, (T, H, 128))
+    keys = _fp4ish(rng, (N, 128))
+    w = bf16(rng.standard_normal((T, H)).astype(np.float32) * np.float32(1 / 64))
+    n_valid = np.array([N, 1500], np.int32)
+    sg = K.scores(cp.asarray(bits_of(q)), cp.asarray(bits_of(w)), cp.asarray(bits_of(keys)), cp.asarray(n_valid))
+    got = K.topk(sg, cp.asarray(n_valid), k).get()
+    s = (sg.get().astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(got, O.indexer_topk(s, n_valid, k)), f"topk of GPU scores {describe(seed)}"

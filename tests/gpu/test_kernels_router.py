@@ -1,0 +1,85 @@
+"""kernels_cu/router.cu against oracle.ops.router_logits and host.routing.route.
+
+Bounds: logits ROUTER_LOGITS_MAX_ULP f32 ulp (double accumulation: expected identical);
+scores SCORES_MAX_ULP and weights WEIGHTS_MAX_ULP f32 ulp (exp/log1p are correctly rounded f32
+here, NumPy's f32 functions in the twin); expert ids identical except where the twin's biased
+scores of the two candidates are within TIE_ULP f32 ulp (a near tie; exact ties go to the lower
+id in both).  Hash routing: ids are tid2eid (int32 here, int64 in the twin), exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from memra_dsv4.gpu.ops import router as K  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_f32, bits_of, describe, fresh_seed, rand_bf16, rng_for, ulp_dist_f32  # noqa: E402
+from memra_dsv4.host.routing import route  # noqa: E402
+from memra_dsv4.oracle import ops as O  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+ROUTER_LOGITS_MAX_ULP = 1
+SCORES_MAX_ULP = 4
+WEIGHTS_MAX_ULP = 8
+TIE_ULP = 8
+
+
+@pytest.mark.parametrize("T,D,E", [(1, 4096, 256), (9, 4096, 256), (5, 256, 8), (3, 512, 16)])
+def test_router_logits(T, D, E):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = rand_bf16(rng, (T, D), 1.0)
+    w = rand_bf16(rng, (E, D), D ** -0.5)
+    got = K.logits(cp.asarray(bits_of(x)), cp.asarray(bits_of(w)))
+    assert_f32(got.get(), O.router_logits(x, w), "router logits", seed, max_ulp=ROUTER_LOGITS_MAX_ULP, T=T, D=D, E=E)
+    one = K.logits(cp.asarray(bits_of(x[-1:])), cp.asarray(bits_of(w)))
+    assert cp.array_equal(one[0], got[-1]), f"router logits: token alone != in batch [seed={seed}]"
+
+
+def _check_ids(got_idx, want_idx, biased, seed, what, **ctx):
+    for t in np.flatnonzero((got_idx != want_idx).any(axis=1)):
+        g, w = biased[t, got_idx[t]], biased[t, want_idx[t]]
+        d = ulp_dist_f32(g, w)
+        assert (d <= TIE_ULP).all(), (
+            f"{what}: token {t} picks {got_idx[t]} vs twin {want_idx[t]} (biased {g} vs {w}, "
+            f"{d} ulp apart: not a near tie) {describe(seed, **ctx)}")
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 256, 6), (64, 256, 6), (7, 8, 2), (5, 16, 4), (3, 384, 6)])
+def test_router_select_learned(T, E, k):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    logits[0, :3] = np.float32([25.0, 19.9, -30.0])              # softplus threshold 20 and tails
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    if T > 1:                                                      # an exact tie -> lower id
+        logits[1, 1] = logits[1, 3]
+        bias[3] = bias[1]
+    scale = 1.5
+    widx, wweights, wscores = route(logits, k=k, route_scale=scale, bias=bias)
+    idx, weights, scores = K.select(cp.asarray(logits), k, scale, bias=cp.asarray(bias))
+    idx, weights, scores = idx.get(), weights.get(), scores.get()
+    assert_f32(scores, wscores, "router scores", seed, max_ulp=SCORES_MAX_ULP, T=T, E=E)
+    biased = (wscores + bias).astype(np.float32)
+    _check_ids(idx, widx, biased, seed, "router ids", T=T, E=E, k=k)
+    same = (idx == widx).all(axis=1)
+    assert_f32(weights[same], wweights[same], "router weights", seed, max_ulp=WEIGHTS_MAX_ULP, T=T, E=E)
+
+
+@pytest.mark.parametrize("T,E,k,V", [(8, 256, 6, 129280), (5, 8, 2, 512)])
+def test_router_select_hash(T, E, k, V):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    tid2eid = np.stack([rng.choice(E, k, replace=False) for _ in range(min(V, 4096))]).astype(np.int64)
+    tid2eid = np.concatenate([tid2eid] * (V // len(tid2eid) + 1))[:V]
+    token_ids = rng.integers(0, V, T).astype(np.int64)
+    widx, wweights, wscores = route(logits, k=k, route_scale=1.5, tid2eid=tid2eid, token_ids=token_ids)
+    idx, weights, scores = K.select(cp.asarray(logits), k, 1.5, tid2eid=cp.asarray(tid2eid.astype(np.int32)),
+                                    token_ids=cp.asarray(token_ids.astype(np.int32)))
+    assert np.array_equal(idx.get(), widx), f"hash routing ids {describe(seed)}"
+    assert_f32(weights.get(), wweights, "hash routing weights", seed, max_ulp=WEIGHTS_MAX_ULP)
+    assert_f32(scores.get(), wscores, "hash routing scores", seed, max_ulp=SCORES_MAX_ULP)
