@@ -169,3 +169,173 @@ def test_declared_kernel_parser_sees_macro_instances():
     names = declared_kernels(os.path.join(KDIR, "attention.cu"))
     assert "sparse_attn_d512_hg16" in names and "sparse_attn_combine_d512" in names
     assert importlib.import_module("memra_dsv4.gpu.ops.attention").STEM == "attention"
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch marshalling: every wrapper, called on host stand-ins of CuPy arrays, must pass exactly
+# the kernel's parameter list with the right scalar widths (CuPy does no argument checking: an
+# int where the kernel takes a double, or a missing argument, is silent garbage on the GPU).
+# ---------------------------------------------------------------------------------------------
+
+def _param_list(src: str, open_paren: int) -> str:
+    depth = 0
+    for i in range(open_paren, len(src)):
+        if src[i] == "(":
+            depth += 1
+        elif src[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return src[open_paren + 1:i]
+    raise ValueError("unbalanced parameter list")
+
+
+def kernel_signatures() -> dict[str, list[str]]:
+    """{kernel: [param kind]} with kind in ptr | i32 | i64 | f32 | f64, parsed from kernels_cu."""
+    sigs = {}
+    for path in SOURCES:
+        src = open(path, encoding="utf-8").read()
+        for m in _EXTERN.finditer(src):
+            if m.group(1) not in ("NAME", "__launch_bounds__"):
+                sigs[m.group(1)] = _param_list(src, m.end() - 1)
+        for mm in _MACRO_DEF.finditer(src):
+            body = src.index("NAME(", src.index("extern", mm.end()))
+            plist = _param_list(src, body + 4)
+            for inst in re.findall(rf"^{mm.group(1)}\((\w+)\s*,", src, re.M):
+                sigs[inst] = plist
+    out = {}
+    for name, plist in sigs.items():
+        kinds = []
+        for p in (x.replace("\\", " ").strip() for x in plist.split(",")):
+            if not p:
+                continue
+            if "*" in p:
+                kinds.append("ptr")
+                continue
+            t = re.sub(r"\s+", " ", p).rsplit(" ", 1)[0].replace("const ", "").strip()
+            kinds.append({"int": "i32", "long long": "i64", "float": "f32", "double": "f64"}[t])
+        out[name] = kinds
+    return out
+
+
+def _fake_cupy():
+    import types
+
+    import numpy as np
+
+    class ndarray(np.ndarray):
+        @property
+        def data(self):
+            return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    fake = types.ModuleType("cupy")
+    fake.ndarray = ndarray
+    fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(ndarray)
+    fake.zeros = lambda shape, dtype=float: np.zeros(shape, dtype).view(ndarray)
+    fake.empty = lambda shape, dtype=float: np.zeros(shape, dtype).view(ndarray)
+    fake.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+        Device=lambda i=0: types.SimpleNamespace(id=i, attributes={"MultiProcessorCount": 132}))
+    return fake
+
+
+def test_wrappers_marshal_kernel_signatures(monkeypatch):
+    import numpy as np
+
+    from memra_dsv4.gpu.ops import FAMILIES
+    from memra_dsv4.gpu.ops import _common
+
+    sigs = kernel_signatures()
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    launched = []
+    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+            self.max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            want = sigs[self.name]
+            assert len(args) == len(want), f"{self.name}: {len(args)} args, kernel takes {len(want)}"
+            for i, (a, k) in enumerate(zip(args, want)):
+                if k == "ptr":
+                    ok = isinstance(a, np.ndarray) or type(a) is np.uint64
+                else:
+                    ok = type(a) is kinds[k]
+                assert ok, f"{self.name}: argument {i} is {type(a).__name__}, kernel expects {k}"
+            assert all(int(g) >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, f"{self.name}: launch {grid} {block}"
+            assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem, (
+                f"{self.name}: {shared_mem} B dynamic smem without raising the limit")
+            launched.append(self.name)
+
+    cache = {}
+
+    def fake_kernel(stem, name):
+        from memra_dsv4.gpu.kernel_loader import registered
+
+        assert name in registered()[stem], f"{stem}.{name} not registered"
+        return cache.setdefault(name, FakeKernel(name))
+
+    mods = {f: importlib.import_module(f"memra_dsv4.gpu.ops.{f}") for f in FAMILIES}
+    monkeypatch.setattr(_common, "sm_count", lambda: 132)
+    for m in mods.values():
+        monkeypatch.setattr(m, "kernel", fake_kernel)
+        if hasattr(m, "sm_count"):
+            monkeypatch.setattr(m, "sm_count", lambda: 132)
+    A = fake.asarray
+    u16 = lambda *s: A(np.zeros(s, np.uint16))
+    f32 = lambda *s: A(np.zeros(s, np.float32))
+    i32 = lambda *s: A(np.zeros(s, np.int32))
+    u8 = lambda *s: A(np.zeros(s, np.uint8))
+    M = mods
+    M["rmsnorm"].rmsnorm(u16(2, 64), f32(64), 1e-6)
+    M["rmsnorm"].rmsnorm(u16(2, 64), u16(64), 1e-6)
+    M["rmsnorm"].head_rms(u16(2, 4, 64), 1e-6)
+    M["rope"].rope(u16(2, 4, 128), i32(2), f32(10, 32), f32(10, 32), inverse=True)
+    M["quant_sim"].fp8_sim(u16(2, 256), 128)
+    M["quant_sim"].kv_fp8_sim(u16(2, 512), 64)
+    M["quant_sim"].fp4_sim(u16(2, 64))
+    M["quant_sim"].hadamard128(u16(3, 128))
+    M["quant_sim"].hadamard128(u16(3, 128), fp4=True)
+    X = u16(2, 4, 64)
+    mixes = M["hc"].hc_mixes(X, f32(24, 256), 1e-6)
+    M["hc"].hc_pre_finish(mixes, f32(3), f32(24), X, iters=20, hc_eps=1e-6)
+    M["hc"].hc_weighted_sum(f32(2, 4), X)
+    M["hc"].hc_head(X, f32(4, 256), f32(1), f32(4), hc_eps=1e-6, norm_eps=1e-6)
+    M["hc"].hc_post(u16(2, 64), X, f32(2, 4), f32(2, 4, 4))
+    M["compressor"].add_ape(f32(3, 8), f32(4, 8), i32(3))
+    st = f32(8, 32)
+    M["compressor"].pool_overlap(st[4:8], st[4:8], 1, prev_kv=st[0:4], prev_score=st[0:4])
+    M["compressor"].pool_overlap(f32(8, 32), f32(8, 32), 2)
+    M["compressor"].pool_plain(f32(8, 16), f32(8, 16), 4, 2)
+    for D, mode in ((512, "fp8"), (128, "fp8"), (128, "hadfp4")):
+        M["compressor"].norm_rope_sim(f32(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode)
+        M["compressor"].norm_rope_sim(u16(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode,
+                                      out=u16(5, D)[1:3])
+    sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2))
+    M["indexer"].topk(sc, i32(2), 4, order="index")
+    for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
+        for n_split in (1, 3):
+            M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1,
+                                            probs_bf16=True, n_split=n_split)
+    lg = M["router"].logits(u16(2, 64), u16(8, 64))
+    M["router"].select(lg, 2, 1.5, bias=f32(8))
+    M["router"].select(f32(3, 256), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(3))
+    for E in (64, 128, 384, 512):
+        M["router"].select(f32(3, E), 6, 2.5, bias=f32(E), want_scores=False)
+    M["experts"].dequant_mxfp4(u8(4, 32), u8(4, 2))
+    M["experts"].dequant_nvfp4(u8(4, 32), u8(4, 4), 0.5)
+    tab = A(np.zeros(4, np.uint64))
+    for K in (256, 2048, 4096):
+        M["experts"].gemv_fp4("mxfp4", u16(1, K), i32(6), tab, tab, 64, K, x_div=6)
+        M["experts"].gemv_fp4("nvfp4", u16(6, K), i32(6), tab, tab, 64, K, ws2=f32(4))
+    gu = u16(3, 256)
+    M["moe"].swiglu(gu[:, :128], gu[:, 128:], 10.0, f32(3))
+    M["moe"].swiglu(u16(3, 128), u16(3, 128), 0.0)
+    M["moe"].combine(u16(2, 6, 64), i32(2, 6), u16(2, 64))
+    M["moe"].combine(u16(2, 6, 64), i32(2, 6))
+    from memra_dsv4.gpu.ops import kernel_names
+
+    every = {n for names in kernel_names().values() for n in names}
+    assert every <= set(launched), f"kernels never launched by this check: {sorted(every - set(launched))}"
