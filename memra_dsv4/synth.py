@@ -284,7 +284,12 @@ def _plain(cfg: Dsv4Config, seed: int, spec: TensorSpec) -> np.ndarray:
     else:
         raise ValueError(f"synth: no value rule for tensor {spec.name!r} ({spec.dtype} {spec.shape})")
     if spec.kind == "bf16":
-        return encode_bf16(values, spec.name)
+        # Row chunks bound the encoder's 64-bit temporaries (Flash embed/head are 2 GB of f32).
+        out = np.empty(spec.shape, np.uint16)
+        rows = max(1, _ENCODE_CHUNK // max(1, math.prod(spec.shape[1:])))
+        for r in range(0, spec.shape[0], rows):
+            out[r:r + rows] = encode_bf16(values[r:r + rows], spec.name)
+        return out
     if spec.kind == "f32":
         return np.asarray(values, dtype="<f4")
     if spec.kind == "i64":
@@ -292,6 +297,7 @@ def _plain(cfg: Dsv4Config, seed: int, spec: TensorSpec) -> np.ndarray:
     raise ValueError(f"synth: tensor {spec.name!r} of kind {spec.kind!r} is not a plain tensor")
 
 
+_ENCODE_CHUNK = 1 << 24   # elements per encoder call for large plain tensors
 _EXPERT_W1 = re.compile(r"^(.*\.ffn\.experts\.\d+)\.w1\.weight$")
 
 
@@ -392,6 +398,7 @@ def _write(out: str, cfg: Dsv4Config, specs: list[TensorSpec],
         arrays = arrays_of(unit_specs)
         total += _write_shard(os.path.join(out, file), [(s, arrays[s.name]) for s in unit_specs])
         weight_map.update({s.name: file for s in unit_specs})
+        del arrays   # one unit in memory at a time (a Flash layer is 3.4 GB)
     with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as fh:
         json.dump({"metadata": {"total_size": total},
                    "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)

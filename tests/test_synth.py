@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -168,8 +169,11 @@ def test_plain_tensors_are_well_scaled(tiny, mx):
 
 
 def test_activations_stay_O1(tiny, mx):
-    oracle_mod = pytest.importorskip("memra_dsv4.oracle", reason="memra_dsv4.oracle not written yet")
-    oracle = oracle_mod.Oracle(Checkpoint.from_arrays(tiny, mx))
+    # Skip only while the oracle package does not exist; an oracle that fails to import fails.
+    if importlib.util.find_spec("memra_dsv4.oracle") is None:
+        pytest.skip("memra_dsv4.oracle not written yet")
+    from memra_dsv4.oracle import Oracle
+    oracle = Oracle(Checkpoint.from_arrays(tiny, mx))
     tokens = (np.arange(24) * 37 + 5) % tiny.vocab_size   # past the window, CSA and HCA boundaries
     out = oracle.prefill(tokens, capture=True)
     assert len(out.captures) == tiny.num_hidden_layers
@@ -188,6 +192,15 @@ def test_activations_stay_O1(tiny, mx):
 
 
 # ------------------------------------------------------------------------------ drafters
+def test_chunked_bf16_encoding_is_invisible(tiny, mx, monkeypatch):
+    """Large bf16 tensors are encoded in row chunks (memory); the bytes do not depend on it."""
+    import memra_dsv4.synth as synth
+    monkeypatch.setattr(synth, "_ENCODE_CHUNK", 1000)
+    chunked = synth_arrays(tiny, SEED, "mxfp4")
+    for name in ("embed.weight", "head.weight", "layers.1.attn.compressor.wkv.weight"):
+        np.testing.assert_array_equal(chunked[name], mx[name], err_msg=name)
+
+
 def test_with_drafter(tiny):
     dspark = with_drafter(tiny, "dspark")
     assert dspark.drafter_kind == "dspark" and dspark.num_drafter_stages == 3
