@@ -72,7 +72,7 @@ status=0
 
 run_tests() {
     echo "== gpu tests"
-    "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=10 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    timeout "${GPU_TEST_TIMEOUT:-540}" "$PY" -m pytest -q tests/gpu -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     local rc=${PIPESTATUS[0]}
     echo "== gpu tests exit $rc" | tee -a "$OUT/gpu_tests.log"
     return "$rc"
