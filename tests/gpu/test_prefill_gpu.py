@@ -7,8 +7,12 @@ Bounds (named constants below) and why:
   elements, and those differences propagate through the residual streams.  Relative L2 per
   capture: streams/activations <= REL_L2 (2e-2, ~5 bf16 ulps of RMS drift after a few
   blocks); fp32 islands computed from those inputs the same.
-* Discrete choices (moe.idx, attn.index.sel, attn.cand) may flip on near-ties (bf16 index
-  scores tie often): agreement per row (as sets) >= DISCRETE_AGREE.
+* Discrete choices (moe.idx, attn.index.sel) may flip on near-ties: with random weights a
+  router top-k boundary within one bf16 ulp of scores is common, and one flipped expert moves
+  that token's MoE output by O(1) (measured on the H200: block 2 of tiny, 1 of 20 rows,
+  moe.out relL2 0.11).  So the capture comparison replays the GPU's discrete choices in the
+  oracle (``force_decisions``), which isolates the arithmetic; the unforced oracle run is
+  then checked separately: row agreement of the choices >= DISCRETE_AGREE.
 * Top-1 of the last-position logits must equal the oracle's.
 """
 from __future__ import annotations
@@ -96,8 +100,16 @@ def gpu_model():
 @pytest.mark.parametrize("name,experts", [("tiny", "mxfp4"), ("small", "mxfp4"), ("small", "nvfp4")])
 def test_prefill_matches_oracle(gpu_model, name, experts):
     ck, m = gpu_model(name, experts)
-    ora = Oracle(ck, numerics="bf16").prefill(PROMPT, capture=True)
     out = m.forward(PROMPT, capture=True)
+    oracle = Oracle(ck, numerics="bf16")
+    free = oracle.prefill(PROMPT, capture=True)
+    for i, (g, o) in enumerate(zip(out.captures, free.captures)):
+        for key in ("moe.idx", "attn.index.sel"):
+            if key in o:
+                agree = _row_sets_agree(g[key], o[key])
+                assert agree >= DISCRETE_AGREE, f"block {i} {key}: unforced agreement {agree:.3f}"
+    forced = [{k: c[k] for k in ("moe.idx", "attn.index.sel") if k in c} for c in out.captures]
+    ora = oracle.prefill(PROMPT, capture=True, force_decisions=forced)
     fails, table = compare(out, ora)
     print(table)
     assert not fails, "\n".join(fails) + "\n" + table

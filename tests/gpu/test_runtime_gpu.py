@@ -321,7 +321,12 @@ def test_kernel_loader_compiles_caches_and_tracks_headers(tmp_path, private_regi
         # Names registered after warmup: rebuilt on first get; old kernels keep working.
         kernel_loader.register(stem, ["probe_mul<9>"])
         np.testing.assert_array_equal(_probe(loader, stem, "probe_mul<9>", x), 9 * ref + 7)
-        np.testing.assert_array_equal(_probe(loader, stem, "probe_mul<2>", x), 2 * ref + 3)
+        # The rebuilt module sees the edited header; a RawKernel fetched before the rebuild
+        # keeps its own (old) module alive and still computes with the old header.
+        np.testing.assert_array_equal(_probe(loader, stem, "probe_mul<2>", x), 2 * ref + 7)
+        y = cupy.empty_like(x)
+        k2((4,), (256,), (x, y, np.int32(x.size)))
+        np.testing.assert_array_equal(y.get(), 2 * ref + 3)
 
 
 def test_kernel_loader_compile_error_names_the_file_and_carries_the_log(tmp_path, private_registry):
