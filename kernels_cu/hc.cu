@@ -5,11 +5,11 @@
 //
 // hc_mixes_r{6,4}: A. mixes[t, m] = f32( (fn[m] . x_t) * rsqrt(mean(x_t^2) + eps) ), x_t = the 4
 //   streams of token t flattened (hc*D bf16), fn [rows, hc*D] f32. Twin: oracle.ops._hc_mixes.
-//   Grid (ceil(T/4), rows/R), block 256: a CTA computes R rows for 4 tokens, so fn is streamed
-//   once per 4 tokens. Each thread owns the 8-element chunks tid, tid+256, ...; products
-//   (f32 x bf16) are exact in double and accumulate in double, then a fixed warp tree and a
-//   warp-ordered block sum. The result for a token is independent of the other tokens in the
-//   CTA and of T. The mean of squares is recomputed identically by each row-CTA.
+//   Grid (ceil(T/4), rows/R, n_split), block 128: a CTA computes R rows for 4 tokens (fn is
+//   streamed once per 4 tokens). Products (f32 x bf16) are exact in double and accumulate in
+//   double in the canonical segment order of hc_mixes_body, independent of T and of n_split;
+//   decode (small T) splits the 16384-long reduction over n_split CTAs for parallelism. The
+//   mean of squares is recomputed identically by each row-CTA.
 // hc_pre_split_apply: B for hc_pre. pre = sigmoid(m*s0 + b) + hc_eps; post = 2 sigmoid(m*s1 + b);
 //   comb = Sinkhorn(m*s2 + b) in f32 with the twin's op order (host.hc.hc_split: softmax rows +
 //   eps, column normalise, then iters-1 x (row, column)), 4-term sums in index order; exp is
@@ -29,32 +29,64 @@ using namespace memra;
 namespace {
 
 constexpr int HC = 4;
-constexpr int MIX_THREADS = 256;
-constexpr int MIX_TOK = 4;
+constexpr int MIX_THREADS = 128;  // 4 warps
+constexpr int MIX_WARPS = MIX_THREADS / 32;
+constexpr int MIX_TOK = 4;        // tokens per CTA
+constexpr int MIX_SEG = 256;      // elements per segment (one 8-element chunk per lane)
+constexpr int MIX_MAX_SEG = 128;  // hc*D <= 32768
 
+DEV double sel_d(bool c, double a, double b) {
+    double r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f64 %0, %1, %2, p;\n\t}"
+        : "=d"(r) : "d"(a), "d"(b), "r"((int)c));
+    return r;
+}
+
+template <int HALF>
+DEV void rs_stage_d(double* v, int lane) {  // reduce-scatter stage (see attention.cu)
+    const bool upper = (lane & HALF) != 0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const double send = sel_d(upper, v[i], v[i + HALF]);
+        const double keep = sel_d(upper, v[i + HALF], v[i]);
+        v[i] = __dadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, HALF));
+    }
+}
+
+// The canonical reduction of a mixes value (a dot of row r with token t, or token t's sum of
+// squares): the hc*D elements form segments of 256; within a segment lane l takes elements
+// 8l..8l+7 (sequential double FMAs), a 5-stage reduce-scatter across the warp gives the segment
+// value, and the segment values are added in segment order. The in-CTA path (n_split = 1: the
+// CTA's warps take segments w, w+4, ...) and the split path (CTA z takes segments
+// [z*spc, (z+1)*spc), the last CTA to finish adds them up) compute exactly this, so T = 1
+// decode (split) and a T = L prefill (in-CTA) give the same bits.
 template <int R>
-DEV void hc_mixes_body(const u16* __restrict__ x, const float* __restrict__ fn,
-                       float* __restrict__ mixes, int T, int n, int rows_total, double eps) {
-    constexpr int NW = MIX_THREADS / 32;
-    constexpr int NV = R * MIX_TOK + MIX_TOK;  // dot products + sums of squares
-    __shared__ double red[NW][NV];
+DEV void hc_mixes_body(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mixes,
+                       int T, int n, int rows_total, double eps, double* __restrict__ ws,
+                       int* __restrict__ counters) {
+    constexpr int V = R * MIX_TOK + MIX_TOK;  // dot products, then sums of squares
+    static_assert(V <= 32, "one value per lane");
+    __shared__ double segv[MIX_MAX_SEG][32];
+    __shared__ double tot[32];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int t0 = blockIdx.x * MIX_TOK;
     const int r0 = blockIdx.y * R;
-    double acc[R][MIX_TOK];
-    double ss[MIX_TOK];
-#pragma unroll
-    for (int t = 0; t < MIX_TOK; ++t) {
-        ss[t] = 0.0;
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][t] = 0.0;
-    }
-    const int nc = n >> 3;
-    for (int c = threadIdx.x; c < nc; c += MIX_THREADS) {
+    const int nseg = n / MIX_SEG;
+    const int n_split = gridDim.z;
+    const int spc = nseg / n_split;
+    const int s_begin = blockIdx.z * spc;
+    const i64 group = (i64)blockIdx.x * gridDim.y + blockIdx.y;
+    for (int sg = s_begin + wid; sg < s_begin + spc; sg += MIX_WARPS) {
+        const int e0 = sg * MIX_SEG + 8 * lane;
         float xf[MIX_TOK][8];
+        double v[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = 0.0;
 #pragma unroll
         for (int t = 0; t < MIX_TOK; ++t) {
             if (t0 + t < T) {
-                unpack8(ldg16(x + (i64)(t0 + t) * n + 8 * c), xf[t]);
+                unpack8(ldg16(x + (i64)(t0 + t) * n + e0), xf[t]);
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) xf[t][i] = 0.0f;
@@ -62,44 +94,57 @@ DEV void hc_mixes_body(const u16* __restrict__ x, const float* __restrict__ fn,
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const double d = xf[t][i];
-                ss[t] = __fma_rn(d, d, ss[t]);
+                v[R * MIX_TOK + t] = __fma_rn(d, d, v[R * MIX_TOK + t]);
             }
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(r0 + r) * n + 8 * c);
+            const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(r0 + r) * n + e0);
             const float4 wa = __ldg(wp), wb = __ldg(wp + 1);
             const float w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
-            for (int t = 0; t < MIX_TOK; ++t) {
+            for (int t = 0; t < MIX_TOK; ++t)
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[r][t] = __fma_rn((double)w[i], (double)xf[t][i], acc[r][t]);
-            }
+                for (int i = 0; i < 8; ++i) v[r * MIX_TOK + t] = __fma_rn((double)w[i], (double)xf[t][i], v[r * MIX_TOK + t]);
+        }
+        rs_stage_d<16>(v, lane);
+        rs_stage_d<8>(v, lane);
+        rs_stage_d<4>(v, lane);
+        rs_stage_d<2>(v, lane);
+        rs_stage_d<1>(v, lane);
+        if (lane < V) {
+            if (n_split == 1) segv[sg][lane] = v[0];
+            else ws[(group * nseg + sg) * 32 + lane] = v[0];
         }
     }
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-#pragma unroll
-    for (int t = 0; t < MIX_TOK; ++t) {
-        const double s = warp_sum(ss[t]);
-        if (lane == 0) red[wid][R * MIX_TOK + t] = s;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const double a = warp_sum(acc[r][t]);
-            if (lane == 0) red[wid][r * MIX_TOK + t] = a;
+    if (n_split == 1) {
+        __syncthreads();
+        if (threadIdx.x < V) {
+            double a = segv[0][threadIdx.x];
+            for (int sg = 1; sg < nseg; ++sg) a = __dadd_rn(a, segv[sg][threadIdx.x]);
+            tot[threadIdx.x] = a;
         }
+    } else {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) is_last = atomicAdd(counters + group, 1) == n_split - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (threadIdx.x < V) {
+            const double* src = ws + group * nseg * 32 + threadIdx.x;
+            double a = __ldcg(src);
+            for (int sg = 1; sg < nseg; ++sg) a = __dadd_rn(a, __ldcg(src + sg * 32));
+            tot[threadIdx.x] = a;
+        }
+        if (threadIdx.x == 0) counters[group] = 0;  // ready for the next launch
     }
     __syncthreads();
     if (threadIdx.x < R * MIX_TOK) {
         const int r = threadIdx.x / MIX_TOK, t = threadIdx.x % MIX_TOK;
         if (t0 + t < T) {
-            double dot = red[0][threadIdx.x], sq = red[0][R * MIX_TOK + t];
-#pragma unroll
-            for (int w = 1; w < NW; ++w) {
-                dot = __dadd_rn(dot, red[w][threadIdx.x]);
-                sq = __dadd_rn(sq, red[w][R * MIX_TOK + t]);
-            }
-            const double rs = 1.0 / sqrt(sq / (double)n + eps);
-            mixes[(i64)(t0 + t) * rows_total + r0 + r] = __double2float_rn(__dmul_rn(dot, rs));
+            const double rs = 1.0 / sqrt(tot[R * MIX_TOK + t] / (double)n + eps);
+            mixes[(i64)(t0 + t) * rows_total + r0 + r] = __double2float_rn(__dmul_rn(tot[threadIdx.x], rs));
         }
     }
 }
@@ -144,18 +189,20 @@ DEV void weighted_streams(const u16* __restrict__ X, const float* pre, u16* __re
 
 }  // namespace
 
-// x: [T, hc*D] bf16 (n = hc*D); fn: [rows_total, n] f32; mixes: [T, rows_total] f32.
-// grid (ceil(T/4), rows_total/6), block 256.
+// x: [T, hc*D] bf16 (n = hc*D, n % 256 == 0, n <= 32768); fn: [rows_total, n] f32;
+// mixes: [T, rows_total] f32. grid (ceil(T/4), rows_total/R, n_split), block 128, n_split | n/256.
+// n_split > 1: ws = double [ceil(T/4) * rows_total/R * n/256 * 32], counters = int
+// [ceil(T/4) * rows_total/R], zero before the first launch (the kernel leaves them zero).
 extern "C" __global__ void __launch_bounds__(MIX_THREADS)
 hc_mixes_r6(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mixes,
-            int T, int n, int rows_total, double eps) {
-    hc_mixes_body<6>(x, fn, mixes, T, n, rows_total, eps);
+            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) {
+    hc_mixes_body<6>(x, fn, mixes, T, n, rows_total, eps, ws, counters);
 }
-// grid (ceil(T/4), rows_total/4), block 256 (hc_head: rows_total = 4).
+// hc_head: rows_total = 4.
 extern "C" __global__ void __launch_bounds__(MIX_THREADS)
 hc_mixes_r4(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mixes,
-            int T, int n, int rows_total, double eps) {
-    hc_mixes_body<4>(x, fn, mixes, T, n, rows_total, eps);
+            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) {
+    hc_mixes_body<4>(x, fn, mixes, T, n, rows_total, eps, ws, counters);
 }
 
 // mixes [T, 24] f32; scale [3]; base [24]; X [T, 4, D] bf16 -> y [T, D] bf16, pre [T, 4],

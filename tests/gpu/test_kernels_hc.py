@@ -70,6 +70,28 @@ def test_hc_pre(T, D):
         assert cp.array_equal(y1[0], y[T - 1]), f"hc_pre: token alone != in batch [seed={seed}]"
 
 
+@pytest.mark.parametrize("T,D", [(1, 4096), (5, 4096), (2, 512)])
+def test_hc_mixes_split_is_bitwise_in_cta(T, D):
+    """The split reduction (decode) and the in-CTA one (prefill) give the same bits, for every
+    split count, and a token alone equals the same token in a batch."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    X = rand_bf16(rng, (T, 4, D), 1.0, spread=2)
+    fn, _, _ = _params(rng, D, 24)
+    Xg, fng = cp.asarray(bits_of(X)), cp.asarray(fn)
+    ref = K.hc_mixes(Xg, fng, NORM_EPS, n_split=1)
+    nseg = 4 * D // 256
+    for ns in sorted({d for d in (2, 4, nseg // 4, nseg) if d >= 1 and nseg % d == 0}):
+        for _ in range(2):  # twice: the split counters must be left at zero
+            got = K.hc_mixes(Xg, fng, NORM_EPS, n_split=ns)
+            assert cp.array_equal(got, ref), f"hc_mixes n_split={ns} != in-CTA [seed={seed}, T={T}, D={D}]"
+    one = K.hc_mixes(Xg[T - 1:].copy(), fng, NORM_EPS)
+    assert cp.array_equal(one[0], ref[T - 1]), f"hc_mixes token alone != in batch [seed={seed}]"
+    h = K.hc_mixes(Xg, cp.asarray(fn[:4].copy()), NORM_EPS, n_split=2)
+    assert cp.array_equal(h, K.hc_mixes(Xg, cp.asarray(fn[:4].copy()), NORM_EPS, n_split=1)), (
+        f"hc_mixes r4 split != in-CTA [seed={seed}]")
+
+
 @pytest.mark.parametrize("T,D", [(3, 4096), (17, 256)])
 def test_hc_weighted_sum(T, D):
     seed = fresh_seed()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, i32, kernel, out_array
+from memra_dsv4.gpu.ops._common import check, cupy, i32, kernel, out_array, sm_count
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
@@ -32,13 +32,44 @@ def _streams(X, name):
     return X.shape[0], X.shape[2]
 
 
-def hc_mixes(streams, fn, norm_eps: float, out=None):
+SEG = 256          # elements per reduction segment (kernels_cu/hc.cu MIX_SEG)
+TOK_PER_CTA = 4
+_WS: dict[int, tuple] = {}  # device -> (ws double[], counters int[]) for the split path
+
+
+def split_workspace(n_groups: int, nseg: int):
+    """Per-device scratch of the split mixes path (grown on demand; counters stay zero between
+    launches).  Not safe for concurrent launches on two streams of one device."""
+    cp = cupy()
+    dev = cp.cuda.runtime.getDevice()
+    ws, cnt = _WS.get(dev, (None, None))
+    if ws is None or ws.size < n_groups * nseg * 32 or cnt.size < n_groups:
+        ws = cp.empty((max(n_groups * nseg * 32, 1),), dtype=np.float64)
+        cnt = cp.zeros((max(n_groups, 1),), dtype=np.int32)
+        _WS[dev] = (ws, cnt)
+    return ws, cnt
+
+
+def auto_split(T: int, rows: int, n: int) -> int:
+    """Split the reduction over CTAs (one segment per warp) when the grid would be small."""
+    nseg = n // SEG
+    r = 6 if rows % 6 == 0 else 4
+    ctas = ((T + TOK_PER_CTA - 1) // TOK_PER_CTA) * (rows // r)
+    if ctas >= sm_count() // 2 or nseg % 4:
+        return 1
+    return nseg // 4
+
+
+def hc_mixes(streams, fn, norm_eps: float, out=None, *, n_split: int | None = None):
     """mixes [T, rows] f32 = (fn . vec(X_t)) * rsqrt(mean(vec(X_t)^2) + norm_eps), double
-    accumulation.  fn [rows, hc*D] float32 with rows % 6 == 0 (hc_pre: 24) or rows == 4 (hc_head)."""
+    accumulation in a canonical order (same bits for any T and n_split).  fn [rows, hc*D]
+    float32 with rows % 6 == 0 (hc_pre: 24) or rows % 4 == 0 (hc_head: 4); hc*D % 256 == 0.
+    n_split None = auto (split the reduction for small T, e.g. decode)."""
     T, D = _streams(streams, "hc_mixes.streams")
     n = HC * D
     rows = fn.shape[0]
     check(fn, "hc_mixes.fn", np.float32, (rows, n))
+    assert n % SEG == 0 and n // SEG <= 128, f"hc_mixes: hc*D = {n} (need a multiple of 256, <= 32768)"
     out = out_array(out, "hc_mixes.out", (T, rows), np.float32)
     if T:
         if rows % 6 == 0:
@@ -46,8 +77,17 @@ def hc_mixes(streams, fn, norm_eps: float, out=None):
         else:
             assert rows % 4 == 0, f"hc_mixes: {rows} rows (need a multiple of 6 or 4)"
             name, r = "hc_mixes_r4", 4
-        kernel(STEM, name)(((T + 3) // 4, rows // r), (256,),
-                           (streams, fn, out, i32(T), i32(n), i32(rows), np.float64(norm_eps)))
+        nseg = n // SEG
+        if n_split is None:
+            n_split = auto_split(T, rows, n)
+        assert nseg % n_split == 0, f"hc_mixes: n_split {n_split} must divide {nseg} segments"
+        groups = ((T + TOK_PER_CTA - 1) // TOK_PER_CTA) * (rows // r)
+        if n_split > 1:
+            ws, cnt = split_workspace(groups, nseg)
+        else:
+            ws, cnt = np.uint64(0), np.uint64(0)
+        kernel(STEM, name)(((T + TOK_PER_CTA - 1) // TOK_PER_CTA, rows // r, n_split), (128,),
+                           (streams, fn, out, i32(T), i32(n), i32(rows), np.float64(norm_eps), ws, cnt))
     return out
 
 
@@ -70,11 +110,11 @@ def hc_pre_finish(mixes, scale, base, streams, *, iters: int, hc_eps: float, y=N
 
 
 def hc_pre(streams, fn, scale, base, *, iters: int, hc_eps: float, norm_eps: float, mixes=None,
-           y=None, pre=None, post=None, comb=None):
+           y=None, pre=None, post=None, comb=None, n_split: int | None = None):
     """oracle.ops.hc_pre: returns (y, post, comb) (pre stays in ``pre`` when given).
     ``mixes`` [T, 24] f32 scratch (allocated when None)."""
     T, D = _streams(streams, "hc_pre.streams")
-    mixes = hc_mixes(streams, fn, norm_eps, out=mixes)
+    mixes = hc_mixes(streams, fn, norm_eps, out=mixes, n_split=n_split)
     y, pre, post, comb = hc_pre_finish(mixes, scale, base, streams, iters=iters, hc_eps=hc_eps,
                                        y=y, pre=pre, post=post, comb=comb)
     return y, post, comb
@@ -90,12 +130,13 @@ def hc_weighted_sum(pre, streams, out=None):
     return out
 
 
-def hc_head(streams, fn, scale, base, *, hc_eps: float, norm_eps: float, out=None, mixes=None):
+def hc_head(streams, fn, scale, base, *, hc_eps: float, norm_eps: float, out=None, mixes=None,
+            n_split: int | None = None):
     """oracle.ops.hc_head: pre = sigmoid(mixes * scale[0] + base) + hc_eps; y = bf16(sum pre_i X_i)."""
     T, D = _streams(streams, "hc_head.streams")
     check(scale, "hc_head.scale", np.float32, (1,))
     check(base, "hc_head.base", np.float32, (HC,))
-    mixes = hc_mixes(streams, fn, norm_eps, out=mixes)
+    mixes = hc_mixes(streams, fn, norm_eps, out=mixes, n_split=n_split)
     out = out_array(out, "hc_head.out", (T, D), np.uint16)
     if T:
         kernel(STEM, "hc_head_apply")((T,), (128,), (mixes, scale, base, streams, out, i32(D),
