@@ -17,11 +17,19 @@ def test_resolve_precedence_and_errors(monkeypatch):
     assert seams.resolve("numerics", "exact") == "exact"
     with pytest.raises(ValueError, match="MEMRA_DSV4_NUMERICS.*bf16, reference, exact"):
         seams.resolve("numerics", "fp64")
+    monkeypatch.setenv("MEMRA_DSV4_ORACLE_DECODE", "reprefill")
+    assert seams.resolve("oracle_decode") == "reprefill"
+    assert seams.resolve("oracle_decode", "incremental") == "incremental"   # explicit wins
+    monkeypatch.setenv("MEMRA_DSV4_ORACLE_DECODE", "bogus")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_ORACLE_DECODE"):
+        seams.resolve("oracle_decode")
+    monkeypatch.delenv("MEMRA_DSV4_DECODE_PATH", raising=False)
+    assert seams.resolve("decode_path") == "legacy"
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "device-hostmath")
+    assert seams.resolve("decode_path") == "device-hostmath"
+    assert seams.resolve("decode_path", "device") == "device"
     monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "reprefill")
-    assert seams.resolve("decode_path") == "reprefill"
-    assert seams.resolve("decode_path", "incremental") == "incremental"   # explicit wins
-    monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "bogus")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_PATH"):
+    with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_PATH.*legacy, device-hostmath, device"):
         seams.resolve("decode_path")
     with pytest.raises(ValueError, match="unknown seam"):
         seams.resolve("nope")

@@ -40,8 +40,10 @@ __all__ = ["Dsv4Gpu", "ForwardOut"]
 
 class Dsv4Gpu:
     def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
-                 force_bounce: bool = False, max_seq_len: int | None = None) -> None:
+                 force_bounce: bool = False, max_seq_len: int | None = None,
+                 decode_path: str | None = None) -> None:
         import cupy as cp
+        from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
         from memra_dsv4.gpu.ops_glue import GemmBackend
 
@@ -57,6 +59,8 @@ class Dsv4Gpu:
         self.gemm = {d: GemmBackend(d) for d in self.devices}
         self.boundary_paths: list[str] = []
         self._cp = cp
+        self.decode_path = resolve_decode_path(decode_path)   # read once, printed
+        self._step = None                                      # device step (gpu.step)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -66,7 +70,7 @@ class Dsv4Gpu:
 
     @classmethod
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
-             max_seq_len: int | None = None) -> "Dsv4Gpu":
+             max_seq_len: int | None = None, decode_path: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights
 
         devices = tuple(int(d) for d in devices)
@@ -79,11 +83,12 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len)
+        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
-                  force_bounce: bool = False, max_seq_len: int | None = None) -> "Dsv4Gpu":
+                  force_bounce: bool = False, max_seq_len: int | None = None,
+                  decode_path: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -97,7 +102,7 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len)
+        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -149,6 +154,83 @@ class Dsv4Gpu:
             d.compute.synchronize()
         return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
                           captures_top=top, numerics=self.numerics)
+
+    # ------------------------------------------------------------------ decode
+    def new_state(self, max_seq_len: int | None = None):
+        """A fresh device DecodeState (every layer's cache on its stage's device)."""
+        from memra_dsv4.gpu.cache import DecodeState
+        lay = {l: st.device for st in self.stages for l in st.layers}
+        state = DecodeState(self.config, lay, int(max_seq_len or self.max_seq_len))
+        state.owner = self
+        return state
+
+    def _check_state(self, state):
+        from memra_dsv4.gpu.cache import DecodeState
+        if not isinstance(state, DecodeState):
+            raise ValueError(f"state must be a gpu DecodeState (Dsv4Gpu.new_state()), got "
+                             f"{type(state).__name__}")
+        if state.owner is not self:
+            raise ValueError("state was made by another Dsv4Gpu (its caches live on that "
+                             "model's devices); use this model's new_state()")
+        return state
+
+    def prefill(self, token_ids, state=None, *, all_logits: bool = False):
+        """Start a NEW sequence in ``state`` (reset first; a fresh one when None) and run
+        ``token_ids`` from position 0 through the chunk routine (gpu.decode.forward_chunk).
+        Returns (logits float32 NumPy [vocab] or [S, vocab], state)."""
+        from memra_dsv4.gpu.decode import forward_chunk
+        ids = self.check_ids(token_ids)
+        state = self.new_state() if state is None else self._check_state(state)
+        if ids.shape[0] > state.max_seq_len:
+            raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds max_seq_len "
+                             f"{state.max_seq_len}")
+        state.reset()
+        if self._step is not None:
+            self._step.invalidate()
+        with phase("prefill_state"):
+            logits = forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state")
+        return logits, state
+
+    def prefill_chunk(self, state, token_ids, *, all_logits: bool = False):
+        """Continue ``state`` by any number of tokens (legacy chunk routine)."""
+        from memra_dsv4.gpu.decode import forward_chunk
+        self._check_state(state)
+        ids = self.check_ids(token_ids)
+        if state.pos + ids.shape[0] > state.max_seq_len:
+            raise ValueError(f"prefill_chunk: positions {state.pos}..{state.pos + ids.shape[0] - 1}"
+                             f" exceed max_seq_len {state.max_seq_len}")
+        if self._step is not None:
+            self._step.invalidate()
+        return forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_chunk")
+
+    def decode_step(self, state, token):
+        """Consume one token at position state.pos; logits float32 NumPy [vocab].  The path is
+        ``self.decode_path`` (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
+        from memra_dsv4.gpu.decode import forward_chunk
+        self._check_state(state)
+        t = np.asarray(token)
+        if t.ndim != 0:
+            raise ValueError(f"token must be one integer id, got shape {t.shape}")
+        ids = self.check_ids(t.reshape(1))
+        if state.pos + 1 > state.max_seq_len:
+            raise ValueError(f"decode_step: position {state.pos} is past max_seq_len "
+                             f"{state.max_seq_len}")
+        if self.decode_path == "legacy":
+            return forward_chunk(self, state, ids, ph="decode")
+        from memra_dsv4.gpu.step import device_step
+        return device_step(self, state, int(ids[0]))
+
+    def generate(self, token_ids, max_new: int) -> list[int]:
+        """Greedy continuation: prefill once, then one decode_step per new token."""
+        if not isinstance(max_new, (int, np.integer)) or max_new < 0:
+            raise ValueError(f"max_new = {max_new!r} must be a non-negative integer")
+        if max_new == 0:
+            return []
+        logits, state = self.prefill(token_ids)
+        out = [int(np.argmax(logits))]
+        while len(out) < max_new:
+            out.append(int(np.argmax(self.decode_step(state, out[-1]))))
+        return out
 
     def _boundary(self, streams, si: int):
         """Move the streams to the next stage's device: exactly one boundary_copy."""

@@ -1,0 +1,291 @@
+"""The host-driven ("legacy") GPU decode: a per-layer loop over the prefill ops (CuPy twins +
+cuBLASLt GEMMs of ops_glue) for a chunk of positions against a device ``DecodeState``.
+
+ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence, mirroring the oracle's
+``memra_dsv4.oracle.decode._attention_chunk`` step for step (dsv4_attention.md 7.4):
+* window vectors of earlier positions come from the ring (chronological), then the chunk's own;
+* the chunk tokens go through the compressor state machine: the pending rows are prepended
+  (current block's tokens; for ratio 4 the previous block's rows as the overlap half);
+* an entry emitted inside the chunk is visible to chunk token t iff (k+1)*r <= t+1;
+* candidate layout is the canonical one of ``host.indices.candidate_matrix`` (window W wide,
+  chronological; compressed entries ascending at offset = rows before them);
+* the ring / entries / pending rows are written after every read.
+``Dsv4Gpu.prefill(ids, state)`` = reset + a chunk from p0 = 0; ``Dsv4Gpu.decode_step`` = a
+chunk of one token (path ``legacy``).
+
+Decode path seam (``MEMRA_DSV4_DECODE_PATH`` or the ``decode_path=`` argument; resolved once
+per model by ``resolve_decode_path`` and printed on stderr): ``legacy`` (this module),
+``device-hostmath`` / ``device`` (memra_dsv4.gpu.step: refused with NotImplementedError until
+the device-resident step lands; see the module doc there).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from memra_dsv4.host import indices as hidx
+from memra_dsv4.profiling import phase
+
+__all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "ChunkBlock"]
+
+DECODE_PATHS = ("legacy", "device-hostmath", "device")
+
+
+def resolve_decode_path(explicit: str | None = None, *, announce: bool = True) -> str:
+    from memra_dsv4 import seams
+    path = seams.resolve(seams.SEAM_DECODE_PATH, explicit)
+    if announce:
+        src = "argument" if explicit is not None else (
+            f"env {seams.SEAM_DECODE_PATH.env}" if seams.env_value(seams.SEAM_DECODE_PATH)
+            != seams.SEAM_DECODE_PATH.default or _env_set() else "default")
+        print(f"memra_dsv4: gpu decode path = {path} ({src})", file=sys.stderr)
+    return path
+
+
+def _env_set() -> bool:
+    import os
+    return os.environ.get("MEMRA_DSV4_DECODE_PATH", "") != ""
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+class ChunkBlock:
+    """One trunk block over a chunk at positions p0.. against the layer's cache.  Reuses the
+    prefill block's helpers (linear, hc_pre, rope tables, MoE) of memra_dsv4.gpu.model._Block."""
+
+    def __init__(self, model, st, layer: int, ph: str) -> None:
+        from memra_dsv4.gpu.model import _Block
+        self.b = _Block(model, st, layer, ph)
+        self.cfg = model.config
+        self.ph = ph
+        self.ratio = self.b.ratio
+        self.kind = self.b.kind
+
+    # ------------------------------------------------------------------------ block
+    def forward(self, streams, ids_d, cache, p0: int, cap=None):
+        from memra_dsv4.gpu import ops_glue as G
+        from memra_dsv4.gpu.model import _f64
+        b, cfg = self.b, self.cfg
+        eps = cfg.rms_norm_eps
+        with phase(f"{self.ph}/attn"):
+            x, post, comb = b.hc_pre(streams, "attn")
+            xn = G.rmsnorm(x, _f64(b.w("attn_norm.weight")), eps)
+            a = self.attention(xn, cache, p0, cap)
+            s1 = G.hc_post(a, streams, post, comb)
+        with phase(f"{self.ph}/ffn"):
+            x, post, comb = b.hc_pre(s1, "ffn")
+            xn = G.rmsnorm(x, _f64(b.w("ffn_norm.weight")), eps)
+            f = b.moe(xn, ids_d, cap)
+            s2 = G.hc_post(f, s1, post, comb)
+        if cap is not None:
+            cap.update({"attn.streams": s1, "block.out": s2})
+        return s2
+
+    # --------------------------------------------------------------------- compressor
+    def compress_chunk(self, x, cs, p0: int, indexer: bool):
+        """(entries [nb, d] f32 bf16-valued, a, z) for positions p0..p0+S-1 given the pending
+        rows ``cs`` (not modified); the oracle's decode._compress_chunk."""
+        cp = _cp()
+        from memra_dsv4.gpu import ops_glue as G
+        from memra_dsv4.gpu.model import _f64
+        b, cfg = self.b, self.cfg
+        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+        r = cs.ratio
+        S = x.shape[0]
+        a = b.lin(x, f"{sub}.wkv.weight", "f32")
+        zg = b.lin(x, f"{sub}.wgate.weight", "f32")
+        pos = cp.arange(p0, p0 + S, dtype=cp.int64)
+        z = (zg + b.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
+        rem0 = p0 % r
+        b0 = p0 - rem0
+        nb = (rem0 + S) // r
+        d = cfg.index_head_dim if indexer else cfg.head_dim
+        if nb == 0:
+            return cp.zeros((0, d), dtype=cp.float32), a, z
+        ca, cz = cs.cur_rows(rem0)
+        A = cp.concatenate([ca, a], axis=0)[:nb * r]
+        Z = cp.concatenate([cz, z], axis=0)[:nb * r]
+        if cs.overlap:
+            pa, pz = cs.prev_rows()
+            ac, zc = candidates_with_prev(A, Z, pa, pz)
+        else:
+            ac, zc = G.compress_candidates(A, Z, r)
+        pooled = G.compress_pool(ac, zc)
+        kpos = b0 + r * np.arange(nb, dtype=np.int64)
+        cos, sin = b.rope_tables(kpos)
+        c = G.rmsnorm(G.store(pooled), _f64(b.w(f"{sub}.norm.weight")), cfg.rms_norm_eps)
+        c = G.rope(c, cos, sin)
+        if indexer:
+            return G.fp4_sim(G.hadamard(c), 32), a, z
+        return G.kv_sim(c, cfg.qk_rope_head_dim), a, z
+
+    # ---------------------------------------------------------------------- attention
+    def attention(self, x, cache, p0: int, cap):
+        cp = _cp()
+        from memra_dsv4.gpu import ops_glue as G
+        from memra_dsv4.gpu.model import _f64
+        b, cfg = self.b, self.cfg
+        eps = cfg.rms_norm_eps
+        S = x.shape[0]
+        W = cfg.sliding_window
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        pos = p0 + np.arange(S, dtype=np.int64)
+        cos, sin = b.rope_tables(pos)
+        with phase(f"{self.ph}/attn/q"):
+            qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")), eps)
+            q = b.lin(qr, "attn.wq_b.weight").reshape(S, H, hd)
+            q = G.rope(G.head_rms(q, eps), cos[:, None], sin[:, None])
+        with phase(f"{self.ph}/attn/kv"):
+            kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")), eps)
+            kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
+        h0 = max(0, p0 - W)
+        hist = G.to_f32(cache.ring[cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)])
+        win = hidx.window_matrix(S, W, start=p0)
+        win = np.where(win >= 0, win - h0, -1).astype(np.int32)
+        rows = [hist, kv]
+        offset = hist.shape[0] + S
+        comp_sel = new_ent = new_keys = az = idx_az = None
+        if self.ratio:
+            if self.kind == "csa":
+                with phase(f"{self.ph}/attn/indexer"):
+                    comp_sel, new_keys, idx_az = self.indexer(x, qr, cos, sin, cache, p0, pos,
+                                                              cap)
+            else:
+                comp_sel = cp.asarray(hidx.hca_matrix(S, self.ratio, start=p0))
+            with phase(f"{self.ph}/attn/compressor"):
+                new_ent, ca, cz = self.compress_chunk(x, cache.comp_state, p0, indexer=False)
+            az = (ca, cz)
+            rows.append(G.to_f32(cache.comp[:p0 // self.ratio]))
+            rows.append(new_ent)
+        cand = G.candidates(cp.asarray(win), comp_sel, offset)
+        with phase(f"{self.ph}/attn/sparse_attention"):
+            o = G.sparse_attention(q, cp.concatenate(rows, axis=0), cand,
+                                   b.w("attn.attn_sink"), hd ** -0.5)
+        with phase(f"{self.ph}/attn/output"):
+            o = G.rope(o, cos[:, None], sin[:, None], inverse=True)
+            Gn = cfg.o_groups
+            og = o.reshape(S, Gn, -1)
+            wa = b.w("attn.wo_a.weight")
+            R = wa.shape[0] // Gn
+            u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
+                                         wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
+            out = b.lin(u, "attn.wo_b.weight")
+        if cap is not None:
+            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
+                        "attn.o": o, "attn.out": out})
+        # ---- writes, after every read
+        keep = pos[-min(S, W):]
+        cache.ring[cp.asarray(keep % W)] = G.bf16_bits(kv[-len(keep):])
+        if self.ratio:
+            n0 = p0 // self.ratio
+            if new_ent.shape[0]:
+                cache.comp[n0:n0 + new_ent.shape[0]] = G.bf16_bits(new_ent)
+            cache.comp_state.advance(*az, p0)
+        if self.kind == "csa":
+            n0 = p0 // 4
+            if new_keys.shape[0]:
+                cache.idx_keys[n0:n0 + new_keys.shape[0]] = G.bf16_bits(new_keys)
+            cache.idx_state.advance(*idx_az, p0)
+        return out
+
+    def indexer(self, x, qr, cos, sin, cache, p0: int, pos, cap):
+        """(selection [S, w] int32 entry ids, the chunk's new keys, (a, z) of the indexer
+        compressor); scores as _Block.indexer over (cached keys ++ new keys)."""
+        cp = _cp()
+        from memra_dsv4.gpu import ops_glue as G
+        b, cfg = self.b, self.cfg
+        S = x.shape[0]
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        new_keys, ia, iz = self.compress_chunk(x, cache.idx_state, p0, indexer=True)
+        keys = cp.concatenate([G.to_f32(cache.idx_keys[:p0 // 4]), new_keys], axis=0)
+        qI = b.lin(qr, "attn.indexer.wq_b.weight").reshape(S, nI, dI)
+        qI = G.fp4_sim(G.hadamard(G.rope(qI, cos[:, None], sin[:, None])), 32)
+        wts = b.lin(x, "attn.indexer.weights_proj.weight")
+        wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
+        n = keys.shape[0]
+        if n == 0:
+            return cp.full((S, 0), -1, dtype=cp.int32), new_keys, (ia, iz)
+        scores = cp.empty((S, n), dtype=cp.float32)
+        chunk = max(1, (1 << 28) // max(1, nI * n))
+        for s0 in range(0, S, chunk):
+            qq = qI[s0:s0 + chunk]
+            s = G.store(cp.matmul(qq, keys.T))
+            s = G.store(cp.maximum(s, 0) * wts[s0:s0 + chunk, :, None])
+            scores[s0:s0 + chunk] = G.store(s.astype(cp.float64).sum(axis=1).astype(cp.float32))
+        n_valid = cp.asarray((pos + 1) // 4)
+        sel = G.topk_desc_rows(scores, n_valid, cfg.index_topk)
+        if cap is not None:
+            cap.update({"attn.index.scores": scores, "attn.index.sel": sel})
+        return sel, new_keys, (ia, iz)
+
+
+def candidates_with_prev(A, Z, prev_a, prev_z):
+    """ops.compress_candidates for ratio 4 with the previous block's pending rows [4, 2d]
+    as block 0's predecessor (oracle ops.compress_candidates(prev_a=, prev_z=))."""
+    cp = _cp()
+    nb = A.shape[0] // 4
+    d = A.shape[-1] // 2
+    ab, zb = A.reshape(nb, 4, 2 * d), Z.reshape(nb, 4, 2 * d)
+    pa = prev_a[None, :, :d]
+    pz = prev_z[None, :, :d]
+    lower_a = cp.concatenate([pa, ab[:-1, :, :d]], axis=0)
+    lower_z = cp.concatenate([pz, zb[:-1, :, :d]], axis=0)
+    return (cp.concatenate([lower_a, ab[:, :, d:]], axis=1),
+            cp.concatenate([lower_z, zb[:, :, d:]], axis=1))
+
+
+def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False, cap=None,
+                  ph: str = "decode"):
+    """Trunk forward of validated ids at positions state.pos.. against ``state`` (advances
+    pos).  Returns logits float32 NumPy ([vocab], or [S, vocab] with ``all_logits``)."""
+    cp = _cp()
+    from memra_dsv4.gpu.model import _f32
+    cfg = model.config
+    p0 = state.pos
+    S = ids.shape[0]
+    streams = None
+    logits_h = None
+    model.boundary_paths = []
+    for si, st in enumerate(model.stages):
+        dev = model.devs[st.device]
+        sp = f"{ph}/stage{si}"
+        with cp.cuda.Device(st.device), dev.compute:
+            with phase(sp):
+                ids_d = cp.asarray(ids)
+                if st.has_embed:
+                    with phase(f"{sp}/embed"):
+                        e = _f32(st["embed.weight"][ids_d])
+                        streams = cp.ascontiguousarray(
+                            cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                for layer in st.layers:
+                    c = {} if cap is not None else None
+                    with phase(f"{sp}/block"):
+                        streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
+                            streams, ids_d, state.cache(layer), p0, c)
+                    if cap is not None:
+                        cap.append({k: cp.asnumpy(v) for k, v in c.items()})
+                if st.has_head:
+                    with phase(f"{sp}/head"):
+                        if all_logits:
+                            from memra_dsv4.gpu import ops_glue as G
+                            y = G.hc_head(streams, st["hc_head_fn"].astype(cp.float64),
+                                          st["hc_head_scale"], st["hc_head_base"],
+                                          hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+                            from memra_dsv4.gpu.model import _f64
+                            yn = G.rmsnorm(y, _f64(st["norm.weight"]), cfg.rms_norm_eps)
+                            logits_h = cp.asnumpy(G.linear(model.gemm[st.device], yn,
+                                                           st["head.weight"], out="f32"))
+                        else:
+                            logits, _, _ = model._head(st, streams)
+                            logits_h = cp.asnumpy(logits)
+        if si + 1 < len(model.stages):
+            streams = model._boundary(streams, si)
+    for d in model.devs:
+        d.compute.synchronize()
+    state.pos = p0 + S
+    return logits_h

@@ -1,0 +1,176 @@
+"""The device-resident decode step (paths ``device-hostmath`` and ``device``): StepWs, the
+per-stage workspace arena, and the bytes one decode step must read.
+
+Status
+------
+``IMPLEMENTED = False``: the device step itself (one launch per projection over StepWs, the
+fused FP4 expert GEMV of kernels_cu/experts.cu with expert ids read on the device, graph
+capture of each stage) is NOT written yet.  ``device_step`` raises NotImplementedError naming
+this; the GPU tests of those paths skip with that reason.  What is here and CPU-tested:
+
+``step_ws_plan(cfg, layers, has_embed, has_head, max_seq_len, stage_index=0) -> ArenaPlan``
+    The per-stage arena of one decode step: every activation buffer of one token, sized once.
+    Buffers are reused layer after layer (the step is layer-sequential), so the plan depends
+    on the stage's layer KINDS, not on how many layers it holds.  ``tok`` / ``pos`` (int32)
+    are the small device buffers written before a graph replay; ``streams.a`` / ``streams.b``
+    ping-pong the residual streams; stages after the first get ``boundary.in`` (the target of
+    the memcpyAsync peer copy).  Logical dtypes per gpu.arena (bf16 = uint16 bits).
+``step_bytes(cfg, pos, layers, has_embed, has_head, dense="bf16", experts="mxfp4")``
+    -> dict group -> bytes the step at position ``pos`` must read: the weights one token
+    touches (attention projections, compressor and indexer projections, norms and hc mixes,
+    router gate, the k routed experts' STORED FP4 bytes + scales, the shared expert, embed row,
+    head), the KV it attends (ring rows in the window, visible HCA rows / selected CSA rows,
+    all indexer keys) and the pending compressor rows (kv + score, f32).  ``dense`` is the
+    dense-projection storage: "bf16" (this runtime loads FP8 checkpoints as bf16) or "fp8"
+    (the native format: 1 byte + one e8m0 scale per 128x128 block).
+"""
+
+from __future__ import annotations
+
+from memra_dsv4.gpu.arena import ArenaPlan
+
+__all__ = ["IMPLEMENTED", "NOT_IMPLEMENTED_REASON", "device_step", "step_ws_plan", "step_bytes",
+           "total_step_bytes"]
+
+IMPLEMENTED = False
+NOT_IMPLEMENTED_REASON = ("memra_dsv4.gpu.step: the device-resident step (StepWs launches, "
+                          "fused FP4 expert GEMV dispatch, graph capture) is not written yet; "
+                          "use decode_path='legacy'")
+
+
+def device_step(model, state, token: int, *, graph: bool | None = None):
+    raise NotImplementedError(f"decode_path={model.decode_path!r}: {NOT_IMPLEMENTED_REASON}")
+
+
+# --------------------------------------------------------------------------- StepWs plan
+def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
+                 stage_index: int = 0) -> ArenaPlan:
+    layers = list(layers)
+    kinds = {cfg.attn_kind(l) for l in layers}
+    ratios = sorted({cfg.compress_ratio(l) for l in layers} - {0})
+    D, hc = cfg.hidden_size, cfg.hc_mult
+    H, hd = cfg.num_attention_heads, cfg.head_dim
+    nI, dI = cfg.index_n_heads, cfg.index_head_dim
+    W = cfg.sliding_window
+    I, E, k = cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    p = ArenaPlan(f"step_ws.stage{stage_index}")
+    p.add("tok", (1,), "i32")
+    p.add("pos", (1,), "i32")
+    p.add("streams.a", (hc, D), "f32")
+    p.add("streams.b", (hc, D), "f32")
+    if stage_index > 0:
+        p.add("boundary.in", (hc, D), "f32")
+    p.add("hc.mix", (cfg.hc_mix_rows,), "f32")
+    p.add("hc.pre", (hc,), "f32")
+    p.add("hc.post", (hc,), "f32")
+    p.add("hc.comb", (hc, hc), "f32")
+    p.add("x", (D,), "bf16")
+    p.add("xn", (D,), "bf16")
+    p.add("attn.qr", (cfg.q_lora_rank,), "bf16")
+    p.add("attn.q", (H, hd), "bf16")
+    p.add("attn.kv", (hd,), "bf16")
+    # candidates: window W, then the widest compressed segment of this stage's layers
+    comp_w = 0
+    for r in ratios:
+        comp_w = max(comp_w, min(cfg.index_topk, max_seq_len // 4) if r == 4
+                     else max_seq_len // r)
+    p.add("attn.cand", (W + comp_w,), "i32")
+    if ratios:
+        p.add("cmp.a", (2 * hd,), "f32")
+        p.add("cmp.z", (2 * hd,), "f32")
+        p.add("cmp.pooled", (hd,), "f32")
+        p.add("cmp.entry", (hd,), "bf16")
+    if "csa" in kinds:
+        p.add("idx.q", (nI, dI), "bf16")
+        p.add("idx.w", (nI,), "bf16")
+        p.add("idx.a", (2 * dI,), "f32")
+        p.add("idx.z", (2 * dI,), "f32")
+        p.add("idx.key", (dI,), "bf16")
+        p.add("idx.scores", (max(1, max_seq_len // 4),), "f32")
+        p.add("idx.sel", (min(cfg.index_topk, max(1, max_seq_len // 4)),), "i32")
+    p.add("attn.o", (H, hd), "bf16")
+    p.add("attn.u", (cfg.o_groups * cfg.o_lora_rank,), "bf16")
+    p.add("attn.out", (D,), "bf16")
+    p.add("moe.logits", (E,), "f32")
+    p.add("moe.scores", (E,), "f32")
+    p.add("moe.ids", (k,), "i32")
+    p.add("moe.w", (k,), "f32")
+    p.add("moe.gate", (k, I), "bf16")
+    p.add("moe.up", (k, I), "bf16")
+    p.add("moe.h", (k, I), "bf16")
+    p.add("moe.routed", (k, D), "bf16")
+    p.add("moe.sh_gate", (I,), "bf16")
+    p.add("moe.sh_up", (I,), "bf16")
+    p.add("moe.sh_h", (I,), "bf16")
+    p.add("moe.shared", (D,), "bf16")
+    p.add("ffn.out", (D,), "bf16")
+    if has_head:
+        p.add("head.y", (D,), "bf16")
+        p.add("head.yn", (D,), "bf16")
+        p.add("head.logits", (cfg.vocab_size,), "f32")
+    p.check()
+    return p
+
+
+# ------------------------------------------------------------------------- byte counting
+def _dense(n_out: int, n_in: int, dense: str) -> int:
+    if dense == "fp8":
+        return n_out * n_in + (-(-n_out // 128)) * (-(-n_in // 128))
+    if dense == "bf16":
+        return 2 * n_out * n_in
+    raise ValueError(f"dense = {dense!r}: expected 'bf16' or 'fp8'")
+
+
+def _fp4(n_out: int, n_in: int, experts: str) -> int:
+    if experts == "mxfp4":
+        return n_out * n_in // 2 + n_out * n_in // 32
+    if experts == "nvfp4":
+        return n_out * n_in // 2 + n_out * n_in // 16 + 4
+    raise ValueError(f"experts = {experts!r}: expected 'mxfp4' or 'nvfp4'")
+
+
+def step_bytes(cfg, pos: int, layers, has_embed: bool, has_head: bool, *, dense: str = "bf16",
+               experts: str = "mxfp4") -> dict[str, int]:
+    D, hc = cfg.hidden_size, cfg.hc_mult
+    H, hd = cfg.num_attention_heads, cfg.head_dim
+    nI, dI = cfg.index_n_heads, cfg.index_head_dim
+    W, q = cfg.sliding_window, cfg.q_lora_rank
+    I, E, k = cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    og, orank = cfg.o_groups, cfg.o_lora_rank
+    out = {"attn_weights": 0, "compressor_weights": 0, "indexer_weights": 0, "norm_hc": 0,
+           "router": 0, "experts": 0, "shared": 0, "kv": 0, "pending": 0, "embed": 0, "head": 0}
+    hc_fn = 4 * cfg.hc_mix_rows * hc * D + 4 * (cfg.hc_mix_rows + 3)
+    for l in layers:
+        r, kind = cfg.compress_ratio(l), cfg.attn_kind(l)
+        out["attn_weights"] += (_dense(q, D, dense) + _dense(H * hd, q, dense)
+                                + _dense(hd, D, dense) + _dense(og * orank, H * hd // og, dense)
+                                + _dense(D, og * orank, dense) + 4 * H)
+        out["norm_hc"] += 2 * hc_fn + 2 * (2 * D + q + hd)
+        n_vis = (pos + 1) // r if r else 0
+        out["kv"] += 2 * hd * min(pos + 1, W)
+        if r:
+            coff = 2 if r == 4 else 1
+            out["compressor_weights"] += 2 * (2 * coff * hd * D) + 4 * r * coff * hd + 2 * hd
+            out["pending"] += 2 * 4 * (coff * r) * (coff * hd)
+        if kind == "csa":
+            out["indexer_weights"] += (_dense(nI * dI, q, dense) + 2 * nI * D
+                                       + 2 * (2 * 2 * dI * D) + 4 * 4 * 2 * dI + 2 * dI)
+            out["pending"] += 2 * 4 * 8 * (2 * dI)
+            out["kv"] += 2 * dI * n_vis + 2 * hd * min(cfg.index_topk, n_vis)
+        elif r:
+            out["kv"] += 2 * hd * n_vis
+        out["router"] += 2 * E * D + (4 * E if not cfg.is_hash_layer(l) else 8 * k)
+        out["experts"] += k * (2 * _fp4(I, D, experts) + _fp4(D, I, experts))
+        out["shared"] += cfg.n_shared_experts * (2 * _dense(I, D, dense) + _dense(D, I, dense))
+    if has_embed:
+        out["embed"] += 2 * D
+    if has_head:
+        out["head"] += 2 * cfg.vocab_size * D + 2 * D + 4 * hc * hc * D + 4 * (hc + 1)
+    return out
+
+
+def total_step_bytes(cfg, pos: int, stages, *, dense: str = "bf16",
+                     experts: str = "mxfp4") -> int:
+    """Sum of step_bytes over ``stages`` = [(layers, has_embed, has_head), ...]."""
+    return sum(sum(step_bytes(cfg, pos, ls, e, h, dense=dense, experts=experts).values())
+               for ls, e, h in stages)
