@@ -1,0 +1,155 @@
+"""Decode-step A/B benchmark of the GPU runtime.
+
+    python -m bench.decode_step --model synthetic:flash --devices 0,1 \\
+        --arms path=legacy,path=device --steps 30 --ctx 1024 --warmup 3
+
+One model is loaded; every arm gets its own DecodeState prefilled with the same --ctx tokens
+(its own pending rows / ring, so arms never share state) and decodes greedily from there.
+Arms (bench.harness.parse_arms): ``path=legacy|device-hostmath|device`` (the decode path seam,
+set on the model per step; an arm whose path is not implemented is reported and dropped).
+Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
+CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
+the logits after every device synchronised, so each sample is the whole step.
+Per arm: median ms/step, p10/p90/iqr, tok/s, ratio to the first arm, bytes the step must read
+(gpu.step.step_bytes summed over stages at the mid position: weights one token touches as this
+runtime stores them (dense bf16, experts stored FP4), the KV it attends, pending compressor
+rows, the head) over the median as a fraction of the copy bandwidth measured in this run
+(harness.measure_copy_bandwidth), and two floors: its own (those bytes / copy bw) and the
+native one (dense FP8 + FP4 experts + bf16 head, ~11.2 GB/token for Flash).  Phase report
+per arm: --phase-steps eager steps with MEMRA_DSV4_PROF=events after the timed run.
+JSON + PNG via harness.write_results (bench/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def _load(model: str, devices, max_seq_len: int):
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    if model.startswith("synthetic:"):
+        return Dsv4Gpu.synthetic(model.split(":", 1)[1], devices=devices, seed=0,
+                                 max_seq_len=max_seq_len, decode_path="legacy")
+    from memra_dsv4.checkpoint import Checkpoint
+    return Dsv4Gpu.load(Checkpoint.open(model), devices=devices, max_seq_len=max_seq_len,
+                        decode_path="legacy")
+
+
+def _stages(m):
+    return [(list(st.layers), st.has_embed, st.has_head) for st in m.stages]
+
+
+def _expert_fmt(m) -> str:
+    fmts = {f for st in m.stages for f in st.expert_fmt.values()}
+    return "nvfp4" if "nvfp4" in fmts else "mxfp4"
+
+
+class _ArmState:
+    def __init__(self, m, path: str, ids, max_seq_len: int):
+        from memra_dsv4.gpu.decode import resolve_decode_path
+        self.m, self.path = m, resolve_decode_path(path, announce=False)
+        logits, self.state = m.prefill(ids, m.new_state(max_seq_len))
+        self.tok = int(np.argmax(logits))
+
+    def step(self) -> None:
+        self.m.decode_path = self.path
+        self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="synthetic:flash")
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--arms", default="path=legacy")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--phase-steps", type=int, default=3)
+    a = ap.parse_args(argv)
+
+    import cupy as cp
+    from bench.harness import (Arm, CudaEventTimer, floors, measure_copy_bandwidth, parse_arms,
+                               phase_breakdown, run_interleaved, summarize, write_results)
+    from memra_dsv4.gpu.step import total_step_bytes
+    from memra_dsv4.profiling import build_report, phase_collect, phase_reset, prof_configure
+
+    devices = tuple(int(d) for d in a.devices.split(","))
+    arms_spec = parse_arms(a.arms)
+    for s in arms_spec:
+        unknown = set(s) - {"path"}
+        if unknown:
+            raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: path")
+    prof_configure("off")
+    max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
+    m = _load(a.model, devices, max_seq)
+    cfg = m.config
+    ids = np.random.default_rng(0).integers(2, cfg.vocab_size, a.ctx)
+
+    bw = measure_copy_bandwidth(devices[0])
+    copy_bw = bw["copy_bw_Bps"]
+    print(f"copy bandwidth (device {devices[0]}): {copy_bw / 1e12:.2f} TB/s (read+write)")
+
+    arms, states = [], {}
+    from bench.harness import arm_label
+    for s in arms_spec:
+        name = arm_label(s)
+        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq)
+        try:
+            st.step()                                   # probe (also the first warmup)
+        except NotImplementedError as e:
+            print(f"arm {name}: dropped ({e})", file=sys.stderr)
+            continue
+        states[name] = st
+        arms.append(Arm(name=name, step=st.step, settings=dict(s)))
+    if not arms:
+        raise SystemExit("no arm could run")
+
+    first = m.stages[0].device
+    with cp.cuda.Device(first):
+        timer = CudaEventTimer(m.devs[first].compute)
+        samples = run_interleaved(arms, a.steps, a.warmup, timer)
+
+    mid = a.ctx + a.warmup + a.steps // 2
+    fmt = _expert_fmt(m)
+    own_b = total_step_bytes(cfg, mid, _stages(m), dense="bf16", experts=fmt)
+    nat_b = total_step_bytes(cfg, mid, _stages(m), dense="fp8", experts=fmt)
+    out_arms, base = {}, None
+    for arm in arms:
+        summ = summarize(samples[arm.name])
+        base = base or summ["median"]
+        prof_configure("events")
+        phase_reset()
+        for _ in range(a.phase_steps):
+            arm.step()
+        rows = build_report(phase_collect(), 0.0, a.phase_steps) if a.phase_steps else []
+        prof_configure("off")
+        frac = own_b / (summ["median"] * 1e-3) / copy_bw
+        out_arms[arm.name] = {
+            "settings": arm.settings, "summary": summ,
+            "ratio_to_first": summ["median"] / base,
+            "bytes_per_step": own_b, "native_bytes_per_step": nat_b,
+            "achieved_frac_of_copy_bw": frac,
+            "floor_ms": floors(own_b, copy_bw), "native_floor_ms": floors(nat_b, copy_bw),
+            "phases_us": phase_breakdown(rows, depth=2),
+        }
+        print(f"{arm.name}: median {summ['median']:.2f} ms/step (p10 {summ['p10']:.2f}, p90 "
+              f"{summ['p90']:.2f}, iqr {summ['iqr']:.2f}), {summ['tok_s']:.1f} tok/s, x"
+              f"{summ['median'] / base:.2f} vs first; {own_b / 1e9:.2f} GB/step read -> "
+              f"{100 * frac:.1f}% of copy bw; floors: own {floors(own_b, copy_bw):.2f} ms, "
+              f"native {floors(nat_b, copy_bw):.2f} ms")
+        for r in rows:
+            if r.depth <= 4:
+                print(f"  {'  ' * r.depth}{r.label:30s} {r.per_step_us / 1e3:9.3f} ms/step "
+                      f"{100 * r.share:5.1f}%")
+    js, png = write_results({"config": {"model": a.model, "devices": list(devices),
+                                        "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup,
+                                        "phase_steps": a.phase_steps, "experts": fmt},
+                             "copy_bw": bw, "arms": out_arms})
+    print(f"results: {js} {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
