@@ -247,6 +247,20 @@ DEV void rope_pair(float& a_io, float& b_io, float c, float s, bool inverse) {
     b_io = __double2float_rn(im);
 }
 
+// Clamped SwiGLU of one element (twin oracle.ops.swiglu_clamped, then stored): silu in double,
+// rounded to f32, then the twin's f32 products. g, u are the bf16 linear outputs; limit <= 0: no clamp.
+DEV float swiglu_value(float g, float u, float ws, bool weighted, double limit) {
+    double gd = g, ud = u;
+    if (limit > 0.0) {
+        ud = fmin(fmax(ud, -limit), limit);
+        gd = fmin(gd, limit);
+    }
+    const float silu = __double2float_rn(__ddiv_rn(gd, __dadd_rn(1.0, exp(-gd))));
+    float hv = __fmul_rn(silu, __double2float_rn(ud));
+    if (weighted) hv = __fmul_rn(ws, hv);
+    return hv;
+}
+
 // ------------------------------------------------------------------------- memory helpers
 DEV uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 DEV void stg16(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }

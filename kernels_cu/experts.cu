@@ -109,13 +109,79 @@ DEV float dot8(u32 w, u32 xa, u32 xb, u32 xc, u32 xd, const float* lut, float ac
     return acc;
 }
 
+// this lane's slice of an activation row: chunks q = lane + 32 i (32 bf16 = 4 x uint4 each)
+template <int KPL>
+DEV void load_x_slice(const u16* xr, int lane, int nq, uint4 (&xv)[KPL][4]) {
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+        const int q = lane + 32 * i;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[i][j] = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// the lane's 16-byte weight chunks of RPW consecutive rows (issued together: RPW*KPL loads in flight)
+template <int KPL, int RPW>
+DEV void load_rows(const u8* wbase, int o0, int O, int K, int lane, int nq, uint4 (&wv)[RPW][KPL]) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const u8* wrow = wbase + (i64)(o0 + r) * (K >> 1);
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) {
+            const int q = lane + 32 * i;
+            wv[r][i] = (o0 + r < O && q < nq) ? ldg16(wrow + 16 * q) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+// THE row dot of the FP4 GEMVs: per chunk a 32-product f32 partial (element order) times the block
+// scale, chunks in order, then a warp xor-tree; NVFP4 multiplies weight_scale_2 at the end.
+// Every lane returns the full value (0 for o >= O). Shared by every GEMV kernel, so the plain and
+// the fused MoE kernels produce identical bits.
+template <int KPL, bool NV>
+DEV float row_dot(const uint4 (&wr)[KPL], const uint4 (&xv)[KPL][4], const u8* sbase, int o, int O, int K,
+                  int lane, int nq, const float* lut, float ws2) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < KPL; ++i) {
+        const int q = lane + 32 * i;
+        if (o < O && q < nq) {
+            const uint4 w = wr[i];
+            if (!NV) {
+                float p = 0.0f;
+                p = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p);
+                p = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p);
+                p = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p);
+                p = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p);
+                const u32 sb = __ldg(sbase + (i64)o * nq + q);
+                acc = __fmaf_rn(p, e8m0_to_f32(sb), acc);
+            } else {
+                float p0 = 0.0f, p1 = 0.0f;
+                p0 = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p0);
+                p0 = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p0);
+                p1 = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p1);
+                p1 = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p1);
+                const u8* sp = sbase + (i64)o * (K >> 4) + 2 * q;
+                acc = __fmaf_rn(p0, e4m3_to_f32(__ldg(sp)), acc);
+                acc = __fmaf_rn(p1, e4m3_to_f32(__ldg(sp + 1)), acc);
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    return NV ? __fmul_rn(acc, ws2) : acc;
+}
+
+DEV void init_lut(float* lut) {
+    if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
+    __syncthreads();
+}
+
 template <int KPL, bool NV>
 DEV void gemv_fp4_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
                        const u64* __restrict__ wptr, const u64* __restrict__ sptr,
                        const float* __restrict__ ws2, u16* __restrict__ y, int ld_y, int O, int K) {
     __shared__ float lut[16];
-    if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
-    __syncthreads();
+    init_lut(lut);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const i64 slot = blockIdx.y;
     const int e = __ldg(expert_ids + slot);
@@ -126,61 +192,125 @@ DEV void gemv_fp4_body(const u16* __restrict__ x, int x_div, const int* __restri
         return;
     }
     const int nq = K >> 5;  // 32-element chunks per row
-    // this lane's slice of x: chunk q = lane + 32 i -> 32 bf16 = 16 packed words
-    const u16* xr = x + (slot / x_div) * (i64)K;
     uint4 xv[KPL][4];
-#pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-        const int q = lane + 32 * i;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xv[i][j] = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
-    }
+    load_x_slice<KPL>(x + (slot / x_div) * (i64)K, lane, nq, xv);
     const u8* wbase = reinterpret_cast<const u8*>(__ldg(wptr + e));
     const u8* sbase = reinterpret_cast<const u8*>(__ldg(sptr + e));
-    // issue every weight load of the warp's rows up front (GV_RPW * KPL 16-byte loads per lane
-    // in flight), then reduce row by row
+    const float s2 = NV ? __ldg(ws2 + e) : 1.0f;
     uint4 wv[GV_RPW][KPL];
+    load_rows<KPL, GV_RPW>(wbase, o0, O, K, lane, nq, wv);
 #pragma unroll
     for (int r = 0; r < GV_RPW; ++r) {
-        const u8* wrow = wbase + (i64)(o0 + r) * (K >> 1);
+        const float acc = row_dot<KPL, NV>(wv[r], xv, sbase, o0 + r, O, K, lane, nq, lut, s2);
+        if (lane == 0 && o0 + r < O) yr[o0 + r] = (u16)f32_to_bf16(acc);
+    }
+}
+
+// Fused gate/up GEMVs + clamped SwiGLU (MoE first half): h[s, o] = swiglu(bf16(W1 x), bf16(W3 x))
+// with the routing weight of slot s; bit-identical to gemv(w1), gemv(w3), swiglu_clamped_bf16.
+// Warp = GU_RPW rows of both matrices.
+constexpr int GU_RPW = 2;
+constexpr int GU_ROWS = GV_WARPS * GU_RPW;
+
+template <int KPL, bool NV>
+DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
+                              const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr,
+                              const float* __restrict__ ws2_1, const u64* __restrict__ w3ptr,
+                              const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3,
+                              const float* __restrict__ weight, double limit, u16* __restrict__ h,
+                              int ld_h, int O, int K) {
+    __shared__ float lut[16];
+    init_lut(lut);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const i64 slot = blockIdx.y;
+    const int e = __ldg(expert_ids + slot);
+    const int o0 = blockIdx.x * GU_ROWS + wid * GU_RPW;
+    u16* hr = h + slot * ld_h;
+    if (e < 0) {
+        if (lane < GU_RPW && o0 + lane < O) hr[o0 + lane] = 0;
+        return;
+    }
+    const int nq = K >> 5;
+    uint4 xv[KPL][4];
+    load_x_slice<KPL>(x + (slot / x_div) * (i64)K, lane, nq, xv);
+    const u8* w1 = reinterpret_cast<const u8*>(__ldg(w1ptr + e));
+    const u8* w3 = reinterpret_cast<const u8*>(__ldg(w3ptr + e));
+    const u8* sc1 = reinterpret_cast<const u8*>(__ldg(s1ptr + e));
+    const u8* sc3 = reinterpret_cast<const u8*>(__ldg(s3ptr + e));
+    const float a2 = NV ? __ldg(ws2_1 + e) : 1.0f, u2 = NV ? __ldg(ws2_3 + e) : 1.0f;
+    const float ws = weight != nullptr ? __ldg(weight + slot) : 1.0f;
+    uint4 wa[GU_RPW][KPL], wu[GU_RPW][KPL];
+    load_rows<KPL, GU_RPW>(w1, o0, O, K, lane, nq, wa);
+    load_rows<KPL, GU_RPW>(w3, o0, O, K, lane, nq, wu);
 #pragma unroll
-        for (int i = 0; i < KPL; ++i) {
-            const int q = lane + 32 * i;
-            wv[r][i] = (o0 + r < O && q < nq) ? ldg16(wrow + 16 * q) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < GU_RPW; ++r) {
+        const float a = round_bf16(row_dot<KPL, NV>(wa[r], xv, sc1, o0 + r, O, K, lane, nq, lut, a2));
+        const float u = round_bf16(row_dot<KPL, NV>(wu[r], xv, sc3, o0 + r, O, K, lane, nq, lut, u2));
+        if (lane == 0 && o0 + r < O) hr[o0 + r] = (u16)f32_to_bf16(swiglu_value(a, u, ws, weight != nullptr, limit));
+    }
+}
+
+// Fused down GEMV + MoE combine (MoE second half): for token t with picks j = 0..k-1 (slot t*k + j,
+// expert ids[t, j]), y[t, o] = bf16( (0 + sum over picks in ascending expert id (stable) of
+// bf16(W2_e[o] . h[slot])) + shared[t, o] ); bit-identical to gemv(w2) then moe_combine_bf16.
+// Grid (ceil(O/32), T): a warp walks the token's picks in that order for its 4 rows.
+template <int KPL, bool NV>
+DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
+                                    const u64* __restrict__ wptr, const u64* __restrict__ sptr,
+                                    const float* __restrict__ ws2, const u16* __restrict__ shared,
+                                    u16* __restrict__ y, int ld_y, int O, int K) {
+    __shared__ float lut[16];
+    __shared__ int order[16];
+    __shared__ int ids[16];
+    const i64 t = blockIdx.y;
+    if (threadIdx.x == 0) {  // stable insertion sort of the picks by expert id
+        for (int j = 0; j < k; ++j) {
+            const int e = __ldg(expert_ids + t * k + j);
+            int p = j;
+            while (p > 0 && ids[p - 1] > e) {
+                ids[p] = ids[p - 1];
+                order[p] = order[p - 1];
+                --p;
+            }
+            ids[p] = e;
+            order[p] = j;
         }
     }
+    init_lut(lut);  // (its barrier also publishes the order)
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int o0 = blockIdx.x * GV_ROWS + wid * GV_RPW;
+    const int nq = K >> 5;
+    float acc[GV_RPW];
 #pragma unroll
-    for (int r = 0; r < GV_RPW; ++r) {
-        const int o = o0 + r;
-        float acc = 0.0f;
+    for (int r = 0; r < GV_RPW; ++r) acc[r] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const int e = ids[j];
+        if (e < 0) {  // an empty pick contributes the zero row of gemv()
 #pragma unroll
-        for (int i = 0; i < KPL; ++i) {
-            const int q = lane + 32 * i;
-            if (o < O && q < nq) {
-                const uint4 w = wv[r][i];
-                if (!NV) {
-                    float p = 0.0f;
-                    p = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p);
-                    p = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p);
-                    p = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p);
-                    p = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p);
-                    const u32 sb = __ldg(sbase + (i64)o * nq + q);
-                    acc = __fmaf_rn(p, e8m0_to_f32(sb), acc);
-                } else {
-                    float p0 = 0.0f, p1 = 0.0f;
-                    p0 = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p0);
-                    p0 = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p0);
-                    p1 = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p1);
-                    p1 = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p1);
-                    const u8* sp = sbase + (i64)o * (K >> 4) + 2 * q;
-                    acc = __fmaf_rn(p0, e4m3_to_f32(__ldg(sp)), acc);
-                    acc = __fmaf_rn(p1, e4m3_to_f32(__ldg(sp + 1)), acc);
-                }
+            for (int r = 0; r < GV_RPW; ++r) acc[r] = __fadd_rn(acc[r], 0.0f);
+            continue;
+        }
+        uint4 xv[KPL][4];
+        load_x_slice<KPL>(h + (t * k + order[j]) * (i64)K, lane, nq, xv);
+        const u8* wbase = reinterpret_cast<const u8*>(__ldg(wptr + e));
+        const u8* sbase = reinterpret_cast<const u8*>(__ldg(sptr + e));
+        const float s2 = NV ? __ldg(ws2 + e) : 1.0f;
+        uint4 wv[GV_RPW][KPL];
+        load_rows<KPL, GV_RPW>(wbase, o0, O, K, lane, nq, wv);
+#pragma unroll
+        for (int r = 0; r < GV_RPW; ++r)
+            acc[r] = __fadd_rn(acc[r], round_bf16(row_dot<KPL, NV>(wv[r], xv, sbase, o0 + r, O, K, lane, nq, lut, s2)));
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < GV_RPW; ++r) {
+            const int o = o0 + r;
+            if (o < O) {
+                float v = acc[r];
+                if (shared != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(shared + t * O + o)));
+                y[t * ld_y + o] = (u16)f32_to_bf16(v);
             }
         }
-        acc = warp_sum(acc);
-        if (NV) acc = __fmul_rn(acc, __ldg(ws2 + e));
-        if (lane == 0 && o < O) yr[o] = (u16)f32_to_bf16(acc);
     }
 }
 
@@ -203,3 +333,41 @@ GEMV_FP4(gemv_mxfp4_k4, 4, false)
 GEMV_FP4(gemv_nvfp4_k1, 1, true)
 GEMV_FP4(gemv_nvfp4_k2, 2, true)
 GEMV_FP4(gemv_nvfp4_k4, 4, true)
+
+// Fused MoE first half. x: [n_x, K] bf16 (slot s reads row s / x_div); expert_ids [S];
+// w1ptr/s1ptr/ws2_1 and w3ptr/s3ptr/ws2_3: gate and up tables as in gemv_*; weight: [S] f32
+// routing weights or null; limit <= 0: no clamp; h: [S, ld_h] bf16. grid (ceil(O/16), S), block 256.
+#define GEMV_FP4_GATEUP(NAME, KPL, NV)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                          \
+    NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
+         const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
+         const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
+         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { \
+        gemv_fp4_gateup_body<KPL, NV>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3,  \
+                                      weight, limit, h, ld_h, O, K);                              \
+    }
+
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k1, 1, false)
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k2, 2, false)
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k4, 4, false)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k1, 1, true)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k2, 2, true)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true)
+
+// Fused MoE second half. h: [T*k, K] bf16 (pick j of token t at row t*k + j, routing weight
+// already applied); expert_ids [T, k] int32 (k <= 16); wptr/sptr/ws2: down tables; shared: [T, O]
+// bf16 or null; y: [T, ld_y] bf16. grid (ceil(O/32), T), block 256.
+#define GEMV_FP4_DOWN(NAME, KPL, NV)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                          \
+    NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) {            \
+        gemv_fp4_down_combine_body<KPL, NV>(h, expert_ids, k, wptr, sptr, ws2, shared, y, ld_y, O, K); \
+    }
+
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k1, 1, false)
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2, 2, false)
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k4, 4, false)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)

@@ -28,17 +28,7 @@ swiglu_clamped_bf16(const u16* __restrict__ gate, int ld_g, const u16* __restric
         unpack8(ldg16(up + s * ld_u + 8 * c), u);
         const float ws = weight != nullptr ? __ldg(weight + s) : 1.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            double gd = g[e], ud = u[e];
-            if (limit > 0.0) {
-                ud = fmin(fmax(ud, -limit), limit);
-                gd = fmin(gd, limit);
-            }
-            const float silu = __double2float_rn(__ddiv_rn(gd, __dadd_rn(1.0, exp(-gd))));
-            float hv = __fmul_rn(silu, __double2float_rn(ud));
-            if (weight != nullptr) hv = __fmul_rn(ws, hv);
-            o[e] = hv;
-        }
+        for (int e = 0; e < 8; ++e) o[e] = swiglu_value(g[e], u[e], ws, weight != nullptr, limit);
         stg16(h + s * ld_h + 8 * c, pack8(o));
     }
 }

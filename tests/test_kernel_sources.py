@@ -330,6 +330,11 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     for K in (256, 2048, 4096):
         M["experts"].gemv_fp4("mxfp4", u16(1, K), i32(6), tab, tab, 64, K, x_div=6)
         M["experts"].gemv_fp4("nvfp4", u16(6, K), i32(6), tab, tab, 64, K, ws2=f32(4))
+        for fmt, w2 in (("mxfp4", {}), ("nvfp4", {"ws2_1": f32(4), "ws2_3": f32(4)})):
+            M["experts"].gemv_fp4_gateup(fmt, u16(1, K), i32(6), tab, tab, tab, tab, 64, K, weight=f32(6),
+                                         x_div=6, **w2)
+            M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
+                                               **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
     gu = u16(3, 256)
     M["moe"].swiglu(gu[:, :128], gu[:, 128:], 10.0, f32(3))
     M["moe"].swiglu(u16(3, 128), u16(3, 128), 0.0)

@@ -138,3 +138,53 @@ def test_gemv_pointer_table_of_separate_tensors():
         absum = np.abs(W.astype(np.float64)) @ np.abs(x[s_].astype(np.float64))
         assert_within(gotf[s_], want, ulp_bf16(want) + gemv_terms(K_in) * 2.0 ** -24 * absum,
                       "gemv via pointer table", seed, slot=s_)
+
+
+def _stack(rng, E, O_, K_in, used, fmt):
+    """Device stacks [E, O, K/2] (+ scales) with random data for the used experts; host dequant."""
+    nsc = K_in // 32 if fmt == "mxfp4" else K_in // 16
+    pg = cp.zeros((E, O_, K_in // 2), dtype=cp.uint8)
+    sg = cp.zeros((E, O_, nsc), dtype=cp.uint8)
+    ws2 = np.ones(E, np.float32)
+    for e in used:
+        packed = rng.integers(0, 256, (O_, K_in // 2), dtype=np.uint8)
+        scale = rng.integers(118, 135, (O_, K_in // 32), dtype=np.uint8)
+        sc = scale
+        if fmt == "nvfp4":
+            sc, ws2[e] = _to_nvfp4(scale)
+        pg[e] = cp.asarray(packed)
+        sg[e] = cp.asarray(sc)
+    tabs = (K.stacked_pointer_table(pg), K.stacked_pointer_table(sg), cp.asarray(ws2) if fmt == "nvfp4" else None)
+    return pg, sg, tabs
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "tiny"])
+def test_fused_moe_equals_unfused(fmt, case):
+    """gemv_fp4_gateup == gemv(w1), gemv(w3), swiglu and gemv_fp4_down_combine == gemv(w2),
+    combine, bit for bit (the fused kernels share the row-dot routine)."""
+    from memra_dsv4.gpu.ops import moe as MOE
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, I, D, T, k = {"flash": (256, 2048, 4096, 3, 6), "tiny": (8, 128, 256, 4, 2)}[case]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[-1, 0] = -1
+    used = sorted(set(int(i) for i in ids.reshape(-1) if i >= 0))
+    keep = [_stack(rng, E, I, D, used, fmt) for _ in range(2)] + [_stack(rng, E, D, I, used, fmt)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
+    x = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
+    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+    flat = cp.asarray(ids.reshape(-1).copy())
+    a = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1)
+    u = K.gemv_fp4(fmt, x, flat, w3p, w3s, I, D, x_div=k, ws2=ws3)
+    h = MOE.swiglu(a, u, 10.0, wts)
+    routed = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2)
+    y = MOE.combine(routed.reshape(T, k, D), cp.asarray(ids), shared)
+    h2 = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                           ws2_1=ws1, ws2_3=ws3)
+    # the empty pick: the unfused swiglu of two zero rows is 0 as well
+    assert cp.array_equal(h2, h), f"fused gate/up != unfused {describe(seed, fmt=fmt, case=case)}"
+    y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
+    assert cp.array_equal(y2, y), f"fused down+combine != unfused {describe(seed, fmt=fmt, case=case)}"

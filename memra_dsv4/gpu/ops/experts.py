@@ -7,6 +7,8 @@ gemv_fp4(fmt, x, expert_ids, wptr, sptr, O, K, ...)
     y[s, o] = bf16(sum_k W_{e_s}[o, k] x[s // x_div, k]) reading the stored FP4 bytes,
     twin oracle.ops.linear(x, dequant(W_e), "fp4") per slot (bf16 class: x as given;
     reference class: pass the FP8-simulated x, quant_sim.fp8_sim(x, 128)).
+gemv_fp4_gateup(...)        fused gemv(w1), gemv(w3), moe.swiglu: the same bits, one launch
+gemv_fp4_down_combine(...)  fused gemv(w2) and moe.combine: the same bits, one launch
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, cupy, grid_stride_blocks, i32, kernel, null_or, out_array, row_stride
 
 STEM = "experts"
-KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16",
-           "gemv_mxfp4_k1", "gemv_mxfp4_k2", "gemv_mxfp4_k4",
-           "gemv_nvfp4_k1", "gemv_nvfp4_k2", "gemv_nvfp4_k4")
+KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
+    f"gemv_{fmt}{kind}_k{kpl}" for kind in ("", "_gateup", "_down_combine")
+    for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4))
 kernel_loader.register(STEM, KERNELS)
 
 GEMV_ROWS_PER_CTA = 32
+GATEUP_ROWS_PER_CTA = 16
 
 
 def dequant_mxfp4(packed, scale, out=None):
@@ -89,4 +92,65 @@ def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x
         kernel(STEM, f"gemv_{fmt}_k{kpl}")(((O + GEMV_ROWS_PER_CTA - 1) // GEMV_ROWS_PER_CTA, S), (256,),
                                          (x, i32(x_div), expert_ids, wptr, sptr, null_or(ws2 if fmt == "nvfp4" else None),
                                           out, i32(row_stride(out)), i32(O), i32(K)))
+    return out
+
+
+def _kpl(K: int) -> int:
+    assert K % 32 == 0 and K <= 4096, f"FP4 GEMV: K = {K} (need K % 32 == 0, K <= 4096)"
+    return 1 if K <= 1024 else (2 if K <= 2048 else 4)
+
+
+def _tables(fmt, wptr, sptr, ws2, what):
+    check(wptr, f"{what}.wptr", np.uint64)
+    check(sptr, f"{what}.sptr", np.uint64, wptr.shape)
+    if fmt == "nvfp4":
+        check(ws2, f"{what}.ws2", np.float32, wptr.shape)
+        return ws2
+    return np.uint64(0)
+
+
+def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int, K: int, *, weight=None,
+                    limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None):
+    """h[s] = swiglu(bf16(W1_e x), bf16(W3_e x)) * weight[s] (limit <= 0: no clamp), e = expert_ids[s],
+    x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu."""
+    assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
+    check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
+    check(expert_ids, "gemv_fp4_gateup.expert_ids", np.int32)
+    S = expert_ids.size
+    assert (S + x_div - 1) // x_div <= x.shape[0], "gemv_fp4_gateup: not enough x rows"
+    a2 = _tables(fmt, w1ptr, s1ptr, ws2_1, "gemv_fp4_gateup.w1")
+    u2 = _tables(fmt, w3ptr, s3ptr, ws2_3, "gemv_fp4_gateup.w3")
+    if weight is not None:
+        check(weight, "gemv_fp4_gateup.weight", np.float32, (S,))
+    if out is None:
+        out = out_array(None, "gemv_fp4_gateup.out", (S, O), np.uint16)
+    check(out, "gemv_fp4_gateup.out", np.uint16, (S, O), rows_strided=True)
+    if S and O:
+        kernel(STEM, f"gemv_{fmt}_gateup_k{_kpl(K)}")(
+            ((O + GATEUP_ROWS_PER_CTA - 1) // GATEUP_ROWS_PER_CTA, S), (256,),
+            (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
+             out, i32(row_stride(out)), i32(O), i32(K)))
+    return out
+
+
+def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *, shared=None, out=None,
+                          ws2=None):
+    """y[t] = bf16(sum over picks in ascending expert id of bf16(W2_e h[t*k + j]) + shared[t]).
+    h [T*k, K] bf16 (routing-weighted SwiGLU output); expert_ids [T, k] int32; shared [T, O] bf16
+    or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine."""
+    assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_down_combine: format {fmt!r}"
+    check(expert_ids, "gemv_fp4_down_combine.expert_ids", np.int32)
+    assert expert_ids.ndim == 2 and expert_ids.shape[1] <= 16, "gemv_fp4_down_combine: expert_ids [T, k <= 16]"
+    T, k = expert_ids.shape
+    check(h, "gemv_fp4_down_combine.h", np.uint16, (T * k, K))
+    s2 = _tables(fmt, wptr, sptr, ws2, "gemv_fp4_down_combine")
+    if shared is not None:
+        check(shared, "gemv_fp4_down_combine.shared", np.uint16, (T, O))
+    if out is None:
+        out = out_array(None, "gemv_fp4_down_combine.out", (T, O), np.uint16)
+    check(out, "gemv_fp4_down_combine.out", np.uint16, (T, O), rows_strided=True)
+    if T and O:
+        kernel(STEM, f"gemv_{fmt}_down_combine_k{_kpl(K)}")(
+            ((O + GEMV_ROWS_PER_CTA - 1) // GEMV_ROWS_PER_CTA, T), (256,),
+            (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)), i32(O), i32(K)))
     return out
