@@ -41,7 +41,12 @@ Verify / commit convention
 drafts for positions pos+i) and returns k+1 logits rows; row i predicts position pos+i+1.  It
 journals, per layer, what a rollback needs: the ring slots it overwrites (old rows) and its own
 window vectors, the compressor and indexer-compressor pending rows and its projections, and
-the counts of compressed / indexer rows before it.  Until ``commit`` the state refuses every
+the counts of compressed / indexer rows before it (those caches are append-only and
+position-addressed, row k = entry k, so the rows a verify emits are exactly the rows past the
+saved count; a rollback truncates them, zeroing the rows).  The rollback rebuilds the pending
+rows by replaying the kept positions' projections through the state machine (pure data
+movement) and gives every overwritten ring slot the newest KEPT position's vector, else its
+old row (this also covers k + 1 > W, where one verify writes a slot twice).  Until ``commit`` the state refuses every
 call except ``commit`` and ``prefill_state`` (which resets).
 ``commit(state, n)`` with 0 <= n <= k keeps positions pos .. pos+n (t_last and the first n
 drafts) and rolls back pos+n+1 .. pos+k: afterwards ``state.pos`` = old pos + n + 1 and the state

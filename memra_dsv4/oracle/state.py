@@ -188,7 +188,7 @@ class LayerCache:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeState:
     """Per-sequence state of the oracle's decode (see the module doc).  Create it with
     ``Oracle.new_state()`` (or ``Oracle.new_mtp_state()`` for the MTP drafter's cache)."""
@@ -223,15 +223,8 @@ class DecodeState:
         self.journal = None
 
     def copy(self) -> "DecodeState":
-        """A deep copy (the config is shared)."""
-        cfg = self.config
-        self.config = None
-        try:
-            out = _copy.deepcopy(self)
-        finally:
-            self.config = cfg
-        out.config = cfg
-        return out
+        """A deep copy (the config object is shared, not copied)."""
+        return _copy.deepcopy(self, memo={id(self.config): self.config})
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Every array of the state by name (valid rows only), plus pos and last_hc."""
