@@ -41,13 +41,14 @@ def rand_ids(seed: int, n: int, vocab: int = 512) -> np.ndarray:
 
 
 # ----------------------------------------------------------------- verify and commit
-@pytest.mark.parametrize("p0,k", [(1, 3), (6, 3), (14, 3), (5, 12), (30, 16)],
+@pytest.mark.parametrize("name,p0,k", [("tiny", 1, 3), ("tiny", 6, 3), ("tiny", 14, 3),
+                                        ("tiny", 5, 12), ("tiny", 30, 16), ("small", 30, 3)],
                          ids=["start", "csa_emit_and_window_wrap", "hca_emit", "k_over_window",
-                              "k_max"])
-def test_verify_rows_equal_decode_and_every_commit_equals_decode(p0, k):
+                              "k_max", "small_window_wrap_hca_emit"])
+def test_verify_rows_equal_decode_and_every_commit_equals_decode(name, p0, k):
     """Rows of one verify == decode logits; for every n, commit(n) == decode of n+1 tokens."""
-    o = oracle()
-    ids = rand_ids(7, p0 + k + 1)
+    o = oracle("bf16", name)
+    ids = rand_ids(7, p0 + k + 1, o.config.vocab_size)
     base = o.prefill_state(ids[:p0]).state
     plain = base.copy()
     dec, plain_states = [], []
@@ -257,6 +258,16 @@ def test_greedy_speculative_with_mtp_is_lossless(L, seed):
         assert len(res.tokens) == n
         assert all(0 <= a <= d <= k for a, d in zip(res.accepted, res.drafted))
         print(f"L={L} k={k}: {res.summary()}")
+
+
+@pytest.mark.parametrize("numerics,name", [("exact", "tiny"), ("bf16", "small")])
+def test_greedy_speculative_other_class_and_preset(numerics, name):
+    o = oracle(numerics, name)
+    prompt = rand_ids(21, 9, o.config.vocab_size)
+    want = greedy_generate(o, prompt, 12)
+    res = speculative_generate(o, prompt, 12, 2)
+    assert res.tokens == want
+    print(f"{name} {numerics} k=2: {res.summary()}")
 
 
 def test_perfect_drafter_accepts_k_every_round():
