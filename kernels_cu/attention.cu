@@ -16,7 +16,8 @@
 //     cast is relative to the tile max, not the global max as in the twin);
 //   * tiles are merged strictly in tile order: M' = max(M, m_t), L = L a + l_t b, A = A a + a_t b
 //     with a = exp(M - M'), b = exp(m_t - M') (0 for an empty side);
-//   * o = A / (L + exp(sink - M)) -> bf16.
+//   * o = A / (L + exp(sink - M)) -> bf16; optionally the inverse RoPE of the last R dims at the
+//     token's position (M:534), on the stored value, as oracle.ops.apply_rope(.., inverse=True).
 // The tile partials are the atoms: the fused path (n_split = 1: one CTA walks every tile and
 // merges in registers) and the split path (n_split > 1: CTAs write per-tile partials to a
 // workspace, sparse_attn_combine_* merges them) execute the identical merge sequence, so decode
@@ -80,6 +81,28 @@ DEV float merge_scale(float m_from, float m_to) {  // exp(m_from - m_to), 0 for 
     return m_from == f32_ninf() ? 0.0f : expf(__fsub_rn(m_from, m_to));
 }
 
+// Optional epilogue: the inverse RoPE of the output's last R dims at position pos[t] (M:534),
+// applied to the stored (bf16) output like oracle.ops.apply_rope(out, .., inverse=True).
+struct OutRope {
+    const int* pos;  // null: no rotation
+    const float* cos_t;
+    const float* sin_t;
+    int R;
+};
+
+// o: N consecutive bf16-valued output dims starting at d0 (N even, D - R a multiple of N)
+template <int N>
+DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
+    if (r.pos == nullptr || d0 < D - r.R) return;
+    const i64 row = (i64)__ldg(r.pos + t) * (r.R >> 1) + ((d0 - (D - r.R)) >> 1);
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+        rope_pair(o[i], o[i + 1], __ldg(r.cos_t + row + (i >> 1)), __ldg(r.sin_t + row + (i >> 1)), true);
+        o[i] = round_bf16(o[i]);
+        o[i + 1] = round_bf16(o[i + 1]);
+    }
+}
+
 template <int D, int NT>
 DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
                     int K, int tile) {
@@ -98,7 +121,7 @@ template <int D, int HPW, int NW>
 DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
                           const int* __restrict__ idx, int K, const float* __restrict__ sink,
                           float scale, u16* __restrict__ out, int H, int probs_bf16, float* __restrict__ ws_ml,
-                          float* __restrict__ ws_acc) {
+                          float* __restrict__ ws_acc, OutRope orope) {
     using L = Lanes<D>;
     constexpr int U = L::U, NCH = L::NCH, NT = 32 * NW, HG = HPW * NW;
     extern __shared__ __align__(16) u16 smem[];
@@ -247,7 +270,8 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
             for (int ch = 0; ch < NCH; ++ch) {
                 float o[U];
 #pragma unroll
-                for (int u = 0; u < U; ++u) o[u] = __fdiv_rn(A[hh][ch][u], den);
+                for (int u = 0; u < U; ++u) o[u] = round_bf16(__fdiv_rn(A[hh][ch][u], den));
+                out_rope<U>(o, L::dim(lane, ch), D, t, orope);
                 u16* dst = out + (t * H + h0 + hh) * (i64)D + L::dim(lane, ch);
                 if (U == 8) {
                     stg16(dst, pack8(o));
@@ -263,14 +287,18 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
 
 // q: [T, H, D] bf16; kv: [N, ld_kv] bf16; idx: [T, K] int32 (-1 = skip); sink: [H] f32;
 // out: [T, H, D] bf16 (n_split = 1); ws_ml: [T, H, n_tiles, 2] f32, ws_acc: [T, H, n_tiles, D] f32
-// (n_split > 1, n_tiles = ceil(K/32)). grid (T, H/HG, n_split), block 32*NW,
+// (n_split > 1, n_tiles = ceil(K/32)); rope_pos [T] int32 + cos/sin [n_pos, R/2] f32: inverse RoPE
+// of the output's last R dims (rope_pos null: none). grid (T, H/HG, n_split), block 32*NW,
 // dynamic smem 2*32*D*2 bytes.
 #define SPARSE_ATTN(NAME, D, HPW, NW)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * NW)                                          \
     NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
          int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
-         int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc) {                  \
-        sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc); \
+         int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc,                    \
+         const int* __restrict__ rope_pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
+         int rope_R) {                                                                             \
+        sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, \
+                                     OutRope{rope_pos, cos_t, sin_t, rope_R});                     \
     }
 
 SPARSE_ATTN(sparse_attn_d512_hg16, 512, 2, 8)
@@ -284,7 +312,8 @@ SPARSE_ATTN(sparse_attn_d128_hg4, 128, 1, 4)
 // grid (T, H), block D/4: thread owns 4 consecutive dims.
 template <int D>
 DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
-                                  const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
+                                  const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
+                                  OutRope orope) {
     const i64 th = (i64)blockIdx.x * H + blockIdx.y;
     const int d0 = threadIdx.x * 4;
     float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -303,17 +332,22 @@ DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* 
     const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + blockIdx.y), M)));
     float o[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) o[u] = __fdiv_rn(A[u], den);
+    for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
+    out_rope<4>(o, d0, D, blockIdx.x, orope);
     *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 sparse_attn_combine_d512(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
-                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
-    sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles);
+                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
+                         const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
+                         const float* __restrict__ sin_t, int rope_R) {
+    sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }
 extern "C" __global__ void __launch_bounds__(32)
 sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
-                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles) {
-    sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles);
+                         const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
+                         const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
+                         const float* __restrict__ sin_t, int rope_R) {
+    sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }

@@ -31,12 +31,14 @@ constexpr int IS_D = 128;
 
 }  // namespace
 
-// q: [T, H, 128] bf16; w: [T, H] bf16 (indexer head weights, already scaled and stored);
+// q: [T, H, 128] bf16; w: [T, H] bf16 (weights_proj output; scaled here by w_scale and stored,
+// w_scale = 1 for weights already scaled);
 // keys: [N, ld_k] bf16; n_valid: [T] int32; out: [T, ld_out] bf16. H % 4 == 0, H <= 64.
 // grid (ceil(N/64), T), block 256, dynamic smem H*512 + 16384 bytes.
 extern "C" __global__ void __launch_bounds__(IS_THREADS)
 indexer_scores_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
-                    int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H, int N) {
+                    int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H, int N,
+                    float w_scale) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = reinterpret_cast<float*>(smem_raw);                      // [H][128]
     u16* kt = reinterpret_cast<u16*>(smem_raw + (size_t)H * IS_D * 4);   // [128][64]
@@ -103,7 +105,8 @@ indexer_scores_d128(const u16* __restrict__ q, const u16* __restrict__ w, const 
         const u16* wt = w + t * H;
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-            const float wv = bf16_to_f32(__ldg(wt + h0 + a));
+            // the head weight, stored: bf16(w * w_scale) (oracle.ops.indexer_weights; exact for 1)
+            const float wv = round_bf16(__fmul_rn(bf16_to_f32(__ldg(wt + h0 + a)), w_scale));
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
                 const float s = fmaxf(round_bf16(dot[a][b]), 0.0f);

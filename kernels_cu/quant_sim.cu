@@ -72,12 +72,12 @@ fp4_sim_b32(u16* x, long long rows, int n, int nq) { block_sim<32, true>(x, rows
 
 namespace memra {
 
-// bf16 -> Hadamard -> bf16 for one warp-row; optional fp4 sim (blocks of 32 = 8 lanes)
+// bf16 values (4 per lane) -> Hadamard -> bf16 for one warp-row; optional fp4 sim (blocks of
+// 32 = 8 lanes)
 template <bool FP4>
-DEV void hadamard128_row(const u16* xr, u16* yr) {
+DEV void hadamard128_vals(const float* in, u16* yr) {
     const int lane = threadIdx.x & 31;
-    const uint2 w = *reinterpret_cast<const uint2*>(xr + 4 * lane);
-    double v[4] = {(double)bf16lo(w.x), (double)bf16hi(w.x), (double)bf16lo(w.y), (double)bf16hi(w.y)};
+    double v[4] = {(double)in[0], (double)in[1], (double)in[2], (double)in[3]};
     fwht128_warp(v);
     float f[4];
 #pragma unroll
@@ -96,7 +96,38 @@ DEV void hadamard128_row(const u16* xr, u16* yr) {
     *reinterpret_cast<uint2*>(yr + 4 * lane) = o;
 }
 
+template <bool FP4>
+DEV void hadamard128_row(const u16* xr, u16* yr) {
+    const int lane = threadIdx.x & 31;
+    const uint2 w = *reinterpret_cast<const uint2*>(xr + 4 * lane);
+    const float f[4] = {bf16lo(w.x), bf16hi(w.x), bf16lo(w.y), bf16hi(w.y)};
+    hadamard128_vals<FP4>(f, yr);
+}
+
 }  // namespace memra
+
+// Indexer q: RoPE of the last R dims of each 128-dim head at pos[row / H] (double math, stored
+// bf16), then Hadamard-128, then fp4 sim: = fp4_sim(hadamard(apply_rope(q)), 32) (M:411-416).
+// x, y: [T*H, 128] bf16 (y may alias x); pos [T] int32; cos/sin [n_pos, R/2] f32. One warp per row.
+extern "C" __global__ void __launch_bounds__(256)
+rope_hadamard128_fp4_bf16(const u16* x, u16* y, long long rows, int H, const int* __restrict__ pos,
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+    const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const uint2 w = *reinterpret_cast<const uint2*>(x + row * 128 + 4 * lane);
+    float f[4] = {bf16lo(w.x), bf16hi(w.x), bf16lo(w.y), bf16hi(w.y)};
+    if (4 * lane >= 128 - R) {
+        const i64 trow = (i64)__ldg(pos + row / H) * (R >> 1) + ((4 * lane - (128 - R)) >> 1);
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            rope_pair(f[i], f[i + 1], __ldg(cos_t + trow + (i >> 1)), __ldg(sin_t + trow + (i >> 1)), false);
+            f[i] = round_bf16(f[i]);
+            f[i + 1] = round_bf16(f[i + 1]);
+        }
+    }
+    hadamard128_vals<true>(f, y + row * 128);
+}
 
 // x, y: [rows, 128] bf16 (y may alias x). One warp per row, block 256 (8 rows), grid ceil(rows/8).
 extern "C" __global__ void __launch_bounds__(256)

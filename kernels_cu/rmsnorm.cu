@@ -9,6 +9,7 @@
 // head_rms_bf16: the unweighted per-head q norm in bf16 tensor arithmetic (M:498), twin
 //   NumericsPolicy.head_rms: sq = bf16(x*x); mean = bf16(f32(mean(sq))); var = bf16(mean + f32(eps));
 //   r = bf16(f32(1/sqrt(var))); y = bf16(x * r). One warp per row (head); in place allowed.
+//   Optionally fused with the q RoPE (M:499) on the normed values (double math as rope.cu).
 #include "common.cuh"
 
 using namespace memra;
@@ -75,8 +76,11 @@ rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
 }
 
 // x, y: [rows, n] bf16, n % 8 == 0. One warp per row; block 128 (4 rows). grid ceil(rows/4).
+// Optional fused RoPE (pos != null): rows are [T, H] heads; the last R dims of row (t, h) are then
+// rotated at position pos[t] (cos/sin [n_pos, R/2] f32), = oracle.ops.apply_rope(head_rms(q)).
 extern "C" __global__ void __launch_bounds__(128)
-head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps) {
+head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps, int H, const int* __restrict__ pos,
+              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -98,7 +102,16 @@ head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps) {
         float f[8];
         unpack8(ldg16(xr + 8 * c), f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], r);
+        for (int i = 0; i < 8; ++i) f[i] = round_bf16(__fmul_rn(f[i], r));
+        if (pos != nullptr && 8 * c >= n - R) {
+            const i64 trow = (i64)__ldg(pos + row / H) * (R >> 1) + ((8 * c - (n - R)) >> 1);
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                rope_pair(f[i], f[i + 1], __ldg(cos_t + trow + (i >> 1)), __ldg(sin_t + trow + (i >> 1)), false);
+                f[i] = round_bf16(f[i]);
+                f[i + 1] = round_bf16(f[i + 1]);
+            }
+        }
         stg16(yr + 8 * c, pack8(f));
     }
 }

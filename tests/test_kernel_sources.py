@@ -292,12 +292,14 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["rmsnorm"].rmsnorm(u16(2, 64), f32(64), 1e-6)
     M["rmsnorm"].rmsnorm(u16(2, 64), u16(64), 1e-6)
     M["rmsnorm"].head_rms(u16(2, 4, 64), 1e-6)
+    M["rmsnorm"].head_rms(u16(2, 4, 512), 1e-6, rope=(i32(2), f32(9, 32), f32(9, 32)))
     M["rope"].rope(u16(2, 4, 128), i32(2), f32(10, 32), f32(10, 32), inverse=True)
     M["quant_sim"].fp8_sim(u16(2, 256), 128)
     M["quant_sim"].kv_fp8_sim(u16(2, 512), 64)
     M["quant_sim"].fp4_sim(u16(2, 64))
     M["quant_sim"].hadamard128(u16(3, 128))
     M["quant_sim"].hadamard128(u16(3, 128), fp4=True)
+    M["quant_sim"].rope_hadamard128_fp4(u16(2, 64, 128), i32(2), f32(9, 32), f32(9, 32))
     X = u16(2, 4, 64)
     mixes = M["hc"].hc_mixes(X, f32(24, 256), 1e-6)
     M["hc"].hc_pre_finish(mixes, f32(3), f32(24), X, iters=20, hc_eps=1e-6)
@@ -313,12 +315,14 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         M["compressor"].norm_rope_sim(f32(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode)
         M["compressor"].norm_rope_sim(u16(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode,
                                       out=u16(5, D)[1:3])
-    sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2))
+    sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2), w_scale=0.011)
     M["indexer"].topk(sc, i32(2), 4, order="index")
     for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
         for n_split in (1, 3):
             M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1,
                                             probs_bf16=True, n_split=n_split)
+            M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, n_split=n_split,
+                                            inverse_rope=(i32(2), f32(9, 32), f32(9, 32)))
     lg = M["router"].logits(u16(2, 64), u16(8, 64))
     M["router"].select(lg, 2, 1.5, bias=f32(8))
     M["router"].select(f32(3, 256), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(3))

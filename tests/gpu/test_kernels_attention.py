@@ -123,3 +123,26 @@ def test_sparse_attention_kv_cache_view_and_all_padding():
     got = K.sparse_attention(cp.asarray(bits_of(q)), cg[5:5 + N], cp.asarray(idx), cp.asarray(sink), scale)
     gotf = (got.get().astype(np.uint32) << 16).view(np.float32)
     assert_within(gotf, want, _bound(q, kv, idx, sink, scale, want, False), "attention on a cache view", seed)
+
+
+@pytest.mark.parametrize("case", ["flash_decode", "tiny"])
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_sparse_attention_inverse_rope_epilogue(case, n_split):
+    """The fused inverse-RoPE epilogue == attention, then rope.rope(inverse=True), bit for bit."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.ops import rope as ROPE
+    from memra_dsv4.host.rope import layer_cos_sin
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    c = CASES[case]
+    q, kv, idx, sink = _case(rng, c["T"], c["H"], c["D"], c["W"], c["topk"], c["n_comp"], c["decode"])
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(4096))
+    cg, sg_ = cp.asarray(cos), cp.asarray(sin)
+    pos = cp.asarray(rng.integers(0, 4096, c["T"]).astype(np.int32))
+    qg, kvg, ig, skg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(idx), cp.asarray(sink)
+    scale = c["D"] ** -0.5
+    plain = K.sparse_attention(qg, kvg, ig, skg, scale, n_split=n_split)
+    ROPE.rope(plain, pos, cg, sg_, inverse=True)
+    fused = K.sparse_attention(qg, kvg, ig, skg, scale, n_split=n_split, inverse_rope=(pos, cg, sg_))
+    assert cp.array_equal(fused, plain), f"inverse-rope epilogue != separate rope {describe(seed, case=case)}"

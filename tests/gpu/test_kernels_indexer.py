@@ -111,3 +111,20 @@ def test_topk_on_gpu_scores_matches_twin_selection():
     got = K.topk(sg, cp.asarray(n_valid), k).get()
     s = (sg.get().astype(np.uint32) << 16).view(np.float32)
     assert np.array_equal(got, O.indexer_topk(s, n_valid, k)), f"topk of GPU scores {describe(seed)}"
+
+
+def test_scores_scale_raw_weights_in_kernel():
+    """w_scale: the kernel stores bf16(w * c) itself (oracle.ops.indexer_weights' last step)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, H, N = 3, 64, 500
+    c = 128 ** -0.5 * 64 ** -0.5
+    q = _fp4ish(rng, (T, H, 128))
+    keys = _fp4ish(rng, (N, 128))
+    raw = bf16(rng.standard_normal((T, H)).astype(np.float32))
+    scaled = O.BF16.store(raw * raw.dtype.type(c))
+    nv = cp.asarray(np.full(T, N, np.int32))
+    qg, kg = cp.asarray(bits_of(q)), cp.asarray(bits_of(keys))
+    a = K.scores(qg, cp.asarray(bits_of(raw)), kg, nv, w_scale=c)
+    b = K.scores(qg, cp.asarray(bits_of(scaled)), kg, nv)
+    assert cp.array_equal(a, b), f"indexer scores with w_scale != pre-scaled weights {describe(seed)}"

@@ -95,3 +95,19 @@ def test_hadamard_is_sylvester_natural_order():
     got = K.hadamard128(cp.asarray(bits_of(e))).get()
     H = O.hadamard_matrix(128) * 128 ** -0.5
     assert_bf16(got, bf16(H.astype(np.float32)), "hadamard rows of the identity", seed)
+
+
+@pytest.mark.parametrize("T,H", [(3, 64), (5, 4)])
+def test_rope_hadamard128_fp4(T, H):
+    """The indexer q chain fp4_sim(hadamard(apply_rope(q)), 32): bit-identical."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.host.rope import layer_cos_sin
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(8192))
+    pos = rng.integers(0, 8192, T).astype(np.int32)
+    q = rand_bf16(rng, (T, H, 128), 1.0, spread=3)
+    want = fp4_sim(O.hadamard(O.apply_rope(q, cos[pos][:, None, :], sin[pos][:, None, :])), 32)
+    got = K.rope_hadamard128_fp4(cp.asarray(bits_of(q)), cp.asarray(pos), cp.asarray(cos), cp.asarray(sin))
+    assert_bf16(got.get(), want, "rope+hadamard+fp4 (indexer q)", seed, max_ulp=QSIM_MAX_ULP, T=T, H=H)

@@ -70,3 +70,24 @@ def test_rmsnorm_zero_and_tiny_rows():
     want = O.rmsnorm(x, w, EPS)
     got = K.rmsnorm(cp.asarray(bits_of(x)), cp.asarray(w), EPS)
     assert_bf16(got.get(), want, "rmsnorm edge rows", seed, max_ulp=RMS_MAX_ULP, max_frac=RMS_MAX_FRAC)
+
+
+@pytest.mark.parametrize("T,H,D", [(3, 64, 512), (4, 4, 128)])
+def test_head_rms_fused_rope(T, H, D):
+    """head_rms(..., rope=) == rope(head_rms(q)) on the GPU bit for bit, and matches the twin chain."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.ops import rope as ROPE
+    from memra_dsv4.host.rope import layer_cos_sin
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(8192))
+    pos = rng.integers(0, 8192, T).astype(np.int32)
+    q = rand_bf16(rng, (T, H, D), 0.7, spread=2)
+    qg, pg, cg, sg = cp.asarray(bits_of(q)), cp.asarray(pos), cp.asarray(cos), cp.asarray(sin)
+    fused = K.head_rms(qg, EPS, rope=(pg, cg, sg))
+    two = K.head_rms(qg, EPS)
+    ROPE.rope(two, pg, cg, sg)
+    assert cp.array_equal(fused, two), f"head_rms+rope fused != two kernels [seed={seed}]"
+    want = O.apply_rope(O.head_rms(q, EPS), cos[pos][:, None, :], sin[pos][:, None, :])
+    assert_bf16(fused.get(), want, "head_rms+rope", seed, max_ulp=RMS_MAX_ULP, max_frac=RMS_MAX_FRAC, T=T, H=H)

@@ -52,10 +52,11 @@ def auto_split(T: int, H: int, K: int) -> int:
 
 
 def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
-                     n_split: int | None = 1, workspace=None):
+                     n_split: int | None = 1, workspace=None, inverse_rope=None):
     """q [T, H, D] bf16; kv [N, D] bf16 rows (K = V; last axis contiguous, e.g. a cache view);
     idx [T, K] int32 (-1 = skip); sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}.
-    n_split None = auto_split."""
+    n_split None = auto_split.  inverse_rope = (pos [T] int32, cos, sin [n_pos, R/2] f32): apply
+    the inverse RoPE of the output's last R dims in the epilogue (= rope.rope(out, ..., inverse=True))."""
     check(q, "sparse_attention.q", np.uint16)
     assert q.ndim == 3, f"sparse_attention.q: expected [T, H, D], got {q.shape}"
     T, H, D = q.shape
@@ -75,12 +76,22 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
         n_split = auto_split(T, H, K)
     nt = n_tiles(K)
     n_split = max(1, min(int(n_split), max(1, nt)))
+    if inverse_rope is not None:
+        rpos, rcos, rsin = inverse_rope
+        check(rpos, "sparse_attention.rope_pos", np.int32, (T,))
+        check(rcos, "sparse_attention.cos", np.float32)
+        check(rsin, "sparse_attention.sin", np.float32, rcos.shape)
+        R = 2 * rcos.shape[1]
+        assert R % 8 == 0 and R <= D, f"sparse_attention: rope dims {R} unsupported"
+        rope_args = (rpos, rcos, rsin, i32(R))
+    else:
+        rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
     k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}")
     smem = dynamic_smem(k, 2 * TILE * D * 2)
     if n_split == 1:
         k((T, H // hg, 1), (_HG_THREADS[hg],),
           (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
-           i32(int(probs_bf16)), null_or(None), null_or(None)), shared_mem=smem)
+           i32(int(probs_bf16)), null_or(None), null_or(None)) + rope_args, shared_mem=smem)
         return out
     need = workspace_size(T, H, D, K)
     if workspace is None:
@@ -91,6 +102,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
     ws_acc = workspace[T * H * nt * 2: need]
     k((T, H // hg, n_split), (_HG_THREADS[hg],),
       (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
-       i32(int(probs_bf16)), ws_ml, ws_acc), shared_mem=smem)
-    kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,), (ws_ml, ws_acc, sink, out, i32(H), i32(nt)))
+       i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args, shared_mem=smem)
+    kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,),
+                                              (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args)
     return out

@@ -19,8 +19,10 @@ kernel_loader.register(STEM, KERNELS)
 TOPK_MAX = 1024
 
 
-def scores(q, w, keys, n_valid, out=None):
-    """q [T, H, 128] bf16 (rotated, FP4-simulated); w [T, H] bf16 (indexer head weights, stored);
+def scores(q, w, keys, n_valid, out=None, *, w_scale: float = 1.0):
+    """q [T, H, 128] bf16 (rotated, FP4-simulated); w [T, H] bf16: the stored indexer head
+    weights, or the raw weights_proj output with w_scale = head_dim^-0.5 * n_heads^-0.5 (the
+    kernel then stores bf16(w * w_scale) as oracle.ops.indexer_weights does);
     keys [N, 128] bf16 rows (last axis contiguous); n_valid [T] int32 (<= N) -> out [T, N] bf16
     (a row-strided view is allowed)."""
     check(q, "indexer.scores.q", np.uint16)
@@ -39,7 +41,7 @@ def scores(q, w, keys, n_valid, out=None):
         k = kernel(STEM, "indexer_scores_d128")
         smem = dynamic_smem(k, H * 128 * 4 + 128 * 64 * 2)
         k(((N + 63) // 64, T), (256,), (q, w, keys, i32(row_stride(keys)), n_valid, out, i32(row_stride(out)),
-                                       i32(H), i32(N)), shared_mem=smem)
+                                       i32(H), i32(N), np.float32(w_scale)), shared_mem=smem)
     return out
 
 

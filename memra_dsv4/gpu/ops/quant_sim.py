@@ -5,6 +5,8 @@ fp8_sim(x, block, nq)   twin host.quant.fp8_sim on x[..., :nq] (block 64 or 128)
 kv_fp8_sim(x, rope_dim) twin host.quant.kv_fp8_sim (block 64 on the nope dims), in place
 fp4_sim(x, nq)          twin host.quant.fp4_sim (block 32), in place
 hadamard128(x, fp4)     twin oracle.ops.hadamard (then host.quant.fp4_sim when fp4=True)
+rope_hadamard128_fp4(q, pos, cos, sin)
+                        twin fp4_sim(hadamard(apply_rope(q)), 32): the indexer q (M:411-416)
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, grid_stride_blocks, i32, kernel, out_array
 
 STEM = "quant_sim"
-KERNELS = ("fp8_sim_b64", "fp8_sim_b128", "fp4_sim_b32", "hadamard128_bf16", "hadamard128_fp4_bf16")
+KERNELS = ("fp8_sim_b64", "fp8_sim_b128", "fp4_sim_b32", "hadamard128_bf16", "hadamard128_fp4_bf16",
+           "rope_hadamard128_fp4_bf16")
 kernel_loader.register(STEM, KERNELS)
 
 _BLOCK_KERNEL = {("fp8", 64): "fp8_sim_b64", ("fp8", 128): "fp8_sim_b128", ("fp4", 32): "fp4_sim_b32"}
@@ -61,4 +64,23 @@ def hadamard128(x, out=None, fp4: bool = False):
     if rows:
         kernel(STEM, "hadamard128_fp4_bf16" if fp4 else "hadamard128_bf16")(
             ((rows + 7) // 8,), (256,), (x, out, np.int64(rows)))
+    return out
+
+
+def rope_hadamard128_fp4(x, pos, cos, sin, out=None):
+    """Indexer q heads x [T, H, 128] bf16: RoPE of the last R = 2*cos.shape[1] dims at pos[t],
+    Hadamard-128, FP4 simulation -> out (may be x)."""
+    check(x, "rope_hadamard128_fp4.x", np.uint16)
+    assert x.ndim == 3 and x.shape[2] == 128, f"rope_hadamard128_fp4.x: expected [T, H, 128], got {x.shape}"
+    T, H, _ = x.shape
+    check(pos, "rope_hadamard128_fp4.pos", np.int32, (T,))
+    check(cos, "rope_hadamard128_fp4.cos", np.float32)
+    check(sin, "rope_hadamard128_fp4.sin", np.float32, cos.shape)
+    R = 2 * cos.shape[1]
+    assert R % 8 == 0 and R <= 128, f"rope_hadamard128_fp4: rope dims {R} unsupported"
+    out = out_array(out, "rope_hadamard128_fp4.out", x.shape, np.uint16)
+    rows = T * H
+    if rows:
+        kernel(STEM, "rope_hadamard128_fp4_bf16")(((rows + 7) // 8,), (256,),
+                                                  (x, out, np.int64(rows), i32(H), pos, cos, sin, i32(R)))
     return out

@@ -33,15 +33,28 @@ def rmsnorm(x, weight, eps: float, out=None):
     return out
 
 
-def head_rms(x, eps: float, out=None):
+def head_rms(x, eps: float, out=None, *, rope=None):
     """x [..., D] bf16 (each row one head) -> out (may be x).  eps is applied as float32, as the
-    twin (``mean + dtype(eps)``).  One warp per row."""
+    twin (``mean + dtype(eps)``).  One warp per row.
+    rope = (pos [T] int32, cos, sin [n_pos, R/2] f32) with x [T, H, D]: also apply the q RoPE to
+    the last R dims (= rope.rope(head_rms(x), pos, cos, sin), bit for bit)."""
     n = x.shape[-1]
     check(x, "head_rms.x", np.uint16)
     assert n % 8 == 0, f"head_rms: D = {n} must be a multiple of 8"
     out = out_array(out, "head_rms.out", x.shape, np.uint16)
     rows = x.size // n
+    if rope is not None:
+        assert x.ndim == 3, f"head_rms with rope: x must be [T, H, D], got {x.shape}"
+        pos, cos, sin = rope
+        check(pos, "head_rms.pos", np.int32, (x.shape[0],))
+        check(cos, "head_rms.cos", np.float32)
+        check(sin, "head_rms.sin", np.float32, cos.shape)
+        R = 2 * cos.shape[1]
+        assert R % 8 == 0 and R <= n, f"head_rms: rope dims {R} unsupported"
+        rargs = (i32(x.shape[1]), pos, cos, sin, i32(R))
+    else:
+        rargs = (i32(1), np.uint64(0), np.uint64(0), np.uint64(0), i32(0))
     if rows:
         kernel(STEM, "head_rms_bf16")(((rows + 3) // 4,), (128,),
-                                      (x, out, i32(rows), i32(n), np.float32(eps)))
+                                      (x, out, i32(rows), i32(n), np.float32(eps)) + rargs)
     return out
