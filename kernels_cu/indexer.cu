@@ -124,6 +124,134 @@ indexer_scores_d128(const u16* __restrict__ q, const u16* __restrict__ w, const 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// indexer_scores_mma_d128: the same scores with the q.K dots on tensor cores
+// (mma.sync.m16n8k16 bf16 -> f32; the products are exact, the accumulation order is the
+// hardware's, fixed per instruction sequence). Everything after the dot is the SIMT kernel's
+// code. A score depends only on (t, k): decode (T = 1) and prefill rows agree bit for bit within
+// this kernel, but NOT with indexer_scores_d128 (a different dot accumulation): use one of the
+// two for every path.
+// Layout: grid (ceil(N/256), T), block 128 (4 warps). The CTA stages q[t] (heads padded to 64
+// rows, zeros beyond H) once; warp w keeps the A fragments of heads 16w..16w+15 for all of
+// K = 128 in registers, and walks 4 sub-tiles of 64 keys (cp.async double-buffered, zero-filled
+// past n_valid): 8 n-tiles x 8 k-steps = 64 MMAs per sub-tile. Shared rows are padded to 136
+// bf16 (272 B) so the fragment loads (LDS.32, row = lane/4, column pair = lane%4) are
+// conflict-free. Dynamic smem: 3 * 64 * 136 * 2 + 64 * 65 * 4 = 68864 bytes.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int IM_LD = 136;      // padded smem row (bf16)
+constexpr int IM_SUB = 64;      // keys per sub-tile
+constexpr int IM_NSUB = 4;      // sub-tiles per CTA
+constexpr int IM_THREADS = 128;
+
+DEV void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEV void im_issue_keys(u16* buf, const u16* __restrict__ keys, int ld_k, int kbase, int nv) {
+    for (int c = threadIdx.x; c < IM_SUB * 16; c += IM_THREADS) {  // 16 chunks of 16 B per key
+        const int r = c >> 4, cc = c & 15;
+        const int k = kbase + r;
+        const bool ok = k < nv;
+        cp_async16(buf + r * IM_LD + 8 * cc, ok ? keys + (i64)k * ld_k + 8 * cc : keys, ok);
+    }
+    cp_async_commit();
+}
+
+}  // namespace
+
+// Arguments as indexer_scores_d128. grid (ceil(N/256), T), block 128, dynamic smem 68864 bytes.
+extern "C" __global__ void __launch_bounds__(IM_THREADS)
+indexer_scores_mma_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
+                        int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H,
+                        int N, float w_scale) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* qs = reinterpret_cast<u16*>(smem_raw);                    // [64][IM_LD]
+    u16* kb = qs + 64 * IM_LD;                                      // 2 x [64][IM_LD]
+    float* prod = reinterpret_cast<float*>(kb + 2 * IM_SUB * IM_LD);  // [64 keys][65]
+    const i64 t = blockIdx.y;
+    const int k0 = blockIdx.x * (IM_SUB * IM_NSUB);
+    const int nv = min(__ldg(n_valid + t), N);
+    u16* orow = out + t * ld_out;
+    if (k0 >= nv) {
+        for (int j = threadIdx.x; j < IM_SUB * IM_NSUB; j += IM_THREADS)
+            if (k0 + j < N) orow[k0 + j] = 0xff80u;
+        return;
+    }
+    const int nsub = min(IM_NSUB, (nv - k0 + IM_SUB - 1) / IM_SUB);  // sub-tiles holding causal keys
+    im_issue_keys(kb, keys, ld_k, k0, nv);
+    // q[t] -> rows 0..63 (zeros past H)
+    const u16* qt = q + t * H * 128;
+    for (int c = threadIdx.x; c < 64 * 16; c += IM_THREADS) {
+        const int r = c >> 4, cc = c & 15;
+        const uint4 v = r < H ? ldg16(qt + r * 128 + 8 * cc) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(qs + r * IM_LD + 8 * cc) = v;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+    u32 af[8][4];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        const u16* r0 = qs + (16 * wid + g) * IM_LD + 16 * s + 2 * tg;
+        const u16* r8 = r0 + 8 * IM_LD;
+        af[s][0] = *reinterpret_cast<const u32*>(r0);
+        af[s][1] = *reinterpret_cast<const u32*>(r8);
+        af[s][2] = *reinterpret_cast<const u32*>(r0 + 8);
+        af[s][3] = *reinterpret_cast<const u32*>(r8 + 8);
+    }
+    const int h_lo = 16 * wid + g, h_hi = h_lo + 8;
+    const float w_lo = h_lo < H ? round_bf16(__fmul_rn(bf16_to_f32(__ldg(w + t * H + h_lo)), w_scale)) : 0.0f;
+    const float w_hi = h_hi < H ? round_bf16(__fmul_rn(bf16_to_f32(__ldg(w + t * H + h_hi)), w_scale)) : 0.0f;
+    for (int sub = 0; sub < nsub; ++sub) {
+        const u16* buf = kb + (sub & 1) * (IM_SUB * IM_LD);
+        if (sub + 1 < nsub) {
+            im_issue_keys(kb + ((sub + 1) & 1) * (IM_SUB * IM_LD), keys, ld_k, k0 + (sub + 1) * IM_SUB, nv);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            const u16* kr = buf + (8 * j + g) * IM_LD + 2 * tg;
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                const u32 b0 = *reinterpret_cast<const u32*>(kr + 16 * s);
+                const u32 b1 = *reinterpret_cast<const u32*>(kr + 16 * s + 8);
+                mma_bf16_16816(acc[j], af[s][0], af[s][1], af[s][2], af[s][3], b0, b1);
+            }
+        }
+        // products bf16(relu(bf16(dot)) * w) -> prod[key][head]
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int kk = 8 * j + 2 * tg;
+            prod[kk * 65 + h_lo] = round_bf16(__fmul_rn(fmaxf(round_bf16(acc[j][0]), 0.0f), w_lo));
+            prod[(kk + 1) * 65 + h_lo] = round_bf16(__fmul_rn(fmaxf(round_bf16(acc[j][1]), 0.0f), w_lo));
+            prod[kk * 65 + h_hi] = round_bf16(__fmul_rn(fmaxf(round_bf16(acc[j][2]), 0.0f), w_hi));
+            prod[(kk + 1) * 65 + h_hi] = round_bf16(__fmul_rn(fmaxf(round_bf16(acc[j][3]), 0.0f), w_hi));
+        }
+        __syncthreads();  // prod complete; every warp is done with buf
+        if (threadIdx.x < IM_SUB) {
+            const int k = k0 + sub * IM_SUB + threadIdx.x;
+            const float* pr = prod + threadIdx.x * 65;
+            double a = (double)pr[0];
+            for (int h = 1; h < H; ++h) a = __dadd_rn(a, (double)pr[h]);
+            if (k < N) orow[k] = k < nv ? (u16)f64_to_bf16(a) : (u16)0xff80u;
+        }
+        __syncthreads();  // prod is rewritten by the next sub-tile
+    }
+    for (int j = k0 + nsub * IM_SUB + threadIdx.x; j < min(N, k0 + IM_SUB * IM_NSUB); j += IM_THREADS)
+        orow[j] = 0xff80u;  // whole sub-tiles past n_valid
+}
+
 namespace {
 
 constexpr int TK_THREADS = 512;

@@ -316,6 +316,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         M["compressor"].norm_rope_sim(u16(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode,
                                       out=u16(5, D)[1:3])
     sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2), w_scale=0.011)
+    M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(300, 128), i32(2), impl="mma")
     M["indexer"].topk(sc, i32(2), 4, order="index")
     for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
         for n_split in (1, 3):

@@ -32,8 +32,9 @@ def _fp4ish(rng, shape):
     return fp4_sim(O.hadamard(rand_bf16(rng, shape, 1.0)), 32)
 
 
-@pytest.mark.parametrize("T,H,N", [(3, 64, 2048), (1, 64, 16384), (5, 4, 37), (4, 8, 300)])
-def test_scores(T, H, N):
+@pytest.mark.parametrize("T,H,N", [(3, 64, 2048), (1, 64, 16384), (5, 4, 37), (4, 8, 300), (2, 64, 1000)])
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_scores(T, H, N, impl):
     seed = fresh_seed()
     rng = rng_for(seed)
     q = _fp4ish(rng, (T, H, 128))
@@ -42,7 +43,7 @@ def test_scores(T, H, N):
     n_valid = rng.integers(0, N + 1, T).astype(np.int32)
     n_valid[0] = N
     got = K.scores(cp.asarray(bits_of(q)), cp.asarray(bits_of(w)), cp.asarray(bits_of(keys)),
-                   cp.asarray(n_valid)).get()
+                   cp.asarray(n_valid), impl=impl).get()
     gotf = (got.astype(np.uint32) << 16).view(np.float32)
     want = O.indexer_scores(q, w, keys)
     # bound from the twin's own per-head terms
@@ -51,7 +52,7 @@ def test_scores(T, H, N):
     mask = np.arange(N)[None, :] < n_valid[:, None]
     bound = ulp_bf16(want) + SCORE_TERM_REL * terms
     assert_within(np.where(mask, gotf, 0), np.where(mask, want, 0), np.where(mask, bound, 0),
-                  "indexer scores", seed, T=T, H=H, N=N)
+                  "indexer scores", seed, T=T, H=H, N=N, impl=impl)
     exact = (got == bits_of(want)) | ~mask
     frac = exact[mask].mean() if mask.any() else 1.0
     assert frac >= SCORE_MIN_EXACT, f"indexer scores: only {frac:.4f} bit-identical {describe(seed, T=T, H=H, N=N)}"
@@ -111,6 +112,22 @@ def test_topk_on_gpu_scores_matches_twin_selection():
     got = K.topk(sg, cp.asarray(n_valid), k).get()
     s = (sg.get().astype(np.uint32) << 16).view(np.float32)
     assert np.array_equal(got, O.indexer_topk(s, n_valid, k)), f"topk of GPU scores {describe(seed)}"
+
+
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_scores_token_alone_equals_batch(impl):
+    """A token's scores do not depend on the other tokens of the launch (decode == prefill)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, H, N = 4, 64, 3000
+    q = cp.asarray(bits_of(_fp4ish(rng, (T, H, 128))))
+    keys = cp.asarray(bits_of(_fp4ish(rng, (N, 128))))
+    w = cp.asarray(bits_of(bf16(rng.standard_normal((T, H)).astype(np.float32) / 64)))
+    nv = cp.asarray(np.array([N, 17, 2999, 1024], np.int32))
+    allrows = K.scores(q, w, keys, nv, impl=impl)
+    for t in range(T):
+        one = K.scores(q[t:t + 1].copy(), w[t:t + 1].copy(), keys, nv[t:t + 1].copy(), impl=impl)
+        assert cp.array_equal(one[0], allrows[t]), f"indexer scores ({impl}) token {t} alone != batch {describe(seed)}"
 
 
 def test_scores_scale_raw_weights_in_kernel():

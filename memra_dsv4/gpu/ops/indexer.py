@@ -1,6 +1,9 @@
 """Lightning-indexer ops (kernels_cu/indexer.cu).
 
-scores(q, w, keys, n_valid)   twin oracle.ops.indexer_scores (columns < n_valid[t]; the rest -inf)
+scores(q, w, keys, n_valid)   twin oracle.ops.indexer_scores (columns < n_valid[t]; the rest -inf);
+                              impl 'simt' (f32 FMA dots) or 'mma' (tensor-core dots, for long
+                              prefills): the two differ in the dot's rounding, so a runtime must
+                              use one of them for decode and prefill alike
 topk(scores, n_valid, k)      twin oracle.ops.indexer_topk (order='score'); order='index' gives the
                               ascending canonical segment of host.indices.candidate_matrix
 """
@@ -13,13 +16,16 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, dynamic_smem, i32, kernel, out_array, row_stride
 
 STEM = "indexer"
-KERNELS = ("indexer_scores_d128", "indexer_topk")
+KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk")
 kernel_loader.register(STEM, KERNELS)
 
 TOPK_MAX = 1024
 
 
-def scores(q, w, keys, n_valid, out=None, *, w_scale: float = 1.0):
+IMPLS = ("simt", "mma")
+
+
+def scores(q, w, keys, n_valid, out=None, *, w_scale: float = 1.0, impl: str = "simt"):
     """q [T, H, 128] bf16 (rotated, FP4-simulated); w [T, H] bf16: the stored indexer head
     weights, or the raw weights_proj output with w_scale = head_dim^-0.5 * n_heads^-0.5 (the
     kernel then stores bf16(w * w_scale) as oracle.ops.indexer_weights does);
@@ -37,11 +43,18 @@ def scores(q, w, keys, n_valid, out=None, *, w_scale: float = 1.0):
     if out is None:
         out = out_array(None, "indexer.scores.out", (T, N), np.uint16)
     check(out, "indexer.scores.out", np.uint16, (T, N), rows_strided=True)
-    if T and N:
+    assert impl in IMPLS, f"indexer.scores: impl {impl!r} not in {IMPLS}"
+    assert row_stride(keys) % 8 == 0, "indexer.scores.keys: rows must be 16-byte aligned"
+    args = (q, w, keys, i32(row_stride(keys)), n_valid, out, i32(row_stride(out)), i32(H), i32(N),
+            np.float32(w_scale))
+    if T and N and impl == "simt":
         k = kernel(STEM, "indexer_scores_d128")
         smem = dynamic_smem(k, H * 128 * 4 + 128 * 64 * 2)
-        k(((N + 63) // 64, T), (256,), (q, w, keys, i32(row_stride(keys)), n_valid, out, i32(row_stride(out)),
-                                       i32(H), i32(N), np.float32(w_scale)), shared_mem=smem)
+        k(((N + 63) // 64, T), (256,), args, shared_mem=smem)
+    elif T and N:
+        k = kernel(STEM, "indexer_scores_mma_d128")
+        smem = dynamic_smem(k, 3 * 64 * 136 * 2 + 64 * 65 * 4)
+        k(((N + 255) // 256, T), (128,), args, shared_mem=smem)
     return out
 
 
