@@ -283,23 +283,59 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     float acc[GV_RPW];
 #pragma unroll
     for (int r = 0; r < GV_RPW; ++r) acc[r] = 0.0f;
+    // software pipeline over the picks (KPL <= 2; KPL = 4 would spill): the next pick's activation
+    // slice and weight rows are in flight while the current one is reduced. The arithmetic is the
+    // same either way.
+    constexpr bool PF = KPL <= 2;
+    uint4 xc[KPL][4], wc[GV_RPW][KPL], xn[KPL][4], wn[GV_RPW][KPL];
+    const u8* sc = nullptr;
+    const u8* sn = nullptr;
+    float s2c = 1.0f, s2n = 1.0f;
+    if (PF) {
+        const int e = ids[0];
+        if (e >= 0) {
+            load_x_slice<KPL>(h + (t * k + order[0]) * (i64)K, lane, nq, xc);
+            load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + e)), o0, O, K, lane, nq, wc);
+            sc = reinterpret_cast<const u8*>(__ldg(sptr + e));
+            s2c = NV ? __ldg(ws2 + e) : 1.0f;
+        }
+    }
     for (int j = 0; j < k; ++j) {
         const int e = ids[j];
+        if (!PF && e >= 0) {
+            load_x_slice<KPL>(h + (t * k + order[j]) * (i64)K, lane, nq, xc);
+            load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + e)), o0, O, K, lane, nq, wc);
+            sc = reinterpret_cast<const u8*>(__ldg(sptr + e));
+            s2c = NV ? __ldg(ws2 + e) : 1.0f;
+        }
+        if (PF && j + 1 < k) {
+            const int en = ids[j + 1];
+            if (en >= 0) {
+                load_x_slice<KPL>(h + (t * k + order[j + 1]) * (i64)K, lane, nq, xn);
+                load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + en)), o0, O, K, lane, nq, wn);
+                sn = reinterpret_cast<const u8*>(__ldg(sptr + en));
+                s2n = NV ? __ldg(ws2 + en) : 1.0f;
+            }
+        }
         if (e < 0) {  // an empty pick contributes the zero row of gemv()
 #pragma unroll
             for (int r = 0; r < GV_RPW; ++r) acc[r] = __fadd_rn(acc[r], 0.0f);
-            continue;
-        }
-        uint4 xv[KPL][4];
-        load_x_slice<KPL>(h + (t * k + order[j]) * (i64)K, lane, nq, xv);
-        const u8* wbase = reinterpret_cast<const u8*>(__ldg(wptr + e));
-        const u8* sbase = reinterpret_cast<const u8*>(__ldg(sptr + e));
-        const float s2 = NV ? __ldg(ws2 + e) : 1.0f;
-        uint4 wv[GV_RPW][KPL];
-        load_rows<KPL, GV_RPW>(wbase, o0, O, K, lane, nq, wv);
+        } else {
 #pragma unroll
-        for (int r = 0; r < GV_RPW; ++r)
-            acc[r] = __fadd_rn(acc[r], round_bf16(row_dot<KPL, NV>(wv[r], xv, sbase, o0 + r, O, K, lane, nq, lut, s2)));
+            for (int r = 0; r < GV_RPW; ++r)
+                acc[r] = __fadd_rn(acc[r], round_bf16(row_dot<KPL, NV>(wc[r], xc, sc, o0 + r, O, K, lane, nq, lut, s2c)));
+        }
+        if (PF) {
+#pragma unroll
+            for (int i = 0; i < KPL; ++i) {
+#pragma unroll
+                for (int q4 = 0; q4 < 4; ++q4) xc[i][q4] = xn[i][q4];
+#pragma unroll
+                for (int r = 0; r < GV_RPW; ++r) wc[r][i] = wn[r][i];
+            }
+            sc = sn;
+            s2c = s2n;
+        }
     }
     if (lane == 0) {
 #pragma unroll
