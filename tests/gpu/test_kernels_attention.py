@@ -1,10 +1,11 @@
 """kernels_cu/attention.cu against oracle.ops.sparse_attention_with_sinks.
 
 Bound per output element, from the twin's own softmax (A = sum_j p_j |v_j[d]| / den):
-  |got - want| <= 2 ulp_bf16(want) + (2 * E_s + 2^-18) * A            bf16 class (P in f32)
+  |got - want| <= 2 ulp_bf16(want) + (2 * E_s + 2^-16) * A            bf16 class (P in f32)
                  + 2^-8 * A                                              reference class (P -> bf16)
 where E_s = scale * LOGIT_TERMS * 2^-24 * max_j sum_d |q_d kv_jd| bounds the f32 logit error
-(LOGIT_TERMS = the longest f32 accumulation chain of a logit: 16 FMAs per lane + a 5-level tree),
+(LOGIT_TERMS = the longest f32 accumulation chain of a logit: 16 FMAs per lane + a 5-level tree;
+2^-16 covers the P.V chain: 32 FMAs per tile and <= 3 roundings per tile merge, and expf),
 and the reference class casts P to bf16 relative to each tile's max instead of the global one.
 Bitwise properties: fused (n_split = 1) == split (any n_split) == auto; a token alone == the
 same token in a batch (decode == prefill).
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.gpu
 
 LOGIT_TERMS = 24
 P_BF16_REL = 2.0 ** -8
+PV_REL = 2.0 ** -16
 
 
 def _case(rng, T, H, D, W, topk, n_comp, decode: bool):
@@ -67,7 +69,7 @@ def _bound(q, kv, idx, sink, scale, want, probs_bf16):
         den = p.sum(-1) + np.exp(sink - m)
         A = (p @ np.abs(g)) / den[:, None]
         Es = scale * LOGIT_TERMS * 2.0 ** -24 * (np.abs(q64[t]) @ np.abs(g).T).max(axis=-1)
-        out[t] = (2 * Es[:, None] + 2.0 ** -18 + (P_BF16_REL if probs_bf16 else 0.0)) * A
+        out[t] = (2 * Es[:, None] + PV_REL + (P_BF16_REL if probs_bf16 else 0.0)) * A
     return out + 2 * ulp_bf16(want)
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 ROUTER_LOGITS_MAX_ULP = 1
 SCORES_MAX_ULP = 4
-WEIGHTS_MAX_ULP = 8
+WEIGHTS_MAX_ULP = 16
 TIE_ULP = 8
 
 
