@@ -92,10 +92,15 @@ class LayerCache:
         self.window = cfg.sliding_window
         hd, dI = cfg.head_dim, cfg.index_head_dim
         with cp.cuda.Device(self.device):
-            self.ring = cp.zeros((self.window, hd), dtype=cp.uint16)
+            # ring and compressed rows are views of ONE [W + n_comp, hd] buffer (fixed
+            # addresses): the device step attends rows of it directly (window rows t % W,
+            # compressed entry k at row W + k).
+            n_comp = max(1, max_seq_len // self.ratio) if self.ratio else 0
+            self.kv = cp.zeros((self.window + n_comp, hd), dtype=cp.uint16)
+            self.ring = self.kv[:self.window]
             self.comp = self.comp_state = self.idx_keys = self.idx_state = None
             if self.ratio:
-                self.comp = cp.zeros((max(1, max_seq_len // self.ratio), hd), dtype=cp.uint16)
+                self.comp = self.kv[self.window:]
                 self.comp_state = PendingRows(self.ratio, hd)
             if self.kind == "csa":
                 self.idx_keys = cp.zeros((max(1, max_seq_len // 4), dI), dtype=cp.uint16)

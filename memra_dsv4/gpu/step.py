@@ -32,14 +32,23 @@ from memra_dsv4.gpu.arena import ArenaPlan
 __all__ = ["IMPLEMENTED", "NOT_IMPLEMENTED_REASON", "device_step", "step_ws_plan", "step_bytes",
            "total_step_bytes"]
 
-IMPLEMENTED = False
-NOT_IMPLEMENTED_REASON = ("memra_dsv4.gpu.step: the device-resident step (StepWs launches, "
-                          "fused FP4 expert GEMV dispatch, graph capture) is not written yet; "
-                          "use decode_path='legacy'")
+IMPLEMENTED = True
+NOT_IMPLEMENTED_REASON = ""
+HOSTMATH_IMPLEMENTED = False
+HOSTMATH_REASON = ("memra_dsv4.gpu.step: decode_path='device-hostmath' (Sinkhorn / router / "
+                   "top-k / head gate on the host) is not written yet; use 'device' or 'legacy'")
 
 
 def device_step(model, state, token: int, *, graph: bool | None = None):
-    raise NotImplementedError(f"decode_path={model.decode_path!r}: {NOT_IMPLEMENTED_REASON}")
+    """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab].
+    graph None/True: replay the per-stage CUDA graphs (captured once per state); False: the
+    same launches eagerly."""
+    if model.decode_path == "device-hostmath":
+        raise NotImplementedError(f"decode_path='device-hostmath': {HOSTMATH_REASON}")
+    from memra_dsv4.gpu.step_device import DeviceStep
+    if model._step is None:
+        model._step = DeviceStep(model, state.max_seq_len)
+    return model._step.step(state, int(token), True if graph is None else bool(graph))
 
 
 # --------------------------------------------------------------------------- StepWs plan
@@ -56,10 +65,10 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p = ArenaPlan(f"step_ws.stage{stage_index}")
     p.add("tok", (1,), "i32")
     p.add("pos", (1,), "i32")
-    p.add("streams.a", (hc, D), "f32")
-    p.add("streams.b", (hc, D), "f32")
+    p.add("streams.a", (1, hc, D), "bf16")     # bf16 bits: the hc kernels' stream format
+    p.add("streams.b", (1, hc, D), "bf16")
     if stage_index > 0:
-        p.add("boundary.in", (hc, D), "f32")
+        p.add("boundary.in", (1, hc, D), "bf16")
     p.add("hc.mix", (cfg.hc_mix_rows,), "f32")
     p.add("hc.pre", (hc,), "f32")
     p.add("hc.post", (hc,), "f32")
@@ -104,7 +113,24 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p.add("moe.sh_h", (I,), "bf16")
     p.add("moe.shared", (D,), "bf16")
     p.add("ffn.out", (D,), "bf16")
+    # device-step extras (gpu.step.DeviceStep)
+    n_keys = max(1, max_seq_len // 4)
+    sel_w = min(cfg.index_topk, n_keys)
+    kmax = W
+    for r in ratios:
+        kmax = max(kmax, W + (sel_w if r == 4 and "csa" in kinds else max(1, max_seq_len // r)))
+        if r == 4:
+            kmax = max(kmax, W + max(1, max_seq_len // 4))
+    p.add("dev.aux", (8,), "i32")
+    p.add("dev.cand", (kmax,), "i32")
+    p.add("dev.attn_ws", (H * (-(-kmax // 32)) * (2 + hd),), "f32")
+    p.add("dev.mix", (1, cfg.hc_mix_rows), "f32")
+    p.add("dev.kvraw", (hd,), "bf16")
+    if "csa" in kinds:
+        p.add("dev.idx_pooled", (dI,), "f32")
+        p.add("dev.idx_scores", (n_keys,), "bf16")
     if has_head:
+        p.add("dev.head_mix", (1, hc), "f32")
         p.add("head.y", (D,), "bf16")
         p.add("head.yn", (D,), "bf16")
         p.add("head.logits", (cfg.vocab_size,), "f32")

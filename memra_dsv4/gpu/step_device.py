@@ -1,0 +1,358 @@
+"""The ``device`` decode step: one token through every stage over the StepWs arena
+(gpu.step.step_ws_plan, one cudaMalloc per stage, made once), kernels only, every
+position-dependent decision taken on the device from ``pos`` (int32 [1] in the arena):
+
+* tok / pos: two 4-byte H2D copies per stage before the step (the only host input);
+* embed gather (decode.cu), hc_pre (mixes + Sinkhorn split kernels), rmsnorm, bf16 GEMVs
+  (decode.cu gemv_bf16, one launch per projection; wo_a as one grouped launch);
+* q: head_rms + RoPE fused; kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim) then
+  ring_write at pos % W (the LayerCache ring / compressed rows are views of one [W + n, hd]
+  buffer, so attention indexes it directly);
+* compressors: wkv / wgate GEMVs, add_ape(pos), pending_write, pool (overlap / plain) over the
+  pending rows, norm_rope_sim at kpos = pos + 1 - r, entry_commit and pending_advance (both
+  no-ops unless (pos + 1) % r == 0);
+* indexer: q GEMV + RoPE/Hadamard/FP4, weights GEMV, scores over all key rows with
+  n_valid = (pos + 1) // 4 from the device, top-k in index order;
+* build_cand (window chronological, then the compressed segment, -1 padded), sparse attention
+  with the inverse-RoPE epilogue;
+* router logits + select (learned bias or hash tid2eid[tok]) on the device, fused FP4
+  gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
+  shared expert via bf16 GEMVs + SwiGLU;
+* hc_post ping-pong, hc_head + final norm + head GEMV on the last stage;
+* stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
+  graph) into the next stage's streams.a, ordered by an event created at setup.
+Graphs: one per stage, captured on the stage's compute stream the first time a state is
+stepped with graph=True; cached per state (the cache addresses belong to the state).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memra_dsv4.host.rope import layer_cos_sin
+
+__all__ = ["DeviceStep"]
+
+
+class _Layer:
+    pass
+
+
+class _Stage:
+    pass
+
+
+class DeviceStep:
+    def __init__(self, model, max_seq_len: int) -> None:
+        import cupy as cp
+        from memra_dsv4.gpu.arena import Arena
+        from memra_dsv4.gpu.ops import experts as EX
+        from memra_dsv4.gpu.step import step_ws_plan
+
+        self.m = model
+        self.cfg = cfg = model.config
+        self.msl = int(max_seq_len)
+        self.stages: list[_Stage] = []
+        self._graphs: dict[int, tuple] = {}
+        tables: dict = {}
+        for si, st in enumerate(model.stages):
+            S = _Stage()
+            S.st, S.dev, S.si = st, st.device, si
+            S.stream = model.devs[st.device].compute
+            with cp.cuda.Device(st.device):
+                S.plan = step_ws_plan(cfg, st.layers, st.has_embed, st.has_head, self.msl, si)
+                S.arena = Arena(S.plan, st.device)
+                S.v = S.arena.views()
+                S.ratios = sorted({cfg.compress_ratio(l) for l in st.layers} - {0}) or [1]
+                if 4 not in S.ratios and len(S.ratios) < 4:
+                    S.ratios = S.ratios + [4]
+                assert len(S.ratios) <= 4, f"stage {si}: ratios {S.ratios} (at most 4)"
+                S.host = np.zeros(2, np.int32)
+                S.event = cp.cuda.Event(disable_timing=True)
+                S.layers = []
+                for lid in st.layers:
+                    L = _Layer()
+                    L.lid, L.p = lid, f"layers.{lid}"
+                    L.ratio, L.kind = cfg.compress_ratio(lid), cfg.attn_kind(lid)
+                    c, s = layer_cos_sin(cfg, lid, np.arange(self.msl), np.float32)
+                    c, s = np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
+                    key = (st.device, c.shape, hash(c.tobytes()), hash(s.tobytes()))
+                    if key not in tables:
+                        tables[key] = (cp.asarray(c), cp.asarray(s))
+                    L.cos, L.sin = tables[key]
+                    w = lambda leaf, L=L: st[f"{L.p}.{leaf}"]
+                    L.w = w
+                    L.f32 = {}
+                    for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",
+                                 "attn.indexer.compressor.norm.weight"):
+                        if f"{L.p}.{leaf}" in st.t:
+                            L.f32[leaf] = _bf16_to_f32(w(leaf))
+                    for sub in ("hc_attn", "hc_ffn"):
+                        fn = w(f"{sub}_fn")
+                        L.f32[f"{sub}_fn"] = cp.ascontiguousarray(
+                            fn.astype(cp.float32).reshape(fn.shape[0], -1))
+                    L.hash = cfg.is_hash_layer(lid)
+                    if L.hash:
+                        L.tid2eid = cp.ascontiguousarray(w("ffn.gate.tid2eid").astype(cp.int32))
+                    L.fmt = st.expert_fmt[lid]
+                    key_e = f"{L.p}.ffn.experts"
+                    L.wp, L.sp, L.ws2 = {}, {}, {}
+                    for m in ("w1", "w2", "w3"):
+                        L.wp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.packed"])
+                        L.sp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.scale"])
+                        L.ws2[m] = (cp.asarray(np.asarray(st.ws2[f"{key_e}.{m}"], np.float32))
+                                    if L.fmt == "nvfp4" else None)
+                    S.layers.append(L)
+                if st.has_head:
+                    fn = st["hc_head_fn"]
+                    S.head_fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
+                self._prewarm(S)
+            self.stages.append(S)
+        for d in model.devs:
+            d.compute.synchronize()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _prewarm(self, S) -> None:
+        """Load every kernel module and the hc split workspace before any capture."""
+        from memra_dsv4.gpu import kernel_loader, ops, ops_decode
+        from memra_dsv4.gpu.ops import hc as HC
+        loader = kernel_loader.get_loader(S.dev)
+        for stem, names in list(ops.kernel_names().items()) + [(ops_decode.STEM, ops_decode.KERNELS)]:
+            for n in names:
+                loader.get(stem, n)
+        HC.split_workspace(4, max(1, 4 * self.cfg.hidden_size // HC.SEG))
+
+    def invalidate(self) -> None:
+        """Prefill rewrote the caches in place (same addresses): graphs stay valid."""
+
+    # ------------------------------------------------------------------ the step
+    def step(self, state, token: int, graph: bool = True):
+        import cupy as cp
+        rt = cp.cuda.runtime
+        if state.max_seq_len != self.msl:
+            raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
+                             f"StepWs built for {self.msl}")
+        pos = int(state.pos)
+        for S in self.stages:
+            S.host[0], S.host[1] = token, pos
+            with cp.cuda.Device(S.dev):
+                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
+                               S.stream.ptr)
+                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
+                               rt.memcpyHostToDevice, S.stream.ptr)
+        if graph:
+            gs = self._graphs.get(id(state))
+            if gs is None or gs[0] is not state:
+                gs = (state, self._capture(state))
+                if len(self._graphs) >= 8:
+                    self._graphs.pop(next(iter(self._graphs)))
+                self._graphs[id(state)] = gs
+            for S, g in zip(self.stages, gs[1]):
+                with cp.cuda.Device(S.dev):
+                    if S.si > 0:
+                        S.stream.wait_event(self.stages[S.si - 1].event)
+                    g.launch(S.stream)
+                    if S.si + 1 < len(self.stages):
+                        S.event.record(S.stream)
+        else:
+            from memra_dsv4.profiling import phase
+            for S in self.stages:
+                with cp.cuda.Device(S.dev), S.stream:
+                    if S.si > 0:
+                        S.stream.wait_event(self.stages[S.si - 1].event)
+                    with phase(f"decode/device/stage{S.si}"):
+                        self._enqueue(S, state)
+                    if S.si + 1 < len(self.stages):
+                        S.event.record(S.stream)
+        last = self.stages[-1]
+        last.stream.synchronize()
+        with cp.cuda.Device(last.dev):
+            logits = cp.asnumpy(last.v["head.logits"])
+        state.pos = pos + 1
+        return logits
+
+    def _capture(self, state):
+        import cupy as cp
+        from memra_dsv4.gpu import graphs
+        out = []
+        for d in self.m.devs:
+            d.compute.synchronize()
+        for S in self.stages:
+            with cp.cuda.Device(S.dev):
+                out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state)))
+        return out
+
+    # ------------------------------------------------------------------ launches
+    def _enqueue(self, S, state) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu import runtime
+        from memra_dsv4.gpu.ops import hc as HC
+        from memra_dsv4.gpu.ops import rmsnorm as RN
+        cfg, st, v = self.cfg, S.st, S.v
+        D = cfg.hidden_size
+        DK.step_scalars(v["pos"], v["dev.aux"], S.ratios)
+        cur, oth = v["streams.a"], v["streams.b"]
+        if st.has_embed:
+            DK.embed_gather(v["tok"], st["embed.weight"], cur)
+        for L in S.layers:
+            cur, oth = self._block(S, L, cur, oth, state.cache(L.lid))
+        if st.has_head:
+            y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
+            HC.hc_head(cur, S.head_fn, st["hc_head_scale"], st["hc_head_base"], hc_eps=cfg.hc_eps,
+                       norm_eps=cfg.rms_norm_eps, out=y, mixes=v["dev.head_mix"])
+            RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
+            DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
+        if S.si + 1 < len(self.stages):
+            nxt = self.stages[S.si + 1]
+            runtime.boundary_copy(nxt.v["streams.a"], cur, cur.nbytes, S.stream,
+                                  force_bounce=self.m.force_bounce)
+
+    def _hc_pre(self, S, L, streams, sub: str) -> None:
+        from memra_dsv4.gpu.ops import hc as HC
+        cfg, v = self.cfg, S.v
+        HC.hc_pre(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
+                  iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                  mixes=v["dev.mix"], y=v["x"].reshape(1, -1), pre=v["hc.pre"].reshape(1, -1),
+                  post=v["hc.post"].reshape(1, -1), comb=v["hc.comb"].reshape(1, 4, 4))
+
+    def _block(self, S, L, cur, oth, cache):
+        from memra_dsv4.gpu.ops import hc as HC
+        from memra_dsv4.gpu.ops import rmsnorm as RN
+        cfg, v = self.cfg, S.v
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        x, xn = v["x"].reshape(1, D), v["xn"].reshape(1, D)
+        post, comb = v["hc.post"].reshape(1, 4), v["hc.comb"].reshape(1, 4, 4)
+        self._hc_pre(S, L, cur, "attn")
+        RN.rmsnorm(x, L.w("attn_norm.weight"), eps, out=xn)
+        self._attention(S, L, cache)
+        HC.hc_post(v["attn.out"].reshape(1, D), cur, post, comb, out=oth)
+        cur, oth = oth, cur
+        self._hc_pre(S, L, cur, "ffn")
+        RN.rmsnorm(x, L.w("ffn_norm.weight"), eps, out=xn)
+        self._moe(S, L)
+        HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
+        return oth, cur
+
+    def _kpos(self, S, r: int):
+        i = S.ratios.index(r)
+        return S.v["dev.aux"][1 + i:2 + i]
+
+    def _compress(self, S, L, pend, dst, indexer: bool) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import compressor as CM
+        cfg, v = self.cfg, S.v
+        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+        r, ovl = pend.ratio, pend.overlap
+        C = pend.kv.shape[1]
+        d = C // 2 if ovl else C
+        pos, xn = v["pos"], v["xn"]
+        a = v["idx.a" if indexer else "cmp.a"][:C]
+        z = v["idx.z" if indexer else "cmp.z"][:C]
+        DK.gemv_bf16(L.w(f"{sub}.wkv.weight"), xn, a)
+        DK.gemv_bf16(L.w(f"{sub}.wgate.weight"), xn, z)
+        CM.add_ape(z.reshape(1, C), L.w(f"{sub}.ape"), pos)
+        DK.pending_write(pos, a, z, pend.kv, pend.score, r, ovl)
+        pooled = v["dev.idx_pooled" if indexer else "cmp.pooled"][:d].reshape(1, d)
+        if ovl:
+            CM.pool_overlap(pend.kv[r:2 * r], pend.score[r:2 * r], 1, out=pooled,
+                            prev_kv=pend.kv[:r], prev_score=pend.score[:r])
+        else:
+            CM.pool_plain(pend.kv, pend.score, r, 1, out=pooled)
+        entry = v["idx.key" if indexer else "cmp.entry"][:d].reshape(1, d)
+        CM.norm_rope_sim(pooled, L.f32[f"{sub}.norm.weight"], cfg.rms_norm_eps, L.cos, L.sin,
+                         self._kpos(S, r), "hadfp4" if indexer else "fp8", out=entry)
+        DK.entry_commit(pos, entry, dst, r)
+        DK.pending_advance(pos, pend.kv, pend.score, r, ovl)
+
+    def _indexer(self, S, L, cache):
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import indexer as IX
+        from memra_dsv4.gpu.ops import quant_sim as QS
+        cfg, v = self.cfg, S.v
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        self._compress(S, L, cache.idx_state, cache.idx_keys, indexer=True)
+        q = v["idx.q"].reshape(1, nI, dI)
+        DK.gemv_bf16(L.w("attn.indexer.wq_b.weight"), v["attn.qr"], q)
+        QS.rope_hadamard128_fp4(q, v["pos"], L.cos, L.sin, out=q)
+        DK.gemv_bf16(L.w("attn.indexer.weights_proj.weight"), v["xn"], v["idx.w"])
+        N = cache.idx_keys.shape[0]
+        nv = v["dev.aux"][0:1]
+        sc = v["dev.idx_scores"][:N].reshape(1, N)
+        IX.scores(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, out=sc,
+                  w_scale=dI ** -0.5 * nI ** -0.5)
+        sel = v["idx.sel"]
+        IX.topk(sc, nv, cfg.index_topk, out=sel.reshape(1, -1), order="index")
+        return sel
+
+    def _attention(self, S, L, cache) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import attention as AT
+        from memra_dsv4.gpu.ops import compressor as CM
+        from memra_dsv4.gpu.ops import rmsnorm as RN
+        cfg, v = self.cfg, S.v
+        eps, W = cfg.rms_norm_eps, cfg.sliding_window
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        pos = v["pos"]
+        qr = v["attn.qr"].reshape(1, -1)
+        DK.gemv_bf16(L.w("attn.wq_a.weight"), v["xn"], qr)
+        RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
+        q = v["attn.q"].reshape(1, H, hd)
+        DK.gemv_bf16(L.w("attn.wq_b.weight"), qr, q)
+        RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+        kvraw, kv = v["dev.kvraw"].reshape(1, hd), v["attn.kv"].reshape(1, hd)
+        DK.gemv_bf16(L.w("attn.wkv.weight"), v["xn"], kvraw)
+        CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos, "fp8",
+                         out=kv)
+        DK.ring_write(pos, kv, cache.ring)
+        sel, K = None, W
+        if L.ratio:
+            if L.kind == "csa":
+                sel = self._indexer(S, L, cache)
+                K = W + sel.size
+            else:
+                K = W + cache.comp.shape[0]
+            self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
+        cand = v["dev.cand"][:K]
+        DK.build_cand(pos, cand, W, L.ratio, sel)
+        o = v["attn.o"].reshape(1, H, hd)
+        AT.sparse_attention(q, cache.kv, cand.reshape(1, K), L.w("attn.attn_sink"), hd ** -0.5,
+                            out=o, n_split=None, workspace=v["dev.attn_ws"],
+                            inverse_rope=(pos, L.cos, L.sin))
+        DK.gemv_bf16(L.w("attn.wo_a.weight"), o, v["attn.u"], groups=cfg.o_groups)
+        DK.gemv_bf16(L.w("attn.wo_b.weight"), v["attn.u"], v["attn.out"])
+
+    def _moe(self, S, L) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import experts as EX
+        from memra_dsv4.gpu.ops import moe as MO
+        from memra_dsv4.gpu.ops import router as RT
+        cfg, v = self.cfg, S.v
+        D, I, E, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                      cfg.num_experts_per_tok)
+        xn = v["xn"].reshape(1, D)
+        logits = v["moe.logits"].reshape(1, E)
+        RT.logits(xn, L.w("ffn.gate.weight"), out=logits)
+        ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
+        if L.hash:
+            RT.select(logits, k, cfg.routed_scaling_factor, tid2eid=L.tid2eid, token_ids=v["tok"],
+                      idx=ids, weights=wts, scores=v["moe.scores"].reshape(1, E))
+        else:
+            RT.select(logits, k, cfg.routed_scaling_factor, bias=L.w("ffn.gate.bias"), idx=ids,
+                      weights=wts, scores=v["moe.scores"].reshape(1, E))
+        h = v["moe.h"]
+        EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
+                           L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit, out=h,
+                           x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
+        g, u, sh = v["moe.sh_gate"], v["moe.sh_up"], v["moe.sh_h"]
+        DK.gemv_bf16(L.w("ffn.shared_experts.w1.weight"), xn, g)
+        DK.gemv_bf16(L.w("ffn.shared_experts.w3.weight"), xn, u)
+        MO.swiglu(g.reshape(1, I), u.reshape(1, I), cfg.swiglu_limit, out=sh.reshape(1, I))
+        DK.gemv_bf16(L.w("ffn.shared_experts.w2.weight"), sh, v["moe.shared"])
+        EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
+                                 shared=v["moe.shared"].reshape(1, D),
+                                 out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+
+
+def _bf16_to_f32(u16):
+    import cupy as cp
+    return cp.ascontiguousarray((u16.astype(cp.uint32) << 16).view(cp.float32))

@@ -1,0 +1,73 @@
+"""The ``device`` decode path (memra_dsv4.gpu.step_device.DeviceStep) on the GPU.
+
+* device within bf16-class bounds of legacy over 20 steps, tiny (prefill L=5: crosses window
+  8/9, CSA emits every 4, HCA 15/16) and small (L=5 and L=30: window 32 / HCA 32);
+  near-tie flips tolerated as in test_decode_gpu (_logit_check, MAX_FLIPS per case);
+* graph replay == eager, byte for byte (logits and the whole cache snapshot);
+* zero CuPy pool allocations over 5 graph replays;
+* 2 stages == 1 stage, byte for byte, on the device path (multi_gpu).
+Every failure prints the per-step lines (rel L2, top-1, gap).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_decode_gpu import _ids, _logit_check, _model  # pytest prepend import mode
+
+STEPS = 20
+
+
+def _run(name, path, L, steps, devices=(0,), graph=None, seed=21):
+    from memra_dsv4.gpu.step import device_step
+    ck, m = _model(name, devices, path)
+    ids = _ids(ck.config, L + steps, seed=seed)
+    _, st = m.prefill(ids[:L], m.new_state())
+    if path == "legacy":
+        return [m.decode_step(st, t) for t in ids[L:]], st
+    return [device_step(m, st, t, graph=graph) for t in ids[L:]], st
+
+
+@pytest.mark.parametrize("name,L", [("tiny", 5), ("tiny", 13), ("small", 5), ("small", 30)])
+def test_device_path_within_bounds_of_legacy(name, L):
+    a, sa = _run(name, "legacy", L, STEPS)
+    b, sb = _run(name, "device", L, STEPS, graph=True)
+    fails, lines, flips = [], [], []
+    for i, (x, y) in enumerate(zip(a, b)):
+        _logit_check(f"{name} L={L} step pos {L + i}", y, x, fails, lines, flips)
+    assert sb.pos == sa.pos == L + STEPS
+    print("\n".join(lines))
+    assert not fails, "\n".join(fails + lines)
+
+
+def test_device_graph_equals_eager_bytes_and_allocates_nothing():
+    from memra_dsv4.gpu.arena import count_allocations
+    from memra_dsv4.gpu.step import device_step
+    ck, m = _model("tiny", (0,), "device")
+    ids = _ids(ck.config, 35, seed=23)
+    _, se = m.prefill(ids[:5], m.new_state())
+    _, sg = m.prefill(ids[:5], m.new_state())
+    eager = [device_step(m, se, t, graph=False) for t in ids[5:25]]
+    graph = [device_step(m, sg, t, graph=True) for t in ids[5:25]]
+    bad = [(i, float(np.abs(x - y).max())) for i, (x, y) in enumerate(zip(eager, graph))
+           if not np.array_equal(x, y)]
+    assert not bad, f"graph vs eager logits differ at steps (step, max|diff|): {bad}"
+    ga, gb = se.snapshot(), sg.snapshot()
+    diff = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    assert not diff, f"graph vs eager state differs in {diff}"
+    with count_allocations() as c:
+        for t in ids[25:30]:
+            device_step(m, sg, t, graph=True)
+    assert c.total == 0, f"{c} allocations in 5 graph steps"
+
+
+@pytest.mark.multi_gpu
+def test_device_two_stages_equal_one_stage():
+    a, sa = _run("small", "device", 30, 10, devices=(0,))
+    b, sb = _run("small", "device", 30, 10, devices=(0, 1))
+    bad = [(i, float(np.abs(x - y).max())) for i, (x, y) in enumerate(zip(a, b))
+           if not np.array_equal(x, y)]
+    assert not bad, f"1 vs 2 stages differ at (step, max|diff|): {bad}"
+    ga, gb = sa.snapshot(), sb.snapshot()
+    diff = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    assert not diff, f"1 vs 2 stage state differs in {diff}"
