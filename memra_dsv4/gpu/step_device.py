@@ -80,7 +80,7 @@ class DeviceStep:
                     if key not in tables:
                         tables[key] = (cp.asarray(c), cp.asarray(s))
                     L.cos, L.sin = tables[key]
-                    w = lambda leaf, L=L: st[f"{L.p}.{leaf}"]
+                    w = lambda leaf, L=L, st=st: st[f"{L.p}.{leaf}"]  # bind this stage
                     L.w = w
                     L.f32 = {}
                     for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",

@@ -18,7 +18,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from memra_dsv4.gpu import graphs  # noqa: E402
 from memra_dsv4.gpu.arena import Arena, ArenaPlan, count_allocations  # noqa: E402
-from memra_dsv4.gpu.blaslt import DEFAULT_WORKSPACE_BYTES, BlasLt, GemmKey  # noqa: E402
+from memra_dsv4.gpu.blaslt import DEFAULT_WORKSPACE_BYTES, BlasLt, BlasLtError, GemmKey  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
