@@ -165,6 +165,21 @@ def test_prefill_matches_oracle(gpu_model, name, experts):
     assert _rel(out.hc_state, ora.hc_state) <= REL_L2
 
 
+@pytest.mark.parametrize("name,length", [("tiny", 300), ("small", 140)])
+def test_long_prompt_matches_oracle_forced(gpu_model, name, length):
+    """Long prompts cross every emit and wrap many times (tiny: window 8, HCA 16, top-k 2;
+    small: window 32, HCA 32, top-k 8): same checks as above with the GPU's choices replayed."""
+    ck, m = gpu_model(name)
+    ids = list(np.random.default_rng(length).integers(0, ck.config.vocab_size, size=length))
+    out = m.forward(ids, capture=True)
+    forced = [{k: c[k] for k in ("moe.idx", "attn.index.sel") if k in c} for c in out.captures]
+    ora = Oracle(ck, numerics="bf16").prefill(ids, capture=True, force_decisions=forced)
+    fails, table = compare(out, ora)
+    print(table)
+    assert not fails, "\n".join(fails) + "\n" + table
+    assert _rel(out.logits, ora.logits) <= REL_L2
+
+
 def test_prefill_flash_layers_matches_oracle(gpu_model):
     """flash-layers:2 at 8 tokens; the oracle builds full-size layers (minutes on 16 cores)."""
     import os
