@@ -16,7 +16,8 @@ runtime stores them (dense bf16, experts stored FP4), the KV it attends, pending
 rows, the head) over the median as a fraction of the copy bandwidth measured in this run
 (harness.measure_copy_bandwidth), and two floors: its own (those bytes / copy bw) and the
 native one (dense FP8 + FP4 experts + bf16 head, ~11.2 GB/token for Flash).  Phase report
-per arm: --phase-steps eager steps with MEMRA_DSV4_PROF=events after the timed run.
+per arm: --phase-steps EAGER steps in events mode after the timed run (the device arm calls
+device_step(graph=False): same launches as its graph, bracketed with the legacy phase names).
 JSON + PNG via harness.write_results (bench/results/).
 """
 from __future__ import annotations
@@ -56,6 +57,17 @@ class _ArmState:
     def step(self) -> None:
         self.m.decode_path = self.path
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
+
+    def eager_step(self) -> None:
+        """One step for the phase report: the same launches as step(), issued eagerly so the
+        phase brackets record events (a device-path graph replay has no per-phase brackets)."""
+        self.m.decode_path = self.path
+        if self.path == "device":
+            from memra_dsv4.gpu.step import device_step
+            logits = device_step(self.m, self.state, self.tok, graph=False)
+        else:
+            logits = self.m.decode_step(self.state, self.tok)
+        self.tok = int(np.argmax(logits))
 
 
 def main(argv=None) -> int:
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
         prof_configure("events")
         phase_reset()
         for _ in range(a.phase_steps):
-            arm.step()
+            states[arm.name].eager_step()
         rows = build_report(phase_collect(), 0.0, a.phase_steps) if a.phase_steps else []
         prof_configure("off")
         frac = own_b / (summ["median"] * 1e-3) / copy_bw

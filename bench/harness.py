@@ -41,6 +41,7 @@ tree); the plot stacks them and shows the rest of the median step as "unattribut
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -240,7 +241,12 @@ def floors(bytes_per_step: float | Mapping[str, float], copy_bw: float) -> float
 
 
 def git_commit_short(repo: Path | str | None = None) -> str:
-    """7-character HEAD commit of the repository holding this file, or 'nogit'."""
+    """7-character commit for result names: the environment variable MEMRA_DSV4_COMMIT when set
+    and non-empty (a working-tree copy without .git, e.g. on the GPU machine, is told its commit
+    that way), else git's HEAD of the repository holding this file, else 'nogit'."""
+    env = os.environ.get("MEMRA_DSV4_COMMIT", "").strip()
+    if env:
+        return env[:7]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=repo or Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)

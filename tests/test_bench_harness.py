@@ -185,7 +185,16 @@ def test_gpu_name_falls_back_to_cpu_without_cupy(monkeypatch):
     assert harness.gpu_name() == "cpu"
 
 
-def test_git_commit_short(tmp_path):
+def test_git_commit_short(tmp_path, monkeypatch):
+    monkeypatch.delenv("MEMRA_DSV4_COMMIT", raising=False)
     commit = harness.git_commit_short()
     assert commit == "nogit" or re.fullmatch(r"[0-9a-f]{7}", commit)
     assert harness.git_commit_short(tmp_path) == "nogit"  # not a repository
+
+
+def test_git_commit_short_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMRA_DSV4_COMMIT", "abcdef0123456789")
+    assert harness.git_commit_short(tmp_path) == "abcdef0"  # env wins, even outside a repository
+    assert harness.git_commit_short() == "abcdef0"
+    monkeypatch.setenv("MEMRA_DSV4_COMMIT", "  ")
+    assert harness.git_commit_short(tmp_path) == "nogit"  # blank: ignored

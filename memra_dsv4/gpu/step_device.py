@@ -59,6 +59,7 @@ class DeviceStep:
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
             S.stream = model.devs[st.device].compute
+            S.ph = f"decode/stage{si}"  # phase names as the legacy path (gpu.decode)
             with cp.cuda.Device(st.device):
                 S.plan = step_ws_plan(cfg, st.layers, st.has_embed, st.has_head, self.msl, si)
                 S.arena = Arena(S.plan, st.device)
@@ -155,13 +156,11 @@ class DeviceStep:
                     if S.si + 1 < len(self.stages):
                         S.event.record(S.stream)
         else:
-            from memra_dsv4.profiling import phase
             for S in self.stages:
-                with cp.cuda.Device(S.dev), S.stream:
+                with cp.cuda.Device(S.dev), S.stream:  # stage stream current: phase events
                     if S.si > 0:
                         S.stream.wait_event(self.stages[S.si - 1].event)
-                    with phase(f"decode/device/stage{S.si}"):
-                        self._enqueue(S, state)
+                    self._enqueue(S, state)
                     if S.si + 1 < len(self.stages):
                         S.event.record(S.stream)
         last = self.stages[-1]
@@ -174,12 +173,19 @@ class DeviceStep:
     def _capture(self, state):
         import cupy as cp
         from memra_dsv4.gpu import graphs
+        from memra_dsv4.profiling import phase_set_capturing
+        from memra_dsv4.profiling import phases as _ph
         out = []
         for d in self.m.devs:
             d.compute.synchronize()
-        for S in self.stages:
-            with cp.cuda.Device(S.dev):
-                out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state)))
+        was = _ph._capturing
+        phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
+        try:
+            for S in self.stages:
+                with cp.cuda.Device(S.dev):
+                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state)))
+        finally:
+            phase_set_capturing(was)
         return out
 
     # ------------------------------------------------------------------ launches
@@ -188,24 +194,31 @@ class DeviceStep:
         from memra_dsv4.gpu import runtime
         from memra_dsv4.gpu.ops import hc as HC
         from memra_dsv4.gpu.ops import rmsnorm as RN
-        cfg, st, v = self.cfg, S.st, S.v
+        from memra_dsv4.profiling import phase
+        cfg, st, v, sp = self.cfg, S.st, S.v, S.ph
         D = cfg.hidden_size
-        DK.step_scalars(v["pos"], v["dev.aux"], S.ratios)
-        cur, oth = v["streams.a"], v["streams.b"]
-        if st.has_embed:
-            DK.embed_gather(v["tok"], st["embed.weight"], cur)
-        for L in S.layers:
-            cur, oth = self._block(S, L, cur, oth, state.cache(L.lid))
-        if st.has_head:
-            y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
-            HC.hc_head(cur, S.head_fn, st["hc_head_scale"], st["hc_head_base"], hc_eps=cfg.hc_eps,
-                       norm_eps=cfg.rms_norm_eps, out=y, mixes=v["dev.head_mix"])
-            RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
-            DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
-        if S.si + 1 < len(self.stages):
-            nxt = self.stages[S.si + 1]
-            runtime.boundary_copy(nxt.v["streams.a"], cur, cur.nbytes, S.stream,
-                                  force_bounce=self.m.force_bounce)
+        with phase(sp):  # events on the current stream = S.stream (step / graphs.capture)
+            DK.step_scalars(v["pos"], v["dev.aux"], S.ratios)
+            cur, oth = v["streams.a"], v["streams.b"]
+            if st.has_embed:
+                with phase(f"{sp}/embed"):
+                    DK.embed_gather(v["tok"], st["embed.weight"], cur)
+            for L in S.layers:
+                with phase(f"{sp}/block"):
+                    cur, oth = self._block(S, L, cur, oth, state.cache(L.lid))
+            if st.has_head:
+                with phase(f"{sp}/head"):
+                    y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
+                    HC.hc_head(cur, S.head_fn, st["hc_head_scale"], st["hc_head_base"],
+                               hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, out=y,
+                               mixes=v["dev.head_mix"])
+                    RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
+                    DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
+            if S.si + 1 < len(self.stages):
+                nxt = self.stages[S.si + 1]
+                with phase(f"{sp}/boundary_copy"):
+                    runtime.boundary_copy(nxt.v["streams.a"], cur, cur.nbytes, S.stream,
+                                          force_bounce=self.m.force_bounce)
 
     def _hc_pre(self, S, L, streams, sub: str) -> None:
         from memra_dsv4.gpu.ops import hc as HC
@@ -218,19 +231,22 @@ class DeviceStep:
     def _block(self, S, L, cur, oth, cache):
         from memra_dsv4.gpu.ops import hc as HC
         from memra_dsv4.gpu.ops import rmsnorm as RN
-        cfg, v = self.cfg, S.v
+        from memra_dsv4.profiling import phase
+        cfg, v, bp = self.cfg, S.v, f"{S.ph}/block"
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         x, xn = v["x"].reshape(1, D), v["xn"].reshape(1, D)
         post, comb = v["hc.post"].reshape(1, 4), v["hc.comb"].reshape(1, 4, 4)
-        self._hc_pre(S, L, cur, "attn")
-        RN.rmsnorm(x, L.w("attn_norm.weight"), eps, out=xn)
-        self._attention(S, L, cache)
-        HC.hc_post(v["attn.out"].reshape(1, D), cur, post, comb, out=oth)
+        with phase(f"{bp}/attn"):
+            self._hc_pre(S, L, cur, "attn")
+            RN.rmsnorm(x, L.w("attn_norm.weight"), eps, out=xn)
+            self._attention(S, L, cache)
+            HC.hc_post(v["attn.out"].reshape(1, D), cur, post, comb, out=oth)
         cur, oth = oth, cur
-        self._hc_pre(S, L, cur, "ffn")
-        RN.rmsnorm(x, L.w("ffn_norm.weight"), eps, out=xn)
-        self._moe(S, L)
-        HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
+        with phase(f"{bp}/ffn"):
+            self._hc_pre(S, L, cur, "ffn")
+            RN.rmsnorm(x, L.w("ffn_norm.weight"), eps, out=xn)
+            self._moe(S, L)
+            HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
         return oth, cur
 
     def _kpos(self, S, r: int):
@@ -289,68 +305,81 @@ class DeviceStep:
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import compressor as CM
         from memra_dsv4.gpu.ops import rmsnorm as RN
-        cfg, v = self.cfg, S.v
+        from memra_dsv4.profiling import phase
+        cfg, v, ap = self.cfg, S.v, f"{S.ph}/block/attn"
         eps, W = cfg.rms_norm_eps, cfg.sliding_window
         H, hd = cfg.num_attention_heads, cfg.head_dim
         pos = v["pos"]
         qr = v["attn.qr"].reshape(1, -1)
-        DK.gemv_bf16(L.w("attn.wq_a.weight"), v["xn"], qr)
-        RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
         q = v["attn.q"].reshape(1, H, hd)
-        DK.gemv_bf16(L.w("attn.wq_b.weight"), qr, q)
-        RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+        with phase(f"{ap}/q"):
+            DK.gemv_bf16(L.w("attn.wq_a.weight"), v["xn"], qr)
+            RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
+            DK.gemv_bf16(L.w("attn.wq_b.weight"), qr, q)
+            RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
         kvraw, kv = v["dev.kvraw"].reshape(1, hd), v["attn.kv"].reshape(1, hd)
-        DK.gemv_bf16(L.w("attn.wkv.weight"), v["xn"], kvraw)
-        CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos, "fp8",
-                         out=kv)
-        DK.ring_write(pos, kv, cache.ring)
+        with phase(f"{ap}/kv"):
+            DK.gemv_bf16(L.w("attn.wkv.weight"), v["xn"], kvraw)
+            CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos, "fp8",
+                             out=kv)
+            DK.ring_write(pos, kv, cache.ring)
         sel, K = None, W
         if L.ratio:
             if L.kind == "csa":
-                sel = self._indexer(S, L, cache)
+                with phase(f"{ap}/indexer"):
+                    sel = self._indexer(S, L, cache)
                 K = W + sel.size
             else:
                 K = W + cache.comp.shape[0]
-            self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
+            with phase(f"{ap}/compressor"):
+                self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
         cand = v["dev.cand"][:K]
-        DK.build_cand(pos, cand, W, L.ratio, sel)
         o = v["attn.o"].reshape(1, H, hd)
-        AT.sparse_attention(q, cache.kv, cand.reshape(1, K), L.w("attn.attn_sink"), hd ** -0.5,
-                            out=o, n_split=None, workspace=v["dev.attn_ws"],
-                            inverse_rope=(pos, L.cos, L.sin))
-        DK.gemv_bf16(L.w("attn.wo_a.weight"), o, v["attn.u"], groups=cfg.o_groups)
-        DK.gemv_bf16(L.w("attn.wo_b.weight"), v["attn.u"], v["attn.out"])
+        with phase(f"{ap}/sparse_attention"):
+            DK.build_cand(pos, cand, W, L.ratio, sel)
+            AT.sparse_attention(q, cache.kv, cand.reshape(1, K), L.w("attn.attn_sink"),
+                                hd ** -0.5, out=o, n_split=None, workspace=v["dev.attn_ws"],
+                                inverse_rope=(pos, L.cos, L.sin))
+        with phase(f"{ap}/output"):
+            DK.gemv_bf16(L.w("attn.wo_a.weight"), o, v["attn.u"], groups=cfg.o_groups)
+            DK.gemv_bf16(L.w("attn.wo_b.weight"), v["attn.u"], v["attn.out"])
 
     def _moe(self, S, L) -> None:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import experts as EX
         from memra_dsv4.gpu.ops import moe as MO
         from memra_dsv4.gpu.ops import router as RT
-        cfg, v = self.cfg, S.v
+        from memra_dsv4.profiling import phase
+        cfg, v, mp = self.cfg, S.v, f"{S.ph}/block/ffn/moe"
         D, I, E, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
                       cfg.num_experts_per_tok)
         xn = v["xn"].reshape(1, D)
         logits = v["moe.logits"].reshape(1, E)
-        RT.logits(xn, L.w("ffn.gate.weight"), out=logits)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
-        if L.hash:
-            RT.select(logits, k, cfg.routed_scaling_factor, tid2eid=L.tid2eid, token_ids=v["tok"],
-                      idx=ids, weights=wts, scores=v["moe.scores"].reshape(1, E))
-        else:
-            RT.select(logits, k, cfg.routed_scaling_factor, bias=L.w("ffn.gate.bias"), idx=ids,
-                      weights=wts, scores=v["moe.scores"].reshape(1, E))
+        with phase(f"{mp}/router"):
+            RT.logits(xn, L.w("ffn.gate.weight"), out=logits)
+            if L.hash:
+                RT.select(logits, k, cfg.routed_scaling_factor, tid2eid=L.tid2eid,
+                          token_ids=v["tok"], idx=ids, weights=wts,
+                          scores=v["moe.scores"].reshape(1, E))
+            else:
+                RT.select(logits, k, cfg.routed_scaling_factor, bias=L.w("ffn.gate.bias"),
+                          idx=ids, weights=wts, scores=v["moe.scores"].reshape(1, E))
         h = v["moe.h"]
-        EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
-                           L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit, out=h,
-                           x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
+        with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
+            EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
+                               L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit,
+                               out=h, x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
         g, u, sh = v["moe.sh_gate"], v["moe.sh_up"], v["moe.sh_h"]
-        DK.gemv_bf16(L.w("ffn.shared_experts.w1.weight"), xn, g)
-        DK.gemv_bf16(L.w("ffn.shared_experts.w3.weight"), xn, u)
-        MO.swiglu(g.reshape(1, I), u.reshape(1, I), cfg.swiglu_limit, out=sh.reshape(1, I))
-        DK.gemv_bf16(L.w("ffn.shared_experts.w2.weight"), sh, v["moe.shared"])
-        EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
-                                 shared=v["moe.shared"].reshape(1, D),
-                                 out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+        with phase(f"{mp}/shared"):
+            DK.gemv_bf16(L.w("ffn.shared_experts.w1.weight"), xn, g)
+            DK.gemv_bf16(L.w("ffn.shared_experts.w3.weight"), xn, u)
+            MO.swiglu(g.reshape(1, I), u.reshape(1, I), cfg.swiglu_limit, out=sh.reshape(1, I))
+            DK.gemv_bf16(L.w("ffn.shared_experts.w2.weight"), sh, v["moe.shared"])
+        with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
+            EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
+                                     shared=v["moe.shared"].reshape(1, D),
+                                     out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
 
 
 def _bf16_to_f32(u16):
