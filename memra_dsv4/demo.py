@@ -3,9 +3,10 @@
 Writes a fresh tiny synthetic checkpoint (every layer kind: sliding, CSA with indexer, HCA,
 hash and learned routing, an MTP block) to ``./.memra_cache/demo-tiny`` (or ``--dir``; a
 temporary directory when the cache is not writable), opens it like a real checkpoint, runs a
-prefill and a few greedy decode steps (by re-prefill for now; the decode task switches this to
-the incremental path) on the GPU when one is usable, on the NumPy oracle otherwise, and
-finishes with one MTP draft from the last hidden streams.  Prints what it did at each step.
+prefill and a few greedy decode steps twice -- by re-prefill, then incrementally with the KV
+caches and compressor state (one prefill into a fresh state, then one decode step per token) --
+and checks that both give the same tokens, on the GPU when one is usable, on the NumPy oracle
+otherwise, and finishes with one MTP draft from the last hidden streams.  Prints what it did at each step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from memra_dsv4.run import UsageError, greedy_reprefill, select_backend
+from memra_dsv4.run import UsageError, greedy_incremental, greedy_reprefill, select_backend
 
 __all__ = ["main"]
 
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[5] greedy decode, {args.steps} steps (by re-prefill):")
     gen = greedy_reprefill(backend, DEMO_PROMPT, args.steps, log=lambda m: print("    " + m))
     print(f"    generated: {gen}")
+    print(f"[5b] greedy decode, {args.steps} steps, incremental (KV caches + compressor state):")
+    inc = greedy_incremental(backend, DEMO_PROMPT, args.steps, log=lambda m: print("    " + m))
+    same = "same tokens as re-prefill" if inc == gen else f"DIFFERS from re-prefill {gen}"
+    print(f"    generated: {inc}  ({same})")
 
     from memra_dsv4.oracle import Oracle
     oracle = backend.model if backend.name == "oracle" else Oracle(ckpt, "bf16")

@@ -104,6 +104,14 @@ class _OracleBackend:
     def prefill(self, ids):
         return self.model.prefill(ids)
 
+    def start(self, ids):
+        """Prefill into a fresh decode state: (last logits, state)."""
+        out = self.model.prefill_state(ids)
+        return out.logits, out.state
+
+    def step(self, state, token):
+        return self.model.decode_step(state, int(token))
+
 
 class _GpuBackend:
     name = "gpu"
@@ -115,6 +123,12 @@ class _GpuBackend:
 
     def prefill(self, ids):
         return self.model.forward(ids)
+
+    def start(self, ids):
+        return self.model.prefill(ids, self.model.new_state())
+
+    def step(self, state, token):
+        return self.model.decode_step(state, int(token))
 
 
 def select_backend(ckpt, device: str | None, numerics: str | None, log=print):
@@ -131,6 +145,25 @@ def select_backend(ckpt, device: str | None, numerics: str | None, log=print):
             raise UsageError(f"--device gpu: {why}")
         log(f"device auto: using the NumPy oracle ({why})")
     return _OracleBackend(ckpt, numerics)
+
+
+def greedy_incremental(backend, prompt: list[int], max_new: int, log=print) -> list[int]:
+    """Greedy decode with the KV caches: one prefill into a fresh state, then one
+    ``decode_step`` per token (the oracle's state machine, or the GPU's decode path)."""
+    t0 = time.perf_counter()
+    logits, state = backend.start(np.asarray(prompt, dtype=np.int64))
+    log(f"prefill into a fresh state: {len(prompt)} tokens ({(time.perf_counter() - t0) * 1e3:.1f} ms)")
+    out: list[int] = []
+    for step in range(max_new):
+        nxt = int(np.argmax(logits))
+        out.append(nxt)
+        if step + 1 == max_new:
+            break
+        t0 = time.perf_counter()
+        logits = backend.step(state, nxt)
+        log(f"step {step + 2}: fed token {nxt}  ({(time.perf_counter() - t0) * 1e3:.1f} ms, "
+            f"one decode step at position {len(prompt) + step})")
+    return out
 
 
 def greedy_reprefill(backend, prompt: list[int], max_new: int, log=print) -> list[int]:

@@ -47,4 +47,14 @@ def test_demo(tmp_path, capsys):
     assert demo.main(["--dir", str(tmp_path / "ck"), "--steps", "2", "--device", "oracle"]) == 0
     out = capsys.readouterr().out
     assert "[1] wrote" in out and "[6] MTP block" in out and "generated:" in out
+    assert "(same tokens as re-prefill)" in out, out
     assert demo.main(["--steps", "-2"]) == 2
+
+
+def test_greedy_incremental_equals_reprefill_on_the_oracle():
+    backend = run.select_backend(run.open_checkpoint("synth:tiny"), "oracle", "bf16",
+                                 log=lambda m: None)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]          # crosses tiny's window (8) and CSA emits
+    a = run.greedy_reprefill(backend, prompt, 5, log=lambda m: None)
+    b = run.greedy_incremental(backend, prompt, 5, log=lambda m: None)
+    assert a == b
