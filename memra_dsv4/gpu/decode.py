@@ -10,8 +10,10 @@ ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence, mirrori
 * candidate layout is the canonical one of ``host.indices.candidate_matrix`` (window W wide,
   chronological; compressed entries ascending at offset = rows before them);
 * the ring / entries / pending rows are written after every read.
-``Dsv4Gpu.prefill(ids, state)`` = reset + a chunk from p0 = 0; ``Dsv4Gpu.decode_step`` = a
-chunk of one token (path ``legacy``).
+``Dsv4Gpu.forward(ids)`` = a chunk from p0 = 0 on a fresh state (captures, hc_state, phases
+``prefill/...``); ``Dsv4Gpu.prefill(ids, state)`` = reset + a chunk from p0 = 0;
+``Dsv4Gpu.decode_step`` = a chunk of one token (path ``legacy``).  ``run_chunk`` returns the
+whole ``ForwardOut``; ``forward_chunk`` only its logits.
 
 Decode path seam (``MEMRA_DSV4_DECODE_PATH`` or the ``decode_path=`` argument; resolved once
 per model by ``resolve_decode_path`` and printed on stderr): ``legacy`` (this module),
@@ -28,7 +30,7 @@ import numpy as np
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.profiling import phase
 
-__all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "ChunkBlock"]
+__all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock"]
 
 DECODE_PATHS = ("legacy", "device-hostmath", "device")
 
@@ -77,13 +79,17 @@ class ChunkBlock:
             xn = G.rmsnorm(x, _f64(b.w("attn_norm.weight")), eps)
             a = self.attention(xn, cache, p0, cap)
             s1 = G.hc_post(a, streams, post, comb)
+        if cap is not None:
+            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
+                        "attn_norm": xn, "attn.streams": s1})
         with phase(f"{self.ph}/ffn"):
             x, post, comb = b.hc_pre(s1, "ffn")
             xn = G.rmsnorm(x, _f64(b.w("ffn_norm.weight")), eps)
             f = b.moe(xn, ids_d, cap)
             s2 = G.hc_post(f, s1, post, comb)
         if cap is not None:
-            cap.update({"attn.streams": s1, "block.out": s2})
+            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
+                        "ffn_norm": xn, "block.out": s2})
         return s2
 
     # --------------------------------------------------------------------- compressor
@@ -162,6 +168,8 @@ class ChunkBlock:
             az = (ca, cz)
             rows.append(G.to_f32(cache.comp[:p0 // self.ratio]))
             rows.append(new_ent)
+            if cap is not None:   # every entry visible to the chunk (cached ++ new)
+                cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
         cand = G.candidates(cp.asarray(win), comp_sel, offset)
         with phase(f"{self.ph}/attn/sparse_attention"):
             o = G.sparse_attention(q, cp.concatenate(rows, axis=0), cand,
@@ -208,8 +216,14 @@ class ChunkBlock:
         wts = b.lin(x, "attn.indexer.weights_proj.weight")
         wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
         n = keys.shape[0]
-        if n == 0:
-            return cp.full((S, 0), -1, dtype=cp.int32), new_keys, (ia, iz)
+        if cap is not None:
+            cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys})
+        if n == 0:  # no complete block yet: nothing to select
+            sel = cp.full((S, 0), -1, dtype=cp.int32)
+            if cap is not None:
+                cap.update({"attn.index.scores": cp.zeros((S, 0), cp.float32),
+                            "attn.index.sel": sel})
+            return sel, new_keys, (ia, iz)
         scores = cp.empty((S, n), dtype=cp.float32)
         chunk = max(1, (1 << 28) // max(1, nI * n))
         for s0 in range(0, S, chunk):
@@ -239,17 +253,29 @@ def candidates_with_prev(A, Z, prev_a, prev_z):
             cp.concatenate([lower_z, zb[:, :, d:]], axis=1))
 
 
-def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False, cap=None,
+def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
                   ph: str = "decode"):
     """Trunk forward of validated ids at positions state.pos.. against ``state`` (advances
     pos).  Returns logits float32 NumPy ([vocab], or [S, vocab] with ``all_logits``)."""
+    return run_chunk(model, state, ids, all_logits=all_logits, ph=ph).logits
+
+
+def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
+              capture: bool = False, ph: str = "decode"):
+    """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
+    pos); phases ``{ph}/stage{i}/...``; exactly one ``model._boundary`` per stage boundary.
+    Returns a ForwardOut: logits ([vocab], or [S, vocab] with ``all_logits``), hc_state
+    [hc, dim] of the last position, and with ``capture`` the oracle's capture names per block
+    (NumPy) plus captures_top embed / hc_head / final_norm."""
     cp = _cp()
     from memra_dsv4.gpu.model import _f32
+    from memra_dsv4.oracle.model import ForwardOut
     cfg = model.config
     p0 = state.pos
     S = ids.shape[0]
-    streams = None
-    logits_h = None
+    caps = [] if capture else None
+    top = {} if capture else None
+    streams = logits_h = out_state = None
     model.boundary_paths = []
     for si, st in enumerate(model.stages):
         dev = model.devs[st.device]
@@ -262,30 +288,26 @@ def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False, ca
                         e = _f32(st["embed.weight"][ids_d])
                         streams = cp.ascontiguousarray(
                             cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                        if capture:
+                            top["embed"] = cp.asnumpy(e)
                 for layer in st.layers:
-                    c = {} if cap is not None else None
+                    c = {} if capture else None
                     with phase(f"{sp}/block"):
                         streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
                             streams, ids_d, state.cache(layer), p0, c)
-                    if cap is not None:
-                        cap.append({k: cp.asnumpy(v) for k, v in c.items()})
+                    if capture:
+                        caps.append({k: cp.asnumpy(v) for k, v in c.items()})
                 if st.has_head:
                     with phase(f"{sp}/head"):
-                        if all_logits:
-                            from memra_dsv4.gpu import ops_glue as G
-                            y = G.hc_head(streams, st["hc_head_fn"].astype(cp.float64),
-                                          st["hc_head_scale"], st["hc_head_base"],
-                                          hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-                            from memra_dsv4.gpu.model import _f64
-                            yn = G.rmsnorm(y, _f64(st["norm.weight"]), cfg.rms_norm_eps)
-                            logits_h = cp.asnumpy(G.linear(model.gemm[st.device], yn,
-                                                           st["head.weight"], out="f32"))
-                        else:
-                            logits, _, _ = model._head(st, streams)
-                            logits_h = cp.asnumpy(logits)
+                        logits, y, yn = model._head(st, streams, all_rows=all_logits)
+                    logits_h = cp.asnumpy(logits)
+                    out_state = cp.asnumpy(streams[-1])
+                    if capture:
+                        top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
         if si + 1 < len(model.stages):
             streams = model._boundary(streams, si)
     for d in model.devs:
         d.compute.synchronize()
     state.pos = p0 + S
-    return logits_h
+    return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
+                      captures_top=top, numerics=model.numerics)

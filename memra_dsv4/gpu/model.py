@@ -9,6 +9,8 @@ API
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4")``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
+    The prefill is the chunk routine (``gpu.decode.run_chunk``, the same one prefill /
+    prefill_chunk / the legacy decode_step run) from position 0 on a fresh DecodeState.
     ``logits`` [vocab] float32 of the last position (NumPy), ``hc_state`` [hc, dim], ``streams``
     None (not gathered; pass ``capture=True`` for host copies), ``captures``: one dict per
     block with the oracle's capture names (NumPy), ``captures_top``: embed / hc_head /
@@ -30,7 +32,6 @@ import sys
 import numpy as np
 
 from memra_dsv4.config import Dsv4Config, preset
-from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.oracle.model import ForwardOut, check_token_ids
 from memra_dsv4.profiling import phase
@@ -113,47 +114,13 @@ class Dsv4Gpu:
         return ids
 
     def forward(self, token_ids, capture: bool = False) -> ForwardOut:
-        cp = self._cp
-        cfg = self.config
+        """The prefill: the chunk routine (gpu.decode.run_chunk) from position 0 on a fresh,
+        reset DecodeState sized to the prompt; phases ``prefill/...``."""
+        from memra_dsv4.gpu.decode import run_chunk
         ids = self.check_ids(token_ids)
-        S = ids.shape[0]
-        caps = [] if capture else None
-        top = {} if capture else None
-        self.boundary_paths = []
-        streams = None
-        for si, st in enumerate(self.stages):
-            dev = self.devs[st.device]
-            sp = f"prefill/stage{si}"
-            with cp.cuda.Device(st.device), dev.compute:
-                with phase(sp):
-                    ids_d = cp.asarray(ids)
-                    if st.has_embed:
-                        with phase(f"{sp}/embed"):
-                            e = _f32(st["embed.weight"][ids_d])
-                            streams = cp.ascontiguousarray(
-                                cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
-                            if capture:
-                                top["embed"] = cp.asnumpy(e)
-                    for layer in st.layers:
-                        cap = {} if capture else None
-                        with phase(f"{sp}/block"):
-                            streams = _Block(self, st, layer, f"{sp}/block").prefill(
-                                streams, ids, ids_d, cap)
-                        if capture:
-                            caps.append({k: cp.asnumpy(v) for k, v in cap.items()})
-                    if st.has_head:
-                        with phase(f"{sp}/head"):
-                            logits, y, yn = self._head(st, streams)
-                        out_state = cp.asnumpy(streams[-1])
-                        logits_h = cp.asnumpy(logits)
-                        if capture:
-                            top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
-            if si + 1 < len(self.stages):
-                streams = self._boundary(streams, si)
-        for d in self.devs:
-            d.compute.synchronize()
-        return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
-                          captures_top=top, numerics=self.numerics)
+        state = self.new_state(max_seq_len=ids.shape[0])
+        state.reset()
+        return run_chunk(self, state, ids, capture=capture, ph="prefill")
 
     # ------------------------------------------------------------------ decode
     def new_state(self, max_seq_len: int | None = None):
@@ -253,7 +220,9 @@ class Dsv4Gpu:
         self.boundary_paths.append(path)
         return dst
 
-    def _head(self, st, streams):
+    def _head(self, st, streams, all_rows: bool = False):
+        """(logits f32 [vocab] of the last position, or [S, vocab] with ``all_rows``, hc_head
+        output, final norm)."""
         from memra_dsv4.gpu import ops_glue as G
 
         cp = self._cp
@@ -261,6 +230,8 @@ class Dsv4Gpu:
         y = G.hc_head(streams, st["hc_head_fn"].astype(cp.float64), st["hc_head_scale"],
                       st["hc_head_base"], hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         yn = G.rmsnorm(y, _f64(st["norm.weight"]), cfg.rms_norm_eps)
+        if all_rows:
+            return G.linear(self.gemm[st.device], yn, st["head.weight"], out="f32"), y, yn
         logits = G.linear(self.gemm[st.device], yn[-1:], st["head.weight"], out="f32")[0]
         return logits, y, yn
 
@@ -303,7 +274,8 @@ def _f64(u16):
 
 
 class _Block:
-    """One trunk block on one device: the oracle's block_prefill as a straight op sequence."""
+    """One trunk block's weights and shared helpers on one device (linear, hc_pre, rope tables,
+    MoE); the block itself (attention against the layer cache) is gpu.decode.ChunkBlock."""
 
     def __init__(self, model: Dsv4Gpu, st, layer: int, ph: str) -> None:
         self.m, self.st, self.lid, self.ph = model, st, layer, ph
@@ -332,134 +304,6 @@ class _Block:
         return G.hc_pre(streams, self.w(f"hc_{sub}_fn").astype(cp.float64),
                         self.w(f"hc_{sub}_scale"), self.w(f"hc_{sub}_base"), hc=cfg.hc_mult,
                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-
-    # ---------------------------------------------------------------------- block
-    def prefill(self, streams, ids, ids_d, cap):
-        from memra_dsv4.gpu import ops_glue as G
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        with phase(f"{self.ph}/attn"):
-            x, post, comb = self.hc_pre(streams, "attn")
-            xn = G.rmsnorm(x, _f64(self.w("attn_norm.weight")), eps)
-            a = self.attention(xn, cap)
-            s1 = G.hc_post(a, streams, post, comb)
-        if cap is not None:
-            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
-                        "attn_norm": xn, "attn.streams": s1})
-        with phase(f"{self.ph}/ffn"):
-            x, post, comb = self.hc_pre(s1, "ffn")
-            xn = G.rmsnorm(x, _f64(self.w("ffn_norm.weight")), eps)
-            f = self.moe(xn, ids_d, cap)
-            s2 = G.hc_post(f, s1, post, comb)
-        if cap is not None:
-            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
-                        "ffn_norm": xn, "block.out": s2})
-        return s2
-
-    # ------------------------------------------------------------------ attention
-    def compress(self, x, cos_all, sin_all, indexer: bool):
-        import cupy as cp
-        from memra_dsv4.gpu import ops_glue as G
-        cfg = self.cfg
-        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
-        r = self.ratio
-        S = x.shape[0]
-        a = self.lin(x, f"{sub}.wkv.weight", "f32")
-        zg = self.lin(x, f"{sub}.wgate.weight", "f32")
-        pos = cp.arange(S, dtype=cp.int64)
-        z = (zg + self.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
-        nb = S // r
-        d = cfg.index_head_dim if indexer else cfg.head_dim
-        if nb == 0:
-            return cp.zeros((0, d), dtype=cp.float32)
-        ac, zc = G.compress_candidates(a[:nb * r], z[:nb * r], r)
-        pooled = G.compress_pool(ac, zc)
-        kpos = np.arange(nb, dtype=np.int64) * r
-        cos, sin = self.rope_tables(kpos)
-        c = G.rmsnorm(G.store(pooled), _f64(self.w(f"{sub}.norm.weight")), cfg.rms_norm_eps)
-        c = G.rope(c, cos, sin)
-        if indexer:
-            return G.fp4_sim(G.hadamard(c), 32)
-        return G.kv_sim(c, cfg.qk_rope_head_dim)
-
-    def attention(self, x, cap):
-        import cupy as cp
-        from memra_dsv4.gpu import ops_glue as G
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        S = x.shape[0]
-        H, hd = cfg.num_attention_heads, cfg.head_dim
-        cos, sin = self.rope_tables(np.arange(S))
-        with phase(f"{self.ph}/attn/q"):
-            qr = G.rmsnorm(self.lin(x, "attn.wq_a.weight"), _f64(self.w("attn.q_norm.weight")), eps)
-            q = self.lin(qr, "attn.wq_b.weight").reshape(S, H, hd)
-            q = G.rope(G.head_rms(q, eps), cos[:, None], sin[:, None])
-        with phase(f"{self.ph}/attn/kv"):
-            kv = G.rmsnorm(self.lin(x, "attn.wkv.weight"), _f64(self.w("attn.kv_norm.weight")), eps)
-            kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
-        win = cp.asarray(hidx.window_matrix(S, cfg.sliding_window))
-        kv_rows, comp_sel, comp = kv, None, None
-        if self.ratio:
-            if self.kind == "csa":
-                with phase(f"{self.ph}/attn/indexer"):
-                    comp_sel = self.indexer(x, qr, cos, sin, cap)
-            else:
-                comp_sel = cp.asarray(hidx.hca_matrix(S, self.ratio))
-            with phase(f"{self.ph}/attn/compressor"):
-                comp = self.compress(x, cos, sin, indexer=False)
-            kv_rows = cp.concatenate([kv, comp], axis=0)
-        cand = G.candidates(win, comp_sel, S)
-        with phase(f"{self.ph}/attn/sparse_attention"):
-            o = G.sparse_attention(q, kv_rows, cand, self.w("attn.attn_sink"), hd ** -0.5)
-        with phase(f"{self.ph}/attn/output"):
-            o = G.rope(o, cos[:, None], sin[:, None], inverse=True)
-            Gn = cfg.o_groups
-            og = o.reshape(S, Gn, -1)
-            wa = self.w("attn.wo_a.weight")
-            R = wa.shape[0] // Gn
-            u = cp.concatenate([G.linear(self.g, cp.ascontiguousarray(og[:, g]),
-                                         wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
-            out = self.lin(u, "attn.wo_b.weight")
-        if cap is not None:
-            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
-                        "attn.o": o, "attn.out": out})
-            if comp is not None:
-                cap["attn.comp"] = comp
-        return out
-
-    def indexer(self, x, qr, cos, sin, cap):
-        import cupy as cp
-        from memra_dsv4.gpu import ops_glue as G
-        cfg = self.cfg
-        S = x.shape[0]
-        nI, dI = cfg.index_n_heads, cfg.index_head_dim
-        qI = self.lin(qr, "attn.indexer.wq_b.weight").reshape(S, nI, dI)
-        qI = G.fp4_sim(G.hadamard(G.rope(qI, cos[:, None], sin[:, None])), 32)
-        keys = self.compress(x, cos, sin, indexer=True)
-        wts = self.lin(x, "attn.indexer.weights_proj.weight")
-        wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
-        n = keys.shape[0]
-        if n == 0:  # no complete block yet: nothing to select
-            sel = cp.full((S, 0), -1, dtype=cp.int32)
-            if cap is not None:
-                cap.update({"attn.index.q": qI, "attn.index.weights": wts,
-                            "attn.index.keys": keys,
-                            "attn.index.scores": cp.zeros((S, 0), cp.float32),
-                            "attn.index.sel": sel})
-            return sel
-        scores = cp.empty((S, n), dtype=cp.float32)
-        chunk = max(1, (1 << 28) // max(1, nI * n))
-        for s0 in range(0, S, chunk):
-            qq = qI[s0:s0 + chunk]                                    # [c, nI, dI]
-            s = G.store(cp.matmul(qq, keys.T))                        # [c, nI, n]
-            s = G.store(cp.maximum(s, 0) * wts[s0:s0 + chunk, :, None])
-            scores[s0:s0 + chunk] = G.store(s.astype(cp.float64).sum(axis=1).astype(cp.float32))
-        n_valid = (cp.arange(S, dtype=cp.int64) + 1) // self.ratio
-        sel = G.topk_desc_rows(scores, n_valid, cfg.index_topk)
-        if cap is not None:
-            cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys,
-                        "attn.index.scores": scores, "attn.index.sel": sel})
-        return sel
 
     # ------------------------------------------------------------------------ MoE
     def moe(self, x, ids_d, cap):
