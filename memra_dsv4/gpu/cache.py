@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra_dsv4.host.pending import advance_pending
+
 __all__ = ["PendingRows", "LayerCache", "DecodeState"]
 
 
@@ -59,22 +61,7 @@ class PendingRows:
     def advance(self, a, z, p0: int) -> None:
         """Feed the f32 projections (a, z) [S, coff*d] of positions p0..p0+S-1 (pure data
         movement, the oracle's CompressorState.advance)."""
-        import cupy as cp
-        r = self.ratio
-        rem0 = p0 % r
-        ca, cz = self.cur_rows(rem0)
-        A = cp.concatenate([ca, a.astype(cp.float32)], axis=0)     # copies: safe to overwrite
-        Z = cp.concatenate([cz, z.astype(cp.float32)], axis=0)
-        nb = A.shape[0] // r
-        if self.overlap and nb > 0:
-            self.kv[:r] = A[(nb - 1) * r:nb * r]
-            self.score[:r] = Z[(nb - 1) * r:nb * r]
-        rem = A.shape[0] - nb * r
-        o = self.cur_offset
-        self.kv[o:o + rem] = A[nb * r:]
-        self.score[o:o + rem] = Z[nb * r:]
-        self.kv[o + rem:o + r] = 0
-        self.score[o + rem:o + r] = -np.inf
+        advance_pending(self.kv, self.score, a, z, p0, self.ratio)
 
     def nbytes(self) -> int:
         return int(self.kv.nbytes + self.score.nbytes)

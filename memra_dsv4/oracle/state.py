@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memra_dsv4.host.pending import advance_pending
+
 __all__ = ["RowBuffer", "CompressorState", "LayerCache", "DecodeState", "DEFAULT_MAX_SEQ_LEN"]
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -132,21 +134,7 @@ class CompressorState:
         """Feed the projections (a, z) [S, coff*d] of positions p0..p0+S-1 through the state
         machine (pure data movement: no arithmetic, so it is exact in every class).  Used by the
         forward (after pooling) and by a rollback (replaying the kept rows)."""
-        r = self.ratio
-        rem0 = p0 % r
-        ca, cz = self.cur_rows(rem0)
-        A = np.concatenate([ca, np.asarray(a, dtype=self.kv.dtype)], axis=0)
-        Z = np.concatenate([cz, np.asarray(z, dtype=self.kv.dtype)], axis=0)
-        nb = A.shape[0] // r
-        if self.overlap and nb > 0:
-            self.kv[:r] = A[(nb - 1) * r:nb * r]
-            self.score[:r] = Z[(nb - 1) * r:nb * r]
-        rem = A.shape[0] - nb * r
-        o = self.cur_offset
-        self.kv[o:o + rem] = A[nb * r:]
-        self.score[o:o + rem] = Z[nb * r:]
-        self.kv[o + rem:o + r] = 0
-        self.score[o + rem:o + r] = -np.inf
+        advance_pending(self.kv, self.score, np.asarray(a), np.asarray(z), p0, self.ratio)
 
 
 class LayerCache:
