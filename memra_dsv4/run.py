@@ -1,8 +1,11 @@
-"""`python -m memra_dsv4 run CKPT --prompt-ids 1,2,3 --max-new 8 [--numerics N] [--device D]`
+"""`python -m memra_dsv4 run CKPT --prompt-ids 1,2,3 --max-new 8 [--numerics N] [--device D]
+[--continue incremental|reprefill]`
 
-Greedy continuation by re-prefill: every step runs a full prefill of prompt + generated tokens
-and appends the argmax of the last position's logits (the decode task replaces this with the
-incremental path).  Prints each step's token id and wall time, then the generated ids.
+Greedy continuation.  ``--continue incremental`` (default, or MEMRA_DSV4_CONTINUE): one
+prefill into a fresh decode state, then one decode step per token (the oracle's state machine,
+or the GPU decode path chosen by MEMRA_DSV4_DECODE_PATH).  ``reprefill``: every step runs a
+full prefill of prompt + generated tokens and appends the argmax of the last position's logits
+(the consistency reference).  Prints each step's token id and wall time, then the generated ids.
 
 * CKPT: a checkpoint directory (``config.json`` + safetensors, e.g. written by
   ``python -m memra_dsv4 synth``), or ``synth:PRESET[:SEED]`` for an in-memory synthetic
@@ -23,7 +26,7 @@ import time
 
 import numpy as np
 
-from memra_dsv4.seams import SEAM_DEVICE, SEAM_NUMERICS, resolve
+from memra_dsv4.seams import SEAM_CONTINUE, SEAM_DEVICE, SEAM_NUMERICS, resolve
 
 __all__ = ["main", "open_checkpoint", "select_backend", "greedy_reprefill", "UsageError"]
 
@@ -45,6 +48,8 @@ def _parser() -> _Parser:
     p.add_argument("--max-new", type=int, default=8, help="tokens to generate (default 8)")
     p.add_argument("--numerics", default=None, help="bf16 | reference | exact")
     p.add_argument("--device", default=None, help="oracle | gpu | auto")
+    p.add_argument("--continue", dest="continue_mode", default=None,
+                   help="incremental (default) | reprefill")
     return p
 
 
@@ -150,19 +155,19 @@ def select_backend(ckpt, device: str | None, numerics: str | None, log=print):
 def greedy_incremental(backend, prompt: list[int], max_new: int, log=print) -> list[int]:
     """Greedy decode with the KV caches: one prefill into a fresh state, then one
     ``decode_step`` per token (the oracle's state machine, or the GPU's decode path)."""
-    t0 = time.perf_counter()
-    logits, state = backend.start(np.asarray(prompt, dtype=np.int64))
-    log(f"prefill into a fresh state: {len(prompt)} tokens ({(time.perf_counter() - t0) * 1e3:.1f} ms)")
     out: list[int] = []
+    state = None
     for step in range(max_new):
-        nxt = int(np.argmax(logits))
-        out.append(nxt)
-        if step + 1 == max_new:
-            break
         t0 = time.perf_counter()
-        logits = backend.step(state, nxt)
-        log(f"step {step + 2}: fed token {nxt}  ({(time.perf_counter() - t0) * 1e3:.1f} ms, "
-            f"one decode step at position {len(prompt) + step})")
+        if state is None:
+            logits, state = backend.start(np.asarray(prompt, dtype=np.int64))
+            how = f"prefill of {len(prompt)} tokens into a fresh state"
+        else:
+            logits = backend.step(state, out[-1])
+            how = f"one decode step at position {len(prompt) + step - 1}"
+        nxt = int(np.argmax(logits))
+        log(f"step {step + 1}: token {nxt}  ({(time.perf_counter() - t0) * 1e3:.1f} ms, {how})")
+        out.append(nxt)
     return out
 
 
@@ -194,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         from memra_dsv4.oracle import check_token_ids
         try:
             check_token_ids(prompt, ckpt.config.vocab_size, "--prompt-ids")
+            mode = resolve(SEAM_CONTINUE, args.continue_mode)
             backend = select_backend(ckpt, args.device, args.numerics)
         except ValueError as e:
             raise UsageError(str(e).splitlines()[0]) from None
@@ -201,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memra_dsv4 run: {e}", file=sys.stderr)
         return 2
     print(f"memra_dsv4 run: device={backend.name} numerics={backend.numerics} "
-          f"config={ckpt.config.name} prompt={len(prompt)} tokens, max_new={args.max_new}")
+          f"config={ckpt.config.name} prompt={len(prompt)} tokens, max_new={args.max_new} "
+          f"continue={mode}")
     t0 = time.perf_counter()
-    out = greedy_reprefill(backend, prompt, args.max_new)
+    greedy = greedy_incremental if mode == "incremental" else greedy_reprefill
+    out = greedy(backend, prompt, args.max_new)
     total = time.perf_counter() - t0
     print(f"generated: {','.join(str(t) for t in out)}")
     if out:
-        print(f"total {total:.3f} s, {total / len(out) * 1e3:.1f} ms/step (re-prefill)")
+        print(f"total {total:.3f} s, {total / len(out) * 1e3:.1f} ms/step ({mode})")
     return 0
 
 

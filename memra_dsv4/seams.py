@@ -53,7 +53,7 @@ import numpy as np
 from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
-    "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_ORACLE_DECODE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
+    "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
     "SEAM_GEMM", "SEAM_KERNELS_DIR", "SEAM_REQUIRE_PARITY", "resolve", "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
     "LINEAR_KINDS",
@@ -81,11 +81,11 @@ SEAM_NUMERICS = Seam(
     "Numeric class of the oracle (and the GPU path's contract): `bf16` (bf16 storage, fp32 "
     "islands, QAT sims), `reference` (+ FP8 activation quant before FP8/FP4 linears), "
     "`exact` (float64, no rounding or simulation).")
-SEAM_ORACLE_DECODE = Seam(
-    "oracle_decode", "MEMRA_DSV4_ORACLE_DECODE", "auto", ("auto", "incremental", "reprefill"),
-    "How the oracle computes a decode step: `incremental` (KV caches + compressor state "
-    "machine), `reprefill` (re-run the whole prefix; slow, the consistency oracle), `auto` "
-    "(incremental where implemented).")
+SEAM_CONTINUE = Seam(
+    "continue", "MEMRA_DSV4_CONTINUE", "incremental", ("incremental", "reprefill"),
+    "How `run` continues a prompt: `incremental` (one prefill into a fresh decode state, then "
+    "one decode step per token: the oracle's state machine, or the GPU decode path) or "
+    "`reprefill` (a full prefill per generated token; slow, the consistency reference).")
 SEAM_DECODE_PATH = Seam(
     "decode_path", "MEMRA_DSV4_DECODE_PATH", "legacy", ("legacy", "device-hostmath", "device"),
     "GPU decode step (memra_dsv4.gpu.decode, read once per model and printed): `legacy` "
@@ -117,7 +117,7 @@ SEAM_REQUIRE_PARITY = Seam(
     "failure.")
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
-    SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_ORACLE_DECODE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
+    SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 

@@ -17,12 +17,12 @@ def test_resolve_precedence_and_errors(monkeypatch):
     assert seams.resolve("numerics", "exact") == "exact"
     with pytest.raises(ValueError, match="MEMRA_DSV4_NUMERICS.*bf16, reference, exact"):
         seams.resolve("numerics", "fp64")
-    monkeypatch.setenv("MEMRA_DSV4_ORACLE_DECODE", "reprefill")
-    assert seams.resolve("oracle_decode") == "reprefill"
-    assert seams.resolve("oracle_decode", "incremental") == "incremental"   # explicit wins
-    monkeypatch.setenv("MEMRA_DSV4_ORACLE_DECODE", "bogus")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_ORACLE_DECODE"):
-        seams.resolve("oracle_decode")
+    monkeypatch.setenv("MEMRA_DSV4_CONTINUE", "reprefill")
+    assert seams.resolve("continue") == "reprefill"
+    assert seams.resolve("continue", "incremental") == "incremental"   # explicit wins
+    monkeypatch.setenv("MEMRA_DSV4_CONTINUE", "bogus")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_CONTINUE"):
+        seams.resolve("continue")
     monkeypatch.delenv("MEMRA_DSV4_DECODE_PATH", raising=False)
     assert seams.resolve("decode_path") == "legacy"
     monkeypatch.setenv("MEMRA_DSV4_DECODE_PATH", "device-hostmath")

@@ -58,3 +58,17 @@ def test_greedy_incremental_equals_reprefill_on_the_oracle():
     a = run.greedy_reprefill(backend, prompt, 5, log=lambda m: None)
     b = run.greedy_incremental(backend, prompt, 5, log=lambda m: None)
     assert a == b
+
+
+def test_run_continue_modes_agree_and_bad_value_is_refused(capsys, monkeypatch):
+    gens = {}
+    for mode in ("incremental", "reprefill"):
+        assert run.main(["synth:tiny", "--prompt-ids", "3,1,4,1,5,9,2,6,5", "--max-new", "4",
+                         "--device", "oracle", "--continue", mode]) == 0
+        out = capsys.readouterr().out
+        assert f"continue={mode}" in out and out.count("\nstep ") == 4
+        gens[mode] = out.split("generated: ")[1].split()[0]
+    assert gens["incremental"] == gens["reprefill"]
+    monkeypatch.setenv("MEMRA_DSV4_CONTINUE", "sideways")
+    assert run.main(["synth:tiny", "--prompt-ids", "1", "--device", "oracle"]) == 2
+    assert "MEMRA_DSV4_CONTINUE" in capsys.readouterr().err
