@@ -27,11 +27,12 @@ import math
 from dataclasses import dataclass
 
 from .config import ATTN_CSA, ATTN_HCA, DRAFTER_DSPARK, DRAFTER_MTP, QUANT_BLOCK, Dsv4Config
+from .formats import DTYPE_ITEMSIZE
 
 EXPERT_FORMATS = ("mxfp4", "nvfp4")
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E8M0": 1,
-            "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+# Bytes per element of each safetensors dtype: the one table formats.py keeps (re-exported).
+ITEMSIZE = DTYPE_ITEMSIZE
 
 # Owner groups: used by placement and by the census table.
 G_EMBED, G_HEAD, G_ATTN, G_NORM_HC, G_GATE, G_SHARED, G_EXPERTS, G_DRAFTER_EXTRA = (
