@@ -244,6 +244,7 @@ _INFERENCE_ALIASES = {
     "n_mtp_layers": "num_nextn_predict_layers",
 }
 _FIELDS = {f.name for f in dataclasses.fields(Dsv4Config)} - {"name"}
+_REQUIRED = {f.name for f in dataclasses.fields(Dsv4Config) if f.default is dataclasses.MISSING}
 # Keys whose value must be exactly this (what we implement).  Dicts compare key by key.
 _FIXED_VALUES: dict[str, Any] = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -303,31 +304,22 @@ def _normalise(raw: dict[str, Any]) -> dict[str, Any]:
     for k in ("compress_ratios", "dspark_target_layer_ids"):
         if out.get(k) is not None:
             out[k] = tuple(int(x) for x in out[k])
-    # HF Flash/Pro configs list compress_ratios for trunk + MTP; DSpark configs for trunk + 3.
-    if out.get("dspark_block_size") is not None and "num_nextn_predict_layers" not in out:
-        out["num_nextn_predict_layers"] = 1
     out.setdefault("rope_factor", 1.0)
     out.setdefault("beta_fast", 32.0)
     out.setdefault("beta_slow", 1.0)
     # Absent key: the reference default (ModelArgs.n_mtp_layers = 1); the official
     # inference/config.json leaves it unset while listing 44 compress_ratios (43 + 1 MTP).
+    # DSpark configs get the same 1, as the HF config of 0731 says; their three stages (and
+    # three trailing compress_ratios zeros) come from `num_drafter_stages`, never from this key,
+    # so a DSpark config is never routed to the MTP loader.
     out.setdefault("num_nextn_predict_layers", 1)
     for k, default in (("hc_mult", 4), ("hc_sinkhorn_iters", 20), ("hc_eps", 1e-6),
                        ("rms_norm_eps", 1e-6), ("n_shared_experts", 1)):
         out.setdefault(k, default)
-    missing = sorted(f for f in _FIELDS if f not in out and _required(f))
+    missing = sorted(_REQUIRED - out.keys())
     if missing:
         raise ConfigError(f"config is missing required keys: {', '.join(missing)}")
-    if out.get("dspark_block_size") is not None:
-        # The HF config of 0731 still says num_nextn_predict_layers = 1; the drafter has three
-        # stages and compress_ratios three trailing zeros.  Never route it to the MTP loader.
-        pass
     return out
-
-
-def _required(f: str) -> bool:
-    fld = next(x for x in dataclasses.fields(Dsv4Config) if x.name == f)
-    return fld.default is dataclasses.MISSING
 
 
 def _check_quant(q: Any) -> None:
