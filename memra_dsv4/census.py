@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .checkpoint import (Checkpoint, CheckpointError, expected_for_kinds, placement_units,
-                         unit_of)
+                         specs_by_unit, unit_label)
 from .config import ConfigError, Dsv4Config, preset
 from .synth import with_drafter
 from .tensors import (EXPERT_FORMATS, G_ATTN, G_DRAFTER_EXTRA, G_EXPERTS, G_GATE, G_NORM_HC,
@@ -95,10 +95,7 @@ class Census:
 
 def census_of_specs(cfg: Dsv4Config, specs: list[TensorSpec], kinds: dict[int, str],
                     source: str) -> Census:
-    by_unit: dict[int | str, list[TensorSpec]] = {}
-    for s in specs:
-        by_unit.setdefault(unit_of(cfg, s), []).append(s)
-    n = cfg.num_hidden_layers
+    by_unit = specs_by_unit(cfg, specs)
     rows = []
     for unit in placement_units(cfg):
         unit_specs = by_unit.get(unit, [])
@@ -109,7 +106,7 @@ def census_of_specs(cfg: Dsv4Config, specs: list[TensorSpec], kinds: dict[int, s
             rows.append(CensusRow(unit, len(unit_specs), groups))
             continue
         rows.append(CensusRow(
-            str(unit) if unit < n else f"mtp.{unit - n}", len(unit_specs), groups,
+            unit_label(cfg, unit), len(unit_specs), groups,
             attn=cfg.attn_kind(unit), ratio=cfg.compress_ratio(unit),
             routing="hash" if cfg.is_hash_layer(unit) else "learned",
             rope=cfg.rope_kind(unit), experts=kinds[unit]))

@@ -64,7 +64,8 @@ from .tensors import G_EMBED, TensorSpec, expected_tensors
 
 __all__ = [
     "CheckpointError", "Checkpoint", "StoredTensor", "INDEX_FILE", "EXPERT_MXFP4", "EXPERT_NVFP4",
-    "detect_expert_kinds", "expected_for_kinds", "placement_units", "unit_of",
+    "detect_expert_kinds", "expected_for_kinds", "placement_units", "unit_of", "specs_by_unit",
+    "unit_label",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -284,12 +285,12 @@ def detect_expert_kinds(cfg: Dsv4Config, stored: Mapping[str, StoredTensor]) -> 
         v = votes.get(layer, {})
         if len(v) == 2:
             raise CheckpointError(
-                f"layer {_unit_label(cfg, layer)} mixes expert formats: {v[EXPERT_NVFP4]} is NVFP4 "
+                f"layer {unit_label(cfg, layer)} mixes expert formats: {v[EXPERT_NVFP4]} is NVFP4 "
                 f"(weight_scale/weight_scale_2/input_scale) but {v[EXPERT_MXFP4]} is MXFP4 (.scale)")
         kinds[layer] = next(iter(v), EXPERT_MXFP4)
         if layer >= cfg.num_hidden_layers and kinds[layer] == EXPERT_NVFP4:
             raise CheckpointError(
-                f"drafter stage {_unit_label(cfg, layer)} stores NVFP4 experts (e.g. "
+                f"drafter stage {unit_label(cfg, layer)} stores NVFP4 experts (e.g. "
                 f"{v[EXPERT_NVFP4]}); released checkpoints keep drafter experts MXFP4 and the "
                 f"expected-tensor table has no NVFP4 drafter")
     return kinds
@@ -378,14 +379,23 @@ def placement_units(cfg: Dsv4Config) -> list[int | str]:
     return ["embed", *range(n), "head", *range(n, n + cfg.num_drafter_stages)]
 
 
-def _layer_prefix(cfg: Dsv4Config, layer: int) -> str:
-    n = cfg.num_hidden_layers
-    return f"layers.{layer}" if layer < n else f"mtp.{layer - n}"
+def specs_by_unit(cfg: Dsv4Config, specs: Iterable[TensorSpec]
+                  ) -> dict[int | str, list[TensorSpec]]:
+    """`specs` grouped by placement unit, units in pipeline order, table order within a unit."""
+    by_unit: dict[int | str, list[TensorSpec]] = {}
+    for s in specs:
+        by_unit.setdefault(unit_of(cfg, s), []).append(s)
+    return {u: by_unit[u] for u in placement_units(cfg) if u in by_unit}
 
 
-def _unit_label(cfg: Dsv4Config, layer: int) -> str:
+def unit_label(cfg: Dsv4Config, layer: int) -> str:
+    """How a layer id is named to people: trunk layer "7", drafter stage "mtp.0"."""
     n = cfg.num_hidden_layers
     return str(layer) if layer < n else f"mtp.{layer - n}"
+
+
+def _layer_prefix(cfg: Dsv4Config, layer: int) -> str:
+    return f"layers.{layer}" if layer < cfg.num_hidden_layers else unit_label(cfg, layer)
 
 
 # ---------------------------------------------------------------------------------- the object
@@ -401,9 +411,7 @@ class Checkpoint:
         self._arrays = arrays
         self._specs, self._kinds = _census(config, stored, source)
         self._by_name = {s.name: s for s in self._specs}
-        self._by_unit: dict[int | str, list[TensorSpec]] = {}
-        for s in self._specs:
-            self._by_unit.setdefault(unit_of(config, s), []).append(s)
+        self._by_unit = specs_by_unit(config, self._specs)
         self._maps: dict[str, np.ndarray] = {}
 
     # -------------------------------------------------------------- constructors

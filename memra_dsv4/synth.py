@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from .checkpoint import INDEX_FILE, Checkpoint, CheckpointError, placement_units, unit_of
+from .checkpoint import INDEX_FILE, Checkpoint, CheckpointError, specs_by_unit
 from .config import (DRAFTER_DSPARK, DRAFTER_MTP, DRAFTER_NONE, QUANT_BLOCK, ConfigError,
                      Dsv4Config, preset)
 from .formats import (E2M1_MAX, E4M3_MAX, encode_bf16, encode_e4m3, encode_e8m0,
@@ -339,24 +339,17 @@ def synth_arrays(cfg: Dsv4Config, seed: int = 0, experts: str = "mxfp4") -> dict
     if experts not in EXPERT_FORMATS:
         raise ConfigError(f"experts={experts!r}: expected one of {', '.join(EXPERT_FORMATS)}")
     specs = expected_tensors(cfg, experts)
-    return {k: v for _, unit_specs in _units(cfg, specs)
+    return {k: v for unit_specs in specs_by_unit(cfg, specs).values()
             for k, v in synth_unit_arrays(cfg, seed, unit_specs).items()}
 
 
 # ---------------------------------------------------------------------------------- writing
-def _units(cfg: Dsv4Config, specs: list[TensorSpec]) -> list[tuple[int | str, list[TensorSpec]]]:
-    by_unit: dict[int | str, list[TensorSpec]] = {}
-    for s in specs:
-        by_unit.setdefault(unit_of(cfg, s), []).append(s)
-    return [(u, by_unit[u]) for u in placement_units(cfg) if u in by_unit]
-
-
 def shard_plan(cfg: Dsv4Config, specs: list[TensorSpec]) -> list[tuple[str, list[TensorSpec]]]:
     """Official layout: embed, one shard per trunk layer, head group, one per drafter stage."""
-    units = _units(cfg, specs)
+    units = list(specs_by_unit(cfg, specs).values())
     total = len(units)
     return [(f"model-{i + 1:05d}-of-{total:05d}.safetensors", unit_specs)
-            for i, (_, unit_specs) in enumerate(units)]
+            for i, unit_specs in enumerate(units)]
 
 
 def _write_shard(path: str, tensors: list[tuple[TensorSpec, np.ndarray]]) -> int:
