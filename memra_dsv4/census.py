@@ -200,11 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.drafter:
                 cfg = with_drafter(cfg, args.drafter)
             census = census_of_preset(cfg, args.experts or "mxfp4")
-    except CheckpointError as e:
-        # The census report itself: every offender list matters here, so print it whole.
-        print(f"memra_dsv4 census: error: {e}", file=sys.stderr)
-        return 2
-    except (_ArgError, ConfigError, OSError) as e:
+    except (CheckpointError, _ArgError, ConfigError, OSError) as e:
+        # Printed whole, not cut to one line: a CheckpointError is the census report itself and
+        # every offender list matters; the other messages are one line already.
         print(f"memra_dsv4 census: error: {e}", file=sys.stderr)
         return 2
     print(format_census(census))
