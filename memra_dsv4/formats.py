@@ -196,6 +196,20 @@ def _check_finite(w: np.ndarray, name: str) -> np.ndarray:
     return w
 
 
+def _fp4_scale_shape(packed: np.ndarray, scale: np.ndarray, name: str, fmt: str, block: int,
+                     scale_label: str) -> tuple[int, tuple[int, ...]]:
+    """(input width, block-scale shape) of a packed FP4 weight; refuses a layout that disagrees."""
+    if packed.ndim < 2:
+        raise FormatError(f"{name}: packed {fmt} weight must be at least 2-D, got {packed.shape}")
+    n_in = 2 * packed.shape[-1]
+    if n_in % block:
+        raise FormatError(f"{name}: {fmt} input width {n_in} is not a multiple of {block}")
+    want = (*packed.shape[:-1], n_in // block)
+    if scale.shape != want:
+        raise FormatError(f"{name}: {fmt} {scale_label} shape {scale.shape}, expected {want}")
+    return n_in, want
+
+
 # ----------------------------------------------------------------------------------------------
 # Decoders
 # ----------------------------------------------------------------------------------------------
@@ -239,14 +253,7 @@ def dequant_mxfp4(packed_u8, scale_u8, name: str) -> np.ndarray:
     """
     packed = _as_u8(packed_u8, name, "packed MXFP4 weight", allow_i8=True)
     scale = _as_u8(scale_u8, f"{name} (scale)", "MXFP4 scale")
-    if packed.ndim < 2:
-        raise FormatError(f"{name}: packed MXFP4 weight must be at least 2-D, got {packed.shape}")
-    n_in = 2 * packed.shape[-1]
-    if n_in % 32:
-        raise FormatError(f"{name}: MXFP4 input width {n_in} is not a multiple of 32")
-    want = (*packed.shape[:-1], n_in // 32)
-    if scale.shape != want:
-        raise FormatError(f"{name}: MXFP4 scale shape {scale.shape}, expected {want}")
+    n_in, want = _fp4_scale_shape(packed, scale, name, "MXFP4", 32, "scale")
     s = decode_e8m0(scale, f"{name} (scale)")
     vals = unpack_e2m1(packed, name).reshape(*want, 32)
     with np.errstate(over="ignore"):  # overflow is detected and refused just below
@@ -265,14 +272,7 @@ def dequant_nvfp4(packed_u8, weight_scale_u8, weight_scale_2, name: str) -> np.n
     """
     packed = _as_u8(packed_u8, name, "packed NVFP4 weight", allow_i8=True)
     wsb = _as_u8(weight_scale_u8, f"{name} (weight_scale)", "NVFP4 weight_scale")
-    if packed.ndim < 2:
-        raise FormatError(f"{name}: packed NVFP4 weight must be at least 2-D, got {packed.shape}")
-    n_in = 2 * packed.shape[-1]
-    if n_in % 16:
-        raise FormatError(f"{name}: NVFP4 input width {n_in} is not a multiple of 16")
-    want = (*packed.shape[:-1], n_in // 16)
-    if wsb.shape != want:
-        raise FormatError(f"{name}: NVFP4 weight_scale shape {wsb.shape}, expected {want}")
+    n_in, want = _fp4_scale_shape(packed, wsb, name, "NVFP4", 16, "weight_scale")
     ws2 = np.asarray(weight_scale_2)
     if ws2.size != 1 or ws2.ndim > 1 or ws2.dtype.kind != "f":
         raise FormatError(
