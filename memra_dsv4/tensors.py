@@ -24,6 +24,7 @@ Sizes: for the `flash` preset the table sums to 159,609,485,896 bytes, the publi
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from .config import ATTN_CSA, ATTN_HCA, DRAFTER_DSPARK, DRAFTER_MTP, QUANT_BLOCK, Dsv4Config
@@ -188,8 +189,8 @@ def expected_tensors(cfg: Dsv4Config, experts: str = "mxfp4") -> list[TensorSpec
                 b.bf16(f"{p}.markov_head.markov_w1", (cfg.vocab_size, rank), layer, G_DRAFTER_EXTRA)
                 b.bf16(f"{p}.markov_head.markov_w2", (cfg.vocab_size, rank), layer, G_DRAFTER_EXTRA)
                 b.bf16(f"{p}.confidence_head.proj", (1, D + rank), layer, G_DRAFTER_EXTRA)
-    names = [s.name for s in b.specs]
-    assert len(names) == len(set(names)), "duplicate tensor names in the expected table"
+    dups = sorted(n for n, count in Counter(s.name for s in b.specs).items() if count > 1)
+    assert not dups, f"duplicate tensor names in the expected table: {dups[:5]}"
     return b.specs
 
 
