@@ -353,9 +353,9 @@ def _census(cfg: Dsv4Config, stored: Mapping[str, StoredTensor], source: str
         ("missing", missing), ("unexpected", unexpected),
         ("wrong shape", bad_shape), ("wrong dtype", bad_dtype)) if items]
     if problems:
-        trunk = sorted({k for l, k in kinds.items() if l < cfg.num_hidden_layers})
         lines = [f"{source}: tensor census failed against the {cfg.name!r} table "
-                 f"(trunk experts {'/'.join(trunk) or 'n/a'}, drafter {cfg.drafter_kind}; "
+                 f"(trunk experts {_trunk_formats(cfg, kinds) or 'n/a'}, "
+                 f"drafter {cfg.drafter_kind}; "
                  f"{len(specs)} expected, {len(stored)} stored)"]
         for what, items in problems:
             shown = ", ".join(items[:MAX_LISTED])
@@ -363,6 +363,11 @@ def _census(cfg: Dsv4Config, stored: Mapping[str, StoredTensor], source: str
             lines.append(f"  {len(items)} {what}: {shown}{more}")
         raise CheckpointError("\n".join(lines))
     return specs, kinds
+
+
+def _trunk_formats(cfg: Dsv4Config, kinds: Mapping[int, str]) -> str:
+    """The trunk layers' expert formats, e.g. 'mxfp4' or 'mxfp4/nvfp4'."""
+    return "/".join(sorted({k for l, k in kinds.items() if l < cfg.num_hidden_layers}))
 
 
 # ---------------------------------------------------------------------------------- units
@@ -587,9 +592,9 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        trunk = sorted({k for l, k in self._kinds.items() if l < self.config.num_hidden_layers})
         return (f"Checkpoint({self.source!r}, config={self.config.name!r}, tensors={len(self)}, "
-                f"bytes={self.total_bytes():,}, experts={'/'.join(trunk)}, "
+                f"bytes={self.total_bytes():,}, "
+                f"experts={_trunk_formats(self.config, self._kinds)}, "
                 f"drafter={self.config.drafter_kind})")
 
 
