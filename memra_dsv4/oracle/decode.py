@@ -156,46 +156,12 @@ def _check_no_journal(state: DecodeState, what: str) -> None:
                          f"call commit(state, n_accepted) first")
 
 
-# -------------------------------------------------------------------------- compressor
-def _compress_chunk(layer, cs: CompressorState, x, p0: int, *, indexer: bool):
-    """Entries completed by positions p0..p0+S-1 given the pending rows ``cs`` (not modified).
-    Returns (entries [nb, d], a, z) with (a, z) the chunk's projections."""
-    cfg, pol = layer.cfg, layer.pol
-    sub = "attn.indexer.compressor" if indexer else "attn.compressor"
-    r = cs.ratio
-    S = x.shape[0]
-    positions = p0 + np.arange(S, dtype=np.int64)
-    a, z = ops.compressor_project(x, layer.w(f"{sub}.wkv.weight"), layer.w(f"{sub}.wgate.weight"),
-                                  layer.w(f"{sub}.ape"), positions, pol=pol)
-    rem0 = p0 % r
-    b0 = p0 - rem0
-    nb = (rem0 + S) // r
-    d = cfg.index_head_dim if indexer else cfg.head_dim
-    if nb == 0:
-        return np.zeros((0, d), dtype=pol.dtype), a, z
-    ca, cz = cs.cur_rows(rem0)
-    A = np.concatenate([ca, a], axis=0)[:nb * r]
-    Z = np.concatenate([cz, z], axis=0)[:nb * r]
-    if cs.overlap:
-        pa, pz = cs.prev_rows()
-        ac, zc = ops.compress_candidates(A, Z, r, prev_a=pa, prev_z=pz)
-    else:
-        ac, zc = ops.compress_candidates(A, Z, r)
-    pooled = ops.compress_pool(ac, zc, pol=pol)
-    kpos = b0 + r * np.arange(nb, dtype=np.int64)      # k*r: first token of the entry's block
-    cos, sin = layer.rope(kpos)
-    ent = ops.compress_entry_postprocess(pooled, layer.w(f"{sub}.norm.weight"), cos, sin,
-                                         rope_dim=cfg.qk_rope_head_dim, rotate=indexer,
-                                         eps=cfg.rms_norm_eps, pol=pol)
-    return ent, a, z
-
-
 # --------------------------------------------------------------------------- attention
 def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
     """The attention sub-layer for positions p0..p0+S-1 against ``cache``; updates the cache
     (ring after the reads, entries, pending rows) and, when ``jl`` is a list, appends the
     layer's rollback journal to it."""
-    cfg, pol = layer.cfg, layer.pol
+    cfg = layer.cfg
     S = x.shape[0]
     W = cfg.sliding_window
     pos = p0 + np.arange(S, dtype=np.int64)
@@ -216,20 +182,13 @@ def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
     az = idx_az = None
     if cache.ratio:
         if cache.kind == "csa":
-            nI, dI = cfg.index_n_heads, cfg.index_head_dim
-            new_keys, ia, iz = _compress_chunk(layer, cache.idx_state, x, p0, indexer=True)
+            new_keys, ia, iz = layer.compress(x, p0, cache.idx_state, indexer=True)
             idx_az = (ia, iz)
             keys = np.concatenate([cache.idx_keys.view(), new_keys], axis=0)
-            qI = ops.linear(qr, layer.w("attn.indexer.wq_b.weight"), "fp8", pol=pol)
-            qI = ops.apply_rope(qI.reshape(S, nI, dI), cos[:, None], sin[:, None], pol=pol)
-            qI = pol.fp4_sim(ops.hadamard(qI, pol=pol), 32)
-            wts = ops.indexer_weights(x, layer.w("attn.indexer.weights_proj.weight"),
-                                      n_heads=nI, head_dim=dI, pol=pol)
-            scores = ops.indexer_scores(qI, wts, keys, pol=pol)
-            comp_sel = ops.indexer_topk(scores, hidx.n_complete(pos, cache.ratio), cfg.index_topk)
+            comp_sel = layer.indexer_select(x, qr, keys, pos, cos, sin)
         else:
             comp_sel = hidx.hca_matrix(S, cache.ratio, start=p0)
-        new_ent, ca, cz = _compress_chunk(layer, cache.comp_state, x, p0, indexer=False)
+        new_ent, ca, cz = layer.compress(x, p0, cache.comp_state, indexer=False)
         az = (ca, cz)
         rows.append(cache.comp.view())
         rows.append(new_ent)

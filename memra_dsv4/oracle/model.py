@@ -62,8 +62,8 @@ Top level: ``embed`` [S,dim], ``hc_head`` [S,dim], ``final_norm`` [S,dim].
 Reuse by decode / chunked prefill
 ---------------------------------
 The per-token pieces are methods of ``_Layer`` working on explicit positions:
-``q_path``, ``kv_path``, ``compress`` (projections + ``ops.compress_pool`` over complete
-blocks, optionally seeded with a previous block's pending rows), ``indexer_select``,
+``q_path``, ``kv_path``, ``compress`` (projections + ``ops.compress_pool`` over the blocks a
+chunk completes, seeded with the compressor's pending rows), ``indexer_select``,
 ``attend`` (``ops.sparse_attention_with_sinks`` over a canonical candidate list) and
 ``out_proj``.  Decode calls the same routines with one row.
 
@@ -84,6 +84,7 @@ from memra_dsv4.host.routing import route_weights, sqrtsoftplus
 from memra_dsv4.oracle import ops
 from memra_dsv4.oracle._blas import single_threaded_blas
 from memra_dsv4.oracle.decode import DecodeMixin
+from memra_dsv4.oracle.state import CompressorState
 from memra_dsv4.seams import NumericsPolicy, policy
 
 __all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
@@ -180,38 +181,52 @@ class _Layer:
         kv = ops.apply_rope(kv, cos, sin, pol=pol)
         return pol.kv_sim(kv, cfg.qk_rope_head_dim)
 
-    def compress(self, x, positions, *, indexer: bool, prev=None):
-        """Compressed entries of every complete block among ``positions`` (which must start at
-        a block boundary).  ``prev`` = (a, z) pending rows of the previous block (overlap
-        only), None at a sequence start.  Returns (entries [nb, d], (a, z) projections)."""
+    def compress(self, x, p0: int, cs: CompressorState | None = None, *, indexer: bool):
+        """Compressed entries completed by positions p0..p0+S-1 (x [S, dim]) given the pending
+        rows ``cs`` of the main (``indexer=False``) or indexer compressor; ``cs`` is read, not
+        modified (None: a sequence start, p0 = 0).  Returns (entries [nb, d], a, z) with
+        (a, z) the chunk's projections (what ``cs.advance`` takes)."""
         cfg, pol = self.cfg, self.pol
         sub = "attn.indexer.compressor" if indexer else "attn.compressor"
         r = self.ratio
+        d = cfg.index_head_dim if indexer else cfg.head_dim
+        if cs is None:
+            cs = CompressorState.fresh(r, d, pol.dtype)
+        S = x.shape[0]
+        positions = p0 + np.arange(S, dtype=np.int64)
         a, z = ops.compressor_project(x, self.w(f"{sub}.wkv.weight"), self.w(f"{sub}.wgate.weight"),
                                       self.w(f"{sub}.ape"), positions, pol=pol)
-        nb = len(positions) // r
-        d = cfg.index_head_dim if indexer else cfg.head_dim
+        rem0 = p0 % r
+        b0 = p0 - rem0
+        nb = (rem0 + S) // r
         if nb == 0:
-            return np.zeros((0, d), dtype=pol.dtype), (a, z)
-        pa, pz = (None, None) if prev is None else prev
-        ac, zc = ops.compress_candidates(a[:nb * r], z[:nb * r], r, prev_a=pa, prev_z=pz)
+            return np.zeros((0, d), dtype=pol.dtype), a, z
+        ca, cz = cs.cur_rows(rem0)
+        A = np.concatenate([ca, a], axis=0)[:nb * r]
+        Z = np.concatenate([cz, z], axis=0)[:nb * r]
+        if cs.overlap:
+            pa, pz = cs.prev_rows()
+            ac, zc = ops.compress_candidates(A, Z, r, prev_a=pa, prev_z=pz)
+        else:
+            ac, zc = ops.compress_candidates(A, Z, r)
         pooled = ops.compress_pool(ac, zc, pol=pol)
-        kpos = np.asarray(positions[:nb * r:r], dtype=np.int64)  # k*r: first token of block
+        kpos = b0 + r * np.arange(nb, dtype=np.int64)   # k*r: first token of the entry's block
         cos, sin = self.rope(kpos)
         ent = ops.compress_entry_postprocess(pooled, self.w(f"{sub}.norm.weight"), cos, sin,
                                              rope_dim=cfg.qk_rope_head_dim, rotate=indexer,
                                              eps=cfg.rms_norm_eps, pol=pol)
-        return ent, (a, z)
+        return ent, a, z
 
-    def indexer_select(self, x, qr, positions, cos, sin, cap, force=None):
-        """CSA top-k per query over the complete indexer keys (M:380-433).
-        Returns the selection [T, min(topk, n)] in score order, -1 padded (or ``force``)."""
+    def indexer_select(self, x, qr, keys, positions, cos, sin, cap=None, force=None):
+        """CSA top-k per query over the complete indexer keys (M:380-433); ``keys`` [n, dI]
+        are every indexer key of the sequence so far (entries of blocks completed by
+        ``positions`` included).  Returns the selection [T, min(topk, n)] in score order,
+        -1 padded (or ``force``)."""
         cfg, pol = self.cfg, self.pol
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         qI = ops.linear(qr, self.w("attn.indexer.wq_b.weight"), "fp8", pol=pol)
         qI = ops.apply_rope(qI.reshape(x.shape[0], nI, dI), cos[:, None], sin[:, None], pol=pol)
         qI = pol.fp4_sim(ops.hadamard(qI, pol=pol), 32)
-        keys, _ = self.compress(x, positions, indexer=True)
         wts = ops.indexer_weights(x, self.w("attn.indexer.weights_proj.weight"),
                                   n_heads=nI, head_dim=dI, pol=pol)
         scores = ops.indexer_scores(qI, wts, keys, pol=pol)
@@ -248,11 +263,12 @@ class _Layer:
         kv_rows, comp_sel, comp = kv, None, None
         if self.ratio:
             if self.kind == "csa":
-                comp_sel = self.indexer_select(x, qr, pos, cos, sin, cap,
+                keys, _, _ = self.compress(x, 0, indexer=True)
+                comp_sel = self.indexer_select(x, qr, keys, pos, cos, sin, cap,
                                                (force or {}).get("attn.index.sel"))
             else:
                 comp_sel = hidx.hca_matrix(S, self.ratio)
-            comp, _ = self.compress(x, pos, indexer=False)
+            comp, _, _ = self.compress(x, 0, indexer=False)
             kv_rows = np.concatenate([kv, comp], axis=0)
         cand = hidx.candidate_matrix(win, comp_sel, offset=S)
         o = self.attend(q, kv_rows, cand)
