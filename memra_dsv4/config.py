@@ -39,6 +39,8 @@ DRAFTER_NONE, DRAFTER_MTP, DRAFTER_DSPARK = "none", "mtp", "dspark"
 CSA_RATIO = 4
 # FP8 weights and activations use 128-wide blocks; the KV nope FP8 simulation uses 64.
 QUANT_BLOCK = 128
+DSPARK_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids",
+               "dspark_markov_rank")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,15 @@ class Dsv4Config:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
+        # A DSpark drafter needs all four dspark_* keys; a config with only some of them is
+        # neither a DSpark nor an MTP checkpoint we understand (and must never reach the MTP
+        # loader), so it is refused, naming what is missing.
+        dspark = {f: getattr(self, f) for f in DSPARK_KEYS}
+        present = [f for f, v in dspark.items() if v is not None]
+        if present and len(present) != len(dspark):
+            missing = [f for f in DSPARK_KEYS if dspark[f] is None]
+            raise ConfigError(f"config has {', '.join(present)} but not {', '.join(missing)}: "
+                              f"a DSpark drafter needs all of {', '.join(DSPARK_KEYS)}")
         n = self.num_hidden_layers
         if len(self.compress_ratios) != n + self.num_drafter_stages:
             raise ConfigError(

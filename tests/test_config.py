@@ -177,3 +177,11 @@ def test_presets():
     for bad in ("flash-layers:0", "flash-layers:x", "nope"):
         with pytest.raises(ConfigError, match=bad):
             preset(bad)
+
+
+def test_partial_dspark_keys_are_refused_naming_the_missing_ones():
+    from memra_dsv4.config import ConfigError, flash_0731_config
+    d = flash_0731_config().to_hf_dict()
+    del d["dspark_block_size"]
+    with pytest.raises(ConfigError, match="dspark_block_size"):
+        Dsv4Config.from_dict(d)
