@@ -393,6 +393,17 @@ class Oracle(DecodeMixin):
         yn = ops.rmsnorm(y, self.weight(f"{prefix}norm.weight"), cfg.rms_norm_eps, pol=pol)
         return y, yn, ops.lm_head(yn[rows], self.weight("head.weight"), pol=pol)
 
+    def _mtp_input(self, layer: _Layer, h, ids):
+        """The MTP block's input streams: h0 = store(h_proj(hnorm(h)) + e_proj(enorm(embed)))
+        for trunk streams h [S, hc, dim] and the next tokens ids [S].  Returns (e, h0)."""
+        cfg, pol = self.config, self.pol
+        eps = cfg.rms_norm_eps
+        e = ops.rmsnorm(self._embed(ids), layer.w("enorm.weight"), eps, pol=pol)
+        z = ops.rmsnorm(pol.store(h), layer.w("hnorm.weight"), eps, pol=pol)
+        ep = ops.linear(e, layer.w("e_proj.weight"), "fp8", pol=pol)
+        hp = ops.linear(z, layer.w("h_proj.weight"), "fp8", pol=pol)
+        return e, pol.store(hp + ep[:, None, :])
+
     # ---------------------------------------------------------------- prefill
     def prefill(self, token_ids, all_logits: bool = False, capture: bool = False, *,
                 force_decisions=None) -> ForwardOut:
@@ -450,17 +461,10 @@ class Oracle(DecodeMixin):
         if not np.isfinite(h).all():
             raise ValueError("hc_state_rows contains non-finite values")
         layer = self.mtp_layers[0]
-        p = layer.p
-        eps = cfg.rms_norm_eps
-        hs = pol.store(h)
-        e = ops.rmsnorm(self._embed(ids), layer.w("enorm.weight"), eps, pol=pol)
-        z = ops.rmsnorm(hs, layer.w("hnorm.weight"), eps, pol=pol)
-        ep = ops.linear(e, layer.w("e_proj.weight"), "fp8", pol=pol)
-        hp = ops.linear(z, layer.w("h_proj.weight"), "fp8", pol=pol)
-        h0 = pol.store(hp + ep[:, None, :])
+        e, h0 = self._mtp_input(layer, h, ids)
         cap = {} if capture else None
         out = layer.block_prefill(h0, ids, cap)
-        y, yn, logits = self._head(out, f"{p}.", slice(None))
+        y, yn, logits = self._head(out, f"{layer.p}.", slice(None))
         if capture:
             cap.update({"mtp.e": e, "mtp.h0": h0, "hc_head": y, "final_norm": yn})
         return MtpOut(logits=logits, streams=out, captures=cap, numerics=pol.name)

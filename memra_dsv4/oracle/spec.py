@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memra_dsv4.oracle import ops
 from memra_dsv4.oracle._blas import single_threaded_blas
 from memra_dsv4.oracle.decode import (MAX_DRAFT, block_chunk, check_state, commit, decode_step,
                                       new_state, prefill_state, verify)
@@ -90,15 +89,8 @@ def new_mtp_state(oracle, max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> DecodeState
 def _mtp_chunk(oracle, mstate: DecodeState, h: np.ndarray, ids: np.ndarray):
     """MTP block over rows at positions mstate.pos.. (no checks).  The same ops as
     ``Oracle.mtp_forward``.  Returns (logits of the last row [vocab], output streams [S,hc,dim])."""
-    cfg, pol = oracle.config, oracle.pol
     layer = oracle.mtp_layers[0]
-    eps = cfg.rms_norm_eps
-    hs = pol.store(h)
-    e = ops.rmsnorm(oracle._embed(ids), layer.w("enorm.weight"), eps, pol=pol)
-    z = ops.rmsnorm(hs, layer.w("hnorm.weight"), eps, pol=pol)
-    ep = ops.linear(e, layer.w("e_proj.weight"), "fp8", pol=pol)
-    hp = ops.linear(z, layer.w("h_proj.weight"), "fp8", pol=pol)
-    h0 = pol.store(hp + ep[:, None, :])
+    _, h0 = oracle._mtp_input(layer, h, ids)
     out = block_chunk(layer, mstate.layers[0], h0, ids, mstate.pos)
     _, _, logits = oracle._head(out, f"{layer.p}.", slice(-1, None))
     mstate.pos += ids.shape[0]
