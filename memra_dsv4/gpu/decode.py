@@ -95,7 +95,7 @@ class ChunkBlock:
     # --------------------------------------------------------------------- compressor
     def compress_chunk(self, x, cs, p0: int, indexer: bool):
         """(entries [nb, d] f32 bf16-valued, a, z) for positions p0..p0+S-1 given the pending
-        rows ``cs`` (not modified); the oracle's decode._compress_chunk."""
+        rows ``cs`` (not modified); the twin of oracle.model._Layer.compress."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.model import _f64
