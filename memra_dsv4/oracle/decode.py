@@ -7,8 +7,10 @@ machine, reset hazard 7.3, consistency contract 7.4); dsv4_speculative.md 4.2 (r
 ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence against a
 ``DecodeState``: ``prefill_state`` is a chunk from a reset state at p0 = 0, ``decode_step`` a
 chunk of one token, ``prefill_chunk`` a chunk of any length, ``verify`` a chunk of k+1 tokens
-that keeps a rollback journal.  Per layer it uses the very ops (and the per-token methods of
-``model._Layer``) that ``Oracle.prefill`` uses, with the canonical candidate layout of
+that keeps a rollback journal, and ``Oracle.prefill`` / ``Oracle.mtp_forward`` are a chunk at
+p0 = 0 on a fresh state sized to the input (with ``capture`` / ``force_decisions``, which the
+chunk routine takes for any p0).  Per layer it uses the per-token methods of ``model._Layer``
+with the canonical candidate layout of
 ``memra_dsv4.host.indices`` (window chronological, W wide; compressed entries ascending), so a
 position's result does not depend on how the sequence was split (tests:
 tests/test_oracle_decode.py, bit-equal in every class).
@@ -24,7 +26,8 @@ API (methods of ``Oracle`` via ``DecodeMixin``; also plain functions here)
 ``oracle.new_state(max_seq_len=4096) -> DecodeState``      fresh state (position 0)
 ``oracle.prefill_state(tokens, state=None, all_logits=False) -> StepOut``
     Starts a NEW sequence: the state is reset first (a fresh one is made when None), then
-    ``tokens`` run as one chunk.  ``Oracle.prefill`` (stateless) is unchanged.
+    ``tokens`` run as one chunk.  ``Oracle.prefill`` runs the same chunk on a private fresh
+    state (and returns no state).
 ``oracle.decode_step(state, token) -> logits [vocab]``     one token at position state.pos
 ``oracle.prefill_chunk(state, tokens, all_logits=False) -> logits``   a chunk of any length
 ``oracle.verify(state, tokens) -> logits [k+1, vocab]``    speculative verify (below)
@@ -72,7 +75,8 @@ from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, CompressorState, Decode
 
 __all__ = [
     "StepOut", "VerifyJournal", "MAX_DRAFT", "DecodeMixin", "new_state", "prefill_state",
-    "decode_step", "prefill_chunk", "verify", "commit", "forward_chunk", "check_state",
+    "decode_step", "prefill_chunk", "verify", "commit", "forward_chunk", "run_chunk",
+    "check_state",
 ]
 
 MAX_DRAFT = 16
@@ -157,10 +161,13 @@ def _check_no_journal(state: DecodeState, what: str) -> None:
 
 
 # --------------------------------------------------------------------------- attention
-def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
-    """The attention sub-layer for positions p0..p0+S-1 against ``cache``; updates the cache
-    (ring after the reads, entries, pending rows) and, when ``jl`` is a list, appends the
-    layer's rollback journal to it."""
+def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None, cap=None,
+                     force=None):
+    """The attention sub-layer for positions p0..p0+S-1 against ``cache`` (M:484-543); updates
+    the cache (ring after the reads, entries, pending rows) and, when ``jl`` is a list, appends
+    the layer's rollback journal to it.  ``cap``: a dict that receives the attention captures
+    (model.py doc; "attn.comp" / "attn.index.keys" are every entry / key of the sequence so
+    far); ``force``: a forced "attn.index.sel" [S, w] (CSA layers)."""
     cfg = layer.cfg
     S = x.shape[0]
     W = cfg.sliding_window
@@ -185,7 +192,7 @@ def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
             new_keys, ia, iz = layer.compress(x, p0, cache.idx_state, indexer=True)
             idx_az = (ia, iz)
             keys = np.concatenate([cache.idx_keys.view(), new_keys], axis=0)
-            comp_sel = layer.indexer_select(x, qr, keys, pos, cos, sin)
+            comp_sel = layer.indexer_select(x, qr, keys, pos, cos, sin, cap, force)
         else:
             comp_sel = hidx.hca_matrix(S, cache.ratio, start=p0)
         new_ent, ca, cz = layer.compress(x, p0, cache.comp_state, indexer=False)
@@ -194,7 +201,12 @@ def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
         rows.append(new_ent)
     cand = hidx.candidate_matrix(win, comp_sel, offset=offset)
     o = layer.attend(q, np.concatenate(rows, axis=0), cand)
-    _, out = layer.out_proj(o, cos, sin)
+    o, out = layer.out_proj(o, cos, sin)
+    if cap is not None:
+        cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
+                    "attn.o": o, "attn.out": out})
+        if cache.ratio:
+            cap["attn.comp"] = np.concatenate([cache.comp.view(), new_ent], axis=0)
 
     # ---- writes (after every read)
     keep = pos[-min(S, W):]
@@ -216,18 +228,28 @@ def _attention_chunk(layer, cache: LayerCache, x, p0: int, jl: list | None):
     return out
 
 
-def block_chunk(layer, cache: LayerCache, streams, token_ids, p0: int, jl: list | None = None):
-    """One block (hc_pre, attention, hc_post, hc_pre, MoE, hc_post) over a chunk; the same
-    sequence of ops as ``model._Layer.block_prefill``."""
+def block_chunk(layer, cache: LayerCache, streams, token_ids, p0: int, jl: list | None = None,
+                cap: dict | None = None, force: dict | None = None):
+    """One block (hc_pre, attention, hc_post, hc_pre, MoE, hc_post) over a chunk.  ``cap``: a
+    dict that receives the block's captures (names in the model.py doc); ``force``: a dict
+    with "moe.idx" [S, k] and/or "attn.index.sel" [S, w] to replay instead of recompute."""
     cfg, pol = layer.cfg, layer.pol
+    force = force or {}
     x, post, comb = layer.hc_pre(streams, "attn")
     xn = ops.rmsnorm(x, layer.w("attn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-    a = _attention_chunk(layer, cache, xn, p0, jl)
+    a = _attention_chunk(layer, cache, xn, p0, jl, cap, force.get("attn.index.sel"))
     s1 = ops.hc_post(a, streams, post, comb, pol=pol)
+    if cap is not None:
+        cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
+                    "attn_norm": xn, "attn.streams": s1})
     x, post, comb = layer.hc_pre(s1, "ffn")
     xn = ops.rmsnorm(x, layer.w("ffn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-    f = layer.moe(xn, token_ids, None)
-    return ops.hc_post(f, s1, post, comb, pol=pol)
+    f = layer.moe(xn, token_ids, cap, force.get("moe.idx"))
+    s2 = ops.hc_post(f, s1, post, comb, pol=pol)
+    if cap is not None:
+        cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
+                    "ffn_norm": xn, "block.out": s2})
+    return s2
 
 
 def forward_chunk(oracle, state: DecodeState, ids: np.ndarray, *, all_logits: bool = False,
@@ -238,19 +260,34 @@ def forward_chunk(oracle, state: DecodeState, ids: np.ndarray, *, all_logits: bo
 
 
 def _forward_chunk(oracle, state, ids, all_logits, journal) -> StepOut:
+    logits, streams, _ = run_chunk(oracle, state, ids, all_logits, journal)
+    return StepOut(logits=logits, streams=streams, state=state, numerics=oracle.numerics)
+
+
+def run_chunk(oracle, state: DecodeState, ids: np.ndarray, all_logits: bool = False,
+              journal: VerifyJournal | None = None, caps: list | None = None,
+              force_decisions=None):
+    """The chunk routine (no checks, no BLAS thread setting; advances pos): trunk forward of
+    validated ids at positions state.pos...  ``caps``: a list that receives one capture dict
+    per trunk block; ``force_decisions``: one dict per trunk block (``block_chunk``).  Returns
+    (logits [vocab] or [S, vocab], streams [S, hc, dim], top captures or None)."""
     cfg = oracle.config
     p0 = state.pos
     e = oracle._embed(ids)
     streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
-    for layer, cache in zip(oracle.layers, state.layers):
+    for i, (layer, cache) in enumerate(zip(oracle.layers, state.layers)):
         jl = journal.layers if journal is not None else None
-        streams = block_chunk(layer, cache, streams, ids, p0, jl)
+        cap = {} if caps is not None else None
+        streams = block_chunk(layer, cache, streams, ids, p0, jl, cap,
+                              None if force_decisions is None else force_decisions[i])
+        if caps is not None:
+            caps.append(cap)
     rows = slice(None) if all_logits else slice(-1, None)
-    _, _, logits = oracle._head(streams, "", rows)
+    y, yn, logits = oracle._head(streams, "", rows)
     state.pos = p0 + ids.shape[0]
     state.last_hc = streams[-1].copy()
-    return StepOut(logits=logits if all_logits else logits[0], streams=streams, state=state,
-                   numerics=oracle.numerics)
+    top = {"embed": e, "hc_head": y, "final_norm": yn} if caps is not None else None
+    return (logits if all_logits else logits[0]), streams, top
 
 
 # -------------------------------------------------------------------------------- API

@@ -15,7 +15,8 @@ API
     to dequantise on every use instead.
 
 ``Oracle.prefill(token_ids, all_logits=False, capture=False) -> ForwardOut``
-    One sequence from position 0.  ``logits``: [vocab] of the last position, or [S, vocab]
+    One sequence from position 0: the chunk routine of ``memra_dsv4.oracle.decode``
+    (``run_chunk``) on a fresh, reset DecodeState sized to the prompt (not returned).  ``logits``: [vocab] of the last position, or [S, vocab]
     with ``all_logits``; float32 (float64 for ``exact``).  ``hc_state``: [hc, dim], the
     pre-hc_head streams of the last position (the MTP drafter input); ``streams``: the same for
     every position [S, hc, dim].  ``captures`` (with ``capture=True``): one dict per trunk block,
@@ -59,17 +60,19 @@ Capture names (per block dict; S tokens, H heads, n compressed entries)
 ``block.out`` [S,hc,dim]         block output streams
 Top level: ``embed`` [S,dim], ``hc_head`` [S,dim], ``final_norm`` [S,dim].
 
-Reuse by decode / chunked prefill
----------------------------------
+One block orchestration
+-----------------------
 The per-token pieces are methods of ``_Layer`` working on explicit positions:
 ``q_path``, ``kv_path``, ``compress`` (projections + ``ops.compress_pool`` over the blocks a
 chunk completes, seeded with the compressor's pending rows), ``indexer_select``,
-``attend`` (``ops.sparse_attention_with_sinks`` over a canonical candidate list) and
-``out_proj``.  Decode calls the same routines with one row.
+``attend`` (``ops.sparse_attention_with_sinks`` over a canonical candidate list),
+``out_proj``, ``moe`` and ``hc_pre``.  The block itself is ``decode.block_chunk`` (attention
+against a ``LayerCache``, with captures and forced decisions); ``prefill`` and ``mtp_forward``
+run it from position 0 on fresh caches, decode / chunked prefill / verify on the sequence's.
 
 Decode state machine (``memra_dsv4.oracle.decode`` / ``spec``, mixed in as ``DecodeMixin``):
 ``new_state``, ``prefill_state``, ``decode_step``, ``prefill_chunk``, ``verify``, ``commit``,
-``new_mtp_state``, ``mtp_propose``; ``Oracle.prefill`` itself stays stateless.
+``new_mtp_state``, ``mtp_propose``; ``Oracle.prefill`` keeps no state between calls.
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.host.routing import route_weights, sqrtsoftplus
 from memra_dsv4.oracle import ops
 from memra_dsv4.oracle._blas import single_threaded_blas
-from memra_dsv4.oracle.decode import DecodeMixin
-from memra_dsv4.oracle.state import CompressorState
+from memra_dsv4.oracle.decode import DecodeMixin, block_chunk, run_chunk
+from memra_dsv4.oracle.state import CompressorState, LayerCache
 from memra_dsv4.seams import NumericsPolicy, policy
 
 __all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
@@ -251,35 +254,6 @@ class _Layer:
         u = ops.wo_grouped(o, self.w("attn.wo_a.weight"), groups=cfg.o_groups, pol=pol)
         return o, ops.linear(u, self.w("attn.wo_b.weight"), "fp8", pol=pol)
 
-    def attention_prefill(self, x, cap, force=None):
-        """The attention sub-layer for positions 0..S-1 (M:484-543, start_pos = 0)."""
-        cfg = self.cfg
-        S = x.shape[0]
-        pos = np.arange(S, dtype=np.int64)
-        cos, sin = self.rope(pos)
-        qr, q = self.q_path(x, cos, sin)
-        kv = self.kv_path(x, cos, sin)
-        win = hidx.window_matrix(S, cfg.sliding_window)
-        kv_rows, comp_sel, comp = kv, None, None
-        if self.ratio:
-            if self.kind == "csa":
-                keys, _, _ = self.compress(x, 0, indexer=True)
-                comp_sel = self.indexer_select(x, qr, keys, pos, cos, sin, cap,
-                                               (force or {}).get("attn.index.sel"))
-            else:
-                comp_sel = hidx.hca_matrix(S, self.ratio)
-            comp, _, _ = self.compress(x, 0, indexer=False)
-            kv_rows = np.concatenate([kv, comp], axis=0)
-        cand = hidx.candidate_matrix(win, comp_sel, offset=S)
-        o = self.attend(q, kv_rows, cand)
-        o, out = self.out_proj(o, cos, sin)
-        if cap is not None:
-            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
-                        "attn.o": o, "attn.out": out})
-            if comp is not None:
-                cap["attn.comp"] = comp
-        return out
-
     # ---------------------------------------------------------------------- MoE
     def moe(self, x, token_ids, cap, force=None):
         cfg, pol = self.cfg, self.pol
@@ -322,24 +296,6 @@ class _Layer:
                           self.w(f"hc_{sub}_base"), hc_mult=cfg.hc_mult,
                           iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                           norm_eps=cfg.rms_norm_eps, pol=self.pol)
-
-    def block_prefill(self, streams, token_ids, cap, force=None):
-        cfg, pol = self.cfg, self.pol
-        x, post, comb = self.hc_pre(streams, "attn")
-        xn = ops.rmsnorm(x, self.w("attn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-        a = self.attention_prefill(xn, cap, force)
-        s1 = ops.hc_post(a, streams, post, comb, pol=pol)
-        if cap is not None:
-            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
-                        "attn_norm": xn, "attn.streams": s1})
-        x, post, comb = self.hc_pre(s1, "ffn")
-        xn = ops.rmsnorm(x, self.w("ffn_norm.weight"), cfg.rms_norm_eps, pol=pol)
-        f = self.moe(xn, token_ids, cap, (force or {}).get("moe.idx"))
-        s2 = ops.hc_post(f, s1, post, comb, pol=pol)
-        if cap is not None:
-            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
-                        "ffn_norm": xn, "block.out": s2})
-        return s2
 
 
 # ------------------------------------------------------------------------------ oracle
@@ -421,20 +377,13 @@ class Oracle(DecodeMixin):
         if force_decisions is not None and len(force_decisions) != len(self.layers):
             raise ValueError(f"force_decisions has {len(force_decisions)} entries; expected one "
                              f"per trunk block ({len(self.layers)})")
-        e = self._embed(ids)
-        streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
+        state = self.new_state(max_seq_len=ids.shape[0])
+        state.reset()
         caps = [] if capture else None
-        for i, layer in enumerate(self.layers):
-            cap = {} if capture else None
-            streams = layer.block_prefill(streams, ids, cap,
-                                          None if force_decisions is None else force_decisions[i])
-            if capture:
-                caps.append(cap)
-        rows = slice(None) if all_logits else slice(-1, None)
-        y, yn, logits = self._head(streams, "", rows)
-        top = {"embed": e, "hc_head": y, "final_norm": yn} if capture else None
-        return ForwardOut(logits=logits if all_logits else logits[0], hc_state=streams[-1].copy(),
-                          streams=streams, captures=caps, captures_top=top, numerics=pol.name)
+        logits, streams, top = run_chunk(self, state, ids, all_logits, caps=caps,
+                                         force_decisions=force_decisions)
+        return ForwardOut(logits=logits, hc_state=streams[-1].copy(), streams=streams,
+                          captures=caps, captures_top=top, numerics=pol.name)
 
     # ---------------------------------------------------------------- MTP
     def mtp_forward(self, hc_state_rows, next_token_ids, capture: bool = False) -> MtpOut:
@@ -463,7 +412,8 @@ class Oracle(DecodeMixin):
         layer = self.mtp_layers[0]
         e, h0 = self._mtp_input(layer, h, ids)
         cap = {} if capture else None
-        out = layer.block_prefill(h0, ids, cap)
+        cache = LayerCache(cfg, layer.lid, pol.dtype)    # fresh: rows at positions 0..S-1
+        out = block_chunk(layer, cache, h0, ids, 0, cap=cap)
         y, yn, logits = self._head(out, f"{layer.p}.", slice(None))
         if capture:
             cap.update({"mtp.e": e, "mtp.h0": h0, "hc_head": y, "final_norm": yn})
