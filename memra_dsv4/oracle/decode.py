@@ -275,6 +275,8 @@ def run_chunk(oracle, state: DecodeState, ids: np.ndarray, all_logits: bool = Fa
     p0 = state.pos
     e = oracle._embed(ids)
     streams = np.repeat(e[:, None, :], cfg.hc_mult, axis=1)
+    taps = getattr(state, "tap_layers", None)    # DSpark: trunk block outputs to keep
+    tapped = [] if taps else None
     for i, (layer, cache) in enumerate(zip(oracle.layers, state.layers)):
         jl = journal.layers if journal is not None else None
         cap = {} if caps is not None else None
@@ -282,6 +284,10 @@ def run_chunk(oracle, state: DecodeState, ids: np.ndarray, all_logits: bool = Fa
                               None if force_decisions is None else force_decisions[i])
         if caps is not None:
             caps.append(cap)
+        if tapped is not None and i in taps:
+            tapped.append(streams)
+    if tapped is not None:
+        state.tap_streams = tapped               # output streams of the tap layers, in order
     rows = slice(None) if all_logits else slice(-1, None)
     y, yn, logits = oracle._head(streams, "", rows)
     state.pos = p0 + ids.shape[0]

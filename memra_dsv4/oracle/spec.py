@@ -223,6 +223,23 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
         raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
                          f"max_seq_len {state.max_seq_len}")
     drafter = drafter if drafter is not None else MtpDrafter()
+    # A drafter with ``trunk_taps(oracle)`` (DSpark) is given, instead of the final streams,
+    # the output streams of those trunk blocks: rows [m, n_taps, hc, dim].
+    taps = getattr(drafter, "trunk_taps", None)
+    tap_ids = tuple(taps(oracle)) if taps is not None else None
+    state.tap_layers = tap_ids
+    try:
+        return _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state,
+                          tap_ids)
+    finally:
+        state.tap_layers = None
+        state.tap_streams = None
+
+
+def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state, tap_ids):
+    def rows(streams):
+        return streams if tap_ids is None else np.stack(state.tap_streams, axis=1)
+
     out = prefill_state(oracle, prompt, state)
     ids = np.asarray(prompt, dtype=np.int64)
 
@@ -235,7 +252,7 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
         return res
     drafter.begin(oracle, state.max_seq_len)
     kk = min(k, n_new - 1)
-    dt, dl = drafter.propose(out.streams, np.append(ids[1:], g), kk, pick)
+    dt, dl = drafter.propose(rows(out.streams), np.append(ids[1:], g), kk, pick)
     while len(res.tokens) < n_new:
         remaining = n_new - len(res.tokens)
         kk = min(len(dt), remaining - 1)
@@ -266,6 +283,6 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
         if remaining == 1:                            # nothing left to draft for
             dt, dl = np.zeros(0, dtype=np.int64), None
             continue
-        dt, dl = drafter.propose(streams[:n + 1], np.array(new, dtype=np.int64),
+        dt, dl = drafter.propose(rows(streams)[:n + 1], np.array(new, dtype=np.int64),
                                  min(k, remaining - 1), pick)
     return res
