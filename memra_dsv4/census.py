@@ -20,10 +20,10 @@ Contract
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 
+from .cli import ArgParser, UsageError
 from .checkpoint import (Checkpoint, CheckpointError, expected_for_kinds, placement_units,
                          specs_by_unit, unit_label)
 from .config import ConfigError, Dsv4Config, preset
@@ -170,17 +170,8 @@ def format_census(c: Census) -> str:
 
 
 # ---------------------------------------------------------------------------------- CLI
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, no usage dump
-        raise _ArgError(message)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m memra_dsv4 census",
+    p = ArgParser(prog="python -m memra_dsv4 census",
                 description="Print the tensor census of a checkpoint directory or a preset.")
     p.add_argument("dir", nargs="?", help="checkpoint directory (validated in full)")
     p.add_argument("--preset", help="tiny, small, flash-layers:N, flash, pro, flash-0731")
@@ -189,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = p.parse_args(argv)
         if (args.dir is None) == (args.preset is None):
-            raise _ArgError("give exactly one of DIR or --preset NAME")
+            raise UsageError("give exactly one of DIR or --preset NAME")
         if args.dir is not None:
             if args.experts or args.drafter:
-                raise _ArgError("--experts/--drafter apply to --preset only; a checkpoint's "
+                raise UsageError("--experts/--drafter apply to --preset only; a checkpoint's "
                                 "formats are read from its tensors and config")
             census = census_of_checkpoint(Checkpoint.open(args.dir))
         else:
@@ -200,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.drafter:
                 cfg = with_drafter(cfg, args.drafter)
             census = census_of_preset(cfg, args.experts or "mxfp4")
-    except (CheckpointError, _ArgError, ConfigError, OSError) as e:
+    except (CheckpointError, UsageError, ConfigError, OSError) as e:
         # Printed whole, not cut to one line: a CheckpointError is the census report itself and
         # every offender list matters; the other messages are one line already.
         print(f"memra_dsv4 census: error: {e}", file=sys.stderr)

@@ -11,7 +11,6 @@ otherwise, and finishes with one MTP draft from the last hidden streams.  Prints
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -20,16 +19,12 @@ import time
 
 import numpy as np
 
-from memra_dsv4.run import UsageError, greedy_incremental, greedy_reprefill, select_backend
+from memra_dsv4.cli import ArgParser, UsageError
+from memra_dsv4.run import greedy_incremental, greedy_reprefill, select_backend
 
 __all__ = ["main"]
 
 DEMO_PROMPT = [0, 17, 42, 99, 3, 250, 7, 11, 64, 5, 301, 12]   # 12 tokens: CSA emits, window wraps
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
 
 
 def _default_dir() -> str:
@@ -45,7 +40,7 @@ def _default_dir() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = _Parser(prog="python -m memra_dsv4 demo")
+    p = ArgParser(prog="python -m memra_dsv4 demo")
     p.add_argument("--dir", default=None, help="where to write the checkpoint")
     p.add_argument("--steps", type=int, default=6, help="greedy steps after the prompt")
     p.add_argument("--device", default=None, help="oracle | gpu | auto (default)")

@@ -37,13 +37,13 @@ and return 2.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import sys
 from dataclasses import dataclass, field
 
+from memra_dsv4.cli import ArgParser, UsageError
 from memra_dsv4.config import CSA_RATIO, ConfigError, Dsv4Config, preset
 from memra_dsv4.tensors import (EXPERT_FORMATS, G_EMBED, G_EXPERTS, G_HEAD, TensorSpec,
                                 expected_tensors)
@@ -287,15 +287,6 @@ def plan_split(cfg: Dsv4Config, n_devices: int, experts: str = "mxfp4", max_seq_
 
 
 # ------------------------------------------------------------------------ CLI
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise _ArgError(message)
-
-
 def _detect_experts(ckpt: str) -> str:
     """nvfp4 when the checkpoint index lists NVFP4 sidecars (weight_scale_2), else mxfp4."""
     index = os.path.join(ckpt, "model.safetensors.index.json")
@@ -305,13 +296,13 @@ def _detect_experts(ckpt: str) -> str:
         with open(index, encoding="utf-8") as fh:
             weight_map = json.load(fh).get("weight_map", {})
     except (OSError, json.JSONDecodeError) as e:
-        raise _ArgError(f"{index}: unreadable ({e})") from None
+        raise UsageError(f"{index}: unreadable ({e})") from None
     return "nvfp4" if any(k.endswith(".weight_scale_2") for k in weight_map) else "mxfp4"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = _Parser(prog="python -m memra_dsv4 plan",
+    ap = ArgParser(prog="python -m memra_dsv4 plan",
                  description="Print the pipeline split of a DeepSeek-V4 checkpoint over N devices.")
     ap.add_argument("ckpt", nargs="?", help="checkpoint directory (config.json)")
     ap.add_argument("--preset", help="a config preset instead of a checkpoint (flash, pro, ...)")
@@ -331,23 +322,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args = ap.parse_args(argv)
         if (args.ckpt is None) == (args.preset is None):
-            raise _ArgError("give exactly one of CKPT or --preset NAME")
+            raise UsageError("give exactly one of CKPT or --preset NAME")
         if args.ckpt is not None:
             if not os.path.isdir(args.ckpt):
-                raise _ArgError(f"checkpoint directory {args.ckpt} does not exist")
+                raise UsageError(f"checkpoint directory {args.ckpt} does not exist")
             cfg = Dsv4Config.from_checkpoint(args.ckpt)
             experts = args.experts or _detect_experts(args.ckpt)
         else:
             cfg = preset(args.preset)
             experts = args.experts or "mxfp4"
         if args.workspace_gib < 0:
-            raise _ArgError(f"--workspace-gib {args.workspace_gib} must be >= 0")
+            raise UsageError(f"--workspace-gib {args.workspace_gib} must be >= 0")
         placement = plan_split(
             cfg, args.devices, experts=experts, max_seq_len=args.max_seq_len, dense=args.dense,
             include_drafter=not args.no_drafter, workspace_bytes=int(args.workspace_gib * GiB),
             max_batch=args.max_batch,
             device_bytes=None if args.device_gib is None else int(args.device_gib * GiB))
-    except (_ArgError, ConfigError, PlacementError) as e:
+    except (UsageError, ConfigError, PlacementError) as e:
         print(f"memra_dsv4 plan: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2

@@ -20,28 +20,20 @@ full prefill of prompt + generated tokens and appends the argmax of the last pos
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import numpy as np
 
+from memra_dsv4.cli import ArgParser, UsageError
 from memra_dsv4.seams import SEAM_CONTINUE, SEAM_DEVICE, SEAM_NUMERICS, resolve
 
 __all__ = ["main", "open_checkpoint", "select_backend", "greedy_reprefill", "UsageError"]
 
 
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message)
-
-
-def _parser() -> _Parser:
-    p = _Parser(prog="python -m memra_dsv4 run", add_help=True,
+def _parser() -> ArgParser:
+    p = ArgParser(prog="python -m memra_dsv4 run", add_help=True,
                 description="Greedy continuation by re-prefill on the oracle or the GPU.")
     p.add_argument("checkpoint", help="checkpoint directory, or synth:PRESET[:SEED]")
     p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")

@@ -39,7 +39,6 @@ Contract
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -50,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from .cli import ArgParser, UsageError
 from .checkpoint import INDEX_FILE, Checkpoint, CheckpointError, specs_by_unit
 from .config import (DRAFTER_DSPARK, DRAFTER_MTP, DRAFTER_NONE, QUANT_BLOCK, ConfigError,
                      Dsv4Config, preset)
@@ -421,17 +421,8 @@ def write_synth_checkpoint(out: str | os.PathLike, cfg: Dsv4Config, seed: int = 
 
 
 # ---------------------------------------------------------------------------------- CLI
-class _ArgError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):   # one line, no usage dump
-        raise _ArgError(message)
-
-
-def _parser() -> _Parser:
-    p = _Parser(prog="python -m memra_dsv4 synth",
+def _parser() -> ArgParser:
+    p = ArgParser(prog="python -m memra_dsv4 synth",
                 description="Write a synthetic checkpoint in the official DeepSeek-V4 layout.")
     p.add_argument("out", help="output directory (created; must be empty)")
     p.add_argument("--preset", required=True, help="tiny, small or flash-layers:N")
@@ -446,17 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.seed < 0:
-            raise _ArgError(f"--seed {args.seed}: must be >= 0")
+            raise UsageError(f"--seed {args.seed}: must be >= 0")
         cfg = preset(args.preset)
         if args.drafter is not None:
             cfg = with_drafter(cfg, args.drafter)
         if cfg.name in FULL_PRESETS:
             size = sum(s.nbytes for s in expected_tensors(cfg, args.experts))
-            raise _ArgError(f"refusing to write preset {cfg.name!r}: {size / 1e9:.1f} GB of "
+            raise UsageError(f"refusing to write preset {cfg.name!r}: {size / 1e9:.1f} GB of "
                             f"synthetic data; use flash-layers:N for real dimensions on disk "
                             f"(the GPU path builds full presets in memory)")
         total = write_synth_checkpoint(args.out, cfg, args.seed, args.experts)
-    except (_ArgError, ConfigError, CheckpointError, OSError) as e:
+    except (UsageError, ConfigError, CheckpointError, OSError) as e:
         print(f"memra_dsv4 synth: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     n = len(expected_tensors(cfg, args.experts))
