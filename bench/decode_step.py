@@ -70,6 +70,26 @@ class _ArmState:
         self.tok = int(np.argmax(logits))
 
 
+def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
+    """One eager device step recorded launch by launch, each launch then timed alone as a
+    graph of ``reps`` copies (memra_dsv4.profiling.launches); prints and returns the tables."""
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import aggregate, format_rows, record_launches, time_launches
+
+    def one():
+        st.m.decode_path = st.path
+        st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
+    recs = record_launches(one, ("step_device.py",))
+    times = time_launches(recs, reps=reps, flush_bytes=flush_bytes)
+    by_k, by_s = aggregate(recs, times, "kernel"), aggregate(recs, times, "site")
+    print(f"launch profile: {len(recs)} launches, sum {sum(times) / 1e3:.3f} ms "
+          f"(each alone, graph of {reps} copies{', L2 flushed' if flush_bytes else ''})")
+    print(format_rows(by_k, "kernel"))
+    print(format_rows(by_s, "site"))
+    return {"count": len(recs), "sum_ms": sum(times) / 1e3, "reps": reps,
+            "flush_bytes": flush_bytes, "by_kernel": by_k, "by_site": by_s}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:flash")
@@ -79,6 +99,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--phase-steps", type=int, default=3)
+    ap.add_argument("--launch-profile", type=int, default=0, metavar="REPS",
+                    help="device arms: time every kernel launch of one step alone as a graph "
+                         "of REPS copies (profiling.launches); 0 = off")
+    ap.add_argument("--flush-mb", type=int, default=0,
+                    help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -138,6 +163,8 @@ def main(argv=None) -> int:
         rows = build_report(phase_collect(), 0.0, a.phase_steps) if a.phase_steps else []
         prof_configure("off")
         frac = own_b / (summ["median"] * 1e-3) / copy_bw
+        launches = (_launch_profile(states[arm.name], a.launch_profile, a.flush_mb << 20)
+                    if a.launch_profile and arm.settings.get("path") == "device" else None)
         out_arms[arm.name] = {
             "settings": arm.settings, "summary": summ,
             "ratio_to_first": summ["median"] / base,
@@ -146,6 +173,8 @@ def main(argv=None) -> int:
             "floor_ms": floors(own_b, copy_bw), "native_floor_ms": floors(nat_b, copy_bw),
             "phases_us": phase_breakdown(rows, depth=2),
         }
+        if launches is not None:
+            out_arms[arm.name]["launches"] = launches
         print(f"{arm.name}: median {summ['median']:.2f} ms/step (p10 {summ['p10']:.2f}, p90 "
               f"{summ['p90']:.2f}, iqr {summ['iqr']:.2f}), {summ['tok_s']:.1f} tok/s, x"
               f"{summ['median'] / base:.2f} vs first; {own_b / 1e9:.2f} GB/step read -> "

@@ -12,11 +12,11 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or
 
 STEM = "decode"
-KERNELS = ("gemv_bf16", "embed_gather", "step_scalars", "ring_write", "pending_write",
+KERNELS = ("gemv_bf16", "gemv_bf16_multi", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
-__all__ = ["gemv_bf16", "embed_gather", "step_scalars", "ring_write", "pending_write",
+__all__ = ["gemv_bf16", "GemvTable", "gemv_bf16_multi", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -41,6 +41,43 @@ def gemv_bf16(w, x, out, *, groups: int = 1):
                               (w, x, out, i32(O), i32(K), i32(rpg),
                                i32(1 if out.dtype == np.uint16 else 0)))
     return out
+
+
+class GemvTable:
+    """Device table of projections that share one input x (decode.cu GemvSeg, 24 bytes each
+    + a sentinel): built once at setup from weights [O_s, K] bf16 bits and outputs (arena
+    views, f32 or bf16 bits, O_s values).  The addresses are baked in, like a graph's."""
+
+    SEG_BYTES = 24
+
+    def __init__(self, pairs, K: int):
+        import cupy as cp
+        assert pairs, "GemvTable: no projections"
+        rec = np.zeros(len(pairs) + 1, dtype=np.dtype([("w", "<u8"), ("y", "<u8"), ("row0", "<i4"),
+                                                        ("out_bf16", "<i4")]))
+        assert rec.dtype.itemsize == self.SEG_BYTES
+        row = 0
+        self.keep = []
+        for i, (w, out) in enumerate(pairs):
+            check(w, f"GemvTable.w[{i}]", np.uint16)
+            assert w.shape[1] == K, f"GemvTable.w[{i}]: shape {w.shape}, expected [*, {K}]"
+            assert out.dtype in (np.float32, np.uint16) and out.size == w.shape[0] and \
+                out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}"
+            assert w.data.ptr % 16 == 0, f"GemvTable.w[{i}]: 16-byte alignment"
+            rec[i] = (w.data.ptr, out.data.ptr, row, int(out.dtype == np.uint16))
+            row += w.shape[0]
+            self.keep += [w, out]
+        rec[len(pairs)]["row0"] = row
+        self.rows, self.K, self.nseg = row, int(K), len(pairs)
+        self.table = cp.asarray(rec.view(np.uint8))
+
+
+def gemv_bf16_multi(table: GemvTable, x):
+    """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch."""
+    check(x, "gemv_bf16_multi.x", np.uint16)
+    assert x.size == table.K and x.data.ptr % 16 == 0, f"gemv_bf16_multi.x: {x.size} != {table.K}"
+    kernel(STEM, "gemv_bf16_multi")(((table.rows + 7) // 8,), (256,),
+                                    (table.table, i32(table.nseg), x, i32(table.K)))
 
 
 def embed_gather(tok, embed, streams):

@@ -1,0 +1,81 @@
+"""Achieved bandwidth of the decode GEMVs at Flash shapes, one GPU.
+
+    python tools/bench_gemv.py [--device 0] [--reps 20]
+
+Each kernel is timed alone as a CUDA graph of --reps copies, each copy followed by a 256 MB
+memset that evicts L2 (the memset graph alone is timed and subtracted), so the weights come
+from HBM as in a decode step.  Prints µs per call and the weight bytes / time as a fraction of
+the device-to-device copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from bench.harness import measure_copy_bandwidth
+    from memra_dsv4.gpu import ops_decode as DK
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.profiling.launches import record_launches, time_launches
+
+    cp.cuda.Device(a.device).use()
+    bw = measure_copy_bandwidth(a.device)["copy_bw_Bps"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rng = cp.random.default_rng(0)
+
+    def bf16(*shape):
+        return (rng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+
+    cases = []
+    for name, O, K, groups in [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1),
+                               ("wq_b", 32768, 1024, 1), ("wo_a", 8192, 4096, 8),
+                               ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
+                               ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1),
+                               ("head", 129280, 4096, 1)]:
+        w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
+        cases.append((f"gemv_bf16 {name} [{O}x{K}]", 2 * O * K,
+                      lambda w=w, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g)))
+    # the attention-side group of [*, 4096] projections of xn in one launch
+    segs = [(bf16(o, 4096), cp.empty(o, cp.float32 if f else cp.uint16))
+            for o, f in [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]]
+    tab = DK.GemvTable(segs, 4096)
+    xm = bf16(4096)
+    cases.append(("gemv_bf16_multi attn group [4160x4096]", 2 * tab.rows * 4096,
+                  lambda: DK.gemv_bf16_multi(tab, xm)))
+    # routed experts, MXFP4, k = 6 of 256
+    E, I, D, k = 256, 2048, 4096, 6
+    packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
+              (("w1", (I, D // 2)), ("w3", (I, D // 2)), ("w2", (D, I // 2)))}
+    scale = {m: cp.full((E, p.shape[1], p.shape[2] * 2 // 32), 120, cp.uint8)
+             for m, p in packed.items()}
+    wp = {m: EX.stacked_pointer_table(p) for m, p in packed.items()}
+    sp = {m: EX.stacked_pointer_table(s) for m, s in scale.items()}
+    ids = cp.asarray(np.array([3, 77, 12, 200, 150, 9], np.int32))
+    wts = cp.full(k, 0.5, cp.float32)
+    xe, h = bf16(1, D), cp.empty((k, I), cp.uint16)
+    sh, out = bf16(1, D), cp.empty((1, D), cp.uint16)
+    fp4 = lambda o, i: o * i // 2 + o * i // 32
+    cases.append(("gemv_fp4_gateup mxfp4 6x[2x2048x4096]", k * 2 * fp4(I, D),
+                  lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"],
+                                             sp["w3"], I, D, weight=wts, limit=10.0, out=h,
+                                             x_div=k)))
+    cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
+                  lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
+                                                   sp["w2"], D, I, shared=sh, out=out)))
+    print(f"{'kernel':<48s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
+    for name, nbytes, fn in cases:
+        recs = record_launches(fn, ("bench_gemv.py",))
+        us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
+        print(f"{name:<48s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
