@@ -21,6 +21,12 @@
 //     or Hadamard-128 (double FWHT) -> bf16 -> fp4 sim in blocks of 32 (indexer)   SIM = 2
 //   One CTA of D/EPT threads per row (thread owns EPT consecutive dims); output row k goes to
 //   out + k * ld_out (write straight into a cache).
+// Decode gate (pool_* and norm_rope_sim_*: trailing gate_pos, gate_r[, row_mode, n_rows]): with
+//   gate_pos != null the kernel does nothing unless (pos + 1) % r == 0, so the per-step graph can
+//   hold the emission work at no cost on the r - 1 steps that emit nothing (ratio 128: the pool
+//   reads 128 pending rows).  norm_rope_sim (one row) places it by row_mode: ROW_GATE: out row 0;
+//   ROW_ENTRY: row (pos + 1) / r - 1 of out = the compressed cache (skipped past n_rows);
+//   ROW_RING: no gate, row pos % r of out = the window ring (r = W).
 #include "common.cuh"
 
 using namespace memra;
@@ -39,6 +45,15 @@ compress_add_ape(float* z, const float* __restrict__ ape, const int* __restrict_
 namespace {
 
 // The pooling routine over n candidates, given as (a, z) pairs fetched by `get(i, a, z)`.
+// Decode emission gate: with gate_pos != null the kernel runs only when (pos + 1) % r == 0 (the
+// step that closes a compressed block); otherwise it returns before touching memory.  Prefill
+// passes null.  Uniform across the grid, so whole CTAs exit.
+DEV bool emit_gate_open(const int* gate_pos, int gate_r) {
+    return gate_pos == nullptr || (__ldg(gate_pos) + 1) % gate_r == 0;
+}
+
+enum { ROW_GATE = 0, ROW_ENTRY = 1, ROW_RING = 2 };
+
 template <int NMAX, typename Get>
 DEV float pool_small(int n, Get get) {
     double a[NMAX], z[NMAX];
@@ -70,7 +85,9 @@ DEV float pool_small(int n, Get get) {
 extern "C" __global__ void __launch_bounds__(128)
 compress_pool_overlap(const float* __restrict__ kv, const float* __restrict__ score, int ld,
                       const float* __restrict__ prev_kv, const float* __restrict__ prev_score, int ld_prev,
-                      float* __restrict__ out, int ld_out, int d) {
+                      float* __restrict__ out, int ld_out, int d, const int* __restrict__ gate_pos,
+                      int gate_r) {
+    if (!emit_gate_open(gate_pos, gate_r)) return;
     const int c = blockIdx.x * 128 + threadIdx.x;
     const i64 k = blockIdx.y;
     if (c >= d) return;
@@ -99,7 +116,9 @@ compress_pool_overlap(const float* __restrict__ kv, const float* __restrict__ sc
 // kv, score: [n_entries * r, ld] f32 (ld >= d); out [n_entries, ld_out]. grid (ceil(d/128), n_entries), block 128.
 extern "C" __global__ void __launch_bounds__(128)
 compress_pool_plain(const float* __restrict__ kv, const float* __restrict__ score, int ld,
-                    float* __restrict__ out, int ld_out, int d, int r) {
+                    float* __restrict__ out, int ld_out, int d, int r, const int* __restrict__ gate_pos,
+                    int gate_r) {
+    if (!emit_gate_open(gate_pos, gate_r)) return;
     const int c = blockIdx.x * 128 + threadIdx.x;
     const i64 k = blockIdx.y;
     if (c >= d) return;
@@ -124,7 +143,21 @@ enum { SIM_NONE = 0, SIM_FP8 = 1, SIM_HAD_FP4 = 2 };
 template <int D, int EPT, bool IN_F32, int SIM>
 DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict__ w, double eps,
                            const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                           const int* __restrict__ pos, int R, u16* out, int ld_out) {
+                           const int* __restrict__ pos, int R, u16* out, int ld_out,
+                           const int* __restrict__ gate_pos, int gate_r, int row_mode, int n_rows) {
+    if (gate_pos != nullptr) {
+        const int p = __ldg(gate_pos);
+        if (row_mode == ROW_RING) {            // ring row p % r (the window cache), no gate
+            out += (i64)(p % gate_r) * ld_out;
+        } else {
+            if ((p + 1) % gate_r != 0) return;  // emission gate
+            if (row_mode == ROW_ENTRY) {       // compressed row (p + 1) / r - 1
+                const int k = (p + 1) / gate_r - 1;
+                if (k >= n_rows) return;
+                out += (i64)k * ld_out;
+            }
+        }
+    }
     constexpr int NT = D / EPT;
     constexpr int NW = NT / 32;
     static_assert(NT % 32 == 0, "one or more whole warps per row");
@@ -211,8 +244,10 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict_
     extern "C" __global__ void __launch_bounds__(D / EPT)                                         \
     NAME(const void* in, int ld_in, const float* __restrict__ w, double eps,                     \
          const float* __restrict__ cos_t, const float* __restrict__ sin_t,                        \
-         const int* __restrict__ pos, int R, u16* out, int ld_out) {                              \
-        norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, w, eps, cos_t, sin_t, pos, R, out, ld_out); \
+         const int* __restrict__ pos, int R, u16* out, int ld_out, const int* __restrict__ gate_pos, \
+         int gate_r, int row_mode, int n_rows) {                                                 \
+        norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, w, eps, cos_t, sin_t, pos, R, out, ld_out, \
+                                               gate_pos, gate_r, row_mode, n_rows);               \
     }
 
 NORM_ROPE_SIM(norm_rope_fp8_d512_f32in, 512, 8, true, SIM_FP8)

@@ -21,6 +21,11 @@
 // hc_post: new_j = bf16(post_j f + sum_i comb[i][j] R_i), double, i ascending (twin
 //   oracle.ops.hc_post): bit-identical. Grid (T), block 128, thread = 8 channels x 4 streams.
 //
+// The per-token kernels (hc_pre_split_apply, hc_weighted_sum, hc_head_apply, hc_post) run on grid
+// (T, n_y): the n_y CTAs of a token split its channels (8 per thread); each recomputes the tiny
+// split math, CTA y = 0 alone writes pre/post/comb. Decode (T = 1) uses n_y > 1 so one token is
+// not one CTA on one SM; the bits do not depend on n_y.
+//
 // hc (the stream count) is 4 throughout (Flash, Pro and every preset); D % 8 == 0.
 #include "common.cuh"
 
@@ -166,7 +171,7 @@ DEV float sum4(float v, int src0, int step) {
 // y[t] = bf16(sum_i pre[i] X_i), double, i ascending. Block-wide loop over 8-channel chunks.
 DEV void weighted_streams(const u16* __restrict__ X, const float* pre, u16* __restrict__ y, int D) {
     const int nc = D >> 3;
-    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < nc; c += gridDim.y * blockDim.x) {
         double acc[8];
 #pragma unroll
         for (int i = 0; i < HC; ++i) {
@@ -230,17 +235,17 @@ hc_pre_split_apply(const float* __restrict__ mixes, const float* __restrict__ sc
                 L = __fdiv_rn(L, __fadd_rn(sum4(L, 4 * j, 1), hc_eps));
                 L = __fdiv_rn(L, __fadd_rn(sum4(L, k, 4), hc_eps));
             }
-            comb_out[t * HC * HC + lane] = L;
+            if (blockIdx.y == 0) comb_out[t * HC * HC + lane] = L;
         }
         if (lane >= 16 && lane < 16 + HC) {
             const int i = lane - 16;
             const float p = __fadd_rn(sigmoid_f32(__fadd_rn(__fmul_rn(m[i], scale[0]), base[i])), hc_eps);
             pre_s[i] = p;
-            pre_out[t * HC + i] = p;
+            if (blockIdx.y == 0) pre_out[t * HC + i] = p;
         } else if (lane >= 16 + HC && lane < 16 + 2 * HC) {
             const int i = lane - 16 - HC;
             const float s = sigmoid_f32(__fadd_rn(__fmul_rn(m[HC + i], scale[1]), base[HC + i]));
-            post_out[t * HC + i] = __fmul_rn(2.0f, s);
+            if (blockIdx.y == 0) post_out[t * HC + i] = __fmul_rn(2.0f, s);
         }
     }
     __syncthreads();
@@ -283,7 +288,7 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
     else if (threadIdx.x < HC + HC * HC) pc[threadIdx.x] = comb[t * HC * HC + threadIdx.x - HC];
     __syncthreads();
     const int nc = D >> 3;
-    for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < nc; c += gridDim.y * blockDim.x) {
         float ff[8], r[HC][8];
         unpack8(ldg16(f + t * D + 8 * c), ff);
 #pragma unroll

@@ -34,6 +34,10 @@ router_logits_bf16(const u16* __restrict__ x, const u16* __restrict__ w, float* 
 #pragma unroll
     for (int t = 0; t < RL_TOK; ++t) acc[t] = 0.0;
     const int nc = D >> 3;
+    // unrolled so the loads of 2 chunks are issued before their (in-order) accumulation: the
+    // same sum, with 2 loads in flight per lane instead of 1 (decode has only E / 8 CTAs; 4
+    // spills)
+#pragma unroll 2
     for (int c = lane; c < nc; c += 32) {
         float wf[8];
         unpack8(ldg16(w + (i64)e * D + 8 * c), wf);

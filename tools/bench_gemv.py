@@ -42,13 +42,23 @@ def main(argv=None) -> int:
         w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
         cases.append((f"gemv_bf16 {name} [{O}x{K}]", 2 * O * K,
                       lambda w=w, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g)))
+    for name, O, K, groups in [("wq_b fp8", 32768, 1024, 1), ("wo_a fp8", 8192, 4096, 8),
+                               ("wo_b fp8", 4096, 8192, 1), ("shared_w2 fp8", 4096, 2048, 1)]:
+        w = rng.integers(0, 0x7E, (O, K), dtype=cp.uint8)
+        sc = cp.full((-(-O // 128), -(-K // 128)), 120, cp.uint8)
+        x, y = bf16(groups * K), cp.empty(O, cp.uint16)
+        cases.append((f"gemv_bf16 {name} [{O}x{K}]", O * K,
+                      lambda w=w, sc=sc, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g, scale=sc)))
     # the attention-side group of [*, 4096] projections of xn in one launch
     segs = [(bf16(o, 4096), cp.empty(o, cp.float32 if f else cp.uint16))
             for o, f in [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]]
     tab = DK.GemvTable(segs, 4096)
-    xm = bf16(4096)
+    xm, pos = bf16(4096), cp.zeros(1, cp.int32)
     cases.append(("gemv_bf16_multi attn group [4160x4096]", 2 * tab.rows * 4096,
-                  lambda: DK.gemv_bf16_multi(tab, xm)))
+                  lambda: DK.gemv_bf16_multi(tab, xm, pos)))
+    w1, w3, xs, hs = bf16(2048, 4096), bf16(2048, 4096), bf16(4096), cp.empty(2048, cp.uint16)
+    cases.append(("gemv_bf16_swiglu shared [2x2048x4096]", 2 * 2 * 2048 * 4096,
+                  lambda: DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0)))
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
     packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in

@@ -12,11 +12,11 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or
 
 STEM = "decode"
-KERNELS = ("gemv_bf16", "gemv_bf16_multi", "embed_gather", "step_scalars", "ring_write", "pending_write",
+KERNELS = ("gemv_bf16", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
-__all__ = ["gemv_bf16", "GemvTable", "gemv_bf16_multi", "embed_gather", "step_scalars", "ring_write", "pending_write",
+__all__ = ["dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -24,60 +24,113 @@ def _blocks(n: int) -> int:
     return max(1, min((int(n) + 255) // 256, 1024))
 
 
-def gemv_bf16(w, x, out, *, groups: int = 1):
-    """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); groups > 1: row o uses
-    x[(o // (O // groups)) * K : +K] (x holds groups * K values)."""
-    check(w, "gemv_bf16.w", np.uint16)
+def dense_weight(w, scale=None, name: str = "w"):
+    """(weight, scale, ld_scale) kernel arguments of a dense [O, K] weight in either form:
+    bf16 bits (uint16, scale None) or the stored FP8 (uint8 e4m3 bytes + uint8 e8m0 scales
+    [ceil(O/128), ceil(K/128)])."""
     O, K = w.shape
+    if w.dtype == np.uint8:
+        assert scale is not None, f"{name}: FP8 weight without its .scale"
+        check(scale, f"{name}.scale", np.uint8, (-(-O // 128), -(-K // 128)))
+        assert w.flags.c_contiguous and w.data.ptr % 16 == 0, f"{name}: contiguous, 16-byte aligned"
+        return w, scale, i32(scale.shape[1])
+    check(w, name, np.uint16)
+    assert scale is None, f"{name}: a bf16 weight takes no scale"
+    assert w.data.ptr % 16 == 0, f"{name}: 16-byte alignment"
+    return w, np.uint64(0), i32(0)
+
+
+def gemv_bf16(w, x, out, *, groups: int = 1, scale=None):
+    """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
+    ``scale`` (same bits either way); groups > 1: row o uses x[(o // (O // groups)) * K : +K]
+    (x holds groups * K values)."""
+    O, K = w.shape
+    wa, sa, ld = dense_weight(w, scale, "gemv_bf16.w")
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
     check(x, "gemv_bf16.x", np.uint16)
     assert x.size == groups * K, f"gemv_bf16.x: {x.size} values, expected {groups} * {K}"
     assert out.dtype in (np.float32, np.uint16) and out.size == O and out.flags.c_contiguous, (
         f"gemv_bf16.out: {out.shape} {out.dtype}, expected {O} f32/bf16 contiguous")
     assert O % groups == 0, f"gemv_bf16: {O} rows not divisible into {groups} groups"
-    assert w.data.ptr % 16 == 0 and x.data.ptr % 16 == 0, "gemv_bf16: 16-byte alignment"
+    assert x.data.ptr % 16 == 0, "gemv_bf16.x: 16-byte alignment"
     rpg = O // groups if groups > 1 else 0
     kernel(STEM, "gemv_bf16")(((O + 7) // 8,), (256,),
-                              (w, x, out, i32(O), i32(K), i32(rpg),
+                              (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg),
                                i32(1 if out.dtype == np.uint16 else 0)))
     return out
 
 
 class GemvTable:
-    """Device table of projections that share one input x (decode.cu GemvSeg, 24 bytes each
-    + a sentinel): built once at setup from weights [O_s, K] bf16 bits and outputs (arena
-    views, f32 or bf16 bits, O_s values).  The addresses are baked in, like a graph's."""
+    """Device table of projections that share one input x (decode.cu GemvSeg, 56 bytes each
+    + a sentinel), built once at setup; the addresses are baked in, like a graph's.
 
-    SEG_BYTES = 24
+    Entries: (w, out) with out f32 or bf16 bits of O_s values; or (w, pending, ape, ring_off,
+    r): the compressor pending rows ``pending`` f32 [rows, O_s] get row (pos % r) + ring_off,
+    plus ape [r, O_s] f32 when given (the score half), i.e. what pending_write + add_ape do, in
+    the GEMV epilogue.  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair."""
 
-    def __init__(self, pairs, K: int):
+    SEG = np.dtype([("w", "<u8"), ("y", "<u8"), ("ape", "<u8"), ("scale", "<u8"), ("row0", "<i4"),
+                    ("out_bf16", "<i4"), ("ring_r", "<i4"), ("ring_off", "<i4"),
+                    ("ld_scale", "<i4"), ("pad", "<i4")])
+
+    def __init__(self, entries, K: int):
         import cupy as cp
-        assert pairs, "GemvTable: no projections"
-        rec = np.zeros(len(pairs) + 1, dtype=np.dtype([("w", "<u8"), ("y", "<u8"), ("row0", "<i4"),
-                                                        ("out_bf16", "<i4")]))
-        assert rec.dtype.itemsize == self.SEG_BYTES
+        assert entries, "GemvTable: no projections"
+        assert self.SEG.itemsize == 56
+        rec = np.zeros(len(entries) + 1, dtype=self.SEG)
         row = 0
         self.keep = []
-        for i, (w, out) in enumerate(pairs):
-            check(w, f"GemvTable.w[{i}]", np.uint16)
+        for i, e in enumerate(entries):
+            w, out = e[0], e[1]
+            w, sc = w if isinstance(w, tuple) else (w, None)
+            wa, sa, ld = dense_weight(w, sc, f"GemvTable.w[{i}]")
+            sp = 0 if sc is None else sc.data.ptr
+            O = w.shape[0]
             assert w.shape[1] == K, f"GemvTable.w[{i}]: shape {w.shape}, expected [*, {K}]"
-            assert out.dtype in (np.float32, np.uint16) and out.size == w.shape[0] and \
-                out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}"
-            assert w.data.ptr % 16 == 0, f"GemvTable.w[{i}]: 16-byte alignment"
-            rec[i] = (w.data.ptr, out.data.ptr, row, int(out.dtype == np.uint16))
-            row += w.shape[0]
-            self.keep += [w, out]
-        rec[len(pairs)]["row0"] = row
-        self.rows, self.K, self.nseg = row, int(K), len(pairs)
+            if len(e) == 2:
+                assert out.dtype in (np.float32, np.uint16) and out.size == O and \
+                    out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}, want {O}"
+                rec[i] = (w.data.ptr, out.data.ptr, 0, sp, row, int(out.dtype == np.uint16), 0, 0,
+                          int(ld), 0)
+            else:
+                ape, ring_off, r = e[2], int(e[3]), int(e[4])
+                check(out, f"GemvTable.pending[{i}]", np.float32, (None, O))
+                assert 0 <= ring_off and ring_off + r <= out.shape[0], (
+                    f"GemvTable.pending[{i}]: rows {out.shape[0]} < offset {ring_off} + r {r}")
+                if ape is not None:
+                    check(ape, f"GemvTable.ape[{i}]", np.float32, (r, O))
+                    self.keep.append(ape)
+                rec[i] = (w.data.ptr, out.data.ptr, 0 if ape is None else ape.data.ptr, sp, row, 0,
+                          r, ring_off, int(ld), 0)
+            row += O
+            self.keep += [w, out] + ([] if sc is None else [sc])
+        rec[len(entries)]["row0"] = row
+        self.rows, self.K, self.nseg = row, int(K), len(entries)
         self.table = cp.asarray(rec.view(np.uint8))
 
 
-def gemv_bf16_multi(table: GemvTable, x):
-    """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch."""
+def gemv_bf16_multi(table: GemvTable, x, pos):
+    """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch; pos int32 [1]
+    (read only by pending-row entries)."""
     check(x, "gemv_bf16_multi.x", np.uint16)
+    check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
     assert x.size == table.K and x.data.ptr % 16 == 0, f"gemv_bf16_multi.x: {x.size} != {table.K}"
     kernel(STEM, "gemv_bf16_multi")(((table.rows + 7) // 8,), (256,),
-                                    (table.table, i32(table.nseg), x, i32(table.K)))
+                                    (table.table, i32(table.nseg), x, i32(table.K), pos))
+
+
+def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None):
+    """h [O] bf16 = swiglu_clamped(bf16(W1 x), bf16(W3 x), limit) (no routing weight); W1, W3
+    both bf16 bits or both stored FP8 with their scales."""
+    O, K = w1.shape
+    a1, s1, ld = dense_weight(w1, scale1, "gemv_bf16_swiglu.w1")
+    a3, s3, ld3 = dense_weight(w3, scale3, "gemv_bf16_swiglu.w3")
+    assert w3.shape == (O, K) and w3.dtype == w1.dtype and ld == ld3, "gemv_bf16_swiglu: w1 != w3"
+    check(x, "gemv_bf16_swiglu.x", np.uint16)
+    check(h, "gemv_bf16_swiglu.h", np.uint16)
+    assert x.size == K and h.size == O and K % 8 == 0, f"gemv_bf16_swiglu: x {x.size}, h {h.size}"
+    kernel(STEM, "gemv_bf16_swiglu")(((O + 7) // 8,), (256,),
+                                     (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
 
 
 def embed_gather(tok, embed, streams):

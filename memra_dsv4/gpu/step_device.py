@@ -4,20 +4,24 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 
 * tok / pos: two 4-byte H2D copies per stage before the step (the only host input);
 * embed gather (decode.cu), hc_pre (mixes + Sinkhorn split kernels), rmsnorm, bf16 GEMVs
-  (decode.cu gemv_bf16, one launch per projection; wo_a as one grouped launch);
-* q: head_rms + RoPE fused; kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim) then
-  ring_write at pos % W (the LayerCache ring / compressed rows are views of one [W + n, hd]
-  buffer, so attention indexes it directly);
-* compressors: wkv / wgate GEMVs, add_ape(pos), pending_write, pool (overlap / plain) over the
-  pending rows, norm_rope_sim at kpos = pos + 1 - r, entry_commit and pending_advance (both
-  no-ops unless (pos + 1) % r == 0);
-* indexer: q GEMV + RoPE/Hadamard/FP4, weights GEMV, scores over all key rows with
+  (decode.cu: warp per row, 4 weight loads in flight per lane);
+* every projection of the attention input xn in ONE launch (gemv_bf16_multi over a per-layer,
+  per-state GemvTable built before capture): wq_a, wkv, the compressor and indexer-compressor
+  wkv / wgate (written straight into pending row (pos % r) [+ r] with ape added), the indexer's
+  weights_proj;
+* q: q_norm, wq_b, head_rms + RoPE fused; kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim)
+  written straight into ring row pos % W (the LayerCache ring / compressed rows are views of
+  one [W + n, hd] buffer, so attention indexes it directly);
+* compressor emission, gated on the device (no-ops unless (pos + 1) % r == 0): pool (overlap /
+  plain) over the pending rows, norm_rope_sim at kpos = pos + 1 - r straight into compressed
+  row (pos + 1) / r - 1, pending_advance;
+* indexer: q GEMV + RoPE/Hadamard/FP4, scores over all key rows with
   n_valid = (pos + 1) // 4 from the device, top-k in index order;
 * build_cand (window chronological, then the compressed segment, -1 padded), sparse attention
   with the inverse-RoPE epilogue;
 * router logits + select (learned bias or hash tid2eid[tok]) on the device, fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
-  shared expert via bf16 GEMVs + SwiGLU;
+  shared expert via gemv_bf16_swiglu (w1, w3 and the clamped SwiGLU in one launch) + w2 GEMV;
 * hc_post ping-pong, hc_head + final norm + head GEMV on the last stage;
 * stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
   graph) into the next stage's streams.a, ordered by an event created at setup.
@@ -54,6 +58,7 @@ class DeviceStep:
         self.msl = int(max_seq_len)
         self.stages: list[_Stage] = []
         self._graphs: dict[int, tuple] = {}
+        self._tables: dict[int, tuple] = {}
         tables: dict = {}
         for si, st in enumerate(model.stages):
             S = _Stage()
@@ -83,6 +88,7 @@ class DeviceStep:
                     L.cos, L.sin = tables[key]
                     w = lambda leaf, L=L, st=st: st[f"{L.p}.{leaf}"]  # bind this stage
                     L.w = w
+                    L.lin = lambda pre, L=L, st=st: _dense(st, f"{L.p}.{pre}")
                     L.f32 = {}
                     for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",
                                  "attn.indexer.compressor.norm.weight"):
@@ -141,6 +147,7 @@ class DeviceStep:
                                S.stream.ptr)
                 rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
                                rt.memcpyHostToDevice, S.stream.ptr)
+        self._ensure_tables(state)
         if graph:
             gs = self._graphs.get(id(state))
             if gs is None or gs[0] is not state:
@@ -169,6 +176,44 @@ class DeviceStep:
             logits = cp.asnumpy(last.v["head.logits"])
         state.pos = pos + 1
         return logits
+
+    def _ensure_tables(self, state) -> None:
+        """Per state (they hold its pending-row addresses), before any capture or eager
+        enqueue: for every layer the GemvTable of its projections of the attention input xn
+        (wq_a, wkv, compressor and indexer-compressor wkv / wgate written straight into the
+        pending rows with ape, indexer weights_proj).  Built once; never inside a capture."""
+        t = self._tables.get(id(state))
+        if t is not None and t[0] is state:
+            return
+        import cupy as cp
+        from memra_dsv4.gpu import ops_decode as DK
+        D = self.cfg.hidden_size
+        tabs = {}
+        for S in self.stages:
+            v = S.v
+            with cp.cuda.Device(S.dev):
+                for L in S.layers:
+                    c = state.cache(L.lid)
+                    ent = [(L.lin("attn.wq_a"), v["attn.qr"]),
+                           (L.lin("attn.wkv"), v["dev.kvraw"])]
+                    if L.ratio:
+                        ent += self._pending_entries(L, c.comp_state, "attn.compressor")
+                    if L.kind == "csa":
+                        ent += self._pending_entries(L, c.idx_state, "attn.indexer.compressor")
+                        ent.append((L.lin("attn.indexer.weights_proj"), v["idx.w"]))
+                    tabs[L.lid] = DK.GemvTable(ent, D)
+        if len(self._tables) >= 8:  # a graph bakes its table's address: drop both together
+            old = next(iter(self._tables))
+            self._tables.pop(old)
+            self._graphs.pop(old, None)
+        self._graphs.pop(id(state), None)
+        self._tables[id(state)] = (state, tabs)
+
+    @staticmethod
+    def _pending_entries(L, pend, sub):
+        r, off = pend.ratio, pend.ratio if pend.overlap else 0
+        return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
+                (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state):
         import cupy as cp
@@ -203,9 +248,10 @@ class DeviceStep:
             if st.has_embed:
                 with phase(f"{sp}/embed"):
                     DK.embed_gather(v["tok"], st["embed.weight"], cur)
+            tabs = self._tables[id(state)][1]
             for L in S.layers:
                 with phase(f"{sp}/block"):
-                    cur, oth = self._block(S, L, cur, oth, state.cache(L.lid))
+                    cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid])
             if st.has_head:
                 with phase(f"{sp}/head"):
                     y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
@@ -228,7 +274,7 @@ class DeviceStep:
                   mixes=v["dev.mix"], y=v["x"].reshape(1, -1), pre=v["hc.pre"].reshape(1, -1),
                   post=v["hc.post"].reshape(1, -1), comb=v["hc.comb"].reshape(1, 4, 4))
 
-    def _block(self, S, L, cur, oth, cache):
+    def _block(self, S, L, cur, oth, cache, table):
         from memra_dsv4.gpu.ops import hc as HC
         from memra_dsv4.gpu.ops import rmsnorm as RN
         from memra_dsv4.profiling import phase
@@ -239,7 +285,7 @@ class DeviceStep:
         with phase(f"{bp}/attn"):
             self._hc_pre(S, L, cur, "attn")
             RN.rmsnorm(x, L.w("attn_norm.weight"), eps, out=xn)
-            self._attention(S, L, cache)
+            self._attention(S, L, cache, table)
             HC.hc_post(v["attn.out"].reshape(1, D), cur, post, comb, out=oth)
         cur, oth = oth, cur
         with phase(f"{bp}/ffn"):
@@ -254,6 +300,10 @@ class DeviceStep:
         return S.v["dev.aux"][1 + i:2 + i]
 
     def _compress(self, S, L, pend, dst, indexer: bool) -> None:
+        """The emission half of a compressor (its wkv / wgate GEMVs wrote this token's pending
+        row in the layer's GemvTable): pool, norm + RoPE + sim straight into compressed row
+        (pos + 1) / r - 1, then advance the pending rows; every kernel is a no-op unless
+        (pos + 1) % r == 0 (the emit gate reads pos on the device)."""
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import compressor as CM
         cfg, v = self.cfg, S.v
@@ -261,23 +311,17 @@ class DeviceStep:
         r, ovl = pend.ratio, pend.overlap
         C = pend.kv.shape[1]
         d = C // 2 if ovl else C
-        pos, xn = v["pos"], v["xn"]
-        a = v["idx.a" if indexer else "cmp.a"][:C]
-        z = v["idx.z" if indexer else "cmp.z"][:C]
-        DK.gemv_bf16(L.w(f"{sub}.wkv.weight"), xn, a)
-        DK.gemv_bf16(L.w(f"{sub}.wgate.weight"), xn, z)
-        CM.add_ape(z.reshape(1, C), L.w(f"{sub}.ape"), pos)
-        DK.pending_write(pos, a, z, pend.kv, pend.score, r, ovl)
+        pos = v["pos"]
+        gate = (pos, r)
         pooled = v["dev.idx_pooled" if indexer else "cmp.pooled"][:d].reshape(1, d)
         if ovl:
             CM.pool_overlap(pend.kv[r:2 * r], pend.score[r:2 * r], 1, out=pooled,
-                            prev_kv=pend.kv[:r], prev_score=pend.score[:r])
+                            prev_kv=pend.kv[:r], prev_score=pend.score[:r], emit_gate=gate)
         else:
-            CM.pool_plain(pend.kv, pend.score, r, 1, out=pooled)
-        entry = v["idx.key" if indexer else "cmp.entry"][:d].reshape(1, d)
+            CM.pool_plain(pend.kv, pend.score, r, 1, out=pooled, emit_gate=gate)
         CM.norm_rope_sim(pooled, L.f32[f"{sub}.norm.weight"], cfg.rms_norm_eps, L.cos, L.sin,
-                         self._kpos(S, r), "hadfp4" if indexer else "fp8", out=entry)
-        DK.entry_commit(pos, entry, dst, r)
+                         self._kpos(S, r), "hadfp4" if indexer else "fp8", out=dst,
+                         emit_gate=gate, row="entry")
         DK.pending_advance(pos, pend.kv, pend.score, r, ovl)
 
     def _indexer(self, S, L, cache):
@@ -288,9 +332,9 @@ class DeviceStep:
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         self._compress(S, L, cache.idx_state, cache.idx_keys, indexer=True)
         q = v["idx.q"].reshape(1, nI, dI)
-        DK.gemv_bf16(L.w("attn.indexer.wq_b.weight"), v["attn.qr"], q)
+        w, sc = L.lin("attn.indexer.wq_b")
+        DK.gemv_bf16(w, v["attn.qr"], q, scale=sc)
         QS.rope_hadamard128_fp4(q, v["pos"], L.cos, L.sin, out=q)
-        DK.gemv_bf16(L.w("attn.indexer.weights_proj.weight"), v["xn"], v["idx.w"])
         N = cache.idx_keys.shape[0]
         nv = v["dev.aux"][0:1]
         sc = v["dev.idx_scores"][:N].reshape(1, N)
@@ -300,7 +344,7 @@ class DeviceStep:
         IX.topk(sc, nv, cfg.index_topk, out=sel.reshape(1, -1), order="index")
         return sel
 
-    def _attention(self, S, L, cache) -> None:
+    def _attention(self, S, L, cache, table) -> None:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import compressor as CM
@@ -312,17 +356,17 @@ class DeviceStep:
         pos = v["pos"]
         qr = v["attn.qr"].reshape(1, -1)
         q = v["attn.q"].reshape(1, H, hd)
+        with phase(f"{ap}/projections"):  # wq_a, wkv, compressor rows, indexer weights: one launch
+            DK.gemv_bf16_multi(table, v["xn"], pos)
         with phase(f"{ap}/q"):
-            DK.gemv_bf16(L.w("attn.wq_a.weight"), v["xn"], qr)
             RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
-            DK.gemv_bf16(L.w("attn.wq_b.weight"), qr, q)
+            w, sc = L.lin("attn.wq_b")
+            DK.gemv_bf16(w, qr, q, scale=sc)
             RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
-        kvraw, kv = v["dev.kvraw"].reshape(1, hd), v["attn.kv"].reshape(1, hd)
-        with phase(f"{ap}/kv"):
-            DK.gemv_bf16(L.w("attn.wkv.weight"), v["xn"], kvraw)
+        kvraw = v["dev.kvraw"].reshape(1, hd)
+        with phase(f"{ap}/kv"):  # norm + RoPE + FP8 sim straight into ring row pos % W
             CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos, "fp8",
-                             out=kv)
-            DK.ring_write(pos, kv, cache.ring)
+                             out=cache.ring, emit_gate=(pos, W), row="ring")
         sel, K = None, W
         if L.ratio:
             if L.kind == "csa":
@@ -341,13 +385,14 @@ class DeviceStep:
                                 hd ** -0.5, out=o, n_split=None, workspace=v["dev.attn_ws"],
                                 inverse_rope=(pos, L.cos, L.sin))
         with phase(f"{ap}/output"):
-            DK.gemv_bf16(L.w("attn.wo_a.weight"), o, v["attn.u"], groups=cfg.o_groups)
-            DK.gemv_bf16(L.w("attn.wo_b.weight"), v["attn.u"], v["attn.out"])
+            w, sc = L.lin("attn.wo_a")
+            DK.gemv_bf16(w, o, v["attn.u"], groups=cfg.o_groups, scale=sc)
+            w, sc = L.lin("attn.wo_b")
+            DK.gemv_bf16(w, v["attn.u"], v["attn.out"], scale=sc)
 
     def _moe(self, S, L) -> None:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import experts as EX
-        from memra_dsv4.gpu.ops import moe as MO
         from memra_dsv4.gpu.ops import router as RT
         from memra_dsv4.profiling import phase
         cfg, v, mp = self.cfg, S.v, f"{S.ph}/block/ffn/moe"
@@ -370,16 +415,23 @@ class DeviceStep:
             EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
                                L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit,
                                out=h, x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
-        g, u, sh = v["moe.sh_gate"], v["moe.sh_up"], v["moe.sh_h"]
+        sh = v["moe.sh_h"]
         with phase(f"{mp}/shared"):
-            DK.gemv_bf16(L.w("ffn.shared_experts.w1.weight"), xn, g)
-            DK.gemv_bf16(L.w("ffn.shared_experts.w3.weight"), xn, u)
-            MO.swiglu(g.reshape(1, I), u.reshape(1, I), cfg.swiglu_limit, out=sh.reshape(1, I))
-            DK.gemv_bf16(L.w("ffn.shared_experts.w2.weight"), sh, v["moe.shared"])
+            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+            DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
+            w, sc = L.lin("ffn.shared_experts.w2")
+            DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
         with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"].reshape(1, D),
                                      out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+
+
+def _dense(st, prefix: str):
+    """(weight, scale) of a dense linear as the stage holds it: bf16 bits and None, or the
+    stored FP8 e4m3 bytes and their e8m0 block scales (gpu.weights, dense="fp8")."""
+    w = st[f"{prefix}.weight"]
+    return (w, st[f"{prefix}.scale"]) if w.dtype == np.uint8 else (w, None)
 
 
 def _bf16_to_f32(u16):

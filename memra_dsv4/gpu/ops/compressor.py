@@ -37,10 +37,22 @@ def add_ape(z, ape, pos):
     return z
 
 
-def pool_overlap(kv, score, n_entries: int, out=None, prev_kv=None, prev_score=None):
+def _gate(emit_gate):
+    """(gate_pos pointer, gate_r) kernel arguments of an emit gate (pos int32 [1], r) or None."""
+    if emit_gate is None:
+        return np.uint64(0), i32(1)
+    pos, r = emit_gate
+    check(pos, "emit_gate.pos", np.int32, (1,))
+    assert int(r) >= 1, f"emit_gate: ratio {r}"
+    return pos, i32(r)
+
+
+def pool_overlap(kv, score, n_entries: int, out=None, prev_kv=None, prev_score=None,
+                 emit_gate=None):
     """Ratio-4 overlap pooling.  kv, score: [>= 4*n_entries, 2d] f32 rows (last axis contiguous;
     score already includes ape); prev_kv/prev_score: [4, >= 2d] f32 rows of the previous block
-    (pending rows 0..3) or None for block 0 of a sequence.  -> out [n_entries, d] f32."""
+    (pending rows 0..3) or None for block 0 of a sequence.  -> out [n_entries, d] f32.
+    emit_gate (pos int32 [1], r): decode; the kernel does nothing unless (pos + 1) % r == 0."""
     check(kv, "pool_overlap.kv", np.float32, rows_strided=True)
     check(score, "pool_overlap.score", np.float32, kv.shape, rows_strided=True)
     assert row_stride(kv) == row_stride(score), "pool_overlap: kv and score row strides differ"
@@ -60,13 +72,14 @@ def pool_overlap(kv, score, n_entries: int, out=None, prev_kv=None, prev_score=N
         kernel(STEM, "compress_pool_overlap")(
             ((d + 127) // 128, n_entries), (128,),
             (kv, score, i32(row_stride(kv)), null_or(prev_kv), null_or(prev_score), i32(ld_prev),
-             out, i32(row_stride(out)), i32(d)))
+             out, i32(row_stride(out)), i32(d), *_gate(emit_gate)))
     return out
 
 
-def pool_plain(kv, score, ratio: int, n_entries: int, out=None):
+def pool_plain(kv, score, ratio: int, n_entries: int, out=None, emit_gate=None):
     """Non-overlap pooling (any ratio != 4): entry k pools rows k*r .. k*r + r - 1.
-    kv, score: [>= r*n_entries, >= d] f32 rows (d = kv.shape[1]); -> out [n_entries, d] f32."""
+    kv, score: [>= r*n_entries, >= d] f32 rows (d = kv.shape[1]); -> out [n_entries, d] f32.
+    emit_gate as in pool_overlap."""
     check(kv, "pool_plain.kv", np.float32, rows_strided=True)
     check(score, "pool_plain.score", np.float32, kv.shape, rows_strided=True)
     assert row_stride(kv) == row_stride(score), "pool_plain: kv and score row strides differ"
@@ -78,7 +91,7 @@ def pool_plain(kv, score, ratio: int, n_entries: int, out=None):
     if n_entries and d:
         kernel(STEM, "compress_pool_plain")(((d + 127) // 128, n_entries), (128,),
                                             (kv, score, i32(row_stride(kv)), out, i32(row_stride(out)),
-                                             i32(d), i32(ratio)))
+                                             i32(d), i32(ratio), *_gate(emit_gate)))
     return out
 
 
@@ -90,11 +103,20 @@ _NRS = {(512, "fp8", True): ("norm_rope_fp8_d512_f32in", 64),
         (128, "hadfp4", False): ("norm_rope_hadfp4_d128_bf16in", 32)}
 
 
-def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=None):
+_ROW_MODES = {"gate": 0, "entry": 1, "ring": 2}
+
+
+def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=None,
+                  emit_gate=None, row: str = "gate"):
     """Per row: v = bf16(x) (f32 x) | x (bf16 x); y = rmsnorm(v, weight, eps); RoPE(pos[row]) on the
     last R = 2*cos.shape[1] dims; then mode 'fp8' = FP8 sim of dims [0, D-R) (block 64) or
     'hadfp4' = Hadamard-128 + FP4 sim (block 32).  x: [n, D] float32 or bf16 (last axis
-    contiguous); weight [D] f32; pos [n] int32; out [n, D] bf16 rows (may be a strided cache view)."""
+    contiguous); weight [D] f32; pos [n] int32; out [n, D] bf16 rows (may be a strided cache view).
+    emit_gate (pos int32 [1], r), decode only (n == 1), places the row by ``row``:
+    "gate": nothing happens unless (pos + 1) % r == 0, else out [1, D];
+    "entry": the same gate, ``out`` is the compressed cache [N, D], the row goes to
+    (pos + 1) // r - 1 (nothing past N); "ring": no gate, ``out`` is the ring [r, D], the row goes
+    to pos % r."""
     assert x.ndim == 2 and x.dtype in (np.float32, np.uint16), f"norm_rope_sim.x: {x.shape} {x.dtype}"
     check(x, "norm_rope_sim.x", x.dtype, rows_strided=True)
     n, D = x.shape
@@ -107,10 +129,20 @@ def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=N
     check(sin, "norm_rope_sim.sin", np.float32, cos.shape)
     R = 2 * cos.shape[1]
     assert R % 8 == 0 and (mode != "fp8" or (D - R) % 64 == 0), f"norm_rope_sim: rope dims {R} unsupported"
-    if out is None:
-        out = out_array(None, "norm_rope_sim.out", (n, D), np.uint16)
-    check(out, "norm_rope_sim.out", np.uint16, (n, D), rows_strided=True)
+    assert row in _ROW_MODES, f"norm_rope_sim: row {row!r} (expected {sorted(_ROW_MODES)})"
+    n_rows = 0
+    if row != "gate":
+        assert emit_gate is not None and n == 1, f"norm_rope_sim: row={row!r} needs emit_gate, one row"
+        check(out, "norm_rope_sim.out", np.uint16, (None, D), rows_strided=True)
+        n_rows = out.shape[0]
+        assert row != "ring" or n_rows == int(emit_gate[1]), (
+            f"norm_rope_sim: ring of {n_rows} rows, emit_gate r = {emit_gate[1]}")
+    else:
+        if out is None:
+            out = out_array(None, "norm_rope_sim.out", (n, D), np.uint16)
+        check(out, "norm_rope_sim.out", np.uint16, (n, D), rows_strided=True)
     if n:
         kernel(STEM, name)((n,), (threads,), (x, i32(row_stride(x)), weight, np.float64(eps), cos, sin, pos,
-                                              i32(R), out, i32(row_stride(out))))
+                                              i32(R), out, i32(row_stride(out)), *_gate(emit_gate),
+                                              i32(_ROW_MODES[row]), i32(n_rows)))
     return out

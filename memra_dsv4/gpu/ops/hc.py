@@ -37,6 +37,12 @@ TOK_PER_CTA = 4
 _WS: dict[int, tuple] = {}  # device -> (ws double[], counters int[]) for the split path
 
 
+def _ny(T: int, D: int) -> int:
+    """CTAs per token of the per-token kernels (128 threads x 8 channels each): enough to spread
+    a short T over the SMs, never more than the channel chunks."""
+    return max(1, min(-(-D // 1024), -(-sm_count() // max(T, 1))))
+
+
 def split_workspace(n_groups: int, nseg: int):
     """Per-device scratch of the split mixes path (grown on demand; counters stay zero between
     launches).  Not safe for concurrent launches on two streams of one device."""
@@ -104,7 +110,7 @@ def hc_pre_finish(mixes, scale, base, streams, *, iters: int, hc_eps: float, y=N
     post = out_array(post, "hc_pre.post", (T, HC), np.float32)
     comb = out_array(comb, "hc_pre.comb", (T, HC, HC), np.float32)
     if T:
-        kernel(STEM, "hc_pre_split_apply")((T,), (128,), (mixes, scale, base, streams, y, pre, post, comb,
+        kernel(STEM, "hc_pre_split_apply")((T, _ny(T, D)), (128,), (mixes, scale, base, streams, y, pre, post, comb,
                                                           i32(D), i32(iters), np.float32(hc_eps)))
     return y, pre, post, comb
 
@@ -126,7 +132,7 @@ def hc_weighted_sum(pre, streams, out=None):
     check(pre, "hc_weighted_sum.pre", np.float32, (T, HC))
     out = out_array(out, "hc_weighted_sum.out", (T, D), np.uint16)
     if T:
-        kernel(STEM, "hc_weighted_sum")((T,), (128,), (pre, streams, out, i32(D)))
+        kernel(STEM, "hc_weighted_sum")((T, _ny(T, D)), (128,), (pre, streams, out, i32(D)))
     return out
 
 
@@ -139,7 +145,7 @@ def hc_head(streams, fn, scale, base, *, hc_eps: float, norm_eps: float, out=Non
     mixes = hc_mixes(streams, fn, norm_eps, out=mixes, n_split=n_split)
     out = out_array(out, "hc_head.out", (T, D), np.uint16)
     if T:
-        kernel(STEM, "hc_head_apply")((T,), (128,), (mixes, scale, base, streams, out, i32(D),
+        kernel(STEM, "hc_head_apply")((T, _ny(T, D)), (128,), (mixes, scale, base, streams, out, i32(D),
                                                      np.float32(hc_eps)))
     return out
 
@@ -153,7 +159,7 @@ def hc_post(f, residual, post, comb, out=None):
     out = out_array(out, "hc_post.out", (T, HC, D), np.uint16)
     assert out.data.ptr != residual.data.ptr or T == 0, "hc_post: out must not alias residual"
     if T:
-        kernel(STEM, "hc_post")((T,), (128,), (f, residual, post, comb, out, i32(D)))
+        kernel(STEM, "hc_post")((T, _ny(T, D)), (128,), (f, residual, post, comb, out, i32(D)))
     return out
 
 
