@@ -28,14 +28,19 @@ import sys
 import numpy as np
 
 
-def _load(model: str, devices, max_seq_len: int):
+def _load(model: str, devices, max_seq_len: int, dense: str | None = None):
     from memra_dsv4.gpu.model import Dsv4Gpu
+    kw = {} if dense is None else {"dense": dense}
     if model.startswith("synthetic:"):
         return Dsv4Gpu.synthetic(model.split(":", 1)[1], devices=devices, seed=0,
-                                 max_seq_len=max_seq_len, decode_path="legacy")
+                                 max_seq_len=max_seq_len, decode_path="legacy", **kw)
     from memra_dsv4.checkpoint import Checkpoint
     return Dsv4Gpu.load(Checkpoint.open(model), devices=devices, max_seq_len=max_seq_len,
-                        decode_path="legacy")
+                        decode_path="legacy", **kw)
+
+
+def _dense_of(m) -> str:
+    return getattr(m.stages[0], "dense_fmt", "bf16")
 
 
 def _stages(m):
@@ -47,12 +52,37 @@ def _expert_fmt(m) -> str:
     return "nvfp4" if "nvfp4" in fmts else "mxfp4"
 
 
+def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
+    """A DecodeState at pos = ctx whose caches hold random bf16 values instead of a prefill's:
+    every ring row, compressed row and indexer key a step can read (the step's bytes and work
+    depend on pos, not on the values), pending compressor rows reset (ctx % 128 == 0, so no
+    block is open).  For long-context decode benches, where a 32K prefill would cost minutes."""
+    import cupy as cp
+    if ctx % 128:
+        raise SystemExit(f"--fill random: --ctx {ctx} must be a multiple of 128")
+    st = m.new_state(max_seq_len)
+    rng = cp.random.default_rng(seed)
+    for c in st.layers:
+        with cp.cuda.Device(c.device):
+            for buf in (c.kv, c.idx_keys):
+                if buf is not None:
+                    v = rng.standard_normal(buf.shape, dtype=cp.float32)
+                    buf[...] = (v.view(cp.uint32) >> 16).astype(cp.uint16)
+    for d in m.devs:
+        d.compute.synchronize()
+    st.pos = ctx
+    return st
+
+
 class _ArmState:
-    def __init__(self, m, path: str, ids, max_seq_len: int):
+    def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill"):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.m, self.path = m, resolve_decode_path(path, announce=False)
-        logits, self.state = m.prefill(ids, m.new_state(max_seq_len))
-        self.tok = int(np.argmax(logits))
+        if fill == "random":
+            self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
+        else:
+            logits, self.state = m.prefill(ids, m.new_state(max_seq_len))
+            self.tok = int(np.argmax(logits))
 
     def step(self) -> None:
         self.m.decode_path = self.path
@@ -99,6 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--phase-steps", type=int, default=3)
+    ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                    help="caches at --ctx: by a prefill of --ctx tokens, or random values "
+                         "(random_filled_state; for long contexts)")
+    ap.add_argument("--dense", choices=("bf16", "fp8"), default=None,
+                    help="dense weight form on the GPU (the MEMRA_DSV4_DENSE seam; default: "
+                         "the seam's own default)")
     ap.add_argument("--launch-profile", type=int, default=0, metavar="REPS",
                     help="device arms: time every kernel launch of one step alone as a graph "
                          "of REPS copies (profiling.launches); 0 = off")
@@ -120,7 +156,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: path")
     prof_configure("off")
     max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
-    m = _load(a.model, devices, max_seq)
+    m = _load(a.model, devices, max_seq, a.dense)
     cfg = m.config
     ids = np.random.default_rng(0).integers(2, cfg.vocab_size, a.ctx)
 
@@ -132,7 +168,7 @@ def main(argv=None) -> int:
     from bench.harness import arm_label
     for s in arms_spec:
         name = arm_label(s)
-        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq)
+        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill)
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -150,7 +186,7 @@ def main(argv=None) -> int:
 
     mid = a.ctx + a.warmup + a.steps // 2
     fmt = _expert_fmt(m)
-    own_b = total_step_bytes(cfg, mid, _stages(m), dense="bf16", experts=fmt)
+    own_b = total_step_bytes(cfg, mid, _stages(m), dense=_dense_of(m), experts=fmt)
     nat_b = total_step_bytes(cfg, mid, _stages(m), dense="fp8", experts=fmt)
     out_arms, base = {}, None
     for arm in arms:
@@ -186,6 +222,7 @@ def main(argv=None) -> int:
                       f"{100 * r.share:5.1f}%")
     js, png = write_results({"config": {"model": a.model, "devices": list(devices),
                                         "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup,
+                                        "fill": a.fill, "dense": _dense_of(m),
                                         "phase_steps": a.phase_steps, "experts": fmt},
                              "copy_bw": bw, "arms": out_arms})
     print(f"results: {js} {png}")

@@ -114,7 +114,8 @@ def gemv_bf16_multi(table: GemvTable, x, pos):
     (read only by pending-row entries)."""
     check(x, "gemv_bf16_multi.x", np.uint16)
     check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
-    assert x.size == table.K and x.data.ptr % 16 == 0, f"gemv_bf16_multi.x: {x.size} != {table.K}"
+    assert x.size == table.K, f"gemv_bf16_multi.x: {x.size} values, the table's K is {table.K}"
+    assert x.data.ptr % 16 == 0, "gemv_bf16_multi.x: 16-byte alignment"
     kernel(STEM, "gemv_bf16_multi")(((table.rows + 7) // 8,), (256,),
                                     (table.table, i32(table.nseg), x, i32(table.K), pos))
 
