@@ -25,6 +25,8 @@ Formats (reference: dsv4_model_and_formats.md sections 9.4 and 10)
 * NVFP4 weight (modelopt): packed e2m1 [.., out, in/2] + e4m3 block scale [.., out, in/16] +
   float32 scalar ``weight_scale_2``.
 * FP8 block weight: e4m3 [out, in] + e8m0 scale [ceil(out/128), ceil(in/128)].
+  ``dequant_fp8_block_bf16`` is its exact bf16 form (the GPU loader's check, and the twin of
+  kernels_cu/dense.cu); ``fp8_block_exact_in_bf16`` is the same acceptance test on byte tables.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "dequant_mxfp4",
     "dequant_nvfp4",
     "dequant_fp8_block",
+    "dequant_fp8_block_bf16",
+    "fp8_block_exact_in_bf16",
     "round_minifloat",
     "encode_e4m3",
     "encode_e2m1",
@@ -321,6 +325,57 @@ def dequant_fp8_block(w_u8, scale_u8, name: str, block: int = 128) -> np.ndarray
     with np.errstate(over="ignore"):  # overflow is detected and refused just below
         w = wv * s_full
     return _check_finite(w, name)
+
+
+def dequant_fp8_block_bf16(w_u8, scale_u8, name: str, block: int = 128) -> np.ndarray:
+    """FP8 block weight -> BF16 bits (uint16) [out, in], exact: ``dequant_fp8_block`` then
+    ``f32_to_bf16_exact``. Refused (naming ``name``): a NaN e4m3 code, an e8m0 0xFF, a wrong
+    scale shape, a product that overflows, or one bf16 cannot hold exactly (products below the
+    bf16 normal range that lose bits, e.g. a subnormal e4m3 code times 2^-127).
+    The twin of kernels_cu/dense.cu dequant_fp8_bf16 on the accepted domain.
+    """
+    return f32_to_bf16_exact(dequant_fp8_block(w_u8, scale_u8, name, block), name)
+
+
+def _build_fp8_bf16_ok() -> np.ndarray:
+    # [e8m0 byte, e4m3 code & 0x7F] -> the product is a finite float32 with zero low 16 bits,
+    # computed exactly as dequant_fp8_block_bf16 computes it (float32 LUT values, one multiply).
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = E8M0_VALUES[:, None] * E4M3_VALUES[None, :0x80]
+    ok = np.isfinite(prod) & ((prod.view(np.uint32) & 0xFFFF) == 0)
+    ok[:, 0x7F] = False
+    ok[0xFF, :] = False
+    return ok
+
+
+_FP8_BF16_OK: np.ndarray = _build_fp8_bf16_ok()      # [256, 128] bool
+_FP8_BF16_ALL_OK: np.ndarray = _FP8_BF16_OK[:, :0x7F].all(axis=1)   # [256]: every non-NaN code ok
+_FP8_BF16_OK.flags.writeable = False
+_FP8_BF16_ALL_OK.flags.writeable = False
+
+
+def fp8_block_exact_in_bf16(w_u8, scale_u8, block: int = 128) -> bool:
+    """True iff ``dequant_fp8_block_bf16(w_u8, scale_u8, ...)`` would accept the tensor, decided
+    on the bytes (no float array): dtypes and scale shape, no NaN code, no e8m0 0xFF, and for the
+    blocks whose scale can make some code inexact in bf16 (e8m0 < 3 or > 246), a per-element
+    table lookup. For the loader's fast path; on False, call dequant_fp8_block_bf16 for the
+    error message. tests/test_weights_fp8.py checks the equivalence on every (code, scale) pair.
+    """
+    w = np.asarray(w_u8)
+    scale = np.asarray(scale_u8)
+    if w.dtype != np.uint8 or scale.dtype != np.uint8 or w.ndim != 2 or block <= 0:
+        return False
+    out, n_in = w.shape
+    if scale.shape != (-(-out // block), -(-n_in // block)):
+        return False
+    if (scale == 0xFF).any() or (np.bitwise_and(w, 0x7F) == 0x7F).any():
+        return False
+    for i in np.flatnonzero(~_FP8_BF16_ALL_OK[scale].all(axis=1)):   # block rows to look at
+        rows = np.bitwise_and(w[i * block:(i + 1) * block], 0x7F)
+        s_row = np.repeat(scale[i], block)[:n_in]
+        if not _FP8_BF16_OK[s_row[None, :], rows].all():
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ Contract
   Announced once per process.
 * ``seam_table_markdown()`` renders the registry for the README.
 * Owners read their own variables (profiling: MEMRA_DSV4_PROF, gpu.runtime: MEMRA_DSV4_DEBUG,
-  gpu.ops_glue: MEMRA_DSV4_GEMM, gpu.kernel_loader: MEMRA_DSV4_KERNELS_DIR); the registry is
+  gpu.ops_glue: MEMRA_DSV4_GEMM, gpu.weights: MEMRA_DSV4_DENSE, gpu.kernel_loader:
+  MEMRA_DSV4_KERNELS_DIR); the registry is
   the one list of what exists, with the allowed values they validate against.
 
 Numeric classes (what each hook does)
@@ -54,7 +55,8 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_KERNELS_DIR", "SEAM_REQUIRE_PARITY", "resolve", "seam_table_markdown", "env_value",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_KERNELS_DIR", "SEAM_REQUIRE_PARITY", "resolve",
+    "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
     "LINEAR_KINDS",
 ]
@@ -104,6 +106,12 @@ SEAM_GEMM = Seam(
     "gemm", "MEMRA_DSV4_GEMM", "blaslt", ("blaslt", "cupy"),
     "GPU GEMM backend: `blaslt` (cuBLASLt bf16 / FP8 block-scaled plans) or `cupy` (fp32 "
     "cupy.matmul, a debugging reference).")
+SEAM_DENSE = Seam(
+    "dense", "MEMRA_DSV4_DENSE", "bf16", ("bf16", "fp8"),
+    "How the GPU path keeps the checkpoint's FP8 dense linears (memra_dsv4.gpu.weights, read once "
+    "per load and printed): `bf16` (dequantised exactly to bf16 on the host at load) or `fp8` "
+    "(the stored e4m3 bytes + e8m0 128x128 block scales; the same exactness check at load; the "
+    "prefill dequantises into a bf16 scratch, bit-identical to `bf16`).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
@@ -118,7 +126,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_DENSE, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

@@ -345,6 +345,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["moe"].swiglu(u16(3, 128), u16(3, 128), 0.0)
     M["moe"].combine(u16(2, 6, 64), i32(2, 6), u16(2, 64))
     M["moe"].combine(u16(2, 6, 64), i32(2, 6))
+    M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
+    M["dense"].dequant_fp8_bf16(u8(3, 40), u8(1, 1), out=u16(3, 40))
     from memra_dsv4.gpu.ops import kernel_names
 
     every = {n for names in kernel_names().values() for n in names}

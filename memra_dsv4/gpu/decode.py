@@ -178,7 +178,7 @@ class ChunkBlock:
             o = G.rope(o, cos[:, None], sin[:, None], inverse=True)
             Gn = cfg.o_groups
             og = o.reshape(S, Gn, -1)
-            wa = b.w("attn.wo_a.weight")
+            wa = b.w_bf16("attn.wo_a.weight")   # FP8-stored: the scratch, used right here
             R = wa.shape[0] // Gn
             u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
                                          wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)

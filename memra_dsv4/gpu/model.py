@@ -2,11 +2,13 @@
 
 API
 ---
-``Dsv4Gpu.load(ckpt, devices=(0,), numerics="bf16", force_bounce=False)``
+``Dsv4Gpu.load(ckpt, devices=(0,), numerics="bf16", force_bounce=False, dense=None)``
     Uploads ``ckpt`` (a ``memra_dsv4.checkpoint.Checkpoint``) split over ``devices`` with
     ``placement.plan_split`` (embedding on the first device, head group on the last); tqdm
-    progress, then prints the bytes placed on each device.
-``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4")``
+    progress, then prints the bytes placed on each device.  ``dense`` (seam
+    ``MEMRA_DSV4_DENSE``, read once per load and printed): ``"bf16"`` (FP8 dense linears
+    dequantised to bf16 at load) or ``"fp8"`` (kept as stored; see gpu.weights); ``self.dense``.
+``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
     The prefill is the chunk routine (``gpu.decode.run_chunk``, the same one prefill /
@@ -62,24 +64,36 @@ class Dsv4Gpu:
         self._cp = cp
         self.decode_path = resolve_decode_path(decode_path)   # read once, printed
         self._step = None                                      # device step (gpu.step)
+        forms = {st.dense_fmt for st in stages}
+        if len(forms) != 1:
+            raise ValueError(f"stages disagree on the dense form: {sorted(forms)}")
+        self.dense = forms.pop()                               # gpu.weights.resolve_dense
+        if self.dense == "fp8":   # the chunk routine's dequant kernel: built now, not mid-prefill
+            from memra_dsv4.gpu import kernel_loader
+            from memra_dsv4.gpu.ops import dense as dense_ops
+            for d in self.devices:
+                kernel_loader.get_loader(d).warm_all([dense_ops.STEM])
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _plan(cfg, devices, experts):
+    def _plan(cfg, devices, experts, dense: str = "bf16"):
         from memra_dsv4.gpu.weights import weight_plan
-        return weight_plan(cfg, len(devices), experts)
+        return weight_plan(cfg, len(devices), experts, dense=dense)
 
     @classmethod
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
-             max_seq_len: int | None = None, decode_path: str | None = None) -> "Dsv4Gpu":
-        from memra_dsv4.gpu.weights import load_stage_weights
+             max_seq_len: int | None = None, decode_path: str | None = None,
+             dense: str | None = None) -> "Dsv4Gpu":
+        from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
+        dense = resolve_dense(dense)                           # read once, printed
         devices = tuple(int(d) for d in devices)
         cfg = ckpt.config
         kinds = set(ckpt.expert_kinds.values()) if hasattr(ckpt, "expert_kinds") else {"mxfp4"}
-        plan = cls._plan(cfg, devices, "nvfp4" if "nvfp4" in kinds else "mxfp4")
+        plan = cls._plan(cfg, devices, "nvfp4" if "nvfp4" in kinds else "mxfp4", dense)
         bar = _bar(len(ckpt.names()), "loading")
-        stages = [load_stage_weights(ckpt, devices[i], layers, emb, head, progress=bar)
+        stages = [load_stage_weights(ckpt, devices[i], layers, emb, head, progress=bar,
+                                     dense=dense)
                   for i, layers, emb, head in plan]
         if bar is not None:
             bar.close()
@@ -89,16 +103,17 @@ class Dsv4Gpu:
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
-                  decode_path: str | None = None) -> "Dsv4Gpu":
-        from memra_dsv4.gpu.weights import synthetic_stage_weights
+                  decode_path: str | None = None, dense: str | None = None) -> "Dsv4Gpu":
+        from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
+        dense = resolve_dense(dense)                           # read once, printed
         cfg = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
         devices = tuple(int(d) for d in devices)
-        plan = cls._plan(cfg, devices, experts)
+        plan = cls._plan(cfg, devices, experts, dense)
         bar = _bar(len(expected_tensors(cfg, experts)), "synthesising")
         stages = [synthetic_stage_weights(cfg, devices[i], layers, emb, head, seed, experts,
-                                          progress=bar)
+                                          progress=bar, dense=dense)
                   for i, layers, emb, head in plan]
         if bar is not None:
             bar.close()
@@ -260,7 +275,8 @@ def _print_bytes(stages) -> None:
     for st in stages:
         print(f"memra_dsv4: device {st.device}: layers {st.layers.start}..{st.layers.stop - 1}"
               f"{' +embed' if st.has_embed else ''}{' +head' if st.has_head else ''}: "
-              f"{st.nbytes / 2**30:.2f} GiB of weights placed", file=sys.stderr)
+              f"{st.nbytes / 2**30:.2f} GiB of weights placed (dense {st.dense_fmt})",
+              file=sys.stderr)
 
 
 def _f32(u16):
@@ -289,8 +305,18 @@ class _Block:
         return self.st[f"{self.p}.{leaf}"]
 
     def lin(self, x, leaf: str, out: str = "bf16"):
+        """linear with the weight ``leaf``: bf16 bits, or FP8 as stored (dequantised into the
+        device's bf16 scratch first: the same GEMM and bits)."""
         from memra_dsv4.gpu.ops_glue import linear
-        return linear(self.g, x, self.w(leaf), out)
+        name = f"{self.p}.{leaf}"
+        return linear(self.g, x, self.st[name], out, scale=self.st.scale_of(name))
+
+    def w_bf16(self, leaf: str):
+        """The weight ``leaf`` as bf16 bits: the stored array, or for an FP8-stored one its
+        dequantisation in the device's scratch (valid until the next dequant on this device)."""
+        name = f"{self.p}.{leaf}"
+        sc = self.st.scale_of(name)
+        return self.st[name] if sc is None else self.g.dense_bf16(self.st[name], sc)
 
     def rope_tables(self, positions):
         import cupy as cp

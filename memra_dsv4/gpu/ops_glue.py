@@ -18,6 +18,12 @@ Contract
   ``host.routing.select_learned``, independent of sort stability.
 * The routed-expert dequantisation uses kernels_cu/experts.cu (dequant_mxfp4_bf16 /
   dequant_nvfp4_bf16) and falls back to a CuPy formula if that module fails to build.
+* Dense FP8 weights (``MEMRA_DSV4_DENSE=fp8``: uint8 e4m3 + uint8 e8m0 128x128 scales, see
+  gpu.weights): ``linear(g, x, w, out, scale=...)`` / ``GemmBackend.mm(x, w, scale=...)``
+  dequantise ``w`` exactly into the backend's bf16 scratch (kernels_cu/dense.cu, one scratch per
+  device, grown on demand) and run the same bf16 GEMM, so the result equals the bf16 arm's bit
+  for bit.  The scratch is reused by the next dequant: ``GemmBackend.dense_bf16`` returns a view
+  that is valid until then (stream order makes an already enqueued GEMM on it safe).
 These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
 one by one (same signatures, same tests).
 """
@@ -72,7 +78,8 @@ class GemmBackend:
     """Y[M, N] = X[M, K] . W[N, K]^T with bf16 X (float32 bf16-valued) and bf16-bit W.
 
     One per device.  cuBLASLt bf16 x bf16 -> f32 plans are built on first use of a shape and
-    cached (BlasLt caches by GemmKey)."""
+    cached (BlasLt caches by GemmKey).  FP8-stored weights go through ``dense_bf16`` (the
+    device's reused bf16 scratch) and then the same plan."""
 
     def __init__(self, device_id: int, mode: str | None = None) -> None:
         cp = _cp()
@@ -80,6 +87,7 @@ class GemmBackend:
         self.mode = mode or _GEMM_MODE
         self.lt = None
         self.flops = 0
+        self._dense_scratch = None   # uint16 flat, grown on demand (dense_bf16)
         if self.mode == "blaslt":
             from memra_dsv4.gpu.blaslt import DEFAULT_WORKSPACE_BYTES, BlasLt
 
@@ -87,10 +95,32 @@ class GemmBackend:
                 self.workspace = cp.zeros(DEFAULT_WORKSPACE_BYTES, dtype=cp.uint8)
             self.lt = BlasLt(self.device_id, self.workspace)
 
-    def mm(self, x, w_u16):
-        """float32 [M, N] = bf16(x) . w^T, fp32 accumulation.  x: float32 (rounded to bf16
-        here; a no-op when x is already bf16-valued) or uint16 bits; w_u16: uint16 [N, K]."""
+    def dense_bf16(self, w_u8, scale_u8):
+        """An FP8 weight (uint8 e4m3 [N, K] + uint8 e8m0 [ceil(N/128), ceil(K/128)]) as bf16
+        bits [N, K] in this device's scratch: a view valid until the next dense_bf16 call."""
         cp = _cp()
+        from memra_dsv4.gpu.ops.dense import dequant_fp8_bf16
+        n = int(w_u8.size)
+        buf = self._dense_scratch
+        if buf is None or buf.size < n:
+            with cp.cuda.Device(self.device_id):
+                if buf is not None:   # GEMMs enqueued on the old buffer finish before it goes
+                    cp.cuda.get_current_stream().synchronize()
+                self._dense_scratch = buf = cp.empty(max(n, 1), dtype=cp.uint16)
+        out = buf[:n].reshape(w_u8.shape)
+        return dequant_fp8_bf16(w_u8, scale_u8, out)
+
+    def mm(self, x, w_u16, scale=None):
+        """float32 [M, N] = bf16(x) . w^T, fp32 accumulation.  x: float32 (rounded to bf16
+        here; a no-op when x is already bf16-valued) or uint16 bits; w_u16: uint16 [N, K], or
+        with ``scale`` an FP8 weight (uint8 e4m3 [N, K], scale uint8 e8m0 128x128 blocks),
+        dequantised exactly into the scratch first (dense_bf16)."""
+        cp = _cp()
+        if scale is not None:
+            w_u16 = self.dense_bf16(w_u16, scale)
+        if w_u16.dtype != cp.uint16:
+            raise ValueError(f"gemm: weight dtype {w_u16.dtype}; expected uint16 bf16 bits (an "
+                             f"FP8 uint8 weight needs its scale=)")
         xb = x if x.dtype == cp.uint16 else bf16_bits(x)
         xb = cp.ascontiguousarray(xb)
         M, K = xb.shape
@@ -108,10 +138,11 @@ class GemmBackend:
         return y
 
 
-def linear(g: GemmBackend, x, w_u16, out: str = "bf16"):
-    """oracle ops.linear for kinds fp8/fp4/bf16 (out='bf16': stored) and f32 (out='f32')."""
+def linear(g: GemmBackend, x, w_u16, out: str = "bf16", scale=None):
+    """oracle ops.linear for kinds fp8/fp4/bf16 (out='bf16': stored) and f32 (out='f32').
+    ``scale``: the e8m0 block scale of an FP8-stored weight (uint8 w), else None."""
     lead = x.shape[:-1]
-    y = g.mm(x.reshape(-1, x.shape[-1]), w_u16)
+    y = g.mm(x.reshape(-1, x.shape[-1]), w_u16, scale)
     y = y.reshape(*lead, w_u16.shape[0])
     return store(y) if out == "bf16" else y
 

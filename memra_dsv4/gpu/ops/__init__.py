@@ -20,7 +20,7 @@ Contract
 from __future__ import annotations
 
 FAMILIES = ("rmsnorm", "rope", "quant_sim", "hc", "compressor", "indexer", "attention",
-            "router", "experts", "moe")
+            "router", "experts", "moe", "dense")
 
 __all__ = list(FAMILIES) + ["FAMILIES", "kernel_names"]
 
