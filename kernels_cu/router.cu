@@ -15,7 +15,8 @@
 //                             checkpoint's int64 at load), pick order kept;
 //   weights = (s[idx] / sum_j s[idx_j]) * f32(route_scale) in f32, the sum in pick order (twin
 //   host.routing.route). Outputs idx int32 [T, k] (the twin returns int64), weights f32 [T, k],
-//   scores f32 [T, E] (optional). Block 128 = 4 tokens.
+//   scores f32 [T, E] (optional). Block 128 = 4 tokens; the CTA computes the scores of its 4
+//   tokens with all 128 threads, then each warp selects for its token.
 #include "common.cuh"
 
 using namespace memra;
@@ -80,23 +81,30 @@ DEV void router_select_body(const float* __restrict__ logits, const float* __res
                             int* __restrict__ idx_out, float* __restrict__ w_out,
                             float* __restrict__ scores_out, int T, int E, int k, float route_scale) {
     __shared__ float s_sh[RS_WARPS][32 * EPL];
+    __shared__ float b_sh[RS_WARPS][32 * EPL];
     __shared__ int sel[RS_WARPS][RS_KMAX];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const i64 t = (i64)blockIdx.x * RS_WARPS + wid;
+    // Phase 1, the whole CTA: s = sqrtsoftplus(logit) (double exp / log1p: long dependent
+    // chains) and s + bias for every (token, expert) of the CTA's tokens, spread over all 128
+    // threads rather than 32 * EPL chains per warp (decode has T = 1: one busy warp otherwise).
+    const i64 t0 = (i64)blockIdx.x * RS_WARPS;
+    for (int i = threadIdx.x; i < RS_WARPS * 32 * EPL; i += blockDim.x) {
+        const int w = i / (32 * EPL), e = i % (32 * EPL);
+        float s = 0.0f, bs = f32_ninf();
+        if (t0 + w < T && e < E) {
+            s = sqrtsoftplus(__ldg(logits + (t0 + w) * E + e));
+            if (scores_out != nullptr) scores_out[(t0 + w) * E + e] = s;
+            if (bias != nullptr) bs = __fadd_rn(s, __ldg(bias + e));
+        }
+        s_sh[w][e] = s;
+        b_sh[w][e] = bs;
+    }
+    __syncthreads();
     if (t >= T) return;  // whole warp
     float b[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-        const int e = lane + 32 * i;
-        float s = 0.0f, bs = f32_ninf();
-        if (e < E) {
-            s = sqrtsoftplus(__ldg(logits + t * E + e));
-            if (scores_out != nullptr) scores_out[t * E + e] = s;
-            if (bias != nullptr) bs = __fadd_rn(s, __ldg(bias + e));
-        }
-        s_sh[wid][lane + 32 * i] = s;
-        b[i] = bs;
-    }
+    for (int i = 0; i < EPL; ++i) b[i] = b_sh[wid][lane + 32 * i];
     if (bias != nullptr) {
         u32 taken = 0;
         for (int j = 0; j < k; ++j) {
