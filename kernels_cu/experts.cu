@@ -16,15 +16,40 @@
 //   weight_scale_2 f32 [E] array), so experts can live anywhere (a stacked [E, out, in/2] tensor
 //   is the special case base + e * stride). The STORED bytes are read directly with 128-bit
 //   loads: one uint4 = 32 e2m1 values = exactly one MXFP4 scale (two NVFP4 scales).
-//   Layout: grid (ceil(O / 32), n_slots), block 256 = 8 warps x 4 rows. Lane l owns the input
-//   chunks q = l + 32 i (i < KPL, K <= 1024*KPL) and keeps that slice of x in registers as packed
-//   bf16 for all 4 rows. Per chunk: partial = sum of 32 products in element order (f32 FMA),
-//   acc = fma(partial, block scale, acc) in chunk order, then a warp xor-tree; NVFP4 multiplies
-//   weight_scale_2 once at the end. The order depends only on (o, K): decode rows are
-//   reproducible and independent of the slot count. e2m1 decode: 16-entry f32 LUT in shared
-//   memory (conflict-free: 16 words on 16 banks, equal addresses broadcast).
-//   x is expected bf16; for the reference numeric class pass the FP8-simulated activation
-//   (quant_sim fp8_sim_b128), which makes sum_k exactly the reference's fp4_gemm up to order.
+//   gemv_*_gateup_k*: W1 and W3 GEMVs + clamped SwiGLU in one launch; gemv_*_down_combine_k*:
+//   W2 GEMV + the MoE combine in one launch. Same row arithmetic, so the fused and plain kernels
+//   produce identical bits.
+//
+// THE ROW ARITHMETIC (fixed by (o, K) alone; the launch geometry below never changes it): lane l
+//   of one warp owns the 32-element chunks q = l + 32 i (i < KPL, K <= 1024*KPL); per chunk a
+//   32-product f32 partial in element order (FMA chain), acc = fma(partial, block scale, acc) in
+//   chunk order (NVFP4: two 16-element partials and scales), then the warp xor-tree warp_sum;
+//   NVFP4 multiplies weight_scale_2 once at the end. Gate/up round a and u to bf16, then SwiGLU;
+//   down rounds each pick to bf16 and sums them from 0 in ascending expert id (stable), then adds
+//   the shared expert. x is expected bf16; for the reference numeric class pass the
+//   FP8-simulated activation (quant_sim fp8_sim_b128).
+//
+// LAYOUT (why: occupancy, load/compute overlap, no bank conflicts). The old kernels kept the
+//   whole x slice and all weight chunks of a warp in registers (~170 registers, 1 CTA of 8 warps
+//   per SM) and loaded everything before computing, so memory and math never overlapped.
+//   * 256-thread CTAs, <= 128 registers, 2 CTAs (16 warps) per SM. A slot (down: a token) gets
+//     nx CTAs (grid (nx, slots), nx from the SM count in ops/experts.py); their warps take the
+//     slot's row groups (R rows; gate/up: R rows of both matrices) round-robin.
+//   * Per warp a stream of chunk steps (group g, chunk i) with a register ring: the weights and
+//     scales of step s + FP4_DEPTH are loaded into the slot step s has just consumed, so loads
+//     stay in flight across groups (and across picks in down_combine) while the warp computes.
+//     The first loads are issued before the CTA stages x (or h), so staging hides behind them.
+//   * x (down: the token's k rows of h) is staged once per CTA in shared memory as f32 (bf16 for
+//     down with K > 2048), lane-interleaved so a warp's 32 lanes read 32 consecutive 16-byte
+//     words (conflict-free), and each x chunk is read once per step for all the rows of a group.
+//   * e2m1 decode: a 16-word f32 table in shared memory (conflict-free: 16 words on 16 banks,
+//     equal addresses broadcast); the lookup address is one byte insert (PRMT) into the table's
+//     256-aligned base. An ALU decode needs more instructions per element than this, and an f32
+//     bit trick would meet subnormals (-ftz).
+//   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
+//     rounding, SwiGLU in double) run lane-parallel.
+//   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
+//     first weight loads) and walks them in ascending expert id for its R rows.
 #include "common.cuh"
 
 using namespace memra;
@@ -92,125 +117,345 @@ dequant_nvfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ wscale,
 
 namespace {
 
-constexpr int GV_WARPS = 8;
-constexpr int GV_RPW = 4;  // rows per warp
-constexpr int GV_ROWS = GV_WARPS * GV_RPW;
+// ------------------------------------------------------------------------ FP4 GEMV engine
+// See the header comment for the layout. Tunables (rows per warp group, prefetch depth) are
+// macros only so that tools can time alternatives; the arithmetic does not depend on them.
+#ifndef FP4_GV_R
+#define FP4_GV_R 4  // gemv_*: rows per warp group
+#endif
+#ifndef FP4_GU_R
+#define FP4_GU_R 2  // gateup: rows per warp group (x 2 matrices)
+#endif
+#ifndef FP4_DN_R
+#define FP4_DN_R 2  // down_combine: rows per warp group
+#endif
+#ifndef FP4_DEPTH
+#define FP4_DEPTH 2  // prefetch distance in chunk steps (register ring slots)
+#endif
+#ifndef FP4_MINB
+#define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)
+#endif
+constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 
-// sum_{e<8} lut[nibble e of w] * x_e, in element order, continuing `acc`
-DEV float dot8(u32 w, u32 xa, u32 xb, u32 xc, u32 xd, const float* lut, float acc) {
-    acc = __fmaf_rn(lut[w & 15u], bf16lo(xa), acc);
-    acc = __fmaf_rn(lut[(w >> 4) & 15u], bf16hi(xa), acc);
-    acc = __fmaf_rn(lut[(w >> 8) & 15u], bf16lo(xb), acc);
-    acc = __fmaf_rn(lut[(w >> 12) & 15u], bf16hi(xb), acc);
-    acc = __fmaf_rn(lut[(w >> 16) & 15u], bf16lo(xc), acc);
-    acc = __fmaf_rn(lut[(w >> 20) & 15u], bf16hi(xc), acc);
-    acc = __fmaf_rn(lut[(w >> 24) & 15u], bf16lo(xd), acc);
-    acc = __fmaf_rn(lut[w >> 28], bf16hi(xd), acc);
-    return acc;
+// e2m1 decode table, one per CTA: 16 words on 16 banks, so a warp's 32 lookups are one
+// conflict-free wavefront. 256-byte aligned: the low byte of its shared address is 0, so
+// "table address + 4 * nibble" is a byte insert (one PRMT / LOP3 per element, no add).
+__shared__ __align__(256) float fp4_lut[16];
+
+DEV u32 lut_base() { return (u32)__cvta_generic_to_shared(fp4_lut); }
+DEV float lds_f32(u32 a) {  // volatile: stays after the barrier that publishes the table
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
+    return v;
 }
 
-// this lane's slice of an activation row: chunks q = lane + 32 i (32 bf16 = 4 x uint4 each)
-template <int KPL>
-DEV void load_x_slice(const u16* xr, int lane, int nq, uint4 (&xv)[KPL][4]) {
-#pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-        const int q = lane + 32 * i;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) xv[i][j] = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
-    }
+// p continued by sum_{e<8} e2m1(nibble e of w) * xf[e], in element order (f32 FMA chain).
+// t / u: 4 * the low / high nibbles in the four bytes; each lookup address is one byte of t or u
+// placed into the table base b.
+DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
+    const u32 t = (w << 2) & 0x3c3c3c3cu, u = (w >> 2) & 0x3c3c3c3cu;
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7650u)), xf[1], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7651u)), xf[2], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7651u)), xf[3], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7652u)), xf[4], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7652u)), xf[5], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7653u)), xf[7], p);
+    return p;
 }
 
-// the lane's 16-byte weight chunks of RPW consecutive rows (issued together: RPW*KPL loads in flight)
-template <int KPL, int RPW>
-DEV void load_rows(const u8* wbase, int o0, int O, int K, int lane, int nq, uint4 (&wv)[RPW][KPL]) {
+DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// One chunk (32 elements) of NRM row dots, THE arithmetic of every FP4 GEMV here: per row a
+// 32-product f32 partial in element order, then acc = fma(partial, block scale, acc) (NVFP4: two
+// 16-element partials, each times its e4m3 scale, in order). xq: this lane's chunk in shared
+// memory (see stage_row): XF, as f32, 4 elements per float4, part jj at xq + 32 jj; else as
+// bf16, 8 per uint4. The partials are computed on every lane (zero weights and x where the
+// chunk does not exist); only lanes with a chunk (qok) fold theirs into acc.
+template <int NRM, bool NV, bool XF>
+DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], const void* xq, u32 b,
+                    bool qok, float (&acc)[NRM]) {
+    float p[NRM];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const u8* wrow = wbase + (i64)(o0 + r) * (K >> 1);
+    for (int m = 0; m < NRM; ++m) p[m] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < KPL; ++i) {
-            const int q = lane + 32 * i;
-            wv[r][i] = (o0 + r < O && q < nq) ? ldg16(wrow + 16 * q) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < 4; ++j) {
+        float xf[8];
+        if (XF) {
+            const float4 lo = static_cast<const float4*>(xq)[64 * j], hi = static_cast<const float4*>(xq)[64 * j + 32];
+            xf[0] = lo.x; xf[1] = lo.y; xf[2] = lo.z; xf[3] = lo.w;
+            xf[4] = hi.x; xf[5] = hi.y; xf[6] = hi.z; xf[7] = hi.w;
+        } else {
+            unpack8(static_cast<const uint4*>(xq)[32 * j], xf);
         }
-    }
-}
-
-// THE row dot of the FP4 GEMVs: per chunk a 32-product f32 partial (element order) times the block
-// scale, chunks in order, then a warp xor-tree; NVFP4 multiplies weight_scale_2 at the end.
-// Every lane returns the full value (0 for o >= O). Shared by every GEMV kernel, so the plain and
-// the fused MoE kernels produce identical bits.
-template <int KPL, bool NV>
-DEV float row_dot(const uint4 (&wr)[KPL], const uint4 (&xv)[KPL][4], const u8* sbase, int o, int O, int K,
-                  int lane, int nq, const float* lut, float ws2) {
-    float acc = 0.0f;
 #pragma unroll
-    for (int i = 0; i < KPL; ++i) {
-        const int q = lane + 32 * i;
-        if (o < O && q < nq) {
-            const uint4 w = wr[i];
-            if (!NV) {
-                float p = 0.0f;
-                p = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p);
-                p = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p);
-                p = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p);
-                p = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p);
-                const u32 sb = __ldg(sbase + (i64)o * nq + q);
-                acc = __fmaf_rn(p, e8m0_to_f32(sb), acc);
-            } else {
-                float p0 = 0.0f, p1 = 0.0f;
-                p0 = dot8(w.x, xv[i][0].x, xv[i][0].y, xv[i][0].z, xv[i][0].w, lut, p0);
-                p0 = dot8(w.y, xv[i][1].x, xv[i][1].y, xv[i][1].z, xv[i][1].w, lut, p0);
-                p1 = dot8(w.z, xv[i][2].x, xv[i][2].y, xv[i][2].z, xv[i][2].w, lut, p1);
-                p1 = dot8(w.w, xv[i][3].x, xv[i][3].y, xv[i][3].z, xv[i][3].w, lut, p1);
-                const u8* sp = sbase + (i64)o * (K >> 4) + 2 * q;
-                acc = __fmaf_rn(p0, e4m3_to_f32(__ldg(sp)), acc);
-                acc = __fmaf_rn(p1, e4m3_to_f32(__ldg(sp + 1)), acc);
+        for (int m = 0; m < NRM; ++m) p[m] = dot8(word_of(w[m], j), xf, b, p[m]);
+        if (NV && j == 1) {
+#pragma unroll
+            for (int m = 0; m < NRM; ++m) {
+                if (qok) acc[m] = __fmaf_rn(p[m], e4m3_to_f32(s[m][0]), acc[m]);
+                p[m] = 0.0f;
             }
         }
     }
+#pragma unroll
+    for (int m = 0; m < NRM; ++m)
+        if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_to_f32(s[m][0]), acc[m]);
+}
+
+// the end of a row dot: warp xor-tree of the lane partials; NVFP4 times weight_scale_2
+template <bool NV>
+DEV float row_total(float acc, float ws2) {
     acc = warp_sum(acc);
     return NV ? __fmul_rn(acc, ws2) : acc;
 }
 
-DEV void init_lut(float* lut) {
-    if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
-    __syncthreads();
+// this lane's pointers into the NRM rows of a warp group: weights of chunk q = lane (row start +
+// 16 lane) and its scale byte(s) (row start + lane, NVFP4 + 2 lane); chunk lane + 32 i is then an
+// immediate offset away. Bit m of ok: row m exists.
+template <int NRM>
+struct Rows {
+    const u8* w[NRM];
+    const u8* s[NRM];
+    u32 ok;
+};
+
+// issue the loads of chunk lane + 32 i of the group's rows into one ring slot (zeros where disabled)
+template <int NRM, bool NV>
+DEV void fetch(uint4 (&w)[NRM], u32 (&s)[NRM][NV ? 2 : 1], const Rows<NRM>& r, int i, bool qok) {
+#pragma unroll
+    for (int m = 0; m < NRM; ++m) {
+        const bool ok = qok && ((r.ok >> m) & 1u);
+        w[m] = ok ? ldg16(r.w[m] + 512 * i) : make_uint4(0, 0, 0, 0);
+        if (NV) {
+            s[m][0] = ok ? (u32)__ldg(r.s[m] + 64 * i) : 0u;
+            s[m][NV ? 1 : 0] = ok ? (u32)__ldg(r.s[m] + 64 * i + 1) : 0u;
+        } else {
+            s[m][0] = ok ? (u32)__ldg(r.s[m] + 32 * i) : 0u;
+        }
+    }
 }
+
+// The per-warp stream: groups g = 0..P.ngroups-1 of NRM rows, each KPL chunk steps (chunk
+// q = lane + 32 i at step i). The weights and scales of step s + DEPTH are loaded into the ring
+// slot that step s has just used, so DEPTH steps of loads are in flight while the warp computes.
+// Plan P: ngroups, nq, xs (current group's x in shared memory), active (compute this group),
+// rows(g, Rows&) (prefetch side, called once per group in order), stage() (once, by every
+// thread of the CTA, after the first loads are issued), begin(g), finish(g, acc).
+template <int KPL, int NRM, int DEPTH, bool NV, bool XF, class P>
+DEV void fp4_stream(P& pl) {
+    constexpr int NSC = NV ? 2 : 1;
+    constexpr int U = DEPTH > KPL ? DEPTH : KPL;  // unroll: ring slot and chunk index compile-time
+    static_assert(U % DEPTH == 0 && U % KPL == 0, "DEPTH and KPL must be powers of two");
+    const int lane = threadIdx.x & 31;
+    const int nq = pl.nq;
+    const int S = pl.ngroups * KPL;
+    const u32 b = lut_base();
+    uint4 rw[DEPTH][NRM];
+    u32 rs[DEPTH][NRM][NSC];
+    Rows<NRM> pr;
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        if (d % KPL == 0 && d < S) pl.rows(d / KPL, pr);
+        fetch<NRM, NV>(rw[d], rs[d], pr, d % KPL, d < S && lane + 32 * (d % KPL) < nq);
+    }
+    pl.stage();  // x / h to shared memory (+ __syncthreads) while the first loads are in flight
+    float acc[NRM];
+    for (int s0 = 0; s0 < S; s0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u;
+            if (s >= S) break;  // warp-uniform
+            const int i = u % KPL, d = u % DEPTH;
+            const int g = s / KPL;
+            if (i == 0) {
+                pl.begin(g);
+#pragma unroll
+                for (int m = 0; m < NRM; ++m) acc[m] = 0.0f;
+            }
+            if (pl.active)  // warp-uniform
+                chunk_dots<NRM, NV, XF>(rw[d], rs[d], static_cast<const char*>(pl.xs) + 16 * ((XF ? 256 : 128) * i + lane), b,
+                                        lane + 32 * i < nq, acc);
+            if (s + DEPTH < S) {
+                const int ip = (u + DEPTH) % KPL;
+                if (ip == 0) pl.rows((s + DEPTH) / KPL, pr);
+                fetch<NRM, NV>(rw[d], rs[d], pr, ip, lane + 32 * ip < nq);
+            }
+            if (i == KPL - 1) pl.finish(g, acc);
+        }
+    }
+}
+
+DEV void init_lut() {
+    if (threadIdx.x < 16) fp4_lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
+}
+
+// x row (K bf16) -> shared memory, lane-interleaved so that the 32 lanes of a warp read 32
+// consecutive 16-byte words (no bank conflicts). XF (f32, 4 elements per float4): part jj
+// (elements 4 jj .. 4 jj + 3) of chunk q = l + 32 i at float4 index (8 i + jj) * 32 + l; else
+// (bf16, 8 per uint4) part j at uint4 index (4 i + j) * 32 + l. Chunks q >= nq are zero.
+template <int KPL, bool XF>
+DEV void stage_row(void* xs, const u16* xr, int nq, int tid, int nthreads) {
+    for (int idx = tid; idx < KPL * 128; idx += nthreads) {
+        const int l = idx & 31, j = (idx >> 5) & 3, i = idx >> 7, q = l + 32 * i;
+        const uint4 v = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
+        if (XF) {
+            float4* x4 = static_cast<float4*>(xs) + (8 * i + 2 * j) * 32 + l;
+            x4[0] = make_float4(bf16lo(v.x), bf16hi(v.x), bf16lo(v.y), bf16hi(v.y));
+            x4[32] = make_float4(bf16lo(v.z), bf16hi(v.z), bf16lo(v.w), bf16hi(v.w));
+        } else {
+            static_cast<uint4*>(xs)[idx] = v;
+        }
+    }
+}
+template <int KPL, bool XF>
+__host__ __device__ constexpr int staged_words() { return KPL * (XF ? 256 : 128); }  // 16-byte words per staged row
+
+template <int R, int NRM, bool NV>
+DEV void group_rows(Rows<NRM>& r, int m0, const u8* w, const u8* sc, int o0, int O, int half_k, int nsc) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+        const int o = o0 + rr;
+        r.w[m0 + rr] = w + (i64)o * half_k + 16 * lane;
+        r.s[m0 + rr] = sc + (i64)o * nsc + (NV ? 2 : 1) * lane;
+        if (o < O) r.ok |= 1u << (m0 + rr);
+    }
+}
+
+// what every plan has: this warp's share of the rows and the current group's x
+struct PlanBase {
+    int ngroups, nq, gw, NW, O, half_k, nsc;
+    bool active;
+    const void* xs;
+    DEV void setup(int O_, int K, bool nv, int R) {
+        nq = K >> 5;
+        gw = blockIdx.x * FP4_WARPS + (threadIdx.x >> 5);
+        NW = gridDim.x * FP4_WARPS;
+        O = O_;
+        half_k = K >> 1;
+        nsc = nv ? K >> 4 : K >> 5;
+        const int RG = (O + R - 1) / R;
+        ngroups = gw < RG ? (RG - 1 - gw) / NW + 1 : 0;
+        active = true;
+    }
+    DEV int row0(int g, int R) const { return (gw + NW * g) * R; }
+    // the rows of an empty slot (expert < 0) are zeros
+    DEV void write_zeros(u16* yr, int R) const {
+        const int lane = threadIdx.x & 31;
+        for (int g = 0; g < ngroups; ++g) {
+            const int o = row0(g, R) + lane;
+            if (lane < R && o < O) yr[o] = 0;
+        }
+    }
+};
+
+// Finished rows are kept one per lane (row n of the warp in lane n % 32) and stored 32 at a time,
+// so an epilogue (bf16 rounding, the SwiGLU in double) runs lane-parallel instead of in lane 0.
+struct Kept {
+    float a, u;
+    int o = -1;
+    DEV void put(int n, float a_, float u_, int o_) {
+        if ((int)(threadIdx.x & 31) == (n & 31)) {
+            a = a_;
+            u = u_;
+            o = o_;
+        }
+    }
+    DEV static bool flush_after(int n, bool last) { return (n & 31) == 31 || last; }
+};
+
+// y[slot, o] = bf16(W_e[o] . x[slot / x_div]); warp group = R rows
+template <int KPL, int R, bool NV>
+struct GemvPlan : PlanBase {
+    const u8 *w, *sc;
+    float s2;
+    u16* yr;
+    Kept kept;
+    const u16* xrow;
+    DEV void stage() {
+        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        __syncthreads();
+    }
+    DEV void rows(int g, Rows<R>& r) {
+        r.ok = 0;
+        group_rows<R, R, NV>(r, 0, w, sc, row0(g, R), O, half_k, nsc);
+    }
+    DEV void begin(int) {}
+    DEV void finish(int g, float (&acc)[R]) {
+        const int o0 = row0(g, R);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+            const int n = g * R + rr;
+            kept.put(n, row_total<NV>(acc[rr], s2), 0.0f, o0 + rr);
+            if (Kept::flush_after(n, g == ngroups - 1 && rr == R - 1)) {
+                if (kept.o >= 0 && kept.o < O) yr[kept.o] = (u16)f32_to_bf16(kept.a);
+                kept.o = -1;
+            }
+        }
+    }
+};
 
 template <int KPL, bool NV>
 DEV void gemv_fp4_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
                        const u64* __restrict__ wptr, const u64* __restrict__ sptr,
                        const float* __restrict__ ws2, u16* __restrict__ y, int ld_y, int O, int K) {
-    __shared__ float lut[16];
-    init_lut(lut);
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    constexpr int R = FP4_GV_R;
+    __shared__ float4 xs[staged_words<KPL, true>()];
     const i64 slot = blockIdx.y;
+    GemvPlan<KPL, R, NV> pl;
+    pl.setup(O, K, NV, R);
+    pl.yr = y + slot * ld_y;
     const int e = __ldg(expert_ids + slot);
-    const int o0 = blockIdx.x * GV_ROWS + wid * GV_RPW;
-    u16* yr = y + slot * ld_y;
     if (e < 0) {
-        if (lane < GV_RPW && o0 + lane < O) yr[o0 + lane] = 0;
+        pl.write_zeros(pl.yr, R);
         return;
     }
-    const int nq = K >> 5;  // 32-element chunks per row
-    uint4 xv[KPL][4];
-    load_x_slice<KPL>(x + (slot / x_div) * (i64)K, lane, nq, xv);
-    const u8* wbase = reinterpret_cast<const u8*>(__ldg(wptr + e));
-    const u8* sbase = reinterpret_cast<const u8*>(__ldg(sptr + e));
-    const float s2 = NV ? __ldg(ws2 + e) : 1.0f;
-    uint4 wv[GV_RPW][KPL];
-    load_rows<KPL, GV_RPW>(wbase, o0, O, K, lane, nq, wv);
-#pragma unroll
-    for (int r = 0; r < GV_RPW; ++r) {
-        const float acc = row_dot<KPL, NV>(wv[r], xv, sbase, o0 + r, O, K, lane, nq, lut, s2);
-        if (lane == 0 && o0 + r < O) yr[o0 + r] = (u16)f32_to_bf16(acc);
-    }
+    init_lut();
+    pl.w = reinterpret_cast<const u8*>(__ldg(wptr + e));
+    pl.sc = reinterpret_cast<const u8*>(__ldg(sptr + e));
+    pl.s2 = NV ? __ldg(ws2 + e) : 1.0f;
+    pl.xs = xs;
+    pl.xrow = x + (slot / x_div) * (i64)K;
+    fp4_stream<KPL, R, FP4_DEPTH, NV, true>(pl);
 }
 
-// Fused gate/up GEMVs + clamped SwiGLU (MoE first half): h[s, o] = swiglu(bf16(W1 x), bf16(W3 x))
-// with the routing weight of slot s; bit-identical to gemv(w1), gemv(w3), swiglu_clamped_bf16.
-// Warp = GU_RPW rows of both matrices.
-constexpr int GU_RPW = 2;
-constexpr int GU_ROWS = GV_WARPS * GU_RPW;
+// Fused gate/up GEMVs + clamped SwiGLU: h[s, o] = swiglu(bf16(W1 x), bf16(W3 x)) with the routing
+// weight of slot s; warp group = R rows of both matrices (ring rows 0..R-1: W1, R..2R-1: W3).
+template <int KPL, int R, bool NV>
+struct GateUpPlan : PlanBase {
+    const u8 *w1, *w3, *s1, *s3;
+    float a2, u2, ws;
+    bool weighted;
+    double limit;
+    u16* hr;
+    Kept kept;
+    const u16* xrow;
+    DEV void stage() {
+        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        __syncthreads();
+    }
+    DEV void rows(int g, Rows<2 * R>& r) {
+        r.ok = 0;
+        group_rows<R, 2 * R, NV>(r, 0, w1, s1, row0(g, R), O, half_k, nsc);
+        group_rows<R, 2 * R, NV>(r, R, w3, s3, row0(g, R), O, half_k, nsc);
+    }
+    DEV void begin(int) {}
+    DEV void finish(int g, float (&acc)[2 * R]) {
+        const int o0 = row0(g, R);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+            const int n = g * R + rr;
+            kept.put(n, round_bf16(row_total<NV>(acc[rr], a2)), round_bf16(row_total<NV>(acc[R + rr], u2)), o0 + rr);
+            if (Kept::flush_after(n, g == ngroups - 1 && rr == R - 1)) {
+                if (kept.o >= 0 && kept.o < O)
+                    hr[kept.o] = (u16)f32_to_bf16(swiglu_value(kept.a, kept.u, ws, weighted, limit));
+                kept.o = -1;
+            }
+        }
+    }
+};
 
 template <int KPL, bool NV>
 DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
@@ -219,144 +464,153 @@ DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* _
                               const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3,
                               const float* __restrict__ weight, double limit, u16* __restrict__ h,
                               int ld_h, int O, int K) {
-    __shared__ float lut[16];
-    init_lut(lut);
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    constexpr int R = FP4_GU_R;
+    __shared__ float4 xs[staged_words<KPL, true>()];
     const i64 slot = blockIdx.y;
+    GateUpPlan<KPL, R, NV> pl;
+    pl.setup(O, K, NV, R);
+    pl.hr = h + slot * ld_h;
     const int e = __ldg(expert_ids + slot);
-    const int o0 = blockIdx.x * GU_ROWS + wid * GU_RPW;
-    u16* hr = h + slot * ld_h;
     if (e < 0) {
-        if (lane < GU_RPW && o0 + lane < O) hr[o0 + lane] = 0;
+        pl.write_zeros(pl.hr, R);
         return;
     }
-    const int nq = K >> 5;
-    uint4 xv[KPL][4];
-    load_x_slice<KPL>(x + (slot / x_div) * (i64)K, lane, nq, xv);
-    const u8* w1 = reinterpret_cast<const u8*>(__ldg(w1ptr + e));
-    const u8* w3 = reinterpret_cast<const u8*>(__ldg(w3ptr + e));
-    const u8* sc1 = reinterpret_cast<const u8*>(__ldg(s1ptr + e));
-    const u8* sc3 = reinterpret_cast<const u8*>(__ldg(s3ptr + e));
-    const float a2 = NV ? __ldg(ws2_1 + e) : 1.0f, u2 = NV ? __ldg(ws2_3 + e) : 1.0f;
-    const float ws = weight != nullptr ? __ldg(weight + slot) : 1.0f;
-    uint4 wa[GU_RPW][KPL], wu[GU_RPW][KPL];
-    load_rows<KPL, GU_RPW>(w1, o0, O, K, lane, nq, wa);
-    load_rows<KPL, GU_RPW>(w3, o0, O, K, lane, nq, wu);
-#pragma unroll
-    for (int r = 0; r < GU_RPW; ++r) {
-        const float a = round_bf16(row_dot<KPL, NV>(wa[r], xv, sc1, o0 + r, O, K, lane, nq, lut, a2));
-        const float u = round_bf16(row_dot<KPL, NV>(wu[r], xv, sc3, o0 + r, O, K, lane, nq, lut, u2));
-        if (lane == 0 && o0 + r < O) hr[o0 + r] = (u16)f32_to_bf16(swiglu_value(a, u, ws, weight != nullptr, limit));
-    }
+    init_lut();
+    pl.w1 = reinterpret_cast<const u8*>(__ldg(w1ptr + e));
+    pl.w3 = reinterpret_cast<const u8*>(__ldg(w3ptr + e));
+    pl.s1 = reinterpret_cast<const u8*>(__ldg(s1ptr + e));
+    pl.s3 = reinterpret_cast<const u8*>(__ldg(s3ptr + e));
+    pl.a2 = NV ? __ldg(ws2_1 + e) : 1.0f;
+    pl.u2 = NV ? __ldg(ws2_3 + e) : 1.0f;
+    pl.weighted = weight != nullptr;
+    pl.ws = pl.weighted ? __ldg(weight + slot) : 1.0f;
+    pl.limit = limit;
+    pl.xs = xs;
+    pl.xrow = x + (slot / x_div) * (i64)K;
+    fp4_stream<KPL, 2 * R, FP4_DEPTH, NV, true>(pl);
 }
 
-// Fused down GEMV + MoE combine (MoE second half): for token t with picks j = 0..k-1 (slot t*k + j,
-// expert ids[t, j]), y[t, o] = bf16( (0 + sum over picks in ascending expert id (stable) of
-// bf16(W2_e[o] . h[slot])) + shared[t, o] ); bit-identical to gemv(w2) then moe_combine_bf16.
-// Grid (ceil(O/32), T): a warp walks the token's picks in that order for its 4 rows.
+// Fused down GEMV + MoE combine: for token t with picks j = 0..k-1 (slot t*k + j, expert
+// ids[t, j]), y[t, o] = bf16( (0 + sum over picks in ascending expert id (stable) of
+// bf16(W2_e[o] . h[slot])) + shared[t, o] ). A warp takes R rows and walks the token's picks in
+// that order (group g = row group g / k, pick rank g % k), summing the rounded pick values.
+// Every warp ranks the picks itself (lane j: pick j; lane r then holds the pick of rank r), so the
+// first weight loads wait for no barrier. The token's k rows of h are staged in (dynamic) shared
+// memory: as f32 for KPL <= 2, as bf16 for KPL = 4 (k * 64 KB of f32 would not fit).
+template <int KPL, int R, bool NV>
+struct DownPlan : PlanBase {
+    static constexpr bool XF = KPL <= 2;
+    static constexpr int HW = staged_words<KPL, XF>();  // 16-byte words per staged h row
+    int k;
+    int r_id, r_order;   // this lane's rank r = lane: expert id, pick index
+    u64 r_w, r_s;        // and its weight / scale bases
+    float r_ws2;
+    uint4* hs;           // [k][HW] staged h rows (pick index order)
+    const u16* ht;       // the token's h rows
+    float s2;
+    float comb[R];
+    const u16* sh;       // shared-expert row or null
+    u16* yr;
+    Kept kept;
+    DEV void stage() {
+        for (int j = 0; j < k; ++j) stage_row<KPL, XF>(hs + j * HW, ht + j * (i64)(half_k * 2), nq, threadIdx.x, blockDim.x);
+        __syncthreads();
+    }
+    DEV void rows(int g, Rows<R>& r) {
+        const int rank = g % k;
+        r.ok = 0;
+        const int e = __shfl_sync(0xffffffffu, r_id, rank);
+        const u64 w = __shfl_sync(0xffffffffu, r_w, rank), sc = __shfl_sync(0xffffffffu, r_s, rank);
+        if (e >= 0)
+            group_rows<R, R, NV>(r, 0, reinterpret_cast<const u8*>(w), reinterpret_cast<const u8*>(sc),
+                                 row0(g / k, R), O, half_k, nsc);
+    }
+    DEV void begin(int g) {
+        const int rank = g % k;
+        active = __shfl_sync(0xffffffffu, r_id, rank) >= 0;
+        xs = hs + __shfl_sync(0xffffffffu, r_order, rank) * HW;
+        s2 = NV ? __shfl_sync(0xffffffffu, r_ws2, rank) : 1.0f;
+        if (rank == 0) {
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) comb[rr] = 0.0f;
+        }
+    }
+    DEV void finish(int g, float (&acc)[R]) {
+        const int rank = g % k;
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)  // an empty pick contributes the zero row of gemv()
+            comb[rr] = __fadd_rn(comb[rr], active ? round_bf16(row_total<NV>(acc[rr], s2)) : 0.0f);
+        if (rank == k - 1) {
+            const int rg = g / k, o0 = row0(rg, R), nrg = ngroups / k;
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) {
+                const int n = rg * R + rr;
+                kept.put(n, comb[rr], 0.0f, o0 + rr);
+                if (Kept::flush_after(n, rg == nrg - 1 && rr == R - 1)) {
+                    const int o = kept.o;
+                    if (o >= 0 && o < O) {
+                        float v = kept.a;
+                        if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
+                        yr[o] = (u16)f32_to_bf16(v);
+                    }
+                    kept.o = -1;
+                }
+            }
+        }
+    }
+};
+
 template <int KPL, bool NV>
 DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
                                     const u64* __restrict__ wptr, const u64* __restrict__ sptr,
                                     const float* __restrict__ ws2, const u16* __restrict__ shared,
                                     u16* __restrict__ y, int ld_y, int O, int K) {
-    __shared__ float lut[16];
-    __shared__ int order[16];
-    __shared__ int ids[16];
+    constexpr int R = FP4_DN_R;
+    extern __shared__ uint4 hs[];  // [k][DownPlan::HW]
     const i64 t = blockIdx.y;
-    if (threadIdx.x == 0) {  // stable insertion sort of the picks by expert id
-        for (int j = 0; j < k; ++j) {
-            const int e = __ldg(expert_ids + t * k + j);
-            int p = j;
-            while (p > 0 && ids[p - 1] > e) {
-                ids[p] = ids[p - 1];
-                order[p] = order[p - 1];
-                --p;
-            }
-            ids[p] = e;
-            order[p] = j;
-        }
+    const int lane = threadIdx.x & 31;
+    init_lut();
+    DownPlan<KPL, R, NV> pl;
+    pl.setup(O, K, NV, R);
+    pl.ngroups *= k;
+    pl.k = k;
+    // stable rank of pick j (lane j) by expert id: #{i: e_i < e_j} + #{i < j: e_i == e_j}
+    const int ej = lane < k ? __ldg(expert_ids + t * k + lane) : 0x7fffffff;
+    int rank = 0;
+    for (int i = 0; i < k; ++i) {
+        const int ei = __shfl_sync(0xffffffffu, ej, i);
+        rank += (ei < ej || (ei == ej && i < lane)) ? 1 : 0;
     }
-    init_lut(lut);  // (its barrier also publishes the order)
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int o0 = blockIdx.x * GV_ROWS + wid * GV_RPW;
-    const int nq = K >> 5;
-    float acc[GV_RPW];
-#pragma unroll
-    for (int r = 0; r < GV_RPW; ++r) acc[r] = 0.0f;
-    // software pipeline over the picks (KPL <= 2; KPL = 4 would spill): the next pick's activation
-    // slice and weight rows are in flight while the current one is reduced. The arithmetic is the
-    // same either way.
-    constexpr bool PF = KPL <= 2;
-    uint4 xc[KPL][4], wc[GV_RPW][KPL], xn[KPL][4], wn[GV_RPW][KPL];
-    const u8* sc = nullptr;
-    const u8* sn = nullptr;
-    float s2c = 1.0f, s2n = 1.0f;
-    if (PF) {
-        const int e = ids[0];
-        if (e >= 0) {
-            load_x_slice<KPL>(h + (t * k + order[0]) * (i64)K, lane, nq, xc);
-            load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + e)), o0, O, K, lane, nq, wc);
-            sc = reinterpret_cast<const u8*>(__ldg(sptr + e));
-            s2c = NV ? __ldg(ws2 + e) : 1.0f;
-        }
-    }
+    // lane r <- the pick of rank r
+    int id = 0x7fffffff, order = 0;
     for (int j = 0; j < k; ++j) {
-        const int e = ids[j];
-        if (!PF && e >= 0) {
-            load_x_slice<KPL>(h + (t * k + order[j]) * (i64)K, lane, nq, xc);
-            load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + e)), o0, O, K, lane, nq, wc);
-            sc = reinterpret_cast<const u8*>(__ldg(sptr + e));
-            s2c = NV ? __ldg(ws2 + e) : 1.0f;
-        }
-        if (PF && j + 1 < k) {
-            const int en = ids[j + 1];
-            if (en >= 0) {
-                load_x_slice<KPL>(h + (t * k + order[j + 1]) * (i64)K, lane, nq, xn);
-                load_rows<KPL, GV_RPW>(reinterpret_cast<const u8*>(__ldg(wptr + en)), o0, O, K, lane, nq, wn);
-                sn = reinterpret_cast<const u8*>(__ldg(sptr + en));
-                s2n = NV ? __ldg(ws2 + en) : 1.0f;
-            }
-        }
-        if (e < 0) {  // an empty pick contributes the zero row of gemv()
-#pragma unroll
-            for (int r = 0; r < GV_RPW; ++r) acc[r] = __fadd_rn(acc[r], 0.0f);
-        } else {
-#pragma unroll
-            for (int r = 0; r < GV_RPW; ++r)
-                acc[r] = __fadd_rn(acc[r], round_bf16(row_dot<KPL, NV>(wc[r], xc, sc, o0 + r, O, K, lane, nq, lut, s2c)));
-        }
-        if (PF) {
-#pragma unroll
-            for (int i = 0; i < KPL; ++i) {
-#pragma unroll
-                for (int q4 = 0; q4 < 4; ++q4) xc[i][q4] = xn[i][q4];
-#pragma unroll
-                for (int r = 0; r < GV_RPW; ++r) wc[r][i] = wn[r][i];
-            }
-            sc = sn;
-            s2c = s2n;
+        const int rj = __shfl_sync(0xffffffffu, rank, j), e = __shfl_sync(0xffffffffu, ej, j);
+        if (lane == rj) {
+            id = e;
+            order = j;
         }
     }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < GV_RPW; ++r) {
-            const int o = o0 + r;
-            if (o < O) {
-                float v = acc[r];
-                if (shared != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(shared + t * O + o)));
-                y[t * ld_y + o] = (u16)f32_to_bf16(v);
-            }
-        }
-    }
+    pl.r_id = id;
+    pl.r_order = order;
+    const bool have = lane < k && id >= 0;
+    pl.r_w = have ? __ldg(wptr + id) : 0ull;
+    pl.r_s = have ? __ldg(sptr + id) : 0ull;
+    pl.r_ws2 = NV && have ? __ldg(ws2 + id) : 1.0f;
+    pl.hs = hs;
+    pl.ht = h + t * k * (i64)K;
+    pl.sh = shared != nullptr ? shared + t * O : nullptr;
+    pl.yr = y + t * ld_y;
+    fp4_stream<KPL, R, FP4_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
 }
 
 }  // namespace
 
 // x: [n_x, K] bf16; x row of slot s = s / x_div; expert_ids: [n_slots] int32; wptr/sptr: u64 [E]
 // device pointers to packed [O, K/2] and scales ([O, K/32] e8m0 | [O, K/16] e4m3); ws2: f32 [E]
-// (NVFP4); y: [n_slots, ld_y] bf16. K % 32 == 0, K <= 1024*KPL. grid (ceil(O/32), n_slots), block 256.
+// (NVFP4); y: [n_slots, ld_y] bf16. K % 32 == 0, K <= 1024*KPL. grid (nx, n_slots), block 256,
+// any nx >= 1 (the warps of a slot's nx CTAs share its rows).
 #define GEMV_FP4(NAME, KPL, NV)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                          \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
          u16* __restrict__ y, int ld_y, int O, int K) {                                           \
@@ -372,9 +626,9 @@ GEMV_FP4(gemv_nvfp4_k4, 4, true)
 
 // Fused MoE first half. x: [n_x, K] bf16 (slot s reads row s / x_div); expert_ids [S];
 // w1ptr/s1ptr/ws2_1 and w3ptr/s3ptr/ws2_3: gate and up tables as in gemv_*; weight: [S] f32
-// routing weights or null; limit <= 0: no clamp; h: [S, ld_h] bf16. grid (ceil(O/16), S), block 256.
+// routing weights or null; limit <= 0: no clamp; h: [S, ld_h] bf16. grid (nx, S), block 256.
 #define GEMV_FP4_GATEUP(NAME, KPL, NV)                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                          \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
@@ -392,9 +646,10 @@ GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true)
 
 // Fused MoE second half. h: [T*k, K] bf16 (pick j of token t at row t*k + j, routing weight
 // already applied); expert_ids [T, k] int32 (k <= 16); wptr/sptr/ws2: down tables; shared: [T, O]
-// bf16 or null; y: [T, ld_y] bf16. grid (ceil(O/32), T), block 256.
+// bf16 or null; y: [T, ld_y] bf16. grid (nx, T), block 256, dynamic shared memory for the
+// token's h rows: k * KPL * 4096 bytes (KPL <= 2, staged as f32) or k * KPL * 2048 (KPL = 4, bf16).
 #define GEMV_FP4_DOWN(NAME, KPL, NV)                                                               \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                          \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
          const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) {            \

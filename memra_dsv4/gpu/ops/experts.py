@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, grid_stride_blocks, i32, kernel, null_or, out_array, row_stride
+from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, grid_stride_blocks, i32, kernel, null_or,
+                                        out_array, row_stride, sm_count)
 
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
@@ -24,8 +25,23 @@ KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4))
 kernel_loader.register(STEM, KERNELS)
 
-GEMV_ROWS_PER_CTA = 32
-GATEUP_ROWS_PER_CTA = 16
+# FP4 GEMV launch geometry (kernels_cu/experts.cu): 256-thread CTAs of 8 warps, 2 resident per SM
+# (<= 128 registers); a warp group is R rows (the FP4_*_R macros of experts.cu). Each slot
+# (token for down_combine) gets nx CTAs whose warps share its row groups round-robin, nx chosen
+# so the whole launch is about CTAS_PER_SM CTAs per SM (the rows' arithmetic does not depend on nx).
+FP4_WARPS = 8
+CTAS_PER_SM = 2
+GEMV_ROWS_PER_GROUP = 4
+GATEUP_ROWS_PER_GROUP = 2
+DOWN_ROWS_PER_GROUP = 2
+_STATIC_SMEM_SLACK = 1024   # static shared memory of the down kernels (the e2m1 table) is below this
+
+
+def _fp4_grid_x(O: int, rows_per_group: int, n_rows_of_ctas: int) -> int:
+    """CTAs per slot (token): enough to fill the GPU, no more than the slot has warp groups for."""
+    groups = (O + rows_per_group - 1) // rows_per_group
+    want = (CTAS_PER_SM * sm_count() + n_rows_of_ctas - 1) // n_rows_of_ctas
+    return int(max(1, min(want, (groups + FP4_WARPS - 1) // FP4_WARPS)))
 
 
 def dequant_mxfp4(packed, scale, out=None):
@@ -89,7 +105,7 @@ def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x
         out = out_array(None, "gemv_fp4.out", (S, O), np.uint16)
     check(out, "gemv_fp4.out", np.uint16, (S, O), rows_strided=True)
     if S and O:
-        kernel(STEM, f"gemv_{fmt}_k{kpl}")(((O + GEMV_ROWS_PER_CTA - 1) // GEMV_ROWS_PER_CTA, S), (256,),
+        kernel(STEM, f"gemv_{fmt}_k{kpl}")((_fp4_grid_x(O, GEMV_ROWS_PER_GROUP, S), S), (256,),
                                          (x, i32(x_div), expert_ids, wptr, sptr, null_or(ws2 if fmt == "nvfp4" else None),
                                           out, i32(row_stride(out)), i32(O), i32(K)))
     return out
@@ -127,7 +143,7 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     check(out, "gemv_fp4_gateup.out", np.uint16, (S, O), rows_strided=True)
     if S and O:
         kernel(STEM, f"gemv_{fmt}_gateup_k{_kpl(K)}")(
-            ((O + GATEUP_ROWS_PER_CTA - 1) // GATEUP_ROWS_PER_CTA, S), (256,),
+            (_fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S), S), (256,),
             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
              out, i32(row_stride(out)), i32(O), i32(K)))
     return out
@@ -150,7 +166,12 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
         out = out_array(None, "gemv_fp4_down_combine.out", (T, O), np.uint16)
     check(out, "gemv_fp4_down_combine.out", np.uint16, (T, O), rows_strided=True)
     if T and O:
-        kernel(STEM, f"gemv_{fmt}_down_combine_k{_kpl(K)}")(
-            ((O + GEMV_ROWS_PER_CTA - 1) // GEMV_ROWS_PER_CTA, T), (256,),
-            (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)), i32(O), i32(K)))
+        kpl = _kpl(K)
+        kern = kernel(STEM, f"gemv_{fmt}_down_combine_k{kpl}")
+        smem = k * kpl * (4096 if kpl <= 2 else 2048)   # the token's k rows of h (f32 | bf16) in shared memory
+        if smem + _STATIC_SMEM_SLACK > 48 * 1024:
+            dynamic_smem(kern, max(smem, 48 * 1024 + 1))
+        kern((_fp4_grid_x(O, DOWN_ROWS_PER_GROUP, T), T), (256,),
+             (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)), i32(O), i32(K)),
+             shared_mem=smem)
     return out
