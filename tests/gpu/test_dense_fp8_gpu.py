@@ -77,6 +77,28 @@ def test_fp8_prefill_and_decode_bit_identical(tiny_pair):
         tb = tf = int(np.argmax(yb))
 
 
+def test_fp8_device_step_bit_identical(tiny_pair):
+    """The device step (graph replay) reads the stored FP8 bytes in its GEMVs
+    (decode.cu warp_row_dot<true>) and must give the bf16 arm's bits: same products, same
+    order.  12 steps after a 5-token prefill cross a CSA emit and the tiny window."""
+    from memra_dsv4.gpu.step import device_step
+    _, mb, mf = tiny_pair
+    sb, sf = mb.prefill(PROMPT[:5], mb.new_state())[1], mf.prefill(PROMPT[:5], mf.new_state())[1]
+    for m in (mb, mf):
+        m.decode_path = "device"
+    try:
+        for i, t in enumerate(PROMPT[5:17]):
+            yb, yf = device_step(mb, sb, t, graph=True), device_step(mf, sf, t, graph=True)
+            assert np.array_equal(_bits(yb), _bits(yf)), f"device step {i} (pos {5 + i})"
+        ga, gb = sb.snapshot(), sf.snapshot()
+        diff = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+        assert not diff, f"fp8 vs bf16 device-step state differs in {diff}"
+    finally:
+        for m in (mb, mf):
+            m.decode_path = "legacy"
+            m._step = None
+
+
 @pytest.mark.multi_gpu
 def test_fp8_two_stages_bit_identical():
     from memra_dsv4.gpu.model import Dsv4Gpu
