@@ -92,3 +92,12 @@ def test_aggregate_and_format():
     assert len(table) == 2 and table[1].startswith("a.k1") and "90.0%" in table[1]
     with pytest.raises(KeyError):
         aggregate(recs, times, "nope")
+
+
+def test_prof_modes_match_the_seam():
+    """profiling keeps its own mode tuple (it must import without memra_dsv4.seams, whose
+    import validates MEMRA_DSV4_NUMERICS); this pins it to the seam registry."""
+    from memra_dsv4.profiling import phases
+    from memra_dsv4.seams import SEAM_PROF
+    assert tuple(phases.MODES) == tuple(SEAM_PROF.allowed)
+    assert phases.ENV_VAR == SEAM_PROF.env

@@ -48,7 +48,8 @@ def resolve_decode_path(explicit: str | None = None, *, announce: bool = True) -
 
 def _env_set() -> bool:
     import os
-    return os.environ.get("MEMRA_DSV4_DECODE_PATH", "") != ""
+    from memra_dsv4 import seams
+    return os.environ.get(seams.SEAM_DECODE_PATH.env, "") != ""
 
 
 def _cp():

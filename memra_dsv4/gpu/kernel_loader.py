@@ -43,12 +43,14 @@ import sys
 import time
 
 from memra_dsv4.gpu import REPO_ROOT, default_cache_dir
+from memra_dsv4.seams import SEAM_KERNELS_DIR, env_value
 
 __all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader",
            "nvrtc_options", "header_fingerprint", "configure_cache_dir", "KERNELS_DIR",
            "BASE_OPTIONS"]
 
-KERNELS_DIR = os.environ.get("MEMRA_DSV4_KERNELS_DIR", os.path.join(REPO_ROOT, "kernels_cu"))
+_KD = env_value(SEAM_KERNELS_DIR)  # the seam's default is the placeholder "<repo>/kernels_cu"
+KERNELS_DIR = os.path.join(REPO_ROOT, "kernels_cu") if _KD == SEAM_KERNELS_DIR.default else _KD
 BASE_OPTIONS = ("-std=c++17", "-arch=sm_90a")
 _HEADER_SUFFIXES = (".cuh", ".h", ".hpp", ".inc")
 _STEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -30,12 +30,12 @@ one by one (same signatures, same tests).
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 
 from memra_dsv4.host.quant import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR
+from memra_dsv4.seams import SEAM_GEMM, env_value
 
 __all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "head_rms", "rope",
            "hc_pre", "hc_post", "hc_head", "kv_sim", "fp4_sim", "hadamard", "compress_pool",
@@ -43,9 +43,7 @@ __all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "head_rms",
            "route_learned", "route_weights", "sqrtsoftplus", "swiglu_clamped", "moe_combine",
            "dequant_fp4_bf16", "sort_key_desc"]
 
-_GEMM_MODE = os.environ.get("MEMRA_DSV4_GEMM", "blaslt")
-if _GEMM_MODE not in ("blaslt", "cupy"):
-    raise ValueError(f"MEMRA_DSV4_GEMM = {_GEMM_MODE!r} is not valid; allowed: blaslt, cupy")
+_GEMM_MODE = env_value(SEAM_GEMM)  # validated against the seam registry (blaslt / cupy)
 
 
 def _cp():
