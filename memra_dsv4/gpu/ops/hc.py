@@ -35,6 +35,7 @@ def _streams(X, name):
 SEG = 256          # elements per reduction segment (kernels_cu/hc.cu MIX_SEG)
 TOK_PER_CTA = 4
 _WS: dict[int, tuple] = {}  # device -> (ws double[], counters int[]) for the split path
+_RETIRED: list = []         # outgrown workspaces: a captured graph may still point at one
 
 
 def _ny(T: int, D: int) -> int:
@@ -45,11 +46,15 @@ def _ny(T: int, D: int) -> int:
 
 def split_workspace(n_groups: int, nseg: int):
     """Per-device scratch of the split mixes path (grown on demand; counters stay zero between
-    launches).  Not safe for concurrent launches on two streams of one device."""
+    launches).  Not safe for concurrent launches on two streams of one device.  Graphs bake
+    the address (the device step captures hc_pre): an outgrown workspace is retired, never
+    freed, so a graph captured on it stays valid after a bigger call grows the scratch."""
     cp = cupy()
     dev = cp.cuda.runtime.getDevice()
     ws, cnt = _WS.get(dev, (None, None))
     if ws is None or ws.size < n_groups * nseg * 32 or cnt.size < n_groups:
+        if ws is not None:
+            _RETIRED.append((ws, cnt))
         ws = cp.empty((max(n_groups * nseg * 32, 1),), dtype=np.float64)
         cnt = cp.zeros((max(n_groups, 1),), dtype=np.int32)
         _WS[dev] = (ws, cnt)
