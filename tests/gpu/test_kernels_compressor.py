@@ -138,3 +138,73 @@ def test_main_kv_path(yarn_table, T, d):
     got = K.norm_rope_sim(cp.asarray(bits_of(x)), cp.asarray(w), EPS, cos_g, sin_g, cp.asarray(pos), "fp8")
     assert_bf16(got.get(), want, "kv path (norm, rope, fp8 sim)", seed, max_ulp=NRS_MAX_ULP, max_frac=NRS_MAX_FRAC,
                 T=T, d=d)
+
+
+# ------------------------------------------------------------------- decode emit gate / row modes
+@pytest.mark.parametrize("r", [4, 128])
+def test_emit_gate_pool(r):
+    """pool_* with emit_gate=(pos, r): nothing written unless (pos + 1) % r == 0, then exactly
+    the ungated result (the device step's compressor emission)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    d = 512
+    if r == 4:
+        a, z = _proj(rng, 8, 2 * d)
+        kv, sc = cp.asarray(a), cp.asarray(z)
+        run = lambda out, g: K.pool_overlap(kv[4:8], sc[4:8], 1, out=out, prev_kv=kv[:4],  # noqa: E731
+                                            prev_score=sc[:4], emit_gate=g)
+    else:
+        a, z = _proj(rng, r, d)
+        kv, sc = cp.asarray(a), cp.asarray(z)
+        run = lambda out, g: K.pool_plain(kv, sc, r, 1, out=out, emit_gate=g)  # noqa: E731
+    want = run(cp.empty((1, d), cp.float32), None)
+    for p in (0, r - 2, r - 1, r, 2 * r - 1, 5 * r + 1):
+        out = cp.full((1, d), 7.0, cp.float32)
+        run(out, (cp.asarray([p], dtype=cp.int32), r))
+        if (p + 1) % r == 0:
+            assert cp.array_equal(out, want), f"gate open at pos {p}, r {r}: result differs [seed={seed}]"
+        else:
+            assert bool((out == 7.0).all()), f"gate closed at pos {p}, r {r}: output written [seed={seed}]"
+
+
+@pytest.mark.parametrize("mode", ["entry", "ring"])
+def test_norm_rope_row_modes(yarn_table, mode):
+    """norm_rope_sim(row='entry'): gated, the row lands in compressed row (pos + 1) / r - 1 (none
+    past the cache); row='ring': every pos, row pos % W.  The row equals the ungated result."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    _, _, cos_g, sin_g = yarn_table
+    d, r, W, N = 512, 4, 128, 6
+    x = (rng.standard_normal((1, d)) * 1.5).astype(np.float32)
+    w = cp.asarray(bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0))
+    xg = cp.asarray(x)
+    for p in (0, 2, 3, 7, 23, 27, 126, 127, 128, 300):
+        rpos = cp.asarray([p], dtype=cp.int32)
+        want = K.norm_rope_sim(xg, w, EPS, cos_g, sin_g, rpos, "fp8")
+        rows = N if mode == "entry" else W
+        cache = cp.full((rows, d), 0x1234, dtype=cp.uint16)
+        gate = (cp.asarray([p], dtype=cp.int32), r if mode == "entry" else W)
+        K.norm_rope_sim(xg, w, EPS, cos_g, sin_g, rpos, "fp8", out=cache, emit_gate=gate, row=mode)
+        if mode == "ring":
+            target = p % W
+        else:
+            target = (p + 1) // r - 1 if (p + 1) % r == 0 and (p + 1) // r - 1 < N else None
+        for i in range(rows):
+            if i == target:
+                assert cp.array_equal(cache[i], want[0]), f"{mode} pos {p}: row {i} [seed={seed}]"
+            else:
+                assert bool((cache[i] == 0x1234).all()), f"{mode} pos {p}: row {i} touched [seed={seed}]"
+
+
+def test_norm_rope_row_mode_refusals(yarn_table):
+    _, _, cos_g, sin_g = yarn_table
+    x, w = cp.zeros((1, 512), cp.float32), cp.ones(512, cp.float32)
+    pos = cp.zeros(1, cp.int32)
+    with pytest.raises(AssertionError, match="needs emit_gate"):
+        K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", out=cp.zeros((8, 512), cp.uint16),
+                        row="entry")
+    with pytest.raises(AssertionError, match="ring of 8 rows"):
+        K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", out=cp.zeros((8, 512), cp.uint16),
+                        emit_gate=(pos, 128), row="ring")
+    with pytest.raises(AssertionError, match="row 'bogus'"):
+        K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", row="bogus")
