@@ -210,3 +210,78 @@ def test_greedy_speculative_is_lossless_and_counts(seed, plen, k):
         extra = len(r.tokens) - 1 - sum(r.accepted) - r.rounds      # final plain step or not
         assert extra in (0, 1)
         assert r.acceptance_rate == sum(r.accepted) / sum(r.drafted)
+
+
+# ------------------------------------------------- confidence schedule and sampled drafting
+def test_confidence_schedule_keeps_greedy_lossless_and_cuts_rounds():
+    """speculative_generate(schedule=cost): every round verifies verify_length(confidences of
+    that round's drafts, cost) drafts; the tokens stay plain greedy's."""
+    from memra_dsv4.host.spec_schedule import verify_length
+    o = oracle()
+    ids = prompt(11, 9)
+    n_new = 16
+    truth = greedy_generate(o, ids, n_new)
+
+    class Recording(DSparkDrafter):
+        def propose(self, hc_rows, next_tokens, k, sampler=None):
+            out = super().propose(hc_rows, next_tokens, k, sampler)
+            self.log.append(np.array(self.last_confidence))
+            return out
+
+    steep = lambda t: 1.0 + 0.9 * (t - 1)  # noqa: E731  (verifying is costly: cuts rounds)
+    d = Recording()
+    d.log = []
+    r = speculative_generate(o, ids, n_new, 5, d, schedule=steep)
+    assert r.tokens == truth
+    assert len(d.log) >= r.rounds
+    for conf, made, verified in zip(d.log, r.proposed, r.drafted):
+        assert made == len(conf)
+        assert verified <= verify_length(conf, steep)        # <=: the last round may be cut
+    assert any(v < m for v, m in zip(r.drafted, r.proposed)), "the steep cost never cut a round"
+    flat = speculative_generate(o, ids, n_new, 5, DSparkDrafter(), schedule=lambda t: 1.0)
+    assert flat.tokens == truth and flat.drafted[0] == flat.proposed[0]
+
+
+def test_schedule_refusals():
+    o = oracle()
+    with pytest.raises(ValueError, match="reports no confidences"):
+        speculative_generate(oracle("bf16", "mtp"), prompt(1, 4), 4, 2, MtpDrafter(),
+                             schedule=lambda t: 1.0)
+    with pytest.raises(ValueError, match="cost function"):
+        speculative_generate(o, prompt(1, 4), 4, 2, DSparkDrafter(), schedule=3.0)
+
+
+def test_sampled_drafts_come_from_the_logits_given_to_the_acceptance_test():
+    """At temperature > 0 the Markov loop draws draft k+1 with the loop's sampler from its
+    biased logits row k, and those rows are what propose returns (the q of min(1, p/q)): the
+    sampler sees exactly the returned rows, in order, and its picks are the drafts."""
+    o = oracle()
+    ids = prompt(12, 7)
+    d = DSparkDrafter()
+    st, g, rows = prefill_taps(o, ids, d)
+    d.begin(o, 256)
+    seen, rng = [], np.random.default_rng(3)
+
+    def sampler(lg):
+        seen.append(np.array(lg))
+        p = np.exp(lg - lg.max())
+        return int(rng.choice(lg.shape[0], p=p / p.sum()))
+    toks, lg = d.propose(rows, np.append(ids[1:], g), 5, sampler)
+    assert len(seen) == d.B and lg.shape[0] == len(toks) == 5
+    for k in range(5):
+        assert np.array_equal(seen[k], lg[k])
+    # and the picks feed the next Markov step: rerun the draft with the same picks, greedy-free
+    replay = iter(toks.tolist() + [0] * 8)
+    d2 = d.draft(int(g), lambda lg: next(replay))
+    assert np.array_equal(d2.tokens[:5], toks) and np.array_equal(d2.logits[:5], lg)
+
+
+def test_sampled_dspark_loop_runs_and_is_seeded():
+    o = oracle()
+    ids = prompt(13, 6)
+    a = speculative_generate(o, ids, 10, 4, DSparkDrafter(), temperature=0.9,
+                             generator=np.random.default_rng(5))
+    b = speculative_generate(o, ids, 10, 4, DSparkDrafter(), temperature=0.9,
+                             generator=np.random.default_rng(5))
+    assert a.tokens == b.tokens and len(a.tokens) == 10
+    assert all(0 <= x <= y for x, y in zip(a.accepted, a.drafted))

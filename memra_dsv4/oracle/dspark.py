@@ -21,7 +21,11 @@ max(0, p-W+1)..p plus all B block rows, bidirectional inside the block, sinks); 
 hc_head / norm / the shared head give U_k and h_k; the Markov loop
 ``logits_k = U_k + markov_w2(markov_w1[out[k]])``, ``out[k+1] = sampler(logits_k)`` (out[0] =
 anchor) gives B drafts; ``conf_k = proj([h_k ; markov_w1[out[k]]])`` (raw logits, sigmoid is
-the consumer's).  ``propose`` returns the first min(k, B) drafts and their biased logits.
+the consumer's).  ``propose`` returns the first min(k, B) drafts and their biased logits and
+keeps their confidence logits in ``last_confidence`` (the input of
+``host.spec_schedule.verify_length``).  At temperature > 0 the Markov loop samples each draft
+with the loop's sampler from its biased logits, and those logits are what the acceptance test
+uses as the draft distribution q.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class DSparkDraft:
 
 class DSparkDrafter:
     name = "dspark"
+    last_confidence = None   # [k] confidence logits of the last proposal (set by propose)
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -76,6 +81,7 @@ class DSparkDrafter:
         self.W = int(cfg.sliding_window)
         self.rings = [np.zeros((self.W, cfg.head_dim), dtype=self.pol.dtype) for _ in range(3)]
         self.n_ctx = 0            # positions 0..n_ctx-1 have context rows (committed)
+        self.last_confidence = None
 
     # --------------------------------------------------------------- context
     def features(self, tap_rows) -> np.ndarray:
@@ -184,4 +190,5 @@ class DSparkDrafter:
             self.write_context(hc_rows)
         d = self.draft(ids[-1], sampler)
         kk = min(int(k), self.B)
+        self.last_confidence = d.confidence[:kk]   # for a confidence schedule (spec.py)
         return d.tokens[:kk], d.logits[:kk]

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memra_dsv4.host.spec_schedule import verify_length
 from memra_dsv4.oracle._blas import single_threaded_blas
 from memra_dsv4.oracle.decode import (MAX_DRAFT, block_chunk, check_state, commit, decode_step,
                                       new_state, prefill_state, verify)
@@ -160,8 +161,10 @@ class MtpDrafter:
 @dataclass
 class SpecResult:
     tokens: list[int]
-    drafted: list[int] = field(default_factory=list)    # per verify round
+    drafted: list[int] = field(default_factory=list)    # per verify round: drafts verified
     accepted: list[int] = field(default_factory=list)   # per verify round (bonus excluded)
+    proposed: list[int] = field(default_factory=list)   # per verify round: drafts the drafter
+    #                                                     made (> drafted when a schedule cut)
 
     @property
     def rounds(self) -> int:
@@ -205,8 +208,12 @@ def greedy_generate(oracle, prompt, max_new_tokens: int, *, state=None) -> list[
 
 def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
                          temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                         state: DecodeState | None = None) -> SpecResult:
-    """Draft (k per round) / verify / commit until ``max_new_tokens`` tokens (module doc)."""
+                         state: DecodeState | None = None, schedule=None) -> SpecResult:
+    """Draft (k per round) / verify / commit until ``max_new_tokens`` tokens (module doc).
+
+    ``schedule``: None (verify every draft) or ``cost(t)``, the time of a verify of t tokens:
+    each round then verifies ``host.spec_schedule.verify_length(confidences, cost)`` drafts
+    (at least 1), for drafters that report confidences (DSpark: ``last_confidence``)."""
     n_new = _check_n(max_new_tokens, "max_new_tokens")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
         raise ValueError(f"k = {k!r}; k must be an integer in 1..{MAX_DRAFT}")
@@ -223,6 +230,11 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
         raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
                          f"max_seq_len {state.max_seq_len}")
     drafter = drafter if drafter is not None else MtpDrafter()
+    if schedule is not None and not callable(schedule):
+        raise ValueError(f"schedule = {schedule!r}: expected None or a cost function cost(t)")
+    if schedule is not None and not hasattr(drafter, "last_confidence"):
+        raise ValueError(f"schedule: drafter {type(drafter).__name__} reports no confidences "
+                         f"(confidence-scheduled verification needs a DSpark drafter)")
     # A drafter with ``trunk_taps(oracle)`` (DSpark) is given, instead of the final streams,
     # the output streams of those trunk blocks: rows [m, n_taps, hc, dim].
     taps = getattr(drafter, "trunk_taps", None)
@@ -230,15 +242,25 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
     state.tap_layers = tap_ids
     try:
         return _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state,
-                          tap_ids)
+                          tap_ids, schedule)
     finally:
         state.tap_layers = None
         state.tap_streams = None
 
 
-def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state, tap_ids):
+def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state, tap_ids,
+               schedule=None):
     def rows(streams):
         return streams if tap_ids is None else np.stack(state.tap_streams, axis=1)
+
+    def propose(hc_rows, next_tokens, kk):
+        """The drafter's proposal, cut to the scheduled verify length: (tokens, logits, made)."""
+        dt, dl = drafter.propose(hc_rows, next_tokens, kk, pick)
+        made = len(dt)
+        if schedule is not None and made:
+            n = verify_length(np.asarray(drafter.last_confidence)[:made], cost=schedule)
+            dt, dl = dt[:n], (None if dl is None else np.asarray(dl)[:n])
+        return dt, dl, made
 
     out = prefill_state(oracle, prompt, state)
     ids = np.asarray(prompt, dtype=np.int64)
@@ -252,7 +274,7 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
         return res
     drafter.begin(oracle, state.max_seq_len)
     kk = min(k, n_new - 1)
-    dt, dl = drafter.propose(rows(out.streams), np.append(ids[1:], g), kk, pick)
+    dt, dl, made = propose(rows(out.streams), np.append(ids[1:], g), kk)
     while len(res.tokens) < n_new:
         remaining = n_new - len(res.tokens)
         kk = min(len(dt), remaining - 1)
@@ -273,6 +295,7 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
             bonus = greedy(logits[n])
         commit(oracle, state, n)
         res.drafted.append(kk)
+        res.proposed.append(made)
         res.accepted.append(n)
         new = [int(t) for t in dt[:n]] + [int(bonus)]
         res.tokens.extend(new)
@@ -283,6 +306,6 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
         if remaining == 1:                            # nothing left to draft for
             dt, dl = np.zeros(0, dtype=np.int64), None
             continue
-        dt, dl = drafter.propose(rows(streams)[:n + 1], np.array(new, dtype=np.int64),
-                                 min(k, remaining - 1), pick)
+        dt, dl, made = propose(rows(streams)[:n + 1], np.array(new, dtype=np.int64),
+                               min(k, remaining - 1))
     return res
