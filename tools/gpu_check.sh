@@ -6,6 +6,10 @@
 #   tools/gpu_check.sh bench-decode ARGS    # python3 -m $BENCH_DECODE (bench.decode_step) ARGS
 #   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill) ARGS
 #   tools/gpu_check.sh all                  # tests, then both benches with their defaults
+#   tools/gpu_check.sh decode-evidence      # the #7 numbers in one call (~6 min on 2x H200):
+#                                           # bench_gemv, then bench.decode_step device arm at
+#                                           # 1K (bf16 with --launch-profile, fp8) and 32K
+#                                           # (--fill random, bf16 and fp8); logs decode_*.log
 #
 # What it does first, every time: installs the carried wheels (.whl/*.whl: nvmath-python,
 # nvtx; the machine has no internet) into /tmp/site without dependencies, puts /tmp/site and
@@ -103,13 +107,26 @@ case "$step" in
     tests)         run_tests "$@" || status=1 ;;
     bench-decode)  run_bench bench_decode.log "$BENCH_DECODE" "$@" || status=1 ;;
     bench-prefill) run_bench bench_prefill.log "$BENCH_PREFILL" "$@" || status=1 ;;
+    decode-evidence)
+        "$PY" tools/bench_gemv.py 2>&1 | tee "$OUT/gemv.log" || status=1
+        common="--model synthetic:flash --devices ${DEVICES:-0,1} --arms path=device --steps 30 --warmup 3 --phase-steps 0"
+        run_bench decode_1k_bf16.log "$BENCH_DECODE" $common --ctx 1024 --dense bf16 --launch-profile 10 || status=1
+        run_bench decode_1k_fp8.log "$BENCH_DECODE" $common --ctx 1024 --dense fp8 || status=1
+        run_bench decode_32k_bf16.log "$BENCH_DECODE" $common --ctx 32768 --fill random --dense bf16 || status=1
+        run_bench decode_32k_fp8.log "$BENCH_DECODE" $common --ctx 32768 --fill random --dense fp8 || status=1
+        # only 8 files come back from $OUT: every result pair of this run + the logs in one tar
+        (cd "$REPO" && tar czf "$OUT/decode_evidence.tgz" -C "$OUT" gemv.log decode_1k_bf16.log \
+            decode_1k_fp8.log decode_32k_bf16.log decode_32k_fp8.log \
+            -C "$REPO" $(ls -t bench/results/*.json bench/results/*.png 2>/dev/null | head -8)) \
+            && rm -f "$OUT"/decode_*.log "$OUT"/gemv.log "$OUT"/*.json "$OUT"/*.png
+        ;;
     all)
         run_tests || status=1
         run_bench bench_decode.log "$BENCH_DECODE" || status=1
         run_bench bench_prefill.log "$BENCH_PREFILL" || status=1
         ;;
     *)
-        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|all]" >&2
+        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|decode-evidence|all]" >&2
         exit 2 ;;
 esac
 echo "== gpu_check: $step finished with status $status (logs in $OUT)"
