@@ -62,8 +62,11 @@ def main(argv=None) -> int:
     arms = {}
     for T in [int(t) for t in a.tokens.split(",")]:
         ids = rng.integers(0, m.config.vocab_size, T)
-        for _ in range(a.warmup):
+        for i in range(a.warmup):
+            t0 = time.perf_counter()
             m.forward(ids)
+            print(f"T={T}: warm-up forward {i}: {(time.perf_counter() - t0) * 1e3:.0f} ms",
+                  flush=True)  # progress: a time-boxed run still says how far it got
         phase_reset()
         for g in m.gemm.values():
             g.flops = 0
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             m.forward(ids)
             samples.append((time.perf_counter() - t0) * 1e3)
+            print(f"T={T}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
         flops = sum(g.flops for g in m.gemm.values()) / a.iters
         rows = build_report(phase_collect(), 0.0, a.iters)
         med = float(np.median(samples))
