@@ -157,7 +157,7 @@ def ring_write(pos, src, ring):
     check(src, "ring_write.src", np.uint16)
     check(ring, "ring_write.ring", np.uint16)
     W, d = ring.shape
-    assert src.size == d
+    assert src.size == d, f"ring_write: src has {src.size} values, ring rows {d}"
     kernel(STEM, "ring_write")((_blocks(d),), (256,), (pos, src, ring, i32(W), i32(d)))
 
 
@@ -165,6 +165,9 @@ def pending_write(pos, a, z, kv, score, ratio: int, overlap: bool):
     check(kv, "pending_write.kv", np.float32)
     check(score, "pending_write.score", np.float32, kv.shape)
     C = kv.shape[1]
+    assert kv.shape[0] == (2 if overlap else 1) * ratio, (
+        f"pending_write: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * ratio} "
+        f"(ratio {ratio}, overlap {overlap}): the kernel would write outside them")
     check(a, "pending_write.a", np.float32)
     check(z, "pending_write.z", np.float32)
     assert a.size == C and z.size == C, f"pending_write: a {a.size}, z {z.size}, rows {C}"
@@ -176,7 +179,7 @@ def entry_commit(pos, src, dst, ratio: int):
     check(src, "entry_commit.src", np.uint16)
     check(dst, "entry_commit.dst", np.uint16)
     n, d = dst.shape
-    assert src.size == d
+    assert src.size == d, f"entry_commit: src has {src.size} values, rows of dst {d}"
     kernel(STEM, "entry_commit")((_blocks(d),), (256,), (pos, src, dst, i32(ratio), i32(d), i32(n)))
 
 
@@ -184,6 +187,9 @@ def pending_advance(pos, kv, score, ratio: int, overlap: bool):
     check(kv, "pending_advance.kv", np.float32)
     check(score, "pending_advance.score", np.float32, kv.shape)
     C = kv.shape[1]
+    assert kv.shape[0] == (2 if overlap else 1) * ratio, (
+        f"pending_advance: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * ratio} "
+        f"(ratio {ratio}, overlap {overlap}): the kernel would write outside them")
     kernel(STEM, "pending_advance")((_blocks(ratio * C),), (256,),
                                     (pos, kv, score, i32(ratio), i32(int(overlap)), i32(C)))
 
