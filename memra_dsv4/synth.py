@@ -334,13 +334,30 @@ def synth_unit_arrays(cfg: Dsv4Config, seed: int, specs: Iterable[TensorSpec]
     return out
 
 
-def synth_arrays(cfg: Dsv4Config, seed: int = 0, experts: str = "mxfp4") -> dict[str, np.ndarray]:
-    """Every tensor of `expected_tensors(cfg, experts)` as a stored array (see module docstring)."""
+def synth_arrays(cfg: Dsv4Config, seed: int = 0, experts: str = "mxfp4",
+                 workers: int | None = None) -> dict[str, np.ndarray]:
+    """Every tensor of `expected_tensors(cfg, experts)` as a stored array (see module docstring).
+
+    ``workers`` threads build the units (an expert, a weight with its sidecars) concurrently;
+    None = min(32, cpu count).  Each unit draws from its own generator seeded by (seed, name),
+    so the arrays do not depend on the worker count or the order (tested); NumPy's generators
+    and ufuncs release the GIL on large arrays, which is what makes flash-layers:N presets
+    (768 expert matrices of 8M values per layer) take seconds per layer instead of minutes."""
     if experts not in EXPERT_FORMATS:
         raise ConfigError(f"experts={experts!r}: expected one of {', '.join(EXPERT_FORMATS)}")
+    if workers is None:
+        workers = min(32, os.cpu_count() or 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"synth: workers = {workers!r}; expected a positive integer")
     specs = expected_tensors(cfg, experts)
-    return {k: v for unit_specs in specs_by_unit(cfg, specs).values()
-            for k, v in synth_unit_arrays(cfg, seed, unit_specs).items()}
+    units = list(specs_by_unit(cfg, specs).values())
+    if workers == 1 or len(units) < 2:
+        parts = [synth_unit_arrays(cfg, seed, u) for u in units]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            parts = list(pool.map(lambda u: synth_unit_arrays(cfg, seed, u), units))
+    return {k: v for part in parts for k, v in part.items()}
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -61,6 +61,23 @@ def test_deterministic_per_tensor(tiny, mx, nv):
     assert not np.array_equal(mx["layers.0.attn_norm.weight"], mx["layers.0.ffn_norm.weight"])
 
 
+@pytest.mark.parametrize("experts", ["mxfp4", "nvfp4"])
+def test_worker_count_does_not_change_the_arrays(tiny, mx, nv, experts):
+    """Units are built concurrently (threads); every unit has its own (seed, name) generator."""
+    one = mx if experts == "mxfp4" else nv
+    many = synth_arrays(tiny, SEED, experts, workers=5)
+    assert list(many) == list(synth_arrays(tiny, SEED, experts, workers=1))   # same order too
+    assert set(many) == set(one)
+    for name, a in one.items():
+        np.testing.assert_array_equal(a, many[name], err_msg=name)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_worker_count_refused(tiny, bad):
+    with pytest.raises(ValueError, match="workers"):
+        synth_arrays(tiny, SEED, "mxfp4", workers=bad)
+
+
 def test_nvfp4_dequantises_exactly_to_mxfp4(tiny, mx, nv):
     """NVIDIA's cast, applied to the synthetic MXFP4 bytes, is lossless tensor by tensor."""
     ref, cast = Checkpoint.from_arrays(tiny, mx), Checkpoint.from_arrays(tiny, nv)
