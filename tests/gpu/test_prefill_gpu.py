@@ -189,12 +189,12 @@ def test_prefill_flash_layers_matches_oracle(gpu_model, experts):
     """flash-layers:4 (full-size Flash layers 0-3: two sliding-window, one CSA, one HCA; hash
     routing in 0-2, learned in 3; the real expert formats) at
     8 tokens, block by block against the oracle with the GPU's routing / index choices replayed
-    (as test_prefill_matches_oracle).  Host cost: the checkpoint is ~36 GB of NumPy arrays
+    (as test_prefill_matches_oracle).  Host cost: the checkpoint is ~20 GB of NumPy arrays
     (synth_arrays builds its units on every core: about a minute on 32 cores) and the oracle
     dequantises on every use (cache_weights=False: bounded memory) - minutes; hence opt-in."""
     import os
     if os.environ.get("MEMRA_DSV4_SLOW_ORACLE") != "1":
-        pytest.skip("set MEMRA_DSV4_SLOW_ORACLE=1: flash-layers:4 needs ~40 GB of host memory "
+        pytest.skip("set MEMRA_DSV4_SLOW_ORACLE=1: flash-layers:4 needs ~20 GB of host memory "
                     "and minutes of CPU oracle")
     ck, m = gpu_model("flash-layers:4", experts)
     out = m.forward(PROMPT[:8], capture=True)
