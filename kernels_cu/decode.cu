@@ -2,8 +2,9 @@
 // Every kernel that depends on the sequence position reads it from the device (pos[0]), so the
 // launch sequence of a decode step is identical at every position and can be graph-captured.
 //
-// Every GEMV takes W in either dense form: bf16 bits, or the stored FP8 (e4m3 bytes + e8m0
-// 128x128 block scales), with bit-identical results (see warp_row_dot).
+// The GEMVs are named for their bf16 activations; W comes in either dense form, bf16 bits or
+// the stored FP8 (e4m3 bytes + e8m0 128x128 block scales), with bit-identical results (see
+// warp_row_dot).
 // gemv_bf16:      y[o] = sum_k W[o, k] x[xo(o) + k], f32 accumulation (fixed order, see
 //                 warp_row_dot: lane-strided 128-bit loads, 4 partial sums, then a butterfly),
 //                 stored f32 or bf16 (RNE).  xo(o) = (o / rows_per_group) * K (grouped
@@ -15,6 +16,11 @@
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
+// ring_write, pending_write, entry_commit: the standalone data moves below.  The device step no
+//                 longer launches them (gemv_bf16_multi writes pending rows in its epilogue,
+//                 compressor.cu's norm_rope_sim writes ring / compressed rows in place); they
+//                 stay as the tested reference of those epilogues' index math
+//                 (tests/gpu/test_kernels_decode.py checks both against the same twins).
 // ring_write:     ring[pos % W, :] = src.
 // pending_write:  pending row (ovl ? r : 0) + pos % r of (kv, score) = (a, z) (f32 [C]).
 // entry_commit:   if (pos + 1) % r == 0: dst[(pos + 1) / r - 1, :] = src (bf16 [d]).
