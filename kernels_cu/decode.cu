@@ -19,8 +19,8 @@
 // ring_write, pending_write, entry_commit: the standalone data moves below.  The device step no
 //                 longer launches them (gemv_bf16_multi writes pending rows in its epilogue,
 //                 compressor.cu's norm_rope_sim writes ring / compressed rows in place); they
-//                 stay as the tested reference of those epilogues' index math
-//                 (tests/gpu/test_kernels_decode.py checks both against the same twins).
+//                 stay as the tested reference of that index math (test_kernels_decode.py
+//                 checks the multi-GEMV's pending-row epilogue against pending_write's twin).
 // ring_write:     ring[pos % W, :] = src.
 // pending_write:  pending row (ovl ? r : 0) + pos % r of (kv, score) = (a, z) (f32 [C]).
 // entry_commit:   if (pos + 1) % r == 0: dst[(pos + 1) / r - 1, :] = src (bf16 [d]).
