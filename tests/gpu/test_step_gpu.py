@@ -5,7 +5,10 @@
   judged as a trajectory across implementations (test_decode_gpu._trajectory_check);
 * graph replay == eager, byte for byte (logits and the whole cache snapshot);
 * zero CuPy pool allocations over 5 graph replays;
-* 2 stages == 1 stage, byte for byte, on the device path (multi_gpu).
+* 2 stages == 1 stage, byte for byte, on the device path (multi_gpu);
+* the #7 contract: prefill(L) for L in {1, 2, 3, 4, 5, 127, 128, 129, 300} (small: a subset)
+  then 300 device steps, against the oracle's decode and the GPU re-prefill (trajectories) and
+  the oracle's final state.
 Every failure prints the per-step lines (rel L2, top-1, gap).
 """
 from __future__ import annotations
@@ -13,9 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_decode_gpu import _ids, _model, _trajectory_check  # pytest prepend import mode
+from test_decode_gpu import _ids, _model, _oracle, _state_check, _trajectory_check  # prepend import mode
 
 STEPS = 20
+LONG_STEPS = 300                                    # the #7 contract: 300 steps after prefill(L)
+LONG_L = {"tiny": (1, 2, 3, 4, 5, 127, 128, 129, 300),
+          "small": (1, 4, 129, 300)}                # small: the CPU oracle costs ~30 ms a step
+REPREFILL_EVERY = 50
 
 
 def _run(name, path, L, steps, devices=(0,), graph=None, seed=21):
@@ -39,6 +46,37 @@ def test_device_path_within_bounds_of_legacy(name, L):
     assert sb.pos == sa.pos == L + STEPS
     print("\n".join(lines))
     assert not fails, "\n".join(fails + lines)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_device_long_decode_tracks_oracle_and_reprefill(name):
+    """prefill(L), then 300 device steps (graph replay, teacher-forced ids) for L across the
+    boundaries (short prompts, CSA emits, the window wrap at 127/128/129, 300): every step
+    against the oracle's decode, every REPREFILL_EVERY steps against the GPU re-prefill of the
+    prefix, each judged as a cross-implementation trajectory (test_decode_gpu bounds), and the
+    final caches against the oracle's state (test_decode_gpu._state_check)."""
+    from memra_dsv4.gpu.step import device_step
+    ck, m = _model(name, (0,), "device")
+    ora = _oracle(name)
+    fails, lines = [], []
+    for L in LONG_L[name]:
+        ids = _ids(ck.config, L + LONG_STEPS, seed=100 + L)
+        _, st = m.prefill(ids[:L], m.new_state())
+        ost = ora.prefill_state(ids[:L]).state
+        vs_oracle, vs_prefill = [], []
+        for i in range(LONG_STEPS):
+            p = L + i
+            got = device_step(m, st, ids[p], graph=True)
+            vs_oracle.append((f"{name} L={L} pos {p} vs oracle", got, ora.decode_step(ost, ids[p])))
+            if i % REPREFILL_EVERY == 0 or i == LONG_STEPS - 1:
+                ref = m.forward(ids[:p + 1]).logits     # the chunk routine on a fresh state
+                vs_prefill.append((f"{name} L={L} pos {p} vs re-prefill", got, ref))
+        _trajectory_check(f"{name} L={L} vs oracle decode", vs_oracle, fails, lines)
+        _trajectory_check(f"{name} L={L} vs re-prefill", vs_prefill, fails, lines)
+        assert st.pos == L + LONG_STEPS
+        _state_check(st, ost, fails, lines)
+    print("\n".join(line for line in lines if "median" in line or "state" in line))
+    assert not fails, "\n".join(fails)
 
 
 def test_device_graph_equals_eager_bytes_and_allocates_nothing():
