@@ -68,3 +68,32 @@ def test_candidate_layout_is_canonical():
     row = ix.candidate_row(ix.window_positions(5, 4), np.array([1, 0]), offset=6, comp_width=3)
     assert list(row) == [2, 3, 4, 5, 6, 7, -1]
     assert ix.candidate_matrix(win, None, 6).shape == (6, 4)
+
+
+# ------------------------------------------------------------ ring rollback (host/indices)
+def test_ring_rollback_sources():
+    from memra_dsv4.host.indices import ring_rollback_sources
+    W = 8
+    # verify at 5..14 (k + 1 = 10 > W: every slot written), keep 5..7
+    src = ring_rollback_sources(np.arange(W), 5, 7, W)
+    # slots 5, 6, 7 hold positions 5, 6, 7 (vectors 0, 1, 2); the rest go back to old rows
+    assert src.tolist() == [-1, -1, -1, -1, -1, 0, 1, 2]
+    # keep everything up to 14: slot s holds the newest position = s (mod 8) <= 14
+    src = ring_rollback_sources(np.arange(W), 5, 14, W)
+    assert src.tolist() == [3, 4, 5, 6, 7, 8, 9, 2]        # positions 8..13, 14, 7
+    # brute force against the definition
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        W = int(rng.integers(1, 12))
+        p0 = int(rng.integers(0, 40))
+        k = int(rng.integers(1, 17))
+        last = p0 + int(rng.integers(0, k + 1))
+        slots = np.unique(np.arange(p0, p0 + k + 1) % W)
+        got = ring_rollback_sources(slots, p0, last, W)
+        for s, g in zip(slots, got):
+            kept = [p for p in range(p0, last + 1) if p % W == s]
+            assert g == (max(kept) - p0 if kept else -1)
+    with pytest.raises(ValueError, match="p0 <= last_kept"):
+        ring_rollback_sources([0], 5, 4, 8)
+    with pytest.raises(ValueError, match="slots outside"):
+        ring_rollback_sources([8], 0, 3, 8)

@@ -80,3 +80,4 @@ def test_bad_cost_and_min_drafts_refused():
         verify_length(conf, lambda t: float("inf"))
     with pytest.raises(ValueError, match="min_drafts = 3"):
         verify_length(conf, min_drafts=3)
+

@@ -150,6 +150,7 @@ class DecodeState:
                        for lid in self.layer_ids]
         self.pos = 0
         self.owner = None        # the Dsv4Gpu that made it (checked by its calls)
+        self.journal = None      # an uncommitted verify (gpu.verify.Journal)
 
     def cache(self, layer_id: int) -> LayerCache:
         return self.layers[self.layer_ids.index(layer_id)]
@@ -159,6 +160,7 @@ class DecodeState:
         for c in self.layers:
             c.reset()
         self.pos = 0
+        self.journal = None
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)

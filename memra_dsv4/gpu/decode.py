@@ -70,7 +70,7 @@ class ChunkBlock:
         self.kind = self.b.kind
 
     # ------------------------------------------------------------------------ block
-    def forward(self, streams, ids_d, cache, p0: int, cap=None):
+    def forward(self, streams, ids_d, cache, p0: int, cap=None, journal=None):
         from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.model import _f64
         b, cfg = self.b, self.cfg
@@ -78,7 +78,7 @@ class ChunkBlock:
         with phase(f"{self.ph}/attn"):
             x, post, comb = b.hc_pre(streams, "attn")
             xn = G.rmsnorm(x, _f64(b.w("attn_norm.weight")), eps)
-            a = self.attention(xn, cache, p0, cap)
+            a = self.attention(xn, cache, p0, cap, journal)
             s1 = G.hc_post(a, streams, post, comb)
         if cap is not None:
             cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
@@ -132,7 +132,7 @@ class ChunkBlock:
         return G.kv_sim(c, cfg.qk_rope_head_dim), a, z
 
     # ---------------------------------------------------------------------- attention
-    def attention(self, x, cache, p0: int, cap):
+    def attention(self, x, cache, p0: int, cap, journal=None):
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.model import _f64
@@ -188,6 +188,9 @@ class ChunkBlock:
             cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
                         "attn.o": o, "attn.out": out})
         # ---- writes, after every read
+        if journal is not None:   # a verify: what commit needs to roll the writes back
+            journal.record(cache, pos, G.bf16_bits(kv), az,
+                           idx_az if self.kind == "csa" else None)
         keep = pos[-min(S, W):]
         cache.ring[cp.asarray(keep % W)] = G.bf16_bits(kv[-len(keep):])
         if self.ratio:
@@ -262,12 +265,13 @@ def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
 
 
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
-              capture: bool = False, ph: str = "decode"):
+              capture: bool = False, ph: str = "decode", journal=None):
     """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
     pos); phases ``{ph}/stage{i}/...``; exactly one ``model._boundary`` per stage boundary.
     Returns a ForwardOut: logits ([vocab], or [S, vocab] with ``all_logits``), hc_state
     [hc, dim] of the last position, and with ``capture`` the oracle's capture names per block
-    (NumPy) plus captures_top embed / hc_head / final_norm."""
+    (NumPy) plus captures_top embed / hc_head / final_norm.  ``journal`` (gpu.verify.Journal):
+    each block records what a rollback of this chunk needs before it writes its caches."""
     cp = _cp()
     from memra_dsv4.gpu.model import _f32
     from memra_dsv4.oracle.model import ForwardOut
@@ -295,7 +299,8 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
                     c = {} if capture else None
                     with phase(f"{sp}/block"):
                         streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
-                            streams, ids_d, state.cache(layer), p0, c)
+                            streams, ids_d, state.cache(layer), p0, c,
+                            None if journal is None else journal.layer(layer))
                     if capture:
                         caps.append({k: cp.asnumpy(v) for k, v in c.items()})
                 if st.has_head:

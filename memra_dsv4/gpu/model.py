@@ -176,7 +176,9 @@ class Dsv4Gpu:
     def prefill_chunk(self, state, token_ids, *, all_logits: bool = False):
         """Continue ``state`` by any number of tokens (legacy chunk routine)."""
         from memra_dsv4.gpu.decode import forward_chunk
+        from memra_dsv4.gpu.verify import check_no_journal
         self._check_state(state)
+        check_no_journal(state, "prefill_chunk")
         ids = self.check_ids(token_ids)
         if state.pos + ids.shape[0] > state.max_seq_len:
             raise ValueError(f"prefill_chunk: positions {state.pos}..{state.pos + ids.shape[0] - 1}"
@@ -189,7 +191,9 @@ class Dsv4Gpu:
         """Consume one token at position state.pos; logits float32 NumPy [vocab].  The path is
         ``self.decode_path`` (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
         from memra_dsv4.gpu.decode import forward_chunk
+        from memra_dsv4.gpu.verify import check_no_journal
         self._check_state(state)
+        check_no_journal(state, "decode_step")
         t = np.asarray(token)
         if t.ndim != 0:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
@@ -201,6 +205,17 @@ class Dsv4Gpu:
             return forward_chunk(self, state, ids, ph="decode")
         from memra_dsv4.gpu.step import device_step
         return device_step(self, state, int(ids[0]))
+
+    def verify(self, state, tokens) -> np.ndarray:
+        """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;
+        logits [k+1, vocab] (gpu.verify: the oracle's convention, journaled for commit)."""
+        from memra_dsv4.gpu.verify import verify
+        return verify(self, state, tokens)
+
+    def commit(self, state, n_accepted) -> None:
+        """Keep positions pos..pos+n of the last verify and roll the rest back (gpu.verify)."""
+        from memra_dsv4.gpu.verify import commit
+        commit(self, state, n_accepted)
 
     def generate(self, token_ids, max_new: int) -> list[int]:
         """Greedy continuation: prefill once, then one decode_step per new token."""
@@ -363,7 +378,6 @@ class _Block:
                 sel = order[bounds[j]:bounds[j + 1]]
                 rows_h, picks_h = sel // k, sel % k
                 rows, picks = cp.asarray(rows_h), cp.asarray(picks_h)
-                ws = {}
                 for w in ("w1", "w2", "w3"):
                     ws2 = self.st.ws2[f"{key}.{w}"][e] if fmt == "nvfp4" else None
                     G.dequant_fp4_bf16(fmt, self.st[f"{key}.{w}.packed"][e],

@@ -14,6 +14,12 @@ that every path gathers the same vectors in the same order):
   ``window_ring_slots`` the same tokens as ring slots pos % W (decode cache rows);
   compressed entries are added at an ``offset`` chosen by the caller (prefill: L, decode: W).
 
+Ring rollback of a speculative verify (``ring_rollback_sources``): a verify at positions
+p0..p0+k wrote ring slots pos % W; keeping p0..last_kept, each written slot must hold the
+vector of the NEWEST kept position mapping to it, q = last_kept - ((last_kept - slot) mod W), if
+q >= p0 (one of the verify's own vectors), else its pre-verify row.  This also covers
+k + 1 > W, where the verify wrote a slot twice.
+
 Top-k rule: score descending, ties to the LOWER index; -inf scores are never selected when a
 finite one remains; NaN scores are refused.
 """
@@ -25,6 +31,7 @@ import numpy as np
 __all__ = [
     "window_positions", "window_ring_slots", "window_matrix", "n_complete", "hca_entries",
     "hca_matrix", "topk_desc", "candidate_row", "candidate_matrix", "emit_positions",
+    "ring_rollback_sources",
 ]
 
 
@@ -125,3 +132,16 @@ def candidate_matrix(window_mat: np.ndarray, comp_mat: np.ndarray | None, offset
     c = np.sort(np.where(c >= 0, c, big), axis=-1)
     c = np.where(c == big, -1, c + offset).astype(np.int32)
     return np.concatenate([w, c], axis=-1)
+
+
+def ring_rollback_sources(slots, p0: int, last_kept: int, window: int) -> np.ndarray:
+    """int64 [len(slots)]: for each ring slot a verify wrote, the index (q - p0) into the
+    verify's own window vectors of the newest kept position q in that slot, or -1 when no kept
+    position of the verify maps to it (restore the pre-verify row).  See the module doc."""
+    s = np.asarray(slots, dtype=np.int64)
+    if not 0 <= p0 <= last_kept:
+        raise ValueError(f"ring_rollback_sources: need 0 <= p0 <= last_kept, got {p0}, {last_kept}")
+    if s.size and (s.min() < 0 or s.max() >= window):
+        raise ValueError(f"ring_rollback_sources: slots outside 0..{window - 1}")
+    q = last_kept - ((last_kept - s) % window)
+    return np.where(q >= p0, q - p0, -1)

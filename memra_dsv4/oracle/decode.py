@@ -358,9 +358,9 @@ def _rollback_layer(cache: LayerCache, j: _LayerJournal, p0: int, last_kept: int
     W = cache.window
     n_keep = last_kept - p0 + 1
     # ring: each written slot gets the newest KEPT position mapping to it, else its old row
-    for slot, old in zip(j.slots, j.old_rows):
-        q = last_kept - ((last_kept - slot) % W)          # newest position <= last_kept in slot
-        cache.ring[slot] = j.kv[q - p0] if q >= p0 else old
+    src = hidx.ring_rollback_sources(j.slots, p0, last_kept, W)
+    for slot, old, i in zip(j.slots, j.old_rows, src):
+        cache.ring[slot] = j.kv[i] if i >= 0 else old
     if cache.ratio:
         cache.comp_state = j.comp_state.copy()
         cache.comp_state.advance(j.comp_az[0][:n_keep], j.comp_az[1][:n_keep], p0)
