@@ -176,13 +176,11 @@ class Dsv4Gpu:
     def prefill_chunk(self, state, token_ids, *, all_logits: bool = False):
         """Continue ``state`` by any number of tokens (legacy chunk routine)."""
         from memra_dsv4.gpu.decode import forward_chunk
-        from memra_dsv4.gpu.verify import check_no_journal
+        from memra_dsv4.oracle.decode import check_no_journal, check_room
         self._check_state(state)
         check_no_journal(state, "prefill_chunk")
         ids = self.check_ids(token_ids)
-        if state.pos + ids.shape[0] > state.max_seq_len:
-            raise ValueError(f"prefill_chunk: positions {state.pos}..{state.pos + ids.shape[0] - 1}"
-                             f" exceed max_seq_len {state.max_seq_len}")
+        check_room(state, ids.shape[0], "prefill_chunk")
         if self._step is not None:
             self._step.invalidate()
         return forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_chunk")
@@ -191,16 +189,14 @@ class Dsv4Gpu:
         """Consume one token at position state.pos; logits float32 NumPy [vocab].  The path is
         ``self.decode_path`` (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
         from memra_dsv4.gpu.decode import forward_chunk
-        from memra_dsv4.gpu.verify import check_no_journal
+        from memra_dsv4.oracle.decode import check_no_journal, check_room
         self._check_state(state)
         check_no_journal(state, "decode_step")
         t = np.asarray(token)
         if t.ndim != 0:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
         ids = self.check_ids(t.reshape(1))
-        if state.pos + 1 > state.max_seq_len:
-            raise ValueError(f"decode_step: position {state.pos} is past max_seq_len "
-                             f"{state.max_seq_len}")
+        check_room(state, 1, "decode_step")
         if self.decode_path == "legacy":
             return forward_chunk(self, state, ids, ph="decode")
         from memra_dsv4.gpu.step import device_step

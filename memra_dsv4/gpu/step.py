@@ -43,7 +43,7 @@ def device_step(model, state, token: int, *, graph: bool | None = None):
     """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab].
     graph None/True: replay the per-stage CUDA graphs (captured once per state); False: the
     same launches eagerly."""
-    from memra_dsv4.gpu.verify import check_no_journal
+    from memra_dsv4.oracle.decode import check_no_journal
     check_no_journal(state, "device_step")
     if model.decode_path == "device-hostmath":
         raise NotImplementedError(f"decode_path='device-hostmath': {HOSTMATH_REASON}")

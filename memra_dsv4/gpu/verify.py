@@ -32,10 +32,12 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.host.indices import ring_rollback_sources
-from memra_dsv4.oracle.decode import MAX_DRAFT
+# the call checks are the oracle's (same messages, same states' attributes)
+from memra_dsv4.oracle.decode import (check_commit, check_draft_count, check_no_journal,
+                                      check_room)
 from memra_dsv4.profiling import phase
 
-__all__ = ["Journal", "verify", "commit", "check_no_journal"]
+__all__ = ["Journal", "verify", "commit"]
 
 
 class _LayerJournal:
@@ -79,25 +81,13 @@ class _Recorder:
         self.j.layers[self.lid] = L
 
 
-def check_no_journal(state, what: str) -> None:
-    j = getattr(state, "journal", None)
-    if j is not None:
-        raise ValueError(f"{what}: the state has an uncommitted verify of {j.k + 1} tokens at "
-                         f"position {j.p0}; call commit(state, n) first (or prefill to restart)")
-
-
 def verify(model, state, tokens) -> np.ndarray:
     from memra_dsv4.gpu.decode import run_chunk
     model._check_state(state)
     check_no_journal(state, "verify")
     ids = model.check_ids(tokens)
-    k = ids.shape[0] - 1
-    if not 1 <= k <= MAX_DRAFT:
-        raise ValueError(f"verify: k = {k} drafts (tokens = [t_last, d1..dk] has {ids.shape[0]} "
-                         f"entries); k must be in 1..{MAX_DRAFT}")
-    if state.pos + k + 1 > state.max_seq_len:
-        raise ValueError(f"verify: positions {state.pos}..{state.pos + k} exceed max_seq_len "
-                         f"{state.max_seq_len}")
+    k = check_draft_count(ids)
+    check_room(state, k + 1, "verify")
     if model._step is not None:
         model._step.invalidate()
     jr = Journal(state.pos, k)
@@ -129,15 +119,8 @@ def _rollback_layer(cache, j: _LayerJournal, p0: int, last_kept: int, p_end: int
 
 def commit(model, state, n_accepted) -> None:
     model._check_state(state)
-    jr = getattr(state, "journal", None)
-    if jr is None:
-        raise ValueError("commit: the state has no uncommitted verify (call verify first)")
-    if isinstance(n_accepted, bool) or not isinstance(n_accepted, (int, np.integer)):
-        raise ValueError(f"commit: n_accepted must be an integer, got {n_accepted!r}")
-    n = int(n_accepted)
-    if not 0 <= n <= jr.k:
-        raise ValueError(f"commit: n_accepted = {n} is outside 0..k = 0..{jr.k} (the verify had "
-                         f"{jr.k} drafts)")
+    jr = state.journal
+    n = check_commit(jr, n_accepted)
     last_kept = jr.p0 + n
     if n < jr.k:
         with phase("verify/rollback"):

@@ -147,17 +147,41 @@ def check_state(oracle, state, role: str = "trunk") -> DecodeState:
     return state
 
 
-def _check_room(state: DecodeState, n: int, what: str) -> None:
+# The verify / commit call checks below are shared with the GPU path (gpu/verify.py): both
+# states carry ``pos``, ``max_seq_len`` and ``journal`` (with ``p0`` and ``k``).
+def check_room(state, n: int, what: str) -> None:
     if state.pos + n > state.max_seq_len:
         raise ValueError(f"{what}: positions {state.pos}..{state.pos + n - 1} exceed "
                          f"max_seq_len {state.max_seq_len} (state.pos = {state.pos})")
 
 
-def _check_no_journal(state: DecodeState, what: str) -> None:
+def check_no_journal(state, what: str) -> None:
     if state.journal is not None:
         raise ValueError(f"{what}: the state has an uncommitted verify of "
                          f"{state.journal.k + 1} tokens at position {state.journal.p0}; "
                          f"call commit(state, n_accepted) first")
+
+
+def check_draft_count(ids: np.ndarray) -> int:
+    """k of verify tokens [t_last, d1..dk], refused outside 1..MAX_DRAFT."""
+    k = ids.shape[0] - 1
+    if not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"verify: k = {k} drafts (tokens = [t_last, d1..dk] has "
+                         f"{ids.shape[0]} entries); k must be in 1..{MAX_DRAFT}")
+    return k
+
+
+def check_commit(journal, n_accepted) -> int:
+    """n of commit(state, n) for the pending ``journal``, refused unless an integer in 0..k."""
+    if journal is None:
+        raise ValueError("commit: the state has no uncommitted verify (call verify first)")
+    if isinstance(n_accepted, bool) or not isinstance(n_accepted, (int, np.integer)):
+        raise ValueError(f"commit: n_accepted must be an integer, got {n_accepted!r}")
+    n = int(n_accepted)
+    if not 0 <= n <= journal.k:
+        raise ValueError(f"commit: n_accepted = {n} is outside 0..k = 0..{journal.k} (the verify "
+                         f"had {journal.k} drafts)")
+    return n
 
 
 # --------------------------------------------------------------------------- attention
@@ -321,18 +345,18 @@ def prefill_chunk(oracle, state: DecodeState, tokens, *, all_logits: bool = Fals
     """Continue the sequence of ``state`` by ``tokens`` (any length >= 1); logits of the last
     position ([vocab]) or of every chunk position ([S, vocab])."""
     check_state(oracle, state)
-    _check_no_journal(state, "prefill_chunk")
+    check_no_journal(state, "prefill_chunk")
     ids = _ids(oracle, tokens, "tokens")
-    _check_room(state, ids.shape[0], "prefill_chunk")
+    check_room(state, ids.shape[0], "prefill_chunk")
     return forward_chunk(oracle, state, ids, all_logits=all_logits).logits
 
 
 def decode_step(oracle, state: DecodeState, token) -> np.ndarray:
     """Consume one token at position state.pos; logits [vocab] of that position."""
     check_state(oracle, state)
-    _check_no_journal(state, "decode_step")
+    check_no_journal(state, "decode_step")
     ids = _token(oracle, token)
-    _check_room(state, 1, "decode_step")
+    check_room(state, 1, "decode_step")
     return forward_chunk(oracle, state, ids).logits
 
 
@@ -340,13 +364,10 @@ def verify(oracle, state: DecodeState, tokens, *, return_streams: bool = False):
     """Speculative verify of [t_last, d1..dk] at positions pos..pos+k (see the module doc).
     Returns logits [k+1, vocab] (and the streams [k+1, hc, dim] with ``return_streams``)."""
     check_state(oracle, state)
-    _check_no_journal(state, "verify")
+    check_no_journal(state, "verify")
     ids = _ids(oracle, tokens, "tokens")
-    k = ids.shape[0] - 1
-    if not 1 <= k <= MAX_DRAFT:
-        raise ValueError(f"verify: k = {k} drafts (tokens = [t_last, d1..dk] has "
-                         f"{ids.shape[0]} entries); k must be in 1..{MAX_DRAFT}")
-    _check_room(state, k + 1, "verify")
+    k = check_draft_count(ids)
+    check_room(state, k + 1, "verify")
     jr = VerifyJournal(p0=state.pos, k=k, last_hc=state.last_hc, streams=None)
     out = forward_chunk(oracle, state, ids, all_logits=True, journal=jr)
     jr.streams = out.streams
@@ -375,14 +396,7 @@ def commit(oracle, state: DecodeState, n_accepted) -> None:
     """Keep positions pos..pos+n of the last verify, roll back the rest (module doc)."""
     check_state(oracle, state)
     jr = state.journal
-    if jr is None:
-        raise ValueError("commit: the state has no uncommitted verify (call verify first)")
-    if isinstance(n_accepted, bool) or not isinstance(n_accepted, (int, np.integer)):
-        raise ValueError(f"commit: n_accepted must be an integer, got {n_accepted!r}")
-    n = int(n_accepted)
-    if not 0 <= n <= jr.k:
-        raise ValueError(f"commit: n_accepted = {n} is outside 0..k = 0..{jr.k} (the verify "
-                         f"had {jr.k} drafts)")
+    n = check_commit(jr, n_accepted)
     last_kept = jr.p0 + n
     if n < jr.k:
         for cache, j in zip(state.layers, jr.layers):
