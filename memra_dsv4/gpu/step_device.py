@@ -88,7 +88,9 @@ class DeviceStep:
                     L.cos, L.sin = tables[key]
                     w = lambda leaf, L=L, st=st: st[f"{L.p}.{leaf}"]  # bind this stage
                     L.w = w
-                    L.lin = lambda pre, L=L, st=st: _dense(st, f"{L.p}.{pre}")
+                    # (weight, scale): bf16 bits + None, or stored e4m3 + e8m0 (dense="fp8")
+                    L.lin = lambda pre, L=L, st=st: (st[f"{L.p}.{pre}.weight"],
+                                                     st.scale_of(f"{L.p}.{pre}"))
                     L.f32 = {}
                     for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",
                                  "attn.indexer.compressor.norm.weight"):
@@ -425,13 +427,6 @@ class DeviceStep:
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"].reshape(1, D),
                                      out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
-
-
-def _dense(st, prefix: str):
-    """(weight, scale) of a dense linear as the stage holds it: bf16 bits and None, or the
-    stored FP8 e4m3 bytes and their e8m0 block scales (gpu.weights, dense="fp8")."""
-    w = st[f"{prefix}.weight"]
-    return (w, st[f"{prefix}.scale"]) if w.dtype == np.uint8 else (w, None)
 
 
 def _bf16_to_f32(u16):
