@@ -1,28 +1,27 @@
 """The device-resident decode step (paths ``device-hostmath`` and ``device``): StepWs, the
 per-stage workspace arena, and the bytes one decode step must read.
 
-Status
-------
-``IMPLEMENTED = False``: the device step itself (one launch per projection over StepWs, the
-fused FP4 expert GEMV of kernels_cu/experts.cu with expert ids read on the device, graph
-capture of each stage) is NOT written yet.  ``device_step`` raises NotImplementedError naming
-this; the GPU tests of those paths skip with that reason.  What is here and CPU-tested:
+``device_step(model, state, token, graph=None)`` runs the ``device`` path
+(gpu.step_device.DeviceStep: StepWs arena, device-side indices, one CUDA graph per stage).
+``IMPLEMENTED`` is True; ``device-hostmath`` is not written (``HOSTMATH_IMPLEMENTED`` False:
+``device_step`` raises NotImplementedError naming it, its GPU tests skip with that reason).
 
 ``step_ws_plan(cfg, layers, has_embed, has_head, max_seq_len, stage_index=0) -> ArenaPlan``
     The per-stage arena of one decode step: every activation buffer of one token, sized once.
     Buffers are reused layer after layer (the step is layer-sequential), so the plan depends
     on the stage's layer KINDS, not on how many layers it holds.  ``tok`` / ``pos`` (int32)
     are the small device buffers written before a graph replay; ``streams.a`` / ``streams.b``
-    ping-pong the residual streams; stages after the first get ``boundary.in`` (the target of
-    the memcpyAsync peer copy).  Logical dtypes per gpu.arena (bf16 = uint16 bits).
+    ping-pong the residual streams; stages after the first get ``boundary.in`` (reserved: the
+    step's memcpyAsync peer copy lands directly in that stage's ``streams.a``).  Logical dtypes
+    per gpu.arena (bf16 = uint16 bits).
 ``step_bytes(cfg, pos, layers, has_embed, has_head, dense="bf16", experts="mxfp4")``
     -> dict group -> bytes the step at position ``pos`` must read: the weights one token
     touches (attention projections, compressor and indexer projections, norms and hc mixes,
     router gate, the k routed experts' STORED FP4 bytes + scales, the shared expert, embed row,
     head), the KV it attends (ring rows in the window, visible HCA rows / selected CSA rows,
     all indexer keys) and the pending compressor rows (kv + score, f32).  ``dense`` is the
-    dense-projection storage: "bf16" (this runtime loads FP8 checkpoints as bf16) or "fp8"
-    (the native format: 1 byte + one e8m0 scale per 128x128 block).
+    dense-projection storage (the ``MEMRA_DSV4_DENSE`` seam): "bf16" (FP8 linears dequantised
+    at load) or "fp8" (as stored: 1 byte + one e8m0 scale per 128x128 block).
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p.add("streams.b", (1, hc, D), "bf16")
     if stage_index > 0:
         p.add("boundary.in", (1, hc, D), "bf16")
-    p.add("hc.mix", (cfg.hc_mix_rows,), "f32")
     p.add("hc.pre", (hc,), "f32")
     p.add("hc.post", (hc,), "f32")
     p.add("hc.comb", (hc, hc), "f32")
@@ -79,43 +77,7 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p.add("xn", (D,), "bf16")
     p.add("attn.qr", (cfg.q_lora_rank,), "bf16")
     p.add("attn.q", (H, hd), "bf16")
-    p.add("attn.kv", (hd,), "bf16")
     # candidates: window W, then the widest compressed segment of this stage's layers
-    comp_w = 0
-    for r in ratios:
-        comp_w = max(comp_w, min(cfg.index_topk, max_seq_len // 4) if r == 4
-                     else max_seq_len // r)
-    p.add("attn.cand", (W + comp_w,), "i32")
-    if ratios:
-        p.add("cmp.a", (2 * hd,), "f32")
-        p.add("cmp.z", (2 * hd,), "f32")
-        p.add("cmp.pooled", (hd,), "f32")
-        p.add("cmp.entry", (hd,), "bf16")
-    if "csa" in kinds:
-        p.add("idx.q", (nI, dI), "bf16")
-        p.add("idx.w", (nI,), "bf16")
-        p.add("idx.a", (2 * dI,), "f32")
-        p.add("idx.z", (2 * dI,), "f32")
-        p.add("idx.key", (dI,), "bf16")
-        p.add("idx.scores", (max(1, max_seq_len // 4),), "f32")
-        p.add("idx.sel", (min(cfg.index_topk, max(1, max_seq_len // 4)),), "i32")
-    p.add("attn.o", (H, hd), "bf16")
-    p.add("attn.u", (cfg.o_groups * cfg.o_lora_rank,), "bf16")
-    p.add("attn.out", (D,), "bf16")
-    p.add("moe.logits", (E,), "f32")
-    p.add("moe.scores", (E,), "f32")
-    p.add("moe.ids", (k,), "i32")
-    p.add("moe.w", (k,), "f32")
-    p.add("moe.gate", (k, I), "bf16")
-    p.add("moe.up", (k, I), "bf16")
-    p.add("moe.h", (k, I), "bf16")
-    p.add("moe.routed", (k, D), "bf16")
-    p.add("moe.sh_gate", (I,), "bf16")
-    p.add("moe.sh_up", (I,), "bf16")
-    p.add("moe.sh_h", (I,), "bf16")
-    p.add("moe.shared", (D,), "bf16")
-    p.add("ffn.out", (D,), "bf16")
-    # device-step extras (gpu.step.DeviceStep)
     n_keys = max(1, max_seq_len // 4)
     sel_w = min(cfg.index_topk, n_keys)
     kmax = W
@@ -123,8 +85,26 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
         kmax = max(kmax, W + (sel_w if r == 4 and "csa" in kinds else max(1, max_seq_len // r)))
         if r == 4:
             kmax = max(kmax, W + max(1, max_seq_len // 4))
+    p.add("attn.cand", (kmax,), "i32")
+    if ratios:
+        p.add("cmp.pooled", (hd,), "f32")
+    if "csa" in kinds:
+        p.add("idx.q", (nI, dI), "bf16")
+        p.add("idx.w", (nI,), "bf16")
+        p.add("idx.sel", (sel_w,), "i32")
+    p.add("attn.o", (H, hd), "bf16")
+    p.add("attn.u", (cfg.o_groups * cfg.o_lora_rank,), "bf16")
+    p.add("attn.out", (D,), "bf16")
+    p.add("moe.logits", (E,), "f32")
+    p.add("moe.scores", (E,), "f32")
+    p.add("moe.ids", (k,), "i32")
+    p.add("moe.w", (k,), "f32")
+    p.add("moe.h", (k, I), "bf16")
+    p.add("moe.sh_h", (I,), "bf16")
+    p.add("moe.shared", (D,), "bf16")
+    p.add("ffn.out", (D,), "bf16")
+    # device-step extras (gpu.step.DeviceStep)
     p.add("dev.aux", (8,), "i32")
-    p.add("dev.cand", (kmax,), "i32")
     p.add("dev.attn_ws", (H * (-(-kmax // 32)) * (2 + hd),), "f32")
     p.add("dev.mix", (1, cfg.hc_mix_rows), "f32")
     p.add("dev.kvraw", (hd,), "bf16")

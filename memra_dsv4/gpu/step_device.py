@@ -379,7 +379,7 @@ class DeviceStep:
                 K = W + cache.comp.shape[0]
             with phase(f"{ap}/compressor"):
                 self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
-        cand = v["dev.cand"][:K]
+        cand = v["attn.cand"][:K]
         o = v["attn.o"].reshape(1, H, hd)
         with phase(f"{ap}/sparse_attention"):
             DK.build_cand(pos, cand, W, L.ratio, sel)
