@@ -351,3 +351,17 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
 
     every = {n for names in kernel_names().values() for n in names}
     assert every <= set(launched), f"kernels never launched by this check: {sorted(every - set(launched))}"
+
+
+def test_fp4_launch_geometry_matches_the_kernel_macros():
+    """gpu/ops/experts.py sizes the FP4 GEMV grids from the warp-group shape that
+    kernels_cu/experts.cu compiles in (FP4_*_R macros, FP4_WARPS): one fact in two languages,
+    pinned here so a retune of one side cannot silently mis-size the other's grid."""
+    from memra_dsv4.gpu.ops import experts as EX
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        src = f.read()
+    macro = {m: int(v) for m, v in re.findall(r"#define (FP4_(?:GV|GU|DN)_R) (\d+)", src)}
+    warps = int(re.search(r"constexpr int FP4_WARPS = (\d+);", src).group(1))
+    assert macro == {"FP4_GV_R": EX.GEMV_ROWS_PER_GROUP, "FP4_GU_R": EX.GATEUP_ROWS_PER_GROUP,
+                     "FP4_DN_R": EX.DOWN_ROWS_PER_GROUP}
+    assert warps == EX.FP4_WARPS
