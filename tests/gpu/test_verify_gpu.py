@@ -22,10 +22,6 @@ from test_decode_gpu import _ids, _logit_check, _model, _state_check  # prepend 
 cp = pytest.importorskip("cupy")
 
 
-def _snap(st):
-    return st.snapshot()
-
-
 def _pending_replay(kv, score, a, z, p0, ratio):
     from memra_dsv4.host.pending import advance_pending
     kv, score = kv.copy(), score.copy()
@@ -87,7 +83,7 @@ def test_commit_all_equals_prefill_chunk_bytes():
     m.commit(sa, k)
     ref = m.prefill_chunk(sb, ids[L:L + k + 1], all_logits=True)
     assert np.array_equal(rows, ref)
-    ga, gb = _snap(sa), _snap(sb)
+    ga, gb = sa.snapshot(), sb.snapshot()
     diff = [key for key in ga if not np.array_equal(ga[key], gb[key])]
     assert not diff, f"verify + commit(k) vs prefill_chunk differ in {diff}"
 
@@ -119,14 +115,14 @@ def test_bad_calls_refused_and_state_unchanged():
     ck, m = _model("tiny")
     ids = _ids(ck.config, 12, seed=9)
     _, st = m.prefill(ids[:6], m.new_state())
-    snap = _snap(st)
+    snap = st.snapshot()
     V = ck.config.vocab_size
     with pytest.raises(ValueError, match="no uncommitted verify"):
         m.commit(st, 0)
     for bad, word in (([ids[6]], "k = 0"), (ids[:1] * 18, "k = 17"), ([1, V], "outside")):
         with pytest.raises(ValueError, match=word):
             m.verify(st, bad)
-    after = _snap(st)
+    after = st.snapshot()
     assert all(np.array_equal(snap[x], after[x]) for x in snap), "refused verify changed the state"
     m.verify(st, ids[6:9])
     for call, word in ((lambda: m.decode_step(st, 1), "uncommitted verify"),
