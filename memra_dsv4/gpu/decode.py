@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from memra_dsv4.host import indices as hidx
+from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.profiling import phase
 
 __all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock"]
@@ -108,15 +109,10 @@ class ChunkBlock:
         zg = b.lin(x, f"{sub}.wgate.weight", "f32")
         pos = cp.arange(p0, p0 + S, dtype=cp.int64)
         z = (zg + b.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
-        rem0 = p0 % r
-        b0 = p0 - rem0
-        nb = (rem0 + S) // r
+        A, Z, nb, b0 = closing_blocks(cs.kv, cs.score, a, z, p0, r)
         d = cfg.index_head_dim if indexer else cfg.head_dim
         if nb == 0:
             return cp.zeros((0, d), dtype=cp.float32), a, z
-        ca, cz = cs.cur_rows(rem0)
-        A = cp.concatenate([ca, a], axis=0)[:nb * r]
-        Z = cp.concatenate([cz, z], axis=0)[:nb * r]
         if cs.overlap:
             pa, pz = cs.prev_rows()
             ac, zc = candidates_with_prev(A, Z, pa, pz)

@@ -77,11 +77,12 @@ Decode state machine (``memra_dsv4.oracle.decode`` / ``spec``, mixed in as ``Dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from memra_dsv4.host import indices as hidx
+from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.host.routing import route_weights, sqrtsoftplus
 from memra_dsv4.oracle import ops
@@ -199,14 +200,9 @@ class _Layer:
         positions = p0 + np.arange(S, dtype=np.int64)
         a, z = ops.compressor_project(x, self.w(f"{sub}.wkv.weight"), self.w(f"{sub}.wgate.weight"),
                                       self.w(f"{sub}.ape"), positions, pol=pol)
-        rem0 = p0 % r
-        b0 = p0 - rem0
-        nb = (rem0 + S) // r
+        A, Z, nb, b0 = closing_blocks(cs.kv, cs.score, a, z, p0, r)
         if nb == 0:
             return np.zeros((0, d), dtype=pol.dtype), a, z
-        ca, cz = cs.cur_rows(rem0)
-        A = np.concatenate([ca, a], axis=0)[:nb * r]
-        Z = np.concatenate([cz, z], axis=0)[:nb * r]
         if cs.overlap:
             pa, pz = cs.prev_rows()
             ac, zc = ops.compress_candidates(A, Z, r, prev_a=pa, prev_z=pz)
