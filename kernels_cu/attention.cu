@@ -55,28 +55,6 @@ DEV void load_dims(const u16* p, float* f) {
     }
 }
 
-// value select in registers (a plain ?: on two array elements can become a select of addresses,
-// i.e. a local-memory array)
-DEV float sel(bool c, float a, float b) {
-    float r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
-        : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
-    return r;
-}
-
-// One reduce-scatter stage over the lane pairs (lane, lane ^ HALF): afterwards p[0..HALF) hold
-// the pair sums of the candidates whose bit HALF equals the lane's bit HALF.
-template <int HALF>
-DEV void rs_stage(float* p, int lane) {
-    const bool upper = (lane & HALF) != 0;
-#pragma unroll
-    for (int i = 0; i < HALF; ++i) {
-        const float send = sel(upper, p[i], p[i + HALF]);
-        const float keep = sel(upper, p[i + HALF], p[i]);
-        p[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, HALF));
-    }
-}
-
 DEV float merge_scale(float m_from, float m_to) {  // exp(m_from - m_to), 0 for an empty side
     return m_from == f32_ninf() ? 0.0f : expf(__fsub_rn(m_from, m_to));
 }

@@ -159,6 +159,38 @@ DEV float act_amax_floor() { return 1e-4f; }                       // f32(1e-4)
 DEV float fp4_amax_floor() { return __uint_as_float(0x01c00000u); }  // f32(6 * 2^-126)
 
 // ------------------------------------------------------------------------------ reductions
+// Value select in registers (a plain ?: on two array elements can become a select of addresses,
+// i.e. a local-memory array).
+DEV float sel(bool c, float a, float b) {
+    float r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f32 %0, %1, %2, p;\n\t}"
+        : "=f"(r) : "f"(a), "f"(b), "r"((int)c));
+    return r;
+}
+DEV double sel(bool c, double a, double b) {
+    double r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f64 %0, %1, %2, p;\n\t}"
+        : "=d"(r) : "d"(a), "d"(b), "r"((int)c));
+    return r;
+}
+DEV float add_rn(float a, float b) { return __fadd_rn(a, b); }
+DEV double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+// One reduce-scatter stage over the lane pairs (lane, lane ^ HALF): afterwards p[0..HALF) hold
+// the pair sums of the values whose bit HALF equals the lane's bit HALF.  Stages 16, 8, 4, 2, 1
+// leave lane l with the fixed-order warp sum of value l (attention's tile scores, hc's segment
+// sums): the order is the same for every lane count, so the sums are reproducible.
+template <int HALF, typename T>
+DEV void rs_stage(T* p, int lane) {
+    const bool upper = (lane & HALF) != 0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        const T send = sel(upper, p[i], p[i + HALF]);
+        const T keep = sel(upper, p[i + HALF], p[i]);
+        p[i] = add_rn(keep, __shfl_xor_sync(0xffffffffu, send, HALF));
+    }
+}
+
 DEV float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

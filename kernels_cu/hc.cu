@@ -40,24 +40,6 @@ constexpr int MIX_TOK = 4;        // tokens per CTA
 constexpr int MIX_SEG = 256;      // elements per segment (one 8-element chunk per lane)
 constexpr int MIX_MAX_SEG = 128;  // hc*D <= 32768
 
-DEV double sel_d(bool c, double a, double b) {
-    double r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\tselp.f64 %0, %1, %2, p;\n\t}"
-        : "=d"(r) : "d"(a), "d"(b), "r"((int)c));
-    return r;
-}
-
-template <int HALF>
-DEV void rs_stage_d(double* v, int lane) {  // reduce-scatter stage (see attention.cu)
-    const bool upper = (lane & HALF) != 0;
-#pragma unroll
-    for (int i = 0; i < HALF; ++i) {
-        const double send = sel_d(upper, v[i], v[i + HALF]);
-        const double keep = sel_d(upper, v[i + HALF], v[i]);
-        v[i] = __dadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, HALF));
-    }
-}
-
 // The canonical reduction of a mixes value (a dot of row r with token t, or token t's sum of
 // squares): the hc*D elements form segments of 256; within a segment lane l takes elements
 // 8l..8l+7 (sequential double FMAs), a 5-stage reduce-scatter across the warp gives the segment
@@ -112,11 +94,11 @@ DEV void hc_mixes_body(const u16* __restrict__ x, const float* __restrict__ fn, 
 #pragma unroll
                 for (int i = 0; i < 8; ++i) v[r * MIX_TOK + t] = __fma_rn((double)w[i], (double)xf[t][i], v[r * MIX_TOK + t]);
         }
-        rs_stage_d<16>(v, lane);
-        rs_stage_d<8>(v, lane);
-        rs_stage_d<4>(v, lane);
-        rs_stage_d<2>(v, lane);
-        rs_stage_d<1>(v, lane);
+        rs_stage<16>(v, lane);
+        rs_stage<8>(v, lane);
+        rs_stage<4>(v, lane);
+        rs_stage<2>(v, lane);
+        rs_stage<1>(v, lane);
         if (lane < V) {
             if (n_split == 1) segv[sg][lane] = v[0];
             else ws[(group * nseg + sg) * 32 + lane] = v[0];
