@@ -162,11 +162,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
             }
 #pragma unroll
             for (int hh = 0; hh < HPW; ++hh) {
-                rs_stage<16>(p[hh], lane);
-                rs_stage<8>(p[hh], lane);
-                rs_stage<4>(p[hh], lane);
-                rs_stage<2>(p[hh], lane);
-                rs_stage<1>(p[hh], lane);
+                reduce_scatter32(p[hh], lane);
                 s[hh] = p[hh][0];  // the full dot of candidate row `lane`
             }
         }

@@ -191,6 +191,16 @@ DEV void rs_stage(T* p, int lane) {
     }
 }
 
+// All five stages: lane l ends with the fixed-order sum over the warp of p[l] (p has 32 values).
+template <typename T>
+DEV void reduce_scatter32(T* p, int lane) {
+    rs_stage<16>(p, lane);
+    rs_stage<8>(p, lane);
+    rs_stage<4>(p, lane);
+    rs_stage<2>(p, lane);
+    rs_stage<1>(p, lane);
+}
+
 DEV float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

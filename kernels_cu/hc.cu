@@ -94,11 +94,7 @@ DEV void hc_mixes_body(const u16* __restrict__ x, const float* __restrict__ fn, 
 #pragma unroll
                 for (int i = 0; i < 8; ++i) v[r * MIX_TOK + t] = __fma_rn((double)w[i], (double)xf[t][i], v[r * MIX_TOK + t]);
         }
-        rs_stage<16>(v, lane);
-        rs_stage<8>(v, lane);
-        rs_stage<4>(v, lane);
-        rs_stage<2>(v, lane);
-        rs_stage<1>(v, lane);
+        reduce_scatter32(v, lane);
         if (lane < V) {
             if (n_split == 1) segv[sg][lane] = v[0];
             else ws[(group * nseg + sg) * 32 + lane] = v[0];
