@@ -61,9 +61,12 @@ def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
     if ctx % 128:
         raise SystemExit(f"--fill random: --ctx {ctx} must be a multiple of 128")
     st = m.new_state(max_seq_len)
-    rng = cp.random.default_rng(seed)
+    rngs = {}                               # a cuRAND generator belongs to the device it was made on
     for c in st.layers:
         with cp.cuda.Device(c.device):
+            rng = rngs.get(c.device)
+            if rng is None:
+                rng = rngs[c.device] = cp.random.default_rng(seed + c.device)
             for buf in (c.kv, c.idx_keys):
                 if buf is not None:
                     v = rng.standard_normal(buf.shape, dtype=cp.float32)
