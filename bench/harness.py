@@ -309,7 +309,12 @@ def write_results(
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     meta = {"date": date, "gpu": gpu, "commit": commit7}
     if commit is None:
-        meta["dirty"] = git_dirty()
+        # A copy told its commit by MEMRA_DSV4_COMMIT (the GPU machine: no .git, or one that
+        # does not match the copied tree) cannot judge its own cleanliness: say so, not "dirty".
+        told = os.environ.get("MEMRA_DSV4_COMMIT", "").strip()
+        meta["dirty"] = None if told else git_dirty()
+        if told:
+            meta["commit_from"] = "MEMRA_DSV4_COMMIT"
     doc = {**payload, "meta": {**meta, **payload.get("meta", {})}}
 
     out = Path(out_dir)
