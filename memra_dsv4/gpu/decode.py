@@ -307,7 +307,7 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
                     if capture:
                         top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
         if si + 1 < len(model.stages):
-            streams = model._boundary(streams, si)
+            streams = model._boundary(streams, si, ph)
     for d in model.devs:
         d.compute.synchronize()
     state.pos = p0 + S

@@ -225,14 +225,15 @@ class Dsv4Gpu:
             out.append(int(np.argmax(self.decode_step(state, out[-1]))))
         return out
 
-    def _boundary(self, streams, si: int):
-        """Move the streams to the next stage's device: exactly one boundary_copy."""
+    def _boundary(self, streams, si: int, ph: str = "prefill"):
+        """Move the streams to the next stage's device: exactly one boundary_copy, bracketed
+        as ``{ph}/boundary_copy`` (ph: the chunk's phase prefix, prefill / decode / verify)."""
         cp = self._cp
         from memra_dsv4.gpu import runtime
 
         src_dev = self.devs[self.stages[si].device]
         dst_id = self.stages[si + 1].device
-        with phase("prefill/boundary_copy"):
+        with phase(f"{ph}/boundary_copy"):
             with cp.cuda.Device(dst_id):
                 dst = cp.empty(streams.shape, dtype=streams.dtype)
                 cp.cuda.Device(dst_id).synchronize()  # dst allocated before the copy reads it

@@ -180,3 +180,77 @@ def test_copy_bandwidth_counts_read_plus_write():
     assert close(bw["median_ms"] * 1e3, ref_us), (bw, ref_us)
     # HBM traffic of a device copy on any current datacenter GPU: 0.5 to 10 TB/s.
     assert 0.5e12 < bw["copy_bw_Bps"] < 10e12, bw
+
+
+# ------------------------------------------------------------------ brackets on every GPU path
+# The issue's list, per path: embed, each stage, each block split into attn / ffn, attention's
+# q / kv / compressor / indexer / sparse_attention / output, MoE's router / dispatch / experts /
+# combine, the boundary copy (2 stages), the head.  The device step has no dispatch (the expert
+# ids are read on the device); its projections of xn are one launch ("projections").
+_ATTN = ("q", "kv", "compressor", "indexer", "sparse_attention", "output")
+_MOE_CHUNK = ("router", "dispatch", "experts", "shared", "combine")
+_MOE_DEVICE = ("router", "experts", "shared", "combine")
+
+
+def _expected(prefix: str, n_stages: int, moe: tuple[str, ...]) -> set[str]:
+    names = {f"{prefix}/stage0/embed", f"{prefix}/stage{n_stages - 1}/head"}
+    for si in range(n_stages):
+        b = f"{prefix}/stage{si}/block"
+        names |= {f"{prefix}/stage{si}", b, f"{b}/attn", f"{b}/ffn"}
+        names |= {f"{b}/attn/{a}" for a in _ATTN}
+        names |= {f"{b}/ffn/moe/{m}" for m in moe}
+    if n_stages > 1:   # the chunk routine brackets it between stages, the device step in stage0
+        names.add(f"{prefix}/boundary_copy" if moe is _MOE_CHUNK else f"{prefix}/stage0/boundary_copy")
+    return names
+
+
+@pytest.mark.parametrize("devices", [(0,), (0, 1)], ids=["1stage", "2stages"])
+def test_every_gpu_path_brackets_its_phases(devices):
+    """prefill, legacy decode, the device step (eager: a graph replay records no brackets) and
+    speculative verify + rollback, with event timing on: every bracket of the issue's list is
+    recorded with positive GPU time, children never exceed their parent, and phase_report
+    prints them."""
+    if cupy.cuda.runtime.getDeviceCount() < len(devices):
+        pytest.skip(f"needs {len(devices)} GPUs")
+    import io
+    import re
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling import phase_report, phase_reset
+
+    ck, m = _model("tiny", devices, "legacy")
+    ids = _ids(ck.config, 40, seed=5)
+    _, st = m.prefill(ids[:20], m.new_state())           # warm every kernel / plan first
+    prof_configure("events")
+    phase_reset()
+    m.forward(ids[:12])
+    _, st = m.prefill(ids[:20], m.new_state())
+    m.decode_step(st, ids[20])                            # legacy
+    m.decode_path = "device"
+    try:
+        device_step(m, st, ids[21], graph=False)
+    finally:
+        m.decode_path = "legacy"
+    m.verify(st, ids[22:26])
+    m.commit(st, 1)                                       # 1 of 4 drafts kept: a rollback
+    times = phase_collect()
+    n = len(devices)
+    want = (_expected("prefill", n, _MOE_CHUNK) | _expected("verify", n, _MOE_CHUNK)
+            | _expected("decode", n, _MOE_CHUNK) | {"verify", "verify/rollback"})
+    dev_want = _expected("decode", n, _MOE_DEVICE) | {
+        f"decode/stage{si}/block/attn/projections" for si in range(n)}
+    missing = sorted((want | dev_want) - set(times))
+    assert not missing, f"brackets never recorded: {missing}\nrecorded: {sorted(times)}"
+    bad = {k: v for k, v in times.items() if not all(t > 0 for t in v)}
+    assert not bad, f"non-positive GPU times: {bad}"
+    total = {k: sum(v) for k, v in times.items()}
+    for name, t in total.items():             # a child's time is inside its parent's bracket
+        parent = name.rsplit("/", 1)[0]
+        if "/" in name and parent in total:
+            assert t <= total[parent] * 1.02 + 5.0, f"{name} {t:.1f} us > parent {total[parent]:.1f} us"
+    buf = io.StringIO()
+    text = phase_report(file=buf)
+    assert text == buf.getvalue()
+    for leaf in ("rollback", f"stage{n - 1}", "sparse_attention", "experts", "projections",
+                 "boundary_copy" if n > 1 else "head"):
+        assert re.search(rf"\b{leaf}\b", text), f"{leaf} not in the phase report:\n{text}"
