@@ -6,7 +6,9 @@
 One model is loaded; every arm gets its own DecodeState prefilled with the same --ctx tokens
 (its own pending rows / ring, so arms never share state) and decodes greedily from there.
 Arms (bench.harness.parse_arms): ``path=legacy|device-hostmath|device`` (the decode path seam,
-set on the model per step; an arm whose path is not implemented is reported and dropped).
+set on the model per step; an arm whose path is not implemented is reported and dropped) and
+``pdl=on|off`` (programmatic dependent launch in the device step, gpu/pdl.py; each arm captures
+its own graphs, so ``path=device+pdl=off,path=device+pdl=on`` is an A/B in one process).
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
 the logits after every device synchronised, so each sample is the whole step.
@@ -78,9 +80,11 @@ def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
 
 
 class _ArmState:
-    def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill"):
+    def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
+                 pdl: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.m, self.path = m, resolve_decode_path(path, announce=False)
+        self.pdl = pdl or getattr(m, "pdl", "off")   # the arm's PDL setting (device path only)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
         else:
@@ -88,13 +92,13 @@ class _ArmState:
             self.tok = int(np.argmax(logits))
 
     def step(self) -> None:
-        self.m.decode_path = self.path
+        self.m.decode_path, self.m.pdl = self.path, self.pdl
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
         phase brackets record events (a device-path graph replay has no per-phase brackets)."""
-        self.m.decode_path = self.path
+        self.m.decode_path, self.m.pdl = self.path, self.pdl
         if self.path == "device":
             from memra_dsv4.gpu.step import device_step
             logits = device_step(self.m, self.state, self.tok, graph=False)
@@ -110,7 +114,7 @@ def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
     from memra_dsv4.profiling.launches import aggregate, format_rows, record_launches, time_launches
 
     def one():
-        st.m.decode_path = st.path
+        st.m.decode_path, st.m.pdl = st.path, st.pdl
         st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
     recs = record_launches(one, ("step_device.py",))
     times = time_launches(recs, reps=reps, flush_bytes=flush_bytes)
@@ -154,9 +158,11 @@ def main(argv=None) -> int:
     devices = tuple(int(d) for d in a.devices.split(","))
     arms_spec = parse_arms(a.arms)
     for s in arms_spec:
-        unknown = set(s) - {"path"}
+        unknown = set(s) - {"path", "pdl"}
         if unknown:
-            raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: path")
+            raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: path, pdl")
+        if s.get("pdl", "on") not in ("on", "off"):
+            raise SystemExit(f"arm {s}: pdl={s['pdl']!r}; expected on or off")
     prof_configure("off")
     max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
     m = _load(a.model, devices, max_seq, a.dense)
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
     from bench.harness import arm_label
     for s in arms_spec:
         name = arm_label(s)
-        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill)
+        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:

@@ -28,6 +28,15 @@ typedef long long i64;
 
 #define DEV __device__ __forceinline__
 
+// Programmatic dependent launch (memra_dsv4/gpu/pdl.py): the first statement of EVERY kernel
+// (tests/test_kernels_pdl.py enforces it).  griddepcontrol.wait returns once the grid this launch
+// depends on has completed and its writes are visible (a no-op for a launch without the PDL
+// attribute, so plain CuPy launches behave as before); nothing of this kernel reads or writes
+// global memory before it.  griddepcontrol.launch_dependents then lets the stream's next kernel be
+// scheduled once every CTA of this grid has passed this point (the grid is resident): its CTAs
+// park at their own wait, hiding the launch / drain gap between dependent kernels of a graph.
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+
 namespace memra {
 
 // ------------------------------------------------------------------------------- constants

@@ -112,6 +112,12 @@ SEAM_DENSE = Seam(
     "per load and printed): `bf16` (dequantised exactly to bf16 on the host at load) or `fp8` "
     "(the stored e4m3 bytes + e8m0 128x128 block scales; the same exactness check at load; the "
     "prefill dequantises into a bf16 scratch, bit-identical to `bf16`).")
+SEAM_PDL = Seam(
+    "pdl", "MEMRA_DSV4_PDL", "on", ("on", "off"),
+    "Programmatic dependent launch in the `device` decode step (memra_dsv4.gpu.pdl, read once "
+    "per model and printed): `on` (every kernel of the step launches with programmatic stream "
+    "serialisation, captured as programmatic graph edges: a kernel's launch overlaps its "
+    "predecessor's tail; every kernel opens with griddepcontrol.wait) or `off` (plain launches).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
@@ -126,7 +132,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_DENSE, SEAM_PDL, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

@@ -13,7 +13,8 @@ Contract
   milliseconds per module (printed under ``MEMRA_DSV4_DEBUG=1``).  ``get(stem, name)``
   returns the cached ``cupy.RawKernel``: the same object on every call, never a new one
   (``RawModule.get_function`` builds a fresh RawKernel each time, which costs host time and
-  loses per-kernel attributes).  A stem whose registered names grew after warmup is rebuilt
+  loses per-kernel attributes); inside ``gpu.pdl.pdl_launches(True)`` it returns the
+  kernel's cached ``PdlKernel`` wrapper instead (programmatic dependent launch).  A stem whose registered names grew after warmup is rebuilt
   on the next ``get``/``warm_all`` (announced at debug).
 * NVRTC options: ``-std=c++17 -arch=sm_90a -I<kernels_dir> -DMEMRA_DSV4_HEADERS=<hash>``.
     - ``-arch=sm_90a`` defines ``__CUDA_ARCH_FEAT_SM90_ALL`` (wgmma, setmaxnreg).  CuPy appends
@@ -137,6 +138,7 @@ class KernelLoader:
         self.cache_dir = configure_cache_dir()
         self._modules: dict[str, tuple[tuple[str, ...], object]] = {}  # stem -> (names, RawModule)
         self._kernels: dict[tuple[str, str], object] = {}
+        self._pdl: dict[tuple[str, str], object] = {}    # PdlKernel wrappers (gpu/pdl.py)
         self.compile_ms: dict[str, float] = {}
 
     register = staticmethod(register)
@@ -202,6 +204,17 @@ class KernelLoader:
 
     def get(self, stem: str, name: str):
         """The RawKernel ``name`` of ``kernels_cu/<stem>.cu`` (cached, built at warmup)."""
+        from memra_dsv4.gpu import pdl
+        if pdl.pdl_active():   # the device step's launches (gpu/pdl.py): same kernel, PDL launch
+            w = self._pdl.get((stem, name))
+            if w is None:
+                w = self._pdl[(stem, name)] = pdl.PdlKernel(self.get_plain(stem, name),
+                                                            f"{stem}.{name}")
+            return w
+        return self.get_plain(stem, name)
+
+    def get_plain(self, stem: str, name: str):
+        """``get`` without the PDL context: always the cached ``cupy.RawKernel``."""
         k = self._kernels.get((stem, name))
         if k is not None:
             return k  # a kernel stays valid when its stem is rebuilt for new names

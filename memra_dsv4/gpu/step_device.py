@@ -150,10 +150,11 @@ class DeviceStep:
                 rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
                                rt.memcpyHostToDevice, S.stream.ptr)
         self._ensure_tables(state)
+        pdl_on = getattr(self.m, "pdl", "off") == "on"
         if graph:
             gs = self._graphs.get(id(state))
-            if gs is None or gs[0] is not state:
-                gs = (state, self._capture(state))
+            if gs is None or gs[0] is not state or gs[2] != pdl_on:
+                gs = (state, self._capture(state, pdl_on), pdl_on)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -165,8 +166,9 @@ class DeviceStep:
                     if S.si + 1 < len(self.stages):
                         S.event.record(S.stream)
         else:
+            from memra_dsv4.gpu.pdl import pdl_launches
             for S in self.stages:
-                with cp.cuda.Device(S.dev), S.stream:  # stage stream current: phase events
+                with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
                     if S.si > 0:
                         S.stream.wait_event(self.stages[S.si - 1].event)
                     self._enqueue(S, state)
@@ -217,9 +219,12 @@ class DeviceStep:
         return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
-    def _capture(self, state):
+    def _capture(self, state, pdl_on: bool = False):
+        """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
+        stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
+        from memra_dsv4.gpu.pdl import pdl_launches
         from memra_dsv4.profiling import phase_set_capturing
         from memra_dsv4.profiling import phases as _ph
         out = []
@@ -229,7 +234,7 @@ class DeviceStep:
         phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
         try:
             for S in self.stages:
-                with cp.cuda.Device(S.dev):
+                with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state)))
         finally:
             phase_set_capturing(was)

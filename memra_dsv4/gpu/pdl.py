@@ -1,0 +1,138 @@
+"""Programmatic dependent launch (PDL) for the device step's kernels.
+
+Contract
+--------
+* ``pdl_launches(True)`` is a context manager: while it is active, ``KernelLoader.get`` hands
+  out a ``PdlKernel`` in place of the cached ``cupy.RawKernel``.  A ``PdlKernel`` launches
+  through ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
+  so the kernel may be scheduled while the previous kernel of its stream is still running.
+  Outside the context (prefill, legacy decode, unit tests) every launch is a plain CuPy launch.
+* Correctness rests on the device side: every ``__global__`` function in kernels_cu opens with
+  ``PDL_ENTRY();`` (common.cuh: ``griddepcontrol.wait`` then ``griddepcontrol.launch_dependents``).
+  The wait returns only once the grid this launch depends on has completed and its writes are
+  visible, and it is a no-op for a launch without the attribute, so a kernel behaves the same
+  either way; only its start overlaps the predecessor's tail.  tests/test_kernels_pdl.py checks
+  the source rule on the CPU (every kernel, including macro-generated ones).
+* Why the trigger right after the wait: the next kernel is scheduled once every CTA of this one
+  has executed the trigger (or exited), i.e. once this grid is fully resident; its CTAs then park
+  at their own wait on whatever SM room is left.  That hides the ~1 us launch/drain gap between
+  dependent kernels of a CUDA graph (1,309 launches per step at the time of writing).
+* Arguments are marshalled as CuPy does for ``RawKernel`` (cupy/_core/raw.pyx, function.pyx
+  ``_pointer``): a cupy.ndarray passes its device pointer, ``None`` a null pointer, a NumPy
+  scalar (or size-1 ndarray) its bytes, a Python int an int64, a float a float64, a bool a bool.
+* Graph capture: launches made while a stream captures become programmatic graph edges
+  (CUDA >= 12.3); the step's graphs replay them with the same overlap.
+* The seam ``MEMRA_DSV4_PDL`` (``on``/``off``, ``Dsv4Gpu.load(pdl=)``) decides whether the device
+  step enters the context; the bench can A/B it in one process (arm setting ``pdl=on|off``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import numpy as np
+
+__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args"]
+
+_ACTIVE = False
+
+
+def pdl_active() -> bool:
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def pdl_launches(enabled: bool = True):
+    """Kernels looked up (KernelLoader.get) inside the block launch with the PDL attribute."""
+    global _ACTIVE
+    was = _ACTIVE
+    _ACTIVE = bool(enabled)
+    try:
+        yield
+    finally:
+        _ACTIVE = was
+
+
+def marshal_args(args) -> tuple[list, "ctypes.Array"]:
+    """(keep-alive list, void*[n]) for cuLaunchKernelEx, with CuPy's RawKernel conventions."""
+    try:
+        from cupy import ndarray as device_array
+    except ImportError:           # CPU machines: only host scalars can be marshalled (tests)
+        device_array = ()
+    keep, ptrs = [], []
+    for i, a in enumerate(args):
+        if device_array and isinstance(a, device_array):
+            v = np.array(a.data.ptr, dtype=np.uint64)
+        elif a is None:
+            v = np.zeros((), dtype=np.uint64)
+        elif isinstance(a, np.ndarray):
+            if a.size != 1:
+                raise TypeError(f"kernel argument {i}: a NumPy array of size {a.size} (only "
+                                f"size-1 arrays pass by value; device data must be cupy arrays)")
+            v = np.ascontiguousarray(a).reshape(())
+        elif isinstance(a, np.generic):
+            v = np.array(a)
+        elif isinstance(a, bool):
+            v = np.array(a, dtype=np.bool_)
+        elif isinstance(a, int):
+            v = np.array(a, dtype=np.int64)
+        elif isinstance(a, float):
+            v = np.array(a, dtype=np.float64)
+        else:
+            raise TypeError(f"kernel argument {i}: unsupported type {type(a).__name__}")
+        keep.append(v)
+        ptrs.append(v.ctypes.data)
+    arr = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
+    keep.append(arr)
+    return keep, arr
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    t = tuple(int(x) for x in (d if isinstance(d, tuple) else (d,)))
+    assert 1 <= len(t) <= 3 and all(x >= 1 for x in t), f"launch dims {d!r}"
+    return t + (1,) * (3 - len(t))
+
+
+class PdlKernel:
+    """A RawKernel stand-in whose calls launch with programmatic stream serialisation.
+    Attribute reads and writes (``max_dynamic_shared_size_bytes``) go to the RawKernel."""
+
+    __slots__ = ("_k", "_name")
+
+    def __init__(self, raw_kernel, name: str) -> None:
+        object.__setattr__(self, "_k", raw_kernel)
+        object.__setattr__(self, "_name", name)
+
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
+        import cupy
+        from cuda.bindings import driver as cu
+
+        gx, gy, gz = _dim3(grid)
+        bx, by, bz = _dim3(block)
+        keep, params = marshal_args(args)
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+        cfg.sharedMemBytes = int(shared_mem)
+        cfg.hStream = cu.CUstream(int(s.ptr))
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        func = cu.CUfunction(int(self._k.kernel.ptr))   # the current device's CUfunction
+        err, = cu.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
+        del keep                                          # the driver copied the values
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _, msg = cu.cuGetErrorString(err)
+            raise RuntimeError(f"cuLaunchKernelEx({self._name}, grid {(gx, gy, gz)}, block "
+                               f"{(bx, by, bz)}, smem {int(shared_mem)}): {err.name}: "
+                               f"{msg.decode() if isinstance(msg, bytes) else msg}")
+
+    def __getattr__(self, name):
+        return getattr(self._k, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._k, name, value)

@@ -1,0 +1,88 @@
+"""CPU checks of programmatic dependent launch (memra_dsv4/gpu/pdl.py): the kernel-source rule
+that makes PDL launches safe, the rule checker itself, and the argument marshalling that must
+match CuPy's RawKernel conventions byte for byte."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from memra_dsv4.gpu import pdl
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+KDIR = os.path.join(ROOT, "kernels_cu")
+_spec = importlib.util.spec_from_file_location("pdl_entry", os.path.join(ROOT, "tools", "pdl_entry.py"))
+pdl_entry = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pdl_entry)
+
+
+def test_every_kernel_opens_with_pdl_entry():
+    bad = []
+    for name in sorted(os.listdir(KDIR)):
+        if name.endswith(".cu"):
+            src = open(os.path.join(KDIR, name), encoding="utf-8").read()
+            assert pdl_entry.kernels(src), f"{name}: no __global__ found (parser broken?)"
+            bad += [f"{name}:{line} {k}" for k, line in pdl_entry.violations(src)]
+    assert not bad, ("kernels that do not open with PDL_ENTRY(); (run python tools/pdl_entry.py "
+                     "--fix): " + ", ".join(bad))
+
+
+def test_rule_checker_finds_and_fixes_plain_templated_and_macro_kernels():
+    src = (
+        '#include "common.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__(256) plain(const int* x, int n) {\n'
+        '    int i = threadIdx.x;\n}\n'
+        'template <int N> __global__ void templ(float* y) {\n'
+        '    // a comment first\n    y[0] = N;\n}\n'
+        '#define MAKE(NAME)                                   \\\n'
+        '    extern "C" __global__ void NAME(float* y) {       \\\n'
+        '        y[0] = 1.0f;                                  \\\n'
+        '    }\n'
+        'extern "C" __global__ void ok(float* y) {\n    /* why */ PDL_ENTRY();\n    y[0] = 0;\n}\n'
+        '__global__ void declared_only(float* y);\n')
+    names = [n for n, _ in pdl_entry.violations(src)]
+    assert names == ["plain", "templ", "NAME"], names
+    fixed = pdl_entry.fix(src)
+    assert pdl_entry.violations(fixed) == []
+    assert fixed.count("PDL_ENTRY();") == 4
+    assert pdl_entry.fix(fixed) == fixed                       # idempotent
+    assert "{ PDL_ENTRY();       \\\n" in fixed                  # the macro line keeps its continuation
+
+
+def _values(args):
+    keep, arr = pdl.marshal_args(args)
+    ptrs = [arr[i] for i in range(len(args))]
+    return [ctypes.string_at(p, k.nbytes) for p, k in zip(ptrs, keep)]
+
+
+def test_marshal_args_follows_cupy_conventions():
+    got = _values((np.int32(-3), np.float32(1.5), np.uint64(7), 5, 2.5, True, None,
+                   np.array([9], dtype=np.int16)))
+    assert got == [np.int32(-3).tobytes(), np.float32(1.5).tobytes(), np.uint64(7).tobytes(),
+                   np.int64(5).tobytes(), np.float64(2.5).tobytes(), np.bool_(True).tobytes(),
+                   np.uint64(0).tobytes(), np.int16(9).tobytes()]
+
+
+def test_marshal_args_refuses_what_cupy_refuses():
+    with pytest.raises(TypeError, match="argument 1: a NumPy array of size 3"):
+        pdl.marshal_args((np.int32(1), np.zeros(3)))
+    with pytest.raises(TypeError, match="argument 0: unsupported type str"):
+        pdl.marshal_args(("x",))
+
+
+def test_context_nests_and_restores():
+    assert not pdl.pdl_active()
+    with pdl.pdl_launches(True):
+        assert pdl.pdl_active()
+        with pdl.pdl_launches(False):
+            assert not pdl.pdl_active()
+        assert pdl.pdl_active()
+    assert not pdl.pdl_active()
+    with pytest.raises(RuntimeError):
+        with pdl.pdl_launches(True):
+            raise RuntimeError("boom")
+    assert not pdl.pdl_active()
