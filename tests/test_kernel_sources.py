@@ -329,6 +329,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["router"].select(f32(3, 256), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(3))
     for E in (64, 128, 384, 512):
         M["router"].select(f32(3, E), 6, 2.5, bias=f32(E), want_scores=False)
+    for E in (8, 64, 128, 256, 384, 512):  # counter given: the fake arrays stay out of the workspace cache
+        M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), counter=i32(1))
+    M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), counter=i32(1))
     M["experts"].dequant_mxfp4(u8(4, 32), u8(4, 2))
     M["experts"].dequant_nvfp4(u8(4, 32), u8(4, 4), 0.5)
     tab = A(np.zeros(4, np.uint64))
