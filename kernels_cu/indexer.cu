@@ -435,19 +435,21 @@ indexer_topk(const u16* __restrict__ scores, int ld_s, const int* __restrict__ n
 //   with the last ticket fences, then (n = min(n_valid, N), ksel = min(k, n)):
 //   * n <= k: every valid key is selected, so the ascending-index answer is 0..n-1 (+ offset),
 //     -1 padded: written directly, no scores read;
-//   * n > k: the row's scores are read back through L2 (ld.cg) into shared memory as 16-bit order
-//     keys (when they fit, IF_KEYS_CAP; else every pass reads L2), then indexer_topk's radix select
-//     (the same score_key / hist_add / find_bucket: threshold key thr, n_gt keys above it, and the
-//     `need` = ksel - n_gt lowest-index keys equal to it), then an ordered compaction straight into
-//     ascending index order: warp w owns a contiguous quarter of the row, walked 32 consecutive
-//     keys at a time; a selected key j lands at (#keys > thr before j) + min(#keys == thr before j,
-//     need) (ballot prefix counts, warp bases from a count pass): no sort.
+//   * n > k: the row's scores are read back through L2 (ld.cg, 16-byte) into shared memory as
+//     16-bit order keys (when they fit, IF_KEYS_CAP; else every pass reads L2), then indexer_topk's
+//     radix select (the same score_key and find_bucket over exact histograms: the high-byte pass
+//     warp-aggregated by hist_add, the low-byte pass, over bucket b1's few keys only, plain shared
+//     atomics; threshold key thr, n_gt keys above it, and the `need` = ksel - n_gt lowest-index
+//     keys equal to it), then an ordered compaction straight into ascending index order: warp w
+//     owns a contiguous quarter of the row, walked 32 consecutive keys at a time; a selected key j
+//     lands at (#keys > thr before j) + min(#keys == thr before j, need) (ballot prefix counts,
+//     warp bases from a count pass): no sort.
 //   The selected set and its order are indexer_topk's (order = 1) for the same scores.
 //   The last CTA resets counter[0] to 0 (graph replays and the next layer start from 0); counter
 //   must be 0 before the first launch and not shared by concurrent launches.
 // q [1, H, 128] bf16; w [1, H] bf16 (scaled here by w_scale as indexer_scores_d128); keys [N, ld_k]
-// bf16; n_valid [1] int32; scores_out [N] bf16 (written like indexer_scores_d128's row: -inf at
-// and past n_valid); sel_out [width] int32, width >= min(k, N); H % 4 == 0, H <= 64; k <= 1024.
+// bf16; n_valid [1] int32; scores_out [N] bf16, 16-byte aligned (written like indexer_scores_d128's
+// row: -inf at and past n_valid); sel_out [width] int32, width >= min(k, N); H % 4 == 0, H <= 64; k <= 1024.
 // grid min(ceil(N / 16), 2 * SMs), block 128, dynamic smem IF_SMEM bytes.
 // ---------------------------------------------------------------------------------------------
 namespace {
@@ -573,15 +575,26 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
     }
     u16* ks = reinterpret_cast<u16*>(smem_raw);
     const bool in_smem = n <= IF_KEYS_CAP;
-    if (in_smem) {
-        for (int j = tid; j < n; j += IF_THREADS) ks[j] = (u16)score_key(__ldcg(scores_out + j));
+    if (in_smem) {  // 16-byte L2 loads, 8 in flight per thread (8192 keys: one round trip)
+        const int nc = n >> 3;
+#pragma unroll 8
+        for (int c = tid; c < nc; c += IF_THREADS) {
+            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(scores_out) + c);
+            const u32 ws[4] = {v.x, v.y, v.z, v.w};
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = score_key(ws[i] & 0xffffu) | (score_key(ws[i] >> 16) << 16);
+            *reinterpret_cast<uint4*>(ks + 8 * c) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        for (int j = 8 * nc + tid; j < n; j += IF_THREADS) ks[j] = (u16)score_key(__ldcg(scores_out + j));
     }
     for (int i = tid; i < 256; i += IF_THREADS) hist[i] = 0;
     __syncthreads();
     // warp w owns keys [sb, se), walked 32 consecutive keys per step (uniform trip count per warp)
     const int seg = ((n + IF_WARPS * 32 - 1) / (IF_WARPS * 32)) * 32;
     const int sb = wid * seg, se = min(sb + seg, n);
-    for (int base = sb; base < sb + seg; base += 32) {
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // high bytes crowd few buckets: aggregated
         const int j = base + lane;
         const bool act = j < se;
         hist_add(hist, act ? if_key_at(ks, scores_out, in_smem, j) >> 8 : 0u, act);
@@ -596,10 +609,11 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
     const int b1 = s_b1, above1 = s_above1;
     for (int i = tid; i < 256; i += IF_THREADS) hist[i] = 0;
     __syncthreads();
-    for (int base = sb; base < sb + seg; base += 32) {
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // only bucket b1's keys: little contention
         const int j = base + lane;
         const u32 key = j < se ? if_key_at(ks, scores_out, in_smem, j) : 0u;
-        hist_add(hist, key & 0xffu, j < se && (int)(key >> 8) == b1);
+        if (j < se && (int)(key >> 8) == b1) atomicAdd(hist + (key & 0xffu), 1);
     }
     __syncthreads();
     if (tid < 32) {
@@ -611,6 +625,7 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
     const int thr = (b1 << 8) | s_b2;
     const int need = ksel - (above1 + s_above2);  // keys == thr taken, lowest index first
     int cgt = 0, ceq = 0;
+#pragma unroll 4
     for (int base = sb; base < sb + seg; base += 32) {
         const int j = base + lane;
         const int key = j < se ? (int)if_key_at(ks, scores_out, in_smem, j) : -1;
@@ -622,6 +637,7 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
     int gt_base = 0, eq_base = 0;
     for (int w2 = 0; w2 < wid; ++w2) { gt_base += wcnt[w2][0]; eq_base += wcnt[w2][1]; }
     const u32 lt = (1u << lane) - 1u;
+#pragma unroll 4
     for (int base = sb; base < sb + seg; base += 32) {
         const int j = base + lane;
         const int key = j < se ? (int)if_key_at(ks, scores_out, in_smem, j) : -1;

@@ -119,6 +119,7 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     assert q.data.ptr % 16 == 0, "indexer.scores_topk.q: 16-byte alignment"
     check(n_valid, "indexer.scores_topk.n_valid", np.int32, (1,))
     check(scores_out, "indexer.scores_topk.scores_out", np.uint16, (1, N))
+    assert scores_out.data.ptr % 16 == 0, "indexer.scores_topk.scores_out: 16-byte alignment (read back as uint4)"
     assert 0 < k <= TOPK_MAX, f"indexer.scores_topk: k = {k} outside 1..{TOPK_MAX}"
     check(sel_out, "indexer.scores_topk.sel_out", np.int32, (1, None))
     width = sel_out.shape[1]
