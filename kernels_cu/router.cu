@@ -239,15 +239,27 @@ DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w,
     __syncthreads();
     double acc = 0.0;
     for (int c0 = 0;;) {
+        if (c0 + 32 * RF_LOADS <= nc) {  // a full batch (D = 4096): no per-chunk branches, so the
+                                         // x reads can run ahead of the double-add chain
 #pragma unroll
-        for (int i = 0; i < RF_LOADS; ++i) {  // chunks in c order: router_logits_bf16's sum
-            const int c = c0 + lane + 32 * i;
-            if (c < nc) {
+            for (int i = 0; i < RF_LOADS; ++i) {  // chunks in c order: router_logits_bf16's sum
                 float wf[8], xf[8];
                 unpack8(wv[i], wf);
-                unpack8(xs[c], xf);
+                unpack8(xs[c0 + lane + 32 * i], xf);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc = __dadd_rn(acc, (double)__fmul_rn(wf[j], xf[j]));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < RF_LOADS; ++i) {
+                const int c = c0 + lane + 32 * i;
+                if (c < nc) {
+                    float wf[8], xf[8];
+                    unpack8(wv[i], wf);
+                    unpack8(xs[c], xf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc = __dadd_rn(acc, (double)__fmul_rn(wf[j], xf[j]));
+                }
             }
         }
         c0 += 32 * RF_LOADS;
