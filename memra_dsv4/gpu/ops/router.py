@@ -40,7 +40,16 @@ def workspace():
     dev = cp.cuda.runtime.getDevice()
     cnt = _WS.get(dev)
     if cnt is None:
+        stream = cp.cuda.get_current_stream()
+        try:
+            capturing = stream.is_capturing()
+        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
+            capturing = True
+        if capturing:
+            raise RuntimeError(f"router.workspace: first call on device {dev} inside a CUDA-graph "
+                               f"capture; call it before capturing (DeviceStep._prewarm does)")
         cnt = _WS[dev] = cp.zeros((1,), dtype=np.int32)
+        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
     return cnt
 
 
