@@ -418,3 +418,236 @@ indexer_topk(const u16* __restrict__ scores, int ld_s, const int* __restrict__ n
     for (int i = threadIdx.x; i < width; i += TK_THREADS)
         orow[i] = i < ksel ? (int)(0xffffffffu - (u32)(items[i] & 0xffffffffull)) + offset : -1;
 }
+
+// ---------------------------------------------------------------------------------------------
+// indexer_fused_d128: the decode (T = 1) indexer in ONE launch: indexer_scores_d128's scores
+// (bit for bit) and indexer_topk's order = 1 (ascending index) selection of them, by the last CTA.
+// Scores: tiles of IF_KC = 16 keys (rather than 64) so that a short context still spreads over
+//   many SMs (1K context: 256 keys -> 16 CTAs instead of 4); the grid is min(tiles, 2 * SMs) and a
+//   CTA walks tiles blockIdx.x, + gridDim.x, ... (q staged once per CTA; tiles past n_valid only
+//   write -inf). Thread (hg = tid / 4, kg = tid % 4) computes heads 2hg, 2hg + 1 x keys
+//   4kg .. 4kg + 3. q is staged as f32 rows padded to IF_QLD = 132 floats (the 8 head pairs a
+//   warp reads fall in distinct banks), the key tile as f32 transposed [128][16] (one LDS.128 =
+//   4 keys of one dim: no unpacking in the loop). Every (head, key) dot is the same f32 FMA chain
+//   over d = 0..127 in order as indexer_scores_d128, then the same bf16 roundings, relu * w and
+//   ordered double head sum: the same score bits.
+// Top-k: every CTA fences its score writes and takes a ticket (atomicAdd on counter[0]); the CTA
+//   with the last ticket fences, then (n = min(n_valid, N), ksel = min(k, n)):
+//   * n <= k: every valid key is selected, so the ascending-index answer is 0..n-1 (+ offset),
+//     -1 padded: written directly, no scores read;
+//   * n > k: the row's scores are read back through L2 (ld.cg, 16-byte) into shared memory as
+//     16-bit order keys (when they fit, IF_KEYS_CAP; else every pass reads L2), then indexer_topk's
+//     radix select (the same score_key and find_bucket over exact histograms: the high-byte pass
+//     warp-aggregated by hist_add, the low-byte pass, over bucket b1's few keys only, plain shared
+//     atomics; threshold key thr, n_gt keys above it, and the `need` = ksel - n_gt lowest-index
+//     keys equal to it), then an ordered compaction straight into ascending index order: warp w
+//     owns a contiguous quarter of the row, walked 32 consecutive keys at a time; a selected key j
+//     lands at (#keys > thr before j) + min(#keys == thr before j, need) (ballot prefix counts,
+//     warp bases from a count pass): no sort.
+//   The selected set and its order are indexer_topk's (order = 1) for the same scores.
+//   The last CTA resets counter[0] to 0 (graph replays and the next layer start from 0); counter
+//   must be 0 before the first launch and not shared by concurrent launches.
+// q [1, H, 128] bf16; w [1, H] bf16 (scaled here by w_scale as indexer_scores_d128); keys [N, ld_k]
+// bf16; n_valid [1] int32; scores_out [N] bf16, 16-byte aligned (written like indexer_scores_d128's
+// row: -inf at and past n_valid); sel_out [width] int32, width >= min(k, N); H % 4 == 0, H <= 64; k <= 1024.
+// grid min(ceil(N / 16), 2 * SMs), block 128, dynamic smem IF_SMEM bytes.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int IF_THREADS = 128;
+constexpr int IF_WARPS = IF_THREADS / 32;
+constexpr int IF_KC = 16;                                  // keys per tile
+constexpr int IF_QLD = 132;                                // padded q row (floats)
+constexpr int IF_PLD = 65;                                 // padded product row (floats)
+constexpr int IF_QBYTES = 64 * IF_QLD * 4;                 // 33792
+constexpr int IF_SMEM = IF_QBYTES + IS_D * IF_KC * 4;      // + key tile: 41984
+constexpr int IF_KEYS_CAP = IF_SMEM / 2;                   // 16-bit keys the top-k can stage
+
+DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int j) {
+    return in_smem ? (u32)ks[j] : score_key(__ldcg(row + j));
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
+                   const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
+                   int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* qs = reinterpret_cast<float*>(smem_raw);                  // [64][IF_QLD]
+    float* kt = reinterpret_cast<float*>(smem_raw + IF_QBYTES);      // [128][IF_KC]; then prod [IF_KC][IF_PLD]
+    float* prod = kt;
+    __shared__ int hist[256];
+    __shared__ int wcnt[IF_WARPS][2];
+    __shared__ int s_b1, s_above1, s_b2, s_above2, is_last;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int nv = max(min(__ldg(n_valid), N), 0);
+    const int ntiles = (N + IF_KC - 1) / IF_KC;
+    const int vtiles = (nv + IF_KC - 1) / IF_KC;  // tiles holding causal keys
+    const int hg = tid >> 2, kg = tid & 3;
+    const int h0 = 2 * hg;                        // this thread's 2 heads (idle when h0 >= H)
+    const bool hv = h0 < H;
+    float wv[2] = {0.0f, 0.0f};
+    if ((int)blockIdx.x < vtiles) {  // this CTA scores at least one tile: stage q as f32 once
+        for (int c = tid; c < H * IS_D / 8; c += IF_THREADS) {
+            const int h = c >> 4, dc = c & 15;
+            float f[8];
+            unpack8(ldg16(q + 8 * c), f);
+            *reinterpret_cast<float4*>(qs + h * IF_QLD + 8 * dc) = make_float4(f[0], f[1], f[2], f[3]);
+            *reinterpret_cast<float4*>(qs + h * IF_QLD + 8 * dc + 4) = make_float4(f[4], f[5], f[6], f[7]);
+        }
+        if (hv) {  // the stored head weights bf16(w * w_scale), as indexer_scores_d128
+#pragma unroll
+            for (int a = 0; a < 2; ++a) wv[a] = round_bf16(__fmul_rn(bf16_to_f32(__ldg(w + h0 + a)), w_scale));
+        }
+    }
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const int k0 = tile * IF_KC;
+        if (tile >= vtiles) {  // nothing causal: -inf (uniform over the CTA)
+            if (tid < IF_KC && k0 + tid < N) scores_out[k0 + tid] = 0xff80u;
+            continue;
+        }
+        for (int c = tid; c < IF_KC * IS_D / 8; c += IF_THREADS) {  // key tile, transposed, f32
+            const int kk = c % IF_KC, dc = c / IF_KC;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (k0 + kk < nv) v = ldg16(keys + (i64)(k0 + kk) * ld_k + 8 * dc);
+            float f[8];
+            unpack8(v, f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) kt[(8 * dc + j) * IF_KC + kk] = f[j];
+        }
+        __syncthreads();  // q (first tile) and the key tile staged
+        float dot[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) dot[a][b] = 0.0f;
+        if (hv) {
+            const float* qa = qs + h0 * IF_QLD;
+#pragma unroll 4
+            for (int d = 0; d < IS_D; d += 4) {
+                const float4 q0 = *reinterpret_cast<const float4*>(qa + d);
+                const float4 q1 = *reinterpret_cast<const float4*>(qa + IF_QLD + d);
+                const float qv[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // d ascending for every (head, key)
+                    const float4 kv4 = *reinterpret_cast<const float4*>(kt + (d + i) * IF_KC + 4 * kg);
+                    const float kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+                    for (int a = 0; a < 2; ++a)
+#pragma unroll
+                        for (int b = 0; b < 4; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[b], dot[a][b]);
+                }
+            }
+        }
+        __syncthreads();  // the key tile becomes the product buffer [16 keys][IF_PLD]
+        if (hv) {
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const float s = fmaxf(round_bf16(dot[a][b]), 0.0f);
+                    prod[(4 * kg + b) * IF_PLD + h0 + a] = round_bf16(__fmul_rn(s, wv[a]));
+                }
+        }
+        __syncthreads();
+        if (tid < IF_KC) {
+            const int kk = k0 + tid;
+            const float* pr = prod + tid * IF_PLD;
+            double acc = (double)pr[0];
+            for (int h = 1; h < H; ++h) acc = __dadd_rn(acc, (double)pr[h]);
+            if (kk < N) scores_out[kk] = kk < nv ? (u16)f64_to_bf16(acc) : (u16)0xff80u;
+        }
+        __syncthreads();  // prod is the next tile's key tile
+    }
+    // ---- the last CTA selects
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const int n = nv, ksel = min(k, n);
+    if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
+        for (int i = tid; i < width; i += IF_THREADS) sel_out[i] = i < n ? i + offset : -1;
+        if (tid == 0) *counter = 0;
+        return;
+    }
+    u16* ks = reinterpret_cast<u16*>(smem_raw);
+    const bool in_smem = n <= IF_KEYS_CAP;
+    if (in_smem) {  // 16-byte L2 loads, 8 in flight per thread (8192 keys: one round trip)
+        const int nc = n >> 3;
+#pragma unroll 8
+        for (int c = tid; c < nc; c += IF_THREADS) {
+            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(scores_out) + c);
+            const u32 ws[4] = {v.x, v.y, v.z, v.w};
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = score_key(ws[i] & 0xffffu) | (score_key(ws[i] >> 16) << 16);
+            *reinterpret_cast<uint4*>(ks + 8 * c) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        for (int j = 8 * nc + tid; j < n; j += IF_THREADS) ks[j] = (u16)score_key(__ldcg(scores_out + j));
+    }
+    for (int i = tid; i < 256; i += IF_THREADS) hist[i] = 0;
+    __syncthreads();
+    // warp w owns keys [sb, se), walked 32 consecutive keys per step (uniform trip count per warp)
+    const int seg = ((n + IF_WARPS * 32 - 1) / (IF_WARPS * 32)) * 32;
+    const int sb = wid * seg, se = min(sb + seg, n);
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // high bytes crowd few buckets: aggregated
+        const int j = base + lane;
+        const bool act = j < se;
+        hist_add(hist, act ? if_key_at(ks, scores_out, in_smem, j) >> 8 : 0u, act);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        int above;
+        const int b = find_bucket(hist, ksel, &above);
+        if (tid == 0) { s_b1 = b; s_above1 = above; }
+    }
+    __syncthreads();
+    const int b1 = s_b1, above1 = s_above1;
+    for (int i = tid; i < 256; i += IF_THREADS) hist[i] = 0;
+    __syncthreads();
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // only bucket b1's keys: little contention
+        const int j = base + lane;
+        const u32 key = j < se ? if_key_at(ks, scores_out, in_smem, j) : 0u;
+        if (j < se && (int)(key >> 8) == b1) atomicAdd(hist + (key & 0xffu), 1);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        int above;
+        const int b = find_bucket(hist, ksel - above1, &above);
+        if (tid == 0) { s_b2 = b; s_above2 = above; }
+    }
+    __syncthreads();
+    const int thr = (b1 << 8) | s_b2;
+    const int need = ksel - (above1 + s_above2);  // keys == thr taken, lowest index first
+    int cgt = 0, ceq = 0;
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {
+        const int j = base + lane;
+        const int key = j < se ? (int)if_key_at(ks, scores_out, in_smem, j) : -1;
+        cgt += __popc(__ballot_sync(0xffffffffu, key > thr));
+        ceq += __popc(__ballot_sync(0xffffffffu, key == thr));
+    }
+    if (lane == 0) { wcnt[wid][0] = cgt; wcnt[wid][1] = ceq; }
+    __syncthreads();
+    int gt_base = 0, eq_base = 0;
+    for (int w2 = 0; w2 < wid; ++w2) { gt_base += wcnt[w2][0]; eq_base += wcnt[w2][1]; }
+    const u32 lt = (1u << lane) - 1u;
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {
+        const int j = base + lane;
+        const int key = j < se ? (int)if_key_at(ks, scores_out, in_smem, j) : -1;
+        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
+        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
+        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
+        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
+        gt_base += __popc(bg);
+        eq_base += __popc(be);
+    }
+    for (int i = ksel + tid; i < width; i += IF_THREADS) sel_out[i] = -1;
+    if (tid == 0) *counter = 0;
+}

@@ -75,6 +75,55 @@ DEV float sqrtsoftplus(float x) {
     return __fsqrt_rn(sp);
 }
 
+// One token's selection by one warp (every lane calls): s_row = the token's scores (shared,
+// [32 * EPL], 0 past E), b[i] = f32(s + bias) of expert lane + 32 i (-inf past E; unused for
+// hash), sel = k ints of shared scratch. Learned: top-k of b, descending, ties -> lower id; hash:
+// tid2eid_row[0..k). Writes idx_row / w_row [k]. router_select_* and router_fused_* both select
+// through this one function: the same ids and weights for the same scores.
+template <int EPL>
+DEV void select_token_warp(const float* s_row, const float (&b)[EPL], bool learned,
+                           const int* __restrict__ tid2eid_row, int* sel, int* __restrict__ idx_row,
+                           float* __restrict__ w_row, int E, int k, float route_scale, int lane) {
+    if (learned) {
+        u32 taken = 0;
+        for (int j = 0; j < k; ++j) {
+            float bv = f32_ninf();
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                const int e = lane + 32 * i;
+                if (e < E && !((taken >> i) & 1u) && (b[i] > bv || bi == 0x7fffffff)) {
+                    bv = b[i];
+                    bi = e;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {  // (value desc, id asc): a total order
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < EPL; ++i)
+                if (bi == lane + 32 * i) taken |= 1u << i;
+            if (lane == 0) sel[j] = bi;
+        }
+    } else if (lane < k) {
+        sel[lane] = __ldg(tid2eid_row + lane);
+    }
+    __syncwarp();
+    if (lane < k) {
+        float tot = s_row[sel[0]];
+        for (int j = 1; j < k; ++j) tot = __fadd_rn(tot, s_row[sel[j]]);
+        const int e = sel[lane];
+        idx_row[lane] = e;
+        w_row[lane] = __fmul_rn(__fdiv_rn(s_row[e], tot), route_scale);
+    }
+}
+
 template <int EPL>
 DEV void router_select_body(const float* __restrict__ logits, const float* __restrict__ bias,
                             const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
@@ -105,44 +154,9 @@ DEV void router_select_body(const float* __restrict__ logits, const float* __res
     float b[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) b[i] = b_sh[wid][lane + 32 * i];
-    if (bias != nullptr) {
-        u32 taken = 0;
-        for (int j = 0; j < k; ++j) {
-            float bv = f32_ninf();
-            int bi = 0x7fffffff;
-#pragma unroll
-            for (int i = 0; i < EPL; ++i) {
-                const int e = lane + 32 * i;
-                if (e < E && !((taken >> i) & 1u) && (b[i] > bv || bi == 0x7fffffff)) {
-                    bv = b[i];
-                    bi = e;
-                }
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {  // (value desc, id asc): a total order
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < EPL; ++i)
-                if (bi == lane + 32 * i) taken |= 1u << i;
-            if (lane == 0) sel[wid][j] = bi;
-        }
-    } else if (lane < k) {
-        sel[wid][lane] = __ldg(tid2eid + (i64)__ldg(token_ids + t) * k + lane);
-    }
-    __syncwarp();
-    if (lane < k) {
-        float tot = s_sh[wid][sel[wid][0]];
-        for (int j = 1; j < k; ++j) tot = __fadd_rn(tot, s_sh[wid][sel[wid][j]]);
-        const int e = sel[wid][lane];
-        idx_out[t * k + lane] = e;
-        w_out[t * k + lane] = __fmul_rn(__fdiv_rn(s_sh[wid][e], tot), route_scale);
-    }
+    const int* trow = bias != nullptr ? nullptr : tid2eid + (i64)__ldg(token_ids + t) * k;
+    select_token_warp<EPL>(s_sh[wid], b, bias != nullptr, trow, sel[wid], idx_out + t * k, w_out + t * k, E, k,
+                           route_scale, lane);
 }
 
 }  // namespace
@@ -165,3 +179,143 @@ ROUTER_SELECT(router_select_e128, 4)
 ROUTER_SELECT(router_select_e256, 8)
 ROUTER_SELECT(router_select_e384, 12)
 ROUTER_SELECT(router_select_e512, 16)
+
+// ---------------------------------------------------------------------------------------------
+// router_fused_e{32,...,512}: the decode router (T = 1) in ONE launch, bit for bit
+// router_logits_bf16 followed by router_select_e* on that token.
+//   GEMV: warp = one expert row, RF_WARPS rows per CTA (E = 256: 64 CTAs rather than the 32 of
+//   router_logits_bf16). Lane l owns the chunks c = l + 32 i and accumulates them in c order in
+//   double, then warp_sum: router_logits_bf16's per-row order exactly, so the logits are the same
+//   bits. The lane's first RF_LOADS 16-byte weight chunks (D = 4096: its whole share of the row)
+//   are all issued before x is staged in shared memory; the row's lane 0 then computes
+//   s = sqrtsoftplus(logit) itself (the double exp / log1p spread over the CTAs), writing logits
+//   and scores.
+//   Select: every CTA fences its writes and takes a ticket (atomicAdd on counter[0]); the CTA
+//   that draws the last ticket fences again, reads all E scores back through L2 (ld.cg) and its
+//   warp 0 selects through select_token_warp (router_select_*'s code), then resets the counter
+//   to 0: the kernel leaves it as it found it, so graph replays and the next layer's launch start
+//   from 0. counter must be 0 before the first launch and not shared by concurrent launches.
+// x [1, D] bf16 (D % 8 == 0, 16-byte aligned); w [E, D] bf16; bias [E] f32 or null (hash:
+// tid2eid [V, k] int32 + token_ids [1] int32); logits_out, scores_out [E] f32; idx_out [k] int32;
+// w_out [k] f32. grid ceil(E / RF_WARPS), block 32 * RF_WARPS, dynamic smem D * 2 bytes.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int RF_WARPS = 4;
+constexpr int RF_LOADS = 16;
+
+// streaming weight load: read once per step, keep it out of L1
+DEV uint4 ldg_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <int EPL>
+DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,
+                           const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
+                           float* __restrict__ logits_out, float* __restrict__ scores_out,
+                           int* __restrict__ idx_out, float* __restrict__ w_out, int* __restrict__ counter,
+                           int D, int E, int k, float route_scale) {
+    extern __shared__ __align__(16) unsigned char rf_smem[];
+    uint4* xs = reinterpret_cast<uint4*>(rf_smem);  // x as D / 8 chunks of 8 bf16
+    __shared__ float s_sh[32 * EPL];
+    __shared__ int sel[RS_KMAX];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int e = blockIdx.x * RF_WARPS + wid;
+    const bool row_ok = e < E;  // a warp past E still reaches the barriers
+    const int nc = D >> 3;
+    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
+    uint4 wv[RF_LOADS];
+#pragma unroll
+    for (int i = 0; i < RF_LOADS; ++i) {
+        const int c = lane + 32 * i;
+        wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) xs[c] = ldg16(x + 8 * c);
+    __syncthreads();
+    double acc = 0.0;
+    for (int c0 = 0;;) {
+        if (c0 + 32 * RF_LOADS <= nc) {  // a full batch (D = 4096): no per-chunk branches, so the
+                                         // x reads can run ahead of the double-add chain
+#pragma unroll
+            for (int i = 0; i < RF_LOADS; ++i) {  // chunks in c order: router_logits_bf16's sum
+                float wf[8], xf[8];
+                unpack8(wv[i], wf);
+                unpack8(xs[c0 + lane + 32 * i], xf);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc = __dadd_rn(acc, (double)__fmul_rn(wf[j], xf[j]));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < RF_LOADS; ++i) {
+                const int c = c0 + lane + 32 * i;
+                if (c < nc) {
+                    float wf[8], xf[8];
+                    unpack8(wv[i], wf);
+                    unpack8(xs[c], xf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc = __dadd_rn(acc, (double)__fmul_rn(wf[j], xf[j]));
+                }
+            }
+        }
+        c0 += 32 * RF_LOADS;
+        if (c0 >= nc) break;  // D > 32 * 8 * RF_LOADS: the next batch
+#pragma unroll
+        for (int i = 0; i < RF_LOADS; ++i) {
+            const int c = c0 + lane + 32 * i;
+            wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+    const double tot = warp_sum(acc);
+    if (row_ok && lane == 0) {
+        const float logit = __double2float_rn(tot);
+        logits_out[e] = logit;
+        scores_out[e] = sqrtsoftplus(logit);
+    }
+    __threadfence();  // this CTA's logits / scores are visible device-wide before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last || wid != 0) return;
+    __threadfence();  // every other CTA's scores, read below through L2
+    float s[EPL], b[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {  // all loads first (EPL in flight), then the sums
+        const int ee = lane + 32 * i;
+        s[i] = ee < E ? __ldcg(scores_out + ee) : 0.0f;
+        b[i] = ee < E && bias != nullptr ? __ldg(bias + ee) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int ee = lane + 32 * i;
+        s_sh[ee] = s[i];
+        b[i] = ee < E && bias != nullptr ? __fadd_rn(s[i], b[i]) : f32_ninf();
+    }
+    __syncwarp();
+    const int* trow = bias != nullptr ? nullptr : tid2eid + (i64)__ldg(token_ids) * k;
+    select_token_warp<EPL>(s_sh, b, bias != nullptr, trow, sel, idx_out, w_out, E, k, route_scale, lane);
+    if (lane == 0) *counter = 0;  // ready for the next launch
+}
+
+}  // namespace
+
+#define ROUTER_FUSED(NAME, EPL)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * RF_WARPS)                                  \
+    NAME(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,     \
+         const int* __restrict__ tid2eid, const int* __restrict__ token_ids, float* __restrict__ logits_out, \
+         float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
+         int* __restrict__ counter, int D, int E, int k, float route_scale) {                     \
+        router_fused_body<EPL>(x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
+                               D, E, k, route_scale);                                             \
+    }
+
+ROUTER_FUSED(router_fused_e32, 1)
+ROUTER_FUSED(router_fused_e64, 2)
+ROUTER_FUSED(router_fused_e128, 4)
+ROUTER_FUSED(router_fused_e256, 8)
+ROUTER_FUSED(router_fused_e384, 12)
+ROUTER_FUSED(router_fused_e512, 16)

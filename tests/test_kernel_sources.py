@@ -318,6 +318,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2), w_scale=0.011)
     M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(300, 128), i32(2), impl="mma")
     M["indexer"].topk(sc, i32(2), 4, order="index")
+    M["indexer"].scores_topk(u16(1, 64, 128), u16(1, 64), u16(300, 128), i32(1), 8, u16(1, 300), i32(1, 8),
+                             w_scale=0.011, counter=i32(1))
     for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
         for n_split in (1, 3):
             M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1,
@@ -329,6 +331,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["router"].select(f32(3, 256), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(3))
     for E in (64, 128, 384, 512):
         M["router"].select(f32(3, E), 6, 2.5, bias=f32(E), want_scores=False)
+    for E in (8, 64, 128, 256, 384, 512):  # counter given: the fake arrays stay out of the workspace cache
+        M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), counter=i32(1))
+    M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), counter=i32(1))
     M["experts"].dequant_mxfp4(u8(4, 32), u8(4, 2))
     M["experts"].dequant_nvfp4(u8(4, 32), u8(4, 4), 0.5)
     tab = A(np.zeros(4, np.uint64))

@@ -15,11 +15,13 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * compressor emission, gated on the device (no-ops unless (pos + 1) % r == 0): pool (overlap /
   plain) over the pending rows, norm_rope_sim at kpos = pos + 1 - r straight into compressed
   row (pos + 1) / r - 1, pending_advance;
-* indexer: q GEMV + RoPE/Hadamard/FP4, scores over all key rows with
-  n_valid = (pos + 1) // 4 from the device, top-k in index order;
+* indexer: q GEMV + RoPE/Hadamard/FP4, then scores over the key rows with
+  n_valid = (pos + 1) // 4 from the device and the top-k in index order in one launch
+  (indexer_fused_d128: its last CTA selects through a per-device ticket counter);
 * build_cand (window chronological, then the compressed segment, -1 padded), sparse attention
   with the inverse-RoPE epilogue;
-* router logits + select (learned bias or hash tid2eid[tok]) on the device, fused FP4
+* router logits + select (learned bias or hash tid2eid[tok]) on the device in one launch
+  (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
   shared expert via gemv_bf16_swiglu (w1, w3 and the clamped SwiGLU in one launch) + w2 GEMV;
 * hc_post ping-pong, hc_head + final norm + head GEMV on the last stage;
@@ -122,14 +124,19 @@ class DeviceStep:
 
     # ------------------------------------------------------------------ setup helpers
     def _prewarm(self, S) -> None:
-        """Load every kernel module and the hc split workspace before any capture."""
+        """Load every kernel module, the hc split workspace and the router / indexer ticket
+        counters before any capture."""
         from memra_dsv4.gpu import kernel_loader, ops, ops_decode
         from memra_dsv4.gpu.ops import hc as HC
+        from memra_dsv4.gpu.ops import indexer as IX
+        from memra_dsv4.gpu.ops import router as RT
         loader = kernel_loader.get_loader(S.dev)
         for stem, names in list(ops.kernel_names().items()) + [(ops_decode.STEM, ops_decode.KERNELS)]:
             for n in names:
                 loader.get(stem, n)
         HC.split_workspace(4, max(1, 4 * self.cfg.hidden_size // HC.SEG))
+        RT.workspace()  # router_fused_* / indexer_fused_d128 ticket counters (graphs bake
+        IX.workspace()  # their addresses)
 
     def invalidate(self) -> None:
         """Prefill rewrote the caches in place (same addresses): graphs stay valid."""
@@ -345,10 +352,10 @@ class DeviceStep:
         N = cache.idx_keys.shape[0]
         nv = v["dev.aux"][0:1]
         sc = v["dev.idx_scores"][:N].reshape(1, N)
-        IX.scores(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, out=sc,
-                  w_scale=dI ** -0.5 * nI ** -0.5)
         sel = v["idx.sel"]
-        IX.topk(sc, nv, cfg.index_topk, out=sel.reshape(1, -1), order="index")
+        # scores + top-k (index order) in one launch: indexer_fused_d128
+        IX.scores_topk(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, cfg.index_topk, sc,
+                       sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
         return sel
 
     def _attention(self, S, L, cache, table) -> None:
@@ -408,15 +415,11 @@ class DeviceStep:
         xn = v["xn"].reshape(1, D)
         logits = v["moe.logits"].reshape(1, E)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
-        with phase(f"{mp}/router"):
-            RT.logits(xn, L.w("ffn.gate.weight"), out=logits)
-            if L.hash:
-                RT.select(logits, k, cfg.routed_scaling_factor, tid2eid=L.tid2eid,
-                          token_ids=v["tok"], idx=ids, weights=wts,
-                          scores=v["moe.scores"].reshape(1, E))
-            else:
-                RT.select(logits, k, cfg.routed_scaling_factor, bias=L.w("ffn.gate.bias"),
-                          idx=ids, weights=wts, scores=v["moe.scores"].reshape(1, E))
+        with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
+            route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"]) if L.hash
+                     else dict(bias=L.w("ffn.gate.bias")))
+            RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor, logits=logits,
+                     scores=v["moe.scores"].reshape(1, E), idx=ids, weights=wts, **route)
         h = v["moe.h"]
         with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
             EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],

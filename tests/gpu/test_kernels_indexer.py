@@ -145,3 +145,117 @@ def test_scores_scale_raw_weights_in_kernel():
     a = K.scores(qg, cp.asarray(bits_of(raw)), kg, nv, w_scale=c)
     b = K.scores(qg, cp.asarray(bits_of(scaled)), kg, nv)
     assert cp.array_equal(a, b), f"indexer scores with w_scale != pre-scaled weights {describe(seed)}"
+
+
+# ------------------------------------------------------------- indexer_fused_d128 (T = 1, decode)
+def _fused_inputs(rng, H, N, kind):
+    """q, w, keys of one token.  'rand': real-like operands; 'dup': keys drawn from 37 distinct
+    rows (exact score ties everywhere, the threshold is a tie); 'zero': half the head weights
+    zero and the rest negative, so most scores are +0 or -0 (ties of +0 / -0)."""
+    q = _fp4ish(rng, (1, H, 128))
+    if kind == "dup":
+        pool = _fp4ish(rng, (37, 128))
+        keys = pool[rng.integers(0, 37, N)]
+    else:
+        keys = _fp4ish(rng, (N, 128))
+    w = bf16(rng.standard_normal((1, H)).astype(np.float32) * np.float32(128 ** -0.5 * H ** -0.5))
+    if kind == "zero":
+        w = np.where(rng.random((1, H)) < 0.5, np.float32(0.0), -np.abs(w)).astype(np.float32)
+        w[0, :4] = bf16(np.abs(w[0, :4]) + np.float32(2.0 ** -8))  # a few positive terms: some scores > 0
+    return cp.asarray(bits_of(q)), cp.asarray(bits_of(w)), cp.asarray(bits_of(keys))
+
+
+def _unfused_index_topk(qg, wg, kg, nv, k, width, offset, w_scale):
+    sc = K.scores(qg, wg, kg, nv, w_scale=w_scale)
+    sel = K.topk(sc, nv, k, offset=offset, order="index", width=width)
+    return sc, sel
+
+
+def _check_fused(qg, wg, kg, nvg, k, width, offset, w_scale, seed, **ctx):
+    N = kg.shape[0]
+    sc = cp.full((1, N), 0x1234, np.uint16)
+    sel = cp.full((1, width), -7, np.int32)
+    K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=offset, w_scale=w_scale)
+    want_sc, want_sel = _unfused_index_topk(qg, wg, kg, nvg, k, width, offset, w_scale)
+    got_sc, got_sel = sc.get(), sel.get()
+    want_sc, want_sel = want_sc.get(), want_sel.get()
+    bad = np.flatnonzero(got_sc != want_sc)
+    assert bad.size == 0, (f"indexer fused scores: {bad.size} columns differ from indexer_scores_d128, first "
+                           f"{bad[:5]} {describe(seed, **ctx)}")
+    if not np.array_equal(got_sel, want_sel):
+        j = int(np.flatnonzero(got_sel != want_sel)[0])
+        raise AssertionError(f"indexer fused top-k != indexer_topk(order='index'): first at col {j}: got "
+                             f"{got_sel[0, max(0, j - 3):j + 4]} want {want_sel[0, max(0, j - 3):j + 4]} "
+                             f"{describe(seed, **ctx)}")
+    # and the twin's selection of those same scores, canonical (ascending) order
+    nv = int(nvg.get()[0])
+    if width == min(k, N):
+        s = (got_sc.astype(np.uint32) << 16).view(np.float32)
+        twin = candidate_matrix(np.zeros((1, 0), np.int32), O.indexer_topk(s, np.array([nv]), k), offset)
+        assert np.array_equal(got_sel, twin), f"indexer fused top-k != twin {describe(seed, **ctx)}"
+    assert int(K.workspace().get()[0]) == 0, f"indexer fused: ticket counter not reset {describe(seed, **ctx)}"
+
+
+@pytest.mark.parametrize("N,k", [(1024, 512), (8192, 512), (2055, 512), (300, 8), (5000, 1024), (24000, 512)])
+@pytest.mark.parametrize("kind", ["rand", "dup", "zero"])
+def test_scores_topk_fused_bitwise(N, k, kind):
+    """indexer_fused_d128 == indexer_scores_d128 + indexer_topk(order='index') byte for byte (score
+    row incl. the -inf tail, selection incl. -1 padding and offset) for n_valid across the
+    short-circuit boundary (0, 1, k - 1, k, k + 1, N, random), N not a multiple of 16, and
+    24000 > IF_KEYS_CAP (the L2 fallback of the top-k); and == the twin's selection."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H = 64
+    qg, wg, kg = _fused_inputs(rng, H, N, kind)
+    width = min(k, N)
+    offset = int(rng.integers(0, 1000))
+    for nv in sorted({0, 1, k - 1, k, k + 1, N, int(rng.integers(0, N + 1))}):
+        nv = min(max(nv, 0), N)
+        _check_fused(qg, wg, kg, cp.asarray(np.array([nv], np.int32)), k, width, offset, 128 ** -0.5 * H ** -0.5,
+                     seed, N=N, k=k, kind=kind, nv=nv)
+
+
+@pytest.mark.parametrize("H", [4, 8, 32])
+def test_scores_topk_fused_small_heads(H):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    N, k = 700, 64
+    qg, wg, kg = _fused_inputs(rng, H, N, "rand")
+    for nv in (50, 64, 65, 700):
+        _check_fused(qg, wg, kg, cp.asarray(np.array([nv], np.int32)), k, k, 3, 1.0, seed, H=H, nv=nv)
+
+
+def test_scores_topk_fused_graph_replay_device_n_valid():
+    """Captured once; n_valid changes on the device between replays (as pos does in decode), across
+    the n <= k short-circuit and the radix path: every replay == the unfused pair, the counter
+    ends at 0."""
+    from memra_dsv4.gpu import graphs
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, N, k = 64, 4096, 512
+    qg, wg, kg = _fused_inputs(rng, H, N, "rand")
+    nvg = cp.asarray(np.array([100], np.int32))
+    sc = cp.empty((1, N), np.uint16)
+    sel = cp.empty((1, k), np.int32)
+    K.workspace()
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def launch():
+        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64)
+
+    with s:
+        launch()
+    s.synchronize()
+    g = graphs.capture(s, launch)
+    for nv in (100, 512, 513, 4096, 3000, 7, 0, 2222):
+        nvg.fill(nv)
+        want_sc, want_sel = _unfused_index_topk(qg, wg, kg, nvg, k, k, 128, 1 / 64)
+        cp.cuda.get_current_stream().synchronize()
+        sc.fill(0)
+        sel.fill(-7)
+        cp.cuda.get_current_stream().synchronize()
+        graphs.replay(g, s)
+        s.synchronize()
+        assert cp.array_equal(sc, want_sc), f"indexer fused (graph) scores, n_valid {nv} {describe(seed)}"
+        assert cp.array_equal(sel, want_sel), f"indexer fused (graph) top-k, n_valid {nv} {describe(seed)}"
+    assert int(K.workspace().get()[0]) == 0

@@ -83,3 +83,101 @@ def test_router_select_hash(T, E, k, V):
     assert np.array_equal(idx.get(), widx), f"hash routing ids {describe(seed)}"
     assert_f32(weights.get(), wweights, "hash routing weights", seed, max_ulp=WEIGHTS_MAX_ULP)
     assert_f32(scores.get(), wscores, "hash routing scores", seed, max_ulp=SCORES_MAX_ULP)
+
+
+# ------------------------------------------------------------------------ router_fused_* (T = 1)
+def _fused_case(rng, D, E, k, hash_layer, V=4096):
+    """One token with ties built in: experts 1 and 3 share a weight row (equal logits, equal
+    scores) and, learned, an equal bias (an exact tie of the biased scores -> lower id), and
+    expert 2's row is expert 0's row negated."""
+    x = rand_bf16(rng, (1, D), 1.0)
+    w = rand_bf16(rng, (E, D), D ** -0.5)
+    if E >= 4:
+        w[3] = w[1]
+        w[2] = -w[0]
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    if E >= 4:
+        bias[3] = bias[1]
+        bias[1] = bias[3] = np.float32(5.0)  # the tied pair is picked (and its order tested)
+    if hash_layer:
+        tid2eid = np.stack([rng.choice(E, k, replace=False) for _ in range(V)]).astype(np.int32)
+        how = dict(tid2eid=cp.asarray(tid2eid), token_ids=cp.asarray(rng.integers(0, V, 1).astype(np.int32)))
+    else:
+        how = dict(bias=cp.asarray(bias))
+    return cp.asarray(bits_of(x)), cp.asarray(bits_of(w)), how, (x, w, bias)
+
+
+def _unfused(xg, wg, k, scale, how):
+    lg = K.logits(xg, wg)
+    idx, weights, scores = K.select(lg, k, scale, **how)
+    return idx, weights, scores, lg
+
+
+def _assert_same_bits(got, want, seed, **ctx):
+    for name, g, w in zip(("idx", "weights", "scores", "logits"), got, want):
+        g, w = g.get(), w.get()
+        assert g.shape == w.shape and g.dtype == w.dtype, f"router fused {name}: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
+        bad = np.flatnonzero(g.view(np.uint32).ravel() != w.view(np.uint32).ravel())
+        assert bad.size == 0, (f"router fused {name}: {bad.size} values differ from logits()+select(), first at "
+                               f"{bad[:5]}: {g.ravel()[bad[:5]]} vs {w.ravel()[bad[:5]]} {describe(seed, **ctx)}")
+
+
+@pytest.mark.parametrize("D,E,k", [(4096, 256, 6), (8448, 256, 6), (512, 37, 5), (256, 8, 2), (1024, 384, 8),
+                                   (4096, 512, 16)])
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_fused_bitwise_vs_unfused(D, E, k, hash_layer):
+    """router_fused_* == router_logits_bf16 + router_select_* byte for byte (logits, scores, ids,
+    weights), three launches in a row (the ticket counter resets itself), and the ids == the
+    twin's up to near ties."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    scale = 2.5
+    for rep in range(3):
+        xg, wg, how, (x, w, bias) = _fused_case(rng, D, E, k, hash_layer)
+        want = _unfused(xg, wg, k, scale, how)
+        got = K.fused(xg, wg, k, scale, **how)
+        cp.cuda.get_current_stream().synchronize()
+        _assert_same_bits(got, want, seed, D=D, E=E, k=k, hash_layer=hash_layer, rep=rep)
+        assert int(K.workspace().get()[0]) == 0, f"router fused: ticket counter not reset {describe(seed)}"
+        if not hash_layer:
+            lg = O.router_logits(x, w)
+            widx, _, wscores = route(lg, k=k, route_scale=scale, bias=bias)
+            _check_ids(got[0].get(), widx, (wscores + bias).astype(np.float32), seed, "router fused ids", D=D, E=E)
+            if E >= 4:
+                ids = got[0].get()[0].tolist()
+                assert ids.index(1) < ids.index(3), f"router fused: exact tie not to the lower id {ids} {describe(seed)}"
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_fused_graph_replay(hash_layer):
+    """Captured once, replayed on new inputs written into the same buffers: each replay equals the
+    unfused pair on those inputs (the counter is left at 0 by every launch, so replays chain)."""
+    from memra_dsv4.gpu import graphs
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D, E, k, scale = 4096, 256, 6, 2.5
+    xg, wg, how, _ = _fused_case(rng, D, E, k, hash_layer)
+    outs = [cp.empty((1, k), np.int32), cp.empty((1, k), np.float32), cp.empty((1, E), np.float32),
+            cp.empty((1, E), np.float32)]
+    K.workspace()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2], logits=outs[3], **how)
+    s.synchronize()
+    g = graphs.capture(s, lambda: K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2],
+                                          logits=outs[3], **how))
+    for rep in range(4):
+        x2, w2, how2, _ = _fused_case(rng, D, E, k, hash_layer)
+        xg[...] = x2
+        wg[...] = w2
+        for name, a in how.items():
+            a[...] = how2[name]
+        want = _unfused(xg, wg, k, scale, how)
+        cp.cuda.get_current_stream().synchronize()
+        for o in outs:
+            o.fill(0)
+        cp.cuda.get_current_stream().synchronize()
+        graphs.replay(g, s)
+        s.synchronize()
+        _assert_same_bits(outs, want, seed, hash_layer=hash_layer, rep=rep)
+    assert int(K.workspace().get()[0]) == 0

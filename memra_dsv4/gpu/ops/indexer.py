@@ -6,6 +6,11 @@ scores(q, w, keys, n_valid)   twin oracle.ops.indexer_scores (columns < n_valid[
                               use one of them for decode and prefill alike
 topk(scores, n_valid, k)      twin oracle.ops.indexer_topk (order='score'); order='index' gives the
                               ascending canonical segment of host.indices.candidate_matrix
+scores_topk(q, w, keys, n_valid, k, scores_out, sel_out)
+                              decode (T = 1): scores(impl='simt') + topk(order='index') in ONE
+                              launch (indexer_fused_d128), the same score bits and the same
+                              selection; the last CTA selects, through a per-device ticket
+                              counter (workspace(), made before any capture)
 """
 
 from __future__ import annotations
@@ -13,13 +18,38 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, dynamic_smem, i32, kernel, out_array, row_stride
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, out_array, row_stride, sm_count
 
 STEM = "indexer"
-KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk")
+KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk", "indexer_fused_d128")
 kernel_loader.register(STEM, KERNELS)
 
 TOPK_MAX = 1024
+FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
+FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
+_WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fused_d128 (kept 0)
+
+
+def workspace():
+    """The current device's ticket counter of indexer_fused_d128 (int32 [1], zero; every launch
+    leaves it zero).  Allocated once and never freed: a captured graph bakes its address, so
+    call this before the first capture (DeviceStep._prewarm does).  Not for concurrent
+    launches on two streams of one device."""
+    cp = cupy()
+    dev = cp.cuda.runtime.getDevice()
+    cnt = _WS.get(dev)
+    if cnt is None:
+        stream = cp.cuda.get_current_stream()
+        try:
+            capturing = stream.is_capturing()
+        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
+            capturing = True
+        if capturing:
+            raise RuntimeError(f"indexer.workspace: first call on device {dev} inside a CUDA-graph "
+                               f"capture; call it before capturing (DeviceStep._prewarm does)")
+        cnt = _WS[dev] = cp.zeros((1,), dtype=np.int32)
+        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
+    return cnt
 
 
 IMPLS = ("simt", "mma")
@@ -76,3 +106,38 @@ def topk(scores, n_valid, k: int, out=None, offset: int = 0, order: str = "score
                                                     i32(row_stride(out)), i32(width), i32(offset),
                                                     i32(1 if order == "index" else 0)))
     return out
+
+
+def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int = 0,
+                w_scale: float = 1.0, counter=None):
+    """One token: scores_out [1, N] bf16 = scores(q, w, keys, n_valid, w_scale=w_scale) (the
+    'simt' bits) and sel_out [1, width] int32 = topk(scores_out, n_valid, k, offset=offset,
+    order='index', width=width), in one launch.  q [1, H, 128] bf16; w [1, H] bf16; keys [N, 128]
+    bf16 rows; n_valid [1] int32 (read on the device); width >= min(k, N).  counter: int32 [1],
+    zero (default: workspace()).  Returns sel_out."""
+    check(q, "indexer.scores_topk.q", np.uint16)
+    assert q.ndim == 3 and q.shape[0] == 1 and q.shape[2] == 128, (
+        f"indexer.scores_topk.q: expected [1, H, 128] (one token), got {q.shape}")
+    H = q.shape[1]
+    assert H % 4 == 0 and H <= 64, f"indexer.scores_topk: H = {H} (need H % 4 == 0, H <= 64)"
+    check(w, "indexer.scores_topk.w", np.uint16, (1, H))
+    check(keys, "indexer.scores_topk.keys", np.uint16, rows_strided=True)
+    N = keys.shape[0]
+    assert keys.shape[1] == 128 and N > 0, f"indexer.scores_topk.keys: expected [N > 0, 128], got {keys.shape}"
+    assert row_stride(keys) % 8 == 0 and keys.data.ptr % 16 == 0, "indexer.scores_topk.keys: 16-byte aligned rows"
+    assert q.data.ptr % 16 == 0, "indexer.scores_topk.q: 16-byte alignment"
+    check(n_valid, "indexer.scores_topk.n_valid", np.int32, (1,))
+    check(scores_out, "indexer.scores_topk.scores_out", np.uint16, (1, N))
+    assert scores_out.data.ptr % 16 == 0, "indexer.scores_topk.scores_out: 16-byte alignment (read back as uint4)"
+    assert 0 < k <= TOPK_MAX, f"indexer.scores_topk: k = {k} outside 1..{TOPK_MAX}"
+    check(sel_out, "indexer.scores_topk.sel_out", np.int32, (1, None))
+    width = sel_out.shape[1]
+    assert width >= min(k, N), f"indexer.scores_topk: width {width} < min(k, N) = {min(k, N)}"
+    counter = workspace() if counter is None else check(counter, "indexer.scores_topk.counter", np.int32, (1,))
+    kern = kernel(STEM, "indexer_fused_d128")
+    tiles = -(-N // FUSED_KEYS_PER_TILE)
+    kern((max(1, min(tiles, 2 * sm_count())),), (128,),
+         (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
+          sel_out, i32(width), i32(offset), counter),
+         shared_mem=dynamic_smem(kern, FUSED_SMEM))
+    return sel_out

@@ -4,6 +4,11 @@ logits(x, w_gate)              twin oracle.ops.router_logits (f32 out, double ac
 select(logits, k, route_scale, bias=... | tid2eid=..., token_ids=...)
                                twin host.routing.route: (idx int32 [T, k], weights f32 [T, k],
                                scores f32 [T, E]); the twin's idx is int64, the values are equal.
+fused(x, w_gate, k, route_scale, bias=... | tid2eid=..., token_ids=...)
+                               decode (T = 1): logits + select in ONE launch, the same bits as
+                               logits() then select() (router_fused_e*: same per-row reduction
+                               order, same selection code); the last CTA selects, through a
+                               per-device ticket counter (workspace(), made before any capture).
 tid2eid for the hash layers is int32 [V, k] (the checkpoint's int64, converted at load).
 """
 
@@ -12,15 +17,40 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or, out_array
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, null_or, out_array
 
 STEM = "router"
 _SELECT = {32: "router_select_e32", 64: "router_select_e64", 128: "router_select_e128",
            256: "router_select_e256", 384: "router_select_e384", 512: "router_select_e512"}
-KERNELS = ("router_logits_bf16",) + tuple(_SELECT.values())
+_FUSED = {c: n.replace("router_select", "router_fused") for c, n in _SELECT.items()}
+KERNELS = ("router_logits_bf16",) + tuple(_SELECT.values()) + tuple(_FUSED.values())
 kernel_loader.register(STEM, KERNELS)
 
 KMAX = 16
+FUSED_ROWS_PER_CTA = 4  # kernels_cu/router.cu RF_WARPS
+_WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of router_fused_* (kept 0)
+
+
+def workspace():
+    """The current device's ticket counter of router_fused_* (int32 [1], zero; every launch
+    leaves it zero).  Allocated once and never freed: a captured graph bakes its address, so
+    call this before the first capture (DeviceStep._prewarm does).  Not for concurrent
+    launches on two streams of one device."""
+    cp = cupy()
+    dev = cp.cuda.runtime.getDevice()
+    cnt = _WS.get(dev)
+    if cnt is None:
+        stream = cp.cuda.get_current_stream()
+        try:
+            capturing = stream.is_capturing()
+        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
+            capturing = True
+        if capturing:
+            raise RuntimeError(f"router.workspace: first call on device {dev} inside a CUDA-graph "
+                               f"capture; call it before capturing (DeviceStep._prewarm does)")
+        cnt = _WS[dev] = cp.zeros((1,), dtype=np.int32)
+        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
+    return cnt
 
 
 def logits(x, w_gate, out=None):
@@ -61,3 +91,38 @@ def select(logits, k: int, route_scale: float, *, bias=None, tid2eid=None, token
                                    (logits, null_or(bias), null_or(tid2eid), null_or(token_ids), idx, weights,
                                     null_or(scores), i32(T), i32(E), i32(k), np.float32(route_scale)))
     return idx, weights, scores
+
+
+def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, token_ids=None,
+          logits=None, scores=None, idx=None, weights=None, counter=None):
+    """One token (x [1, D] bf16, w_gate [E, D] bf16): logits [1, E] f32, then learned (bias [E]
+    f32) or hash (tid2eid [V, k] int32 + token_ids [1] int32) routing, in one launch.  Returns
+    (idx int32 [1, k], weights f32 [1, k], scores f32 [1, E], logits f32 [1, E]), bit-identical
+    to logits() + select().  counter: int32 [1], zero (default: workspace())."""
+    check(x, "router.fused.x", np.uint16)
+    T, D = x.shape
+    assert T == 1, f"router.fused: one token (decode), got T = {T}; use logits() + select()"
+    assert D % 8 == 0 and x.data.ptr % 16 == 0, f"router.fused: D = {D} % 8, 16-byte aligned x"
+    E = w_gate.shape[0]
+    check(w_gate, "router.fused.w_gate", np.uint16, (E, D))
+    assert w_gate.data.ptr % 16 == 0, "router.fused.w_gate: 16-byte alignment"
+    assert 1 <= k <= min(KMAX, E), f"router.fused: k = {k} outside 1..{min(KMAX, E)}"
+    assert (bias is None) != (tid2eid is None), "router.fused: give exactly one of bias / tid2eid"
+    if bias is not None:
+        check(bias, "router.fused.bias", np.float32, (E,))
+    else:
+        check(tid2eid, "router.fused.tid2eid", np.int32, (None, k))
+        check(token_ids, "router.fused.token_ids", np.int32, (1,))
+    cap = next((c for c in sorted(_FUSED) if c >= E), None)
+    assert cap is not None, f"router.fused: E = {E} > {max(_FUSED)}"
+    logits = out_array(logits, "router.fused.logits", (1, E), np.float32)
+    scores = out_array(scores, "router.fused.scores", (1, E), np.float32)
+    idx = out_array(idx, "router.fused.idx", (1, k), np.int32)
+    weights = out_array(weights, "router.fused.weights", (1, k), np.float32)
+    counter = workspace() if counter is None else check(counter, "router.fused.counter", np.int32, (1,))
+    kern = kernel(STEM, _FUSED[cap])
+    kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA,), (32 * FUSED_ROWS_PER_CTA,),
+         (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights,
+          counter, i32(D), i32(E), i32(k), np.float32(route_scale)),
+         shared_mem=dynamic_smem(kern, 2 * D))
+    return idx, weights, scores, logits
