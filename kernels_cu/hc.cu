@@ -26,6 +26,9 @@
 // split math, CTA y = 0 alone writes pre/post/comb. Decode (T = 1) uses n_y > 1 so one token is
 // not one CTA on one SM; the bits do not depend on n_y.
 //
+// hc_boundary: one decode token's sub-layer boundary in one launch ([hc_post] + hc_pre + rmsnorm,
+//   bit-identical to those kernels run apart); see its section at the end of this file.
+//
 // hc (the stream count) is 4 throughout (Flash, Pro and every preset); D % 8 == 0.
 #include "common.cuh"
 
@@ -310,16 +313,17 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
 // those are bit-exact).
 //
 // Grid (n / 256) = one CTA per canonical mixes segment (see hc_mixes_body), block 256 (8 warps).
-// Phase A (every CTA, segment sg): lane l's 8 elements e0 = 256 sg + 8 l of the flattened [4, D]
-//   streams, e0 = j*D + d (any D % 8 == 0: a segment may straddle two streams), are first made
-//   (f != null: new_j[d..d+7] = hc_post's double expression from f, R, post_in, comb_in; warp 0
-//   stores them to out; f == null: read from R) and then dotted with fn rows 3w..3w+2 (warp w)
+// Phase A (every CTA, segment sg = elements [256 sg, 256 sg + 256) of the flattened [4, D]
+//   streams; element e = j*D + d, any D % 64 == 0: a segment may straddle two streams): with f,
+//   thread t makes new element 256 sg + t with hc_post's double expression from f, R, post_in,
+//   comb_in, stores it to out and to shared memory; without f the segment is R's. Then lane l of
+//   every warp takes the segment's elements 8l..8l+7 and dots them with fn rows 3w..3w+2 (warp w)
 //   plus their sum of squares, each a sequential double FMA chain over the 8 elements as in
 //   hc_mixes_body. The warp sum of each value uses the same fixed tree as reduce_scatter32
 //   (lanes paired by bit 4, then 3, 2, 1, 0: three xor stages then two reduce-scatter stages on
 //   the 4 values), so the segment values are hc_mixes_body's bits. ws[sg*32 + 4w + k] holds
-//   (row 3w + k) for k < 3, ws[sg*32 + 4w + 3] the sum of squares (read from warp 0's slot). Phase A also prefetches the norm
-//   weight into L2 for the last CTA.
+//   (row 3w + k) for k < 3, ws[sg*32 + 4w + 3] the sum of squares (read from warp 0's slot).
+//   Phase A also prefetches the norm weight into L2 for the last CTA.
 // Phase B (the last CTA to finish; __threadfence + atomic counter, which it resets to zero for
 //   the next launch / graph replay; no grid-wide wait): stage ws in shared memory, add the
 //   segments in segment order (= hc_mixes_body's split path), mixes = f32(dot * rsqrt), then
@@ -335,6 +339,7 @@ constexpr int BND_THREADS = 256;
 constexpr int BND_ROWS = (2 + HC) * HC;  // 24
 constexpr int BND_ROWS_PER_WARP = BND_ROWS / (BND_THREADS / 32);  // 3
 static_assert(BND_ROWS_PER_WARP == 3, "slot layout 4w + k assumes 3 rows per warp");
+static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CTA's segment");
 
 // barrier of warps 4..7 (threads 128..255) of the CTA; barrier 0 is __syncthreads
 DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
@@ -361,6 +366,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
     __shared__ float pre_s[HC];
     __shared__ double red[4];
     __shared__ int is_last;
+    __shared__ __align__(16) u16 seg_s[MIX_SEG];  // this CTA's segment of the new streams
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int n = HC * D, nseg = n / MIX_SEG;
     const int sg = blockIdx.x;
@@ -379,34 +385,30 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             prefetch_l2(norm_w + 64 * li);
     }
     float xf[8];
-    if (f != nullptr) {  // hc_post, this lane's 8 elements of new stream j
-        const int j = e0 / D, d = e0 - j * D;
-        // every load before any arithmetic: one L2 round trip (weak loads of post_in / comb_in,
-        // which this launch's last CTA overwrites only after every CTA has passed its fence)
-        const uint4 fraw = ldg16(f + d);
-        uint4 rraw[HC];
+    if (f != nullptr) {
+        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
+        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
+        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
+        const int e = sg * MIX_SEG + threadIdx.x;
+        const int j = e / D, d = e - j * D;
+        // every load before any arithmetic (weak loads of post_in / comb_in: this launch's last
+        // CTA overwrites them only after every CTA has passed its fence)
+        const u32 fb = __ldg(f + d);
+        u32 rb[HC];
 #pragma unroll
-        for (int i = 0; i < HC; ++i) rraw[i] = ldg16(R + (i64)i * D + d);
+        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
         const double pj = post_in[j];
         double cj[HC];
 #pragma unroll
         for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
-        float ff[8], r[HC][8];
-        unpack8(fraw, ff);
+        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
 #pragma unroll
-        for (int i = 0; i < HC; ++i) unpack8(rraw[i], r[i]);
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            double acc = __dmul_rn(pj, (double)ff[e]);
-#pragma unroll
-            for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)r[i][e]));
-            h[e] = f64_to_bf16(acc);
-            xf[e] = bf16_to_f32(h[e]);
-        }
-        if (wid == 0)
-            stg16(out + e0, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                       h[6] | (h[7] << 16)));
+        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
+        const u16 h = (u16)f64_to_bf16(acc);
+        seg_s[threadIdx.x] = h;
+        out[e] = h;
+        __syncthreads();
+        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
     } else {
         unpack8(ldg16(R + e0), xf);
     }
