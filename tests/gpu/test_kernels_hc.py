@@ -292,6 +292,7 @@ def test_hc_boundary_graph_replay():
                 mixes=cp.empty((1, 24), np.float32), out=cp.empty((1, 4, D), np.uint16))
     K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
                   norm_eps=NORM_EPS, f=g["f"], **bufs)  # loads the kernel before the capture
+    _unfused(g, True)  # sizes the shared split workspace before the capture, as DeviceStep._prewarm
     s = cp.cuda.Stream(non_blocking=True)
     cp.cuda.Device().synchronize()
 
