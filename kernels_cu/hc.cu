@@ -325,7 +325,8 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
 //   (row 3w + k) for k < 3, ws[sg*32 + 4w + 3] the sum of squares (read from warp 0's slot).
 //   Phase A also prefetches the norm weight into L2 for the last CTA.
 // Phase B (the last CTA to finish; __threadfence + atomic counter, which it resets to zero for
-//   the next launch / graph replay; no grid-wide wait): stage ws in shared memory, add the
+//   the next launch / graph replay; no grid-wide wait): cp.async ws, the streams S and the norm
+//   weight into shared memory (S and the weight stay in flight until the weighted sum), add the
 //   segments in segment order (= hc_mixes_body's split path), mixes = f32(dot * rsqrt), then
 //   warp 0 runs split_lanes (Sinkhorn; writes pre/post/comb) WHILE warps 4..7 recompute pre
 //   (pre_value, the same bits), form x = bf16(sum_i pre_i X_i) (weighted_streams' expression)
@@ -333,7 +334,7 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
 //   thread c mod 128, warp_sum, warp partials in order) on a named barrier: x -> xn.
 // post_in / comb_in may alias post_out / comb_out (the device step updates them in place):
 //   every CTA reads them before its fence + atomic, the last CTA writes them after it.
-// out must not alias R. Shared: nseg*32 doubles + D bf16 (dynamic).
+// out must not alias R. Dynamic shared memory 14 D bytes (ws partials 4D, S 8D, weight 2D).
 namespace {
 constexpr int BND_THREADS = 256;
 constexpr int BND_ROWS = (2 + HC) * HC;  // 24
@@ -351,7 +352,7 @@ DEV uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p
 // out [4, D] bf16 (f != null); fn [24, 4D] f32; scale [3]; base [24]; norm_w [D] bf16;
 // mixes [24], pre_out [4], post_out [4], comb_out [16] f32; x_out, xn_out [D] bf16;
 // ws double [n/256 * 32]; counter int [1], zero before the first launch (left zero).
-// n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared n/256*256 + 2D bytes.
+// n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared 14 D bytes.
 // (min 1 CTA/SM: lets ptxas keep all of phase A's loads in flight at once; the grid is n/256 CTAs)
 extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
 hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
@@ -360,7 +361,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
             float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
             double norm_eps, double* ws, int* counter) {
-    extern __shared__ double bnd_smem[];  // last CTA: segment partials [nseg][32], then x [D] bf16
+    extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
     __shared__ double tot[BND_ROWS + 1];
     __shared__ float mix_s[BND_ROWS];
     __shared__ float pre_s[HC];
@@ -439,9 +440,28 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
     if (!is_last) return;
     // ---- phase B: the last CTA
     __threadfence();
-    double* part = bnd_smem;
-    u16* xs = reinterpret_cast<u16*>(bnd_smem + nseg * 32);
-    for (int i = threadIdx.x; i < nseg * 32; i += BND_THREADS) part[i] = __ldcg(ws + i);
+    const int nc = D >> 3;
+    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
+    double* part = bnd_smem;                                          // [nseg][32] ws partials
+    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
+    u16* wst = sst + HC * D;                                          // [D] the norm weight
+    // every load of phase B is issued here (cp.async, L2): first the partials (group 1), then
+    // warps 4..7's own chunks of S and of the norm weight (group 2), which stay in flight
+    // through the segment sums and the mixes
+    for (int i = threadIdx.x; i < nseg * 16; i += BND_THREADS) cp_async16(part + 2 * i, ws + 2 * i, true);
+    cp_async_commit();
+    if (wid >= 4) {
+        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs
+        for (int c = vt; c < nc; c += 128) {
+#pragma unroll
+            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
+            cp_async16(wst + 8 * c, norm_w + 8 * c, true);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // the partials landed; S and the weight may still be in flight
+    } else {
+        cp_async_wait<0>();
+    }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
     __syncthreads();
     if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
@@ -464,19 +484,18 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
         return;
     }
     if (wid < 4) return;
-    // warps 4..7: pre, x = bf16(sum_i pre_i X_i), then rmsnorm_row<u16> with thread vt's chunks
-    const int vt = threadIdx.x - 128;
+    // warps 4..7: pre, x = bf16(sum_i pre_i S_i), then rmsnorm_row<u16> with thread vt's chunks
+    // (each thread reads only the chunks its own cp.async brought: its wait suffices for them)
     if (vt < HC) pre_s[vt] = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
+    cp_async_wait<0>();
     bar_upper_half();
-    const u16* X = f != nullptr ? out : R;  // out was written by this launch: L2 loads
-    const int nc = D >> 3;
     double ss = 0.0;
     for (int c = vt; c < nc; c += 128) {
         double acc[8];
 #pragma unroll
         for (int i = 0; i < HC; ++i) {
             float xi[8];
-            unpack8(ldcg16(X + (i64)i * D + 8 * c), xi);
+            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
             const double p = pre_s[i];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
@@ -494,7 +513,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
         const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
                                    h[6] | (h[7] << 16));
         stg16(x_out + 8 * c, o);
-        *reinterpret_cast<uint4*>(xs + 8 * c) = o;
+        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
     }
     ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
     if (lane == 0) red[wid - 4] = ss;
@@ -505,8 +524,8 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
     const double r = 1.0 / sqrt(s / (double)D + norm_eps);
     for (int c = vt; c < nc; c += 128) {
         float xv[8], wv[8];
-        unpack8(*reinterpret_cast<const uint4*>(xs + 8 * c), xv);
-        unpack8(ldg16(norm_w + 8 * c), wv);
+        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
         u32 h[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));

@@ -221,7 +221,7 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     nseg = n // SEG
     ws, cnt = split_workspace(1, nseg)
     k = kernel(STEM, "hc_boundary")
-    smem = nseg * 32 * 8 + 2 * D  # phase B's segment partials + x; the opt-in also covers ~352 B static
+    smem = 14 * D  # phase B: ws partials (4D), the streams (8D), the norm weight (2D); the opt-in below also covers ~0.9 KB static
     dynamic_smem(k, smem + 1024)
     null = np.uint64(0)
     k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
