@@ -289,7 +289,8 @@ class DeviceStep:
         launch (_hc_pre with f): the attn sub-layer's into the ffn boundary, the ffn sub-layer's
         into the next layer's attn boundary.  The stage's first layer starts from the streams
         as they are (embed / boundary copy); its last layer applies the ffn hc_post alone (the
-        head or the boundary copy reads the streams).  Two stream swaps per layer, as before."""
+        head or the boundary copy reads the streams).  A stage of n layers swaps the streams 2n
+        times (1 + 2 + ... + 2 + 3), as before: they end in the buffer they started in."""
         from memra_dsv4.gpu.ops import hc as HC
         from memra_dsv4.profiling import phase
         v, bp = S.v, f"{S.ph}/block"
