@@ -143,15 +143,20 @@ def test_hc_head(T, D):
 RMS_MAX_ULP, RMS_MAX_FRAC = 1, 1e-5  # test_kernels_rmsnorm's twin bounds (double-rounding ties)
 
 
-def _boundary_case(rng, D):
+def _boundary_case(rng, D, wide: bool = False):
     """Host inputs of one boundary: streams, the previous sub-layer's f, post / comb as a real
-    split leaves them (comb columns sum to ~1), fn / scale / base, a bf16 norm weight."""
-    X = rand_bf16(rng, (1, 4, D), 1.0, spread=2)
-    f = rand_bf16(rng, (1, D), 1.0, spread=2)
+    split leaves them (comb columns sum to ~1), fn / scale / base, a bf16 norm weight.
+    wide: streams and fn over ~2^+-12 so the double mixes sums are inexact and their bits
+    depend on the reduction order (with unit-scale data they are usually exact in any order)."""
+    spread = 12 if wide else 2
+    X = rand_bf16(rng, (1, 4, D), 1.0, spread=spread)
+    f = rand_bf16(rng, (1, D), 1.0, spread=spread)
     post = (2 * rng.random((1, 4))).astype(np.float32)
     comb = rng.random((1, 4, 4)).astype(np.float32)
     comb /= comb.sum(axis=1, keepdims=True)
     fn, scale, base = _params(rng, D, 24)
+    if wide:
+        fn = (fn * np.exp2(rng.integers(-12, 13, size=fn.shape))).astype(np.float32)
     w = bf16(rng.standard_normal(D).astype(np.float32) * np.float32(0.5) + np.float32(1.0))
     return dict(X=X, f=f, post=post, comb=comb, fn=fn, scale=scale, base=base, w=w)
 
@@ -207,20 +212,23 @@ def _assert_same_bytes(got, want, seed, **ctx):
             f"unfused): {[(int(i), a.ravel()[i], b.ravel()[i]) for i in bad[:4]]} [seed={seed}, {ctx}]")
 
 
-@pytest.mark.parametrize("D,with_post,in_place", [
-    (4096, True, True), (4096, True, False), (4096, False, False),   # Flash
-    (7168, True, True),                                             # Pro (nseg = 112)
-    (256, True, True), (256, False, False), (512, True, False),     # tiny / small
-    (192, True, True), (128, True, False), (128, False, False),     # segments straddle streams
+@pytest.mark.parametrize("D,with_post,in_place,wide", [
+    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash
+    (4096, True, True, True),                                                         # wide range
+    (7168, True, True, False),                                                        # Pro (nseg 112)
+    (256, True, True, False), (256, False, False, False), (512, True, False, False),  # tiny / small
+    (192, True, True, False), (192, True, False, True),                               # segments
+    (128, True, False, False), (128, False, False, False),                            # straddle streams
 ])
-def test_hc_boundary_bitwise_unfused(D, with_post, in_place):
+def test_hc_boundary_bitwise_unfused(D, with_post, in_place, wide):
     seed = fresh_seed()
     rng = rng_for(seed)
     for rep in range(2):  # twice with fresh data: the counter self-resets, nothing is stale
-        g = _dev(_boundary_case(rng, D))
+        g = _dev(_boundary_case(rng, D, wide))
         want = _unfused(g, with_post)
         got = _fused(g, with_post, in_place)
-        _assert_same_bytes(got, want, seed, D=D, with_post=with_post, in_place=in_place, rep=rep)
+        _assert_same_bytes(got, want, seed, D=D, with_post=with_post, in_place=in_place, wide=wide,
+                           rep=rep)
 
 
 @pytest.mark.parametrize("D", [4096, 256])
