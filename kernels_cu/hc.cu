@@ -26,6 +26,9 @@
 // split math, CTA y = 0 alone writes pre/post/comb. Decode (T = 1) uses n_y > 1 so one token is
 // not one CTA on one SM; the bits do not depend on n_y.
 //
+// hc_boundary: one decode token's sub-layer boundary in one launch ([hc_post] + hc_pre + rmsnorm,
+//   bit-identical to those kernels run apart); see its section at the end of this file.
+//
 // hc (the stream count) is 4 throughout (Flash, Pro and every preset); D % 8 == 0.
 #include "common.cuh"
 
@@ -146,6 +149,44 @@ DEV float sum4(float v, int src0, int step) {
     return __fadd_rn(__fadd_rn(__fadd_rn(a, b), c), d);
 }
 
+// hc_pre's pre weight of stream i from its mix logit: sigmoid(m * s0 + b) + hc_eps (f32).
+DEV float pre_value(float m, float s0, float b, float hc_eps) {
+    return __fadd_rn(sigmoid_f32(__fadd_rn(__fmul_rn(m, s0), b)), hc_eps);
+}
+
+// hc_split of one token's 24 mix logits m, by the 32 lanes of one warp (all must call): lanes
+// 0..15 hold comb[j][k] (lane = 4j + k; Sinkhorn), 16..19 pre, 20..23 post. Every output pointer
+// may be null (not written); pre_s (shared, may be null) receives pre for the weighted sum.
+DEV void split_lanes(const float* m, const float* __restrict__ scale, const float* __restrict__ base,
+                     int iters, float hc_eps, int lane, float* pre_s, float* pre_out,
+                     float* post_out, float* comb_out) {
+    if (lane < 16) {  // comb entry (j, k) = (lane / 4, lane % 4)
+        const int j = lane >> 2, k = lane & 3;
+        float L = __fadd_rn(__fmul_rn(m[2 * HC + lane], scale[2]), base[2 * HC + lane]);
+        const float l0 = __shfl_sync(0x0000ffffu, L, 4 * j), l1 = __shfl_sync(0x0000ffffu, L, 4 * j + 1);
+        const float l2 = __shfl_sync(0x0000ffffu, L, 4 * j + 2), l3 = __shfl_sync(0x0000ffffu, L, 4 * j + 3);
+        const float mx = fmaxf(fmaxf(l0, l1), fmaxf(l2, l3));
+        L = exp_f32(__fsub_rn(L, mx));
+        L = __fadd_rn(__fdiv_rn(L, sum4(L, 4 * j, 1)), hc_eps);   // it is now C
+        L = __fdiv_rn(L, __fadd_rn(sum4(L, k, 4), hc_eps));
+        for (int it = 1; it < iters; ++it) {
+            L = __fdiv_rn(L, __fadd_rn(sum4(L, 4 * j, 1), hc_eps));
+            L = __fdiv_rn(L, __fadd_rn(sum4(L, k, 4), hc_eps));
+        }
+        if (comb_out != nullptr) comb_out[lane] = L;
+    }
+    if (lane >= 16 && lane < 16 + HC) {
+        const int i = lane - 16;
+        const float p = pre_value(m[i], scale[0], base[i], hc_eps);
+        if (pre_s != nullptr) pre_s[i] = p;
+        if (pre_out != nullptr) pre_out[i] = p;
+    } else if (lane >= 16 + HC && lane < 16 + 2 * HC) {
+        const int i = lane - 16 - HC;
+        const float s = sigmoid_f32(__fadd_rn(__fmul_rn(m[HC + i], scale[1]), base[HC + i]));
+        if (post_out != nullptr) post_out[i] = __fmul_rn(2.0f, s);
+    }
+}
+
 // y[t] = bf16(sum_i pre[i] X_i), double, i ascending. Block-wide loop over 8-channel chunks.
 DEV void weighted_streams(const u16* __restrict__ X, const float* pre, u16* __restrict__ y, int D) {
     const int nc = D >> 3;
@@ -198,33 +239,10 @@ hc_pre_split_apply(const float* __restrict__ mixes, const float* __restrict__ sc
     __shared__ float pre_s[HC];
     const i64 t = blockIdx.x;
     if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const float* m = mixes + t * (2 + HC) * HC;
-        if (lane < 16) {  // comb entry (j, k) = (lane / 4, lane % 4)
-            const int j = lane >> 2, k = lane & 3;
-            float L = __fadd_rn(__fmul_rn(m[2 * HC + lane], scale[2]), base[2 * HC + lane]);
-            const float l0 = __shfl_sync(0x0000ffffu, L, 4 * j), l1 = __shfl_sync(0x0000ffffu, L, 4 * j + 1);
-            const float l2 = __shfl_sync(0x0000ffffu, L, 4 * j + 2), l3 = __shfl_sync(0x0000ffffu, L, 4 * j + 3);
-            const float mx = fmaxf(fmaxf(l0, l1), fmaxf(l2, l3));
-            L = exp_f32(__fsub_rn(L, mx));
-            L = __fadd_rn(__fdiv_rn(L, sum4(L, 4 * j, 1)), hc_eps);   // it is now C
-            L = __fdiv_rn(L, __fadd_rn(sum4(L, k, 4), hc_eps));
-            for (int it = 1; it < iters; ++it) {
-                L = __fdiv_rn(L, __fadd_rn(sum4(L, 4 * j, 1), hc_eps));
-                L = __fdiv_rn(L, __fadd_rn(sum4(L, k, 4), hc_eps));
-            }
-            if (blockIdx.y == 0) comb_out[t * HC * HC + lane] = L;
-        }
-        if (lane >= 16 && lane < 16 + HC) {
-            const int i = lane - 16;
-            const float p = __fadd_rn(sigmoid_f32(__fadd_rn(__fmul_rn(m[i], scale[0]), base[i])), hc_eps);
-            pre_s[i] = p;
-            if (blockIdx.y == 0) pre_out[t * HC + i] = p;
-        } else if (lane >= 16 + HC && lane < 16 + 2 * HC) {
-            const int i = lane - 16 - HC;
-            const float s = sigmoid_f32(__fadd_rn(__fmul_rn(m[HC + i], scale[1]), base[HC + i]));
-            if (blockIdx.y == 0) post_out[t * HC + i] = __fmul_rn(2.0f, s);
-        }
+        const bool w = blockIdx.y == 0;
+        split_lanes(mixes + t * (2 + HC) * HC, scale, base, iters, hc_eps, threadIdx.x, pre_s,
+                    w ? pre_out + t * HC : nullptr, w ? post_out + t * HC : nullptr,
+                    w ? comb_out + t * HC * HC : nullptr);
     }
     __syncthreads();
     weighted_streams(X + t * HC * D, pre_s, y + t * D, D);
@@ -249,7 +267,7 @@ hc_head_apply(const float* __restrict__ mixes, const float* __restrict__ scale,
     const i64 t = blockIdx.x;
     if (threadIdx.x < HC) {
         const int i = threadIdx.x;
-        pre_s[i] = __fadd_rn(sigmoid_f32(__fadd_rn(__fmul_rn(mixes[t * HC + i], scale[0]), base[i])), hc_eps);
+        pre_s[i] = pre_value(mixes[t * HC + i], scale[0], base[i], hc_eps);
     }
     __syncthreads();
     weighted_streams(X + t * HC * D, pre_s, y + t * D, D);
@@ -284,5 +302,234 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
             stg16(out + (t * HC + j) * D + 8 * c,
                   make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
         }
+    }
+}
+
+// ------------------------------------------------------------------------- hc_boundary
+// One decode token's whole sub-layer boundary in one launch:
+//   [hc_post of the previous sub-layer] -> hc_pre (mixes, split, weighted sum) -> rmsnorm,
+// bit-identical to the unfused chain hc_post -> hc_mixes_r6 -> hc_pre_split_apply ->
+// rmsnorm_bf16_wbf16 (and so to their twins oracle.ops.hc_post / hc_pre / rmsnorm wherever
+// those are bit-exact).
+//
+// Grid (n / 256) = one CTA per canonical mixes segment (see hc_mixes_body), block 256 (8 warps).
+// Phase A (every CTA, segment sg = elements [256 sg, 256 sg + 256) of the flattened [4, D]
+//   streams; element e = j*D + d, any D % 64 == 0: a segment may straddle two streams): with f,
+//   thread t makes new element 256 sg + t with hc_post's double expression from f, R, post_in,
+//   comb_in, stores it to out and to shared memory; without f the segment is R's. Then lane l of
+//   every warp takes the segment's elements 8l..8l+7 and dots them with fn rows 3w..3w+2 (warp w)
+//   plus their sum of squares, each a sequential double FMA chain over the 8 elements as in
+//   hc_mixes_body. The warp sum of each value uses the same fixed tree as reduce_scatter32
+//   (lanes paired by bit 4, then 3, 2, 1, 0: three xor stages then two reduce-scatter stages on
+//   the 4 values), so the segment values are hc_mixes_body's bits. ws[sg*32 + 4w + k] holds
+//   (row 3w + k) for k < 3, ws[sg*32 + 4w + 3] the sum of squares (read from warp 0's slot).
+//   Phase A also prefetches the norm weight into L2 for the last CTA.
+// Phase B (the last CTA to finish; __threadfence + atomic counter, which it resets to zero for
+//   the next launch / graph replay; no grid-wide wait): cp.async ws, the streams S and the norm
+//   weight into shared memory (S and the weight stay in flight until the weighted sum), add the
+//   segments in segment order (= hc_mixes_body's split path), mixes = f32(dot * rsqrt), then
+//   warp 0 runs split_lanes (Sinkhorn; writes pre/post/comb) WHILE warps 4..7 recompute pre
+//   (pre_value, the same bits), form x = bf16(sum_i pre_i X_i) (weighted_streams' expression)
+//   and run rmsnorm_row's exact arithmetic with the same 128-thread partition (chunk c by
+//   thread c mod 128, warp_sum, warp partials in order) on a named barrier: x -> xn.
+// post_in / comb_in may alias post_out / comb_out (the device step updates them in place):
+//   every CTA reads them before its fence + atomic, the last CTA writes them after it.
+// out must not alias R. Dynamic shared memory 14 D bytes (ws partials 4D, S 8D, weight 2D).
+namespace {
+constexpr int BND_THREADS = 256;
+constexpr int BND_ROWS = (2 + HC) * HC;  // 24
+constexpr int BND_ROWS_PER_WARP = BND_ROWS / (BND_THREADS / 32);  // 3
+static_assert(BND_ROWS_PER_WARP == 3, "slot layout 4w + k assumes 3 rows per warp");
+static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CTA's segment");
+
+// barrier of warps 4..7 (threads 128..255) of the CTA; barrier 0 is __syncthreads
+DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+DEV uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+}  // namespace
+
+// f [D] bf16 or null; R [4, D] bf16; post_in [4], comb_in [4, 4] f32 (read only when f != null);
+// out [4, D] bf16 (f != null); fn [24, 4D] f32; scale [3]; base [24]; norm_w [D] bf16;
+// mixes [24], pre_out [4], post_out [4], comb_out [16] f32; x_out, xn_out [D] bf16;
+// ws double [n/256 * 32]; counter int [1], zero before the first launch (left zero).
+// n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared 14 D bytes.
+// (min 1 CTA/SM: lets ptxas keep all of phase A's loads in flight at once; the grid is n/256 CTAs)
+extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
+hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+            const float* comb_in, u16* out, const float* __restrict__ fn,
+            const float* __restrict__ scale, const float* __restrict__ base,
+            const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
+            float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
+            double norm_eps, double* ws, int* counter) {
+    extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
+    __shared__ double tot[BND_ROWS + 1];
+    __shared__ float mix_s[BND_ROWS];
+    __shared__ float pre_s[HC];
+    __shared__ double red[4];
+    __shared__ int is_last;
+    __shared__ __align__(16) u16 seg_s[MIX_SEG];  // this CTA's segment of the new streams
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D, nseg = n / MIX_SEG;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
+    // ---- phase A. The fn rows (the HBM stream) are requested first.
+    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
+        wa[q] = __ldg(wp);
+        wb[q] = __ldg(wp + 1);
+    }
+    {
+        const int nlines = (2 * D + 127) / 128;
+        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
+            prefetch_l2(norm_w + 64 * li);
+    }
+    float xf[8];
+    if (f != nullptr) {
+        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
+        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
+        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
+        const int e = sg * MIX_SEG + threadIdx.x;
+        const int j = e / D, d = e - j * D;
+        // every load before any arithmetic (weak loads of post_in / comb_in: this launch's last
+        // CTA overwrites them only after every CTA has passed its fence)
+        const u32 fb = __ldg(f + d);
+        u32 rb[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
+        const double pj = post_in[j];
+        double cj[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
+        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
+#pragma unroll
+        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
+        const u16 h = (u16)f64_to_bf16(acc);
+        seg_s[threadIdx.x] = h;
+        out[e] = h;
+        __syncthreads();
+        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
+    } else {
+        unpack8(ldg16(R + e0), xf);
+    }
+    double v[4] = {0.0, 0.0, 0.0, 0.0};  // rows 3w, 3w+1, 3w+2, then the sum of squares
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const double d = xf[i];
+        v[3] = __fma_rn(d, d, v[3]);
+    }
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
+    }
+    // reduce_scatter32's tree on 4 values: pair lanes by bit 4, 3, 2 (xor), then 1, 0 (scatter)
+#pragma unroll
+    for (int o = 16; o >= 4; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = __dadd_rn(v[k], __shfl_xor_sync(0xffffffffu, v[k], o));
+    rs_stage<2>(v, lane);
+    rs_stage<1>(v, lane);  // lane l now holds value l & 3
+    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = v[0];  // slot 4w + 3: the same squares in every warp
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    // ---- phase B: the last CTA
+    __threadfence();
+    const int nc = D >> 3;
+    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
+    double* part = bnd_smem;                                          // [nseg][32] ws partials
+    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
+    u16* wst = sst + HC * D;                                          // [D] the norm weight
+    // every load of phase B is issued here (cp.async, L2): first the partials (group 1), then
+    // warps 4..7's own chunks of S and of the norm weight (group 2), which stay in flight
+    // through the segment sums and the mixes
+    for (int i = threadIdx.x; i < nseg * 16; i += BND_THREADS) cp_async16(part + 2 * i, ws + 2 * i, true);
+    cp_async_commit();
+    if (wid >= 4) {
+        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs
+        for (int c = vt; c < nc; c += 128) {
+#pragma unroll
+            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
+            cp_async16(wst + 8 * c, norm_w + 8 * c, true);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // the partials landed; S and the weight may still be in flight
+    } else {
+        cp_async_wait<0>();
+    }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    __syncthreads();
+    if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
+        const int t = threadIdx.x;
+        const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
+        double a = part[slot];
+        for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
+        tot[t] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x < BND_ROWS) {
+        const double rs = 1.0 / sqrt(tot[BND_ROWS] / (double)n + norm_eps);
+        const float m = __double2float_rn(__dmul_rn(tot[threadIdx.x], rs));
+        mix_s[threadIdx.x] = m;
+        mixes[threadIdx.x] = m;
+    }
+    __syncthreads();
+    if (wid == 0) {  // Sinkhorn on its own warp: comb / post are for the next hc_post only
+        split_lanes(mix_s, scale, base, iters, hc_eps, lane, nullptr, pre_out, post_out, comb_out);
+        return;
+    }
+    if (wid < 4) return;
+    // warps 4..7: pre, x = bf16(sum_i pre_i S_i), then rmsnorm_row<u16> with thread vt's chunks
+    // (each thread reads only the chunks its own cp.async brought: its wait suffices for them)
+    if (vt < HC) pre_s[vt] = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
+    cp_async_wait<0>();
+    bar_upper_half();
+    double ss = 0.0;
+    for (int c = vt; c < nc; c += 128) {
+        double acc[8];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            float xi[8];
+            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
+            const double p = pre_s[i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const double prod = __dmul_rn(p, (double)xi[e]);
+                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
+            }
+        }
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            h[e] = f64_to_bf16(acc[e]);
+            const double xv = bf16_to_f32(h[e]);
+            ss = __fma_rn(xv, xv, ss);
+        }
+        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                   h[6] | (h[7] << 16));
+        stg16(x_out + 8 * c, o);
+        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
+    }
+    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
+    if (lane == 0) red[wid - 4] = ss;
+    bar_upper_half();
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    for (int c = vt; c < nc; c += 128) {
+        float xv[8], wv[8];
+        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
+        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                         h[6] | (h[7] << 16)));
     }
 }

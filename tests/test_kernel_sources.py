@@ -306,6 +306,12 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["hc"].hc_weighted_sum(f32(2, 4), X)
     M["hc"].hc_head(X, f32(4, 256), f32(1), f32(4), hc_eps=1e-6, norm_eps=1e-6)
     M["hc"].hc_post(u16(2, 64), X, f32(2, 4), f32(2, 4, 4))
+    monkeypatch.setattr(M["hc"], "_WS", {})  # hc_boundary's split workspace: fake arrays stay here
+    bx = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6, xn=u16(1, 64), x=u16(1, 64), pre=f32(1, 4),
+              post=f32(1, 4), comb=f32(1, 4, 4), mixes=f32(1, 24))
+    M["hc"].hc_boundary(u16(1, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), **bx)
+    M["hc"].hc_boundary(u16(1, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), f=u16(1, 64),
+                        out=u16(1, 4, 64), **bx)
     M["compressor"].add_ape(f32(3, 8), f32(4, 8), i32(3))
     st = f32(8, 32)
     M["compressor"].pool_overlap(st[4:8], st[4:8], 1, prev_kv=st[0:4], prev_score=st[0:4])

@@ -3,8 +3,9 @@
 position-dependent decision taken on the device from ``pos`` (int32 [1] in the arena):
 
 * tok / pos: two 4-byte H2D copies per stage before the step (the only host input);
-* embed gather (decode.cu), hc_pre (mixes + Sinkhorn split kernels), rmsnorm, bf16 GEMVs
-  (decode.cu: warp per row, 4 weight loads in flight per lane);
+* embed gather (decode.cu); every sub-layer boundary in ONE launch (hc.cu hc_boundary: the
+  previous sub-layer's hc_post + hc_pre + the input rmsnorm, bit-identical to those kernels
+  run apart); bf16 GEMVs (decode.cu: warp per row, 4 weight loads in flight per lane);
 * every projection of the attention input xn in ONE launch (gemv_bf16_multi over a per-layer,
   per-state GemvTable built before capture): wq_a, wkv, the compressor and indexer-compressor
   wkv / wgate (written straight into pending row (pos % r) [+ r] with ape added), the indexer's
@@ -24,7 +25,8 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
   shared expert via gemv_bf16_swiglu (w1, w3 and the clamped SwiGLU in one launch) + w2 GEMV;
-* hc_post ping-pong, hc_head + final norm + head GEMV on the last stage;
+* hc_post ping-pong (fused into the next boundary; alone after a stage's last layer), hc_head +
+  final norm + head GEMV on the last stage;
 * stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
@@ -280,34 +282,47 @@ class DeviceStep:
                     runtime.boundary_copy(nxt.v["streams.a"], cur, cur.nbytes, S.stream,
                                           force_bounce=self.m.force_bounce)
 
-    def _hc_pre(self, S, L, streams, sub: str) -> None:
+    def _hc_pre(self, S, L, streams, sub: str, f=None, out=None) -> None:
+        """The boundary into sub-layer ``sub`` ("attn" / "ffn") in one launch (hc.hc_boundary):
+        with f (the previous sub-layer's output) first that sub-layer's hc_post (streams -> out,
+        post / comb read and then replaced in place), then hc_pre of the result (x, pre, post,
+        comb) and the sub-layer's input norm (xn)."""
         from memra_dsv4.gpu.ops import hc as HC
         cfg, v = self.cfg, S.v
-        HC.hc_pre(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
-                  iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                  mixes=v["dev.mix"], y=v["x"].reshape(1, -1), pre=v["hc.pre"].reshape(1, -1),
-                  post=v["hc.post"].reshape(1, -1), comb=v["hc.comb"].reshape(1, 4, 4))
+        D = cfg.hidden_size
+        HC.hc_boundary(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
+                       L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                       norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D), x=v["x"].reshape(1, D),
+                       pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
+                       comb=v["hc.comb"].reshape(1, 4, 4), mixes=v["dev.mix"], f=f, out=out)
 
     def _block(self, S, L, cur, oth, cache, table):
+        """One layer.  The hc_post that closes a sub-layer is fused into the next boundary's
+        launch (_hc_pre with f): the attn sub-layer's into the ffn boundary, the ffn sub-layer's
+        into the next layer's attn boundary.  The stage's first layer starts from the streams
+        as they are (embed / boundary copy); its last layer applies the ffn hc_post alone (the
+        head or the boundary copy reads the streams).  A stage of n layers swaps the streams 2n
+        times (1 + 2 + ... + 2 + 3), as before: they end in the buffer they started in."""
         from memra_dsv4.gpu.ops import hc as HC
-        from memra_dsv4.gpu.ops import rmsnorm as RN
         from memra_dsv4.profiling import phase
-        cfg, v, bp = self.cfg, S.v, f"{S.ph}/block"
-        D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        x, xn = v["x"].reshape(1, D), v["xn"].reshape(1, D)
+        v, bp = S.v, f"{S.ph}/block"
+        D = self.cfg.hidden_size
         post, comb = v["hc.post"].reshape(1, 4), v["hc.comb"].reshape(1, 4, 4)
         with phase(f"{bp}/attn"):
-            self._hc_pre(S, L, cur, "attn")
-            RN.rmsnorm(x, L.w("attn_norm.weight"), eps, out=xn)
+            if L is S.layers[0]:
+                self._hc_pre(S, L, cur, "attn")
+            else:  # the previous layer's ffn hc_post + this attn's hc_pre + attn_norm
+                self._hc_pre(S, L, cur, "attn", f=v["ffn.out"].reshape(1, D), out=oth)
+                cur, oth = oth, cur
             self._attention(S, L, cache, table)
-            HC.hc_post(v["attn.out"].reshape(1, D), cur, post, comb, out=oth)
-        cur, oth = oth, cur
-        with phase(f"{bp}/ffn"):
-            self._hc_pre(S, L, cur, "ffn")
-            RN.rmsnorm(x, L.w("ffn_norm.weight"), eps, out=xn)
+        with phase(f"{bp}/ffn"):  # the attn hc_post + the ffn hc_pre + ffn_norm
+            self._hc_pre(S, L, cur, "ffn", f=v["attn.out"].reshape(1, D), out=oth)
+            cur, oth = oth, cur
             self._moe(S, L)
-            HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
-        return oth, cur
+            if L is S.layers[-1]:
+                HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
+                cur, oth = oth, cur
+        return cur, oth
 
     def _kpos(self, S, r: int):
         i = S.ratios.index(r)

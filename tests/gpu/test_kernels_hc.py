@@ -7,6 +7,14 @@ Bounds:
 * y = bf16(sum pre_i X_i) and hc_post: double with the twin's order: bit-identical given the same
   pre (WSUM_MAX_ULP = 0); end to end (GPU pre vs twin pre) HC_Y_MAX_ULP.
 Sizes: Flash (D = 4096, fn [24, 16384]) and tiny (D = 256).
+
+hc_boundary (one launch: [hc_post] -> hc_pre -> rmsnorm, decode T = 1) is held BYTE FOR BYTE to
+the unfused kernels (hc_post -> hc_mixes (split path) -> hc_pre_finish -> rmsnorm) on fresh random
+inputs: new streams, mixes, x, pre, post, comb and xn; at Flash and Pro widths, tiny widths, and
+widths whose 256-element mixes segments straddle two streams (D = 192, 128); twice in a row (the
+last-CTA counter must be left at zero), in place (post / comb read and rewritten as the device
+step does), chained over several boundaries, and replayed from a CUDA graph with new inputs.
+Against the twins (oracle hc_post / hc_pre / rmsnorm) it inherits the unfused bounds above.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
+from memra_dsv4.formats import decode_bf16  # noqa: E402
 from memra_dsv4.gpu.ops import hc as K  # noqa: E402
-from memra_dsv4.gpu.ops.testing import assert_bf16, assert_f32, bits_of, fresh_seed, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.gpu.ops import rmsnorm as RN  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_bf16, assert_f32, bf16, bits_of, fresh_seed, rand_bf16, rng_for  # noqa: E402
 from memra_dsv4.host.hc import hc_split  # noqa: E402
 from memra_dsv4.oracle import ops as O  # noqa: E402
 
@@ -127,3 +137,209 @@ def test_hc_head(T, D):
                     hc_eps=HC_EPS, norm_eps=NORM_EPS)
     want = O.hc_head(X, fn, scale, base, hc_eps=HC_EPS, norm_eps=NORM_EPS)
     assert_bf16(got.get(), want, "hc_head", seed, max_ulp=HC_Y_MAX_ULP, max_frac=HC_Y_MAX_FRAC, T=T, D=D)
+
+
+# ------------------------------------------------------------------------- hc_boundary
+RMS_MAX_ULP, RMS_MAX_FRAC = 1, 1e-5  # test_kernels_rmsnorm's twin bounds (double-rounding ties)
+
+
+def _boundary_case(rng, D, wide: bool = False):
+    """Host inputs of one boundary: streams, the previous sub-layer's f, post / comb as a real
+    split leaves them (comb columns sum to ~1), fn / scale / base, a bf16 norm weight.
+    wide: streams and fn over ~2^+-12 so the double mixes sums are inexact and their bits
+    depend on the reduction order (with unit-scale data they are usually exact in any order)."""
+    spread = 12 if wide else 2
+    X = rand_bf16(rng, (1, 4, D), 1.0, spread=spread)
+    f = rand_bf16(rng, (1, D), 1.0, spread=spread)
+    post = (2 * rng.random((1, 4))).astype(np.float32)
+    comb = rng.random((1, 4, 4)).astype(np.float32)
+    comb /= comb.sum(axis=1, keepdims=True)
+    fn, scale, base = _params(rng, D, 24)
+    if wide:
+        fn = (fn * np.exp2(rng.integers(-12, 13, size=fn.shape))).astype(np.float32)
+    w = bf16(rng.standard_normal(D).astype(np.float32) * np.float32(0.5) + np.float32(1.0))
+    return dict(X=X, f=f, post=post, comb=comb, fn=fn, scale=scale, base=base, w=w)
+
+
+def _dev(c):
+    g = {k: cp.asarray(c[k]) for k in ("post", "comb", "fn", "scale", "base")}
+    g["X"], g["f"], g["w"] = (cp.asarray(bits_of(c[k])) for k in ("X", "f", "w"))
+    return g
+
+
+def _unfused(g, with_post: bool):
+    """The chain hc_boundary replaces, each kernel on its own."""
+    S = K.hc_post(g["f"], g["X"], g["post"], g["comb"]) if with_post else g["X"]
+    mixes = K.hc_mixes(S, g["fn"], NORM_EPS)  # T = 1: the split path, as the device step ran it
+    x, pre, post, comb = K.hc_pre_finish(mixes, g["scale"], g["base"], S, iters=ITERS, hc_eps=HC_EPS)
+    xn = RN.rmsnorm(x, g["w"], NORM_EPS)
+    return dict(streams=S, mixes=mixes, x=x, pre=pre, post=post, comb=comb, xn=xn)
+
+
+def _poisoned(shape, dtype):
+    """Output buffers full of NaN bits: an element the kernel fails to write cannot match."""
+    return cp.full(shape, 0xFFFF if dtype == np.uint16 else np.nan, dtype=dtype)
+
+
+def _fused(g, with_post: bool, in_place: bool):
+    D = g["X"].shape[2]
+    o = dict(x=_poisoned((1, D), np.uint16), xn=_poisoned((1, D), np.uint16),
+             pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32))
+    if in_place:  # the device step: post / comb are read, then replaced
+        o["post"], o["comb"] = g["post"].copy(), g["comb"].copy()
+        pin = cin = None
+    else:
+        o["post"], o["comb"] = _poisoned((1, 4), np.float32), _poisoned((1, 4, 4), np.float32)
+        pin, cin = g["post"], g["comb"]
+    out = _poisoned((1, 4, D), np.uint16) if with_post else None
+    kw = dict(f=g["f"], out=out, post_in=pin, comb_in=cin) if with_post else {}
+    S = K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
+                      norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], post=o["post"],
+                      comb=o["comb"], mixes=o["mixes"], **kw)
+    assert S is (out if with_post else g["X"])
+    o["streams"] = S
+    return o
+
+
+def _assert_same_bytes(got, want, seed, **ctx):
+    for k in ("streams", "mixes", "x", "pre", "post", "comb", "xn"):
+        a, b = cp.asnumpy(got[k]), cp.asnumpy(want[k]).reshape(got[k].shape)
+        assert a.dtype == b.dtype, f"hc_boundary {k}: dtype {a.dtype} != {b.dtype}"
+        bits = np.uint16 if a.itemsize == 2 else np.uint32
+        bad = np.flatnonzero(a.view(bits) != b.view(bits))
+        assert bad.size == 0, (
+            f"hc_boundary {k} != unfused chain at {bad.size}/{a.size} elements, first (index, fused, "
+            f"unfused): {[(int(i), a.ravel()[i], b.ravel()[i]) for i in bad[:4]]} [seed={seed}, {ctx}]")
+
+
+@pytest.mark.parametrize("D,with_post,in_place,wide", [
+    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash
+    (4096, True, True, True),                                                         # wide range
+    (7168, True, True, False),                                                        # Pro (nseg 112)
+    (256, True, True, False), (256, False, False, False), (512, True, False, False),  # tiny / small
+    (192, True, True, False), (192, True, False, True),                               # segments
+    (128, True, False, False), (128, False, False, False),                            # straddle streams
+])
+def test_hc_boundary_bitwise_unfused(D, with_post, in_place, wide):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    for rep in range(2):  # twice with fresh data: the counter self-resets, nothing is stale
+        g = _dev(_boundary_case(rng, D, wide))
+        want = _unfused(g, with_post)
+        got = _fused(g, with_post, in_place)
+        _assert_same_bytes(got, want, seed, D=D, with_post=with_post, in_place=in_place, wide=wide,
+                           rep=rep)
+
+
+@pytest.mark.parametrize("D", [4096, 256])
+def test_hc_boundary_vs_twin(D):
+    """The twin of hc_boundary is oracle hc_post -> hc_pre -> rmsnorm; the bounds are those of
+    the unfused kernels (the fused one equals them byte for byte)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    c = _boundary_case(rng, D)
+    got = _fused(_dev(c), True, True)
+    new = O.hc_post(c["f"], c["X"], c["post"], c["comb"])
+    assert_bf16(got["streams"].get(), new, "hc_boundary streams", seed, max_ulp=WSUM_MAX_ULP, D=D)
+    _, want_mixes = O._hc_mixes(new, c["fn"], NORM_EPS, O.BF16)
+    assert_f32(got["mixes"].get(), want_mixes, "hc_boundary mixes", seed, max_ulp=MIXES_MAX_ULP, D=D)
+    wpre, wpost, wcomb = hc_split(got["mixes"].get(), c["scale"], c["base"], 4, ITERS, HC_EPS)
+    assert_f32(got["pre"].get(), wpre, "hc_boundary pre", seed, max_ulp=SPLIT_MAX_ULP, D=D)
+    assert_f32(got["post"].get(), wpost, "hc_boundary post", seed, max_ulp=SPLIT_MAX_ULP, D=D)
+    assert_f32(got["comb"].get(), wcomb, "hc_boundary comb", seed, max_ulp=COMB_MAX_ULP, D=D)
+    assert_bf16(got["x"].get(), O.BF16.store(O._weighted_streams(new, got["pre"].get())),
+                "hc_boundary x | pre", seed, max_ulp=WSUM_MAX_ULP, D=D)
+    wy, _, _ = O.hc_pre(new, c["fn"], c["scale"], c["base"], hc_mult=4, iters=ITERS, hc_eps=HC_EPS,
+                        norm_eps=NORM_EPS)
+    assert_bf16(got["x"].get(), wy, "hc_boundary x", seed, max_ulp=HC_Y_MAX_ULP, max_frac=HC_Y_MAX_FRAC, D=D)
+    xv = decode_bf16(got["x"].get())
+    assert_bf16(got["xn"].get(), O.rmsnorm(xv, c["w"], NORM_EPS), "hc_boundary xn | x", seed,
+                max_ulp=RMS_MAX_ULP, max_frac=RMS_MAX_FRAC, D=D)
+
+
+def test_hc_boundary_chain_like_the_device_step():
+    """Five boundaries as DeviceStep._block runs them (first without hc_post, then with the
+    previous sub-layer's output; streams ping-pong; post / comb updated in place) against the
+    unfused kernels in the same flow, byte for byte at every boundary."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D = 4096
+    c = _boundary_case(rng, D)
+    g = _dev(c)
+    fns = [_dev(_boundary_case(rng, D)) for _ in range(5)]  # per-sub-layer fn / scale / base / w
+    a, b = g["X"].copy(), cp.empty_like(g["X"])
+    ra = g["X"].copy()
+    post, comb = cp.empty((1, 4), np.float32), cp.empty((1, 4, 4), np.float32)
+    rpost = rcomb = None
+    x, xn = cp.empty((1, D), np.uint16), cp.empty((1, D), np.uint16)
+    pre, mixes = cp.empty((1, 4), np.float32), cp.empty((1, 24), np.float32)
+    for k, p in enumerate(fns):
+        f = cp.asarray(bits_of(rand_bf16(rng, (1, D), 1.0, spread=2)))  # the sub-layer's output
+        kw = dict(f=f, out=b) if k else {}
+        K.hc_boundary(a, p["fn"], p["scale"], p["base"], p["w"], iters=ITERS, hc_eps=HC_EPS,
+                      norm_eps=NORM_EPS, xn=xn, x=x, pre=pre, post=post, comb=comb, mixes=mixes, **kw)
+        if k:
+            a, b = b, a
+        ref = _unfused(dict(p, X=ra, f=f, post=rpost, comb=rcomb), bool(k))
+        ra, rpost, rcomb = ref["streams"], ref["post"], ref["comb"]
+        _assert_same_bytes(dict(streams=a, mixes=mixes, x=x, pre=pre, post=post, comb=comb, xn=xn),
+                           ref, seed, boundary=k)
+
+
+def test_hc_boundary_graph_replay():
+    """Captured once, replayed with new inputs written into the captured buffers (in-place post /
+    comb as the device step): every replay equals the unfused chain; no allocation."""
+    from memra_dsv4.gpu import graphs
+    from memra_dsv4.gpu.arena import count_allocations
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D = 4096
+    g = _dev(_boundary_case(rng, D))
+    bufs = dict(x=cp.empty((1, D), np.uint16), xn=cp.empty((1, D), np.uint16),
+                pre=cp.empty((1, 4), np.float32), post=g["post"].copy(), comb=g["comb"].copy(),
+                mixes=cp.empty((1, 24), np.float32), out=cp.empty((1, 4, D), np.uint16))
+    K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
+                  norm_eps=NORM_EPS, f=g["f"], **bufs)  # loads the kernel before the capture
+    _unfused(g, True)  # sizes the shared split workspace before the capture, as DeviceStep._prewarm
+    s = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+
+    def step():
+        K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
+                      norm_eps=NORM_EPS, f=g["f"], **bufs)
+
+    graph = graphs.capture(s, step)
+    for rep in range(3):
+        c = _boundary_case(rng, D)
+        for k, v in _dev(c).items():
+            g[k][...] = v
+        bufs["post"][...] = g["post"]
+        bufs["comb"][...] = g["comb"]
+        cp.cuda.Device().synchronize()
+        want = _unfused(g, True)
+        cp.cuda.Device().synchronize()
+        with count_allocations() as n_alloc:
+            graphs.replay(graph, s)
+            s.synchronize()
+        assert n_alloc.total == 0, f"{n_alloc} allocations in a replay"
+        got = dict(streams=bufs["out"], **{k: bufs[k] for k in ("mixes", "x", "pre", "post", "comb", "xn")})
+        _assert_same_bytes(got, want, seed, rep=rep)
+
+
+def test_hc_boundary_refusals():
+    rng = rng_for(1)
+    g = _dev(_boundary_case(rng, 256))
+    D = 256
+    kw = dict(iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, xn=cp.empty((1, D), np.uint16),
+              x=cp.empty((1, D), np.uint16), pre=cp.empty((1, 4), np.float32),
+              post=cp.empty((1, 4), np.float32), comb=cp.empty((1, 4, 4), np.float32),
+              mixes=cp.empty((1, 24), np.float32))
+    with pytest.raises(AssertionError, match="out must not alias"):
+        K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], f=g["f"], out=g["X"], **kw)
+    with pytest.raises(AssertionError, match="one token"):
+        X2 = cp.zeros((2, 4, D), np.uint16)
+        K.hc_boundary(X2, g["fn"], g["scale"], g["base"], g["w"], **kw)
+    with pytest.raises(AssertionError, match="norm_weight"):
+        K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"].view(np.int16).astype(np.float32), **kw)
+    with pytest.raises(AssertionError, match="belong to the hc_post half"):
+        K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], out=cp.empty((1, 4, D), np.uint16), **kw)

@@ -6,6 +6,9 @@ hc_pre(streams, fn, scale, base, ...)            twin oracle.ops.hc_pre (= hc_mi
 hc_weighted_sum(pre, streams)                    twin oracle.ops._weighted_streams (host-substituted pre)
 hc_head(streams, fn, scale, base, ...)           twin oracle.ops.hc_head
 hc_post(f, residual, post, comb)                 twin oracle.ops.hc_post (bit-identical)
+hc_boundary(streams, fn, scale, base, norm_w, ...)  one decode token's sub-layer boundary in one
+    launch: [hc_post of the previous sub-layer] -> hc_pre -> rmsnorm; twin oracle.ops.hc_post ->
+    hc_pre -> rmsnorm, and bit-identical to the unfused kernels hc_post -> hc_pre -> rmsnorm
 
 Streams are [T, hc, D] bf16 (uint16) with hc = 4.
 """
@@ -15,11 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, i32, kernel, out_array, sm_count
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, out_array, sm_count
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
-           "hc_post")
+           "hc_post", "hc_boundary")
 kernel_loader.register(STEM, KERNELS)
 
 HC = 4
@@ -168,4 +171,65 @@ def hc_post(f, residual, post, comb, out=None):
     return out
 
 
-__all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post"]
+def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: float,
+                norm_eps: float, xn, x, pre, post, comb, mixes, f=None, out=None, post_in=None,
+                comb_in=None):
+    """One decode token (T = 1) across a sub-layer boundary, one launch (kernels_cu/hc.cu
+    hc_boundary), bit for bit the unfused chain:
+
+        f given:   out = hc_post(f, streams, post_in, comb_in); S = out
+        f None:    S = streams (the first sub-layer of a stage: embed or the boundary copy)
+        x, pre, post, comb = hc_pre(S, fn, scale, base)   (mixes: the 24 mix values)
+        xn = rmsnorm(x, norm_weight, norm_eps)
+
+    post_in / comb_in default to post / comb: the device step updates them in place (the
+    kernel reads them before any CTA writes them).  streams [1, 4, D] bf16 bits, fn [24, 4D]
+    f32, scale [3], base [24] f32, norm_weight [D] bf16 bits; x, xn [1, D]; pre, post [1, 4];
+    comb [1, 4, 4]; mixes [1, 24].  Uses the per-device split workspace (not concurrently on two
+    streams of one device).  Returns the streams the norm was taken from (out or streams)."""
+    T, D = _streams(streams, "hc_boundary.streams")
+    assert T == 1, f"hc_boundary: one token (decode), got T = {T}"
+    n = HC * D
+    rows = (2 + HC) * HC
+    assert n % SEG == 0 and n // SEG <= 128, f"hc_boundary: hc*D = {n} (need a multiple of 256, <= 32768)"
+    check(fn, "hc_boundary.fn", np.float32, (rows, n))
+    check(scale, "hc_boundary.scale", np.float32, (3,))
+    check(base, "hc_boundary.base", np.float32, (rows,))
+    check(norm_weight, "hc_boundary.norm_weight", np.uint16, (D,))
+    check(x, "hc_boundary.x", np.uint16, (1, D))
+    check(xn, "hc_boundary.xn", np.uint16, (1, D))
+    check(pre, "hc_boundary.pre", np.float32, (1, HC))
+    check(post, "hc_boundary.post", np.float32, (1, HC))
+    check(comb, "hc_boundary.comb", np.float32, (1, HC, HC))
+    check(mixes, "hc_boundary.mixes", np.float32, (1, rows))
+    for a, name in ((streams, "streams"), (norm_weight, "norm_weight"), (x, "x"), (xn, "xn")):
+        assert a.data.ptr % 16 == 0, f"hc_boundary.{name}: 16-byte loads need a 16-byte aligned base"
+    if f is not None:
+        check(f, "hc_boundary.f", np.uint16, (1, D))
+        out = out_array(out, "hc_boundary.out", (1, HC, D), np.uint16)
+        post_in = post if post_in is None else post_in
+        comb_in = comb if comb_in is None else comb_in
+        check(post_in, "hc_boundary.post_in", np.float32, (1, HC))
+        check(comb_in, "hc_boundary.comb_in", np.float32, (1, HC, HC))
+        assert out.data.ptr != streams.data.ptr, "hc_boundary: out must not alias streams"
+        assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, "hc_boundary: f / out not 16-byte aligned"
+        src = out
+    else:
+        assert out is None and post_in is None and comb_in is None, (
+            "hc_boundary: out / post_in / comb_in belong to the hc_post half (f given)")
+        src = streams
+    nseg = n // SEG
+    ws, cnt = split_workspace(1, nseg)
+    k = kernel(STEM, "hc_boundary")
+    smem = 14 * D  # phase B: ws partials (4D), the streams (8D), the norm weight (2D); the opt-in below also covers ~0.9 KB static
+    dynamic_smem(k, smem + 1024)
+    null = np.uint64(0)
+    k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
+                        null if f is None else comb_in, null if f is None else out, fn, scale, base,
+                        norm_weight, mixes, pre, post, comb, x, xn, i32(D), i32(iters),
+                        np.float32(hc_eps), np.float64(norm_eps), ws, cnt), shared_mem=smem)
+    return src
+
+
+__all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
+           "hc_boundary"]
