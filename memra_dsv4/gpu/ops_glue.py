@@ -135,6 +135,35 @@ class GemmBackend:
         plan.run_arrays(cp.ascontiguousarray(w_u16), xb, y, cp.cuda.get_current_stream())
         return y
 
+    def mm_batched(self, x_u16, w_u16, y):
+        """y[b*m:(b+1)*m] = x[b*m:(b+1)*m] . w[b]^T for b < n, fp32 accumulation, into the
+        float32 [n*m, N] ``y``: x uint16 [n*m, K] bf16 bits, w uint16 [n, N, K] (a group of
+        dequantised experts).  One strided-batched cuBLASLt GEMM (plan cached per (m, N, K, n));
+        every operand contiguous and 256-byte aligned (the heuristic's default assumption)."""
+        cp = _cp()
+        n, N, K = w_u16.shape
+        rows = x_u16.shape[0]
+        if (x_u16.dtype != cp.uint16 or w_u16.dtype != cp.uint16 or y.dtype != cp.float32
+                or x_u16.ndim != 2 or x_u16.shape[1] != K or rows % n
+                or y.shape != (rows, N)):
+            raise ValueError(f"mm_batched: x {x_u16.dtype} {x_u16.shape}, w {w_u16.dtype} "
+                             f"{w_u16.shape}, y {y.dtype} {y.shape}")
+        m = rows // n
+        self.flops += 2 * rows * N * K
+        if self.mode == "cupy":
+            y[...] = cp.matmul(to_f32(x_u16).reshape(n, m, K),
+                               to_f32(w_u16).transpose(0, 2, 1)).reshape(rows, N)
+            return y
+        from memra_dsv4.gpu.blaslt import GemmKey
+        for a in (x_u16, w_u16, y):
+            if not a.flags.c_contiguous or a.data.ptr % 256:
+                raise ValueError(f"mm_batched: operand at {a.data.ptr:#x} must be contiguous "
+                                 f"and 256-byte aligned")
+        plan = self.lt.plan(GemmKey(m, N, K, "bf16", "bf16", "f32", batch=n))
+        plan.run_arrays(w_u16, x_u16.reshape(n, m, K), y.reshape(n, m, N),
+                        cp.cuda.get_current_stream())
+        return y
+
 
 def linear(g: GemmBackend, x, w_u16, out: str = "bf16", scale=None):
     """oracle ops.linear for kinds fp8/fp4/bf16 (out='bf16': stored) and f32 (out='f32').
