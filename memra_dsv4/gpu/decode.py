@@ -27,6 +27,13 @@ import sys
 
 import numpy as np
 
+# The kernel modules the chunk routine launches register their kernels at import: imported here
+# so every name is registered before any module is built (no mid-run rebuild of a stem).
+from memra_dsv4.gpu.ops import attention as AT
+from memra_dsv4.gpu.ops import hc as HC
+from memra_dsv4.gpu.ops import indexer as IX
+from memra_dsv4.gpu.ops import quant_sim as QS
+from memra_dsv4.gpu.ops import rmsnorm as RN
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.profiling import phase
@@ -77,8 +84,6 @@ class ChunkBlock:
         device step's: hc_pre = mixes + Sinkhorn split + weighted sum, hc_post) and the norms
         through rmsnorm.cu: one pass each instead of the float64 CuPy islands of ops_glue."""
         from memra_dsv4.gpu import ops_glue as G
-        from memra_dsv4.gpu.ops import hc as HC
-        from memra_dsv4.gpu.ops import rmsnorm as RN
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
         sb = G.bf16_bits(streams)   # exact: the streams are bf16-valued
@@ -105,7 +110,6 @@ class ChunkBlock:
         ``sb`` (ops.hc.hc_pre; n_split=1: no shared split workspace, T is large or this is the
         legacy decode, where a few CTAs are enough)."""
         cp = _cp()
-        from memra_dsv4.gpu.ops import hc as HC
         b, cfg = self.b, self.cfg
         fn = b.w(f"hc_{sub}_fn")
         fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
@@ -157,8 +161,6 @@ class ChunkBlock:
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.model import _f64
-        from memra_dsv4.gpu.ops import attention as AT
-        from memra_dsv4.gpu.ops import rmsnorm as RN
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
         S = x.shape[0]
@@ -237,8 +239,6 @@ class ChunkBlock:
         dot order) and top-k (score order, ties -> lower index; -1 padded)."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
-        from memra_dsv4.gpu.ops import indexer as IX
-        from memra_dsv4.gpu.ops import quant_sim as QS
         b, cfg = self.b, self.cfg
         S = x.shape[0]
         nI, dI = cfg.index_n_heads, cfg.index_head_dim

@@ -29,16 +29,22 @@ move with ``runtime.boundary_copy`` (peer copy with peer access, else a pinned h
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import numpy as np
 
 from memra_dsv4.config import Dsv4Config, preset
+from memra_dsv4.gpu.ops.prefill_moe import routed_moe
 from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.oracle.model import ForwardOut, check_token_ids
 from memra_dsv4.profiling import phase
 
 __all__ = ["Dsv4Gpu", "ForwardOut"]
+
+# Every experts.cu name (the decode GEMVs of ops.experts, the prefill MoE's) is registered before
+# the module is first built, so it is compiled once per device, never again mid-run.
+importlib.import_module("memra_dsv4.gpu.ops.experts")
 
 
 class Dsv4Gpu:
@@ -349,7 +355,6 @@ class _Block:
         device->host copy of idx (it sizes the GEMMs), one host->device copy of the dispatch
         tables, then per group of experts 3 dequants, 3 batched GEMMs and a SwiGLU."""
         import cupy as cp
-        from memra_dsv4.gpu.ops.prefill_moe import routed_moe
         fmt = self.st.expert_fmt[self.lid]
         key = f"{self.p}.ffn.experts"
         experts = {w: (self.st[f"{key}.{w}.packed"], self.st[f"{key}.{w}.scale"])

@@ -197,7 +197,6 @@ def swiglu_rows(gate, up, wts, flat, limit: float, out):
 def combine_sorted(ys, pos, shared, out=None):
     """out[t] = bf16((0 + sum_j bf16(ys[pos[t, j]])) + shared[t]) in f32.  ys [P, D] f32,
     pos [T, k] int32 (picks in ascending expert id), shared [T, D] f32 -> out [T, D] f32."""
-    cp = cupy()
     check(ys, "combine_sorted.ys", np.float32)
     D = ys.shape[1]
     assert D % 8 == 0, f"combine_sorted: D = {D} must be a multiple of 8"
@@ -205,7 +204,7 @@ def combine_sorted(ys, pos, shared, out=None):
     T, k = pos.shape
     check(shared, "combine_sorted.shared", np.float32, (T, D))
     if out is None:
-        out = cp.empty((T, D), dtype=cp.float32)
+        out = cupy().empty((T, D), dtype=np.float32)
     check(out, "combine_sorted.out", np.float32, (T, D))
     if T:
         kernel(STEM, "moe_combine_sorted")((T, (D // 8 + 127) // 128), (128,),
