@@ -106,8 +106,14 @@ def dispatch_plan(idx_h, group: int, bucket=moe_bucket) -> DispatchPlan:
         raise ValueError(f"dispatch_plan: group = {group} must be >= 1")
     T, k = idx.shape
     flat = idx.reshape(-1).astype(np.int64)
-    order = np.argsort(flat, kind="stable")                 # by expert, then t * k + j
-    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    # by expert, then t * k + j; 16-bit keys take NumPy's radix sort (~10x a 64-bit argsort:
+    # this runs on the host between the routing readback and the first expert launch)
+    n_ids = int(flat.max()) + 1
+    order = np.argsort(flat.astype(np.int16) if n_ids <= 1 << 15 else flat, kind="stable")
+    per_id = np.bincount(flat, minlength=n_ids)
+    experts = np.flatnonzero(per_id)
+    counts = per_id[experts]
+    starts = np.cumsum(counts) - counts                     # first sorted pick of each expert
     by = np.argsort(-counts, kind="stable")                 # most picked first, ties by id
     base = np.empty(experts.size, dtype=np.int64)           # padded row of each expert's pick 0
     groups, row = [], 0
