@@ -1,5 +1,9 @@
-"""The host-driven ("legacy") GPU decode: a per-layer loop over the prefill ops (CuPy twins +
-cuBLASLt GEMMs of ops_glue) for a chunk of positions against a device ``DecodeState``.
+"""The host-driven ("legacy") GPU decode: a per-layer loop over the prefill ops for a chunk of
+positions against a device ``DecodeState``: cuBLASLt GEMMs and small CuPy islands of ops_glue,
+the device step's kernels (gpu.ops: hc, rmsnorm, attention, indexer, quant_sim) for everything
+that scales with S x heads or S x hc x D, and the batched routed experts of gpu.ops.prefill_moe.
+Activations between ops are float32 holding bf16 values, or bf16 bits where a kernel chain
+consumes them; each kernel rounds where its CuPy twin stores, so the numeric class is bf16.
 
 ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence, mirroring the oracle's
 ``memra_dsv4.oracle.decode._attention_chunk`` step for step (dsv4_attention.md 7.4):
