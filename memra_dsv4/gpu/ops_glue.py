@@ -79,6 +79,7 @@ def _ew(name: str):
 def to_f32(u16):
     """bf16 bit patterns (uint16) -> float32, exact."""
     cp = _cp()
+    u16 = cp.asarray(u16)
     if u16.dtype != cp.uint16:   # the historical formula for other integer storage
         return (u16.astype(cp.uint32) << 16).view(cp.float32)
     return _ew("to_f32")(u16)
@@ -87,6 +88,7 @@ def to_f32(u16):
 def _as_f32(x):
     """float32 view/copy of x (float64 and others: one RN cast first, as astype)."""
     cp = _cp()
+    x = cp.asarray(x)   # host inputs are uploaded, as cp.ascontiguousarray did
     return x if x.dtype == cp.float32 else x.astype(cp.float32)
 
 

@@ -223,3 +223,31 @@ def test_routed_moe(fmt, T, k, E, D, I, group, distinct):
     want = O.moe_combine(routed, idx, shared)
     r = _rel(got, want)
     assert r <= MOE_REL_L2, f"seed {seed}: vs float64 oracle relL2 {r:.2e} (per-expert path {_rel(old, want):.2e})"
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (3, 4, 512), (0, 8)])
+def test_store_helpers_one_pass(shape):
+    """ops_glue.bf16_bits / store / to_f32 (one ElementwiseKernel each): the integer RNE formula
+    u += 0x7FFF + ((u >> 16) & 1) bit for bit (the CuPy expressions they replaced), on normal,
+    subnormal, tie, huge, inf and NaN inputs, from float32 and float64 (rounded to f32 first)
+    and from a strided view."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-140, 120, shape))).astype(np.float32)
+    flat = x.reshape(-1)
+    specials = np.array([np.inf, -np.inf, np.nan, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8,
+                         3.4e38, -0.0, 1e-40], np.float32)
+    flat[:min(flat.size, specials.size)] = specials[:flat.size]
+    u = x.view(np.uint32).astype(np.uint64)
+    want_bits = (((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16).astype(np.uint16)
+    got = G.bf16_bits(cp.asarray(x)).get()
+    assert np.array_equal(got, want_bits), f"seed {seed}: bf16_bits"
+    got_store = G.store(cp.asarray(x)).get()
+    assert np.array_equal(got_store.view(np.uint32), want_bits.astype(np.uint32) << 16), f"seed {seed}: store"
+    back = G.to_f32(cp.asarray(want_bits)).get()
+    assert np.array_equal(back.view(np.uint32), want_bits.astype(np.uint32) << 16), f"seed {seed}: to_f32"
+    x64 = x.astype(np.float64)
+    assert np.array_equal(G.bf16_bits(cp.asarray(x64)).get(), want_bits), f"seed {seed}: float64 input"
+    if x.ndim == 2 and x.shape[1] > 2:
+        view = cp.asarray(x)[:, ::2]
+        assert np.array_equal(G.bf16_bits(view).get(), want_bits[:, ::2]), f"seed {seed}: strided"
