@@ -45,6 +45,7 @@ from memra_dsv4.profiling import phase
 __all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock"]
 
 DECODE_PATHS = ("legacy", "device-hostmath", "device")
+_GRID_Y_ROWS = 32768   # rows per launch of kernels that index rows by blockIdx.y (<= 65535)
 
 
 def resolve_decode_path(explicit: str | None = None, *, announce: bool = True) -> str:
@@ -267,7 +268,11 @@ class ChunkBlock:
         # The selection reads columns < n_valid[t] only; a capture holds every column, as the
         # oracle's scores do (the valid columns are the same bits either way).
         n_cols = n_valid if cap is None else cp.full((S,), n, dtype=cp.int32)
-        scores = IX.scores(qI, G.bf16_bits(wts), keys, n_cols)   # w_scale 1: wts is stored
+        wb = G.bf16_bits(wts)   # w_scale 1 below: wts is already the stored product
+        scores = cp.empty((S, n), dtype=cp.uint16)
+        for s0 in range(0, S, _GRID_Y_ROWS):   # the scores kernel puts the rows on grid.y
+            r = slice(s0, min(S, s0 + _GRID_Y_ROWS))
+            IX.scores(qI[r], wb[r], keys, n_cols[r], out=scores[r])
         sel = IX.topk(scores, n_valid, cfg.index_topk)
         if cap is not None:
             cap.update({"attn.index.scores": G.to_f32(scores), "attn.index.sel": sel})
