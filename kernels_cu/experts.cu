@@ -662,3 +662,155 @@ GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k4, 4, false)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
+
+// ==================================================================== prefill MoE (batched)
+// The chunk routine's routed experts (memra_dsv4/gpu/ops/prefill_moe.py): the tokens' picks are
+// laid out expert-sorted in a padded buffer (expert slot j of a group owns rows
+// [row0 + j * mb, row0 + (j + 1) * mb), unused rows are padding), the group's experts are
+// dequantised into a bf16 scratch [n, out, in] and run as one strided-batched cuBLASLt GEMM.
+// These kernels are the glue around those GEMMs; each is bit-identical to the per-expert CuPy
+// path it replaces (gpu.ops_glue: dequant_fp4_bf16, bf16_bits gather, linear -> store,
+// swiglu_clamped -> store, moe_combine).
+
+// dequant_{mx,nv}fp4_bf16_experts: out[j] = dequant(expert eids[j]) for j < gridDim.y, from the
+// STACKED per-layer tensors (packed [E, R, C/2] u8, scales [E, R, C/32 | C/16] u8; p_stride /
+// s_stride = bytes per expert). Per 32-element chunk the exact arithmetic of dequant_*_bf16
+// above (same helpers), so the bits equal a per-expert call. grid (x, n), block 256, grid-stride
+// over the expert's R * C / 32 chunks (memory bound: 16 B read, 64 B written per thread step).
+extern "C" __global__ void __launch_bounds__(256)
+dequant_mxfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ scale, long long p_stride,
+                           long long s_stride, const int* __restrict__ eids, u16* __restrict__ out,
+                           long long R, int C) {
+    const i64 e = __ldg(eids + blockIdx.y);
+    const u8* pk = packed + e * p_stride;
+    const u8* sc = scale + e * s_stride;
+    const int cpr = C >> 5;
+    const i64 total = R * cpr;
+    u16* o_e = out + (i64)blockIdx.y * total * 32;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const uint4 w = ldg16(pk + q * 16);
+        const u32 sb = __ldg(sc + q);
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+        uint4* o = reinterpret_cast<uint4*>(o_e + q * 32);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            u32 h[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) h[i] = mx_to_bf16((ws[v] >> (4 * i)) & 15u, sb);
+            o[v] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+        }
+    }
+}
+
+// ws2: f32 [E] on the device (the layer's weight_scale_2 per expert).
+extern "C" __global__ void __launch_bounds__(256)
+dequant_nvfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ wscale, long long p_stride,
+                           long long s_stride, const float* __restrict__ ws2, const int* __restrict__ eids,
+                           u16* __restrict__ out, long long R, int C) {
+    const i64 e = __ldg(eids + blockIdx.y);
+    const u8* pk = packed + e * p_stride;
+    const u8* sc = wscale + e * s_stride;
+    const float s2 = __ldg(ws2 + e);
+    const int cpr = C >> 5;
+    const i64 total = R * cpr;
+    u16* o_e = out + (i64)blockIdx.y * total * 32;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const uint4 w = ldg16(pk + q * 16);
+        const float s0 = e4m3_to_f32(__ldg(sc + 2 * q)), s1 = e4m3_to_f32(__ldg(sc + 2 * q + 1));
+        const u32 ws[4] = {w.x, w.y, w.z, w.w};
+        uint4* o = reinterpret_cast<uint4*>(o_e + q * 32);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            const float s = v < 2 ? s0 : s1;
+            float f[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((ws[v] >> (4 * i)) & 15u), s), s2);
+            o[v] = pack8(f);
+        }
+    }
+}
+
+// moe_gather_bf16: xs[p] = bf16(x[src[p]]) (RNE; exact for the bf16-valued activations), zeros
+// where src[p] < 0 (padding rows). x [T, D] f32, src [P] int32, xs [P, D] bf16. D % 8 == 0.
+// Grid-stride, thread = 8 channels (two 16 B loads, one 16 B store).
+extern "C" __global__ void __launch_bounds__(256)
+moe_gather_bf16(const float* __restrict__ x, const int* __restrict__ src, u16* __restrict__ xs,
+                long long P, int D) {
+    const int cpr = D >> 3;
+    const i64 total = P * cpr;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 p = i / cpr;
+        const int c = (int)(i % cpr);
+        const int t = __ldg(src + p);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (t >= 0) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (i64)t * D + 8 * c);
+            const float4 a = __ldg(xr), b = __ldg(xr + 1);
+            const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            v = pack8(f);
+        }
+        stg16(xs + i * 8, v);
+    }
+}
+
+// moe_swiglu_rows: h[p] = bf16(swiglu_value(bf16(gate[p]), bf16(up[p]), wts[flat[p]])) for the
+// padded rows p < P of a group (flat[p] < 0: padding, h = 0). gate/up [P, I] f32 (the batched
+// GEMM outputs; rounded to bf16 here = linear(..., out="bf16")), wts [T * k] f32 routing weights,
+// flat [P] int32 (t * k + pick), h [P, I] bf16. I % 8 == 0. Grid-stride, thread = 8 channels.
+extern "C" __global__ void __launch_bounds__(256)
+moe_swiglu_rows(const float* __restrict__ gate, const float* __restrict__ up, const float* __restrict__ wts,
+                const int* __restrict__ flat, u16* __restrict__ h, long long P, int I, double limit) {
+    const int cpr = I >> 3;
+    const i64 total = P * cpr;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 p = i / cpr;
+        const int f = __ldg(flat + p);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (f >= 0) {
+            const float ws = __ldg(wts + f);
+            const float4* gr = reinterpret_cast<const float4*>(gate + i * 8);
+            const float4* ur = reinterpret_cast<const float4*>(up + i * 8);
+            const float4 g0 = __ldg(gr), g1 = __ldg(gr + 1), u0 = __ldg(ur), u1 = __ldg(ur + 1);
+            const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+            const float u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = swiglu_value(round_bf16(g[e]), round_bf16(u[e]), ws, true, limit);
+            v = pack8(o);
+        }
+        stg16(h + i * 8, v);
+    }
+}
+
+// moe_combine_sorted: y[t] = bf16( (0 + sum_j bf16(ys[pos[t, j]])) + shared[t] ), f32 adds in j
+// order; the host orders pos[t, :] by ascending expert id (stable in the pick), so this is
+// oracle.ops.moe_combine of the stored expert outputs (bit-identical to ops_glue.moe_combine).
+// ys [P, D] f32 (down GEMM outputs), pos [T, k] int32 rows of ys, shared [T, D] f32 bf16-valued,
+// y [T, D] f32 bf16-valued. grid (T, ceil(D / 1024)), block 128, thread = 8 channels.
+extern "C" __global__ void __launch_bounds__(128)
+moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, const float* __restrict__ shared,
+                   float* __restrict__ y, int k, int D) {
+    const i64 t = blockIdx.x;
+    const int c = blockIdx.y * 128 + threadIdx.x;
+    if (8 * c >= D) return;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const i64 r = __ldg(pos + t * k + j);
+        const float4* yr = reinterpret_cast<const float4*>(ys + r * D + 8 * c);
+        const float4 a = __ldg(yr), b = __ldg(yr + 1);
+        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], round_bf16(f[e]));
+    }
+    const float4* sr = reinterpret_cast<const float4*>(shared + t * D + 8 * c);
+    const float4 a = __ldg(sr), b = __ldg(sr + 1);
+    const float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    float o[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = round_bf16(__fadd_rn(acc[e], s[e]));
+    float4* yo = reinterpret_cast<float4*>(y + t * D + 8 * c);
+    yo[0] = make_float4(o[0], o[1], o[2], o[3]);
+    yo[1] = make_float4(o[4], o[5], o[6], o[7]);
+}

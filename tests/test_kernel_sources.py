@@ -358,6 +358,13 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["moe"].combine(u16(2, 6, 64), i32(2, 6))
     M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
     M["dense"].dequant_fp8_bf16(u8(3, 40), u8(1, 1), out=u16(3, 40))
+    PM = importlib.import_module("memra_dsv4.gpu.ops.prefill_moe")
+    monkeypatch.setattr(PM, "kernel", fake_kernel)
+    PM.dequant_experts("mxfp4", u8(3, 16, 32), u8(3, 16, 2), i32(2), u16(2, 16, 64))
+    PM.dequant_experts("nvfp4", u8(3, 16, 32), u8(3, 16, 4), i32(2), u16(2, 16, 64), ws2=f32(3))
+    PM.gather_rows(f32(4, 64), i32(5), u16(5, 64))
+    PM.swiglu_rows(f32(5, 64), f32(5, 64), f32(8), i32(5), 10.0, u16(5, 64))
+    PM.combine_sorted(f32(5, 64), i32(2, 4), f32(2, 64))
     from memra_dsv4.gpu.ops import kernel_names
 
     every = {n for names in kernel_names().values() for n in names}

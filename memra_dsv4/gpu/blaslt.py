@@ -12,6 +12,12 @@ Contract
       ``[K/128, M]`` row-major, TOKEN INDEX FASTEST, i.e. the transpose of the natural
       ``[M, K/128]``).  Both layouts verified on H200 (verified_on_h200.md); sm_90 only.
   Every buffer is row-major with a leading dimension equal to its row length.
+* ``batch`` > 1 (unscaled bf16 keys only): a strided batch of ``batch`` independent GEMMs,
+  Y[b] = X[b] . W[b]^T, operands packed back to back (W [batch, N, K], X [batch, M, K],
+  Y [batch, M, N]; strides N*K, M*K, M*N elements), set as the layouts' BATCH_COUNT and
+  STRIDED_BATCH_OFFSET.  The prefill MoE runs a group of experts this way (gpu.ops.prefill_moe).
+  Each batch entry is the same f32-accumulated product as a batch-1 plan, though cuBLASLt may
+  pick a different algorithm (a different summation order, bf16-class differences).
 * Layouts (python_gpu_tooling.md 1.3, the "TN" trick; FP8 on Hopper requires it): cuBLASLt is
   column-major, so row-major W[N,K] is A = (K x N, ld K) with TRANSA = T; row-major X[M,K] is
   B = (K x M, ld K), TRANSB = N; row-major Y[M,N] is C = D = (N x M, ld N).
@@ -106,9 +112,10 @@ class GemmKey:
     a_scale: str = "none"
     b_scale: str = "none"
     epilogue: str = "none"
+    batch: int = 1          # strided batch count (see the module doc); 1 = one GEMM
 
     def __post_init__(self) -> None:
-        for f in ("m", "n", "k"):
+        for f in ("m", "n", "k", "batch"):
             v = getattr(self, f)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GemmKey.{f} = {v!r} must be a positive int")
@@ -134,6 +141,8 @@ class GemmKey:
             raise ValueError(f"GemmKey {self.label}: N*itemsize(D) must be a multiple of 16 bytes")
         if self.block_scaled and self.k % SCALE_BLOCK:
             raise ValueError(f"GemmKey {self.label}: block-scaled FP8 needs K % {SCALE_BLOCK} == 0")
+        if self.batch > 1 and self.block_scaled:
+            raise ValueError(f"GemmKey {self.label}: batched plans are bf16 only (no scales)")
 
     @property
     def block_scaled(self) -> bool:
@@ -144,6 +153,8 @@ class GemmKey:
         s = f"gemm m{self.m} n{self.n} k{self.k} {self.a_dtype}x{self.b_dtype}->{self.d_dtype}"
         if self.block_scaled:
             s += f" scales {self.a_scale}/{self.b_scale}"
+        if self.batch > 1:
+            s += f" batch {self.batch}"
         return s
 
     # Shapes of the row-major operands the caller passes.
@@ -180,8 +191,12 @@ class GemmKey:
             "D": (self.d_dtype, self.n, self.m, self.n),
         }
 
+    def batch_strides(self) -> dict[str, int]:
+        """Elements between consecutive batch entries of A (W), B (X) and D (Y)."""
+        return {"A": self.n * self.k, "B": self.m * self.k, "D": self.m * self.n}
+
     def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
+        return 2 * self.batch * self.m * self.n * self.k
 
 
 # ------------------------------------------------------------------------ GPU side
@@ -289,6 +304,9 @@ class GemmPlan:
                 for attr, which in (("a_layout", "A"), ("b_layout", "B"), ("d_layout", "D")):
                     dtype, rows, cols, ld = layouts[which]
                     setattr(self, attr, lt.matrix_layout_create(_cuda_dtype(dtype), rows, cols, ld))
+                    if key.batch > 1:
+                        self._set_batch(getattr(self, attr), key.batch,
+                                        key.batch_strides()[which])
             except Exception as e:
                 self.close()
                 raise BlasLtError(f"{key.label}: building descriptors failed: {e}") from e
@@ -320,6 +338,14 @@ class GemmPlan:
         lt = _lt()
         buf = _attr_buffer(lt.get_matmul_desc_attribute_dtype, attr, value)
         lt.matmul_desc_set_attribute(self.desc, int(attr), buf.ctypes.data, buf.itemsize)
+
+    @staticmethod
+    def _set_batch(layout, count: int, stride: int) -> None:
+        lt = _lt()
+        L = lt.MatrixLayoutAttribute
+        for attr, value in ((L.BATCH_COUNT, count), (L.STRIDED_BATCH_OFFSET, stride)):
+            buf = _attr_buffer(lt.get_matrix_layout_attribute_dtype, attr, value)
+            lt.matrix_layout_set_attribute(layout, int(attr), buf.ctypes.data, buf.itemsize)
 
     def _set_scale_pointers(self, a_ptr: int, b_ptr: int) -> None:
         lt = _lt()
@@ -392,9 +418,13 @@ class GemmPlan:
         key = self.key
         storage = {"bf16": np.uint16, "f32": np.float32, "e4m3": np.uint8}
         # W must be exactly [N, K]; X and Y may have spare rows beyond M (bucket padding).
+        # Batched: every operand exactly [batch, rows, cols] (the strides are fixed in the plan).
         checks = [("w", w, key.w_shape, key.a_dtype, True),
                   ("x", x, key.x_shape, key.b_dtype, False),
                   ("y", y, key.y_shape, key.d_dtype, False)]
+        if key.batch > 1:
+            checks = [(label, arr, (key.batch,) + shape, dt, True)
+                      for label, arr, shape, dt, _ in checks]
         for label, arr, shape, dt, exact in checks:
             ok_shape = arr.shape == shape if exact else (
                 arr.ndim == 2 and arr.shape[1] == shape[1] and arr.shape[0] >= shape[0])

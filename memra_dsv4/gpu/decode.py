@@ -1,5 +1,9 @@
-"""The host-driven ("legacy") GPU decode: a per-layer loop over the prefill ops (CuPy twins +
-cuBLASLt GEMMs of ops_glue) for a chunk of positions against a device ``DecodeState``.
+"""The host-driven ("legacy") GPU decode: a per-layer loop over the prefill ops for a chunk of
+positions against a device ``DecodeState``: cuBLASLt GEMMs and small CuPy islands of ops_glue,
+the device step's kernels (gpu.ops: hc, rmsnorm, attention, indexer, quant_sim) for everything
+that scales with S x heads or S x hc x D, and the batched routed experts of gpu.ops.prefill_moe.
+Activations between ops are float32 holding bf16 values, or bf16 bits where a kernel chain
+consumes them; each kernel rounds where its CuPy twin stores, so the numeric class is bf16.
 
 ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence, mirroring the oracle's
 ``memra_dsv4.oracle.decode._attention_chunk`` step for step (dsv4_attention.md 7.4):
@@ -27,6 +31,13 @@ import sys
 
 import numpy as np
 
+# The kernel modules the chunk routine launches register their kernels at import: imported here
+# so every name is registered before any module is built (no mid-run rebuild of a stem).
+from memra_dsv4.gpu.ops import attention as AT
+from memra_dsv4.gpu.ops import hc as HC
+from memra_dsv4.gpu.ops import indexer as IX
+from memra_dsv4.gpu.ops import quant_sim as QS
+from memra_dsv4.gpu.ops import rmsnorm as RN
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.profiling import phase
@@ -34,6 +45,7 @@ from memra_dsv4.profiling import phase
 __all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock"]
 
 DECODE_PATHS = ("legacy", "device-hostmath", "device")
+_GRID_Y_ROWS = 32768   # rows per launch of kernels that index rows by blockIdx.y (<= 65535)
 
 
 def resolve_decode_path(explicit: str | None = None, *, announce: bool = True) -> str:
@@ -72,27 +84,43 @@ class ChunkBlock:
 
     # ------------------------------------------------------------------------ block
     def forward(self, streams, ids_d, cache, p0: int, cap=None, journal=None):
+        """streams [S, hc, D] float32 (bf16-valued) -> the block's output streams, same form.
+        Inside, the streams travel as bf16 bits through the hc kernels (kernels_cu/hc.cu, the
+        device step's: hc_pre = mixes + Sinkhorn split + weighted sum, hc_post) and the norms
+        through rmsnorm.cu: one pass each instead of the float64 CuPy islands of ops_glue."""
         from memra_dsv4.gpu import ops_glue as G
-        from memra_dsv4.gpu.model import _f64
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
+        sb = G.bf16_bits(streams)   # exact: the streams are bf16-valued
         with phase(f"{self.ph}/attn"):
-            x, post, comb = b.hc_pre(streams, "attn")
-            xn = G.rmsnorm(x, _f64(b.w("attn_norm.weight")), eps)
-            a = self.attention(xn, cache, p0, cap, journal)
-            s1 = G.hc_post(a, streams, post, comb)
+            x, post, comb = self._hc_pre(sb, "attn")
+            xn = RN.rmsnorm(x, b.w("attn_norm.weight"), eps)
+            a = self.attention(G.to_f32(xn), cache, p0, cap, journal)
+            s1 = HC.hc_post(G.bf16_bits(a), sb, post, comb)
         if cap is not None:
-            cap.update({"hc_attn.x": x, "hc_attn.post": post, "hc_attn.comb": comb,
-                        "attn_norm": xn, "attn.streams": s1})
+            cap.update({"hc_attn.x": G.to_f32(x), "hc_attn.post": post, "hc_attn.comb": comb,
+                        "attn_norm": G.to_f32(xn), "attn.streams": G.to_f32(s1)})
         with phase(f"{self.ph}/ffn"):
-            x, post, comb = b.hc_pre(s1, "ffn")
-            xn = G.rmsnorm(x, _f64(b.w("ffn_norm.weight")), eps)
-            f = b.moe(xn, ids_d, cap)
-            s2 = G.hc_post(f, s1, post, comb)
+            x, post, comb = self._hc_pre(s1, "ffn")
+            xn = RN.rmsnorm(x, b.w("ffn_norm.weight"), eps)
+            f = b.moe(G.to_f32(xn), ids_d, cap)
+            s2 = G.to_f32(HC.hc_post(G.bf16_bits(f), s1, post, comb))
         if cap is not None:
-            cap.update({"hc_ffn.x": x, "hc_ffn.post": post, "hc_ffn.comb": comb,
-                        "ffn_norm": xn, "block.out": s2})
+            cap.update({"hc_ffn.x": G.to_f32(x), "hc_ffn.post": post, "hc_ffn.comb": comb,
+                        "ffn_norm": G.to_f32(xn), "block.out": s2})
         return s2
+
+    def _hc_pre(self, sb, sub: str):
+        """(x [S, D] bf16 bits, post [S, hc] f32, comb [S, hc, hc] f32) of the bf16 streams
+        ``sb`` (ops.hc.hc_pre; n_split=1: no shared split workspace, T is large or this is the
+        legacy decode, where a few CTAs are enough)."""
+        cp = _cp()
+        b, cfg = self.b, self.cfg
+        fn = b.w(f"hc_{sub}_fn")
+        fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
+        return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
+                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                         norm_eps=cfg.rms_norm_eps, n_split=1)
 
     # --------------------------------------------------------------------- compressor
     def compress_chunk(self, x, cs, p0: int, indexer: bool):
@@ -129,6 +157,12 @@ class ChunkBlock:
 
     # ---------------------------------------------------------------------- attention
     def attention(self, x, cache, p0: int, cap, journal=None):
+        """The per-head tensors ([S, H, hd]: 1 GiB of f32 at S = 8192 on full Flash) stay bf16
+        bits and go through the device step's fused kernels: q = head_rms + RoPE
+        (rmsnorm.cu), the sparse attention with the inverse RoPE in its epilogue
+        (attention.cu), the indexer's RoPE + Hadamard + FP4 simulation, scores and top-k
+        (quant_sim.cu, indexer.cu).  Same roundings as the CuPy twins of ops_glue; the
+        attention and index-score dots accumulate in f32 in the kernels' order (bf16 class)."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.model import _f64
@@ -139,10 +173,11 @@ class ChunkBlock:
         H, hd = cfg.num_attention_heads, cfg.head_dim
         pos = p0 + np.arange(S, dtype=np.int64)
         cos, sin = b.rope_tables(pos)
+        ridx = cp.arange(S, dtype=cp.int32)   # kernels: row t of cos / sin is position p0 + t
         with phase(f"{self.ph}/attn/q"):
             qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")), eps)
-            q = b.lin(qr, "attn.wq_b.weight").reshape(S, H, hd)
-            q = G.rope(G.head_rms(q, eps), cos[:, None], sin[:, None])
+            qb = G.bf16_bits(b.lin(qr, "attn.wq_b.weight", "f32")).reshape(S, H, hd)
+            RN.head_rms(qb, eps, out=qb, rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/kv"):
             kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")), eps)
             kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
@@ -156,8 +191,8 @@ class ChunkBlock:
         if self.ratio:
             if self.kind == "csa":
                 with phase(f"{self.ph}/attn/indexer"):
-                    comp_sel, new_keys, idx_az = self.indexer(x, qr, cos, sin, cache, p0, pos,
-                                                              cap)
+                    comp_sel, new_keys, idx_az = self.indexer(x, qr, cos, sin, ridx, cache, p0,
+                                                              pos, cap)
             else:
                 comp_sel = cp.asarray(hidx.hca_matrix(S, self.ratio, start=p0))
             with phase(f"{self.ph}/attn/compressor"):
@@ -169,20 +204,21 @@ class ChunkBlock:
                 cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
         cand = G.candidates(cp.asarray(win), comp_sel, offset)
         with phase(f"{self.ph}/attn/sparse_attention"):
-            o = G.sparse_attention(q, cp.concatenate(rows, axis=0), cand,
-                                   b.w("attn.attn_sink"), hd ** -0.5)
+            ob = AT.sparse_attention(qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
+                                     cp.ascontiguousarray(cand, dtype=cp.int32),
+                                     cp.ascontiguousarray(b.w("attn.attn_sink"), dtype=cp.float32),
+                                     hd ** -0.5, n_split=None, inverse_rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/output"):
-            o = G.rope(o, cos[:, None], sin[:, None], inverse=True)
             Gn = cfg.o_groups
-            og = o.reshape(S, Gn, -1)
+            og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are
             wa = b.w_bf16("attn.wo_a.weight")   # FP8-stored: the scratch, used right here
             R = wa.shape[0] // Gn
             u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
                                          wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
             out = b.lin(u, "attn.wo_b.weight")
         if cap is not None:
-            cap.update({"attn.qr": qr, "attn.q": q, "attn.kv": kv, "attn.cand": cand,
-                        "attn.o": o, "attn.out": out})
+            cap.update({"attn.qr": qr, "attn.q": G.to_f32(qb), "attn.kv": kv, "attn.cand": cand,
+                        "attn.o": G.to_f32(ob), "attn.out": out})
         # ---- writes, after every read
         if journal is not None:   # a verify: what commit needs to roll the writes back
             journal.record(cache, pos, G.bf16_bits(kv), az,
@@ -201,40 +237,45 @@ class ChunkBlock:
             cache.idx_state.advance(*idx_az, p0)
         return out
 
-    def indexer(self, x, qr, cos, sin, cache, p0: int, pos, cap):
+    def indexer(self, x, qr, cos, sin, ridx, cache, p0: int, pos, cap):
         """(selection [S, w] int32 entry ids, the chunk's new keys, (a, z) of the indexer
-        compressor); scores as _Block.indexer over (cached keys ++ new keys)."""
+        compressor); scores over (cached keys ++ new keys) with the device step's kernels:
+        q = fp4_sim(hadamard(rope(.))) (quant_sim.cu), scores (indexer.cu 'simt', the decode's
+        dot order) and top-k (score order, ties -> lower index; -1 padded)."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
         S = x.shape[0]
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        assert dI == 128, f"indexer: head dim {dI}; the kernels are written for 128"
         new_keys, ia, iz = self.compress_chunk(x, cache.idx_state, p0, indexer=True)
-        keys = cp.concatenate([G.to_f32(cache.idx_keys[:p0 // 4]), new_keys], axis=0)
-        qI = b.lin(qr, "attn.indexer.wq_b.weight").reshape(S, nI, dI)
-        qI = G.fp4_sim(G.hadamard(G.rope(qI, cos[:, None], sin[:, None])), 32)
+        keys = cp.concatenate([cache.idx_keys[:p0 // 4], G.bf16_bits(new_keys)], axis=0)
+        qI = G.bf16_bits(b.lin(qr, "attn.indexer.wq_b.weight", "f32")).reshape(S, nI, dI)
+        QS.rope_hadamard128_fp4(qI, ridx, cos, sin, out=qI)
         wts = b.lin(x, "attn.indexer.weights_proj.weight")
         wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
         n = keys.shape[0]
         if cap is not None:
-            cap.update({"attn.index.q": qI, "attn.index.weights": wts, "attn.index.keys": keys})
+            cap.update({"attn.index.q": G.to_f32(qI), "attn.index.weights": wts,
+                        "attn.index.keys": G.to_f32(keys)})
         if n == 0:  # no complete block yet: nothing to select
             sel = cp.full((S, 0), -1, dtype=cp.int32)
             if cap is not None:
                 cap.update({"attn.index.scores": cp.zeros((S, 0), cp.float32),
                             "attn.index.sel": sel})
             return sel, new_keys, (ia, iz)
-        scores = cp.empty((S, n), dtype=cp.float32)
-        chunk = max(1, (1 << 28) // max(1, nI * n))
-        for s0 in range(0, S, chunk):
-            qq = qI[s0:s0 + chunk]
-            s = G.store(cp.matmul(qq, keys.T))
-            s = G.store(cp.maximum(s, 0) * wts[s0:s0 + chunk, :, None])
-            scores[s0:s0 + chunk] = G.store(s.astype(cp.float64).sum(axis=1).astype(cp.float32))
-        n_valid = cp.asarray((pos + 1) // 4)
-        sel = G.topk_desc_rows(scores, n_valid, cfg.index_topk)
+        n_valid = cp.asarray(((pos + 1) // 4).astype(np.int32))
+        # The selection reads columns < n_valid[t] only; a capture holds every column, as the
+        # oracle's scores do (the valid columns are the same bits either way).
+        n_cols = n_valid if cap is None else cp.full((S,), n, dtype=cp.int32)
+        wb = G.bf16_bits(wts)   # w_scale 1 below: wts is already the stored product
+        scores = cp.empty((S, n), dtype=cp.uint16)
+        for s0 in range(0, S, _GRID_Y_ROWS):   # the scores kernel puts the rows on grid.y
+            r = slice(s0, min(S, s0 + _GRID_Y_ROWS))
+            IX.scores(qI[r], wb[r], keys, n_cols[r], out=scores[r])
+        sel = IX.topk(scores, n_valid, cfg.index_topk)
         if cap is not None:
-            cap.update({"attn.index.scores": scores, "attn.index.sel": sel})
+            cap.update({"attn.index.scores": G.to_f32(scores), "attn.index.sel": sel})
         return sel, new_keys, (ia, iz)
 
 
@@ -301,7 +342,10 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
                         caps.append({k: cp.asnumpy(v) for k, v in c.items()})
                 if st.has_head:
                     with phase(f"{sp}/head"):
-                        logits, y, yn = model._head(st, streams, all_rows=all_logits)
+                        # hc_head and the norm are per row: without all_logits or captures
+                        # only the last row is needed (same bits for it)
+                        rows = streams if (all_logits or capture) else streams[-1:]
+                        logits, y, yn = model._head(st, rows, all_rows=all_logits)
                     logits_h = cp.asnumpy(logits)
                     out_state = cp.asnumpy(streams[-1])
                     if capture:

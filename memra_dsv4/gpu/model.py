@@ -29,16 +29,22 @@ move with ``runtime.boundary_copy`` (peer copy with peer access, else a pinned h
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import numpy as np
 
 from memra_dsv4.config import Dsv4Config, preset
+from memra_dsv4.gpu.ops.prefill_moe import routed_moe
 from memra_dsv4.host.rope import layer_cos_sin
 from memra_dsv4.oracle.model import ForwardOut, check_token_ids
 from memra_dsv4.profiling import phase
 
 __all__ = ["Dsv4Gpu", "ForwardOut"]
+
+# Every experts.cu name (the decode GEMVs of ops.experts, the prefill MoE's) is registered before
+# the module is first built, so it is compiled once per device, never again mid-run.
+importlib.import_module("memra_dsv4.gpu.ops.experts")
 
 
 class Dsv4Gpu:
@@ -64,6 +70,7 @@ class Dsv4Gpu:
         self._cp = cp
         self.decode_path = resolve_decode_path(decode_path)   # read once, printed
         self._step = None                                      # device step (gpu.step)
+        self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
         if len(forms) != 1:
             raise ValueError(f"stages disagree on the dense form: {sorted(forms)}")
@@ -344,11 +351,31 @@ class _Block:
                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------------ MoE
+    def routed_experts(self, x, idx, wts, shared):
+        """combine(routed experts) + shared, batched (gpu.ops.prefill_moe.routed_moe): one
+        device->host copy of idx (it sizes the GEMMs), one host->device copy of the dispatch
+        tables, then per group of experts 3 dequants, 3 batched GEMMs and a SwiGLU."""
+        import cupy as cp
+        fmt = self.st.expert_fmt[self.lid]
+        key = f"{self.p}.ffn.experts"
+        experts = {w: (self.st[f"{key}.{w}.packed"], self.st[f"{key}.{w}.scale"])
+                   for w in ("w1", "w2", "w3")}
+        ws2 = None
+        if fmt == "nvfp4":   # weight_scale_2 lives on the host: uploaded once per model
+            cache = self.m._ws2_dev
+            ws2 = {}
+            for w in ("w1", "w2", "w3"):
+                ck = (self.st.device, f"{key}.{w}")
+                if ck not in cache:
+                    cache[ck] = cp.asarray(self.st.ws2[f"{key}.{w}"].astype(np.float32))
+                ws2[w] = cache[ck]
+        return routed_moe(self.g, x, cp.asnumpy(idx), wts, experts, fmt, self.cfg.swiglu_limit,
+                          shared, ws2=ws2)
+
     def moe(self, x, ids_d, cap):
         import cupy as cp
         from memra_dsv4.gpu import ops_glue as G
         cfg = self.cfg
-        T = x.shape[0]
         k = cfg.num_experts_per_tok
         with phase(f"{self.ph}/ffn/moe/router"):
             logits = self.lin(x, "ffn.gate.weight", "f32")
@@ -358,39 +385,13 @@ class _Block:
             else:
                 idx = G.route_learned(scores, self.w("ffn.gate.bias"), k)
             wts = G.route_weights(scores, idx, cfg.routed_scaling_factor)
-        with phase(f"{self.ph}/ffn/moe/dispatch"):
-            idx_h = cp.asnumpy(idx)
-            flat = idx_h.reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            experts, starts = np.unique(flat[order], return_index=True)
-            bounds = list(starts) + [flat.size]
-        routed = cp.zeros((T, k, cfg.hidden_size), dtype=cp.float32)
-        fmt = self.st.expert_fmt[self.lid]
-        key = f"{self.p}.ffn.experts"
-        with phase(f"{self.ph}/ffn/moe/experts"):
-            I, D = cfg.moe_intermediate_size, cfg.hidden_size
-            scratch = {w: cp.empty(s, dtype=cp.uint16) for w, s in
-                       (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))}
-            for j, e in enumerate(experts):
-                sel = order[bounds[j]:bounds[j + 1]]
-                rows_h, picks_h = sel // k, sel % k
-                rows, picks = cp.asarray(rows_h), cp.asarray(picks_h)
-                for w in ("w1", "w2", "w3"):
-                    ws2 = self.st.ws2[f"{key}.{w}"][e] if fmt == "nvfp4" else None
-                    G.dequant_fp4_bf16(fmt, self.st[f"{key}.{w}.packed"][e],
-                                       self.st[f"{key}.{w}.scale"][e], ws2, scratch[w])
-                xe = x[rows]
-                gate = G.linear(self.g, xe, scratch["w1"])
-                up = G.linear(self.g, xe, scratch["w3"])
-                h = G.swiglu_clamped(gate, up, cfg.swiglu_limit, wts[rows, picks])
-                routed[rows, picks] = G.linear(self.g, G.store(h), scratch["w2"])
         with phase(f"{self.ph}/ffn/moe/shared"):
             gate = self.lin(x, "ffn.shared_experts.w1.weight")
             up = self.lin(x, "ffn.shared_experts.w3.weight")
             h = G.swiglu_clamped(gate, up, cfg.swiglu_limit)
             shared = self.lin(G.store(h), "ffn.shared_experts.w2.weight")
-        with phase(f"{self.ph}/ffn/moe/combine"):
-            y = G.moe_combine(routed, idx, shared)
+        with phase(f"{self.ph}/ffn/moe/experts"):
+            y = self.routed_experts(x, idx, wts, shared)
         if cap is not None:
             cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
                         "moe.shared": shared, "moe.out": y})

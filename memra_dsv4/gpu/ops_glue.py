@@ -52,23 +52,55 @@ def _cp():
 
 
 # ------------------------------------------------------------------------- bf16 helpers
+# One elementwise kernel each (one read, one write): the activations of a long prefill are
+# GiB-sized ([8192, 64, 512] f32 = 1 GiB), and the CuPy expressions these replace made five
+# or six full-size temporaries per call.  Same integer formula, so the same bits.
+_EW: dict = {}
+_RNE = "unsigned int u = __float_as_uint(x); unsigned int b = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;"
+
+
+def _ew(name: str):
+    k = _EW.get(name)
+    if k is None:
+        cp = _cp()
+        k = _EW[name] = {
+            "to_f32": lambda: cp.ElementwiseKernel(
+                "uint16 h", "float32 y", "y = __uint_as_float(((unsigned int)h) << 16)",
+                "memra_bf16_to_f32"),
+            "bits": lambda: cp.ElementwiseKernel(
+                "float32 x", "uint16 y", _RNE + " y = (unsigned short)b;", "memra_f32_to_bf16"),
+            "store": lambda: cp.ElementwiseKernel(
+                "float32 x", "float32 y", _RNE + " y = __uint_as_float(b << 16);",
+                "memra_f32_store_bf16"),
+        }[name]()
+    return k
+
+
 def to_f32(u16):
     """bf16 bit patterns (uint16) -> float32, exact."""
     cp = _cp()
-    return (u16.astype(cp.uint32) << 16).view(cp.float32)
+    u16 = cp.asarray(u16)
+    if u16.dtype != cp.uint16:   # the historical formula for other integer storage
+        return (u16.astype(cp.uint32) << 16).view(cp.float32)
+    return _ew("to_f32")(u16)
+
+
+def _as_f32(x):
+    """float32 view/copy of x (float64 and others: one RN cast first, as astype)."""
+    cp = _cp()
+    x = cp.asarray(x)   # host inputs are uploaded, as cp.ascontiguousarray did
+    return x if x.dtype == cp.float32 else x.astype(cp.float32)
 
 
 def bf16_bits(x):
-    """float32 -> bf16 bits, RNE (u += 0x7FFF + ((u >> 16) & 1)), as host.quant.round_bf16."""
-    cp = _cp()
-    x = cp.ascontiguousarray(x, dtype=cp.float32)
-    u = x.view(cp.uint32)
-    return ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+    """float32 -> bf16 bits, RNE (u += 0x7FFF + ((u >> 16) & 1)), as host.quant.round_bf16
+    (float64 inputs are rounded to float32 first)."""
+    return _ew("bits")(_as_f32(x))
 
 
 def store(x):
     """A bf16-kept tensor: RNE to bf16, held as float32 (float64 inputs go through float32)."""
-    return to_f32(bf16_bits(x))
+    return _ew("store")(_as_f32(x))
 
 
 # ------------------------------------------------------------------------------ GEMMs
@@ -133,6 +165,35 @@ class GemmBackend:
         y = cp.empty((M, N), dtype=cp.float32)
         plan = self.lt.plan(GemmKey(M, N, K, "bf16", "bf16", "f32"))
         plan.run_arrays(cp.ascontiguousarray(w_u16), xb, y, cp.cuda.get_current_stream())
+        return y
+
+    def mm_batched(self, x_u16, w_u16, y):
+        """y[b*m:(b+1)*m] = x[b*m:(b+1)*m] . w[b]^T for b < n, fp32 accumulation, into the
+        float32 [n*m, N] ``y``: x uint16 [n*m, K] bf16 bits, w uint16 [n, N, K] (a group of
+        dequantised experts).  One strided-batched cuBLASLt GEMM (plan cached per (m, N, K, n));
+        every operand contiguous and 256-byte aligned (the heuristic's default assumption)."""
+        cp = _cp()
+        n, N, K = w_u16.shape
+        rows = x_u16.shape[0]
+        if (x_u16.dtype != cp.uint16 or w_u16.dtype != cp.uint16 or y.dtype != cp.float32
+                or x_u16.ndim != 2 or x_u16.shape[1] != K or rows % n
+                or y.shape != (rows, N)):
+            raise ValueError(f"mm_batched: x {x_u16.dtype} {x_u16.shape}, w {w_u16.dtype} "
+                             f"{w_u16.shape}, y {y.dtype} {y.shape}")
+        m = rows // n
+        self.flops += 2 * rows * N * K
+        if self.mode == "cupy":
+            y[...] = cp.matmul(to_f32(x_u16).reshape(n, m, K),
+                               to_f32(w_u16).transpose(0, 2, 1)).reshape(rows, N)
+            return y
+        from memra_dsv4.gpu.blaslt import GemmKey
+        for a in (x_u16, w_u16, y):
+            if not a.flags.c_contiguous or a.data.ptr % 256:
+                raise ValueError(f"mm_batched: operand at {a.data.ptr:#x} must be contiguous "
+                                 f"and 256-byte aligned")
+        plan = self.lt.plan(GemmKey(m, N, K, "bf16", "bf16", "f32", batch=n))
+        plan.run_arrays(w_u16, x_u16.reshape(n, m, K), y.reshape(n, m, N),
+                        cp.cuda.get_current_stream())
         return y
 
 

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 FAMILIES = ("rmsnorm", "rope", "quant_sim", "hc", "compressor", "indexer", "attention",
             "router", "experts", "moe", "dense")
+# Wrapper modules whose kernels live in a family's .cu file (prefill_moe: experts.cu).
+EXTRA_WRAPPERS = ("prefill_moe",)
 
-__all__ = list(FAMILIES) + ["FAMILIES", "kernel_names"]
+__all__ = list(FAMILIES) + list(EXTRA_WRAPPERS) + ["FAMILIES", "EXTRA_WRAPPERS", "kernel_names"]
 
 
 def kernel_names() -> dict[str, tuple[str, ...]]:
-    """{stem: KERNELS} of every family module (imports them; no CuPy needed)."""
+    """{stem: KERNELS} of every wrapper module (imports them; no CuPy needed); a stem with two
+    wrapper modules (experts: experts, prefill_moe) lists both modules' kernels."""
     import importlib
 
     out = {}
-    for fam in FAMILIES:
+    for fam in FAMILIES + EXTRA_WRAPPERS:
         mod = importlib.import_module(f"memra_dsv4.gpu.ops.{fam}")
-        out[mod.STEM] = tuple(mod.KERNELS)
+        out[mod.STEM] = out.get(mod.STEM, ()) + tuple(mod.KERNELS)   # a stem may have 2 wrappers
     return out

@@ -1,0 +1,269 @@
+"""The chunk routine's routed experts, batched (kernels_cu/experts.cu "prefill MoE" kernels +
+strided-batched cuBLASLt GEMMs of gpu.blaslt).
+
+Contract
+--------
+``routed_moe(g, x, idx_h, wts, experts, fmt, limit, shared)`` -> y [T, D] float32 (bf16-valued)
+    = ops_glue.moe_combine(routed, idx, shared) of the per-expert path it replaces: for every
+    pick (t, j) with expert e = idx[t, j]: gate = store(bf16(x_t) . W1_e^T), up likewise with
+    W3_e, h = store(swiglu_clamped(gate, up, limit, wts[t, j])), routed[t, j] =
+    store(h . W2_e^T); W = the exact bf16 dequantisation of the stored FP4 expert; every GEMM
+    bf16 x bf16 with f32 accumulation.  The kernels around the GEMMs are bit-identical to the
+    CuPy ops they replace; the GEMMs are the same products run as cuBLASLt strided batches
+    (an algorithm choice may differ from a batch-1 plan: bf16-class, not bitwise, equality).
+Host work per call: ONE device->host copy of idx (the caller's ``idx_h``, it sizes the GEMMs),
+ONE host->device copy of the dispatch tables (``dispatch_plan``), and per group of at most
+``group_size`` experts: 3 dequant launches into a bounded bf16 scratch, 2 batched GEMMs (gate,
+up), 1 SwiGLU launch, 1 batched GEMM (down); then one gather before and one combine after.
+No per-expert host round trip, no per-expert allocation.
+
+Layout (``dispatch_plan``, pure NumPy): the active experts, sorted by pick count (descending,
+ties by id) so a group's counts are alike, are cut into groups of ``group``; a group of n
+experts with counts c_j gets ``mb = moe_bucket(max c_j)`` rows per expert, and expert slot j
+owns padded rows [row0 + j mb, row0 + j mb + c_j) in pick order (ascending t * k + j), the
+rest are padding (gathered as zeros, SwiGLU writes zeros, the combine never reads them).
+Groups start at multiples of ROW_ALIGN rows, so every GEMM operand is 256-byte aligned (the
+alignment cuBLASLt's heuristic assumes by default).
+``moe_bucket`` rounds up to a power of two below 16 and to a multiple of 16 above (at most 15
+padded rows per expert), so the number of distinct GEMM plans stays small and the plans are
+built once per (mb, n) and reused by every later layer and forward.
+
+Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
+``dequant_experts``  out[j] = dequant(expert eids[j]) (twin formats.dequant_mxfp4/nvfp4 -> bf16)
+``gather_rows``      xs[p] = bf16(x[src[p]]), zeros for src < 0
+``swiglu_rows``      h[p] = bf16(swiglu(bf16(gate[p]), bf16(up[p])) * wts[flat[p]]), 0 for padding
+``combine_sorted``   y[t] = bf16(sum_j bf16(ys[pos[t, j]]) + shared[t]) (pos in ascending id)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops._common import check, cupy, grid_stride_blocks, i32, kernel
+
+STEM = "experts"
+KERNELS = ("dequant_mxfp4_bf16_experts", "dequant_nvfp4_bf16_experts", "moe_gather_bf16",
+           "moe_swiglu_rows", "moe_combine_sorted")
+kernel_loader.register(STEM, KERNELS)
+
+SCRATCH_BUDGET_BYTES = 1 << 30   # bf16 scratch of one group's W1, W3, W2 (full Flash: 21 experts)
+MAX_GROUP = 32                   # more buys nothing: the batched GEMMs already fill the GPU
+ROW_ALIGN = 16                   # group starts: 16 rows x (D % 8 == 0) x >= 2 B = 256-B aligned
+
+
+def moe_bucket(m: int) -> int:
+    """Rows per expert of a group whose largest count is m: 1, 2, 4, 8, then multiples of 16."""
+    m = int(m)
+    if m < 1:
+        raise ValueError(f"moe_bucket: m = {m} must be >= 1")
+    if m <= 8:
+        return 1 << (m - 1).bit_length()
+    return -(-m // 16) * 16
+
+
+def group_size(inter: int, dim: int, budget: int = SCRATCH_BUDGET_BYTES) -> int:
+    """Experts per group: the three bf16 matrices of each fit ``budget`` bytes, at most MAX_GROUP."""
+    per_expert = 3 * int(inter) * int(dim) * 2
+    return int(max(1, min(MAX_GROUP, budget // per_expert)))
+
+
+@dataclass(frozen=True)
+class Group:
+    row0: int    # first padded row of the group
+    n: int       # experts in the group (batch count)
+    mb: int      # rows per expert (GEMM M)
+    slot0: int   # index of the group's first expert in DispatchPlan.eids
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    eids: np.ndarray     # int32 [n_active]: expert ids in group order
+    counts: np.ndarray   # int64 [n_active]: picks per expert, same order
+    groups: tuple        # Group per group, in row order
+    rows: int            # P: padded rows in all
+    src: np.ndarray      # int32 [P]: token row of each padded row, -1 = padding
+    flat: np.ndarray     # int32 [P]: t * k + j of each padded row, -1 = padding
+    pos: np.ndarray      # int32 [T, k]: padded row of each pick, picks in ascending expert id
+
+    def table(self) -> np.ndarray:
+        """The device tables as one int32 array (one host->device copy): src | flat | pos | eids."""
+        return np.concatenate([self.src, self.flat, self.pos.reshape(-1), self.eids]).astype(np.int32)
+
+
+def dispatch_plan(idx_h, group: int, bucket=moe_bucket) -> DispatchPlan:
+    """The expert-sorted padded layout of the picks ``idx_h`` [T, k] (see the module doc)."""
+    idx = np.asarray(idx_h)
+    if idx.ndim != 2 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"dispatch_plan: idx must be a non-empty integer [T, k], got "
+                         f"{idx.dtype} {idx.shape}")
+    if idx.min() < 0:
+        raise ValueError("dispatch_plan: negative expert id")
+    group = int(group)
+    if group < 1:
+        raise ValueError(f"dispatch_plan: group = {group} must be >= 1")
+    T, k = idx.shape
+    flat = idx.reshape(-1).astype(np.int64)
+    # by expert, then t * k + j; 16-bit keys take NumPy's radix sort (~10x a 64-bit argsort:
+    # this runs on the host between the routing readback and the first expert launch)
+    n_ids = int(flat.max()) + 1
+    order = np.argsort(flat.astype(np.int16) if n_ids <= 1 << 15 else flat, kind="stable")
+    per_id = np.bincount(flat, minlength=n_ids)
+    experts = np.flatnonzero(per_id)
+    counts = per_id[experts]
+    starts = np.cumsum(counts) - counts                     # first sorted pick of each expert
+    by = np.argsort(-counts, kind="stable")                 # most picked first, ties by id
+    base = np.empty(experts.size, dtype=np.int64)           # padded row of each expert's pick 0
+    groups, row = [], 0
+    for g0 in range(0, by.size, group):
+        row = -(-row // ROW_ALIGN) * ROW_ALIGN              # cuBLASLt: 256-B aligned operands
+        mem = by[g0:g0 + group]
+        mb = int(bucket(int(counts[mem].max())))
+        base[mem] = row + mb * np.arange(mem.size, dtype=np.int64)
+        groups.append(Group(row0=row, n=int(mem.size), mb=mb, slot0=g0))
+        row += mb * mem.size
+    e_of_sorted = np.repeat(np.arange(experts.size), counts)           # expert index per sorted pick
+    rank = np.arange(flat.size, dtype=np.int64) - starts[e_of_sorted]  # rank within its expert
+    pos_flat = np.empty(flat.size, dtype=np.int64)
+    pos_flat[order] = base[e_of_sorted] + rank
+    src = np.full(row, -1, dtype=np.int32)
+    fl = np.full(row, -1, dtype=np.int32)
+    src[pos_flat] = np.arange(flat.size) // k
+    fl[pos_flat] = np.arange(flat.size)
+    # combine order: ascending expert id, equal ids in pick order (oracle.ops.moe_combine)
+    ordk = np.argsort(idx.astype(np.int64) * k + np.arange(k)[None, :], axis=1)
+    pos = np.take_along_axis(pos_flat.reshape(T, k), ordk, axis=1).astype(np.int32)
+    return DispatchPlan(eids=experts[by].astype(np.int32), counts=counts[by].astype(np.int64),
+                        groups=tuple(groups), rows=int(row), src=src, flat=fl, pos=pos)
+
+
+# ------------------------------------------------------------------------------- kernels
+def dequant_experts(fmt: str, packed, scale, eids, out, ws2=None):
+    """out[j] = bf16 dequant of expert eids[j] of the stacked packed [E, R, C/2] u8 / scale
+    ([E, R, C/32] e8m0 | [E, R, C/16] e4m3) for j < eids.size; ws2: f32 [E] device (NVFP4).
+    out [>= n, R, C] uint16 (only the first n written)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"dequant_experts: format {fmt!r}"
+    check(packed, "dequant_experts.packed", np.uint8)
+    E, R, half = packed.shape
+    C = 2 * half
+    assert C % 32 == 0, f"dequant_experts: C = {C} must be a multiple of 32"
+    check(scale, "dequant_experts.scale", np.uint8, (E, R, C // (32 if fmt == "mxfp4" else 16)))
+    check(eids, "dequant_experts.eids", np.int32)
+    n = int(eids.size)
+    check(out, "dequant_experts.out", np.uint16, (None, R, C))
+    assert out.shape[0] >= n, f"dequant_experts: out holds {out.shape[0]} experts, {n} asked"
+    if n == 0:
+        return out
+    grid = (grid_stride_blocks(R * C // 32 * n) + n - 1) // n
+    args = (packed, scale, np.int64(packed.strides[0]), np.int64(scale.strides[0]))
+    if fmt == "mxfp4":
+        kernel(STEM, "dequant_mxfp4_bf16_experts")((grid, n), (256,),
+                                                   args + (eids, out, np.int64(R), i32(C)))
+    else:
+        check(ws2, "dequant_experts.ws2", np.float32, (E,))
+        kernel(STEM, "dequant_nvfp4_bf16_experts")((grid, n), (256,),
+                                                   args + (ws2, eids, out, np.int64(R), i32(C)))
+    return out
+
+
+def gather_rows(x, src, out):
+    """out[p] = bf16 bits of x[src[p]] (RNE), zeros where src[p] < 0.  x [T, D] f32, src [P]
+    int32, out [P, D] uint16."""
+    check(x, "gather_rows.x", np.float32)
+    T, D = x.shape
+    assert D % 8 == 0, f"gather_rows: D = {D} must be a multiple of 8"
+    check(src, "gather_rows.src", np.int32)
+    P = int(src.size)
+    check(out, "gather_rows.out", np.uint16, (P, D))
+    if P:
+        kernel(STEM, "moe_gather_bf16")((grid_stride_blocks(P * D // 8),), (256,),
+                                        (x, src, out, np.int64(P), i32(D)))
+    return out
+
+
+def swiglu_rows(gate, up, wts, flat, limit: float, out):
+    """out[p] = bf16(swiglu_clamped(bf16(gate[p]), bf16(up[p]), limit, wts[flat[p]])), zeros
+    where flat[p] < 0.  gate/up [P, I] f32, wts [T*k] f32, flat [P] int32, out [P, I] uint16."""
+    check(gate, "swiglu_rows.gate", np.float32)
+    P, I = gate.shape
+    assert I % 8 == 0, f"swiglu_rows: I = {I} must be a multiple of 8"
+    check(up, "swiglu_rows.up", np.float32, (P, I))
+    check(wts, "swiglu_rows.wts", np.float32)
+    check(flat, "swiglu_rows.flat", np.int32, (P,))
+    check(out, "swiglu_rows.out", np.uint16, (P, I))
+    if P:
+        kernel(STEM, "moe_swiglu_rows")((grid_stride_blocks(P * I // 8),), (256,),
+                                        (gate, up, wts, flat, out, np.int64(P), i32(I),
+                                         np.float64(limit)))
+    return out
+
+
+def combine_sorted(ys, pos, shared, out=None):
+    """out[t] = bf16((0 + sum_j bf16(ys[pos[t, j]])) + shared[t]) in f32.  ys [P, D] f32,
+    pos [T, k] int32 (picks in ascending expert id), shared [T, D] f32 -> out [T, D] f32."""
+    check(ys, "combine_sorted.ys", np.float32)
+    D = ys.shape[1]
+    assert D % 8 == 0, f"combine_sorted: D = {D} must be a multiple of 8"
+    check(pos, "combine_sorted.pos", np.int32)
+    T, k = pos.shape
+    check(shared, "combine_sorted.shared", np.float32, (T, D))
+    if out is None:
+        out = cupy().empty((T, D), dtype=np.float32)
+    check(out, "combine_sorted.out", np.float32, (T, D))
+    if T:
+        kernel(STEM, "moe_combine_sorted")((T, (D // 8 + 127) // 128), (128,),
+                                           (ys, pos, shared, out, i32(k), i32(D)))
+    return out
+
+
+# ------------------------------------------------------------------------- orchestration
+def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, *,
+               ws2=None, group: int | None = None):
+    """The MoE output y [T, D] f32 (bf16-valued) = combine(routed experts) + shared (module doc).
+
+    g: ops_glue.GemmBackend of the current device; x [T, D] f32 bf16-valued; idx_h [T, k]
+    integer NumPy (the host copy of the routing); wts [T, k] f32 device; experts: {"w1", "w2",
+    "w3": (packed [E, out, in/2] u8, scale u8)}; ws2: {"w1", "w2", "w3": f32 [E] device} for
+    NVFP4; shared [T, D] f32."""
+    cp = cupy()
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, D = x.shape
+    I = experts["w1"][0].shape[1]
+    assert experts["w1"][0].shape[2] * 2 == D and experts["w2"][0].shape[1:] == (D, I // 2), (
+        f"routed_moe: expert shapes {experts['w1'][0].shape} / {experts['w2'][0].shape} vs D = {D}")
+    idx_h = np.asarray(idx_h)
+    k = idx_h.shape[1]
+    assert idx_h.shape[0] == T, f"routed_moe: idx {idx_h.shape} vs x {x.shape}"
+    check(wts, "routed_moe.wts", np.float32, (T, k))
+    grp = int(group or group_size(I, D))
+    plan = dispatch_plan(idx_h, grp)
+    P, n_act = plan.rows, plan.eids.size
+    tab = cp.asarray(plan.table())                           # the one host->device copy
+    src, flat = tab[:P], tab[P:2 * P]
+    pos = tab[2 * P:2 * P + T * k].reshape(T, k)
+    eids = tab[2 * P + T * k:]
+    xs = gather_rows(x, src, cp.empty((P, D), dtype=cp.uint16))
+    hs = cp.empty((P, I), dtype=cp.uint16)
+    ys = cp.empty((P, D), dtype=cp.float32)
+    gmax = max(gr.n * gr.mb for gr in plan.groups)
+    gate = cp.empty((gmax, I), dtype=cp.float32)
+    up = cp.empty((gmax, I), dtype=cp.float32)
+    nmax = max(gr.n for gr in plan.groups)
+    scratch = {w: cp.empty((nmax,) + (experts[w][0].shape[1], 2 * experts[w][0].shape[2]),
+                           dtype=cp.uint16) for w in ("w1", "w3", "w2")}
+    wflat = cp.ascontiguousarray(wts).reshape(-1)
+    for gr in plan.groups:
+        rows = slice(gr.row0, gr.row0 + gr.n * gr.mb)
+        ge = eids[gr.slot0:gr.slot0 + gr.n]
+        for w in ("w1", "w3", "w2"):
+            pk, sc = experts[w]
+            dequant_experts(fmt, pk, sc, ge, scratch[w], None if ws2 is None else ws2[w])
+        m = gr.n * gr.mb
+        g.mm_batched(xs[rows], scratch["w1"][:gr.n], gate[:m])
+        g.mm_batched(xs[rows], scratch["w3"][:gr.n], up[:m])
+        swiglu_rows(gate[:m], up[:m], wflat, flat[rows], limit, hs[rows])
+        g.mm_batched(hs[rows], scratch["w2"][:gr.n], ys[rows])
+    assert n_act == sum(gr.n for gr in plan.groups)
+    return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))

@@ -1,0 +1,253 @@
+"""The batched prefill MoE (memra_dsv4.gpu.ops.prefill_moe, the "prefill MoE" kernels at the end of
+kernels_cu/experts.cu, GemmBackend.mm_batched) against NumPy twins and the per-expert CuPy
+path it replaced.  Fresh random inputs every run (the seed is printed on failure).
+
+Bounds and why:
+* dequant_experts: bit-identical to the per-expert kernels (same helpers) and to the twins
+  formats.dequant_mxfp4 / dequant_nvfp4 rounded to bf16 (exact: MXFP4; NVFP4 rounds the twin's
+  f32 product once, as the kernel does).
+* gather_rows, combine_sorted: bit-identical (copies / RNE / the twin's f32 adds in order).
+* swiglu_rows: the same device function as moe.cu's swiglu (tests/gpu/test_kernels_moe.py):
+  bit-identical up to a last-bit exp() tie, SWIGLU_MAX_ULP on SWIGLU_MAX_FRAC of the elements.
+* mm_batched: f32 accumulation of K products; |got - want| <= K * 2^-24 * sum_k |x w| per
+  element (the classic gamma_K bound of a recursive f32 sum, any order) against float64.
+* routed_moe, whole layer: against the per-expert CuPy path it replaced and against the
+  float64 oracle (oracle.ops.expert_ffn + moe_combine), relative L2 <= MOE_REL_L2 = 4e-3,
+  one bf16 ulp (2^-8) of RMS: both sides round at the same points and differ only by f32 vs
+  other accumulation orders, which moves a bf16 rounding by one ulp on a small fraction of
+  elements; a wrong row, expert, weight or padding leak moves whole rows by O(1).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from memra_dsv4.formats import dequant_mxfp4, dequant_nvfp4  # noqa: E402
+from memra_dsv4.gpu import ops_glue as G  # noqa: E402
+from memra_dsv4.gpu.ops import experts as EX  # noqa: E402
+from memra_dsv4.gpu.ops import prefill_moe as PM  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_bf16, bits_of, fresh_seed, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.host.quant import round_bf16  # noqa: E402
+from memra_dsv4.oracle import ops as O  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SWIGLU_MAX_ULP = 1
+SWIGLU_MAX_FRAC = 1e-4
+MOE_REL_L2 = 4e-3
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _stacked(rng, fmt, E, R, C):
+    packed = rng.integers(0, 256, (E, R, C // 2), dtype=np.uint8)
+    if fmt == "mxfp4":
+        scale = rng.integers(116, 123, (E, R, C // 32), dtype=np.uint8)    # 2^-11 .. 2^-5
+        ws2 = None
+    else:
+        scale = rng.integers(0x20, 0x40, (E, R, C // 16), dtype=np.uint8)  # positive e4m3
+        ws2 = np.exp2(rng.integers(-9, -5, E)).astype(np.float32)
+    return packed, scale, ws2
+
+
+def _twin_dequant(fmt, packed, scale, ws2, e):
+    if fmt == "mxfp4":
+        return dequant_mxfp4(packed[e], scale[e], "w")
+    return dequant_nvfp4(packed[e], scale[e], np.float32(ws2[e]), "w")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("E,R,C,n", [(8, 64, 256, 5), (6, 2048, 4096, 3), (4, 3, 32, 4)])
+def test_dequant_experts(fmt, E, R, C, n):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    packed, scale, ws2 = _stacked(rng, fmt, E, R, C)
+    eids = rng.integers(0, E, n).astype(np.int32)                  # repeats allowed
+    out = cp.full((n + 1, R, C), 0xABCD, dtype=cp.uint16)          # one spare slot stays untouched
+    PM.dequant_experts(fmt, cp.asarray(packed), cp.asarray(scale), cp.asarray(eids), out,
+                       None if ws2 is None else cp.asarray(ws2))
+    got = out.get()
+    for j, e in enumerate(eids):
+        assert_bf16(got[j], _twin_dequant(fmt, packed, scale, ws2, e), "dequant_experts", seed,
+                    fmt=fmt, j=j, e=int(e))
+        one = (EX.dequant_mxfp4(cp.asarray(packed[e]), cp.asarray(scale[e])) if fmt == "mxfp4" else
+               EX.dequant_nvfp4(cp.asarray(packed[e]), cp.asarray(scale[e]), float(ws2[e])))
+        assert np.array_equal(got[j], one.get()), f"seed {seed}: slot {j} != per-expert kernel"
+    assert (got[n] == 0xABCD).all(), f"seed {seed}: wrote past the {n} requested experts"
+
+
+@pytest.mark.parametrize("T,D,P", [(37, 4096, 300), (1, 256, 16), (5, 8, 9)])
+def test_gather_rows(T, D, P):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = (rng.standard_normal((T, D)) * 3).astype(np.float32)      # not bf16-valued: RNE matters
+    src = rng.integers(-1, T, P).astype(np.int32)
+    got = PM.gather_rows(cp.asarray(x), cp.asarray(src), cp.empty((P, D), cp.uint16)).get()
+    want = np.where(src[:, None] >= 0, round_bf16(x)[np.maximum(src, 0)], np.float32(0))
+    assert_bf16(got, want, "gather_rows", seed, T=T, D=D, P=P)
+
+
+@pytest.mark.parametrize("P,I,T,k", [(48, 2048, 10, 6), (16, 128, 4, 2)])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu_rows(P, I, T, k, limit):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    gate = (rng.standard_normal((P, I)) * 6).astype(np.float32)   # f32 GEMM outputs, |g| < ~40
+    up = (rng.standard_normal((P, I)) * 6).astype(np.float32)
+    wts = rng.random(T * k).astype(np.float32)
+    flat = rng.integers(-1, T * k, P).astype(np.int32)
+    got = PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat),
+                         limit, cp.empty((P, I), cp.uint16)).get()
+    w = np.where(flat >= 0, wts[np.maximum(flat, 0)], 0).astype(np.float32)
+    want = O.BF16.store(O.swiglu_clamped(round_bf16(gate), round_bf16(up), limit, w))
+    want = np.where(flat[:, None] >= 0, want, np.float32(0))
+    assert_bf16(got, want, "swiglu_rows", seed, max_ulp=SWIGLU_MAX_ULP, max_frac=SWIGLU_MAX_FRAC,
+                P=P, I=I, limit=limit)
+    assert (got[flat < 0] == 0).all(), f"seed {seed}: padding rows not zero"
+
+
+@pytest.mark.parametrize("T,k,D,E", [(1, 6, 4096, 256), (37, 6, 4096, 256), (9, 2, 256, 3)])
+def test_combine_sorted(T, k, D, E):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    idx = rng.integers(0, E, (T, k)).astype(np.int64)
+    p = PM.dispatch_plan(idx, 5)
+    ys = (rng.standard_normal((p.rows, D)) * np.exp2(rng.integers(-6, 7, (p.rows, 1)))).astype(np.float32)
+    shared = rand_bf16(rng, (T, D), 1.0)
+    got = PM.combine_sorted(cp.asarray(ys), cp.asarray(p.pos), cp.asarray(shared)).get()
+    pos_pick = np.empty((T, k), np.int64)                             # row of pick (t, j)
+    fl = p.flat[p.pos]
+    pos_pick[np.arange(T)[:, None], fl - np.arange(T)[:, None] * k] = p.pos
+    routed = round_bf16(ys[pos_pick])
+    want = O.moe_combine(routed, idx, shared)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
+        f"seed {seed}: combine_sorted differs, max |diff| {np.abs(got - want).max()}")
+
+
+@pytest.mark.parametrize("mode", ["blaslt", "cupy"])
+@pytest.mark.parametrize("n,m,N,K", [(21, 16, 2048, 4096), (4, 208, 4096, 2048), (3, 1, 256, 128)])
+def test_mm_batched(mode, n, m, N, K):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = rand_bf16(rng, (n * m, K), 1.0, spread=2)
+    w = rand_bf16(rng, (n, N, K), 0.05, spread=2)
+    with cp.cuda.Device(0):
+        g = G.GemmBackend(0, mode)
+        y = cp.full((n * m, N), np.nan, dtype=cp.float32)
+        g.mm_batched(cp.asarray(bits_of(x)), cp.asarray(bits_of(w)), y)
+        got = y.get()
+    assert g.flops == 2 * n * m * N * K
+    for b in range(n):
+        xb = x[b * m:(b + 1) * m].astype(np.float64)
+        wb = w[b].astype(np.float64)
+        want = xb @ wb.T
+        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(wb).T)
+        err = np.abs(got[b * m:(b + 1) * m] - want)
+        assert (err <= bound).all(), (
+            f"seed {seed}: batch {b} err {err.max():.3e} > bound (mode {mode}, n {n}, m {m})")
+
+
+def _per_expert_reference(g, x, idx, wts, experts, fmt, ws2_h, limit, shared):
+    """The per-expert CuPy path that gpu.model._Block.moe ran before the batched one."""
+    T, k = idx.shape
+    D = x.shape[1]
+    routed = cp.zeros((T, k, D), dtype=cp.float32)
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    ex, starts = np.unique(flat[order], return_index=True)
+    bounds = list(starts) + [flat.size]
+    for j, e in enumerate(ex):
+        sel = order[bounds[j]:bounds[j + 1]]
+        rows, picks = cp.asarray(sel // k), cp.asarray(sel % k)
+        W = {}
+        for w in ("w1", "w2", "w3"):
+            pk, sc = experts[w]
+            R, C = pk.shape[1], 2 * pk.shape[2]
+            W[w] = G.dequant_fp4_bf16(fmt, pk[e], sc[e], None if ws2_h is None else ws2_h[w][e],
+                                      cp.empty((R, C), dtype=cp.uint16))
+        xe = x[rows]
+        gate = G.linear(g, xe, W["w1"])
+        up = G.linear(g, xe, W["w3"])
+        h = G.swiglu_clamped(gate, up, limit, wts[rows, picks])
+        routed[rows, picks] = G.linear(g, G.store(h), W["w2"])
+    return G.moe_combine(routed, cp.asarray(idx), shared)
+
+
+def _case(seed, fmt, T, k, E, D, I, distinct):
+    rng = rng_for(seed)
+    x = rand_bf16(rng, (T, D), 1.0)
+    if distinct:
+        idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+    else:
+        idx = rng.integers(0, E, (T, k)).astype(np.int64)
+    wts = (rng.random((T, k)) * 0.5).astype(np.float32)
+    shared = rand_bf16(rng, (T, D), 1e-4)   # well below the routed part: the test is about it
+    host = {"w1": _stacked(rng, fmt, E, I, D), "w3": _stacked(rng, fmt, E, I, D),
+            "w2": _stacked(rng, fmt, E, D, I)}
+    return x, idx, wts, shared, host
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,k,E,D,I,group,distinct", [
+    (1, 6, 16, 4096, 2048, None, True),      # decode-sized chunk, full-size matrices
+    (64, 6, 16, 4096, 2048, None, True),     # counts > 16: multiple-of-16 buckets
+    (40, 2, 8, 256, 128, 3, True),           # tiny, several groups
+    (33, 4, 16, 512, 256, 5, False),         # small, repeated ids (hash tables)
+])
+def test_routed_moe(fmt, T, k, E, D, I, group, distinct):
+    seed = fresh_seed()
+    x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
+    with cp.cuda.Device(0):
+        g = G.GemmBackend(0, "blaslt")
+        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
+        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        ws2_h = None if fmt == "mxfp4" else {w: h[2] for w, h in host.items()}
+        xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
+        got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group).get()
+        old = _per_expert_reference(g, xd, idx, wd, experts, fmt, ws2_h, 10.0, sd).get()
+    assert np.array_equal(got, round_bf16(got)), f"seed {seed}: output not bf16-valued"
+    r_old = _rel(got, old)
+    assert r_old <= MOE_REL_L2, f"seed {seed}: vs per-expert path relL2 {r_old:.2e}"
+    # float64 oracle: expert_ffn of each expert's picks with the twin-dequantised weights (rows
+    # are independent), then moe_combine
+    routed = np.zeros((T, k, D), np.float32)
+    for e in np.unique(idx):
+        t, j = np.nonzero(idx == e)
+        W = {w: round_bf16(_twin_dequant(fmt, pk, sc, w2, int(e))) for w, (pk, sc, w2) in host.items()}
+        routed[t, j] = O.expert_ffn(x[t], W["w1"], W["w2"], W["w3"], limit=10.0, weight=wts[t, j])
+    want = O.moe_combine(routed, idx, shared)
+    r = _rel(got, want)
+    assert r <= MOE_REL_L2, f"seed {seed}: vs float64 oracle relL2 {r:.2e} (per-expert path {_rel(old, want):.2e})"
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (3, 4, 512), (0, 8)])
+def test_store_helpers_one_pass(shape):
+    """ops_glue.bf16_bits / store / to_f32 (one ElementwiseKernel each): the integer RNE formula
+    u += 0x7FFF + ((u >> 16) & 1) bit for bit (the CuPy expressions they replaced), on normal,
+    subnormal, tie, huge, inf and NaN inputs, from float32 and float64 (rounded to f32 first)
+    and from a strided view."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-140, 120, shape))).astype(np.float32)
+    flat = x.reshape(-1)
+    specials = np.array([np.inf, -np.inf, np.nan, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8,
+                         3.4e38, -0.0, 1e-40], np.float32)
+    flat[:min(flat.size, specials.size)] = specials[:flat.size]
+    u = x.view(np.uint32).astype(np.uint64)
+    want_bits = (((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16).astype(np.uint16)
+    got = G.bf16_bits(cp.asarray(x)).get()
+    assert np.array_equal(got, want_bits), f"seed {seed}: bf16_bits"
+    got_store = G.store(cp.asarray(x)).get()
+    assert np.array_equal(got_store.view(np.uint32), want_bits.astype(np.uint32) << 16), f"seed {seed}: store"
+    back = G.to_f32(cp.asarray(want_bits)).get()
+    assert np.array_equal(back.view(np.uint32), want_bits.astype(np.uint32) << 16), f"seed {seed}: to_f32"
+    x64 = x.astype(np.float64)
+    assert np.array_equal(G.bf16_bits(cp.asarray(x64)).get(), want_bits), f"seed {seed}: float64 input"
+    if x.ndim == 2 and x.shape[1] > 2:
+        view = cp.asarray(x)[:, ::2]
+        assert np.array_equal(G.bf16_bits(view).get(), want_bits[:, ::2]), f"seed {seed}: strided"
