@@ -369,8 +369,10 @@ class _Block:
                 if ck not in cache:
                     cache[ck] = cp.asarray(self.st.ws2[f"{key}.{w}"].astype(np.float32))
                 ws2[w] = cache[ck]
-        return routed_moe(self.g, x, cp.asnumpy(idx), wts, experts, fmt, self.cfg.swiglu_limit,
-                          shared, ws2=ws2)
+        with phase(f"{self.ph}/ffn/moe/dispatch"):     # the one device->host read of the ids
+            idx_h = cp.asnumpy(idx)
+        return routed_moe(self.g, x, idx_h, wts, experts, fmt, self.cfg.swiglu_limit,
+                          shared, ws2=ws2, ph=f"{self.ph}/ffn/moe")
 
     def moe(self, x, ids_d, cap):
         import cupy as cp
@@ -390,8 +392,7 @@ class _Block:
             up = self.lin(x, "ffn.shared_experts.w3.weight")
             h = G.swiglu_clamped(gate, up, cfg.swiglu_limit)
             shared = self.lin(G.store(h), "ffn.shared_experts.w2.weight")
-        with phase(f"{self.ph}/ffn/moe/experts"):
-            y = self.routed_experts(x, idx, wts, shared)
+        y = self.routed_experts(x, idx, wts, shared)  # brackets dispatch / experts / combine
         if cap is not None:
             cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
                         "moe.shared": shared, "moe.out": y})

@@ -220,13 +220,16 @@ def combine_sorted(ys, pos, shared, out=None):
 
 # ------------------------------------------------------------------------- orchestration
 def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, *,
-               ws2=None, group: int | None = None):
+               ws2=None, group: int | None = None, ph: str | None = None):
     """The MoE output y [T, D] f32 (bf16-valued) = combine(routed experts) + shared (module doc).
 
     g: ops_glue.GemmBackend of the current device; x [T, D] f32 bf16-valued; idx_h [T, k]
     integer NumPy (the host copy of the routing); wts [T, k] f32 device; experts: {"w1", "w2",
     "w3": (packed [E, out, in/2] u8, scale u8)}; ws2: {"w1", "w2", "w3": f32 [E] device} for
-    NVFP4; shared [T, D] f32."""
+    NVFP4; shared [T, D] f32.  ph: the phase prefix (``.../ffn/moe``) under which the
+    dispatch (host plan, the table upload, the gather), the experts (per group: dequant, GEMMs,
+    SwiGLU) and the combine are bracketed; None brackets nothing."""
+    from memra_dsv4.profiling import phase
     cp = cupy()
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, D = x.shape
@@ -238,13 +241,15 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     assert idx_h.shape[0] == T, f"routed_moe: idx {idx_h.shape} vs x {x.shape}"
     check(wts, "routed_moe.wts", np.float32, (T, k))
     grp = int(group or group_size(I, D))
-    plan = dispatch_plan(idx_h, grp)
-    P, n_act = plan.rows, plan.eids.size
-    tab = cp.asarray(plan.table())                           # the one host->device copy
-    src, flat = tab[:P], tab[P:2 * P]
-    pos = tab[2 * P:2 * P + T * k].reshape(T, k)
-    eids = tab[2 * P + T * k:]
-    xs = gather_rows(x, src, cp.empty((P, D), dtype=cp.uint16))
+    bracket = (lambda leaf: phase(f"{ph}/{leaf}")) if ph else (lambda leaf: _NO_PHASE)
+    with bracket("dispatch"):
+        plan = dispatch_plan(idx_h, grp)
+        P, n_act = plan.rows, plan.eids.size
+        tab = cp.asarray(plan.table())                       # the one host->device copy
+        src, flat = tab[:P], tab[P:2 * P]
+        pos = tab[2 * P:2 * P + T * k].reshape(T, k)
+        eids = tab[2 * P + T * k:]
+        xs = gather_rows(x, src, cp.empty((P, D), dtype=cp.uint16))
     hs = cp.empty((P, I), dtype=cp.uint16)
     ys = cp.empty((P, D), dtype=cp.float32)
     gmax = max(gr.n * gr.mb for gr in plan.groups)
@@ -254,6 +259,29 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     scratch = {w: cp.empty((nmax,) + (experts[w][0].shape[1], 2 * experts[w][0].shape[2]),
                            dtype=cp.uint16) for w in ("w1", "w3", "w2")}
     wflat = cp.ascontiguousarray(wts).reshape(-1)
+    with bracket("experts"):
+        _run_groups(g, plan, eids, experts, fmt, ws2, scratch, xs, gate, up, hs, ys, wflat, flat,
+                    limit)
+    assert n_act == sum(gr.n for gr in plan.groups)
+    with bracket("combine"):
+        return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
+
+
+class _NoPhase:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_PHASE = _NoPhase()
+
+
+def _run_groups(g, plan, eids, experts, fmt, ws2, scratch, xs, gate, up, hs, ys, wflat, flat,
+                limit):
+    """Per group of experts: dequantise the three matrices, gate / up batched GEMMs, SwiGLU,
+    down batched GEMM into the expert-sorted rows ys."""
     for gr in plan.groups:
         rows = slice(gr.row0, gr.row0 + gr.n * gr.mb)
         ge = eids[gr.slot0:gr.slot0 + gr.n]
@@ -265,5 +293,3 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
         g.mm_batched(xs[rows], scratch["w3"][:gr.n], up[:m])
         swiglu_rows(gate[:m], up[:m], wflat, flat[rows], limit, hs[rows])
         g.mm_batched(hs[rows], scratch["w2"][:gr.n], ys[rows])
-    assert n_act == sum(gr.n for gr in plan.groups)
-    return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
