@@ -8,6 +8,9 @@ API
     progress, then prints the bytes placed on each device.  ``dense`` (seam
     ``MEMRA_DSV4_DENSE``, read once per load and printed): ``"bf16"`` (FP8 dense linears
     dequantised to bf16 at load) or ``"fp8"`` (kept as stored; see gpu.weights); ``self.dense``.
+    ``decode_path`` (seam ``MEMRA_DSV4_DECODE_PATH``) and ``pdl`` (seam ``MEMRA_DSV4_PDL``:
+    programmatic dependent launch in the device step, gpu.pdl) are read once and printed;
+    ``self.pdl`` may be changed later (the device step recaptures its graphs when it differs).
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -50,7 +53,7 @@ importlib.import_module("memra_dsv4.gpu.ops.experts")
 class Dsv4Gpu:
     def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
                  force_bounce: bool = False, max_seq_len: int | None = None,
-                 decode_path: str | None = None) -> None:
+                 decode_path: str | None = None, pdl: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -69,6 +72,7 @@ class Dsv4Gpu:
         self.boundary_paths: list[str] = []
         self._cp = cp
         self.decode_path = resolve_decode_path(decode_path)   # read once, printed
+        self.pdl = _resolve_pdl(pdl)                           # read once, printed (gpu.pdl)
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
@@ -90,7 +94,7 @@ class Dsv4Gpu:
     @classmethod
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
              max_seq_len: int | None = None, decode_path: str | None = None,
-             dense: str | None = None) -> "Dsv4Gpu":
+             dense: str | None = None, pdl: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -105,12 +109,13 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path)
+        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
-                  decode_path: str | None = None, dense: str | None = None) -> "Dsv4Gpu":
+                  decode_path: str | None = None, dense: str | None = None,
+                  pdl: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -125,7 +130,7 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path)
+        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -397,3 +402,15 @@ class _Block:
             cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
                         "moe.shared": shared, "moe.out": y})
         return y
+
+
+def _resolve_pdl(explicit: str | None) -> str:
+    """The PDL seam (``MEMRA_DSV4_PDL`` or ``pdl=``), read once per model and printed."""
+    import sys
+    from memra_dsv4 import seams
+    value = seams.resolve(seams.SEAM_PDL, explicit)
+    src = "argument" if explicit is not None else (
+        f"env {seams.SEAM_PDL.env}" if seams.env_value(seams.SEAM_PDL) != seams.SEAM_PDL.default
+        else "default")
+    print(f"memra_dsv4: device-step launches: pdl = {value} ({src})", file=sys.stderr)
+    return value
