@@ -33,7 +33,7 @@ using namespace memra;
 
 // z: [T, C] f32 in place; ape: [r, C] f32; pos: [T] int32 absolute positions.
 extern "C" __global__ void __launch_bounds__(256)
-compress_add_ape(float* z, const float* __restrict__ ape, const int* __restrict__ pos, int T, int C, int r) {
+compress_add_ape(float* z, const float* __restrict__ ape, const int* __restrict__ pos, int T, int C, int r) { PDL_ENTRY();
     const i64 total = (i64)T * C;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const int t = (int)(i / C), c = (int)(i % C);
@@ -86,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(128)
 compress_pool_overlap(const float* __restrict__ kv, const float* __restrict__ score, int ld,
                       const float* __restrict__ prev_kv, const float* __restrict__ prev_score, int ld_prev,
                       float* __restrict__ out, int ld_out, int d, const int* __restrict__ gate_pos,
-                      int gate_r) {
+                      int gate_r) { PDL_ENTRY();
     if (!emit_gate_open(gate_pos, gate_r)) return;
     const int c = blockIdx.x * 128 + threadIdx.x;
     const i64 k = blockIdx.y;
@@ -117,7 +117,7 @@ compress_pool_overlap(const float* __restrict__ kv, const float* __restrict__ sc
 extern "C" __global__ void __launch_bounds__(128)
 compress_pool_plain(const float* __restrict__ kv, const float* __restrict__ score, int ld,
                     float* __restrict__ out, int ld_out, int d, int r, const int* __restrict__ gate_pos,
-                    int gate_r) {
+                    int gate_r) { PDL_ENTRY();
     if (!emit_gate_open(gate_pos, gate_r)) return;
     const int c = blockIdx.x * 128 + threadIdx.x;
     const i64 k = blockIdx.y;
@@ -245,7 +245,7 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict_
     NAME(const void* in, int ld_in, const float* __restrict__ w, double eps,                     \
          const float* __restrict__ cos_t, const float* __restrict__ sin_t,                        \
          const int* __restrict__ pos, int R, u16* out, int ld_out, const int* __restrict__ gate_pos, \
-         int gate_r, int row_mode, int n_rows) {                                                 \
+         int gate_r, int row_mode, int n_rows) { PDL_ENTRY();                                                 \
         norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, w, eps, cos_t, sin_t, pos, R, out, ld_out, \
                                                gate_pos, gate_r, row_mode, n_rows);               \
     }

@@ -49,7 +49,7 @@ DEV u32 fp8_to_bf16(u32 b, u32 s) {
 // vec != 0 only when C % 16 == 0 and w, out are 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(256)
 dequant_fp8_bf16(const u8* __restrict__ w, const u8* __restrict__ scale, u16* __restrict__ out,
-                 long long R, int C, int vec) {
+                 long long R, int C, int vec) { PDL_ENTRY();
     const i64 sc = (C + 127) >> 7;
     const i64 step = (i64)gridDim.x * blockDim.x;
     if (vec) {

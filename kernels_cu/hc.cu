@@ -219,13 +219,13 @@ DEV void weighted_streams(const u16* __restrict__ X, const float* pre, u16* __re
 // [ceil(T/4) * rows_total/R], zero before the first launch (the kernel leaves them zero).
 extern "C" __global__ void __launch_bounds__(MIX_THREADS)
 hc_mixes_r6(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mixes,
-            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) {
+            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) { PDL_ENTRY();
     hc_mixes_body<6>(x, fn, mixes, T, n, rows_total, eps, ws, counters);
 }
 // hc_head: rows_total = 4.
 extern "C" __global__ void __launch_bounds__(MIX_THREADS)
 hc_mixes_r4(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mixes,
-            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) {
+            int T, int n, int rows_total, double eps, double* __restrict__ ws, int* __restrict__ counters) { PDL_ENTRY();
     hc_mixes_body<4>(x, fn, mixes, T, n, rows_total, eps, ws, counters);
 }
 
@@ -235,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(128)
 hc_pre_split_apply(const float* __restrict__ mixes, const float* __restrict__ scale,
                    const float* __restrict__ base, const u16* __restrict__ X, u16* __restrict__ y,
                    float* __restrict__ pre_out, float* __restrict__ post_out,
-                   float* __restrict__ comb_out, int D, int iters, float hc_eps) {
+                   float* __restrict__ comb_out, int D, int iters, float hc_eps) { PDL_ENTRY();
     __shared__ float pre_s[HC];
     const i64 t = blockIdx.x;
     if (threadIdx.x < 32) {
@@ -250,7 +250,7 @@ hc_pre_split_apply(const float* __restrict__ mixes, const float* __restrict__ sc
 
 // pre [T, 4] f32 given; X [T, 4, D] -> y [T, D]. grid (T), block 128.
 extern "C" __global__ void __launch_bounds__(128)
-hc_weighted_sum(const float* __restrict__ pre, const u16* __restrict__ X, u16* __restrict__ y, int D) {
+hc_weighted_sum(const float* __restrict__ pre, const u16* __restrict__ X, u16* __restrict__ y, int D) { PDL_ENTRY();
     __shared__ float pre_s[HC];
     const i64 t = blockIdx.x;
     if (threadIdx.x < HC) pre_s[threadIdx.x] = pre[t * HC + threadIdx.x];
@@ -262,7 +262,7 @@ hc_weighted_sum(const float* __restrict__ pre, const u16* __restrict__ X, u16* _
 extern "C" __global__ void __launch_bounds__(128)
 hc_head_apply(const float* __restrict__ mixes, const float* __restrict__ scale,
               const float* __restrict__ base, const u16* __restrict__ X, u16* __restrict__ y,
-              int D, float hc_eps) {
+              int D, float hc_eps) { PDL_ENTRY();
     __shared__ float pre_s[HC];
     const i64 t = blockIdx.x;
     if (threadIdx.x < HC) {
@@ -277,7 +277,7 @@ hc_head_apply(const float* __restrict__ mixes, const float* __restrict__ scale,
 // out must not alias R. grid (T), block 128.
 extern "C" __global__ void __launch_bounds__(128)
 hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __restrict__ post,
-        const float* __restrict__ comb, u16* __restrict__ out, int D) {
+        const float* __restrict__ comb, u16* __restrict__ out, int D) { PDL_ENTRY();
     __shared__ double pc[HC + HC * HC];
     const i64 t = blockIdx.x;
     if (threadIdx.x < HC) pc[threadIdx.x] = post[t * HC + threadIdx.x];
@@ -360,7 +360,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             const float* __restrict__ scale, const float* __restrict__ base,
             const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
             float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
-            double norm_eps, double* ws, int* counter) {
+            double norm_eps, double* ws, int* counter) { PDL_ENTRY();
     extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
     __shared__ double tot[BND_ROWS + 1];
     __shared__ float mix_s[BND_ROWS];

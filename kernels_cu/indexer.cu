@@ -38,7 +38,7 @@ constexpr int IS_D = 128;
 extern "C" __global__ void __launch_bounds__(IS_THREADS)
 indexer_scores_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
                     int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H, int N,
-                    float w_scale) {
+                    float w_scale) { PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = reinterpret_cast<float*>(smem_raw);                      // [H][128]
     u16* kt = reinterpret_cast<u16*>(smem_raw + (size_t)H * IS_D * 4);   // [128][64]
@@ -169,7 +169,7 @@ DEV void im_issue_keys(u16* buf, const u16* __restrict__ keys, int ld_k, int kba
 extern "C" __global__ void __launch_bounds__(IM_THREADS)
 indexer_scores_mma_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
                         int ld_k, const int* __restrict__ n_valid, u16* __restrict__ out, int ld_out, int H,
-                        int N, float w_scale) {
+                        int N, float w_scale) { PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* qs = reinterpret_cast<u16*>(smem_raw);                    // [64][IM_LD]
     u16* kb = qs + 64 * IM_LD;                                      // 2 x [64][IM_LD]
@@ -313,7 +313,7 @@ DEV void hist_add(int* hist, u32 bin, bool active) {
 // written); k <= 1024, width >= min(k, N). grid (T), block 512.
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
 indexer_topk(const u16* __restrict__ scores, int ld_s, const int* __restrict__ n_valid, int N, int k,
-             int* __restrict__ out, int ld_out, int width, int offset, int order) {
+             int* __restrict__ out, int ld_out, int width, int offset, int order) { PDL_ENTRY();
     __shared__ int hist[256];
     __shared__ u64 items[TK_KMAX];
     __shared__ int warp_cnt[TK_THREADS / 32];
@@ -472,7 +472,7 @@ DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int 
 extern "C" __global__ void __launch_bounds__(IF_THREADS)
 indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
                    const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
-                   int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) {
+                   int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) { PDL_ENTRY();
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = reinterpret_cast<float*>(smem_raw);                  // [64][IF_QLD]
     float* kt = reinterpret_cast<float*>(smem_raw + IF_QBYTES);      // [128][IF_KC]; then prod [IF_KC][IF_PLD]

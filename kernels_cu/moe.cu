@@ -17,7 +17,7 @@ using namespace memra;
 extern "C" __global__ void __launch_bounds__(256)
 swiglu_clamped_bf16(const u16* __restrict__ gate, int ld_g, const u16* __restrict__ up, int ld_u,
                     const float* __restrict__ weight, u16* __restrict__ h, int ld_h, int S, int I,
-                    double limit) {
+                    double limit) { PDL_ENTRY();
     const int cpr = I >> 3;
     const i64 total = (i64)S * cpr;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
@@ -37,7 +37,7 @@ swiglu_clamped_bf16(const u16* __restrict__ gate, int ld_g, const u16* __restric
 // shared: [T, D] bf16 or null; y: [T, D] bf16. k <= 16. grid (T, ceil(D/1024)), block 128.
 extern "C" __global__ void __launch_bounds__(128)
 moe_combine_bf16(const u16* __restrict__ routed, const int* __restrict__ idx,
-                 const u16* __restrict__ shared, u16* __restrict__ y, int D, int k) {
+                 const u16* __restrict__ shared, u16* __restrict__ y, int D, int k) { PDL_ENTRY();
     __shared__ int order[16];
     __shared__ int ids[16];
     const i64 t = blockIdx.x;

@@ -62,13 +62,13 @@ DEV void block_sim(u16* x, i64 rows, int n, int nq) {
 
 // x: [rows, n] bf16 in place; quantises dims [0, nq), nq % B == 0, n % 8 == 0. Any grid (stride loop).
 extern "C" __global__ void __launch_bounds__(256)
-fp8_sim_b64(u16* x, long long rows, int n, int nq) { block_sim<64, false>(x, rows, n, nq); }
+fp8_sim_b64(u16* x, long long rows, int n, int nq) { PDL_ENTRY(); block_sim<64, false>(x, rows, n, nq); }
 
 extern "C" __global__ void __launch_bounds__(256)
-fp8_sim_b128(u16* x, long long rows, int n, int nq) { block_sim<128, false>(x, rows, n, nq); }
+fp8_sim_b128(u16* x, long long rows, int n, int nq) { PDL_ENTRY(); block_sim<128, false>(x, rows, n, nq); }
 
 extern "C" __global__ void __launch_bounds__(256)
-fp4_sim_b32(u16* x, long long rows, int n, int nq) { block_sim<32, true>(x, rows, n, nq); }
+fp4_sim_b32(u16* x, long long rows, int n, int nq) { PDL_ENTRY(); block_sim<32, true>(x, rows, n, nq); }
 
 namespace memra {
 
@@ -111,7 +111,7 @@ DEV void hadamard128_row(const u16* xr, u16* yr) {
 // x, y: [T*H, 128] bf16 (y may alias x); pos [T] int32; cos/sin [n_pos, R/2] f32. One warp per row.
 extern "C" __global__ void __launch_bounds__(256)
 rope_hadamard128_fp4_bf16(const u16* x, u16* y, long long rows, int H, const int* __restrict__ pos,
-                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) { PDL_ENTRY();
     const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
@@ -131,14 +131,14 @@ rope_hadamard128_fp4_bf16(const u16* x, u16* y, long long rows, int H, const int
 
 // x, y: [rows, 128] bf16 (y may alias x). One warp per row, block 256 (8 rows), grid ceil(rows/8).
 extern "C" __global__ void __launch_bounds__(256)
-hadamard128_bf16(const u16* x, u16* y, long long rows) {
+hadamard128_bf16(const u16* x, u16* y, long long rows) { PDL_ENTRY();
     const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;  // whole warps exit together
     hadamard128_row<false>(x + row * 128, y + row * 128);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-hadamard128_fp4_bf16(const u16* x, u16* y, long long rows) {
+hadamard128_fp4_bf16(const u16* x, u16* y, long long rows) { PDL_ENTRY();
     const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
     hadamard128_row<true>(x + row * 128, y + row * 128);

@@ -63,14 +63,14 @@ DEV void rmsnorm_row(const u16* x, const WT* __restrict__ w, u16* y,
 // x, y: [M, n] bf16 (n % 8 == 0, rows 16-byte aligned); w: [n]. grid (M), block 128.
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
 rmsnorm_bf16_wf32(const u16* x, const float* __restrict__ w, u16* y,
-                  int n, double eps) {
+                  int n, double eps) { PDL_ENTRY();
     const i64 row = blockIdx.x;
     rmsnorm_row<float>(x + row * n, w, y + row * n, n, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(RMS_THREADS)
 rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
-                   int n, double eps) {
+                   int n, double eps) { PDL_ENTRY();
     const i64 row = blockIdx.x;
     rmsnorm_row<u16>(x + row * n, w, y + row * n, n, eps);
 }
@@ -80,7 +80,7 @@ rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
 // rotated at position pos[t] (cos/sin [n_pos, R/2] f32), = oracle.ops.apply_rope(head_rms(q)).
 extern "C" __global__ void __launch_bounds__(128)
 head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps, int H, const int* __restrict__ pos,
-              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) { PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= rows) return;

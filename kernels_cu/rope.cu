@@ -15,7 +15,7 @@ using namespace memra;
 // cos, sin: [n_pos, R/2] f32. R % 8 == 0, (D - R) % 8 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 rope_bf16(u16* x, const int* __restrict__ pos, const float* __restrict__ cos_t,
-          const float* __restrict__ sin_t, int T, int H, int D, int R, int inverse) {
+          const float* __restrict__ sin_t, int T, int H, int D, int R, int inverse) { PDL_ENTRY();
     const int cpr = R >> 3;  // chunks per head
     const i64 total = (i64)T * H * cpr;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;

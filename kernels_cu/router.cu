@@ -26,7 +26,7 @@ constexpr int RL_TOK = 4;
 // x: [T, D] bf16; w: [E, D] bf16; out: [T, E] f32. D % 8 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 router_logits_bf16(const u16* __restrict__ x, const u16* __restrict__ w, float* __restrict__ out,
-                   int T, int D, int E) {
+                   int T, int D, int E) { PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int e = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int t0 = blockIdx.y * RL_TOK;
@@ -168,7 +168,7 @@ DEV void router_select_body(const float* __restrict__ logits, const float* __res
     extern "C" __global__ void __launch_bounds__(128)                                            \
     NAME(const float* __restrict__ logits, const float* __restrict__ bias,                       \
          const int* __restrict__ tid2eid, const int* __restrict__ token_ids, int* __restrict__ idx_out, \
-         float* __restrict__ w_out, float* __restrict__ scores_out, int T, int E, int k, float route_scale) { \
+         float* __restrict__ w_out, float* __restrict__ scores_out, int T, int E, int k, float route_scale) { PDL_ENTRY(); \
         router_select_body<EPL>(logits, bias, tid2eid, token_ids, idx_out, w_out, scores_out, T, E, k, \
                                 route_scale);                                                    \
     }
@@ -308,7 +308,7 @@ DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w,
     NAME(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,     \
          const int* __restrict__ tid2eid, const int* __restrict__ token_ids, float* __restrict__ logits_out, \
          float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
-         int* __restrict__ counter, int D, int E, int k, float route_scale) {                     \
+         int* __restrict__ counter, int D, int E, int k, float route_scale) { PDL_ENTRY();                     \
         router_fused_body<EPL>(x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
                                D, E, k, route_scale);                                             \
     }
