@@ -39,7 +39,7 @@ def _dev(*arrs):
 
 
 @pytest.mark.parametrize("O,K,groups", [(1024, 4096, 1), (300, 1032, 1), (8192, 4096, 8),
-                                        (4096, 8192, 1), (64, 264, 1)])
+                                        (4096, 8192, 1), (64, 264, 1), (100, 1824, 1)])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
 def test_gemv_fp8_equals_bf16_bits(O, K, groups, out_dtype):
     seed = fresh_seed()
@@ -57,10 +57,13 @@ def test_gemv_fp8_equals_bf16_bits(O, K, groups, out_dtype):
 
 
 @pytest.mark.parametrize("O,K,groups", [(300, 1032, 1), (4096, 1024, 1), (8192, 4096, 8), (37, 2048, 1),
-                                        (21, 264, 3), (10, 1032, 2)])
+                                        (21, 264, 3), (10, 1032, 2), (100, 1824, 1), (64, 800, 1)])
 def test_gemv_fp8_rows_per_warp(O, K, groups):
     """gemv_fp8_r{1,2,4,8} (and the default) == gemv_bf16_r1 on the dequantised weights, byte for
-    byte, f32 out; rows per group 7 and 5 exercise the lowering of the default R."""
+    byte, f32 out; rows per group 7 and 5 exercise the lowering of the default R.  K covers the
+    three phases of warp_rows_dot: warp-uniform trips (scales by shuffle; K % 1024 == 0),
+    per-lane complete groups (scale byte loads; K = 1824, 800: chunks mod 128 in (96, 128)) and
+    tail chunks (K = 1032, 264, 1824)."""
     seed = fresh_seed()
     rng = rng_for(seed)
     codes, scale, wb = _fp8(rng, O, K)
@@ -79,12 +82,12 @@ def test_gemv_fp8_rows_per_warp(O, K, groups):
         assert (got[O:] == np.float32(-1234.5).view(np.uint32)).all(), f"seed {seed}: R {R}: wrote past O"
 
 
+@pytest.mark.parametrize("K", [2048, 1824])
 @pytest.mark.parametrize("rows_per_warp,outs_per_warp", [(1, 1), (4, 2)])
-def test_gemv_multi_and_swiglu_mixed_forms(rows_per_warp, outs_per_warp):
+def test_gemv_multi_and_swiglu_mixed_forms(rows_per_warp, outs_per_warp, K):
     """A GemvTable mixing FP8 and bf16 entries, and gemv_bf16_swiglu on FP8, equal bf16 bits."""
     seed = fresh_seed()
     rng = rng_for(seed)
-    K = 2048
     shapes = [(512, True), (256, False), (130, True), (7, True), (203, True)]
     e8, eb, outs8, outsb = [], [], [], []
     for O, is8 in shapes:
