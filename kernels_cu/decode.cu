@@ -5,13 +5,14 @@
 // The GEMVs are named for their bf16 activations; W comes in either dense form, bf16 bits or
 // the stored FP8 (e4m3 bytes + e8m0 128x128 block scales), with bit-identical results (see
 // warp_rows_dot).
-// gemv_bf16_r{1,2,4}, gemv_fp8_r{1,2,4,8} (W bf16 bits / e4m3 bytes):
+// gemv_bf16_r{1,2,4}, gemv_fp8_r{1,2,4,8}, gemv_fp8_r4t2 (W bf16 bits / e4m3 bytes):
 //                 y[o] = sum_k W[o, k] x[xo(o) + k], f32 accumulation in a fixed order that is a
 //                 function of K only (warp_rows_dot: lane-strided chunks, 4 partial sums, then
 //                 a butterfly), stored f32 or bf16 (RNE).  xo(o) = (o / rows_per_group) * K
 //                 (grouped projection, e.g. wo_a); rows_per_group = 0: one x for every row.  One
-//                 warp per R rows (the suffix; R | rows_per_group), 4 warps per CTA.  K % 8 == 0,
-//                 16-byte aligned W rows and x.  The bits do not depend on R.
+//                 warp per R rows (the suffix; R | rows_per_group; t2: FP8 loads of two trips
+//                 at once), 4 warps per CTA.  K % 8 == 0, 16-byte aligned W rows and x.  The
+//                 bits depend on neither R nor T.
 // gemv_bf16_multi_r{1,4}: the same per row over a table of projections sharing x (GemvSeg
 //                 below), incl. the compressor's pending-row write + ape (what pending_write +
 //                 add_ape do).
@@ -79,8 +80,9 @@ DEV uint2 ldg_stream8(const void* p) {
 // ---------------------------------------------------------------------------- dense GEMV core
 // A chunk is 8 consecutive columns of a weight row: 16 bytes of bf16 bits or 8 stored e4m3
 // bytes.  Its raw bytes stay in registers until they are used (4 or 2 registers per chunk), so
-// a warp can keep R rows x GEMV_UNROLL chunks of loads in flight per lane (256 B per lane at
-// the default launch configurations: bf16 R = 4, fp8 R = 8) without spilling.
+// a warp can keep R rows x GEMV_UNROLL chunks (x T trips) of loads in flight per lane (256 B
+// per lane at the default configurations: bf16 R = 4; fp8 R = 8, or R = 4 x T = 2) without
+// spilling.
 template <bool FP8> struct RawChunk { using T = uint4; };
 template <> struct RawChunk<true> { using T = uint2; };
 
@@ -94,6 +96,11 @@ DEV typename RawChunk<FP8>::T load_raw(const void* wrow, int c) {
 // chunk's e8m0 block scale (exact in f32: <= 4 significant bits, and a weight the loader
 // accepts is in range; f32 denormal products flush like the bf16 arm's denormal inputs do).
 DEV void dequant_chunk(const uint4& v, float, float* f) { unpack8(v, f); }
+DEV void dequant_chunk(const uint2& v, float sc, float* f) {
+    unpack8_e4m3(v, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], sc);
+}
 
 // e8m0_to_f32 (common.cuh) as selects: the same values, but no branch in the unrolled trip
 // (a branch there splits ptxas's schedule and stops it from issuing the trip's loads together).
@@ -101,11 +108,6 @@ DEV float e8m0_scale(u32 b) {
     const float v = __uint_as_float(b << 23);
     const float lo = __uint_as_float(0x00400000u), nan = __uint_as_float(0x7fc00000u);
     return b == 0u ? lo : (b == 255u ? nan : v);
-}
-DEV void dequant_chunk(const uint2& v, float sc, float* f) {
-    unpack8_e4m3(v, f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], sc);
 }
 
 // One warp's dot products of R weight rows with the same x (K % 8 == 0, 16-byte aligned rows
@@ -119,44 +121,51 @@ DEV void dequant_chunk(const uint2& v, float sc, float* f) {
 // of two bf16 values (or of e4m3 * 2^e and bf16) is exact in f32, the FP8 form returns the
 // bf16 form's bits on the exactly dequantised weights.  (This is the order of the earlier
 // one-row-per-warp warp_row_dot, so results are bit-identical to it.)
-// Per trip each lane issues R * GEMV_UNROLL weight loads (streamed past L1), GEMV_UNROLL x
-// loads (L1-cached: every warp of the CTA reads x; shared by the R rows) and, for FP8,
-// SROWS * GEMV_UNROLL scale-byte loads before any arithmetic.
+// Phases (each lane walks them in this order, which keeps the order above): FP8 only, while
+// every lane of the warp has a complete group left (warp-uniform), T trips at once, then
+// single trips, scale bytes by shuffle; then the lane's own remaining complete groups (scale
+// byte loads); then its tail chunks.  Per trip a lane issues R * GEMV_UNROLL weight loads
+// (streamed past L1), GEMV_UNROLL x loads (L1-cached: every warp of the CTA reads x; shared by
+// the R rows) and the scale loads before any arithmetic.  (The phase/lane/partial/scale-byte
+// bookkeeping was checked against the previous kernel's loops for every K = 8 .. 8992, bf16
+// and FP8, T = 1 and 2, by enumerating per lane the (partial, chunk, scale block) sequence.)
 // SROWS (FP8 only): rows [j R / SROWS, (j + 1) R / SROWS) use the scale row srow[j] (the
 // e8m0 row of their 128-row block; the chunk c of such a row has the scale srow[j][c >> 4]).
 constexpr int GEMV_UNROLL = 4;
 
-// One trip: chunks c + 32 u (u < GEMV_UNROLL) of the R rows into partials u.  SHFL_SCALE (FP8,
-// warp-uniform trips only): the 8 scale bytes a trip needs (blocks 8t .. 8t + 7 of trip t: chunk
-// c + 32 u is in block 8t + 2u + (lane >> 4)) come from one byte load per lane and 4 shuffles,
-// instead of GEMV_UNROLL byte loads per lane (fewer loads per trip, so ptxas issues all of
-// them before the first FMA).
-template <bool FP8, int R, int SROWS, bool SHFL_SCALE>
+// T trips at once: chunks c + 32 u (u < T GEMV_UNROLL) of the R rows into partials
+// u % GEMV_UNROLL (ascending u, so a partial's chain is the same as T single trips').
+// SHFL_SCALE (FP8, warp-uniform trips only): the 8 T scale bytes the trips need (blocks
+// 8t .. 8t + 8T - 1 from trip t: chunk c + 32 u is in block 8t + 2u + (lane >> 4)) come from
+// one byte load per lane and shuffles, instead of T GEMV_UNROLL byte loads per lane (fewer
+// loads, so ptxas issues all of them before the first FMA).
+template <bool FP8, int R, int SROWS, bool SHFL_SCALE, int T>
 DEV void rows_trip(const void* const* wrow, const u8* const* srow, const u16* __restrict__ x,
                    int c, int lane, float (&acc)[R][GEMV_UNROLL]) {
     using Raw = typename RawChunk<FP8>::T;
-    Raw raw[R][GEMV_UNROLL];
-    uint4 xv[GEMV_UNROLL];
-    u32 sb[SROWS][GEMV_UNROLL];
+    constexpr int NU = T * GEMV_UNROLL;
+    Raw raw[R][NU];
+    uint4 xv[NU];
+    u32 sb[SROWS][NU];
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u)
+    for (int u = 0; u < NU; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r) raw[r][u] = load_raw<FP8>(wrow[r], c + 32 * u);
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) xv[u] = ldg16(x + (i64)(c + 32 * u) * 8);
+    for (int u = 0; u < NU; ++u) xv[u] = ldg16(x + (i64)(c + 32 * u) * 8);
     if constexpr (FP8) {
 #pragma unroll
         for (int j = 0; j < SROWS; ++j) {
             if constexpr (SHFL_SCALE) {
-                sb[j][0] = __ldg(srow[j] + (((c >> 4) & ~7) | (lane & 7)));
+                sb[j][0] = __ldg(srow[j] + (((c >> 4) & ~7) + (lane & (8 * T - 1))));
             } else {
 #pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; ++u) sb[j][u] = __ldg(srow[j] + ((c + 32 * u) >> 4));
+                for (int u = 0; u < NU; ++u) sb[j][u] = __ldg(srow[j] + ((c + 32 * u) >> 4));
             }
         }
     }
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
+    for (int u = 0; u < NU; ++u) {
         float b[8];
         unpack8(xv[u], b);
         float sc[SROWS];
@@ -172,15 +181,19 @@ DEV void rows_trip(const void* const* wrow, const u8* const* srow, const u16* __
             float a[8];
             dequant_chunk(raw[r][u], sc[r / (R / SROWS)], a);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[r][u] = __fmaf_rn(a[i], b[i], acc[r][u]);
+            for (int i = 0; i < 8; ++i)
+                acc[r][u % GEMV_UNROLL] = __fmaf_rn(a[i], b[i], acc[r][u % GEMV_UNROLL]);
         }
     }
 }
 
-template <bool FP8, int R, int SROWS>
+// T (FP8 only): warp-uniform trips are taken T at a time while T fit (T = 2: 16 weight chunks
+// per row per lane in flight, for long rows with few of them: wo_b, shared_w2).
+template <bool FP8, int R, int SROWS, int T = 1>
 DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16* __restrict__ x,
                        int K, int lane, float* out) {
     static_assert(R % SROWS == 0, "SROWS must divide R");
+    static_assert(T == 1 || (FP8 && T == 2), "T = 2: FP8 only");
     using Raw = typename RawChunk<FP8>::T;
     const int nc = K >> 3;
     float acc[R][GEMV_UNROLL];
@@ -190,11 +203,15 @@ DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16
         for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
     int c = lane;  // = lane + 32 GEMV_UNROLL t in trip t
     if constexpr (FP8) {  // trips where every lane has a complete group (c | 31: lane 31's c)
+        if constexpr (T == 2) {
+            for (; (c | 31) + 32 * (2 * GEMV_UNROLL - 1) < nc; c += 2 * 32 * GEMV_UNROLL)
+                rows_trip<FP8, R, SROWS, true, 2>(wrow, srow, x, c, lane, acc);
+        }
         for (; (c | 31) + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
-            rows_trip<FP8, R, SROWS, true>(wrow, srow, x, c, lane, acc);
+            rows_trip<FP8, R, SROWS, true, 1>(wrow, srow, x, c, lane, acc);
     }
     for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)  // the lane's complete groups
-        rows_trip<FP8, R, SROWS, false>(wrow, srow, x, c, lane, acc);
+        rows_trip<FP8, R, SROWS, false, 1>(wrow, srow, x, c, lane, acc);
     for (; c < nc; c += 32) {  // tail chunks (fewer than GEMV_UNROLL per lane) -> partial 0
         Raw raw[R];
 #pragma unroll
@@ -241,10 +258,11 @@ constexpr int GEMV_WARPS = GEMV_THREADS / 32;
 // (16 warps per SM).  The minimum also matters for the schedule: without it ptxas sinks most
 // of a trip's loads below the first FMAs (SASS: 5 of gemv_bf16_r4's 20 loads issued before the
 // first FFMA, 76 registers); with it all 20 go out together (128 registers), i.e. 8 KB of
-// weights in flight per warp, 128 KB per SM.  gemv_fp8_r8 (the FP8 default): 3 CTAs, 168
-// registers, 32 weight + 4 x + 1 scale loads per trip before the first FFMA, 8 KB per warp,
-// 96 KB per SM.  (The one-row-per-warp kernel this replaces: 124 registers, 16 warps per SM,
-// 2 KB (bf16) or 1 KB (fp8, K = 1024) in flight per warp.)
+// weights in flight per warp, 128 KB per SM.  The FP8 defaults gemv_fp8_r8 (K < 2048) and
+// gemv_fp8_r4t2 (two trips at once, K >= 2048) take a bound of 3 CTAs: 168 registers, and
+// all 37 (32 weight + 4 x + 1 scale) resp. 41 (32 + 8 + 1) loads before the first FFMA: 8 KB
+// per warp, 96 KB per SM.  (The one-row-per-warp kernel this replaces: 124 registers, 16 warps
+// per SM, 2 KB (bf16) or 1 KB (fp8, K = 1024) in flight per warp.)
 #ifndef GEMV_MINB
 #define GEMV_MINB 4
 #endif
@@ -254,7 +272,7 @@ DEV int gemv_warp_id() { return (int)blockIdx.x * GEMV_WARPS + (int)(threadIdx.x
 // gemv_bf16 body: warp w computes rows [w R, w R + R) (rows past O recompute row O - 1 and are
 // not stored).  R divides 128 and the first row is a multiple of R, so the R rows share one
 // e8m0 scale row; R divides rows_per_group (the wrapper picks R so), so they share one x.
-template <bool FP8, int R>
+template <bool FP8, int R, int T>
 DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_s,
                    const u16* __restrict__ x, void* __restrict__ y, int O, int K,
                    int rows_per_group, int out_bf16) {
@@ -268,7 +286,7 @@ DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_
     const u8* sr[1] = {FP8 ? S + (i64)(o0 >> 7) * ld_s : nullptr};
     const u16* xv = x + (rows_per_group > 0 ? (i64)(o0 / rows_per_group) * K : (i64)0);
     float acc[R];
-    warp_rows_dot<FP8, R, 1>(wr, sr, xv, K, lane, acc);
+    warp_rows_dot<FP8, R, 1, T>(wr, sr, xv, K, lane, acc);
     if (lane != 0) return;
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -279,19 +297,20 @@ DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_
 
 // W: bf16 bits [O, K] (gemv_bf16_r*) or e4m3 bytes [O, K] with e8m0 scales S [ceil(O/128),
 // ld_s] (gemv_fp8_r*); R rows per warp.
-#define GEMV_ROWS_KERNEL(NAME, FP8, R, MINB)                                                       \
+#define GEMV_ROWS_KERNEL(NAME, FP8, R, T, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
          void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                   \
-        gemv_rows<FP8, R>(W, S, ld_s, x, y, O, K, rows_per_group, out_bf16);                       \
+        gemv_rows<FP8, R, T>(W, S, ld_s, x, y, O, K, rows_per_group, out_bf16);                    \
     }
-GEMV_ROWS_KERNEL(gemv_bf16_r1, false, 1, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_bf16_r2, false, 2, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_bf16_r4, false, 4, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_fp8_r1, true, 1, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_fp8_r2, true, 2, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_fp8_r4, true, 4, GEMV_MINB)
-GEMV_ROWS_KERNEL(gemv_fp8_r8, true, 8, 3)  // 168 registers, all 37 loads of a trip together
+GEMV_ROWS_KERNEL(gemv_bf16_r1, false, 1, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_bf16_r2, false, 2, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_bf16_r4, false, 4, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r1, true, 1, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r2, true, 2, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r4, true, 4, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r8, true, 8, 1, 3)    // 168 registers, all 37 loads of a trip together
+GEMV_ROWS_KERNEL(gemv_fp8_r4t2, true, 4, 2, 3)  // 2 trips at once: the long-K FP8 default
 
 // Several projections of the same x in one launch (e.g. every [*, D] projection of the normed
 // hidden state).  segs[s]: rows [row0, segs[s + 1].row0) of the launch are rows [0, n_s) of W_s,
@@ -317,7 +336,7 @@ struct GemvSeg {
 };
 
 namespace {
-template <int R>
+template <int R, int T8>
 DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x,
                          int K, const int* __restrict__ pos) {
     static_assert(128 % R == 0, "R must divide the 128-row scale block");
@@ -336,7 +355,7 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
 #pragma unroll
         for (int j = 0; j < R; ++j) wr[j] = w_row<true>(g.w, min(r0 + j, n - 1), K);
         const u8* sr[1] = {g.scale + (i64)(r0 >> 7) * g.ld_scale};
-        warp_rows_dot<true, R, 1>(wr, sr, x, K, lane, acc);
+        warp_rows_dot<true, R, 1, T8>(wr, sr, x, K, lane, acc);
     } else {
 #pragma unroll
         for (int j = 0; j < R; ++j) wr[j] = w_row<false>(g.w, min(r0 + j, n - 1), K);
@@ -361,7 +380,7 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
 
 // The shared expert's first half for outputs [w P, w P + P): rows of W1 and of W3 in one
 // warp_rows_dot (2P rows; the first P use W1's scale row, the rest W3's).
-template <int P>
+template <int P, int T8>
 DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1,
                           const void* __restrict__ W3, const u8* __restrict__ S3, int ld_s,
                           const u16* __restrict__ x, u16* __restrict__ h, int O, int K,
@@ -379,7 +398,7 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
             wr[P + j] = w_row<true>(W3, min(o0 + j, O - 1), K);
         }
         const u8* sr[2] = {S1 + (i64)(o0 >> 7) * ld_s, S3 + (i64)(o0 >> 7) * ld_s};
-        warp_rows_dot<true, 2 * P, 2>(wr, sr, x, K, lane, acc);
+        warp_rows_dot<true, 2 * P, 2, T8>(wr, sr, x, K, lane, acc);
     } else {
 #pragma unroll
         for (int j = 0; j < P; ++j) {
@@ -399,28 +418,30 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
 }
 }  // namespace
 
-// R rows per warp; grid = ceil(segs[nseg].warp0 / GEMV_WARPS) CTAs of GEMV_THREADS.
-#define GEMV_MULTI_KERNEL(NAME, R)                                                                 \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MINB)                          \
+// R rows per warp, FP8 projections T8 trips at once; grid = ceil(segs[nseg].warp0 / GEMV_WARPS)
+// CTAs of GEMV_THREADS.  (The device step's tables have ~1000 warps of 4 rows, all resident at
+// 8 warps per SM, so the 3-CTA bound that T8 = 2 needs costs no occupancy there.)
+#define GEMV_MULTI_KERNEL(NAME, R, T8, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
          const int* __restrict__ pos) {                                                            \
-        gemv_multi_rows<R>(segs, nseg, x, K, pos);                                                 \
+        gemv_multi_rows<R, T8>(segs, nseg, x, K, pos);                                             \
     }
-GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1)
-GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4)
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, GEMV_MINB)
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
 
 // h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no routing weight): the bits of
 // gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.  W1, W3 both bf16 or both fp8 (S1, S3);
-// P outputs per warp.
-#define GEMV_SWIGLU_KERNEL(NAME, P)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MINB)                          \
+// P outputs per warp, FP8 T8 trips at once (2048 outputs: 1024 warps at P = 2, all resident).
+#define GEMV_SWIGLU_KERNEL(NAME, P, T8, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
          const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
          int O, int K, double limit) {                                                             \
-        gemv_swiglu_rows<P>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                              \
+        gemv_swiglu_rows<P, T8>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                          \
     }
-GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1)
-GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2)
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 3)
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_gather(const int* __restrict__ tok, const u16* __restrict__ embed, u16* __restrict__ streams,

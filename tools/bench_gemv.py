@@ -48,6 +48,12 @@ def main(argv=None) -> int:
     def tag(r, default, letter="R"):
         return f" {letter}={default if r is None else r}"
 
+    def rt(v, fp8, K):
+        """(label, kwargs) of a gemv_bf16 variant (None: the default)."""
+        R, T = DK.gemv_default_variant(fp8, K) if v is None else v
+        return f" R={R} T={T}" + (" (default)" if v is None else ""), \
+            {} if v is None else dict(rows_per_warp=R, trips=T)
+
     cases = []
     dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
              ("wo_a", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
@@ -56,20 +62,20 @@ def main(argv=None) -> int:
         dense.append(("head", 129280, 4096, 1))
     for name, O, K, groups in dense:
         w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
-        d = DK.GEMV_DEFAULT_ROWS[False]
-        for r in variants(d, DK.GEMV_ROWS[False]):
-            cases.append((f"gemv_bf16 {name} [{O}x{K}]{tag(r, d)}", 2 * O * K,
-                          lambda w=w, x=x, y=y, g=groups, r=r: DK.gemv_bf16(w, x, y, groups=g, rows_per_warp=r)))
+        for v in variants(DK.gemv_default_variant(False, K), DK.GEMV_VARIANTS[False]):
+            label, kw = rt(v, False, K)
+            cases.append((f"gemv_bf16 {name} [{O}x{K}]{label}", 2 * O * K,
+                          lambda w=w, x=x, y=y, g=groups, kw=kw: DK.gemv_bf16(w, x, y, groups=g, **kw)))
     for name, O, K, groups in [("wq_a fp8", 1024, 4096, 1), ("wq_b fp8", 32768, 1024, 1),
                                ("wo_a fp8", 8192, 4096, 8), ("wo_b fp8", 4096, 8192, 1),
                                ("shared_w2 fp8", 4096, 2048, 1), ("idx_wq_b fp8", 4096, 1024, 1)]:
         w, sc = fp8(O, K)
         x, y = bf16(groups * K), cp.empty(O, cp.uint16)
-        d = DK.GEMV_DEFAULT_ROWS[True]
-        for r in variants(d, DK.GEMV_ROWS[True]):
-            cases.append((f"gemv_fp8 {name} [{O}x{K}]{tag(r, d)}", O * K,
-                          lambda w=w, sc=sc, x=x, y=y, g=groups, r=r:
-                          DK.gemv_bf16(w, x, y, groups=g, scale=sc, rows_per_warp=r)))
+        for v in variants(DK.gemv_default_variant(True, K), DK.GEMV_VARIANTS[True]):
+            label, kw = rt(v, True, K)
+            cases.append((f"gemv_fp8 {name} [{O}x{K}]{label}", O * K,
+                          lambda w=w, sc=sc, x=x, y=y, g=groups, kw=kw:
+                          DK.gemv_bf16(w, x, y, groups=g, scale=sc, **kw)))
     # the attention-side group of [*, 4096] projections of xn in one launch
     shapes = [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]
     xm, pos = bf16(4096), cp.zeros(1, cp.int32)

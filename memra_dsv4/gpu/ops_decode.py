@@ -12,20 +12,38 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or
 
 STEM = "decode"
-# The dense GEMVs (decode.cu): one kernel per weight form and rows per warp R (a row's bits do
-# not depend on R or on the form, see warp_rows_dot), 128-thread CTAs of GEMV_WARPS warps.
+# The dense GEMVs (decode.cu): one kernel per weight form, rows per warp R and (FP8) trips issued
+# together T; a row's bits depend on none of them (see warp_rows_dot).  128-thread CTAs of
+# GEMV_WARPS warps (decode.cu GEMV_THREADS / 32).
 GEMV_WARPS = 4
-GEMV_ROWS = {False: (1, 2, 4), True: (1, 2, 4, 8)}    # R instantiated per form (fp8: e4m3 W)
-GEMV_DEFAULT_ROWS = {False: 4, True: 8}               # 8 KB in flight per warp, see decode.cu GEMV_MINB
+GEMV_ROWS = {False: (1, 2, 4), True: (1, 2, 4, 8)}    # R instantiated per form (True: e4m3 W)
+GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1)),     # (R, T) instantiated per form
+                 True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}
 MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
-GEMV_KERNELS = tuple(f"gemv_{'fp8' if f else 'bf16'}_r{r}" for f in (False, True) for r in GEMV_ROWS[f]) + \
+
+
+def gemv_default_variant(fp8: bool, K: int) -> tuple:
+    """(R, T) of a gemv_bf16 launch: 8 KB of weights in flight per warp in every case (decode.cu
+    GEMV_MINB): bf16 4 rows x 4 chunks x 16 B x 32 lanes; FP8 8 rows x 4 x 8 B, or, for rows of
+    >= 2048 (few rows, long K: wo_b, shared_w2), 4 rows x 2 trips x 4 x 8 B."""
+    if not fp8:
+        return 4, 1
+    return (4, 2) if K >= 2048 else (8, 1)
+
+
+def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
+    return f"gemv_{'fp8' if fp8 else 'bf16'}_r{R}" + (f"t{T}" if T > 1 else "")
+
+
+GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
     tuple(f"gemv_bf16_multi_r{r}" for r in MULTI_ROWS) + tuple(f"gemv_bf16_swiglu_p{p}" for p in SWIGLU_OUTS)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
                           "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
-__all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_DEFAULT_ROWS", "MULTI_ROWS", "SWIGLU_OUTS", "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+__all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "gemv_default_variant",
+           "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -53,11 +71,13 @@ def _gemv_grid(warps: int) -> tuple:
     return ((int(warps) + GEMV_WARPS - 1) // GEMV_WARPS,)
 
 
-def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None):
+def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None,
+              trips: int | None = None):
     """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
     ``scale`` (same bits either way); groups > 1: row o uses x[(o // (O // groups)) * K : +K]
-    (x holds groups * K values).  rows_per_warp (R; default GEMV_DEFAULT_ROWS, lowered to a
-    divisor of the rows per group) changes the speed only, never the bits."""
+    (x holds groups * K values).  rows_per_warp R and trips T (a GEMV_VARIANTS pair; default
+    gemv_default_variant, R lowered to a divisor of the rows per group) change the speed only,
+    never the bits."""
     O, K = w.shape
     wa, sa, ld = dense_weight(w, scale, "gemv_bf16.w")
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
@@ -68,14 +88,18 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     assert O % groups == 0, f"gemv_bf16: {O} rows not divisible into {groups} groups"
     assert x.data.ptr % 16 == 0, "gemv_bf16.x: 16-byte alignment"
     rpg = O // groups if groups > 1 else 0
-    fp8 = w.dtype == np.uint8
-    R = GEMV_DEFAULT_ROWS[fp8] if rows_per_warp is None else int(rows_per_warp)
-    assert R in GEMV_ROWS[fp8], f"gemv_bf16: rows_per_warp {R} not in {GEMV_ROWS[fp8]}"
-    if rows_per_warp is None:
+    fp8 = bool(w.dtype == np.uint8)
+    R, T = gemv_default_variant(fp8, K)
+    if rows_per_warp is None and trips is None:
         while rpg % R:            # a warp's rows must share one x (R = 1 always does)
-            R //= 2
+            R, T = R // 2, 1
+    else:
+        R = R if rows_per_warp is None else int(rows_per_warp)
+        T = 1 if trips is None else int(trips)
+    assert R in GEMV_ROWS[fp8], f"gemv_bf16: rows_per_warp {R} not in {GEMV_ROWS[fp8]}"
+    assert (R, T) in GEMV_VARIANTS[fp8], f"gemv_bf16: (rows_per_warp, trips) {(R, T)} not in {GEMV_VARIANTS[fp8]}"
     assert rpg % R == 0, f"gemv_bf16: rows_per_warp {R} does not divide the {rpg} rows per group"
-    kernel(STEM, f"gemv_{'fp8' if fp8 else 'bf16'}_r{R}")(
+    kernel(STEM, _gemv_kernel_name(fp8, R, T))(
         _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
         (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
     return out

@@ -5,7 +5,7 @@ Bound: bit-identical.  w = e4m3 * 2^(s - 127) is exact in f32 and, for a weight 
 accepts, exact in bf16 (formats.dequant_fp8_block + f32_to_bf16_exact, the bf16 arm's load
 path); both forms then feed the same products to the same accumulation order (warp_row_dot), so
 the two arms of the device step differ in bytes read only.  Codes cover every finite e4m3 value
-(subnormals included) and scales 2^-8..2^8.  Every rows-per-warp kernel (gemv_fp8_r1/2/4/8,
+(subnormals included) and scales 2^-8..2^8.  Every rows-per-warp kernel (gemv_fp8_r1/2/4/8/r4t2,
 gemv_bf16_multi_r1/r4, gemv_bf16_swiglu_p1/p2) is held to the bf16 bits of one row per warp,
 incl. rows past O in the last warp and warps whose rows sit at odd offsets of a 128-row scale
 block (odd segment sizes in a GemvTable).
@@ -57,13 +57,15 @@ def test_gemv_fp8_equals_bf16_bits(O, K, groups, out_dtype):
 
 
 @pytest.mark.parametrize("O,K,groups", [(300, 1032, 1), (4096, 1024, 1), (8192, 4096, 8), (37, 2048, 1),
-                                        (21, 264, 3), (10, 1032, 2), (100, 1824, 1), (64, 800, 1)])
+                                        (21, 264, 3), (10, 1032, 2), (100, 1824, 1), (64, 800, 1),
+                                        (40, 5128, 1), (4096, 8192, 1)])
 def test_gemv_fp8_rows_per_warp(O, K, groups):
-    """gemv_fp8_r{1,2,4,8} (and the default) == gemv_bf16_r1 on the dequantised weights, byte for
-    byte, f32 out; rows per group 7 and 5 exercise the lowering of the default R.  K covers the
-    three phases of warp_rows_dot: warp-uniform trips (scales by shuffle; K % 1024 == 0),
-    per-lane complete groups (scale byte loads; K = 1824, 800: chunks mod 128 in (96, 128)) and
-    tail chunks (K = 1032, 264, 1824)."""
+    """gemv_fp8_r{1,2,4,8}, gemv_fp8_r4t2 (and the default) == gemv_bf16_r1 on the dequantised
+    weights, byte for byte, f32 out, nothing written past O; rows per group 7 and 5 exercise the
+    lowering of the default R.  K covers every phase of warp_rows_dot: warp-uniform trip pairs
+    (T = 2; K % 2048 == 0, and K = 4096 + 1024 + 8: a pair, a single uniform trip, a tail) and
+    single trips (scales by shuffle), per-lane complete groups (scale byte loads; K = 1824, 800:
+    chunks mod 128 in (96, 128)) and tail chunks (K = 1032, 264, 1824)."""
     seed = fresh_seed()
     rng = rng_for(seed)
     codes, scale, wb = _fp8(rng, O, K)
@@ -73,13 +75,14 @@ def test_gemv_fp8_rows_per_warp(O, K, groups):
     DK.gemv_bf16(wb_d, x_d, ref, groups=groups, rows_per_warp=1)
     ref = cp.asnumpy(ref).view(np.uint32)
     rpg = O // groups if groups > 1 else 0
-    for R in [None] + [r for r in DK.GEMV_ROWS[True] if rpg % r == 0]:
+    for v in [None] + [v for v in DK.GEMV_VARIANTS[True] if rpg % v[0] == 0]:
         y = cp.full(O + 8, -1234.5, cp.float32)
-        DK.gemv_bf16(c_d, x_d, y[:O], groups=groups, scale=s_d, rows_per_warp=R)
+        kw = {} if v is None else dict(rows_per_warp=v[0], trips=v[1])
+        DK.gemv_bf16(c_d, x_d, y[:O], groups=groups, scale=s_d, **kw)
         got = cp.asnumpy(y).view(np.uint32)
         bad = np.flatnonzero(got[:O] != ref)
-        assert bad.size == 0, f"seed {seed}: R {R}: {bad.size} rows differ, first {bad[:5]}"
-        assert (got[O:] == np.float32(-1234.5).view(np.uint32)).all(), f"seed {seed}: R {R}: wrote past O"
+        assert bad.size == 0, f"seed {seed}: (R, T) {v}: {bad.size} rows differ, first {bad[:5]}"
+        assert (got[O:] == np.float32(-1234.5).view(np.uint32)).all(), f"seed {seed}: {v}: wrote past O"
 
 
 @pytest.mark.parametrize("K", [2048, 1824])

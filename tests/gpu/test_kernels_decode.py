@@ -324,6 +324,8 @@ def test_gemv_bf16_refusals():
         DK.gemv_bf16(w, cp.zeros(3 * 264, cp.uint16), cp.empty(16, cp.float32), groups=3)
     with pytest.raises(AssertionError, match=r"rows_per_warp 8 not in"):     # bf16: R <= 4
         DK.gemv_bf16(w, x, cp.empty(16, cp.float32), rows_per_warp=8)
+    with pytest.raises(AssertionError, match=r"\(rows_per_warp, trips\) \(4, 2\) not in"):  # T = 2: FP8 only
+        DK.gemv_bf16(w, x, cp.empty(16, cp.float32), rows_per_warp=4, trips=2)
     with pytest.raises(AssertionError, match=r"rows_per_warp 4 does not divide the 2 rows per group"):
         DK.gemv_bf16(w, cp.zeros(8 * 264, cp.uint16), cp.empty(16, cp.float32), groups=8, rows_per_warp=4)
 
