@@ -3,7 +3,7 @@ block scales) against the same kernels on the exactly dequantised bf16 weights.
 
 Bound: bit-identical.  w = e4m3 * 2^(s - 127) is exact in f32 and, for a weight the loader
 accepts, exact in bf16 (formats.dequant_fp8_block + f32_to_bf16_exact, the bf16 arm's load
-path); both forms then feed the same products to the same accumulation order (warp_row_dot), so
+path); both forms then feed the same products to the same accumulation order (warp_rows_dot), so
 the two arms of the device step differ in bytes read only.  Codes cover every finite e4m3 value
 (subnormals included) and scales 2^-8..2^8.  Every rows-per-warp kernel (gemv_fp8_r1/2/4/8/r4t2,
 gemv_bf16_multi_r1/r4, gemv_bf16_swiglu_p1/p2) is held to the bf16 bits of one row per warp,

@@ -38,7 +38,7 @@ from memra_dsv4.host.pending import advance_pending, cur_offset  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 # Each product of two bf16 values is exact in f32 (8 + 8 significant bits), so the only error of
-# gemv_bf16 is the f32 rounding of its running sums (the fixed tree of warp_row_dot: a chain of
+# gemv_bf16 is the f32 rounding of its running sums (the fixed tree of warp_rows_dot: a chain of
 # K/128 FMAs per lane partial, 3 partial adds, a 5-level butterfly).  Every rounding is at most
 # half an ulp of a partial sum, and |partial sum| <= sum_k |w x|, so the worst case is about
 # (K/128 + 8)/2 ulps of sum|w x| (for K = 8, 7 roundings: 3.5 ulps, so 4 is rigorous there).  On
@@ -364,7 +364,7 @@ def _multi_positions(entries):
 @pytest.mark.parametrize("K,entries", MULTI_TABLES)
 def test_gemv_bf16_multi(K, entries, rows_per_warp):
     """One launch over a GemvTable, at the boundary positions: a plain projection == gemv_bf16 of
-    it alone, byte for byte (the same warp_row_dot per row); a pending-row pair == the twin of
+    it alone, byte for byte (the same warp_rows_dot order per row); a pending-row pair == the twin of
     gemv_bf16 (f32) + add_ape + pending_write: row (pos % r) + (overlap ? r : 0) of kv gets W_kv x,
     of score f32(W_gate x + ape[pos % r]), every other pending row and every byte around the
     outputs unchanged; a second launch gives the same bytes."""
