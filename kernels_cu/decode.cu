@@ -4,15 +4,20 @@
 //
 // The GEMVs are named for their bf16 activations; W comes in either dense form, bf16 bits or
 // the stored FP8 (e4m3 bytes + e8m0 128x128 block scales), with bit-identical results (see
-// warp_row_dot).
-// gemv_bf16:      y[o] = sum_k W[o, k] x[xo(o) + k], f32 accumulation (fixed order, see
-//                 warp_row_dot: lane-strided 128-bit loads, 4 partial sums, then a butterfly),
-//                 stored f32 or bf16 (RNE).  xo(o) = (o / rows_per_group) * K (grouped
-//                 projection, e.g. wo_a); rows_per_group = 0: one x for every row.  One warp per
-//                 output row, 8 rows per 256-thread CTA.  K % 8 == 0, 16-byte aligned W rows, x.
-// gemv_bf16_multi: the same per row over a table of projections sharing x (GemvSeg below), incl.
-//                 the compressor's pending-row write + ape (what pending_write + add_ape do).
-// gemv_bf16_swiglu: shared-expert gate/up GEMVs + clamped SwiGLU in one launch.
+// warp_rows_dot).
+// gemv_bf16_r{1,2,4}, gemv_fp8_r{1,2,4,8}, gemv_fp8_r4t2 (W bf16 bits / e4m3 bytes):
+//                 y[o] = sum_k W[o, k] x[xo(o) + k], f32 accumulation in a fixed order that is a
+//                 function of K only (warp_rows_dot: lane-strided chunks, 4 partial sums, then
+//                 a butterfly), stored f32 or bf16 (RNE).  xo(o) = (o / rows_per_group) * K
+//                 (grouped projection, e.g. wo_a); rows_per_group = 0: one x for every row.  One
+//                 warp per R rows (the suffix; R | rows_per_group; t2: FP8 loads of two trips
+//                 at once), 4 warps per CTA.  K % 8 == 0, 16-byte aligned W rows and x.  The
+//                 bits depend on neither R nor T.
+// gemv_bf16_multi_r{1,4}: the same per row over a table of projections sharing x (GemvSeg
+//                 below), incl. the compressor's pending-row write + ape (what pending_write +
+//                 add_ape do).
+// gemv_bf16_swiglu_p{1,2}: shared-expert gate/up GEMVs + clamped SwiGLU in one launch (P
+//                 outputs, 2P rows, per warp).
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
@@ -46,7 +51,8 @@ DEV uint4 ldg_stream16(const void* p) {
     return v;
 }
 
-// 8 stored e4m3 bytes -> 8 f32 (exact: every e4m3 value is a normal f16, hardware converts).
+// 8 stored e4m3 bytes -> 8 f32 (exact: every e4m3 value is a normal f16, hardware converts:
+// one F2FP.F16.E4M3.UNPACK_B per pair, then HADD2.F32 per value).
 DEV void unpack8_e4m3(const uint2& v, float* f) {
     const u32 w[2] = {v.x, v.y};
 #pragma unroll
@@ -71,90 +77,172 @@ DEV uint2 ldg_stream8(const void* p) {
     return v;
 }
 
-// One warp's dot product of a weight row with x (K % 8 == 0, 16-byte aligned x).  Lane l owns the
-// 8-element chunks c = l + 32 i; chunk c + 32 u of an unrolled group goes to partial u (GEMV_UNROLL
-// partials, tail chunks to partial 0), partials are added in index order, then a butterfly.  The
-// order is a function of K only, and it is the SAME for both weight forms:
-//   bf16: W row of u16 bits (16-byte loads; GEMV_UNROLL loads in flight per lane);
-//   fp8:  the stored e4m3 bytes (8-byte loads, two groups = 2 GEMV_UNROLL loads in flight) times
-//         the e8m0 scale of their 128-column block (srow = the row's scale row), w = e4m3 * 2^e
-//         exact in f32, so a product equals the bf16 arm's product bit for bit and the FP8 arm
-//         returns the same bits as the bf16 arm on the exactly dequantised weights.
-constexpr int GEMV_UNROLL = 4;
+// ---------------------------------------------------------------------------- dense GEMV core
+// A chunk is 8 consecutive columns of a weight row: 16 bytes of bf16 bits or 8 stored e4m3
+// bytes.  Its raw bytes stay in registers until they are used (4 or 2 registers per chunk), so
+// a warp can keep R rows x GEMV_UNROLL chunks (x T trips) of loads in flight per lane (256 B
+// per lane at the default configurations: bf16 R = 4; fp8 R = 8, or R = 4 x T = 2) without
+// spilling.
+template <bool FP8> struct RawChunk { using T = uint4; };
+template <> struct RawChunk<true> { using T = uint2; };
 
 template <bool FP8>
-DEV void load_chunk(const void* w, const u8* srow, int c, float* f) {
-    if (FP8) {
-        unpack8_e4m3(ldg_stream8(reinterpret_cast<const u8*>(w) + (i64)c * 8), f);
-        const float sc = e8m0_to_f32(__ldg(srow + (c >> 4)));
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], sc);
-    } else {
-        unpack8(ldg_stream16(reinterpret_cast<const u16*>(w) + (i64)c * 8), f);
-    }
+DEV typename RawChunk<FP8>::T load_raw(const void* wrow, int c) {
+    if constexpr (FP8) return ldg_stream8(reinterpret_cast<const u8*>(wrow) + (i64)c * 8);
+    else return ldg_stream16(reinterpret_cast<const u16*>(wrow) + (i64)c * 8);
 }
 
-template <bool FP8>
-DEV float warp_row_dot(const void* __restrict__ w, const u8* __restrict__ srow,
-                       const u16* __restrict__ x, int K, int lane) {
-    const int nc = K >> 3;
-    float acc[GEMV_UNROLL];
+// The 8 f32 weights of a chunk: bf16 bits widened (exact), or e4m3 * sc with sc = 2^e the
+// chunk's e8m0 block scale (exact in f32: <= 4 significant bits, and a weight the loader
+// accepts is in range; f32 denormal products flush like the bf16 arm's denormal inputs do).
+DEV void dequant_chunk(const uint4& v, float, float* f) { unpack8(v, f); }
+DEV void dequant_chunk(const uint2& v, float sc, float* f) {
+    unpack8_e4m3(v, f);
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) acc[u] = 0.0f;
-    constexpr int G = FP8 ? 2 : 1;  // unrolled groups per trip (fp8 loads are half as wide)
-    int c = lane;
-    for (; c + 32 * (G * GEMV_UNROLL - 1) < nc; c += 32 * G * GEMV_UNROLL) {
-        float wf[G * GEMV_UNROLL][8];
-        uint4 xv[G * GEMV_UNROLL];
+    for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(f[i], sc);
+}
+
+// e8m0_to_f32 (common.cuh) as selects: the same values, but no branch in the unrolled trip
+// (a branch there splits ptxas's schedule and stops it from issuing the trip's loads together).
+DEV float e8m0_scale(u32 b) {
+    const float v = __uint_as_float(b << 23);
+    const float lo = __uint_as_float(0x00400000u), nan = __uint_as_float(0x7fc00000u);
+    return b == 0u ? lo : (b == 255u ? nan : v);
+}
+
+// One warp's dot products of R weight rows with the same x (K % 8 == 0, 16-byte aligned rows
+// and x): out[r] = wrow[r] . x on every lane.  THE ORDER (a function of K only, the same for
+// every R and for both weight forms, so a row's bits depend on neither the launch shape nor
+// the form):  lane l owns the chunks c = l + 32 i (i = 0, 1, ...; n_l of them); chunk i goes to
+// partial i % GEMV_UNROLL while it belongs to a complete group of GEMV_UNROLL (i < GEMV_UNROLL
+// * floor(n_l / GEMV_UNROLL)), the remaining (tail) chunks to partial 0; each partial is a chain
+// of __fmaf_rn over its chunks in ascending i, columns in ascending order; the partials are
+// added in index order, then the butterfly warp_sum (xor 16, 8, 4, 2, 1).  Since every product
+// of two bf16 values (or of e4m3 * 2^e and bf16) is exact in f32, the FP8 form returns the
+// bf16 form's bits on the exactly dequantised weights.  (This is the order of the earlier
+// one-row-per-warp warp_row_dot, so results are bit-identical to it.)
+// Phases (each lane walks them in this order, which keeps the order above): FP8 only, while
+// every lane of the warp has a complete group left (warp-uniform), T trips at once, then
+// single trips, scale bytes by shuffle; then the lane's own remaining complete groups (scale
+// byte loads); then its tail chunks.  Per trip a lane issues R * GEMV_UNROLL weight loads
+// (streamed past L1), GEMV_UNROLL x loads (L1-cached: every warp of the CTA reads x; shared by
+// the R rows) and the scale loads before any arithmetic.  (The phase/lane/partial/scale-byte
+// bookkeeping was checked against the previous kernel's loops for every K = 8 .. 8992, bf16
+// and FP8, T = 1 and 2, by enumerating per lane the (partial, chunk, scale block) sequence.)
+// SROWS (FP8 only): rows [j R / SROWS, (j + 1) R / SROWS) use the scale row srow[j] (the
+// e8m0 row of their 128-row block; the chunk c of such a row has the scale srow[j][c >> 4]).
+constexpr int GEMV_UNROLL = 4;
+
+// T trips at once: chunks c + 32 u (u < T GEMV_UNROLL) of the R rows into partials
+// u % GEMV_UNROLL (ascending u, so a partial's chain is the same as T single trips').
+// SHFL_SCALE (FP8, warp-uniform trips only): the 8 T scale bytes the trips need (blocks
+// 8t .. 8t + 8T - 1 from trip t: chunk c + 32 u is in block 8t + 2u + (lane >> 4)) come from
+// one byte load per lane and shuffles, instead of T GEMV_UNROLL byte loads per lane (fewer
+// loads, so ptxas issues all of them before the first FMA).
+template <bool FP8, int R, int SROWS, bool SHFL_SCALE, int T>
+DEV void rows_trip(const void* const* wrow, const u8* const* srow, const u16* __restrict__ x,
+                   int c, int lane, float (&acc)[R][GEMV_UNROLL]) {
+    using Raw = typename RawChunk<FP8>::T;
+    constexpr int NU = T * GEMV_UNROLL;
+    Raw raw[R][NU];
+    uint4 xv[NU];
+    u32 sb[SROWS][NU];
 #pragma unroll
-        for (int u = 0; u < G * GEMV_UNROLL; ++u) {
-            load_chunk<FP8>(w, srow, c + 32 * u, wf[u]);
-            xv[u] = ldg16(x + (i64)(c + 32 * u) * 8);
-        }
+    for (int u = 0; u < NU; ++u)
 #pragma unroll
-        for (int u = 0; u < G * GEMV_UNROLL; ++u) {
-            float b[8];
-            unpack8(xv[u], b);
+        for (int r = 0; r < R; ++r) raw[r][u] = load_raw<FP8>(wrow[r], c + 32 * u);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[u % GEMV_UNROLL] = __fmaf_rn(wf[u][i], b[i], acc[u % GEMV_UNROLL]);
-        }
-    }
-    if (FP8) {  // at most one more group of GEMV_UNROLL (the bf16 loop's last trip)
-        for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL) {
+    for (int u = 0; u < NU; ++u) xv[u] = ldg16(x + (i64)(c + 32 * u) * 8);
+    if constexpr (FP8) {
 #pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) {
-                float a[8], b[8];
-                load_chunk<FP8>(w, srow, c + 32 * u, a);
-                unpack8(ldg16(x + (i64)(c + 32 * u) * 8), b);
+        for (int j = 0; j < SROWS; ++j) {
+            if constexpr (SHFL_SCALE) {
+                sb[j][0] = __ldg(srow[j] + (((c >> 4) & ~7) + (lane & (8 * T - 1))));
+            } else {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[u] = __fmaf_rn(a[i], b[i], acc[u]);
+                for (int u = 0; u < NU; ++u) sb[j][u] = __ldg(srow[j] + ((c + 32 * u) >> 4));
             }
         }
     }
-    for (; c < nc; c += 32) {
-        float a[8], b[8];
-        load_chunk<FP8>(w, srow, c, a);
-        unpack8(ldg16(x + (i64)c * 8), b);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[0] = __fmaf_rn(a[i], b[i], acc[0]);
+    for (int u = 0; u < NU; ++u) {
+        float b[8];
+        unpack8(xv[u], b);
+        float sc[SROWS];
+#pragma unroll
+        for (int j = 0; j < SROWS; ++j) {
+            if constexpr (!FP8) sc[j] = 1.0f;
+            else if constexpr (SHFL_SCALE)
+                sc[j] = e8m0_scale(__shfl_sync(0xffffffffu, sb[j][0], 2 * u + (lane >> 4)));
+            else sc[j] = e8m0_scale(sb[j][u]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float a[8];
+            dequant_chunk(raw[r][u], sc[r / (R / SROWS)], a);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                acc[r][u % GEMV_UNROLL] = __fmaf_rn(a[i], b[i], acc[r][u % GEMV_UNROLL]);
+        }
     }
-    float s = acc[0];
+}
+
+// T (FP8 only): warp-uniform trips are taken T at a time while T fit (T = 2: 16 weight chunks
+// per row per lane in flight, for long rows with few of them: wo_b, shared_w2).
+template <bool FP8, int R, int SROWS, int T = 1>
+DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16* __restrict__ x,
+                       int K, int lane, float* out) {
+    static_assert(R % SROWS == 0, "SROWS must divide R");
+    static_assert(T == 1 || (FP8 && T == 2), "T = 2: FP8 only");
+    using Raw = typename RawChunk<FP8>::T;
+    const int nc = K >> 3;
+    float acc[R][GEMV_UNROLL];
 #pragma unroll
-    for (int u = 1; u < GEMV_UNROLL; ++u) s += acc[u];
-    return warp_sum(s);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+    int c = lane;  // = lane + 32 GEMV_UNROLL t in trip t
+    if constexpr (FP8) {  // trips where every lane has a complete group (c | 31: lane 31's c)
+        if constexpr (T == 2) {
+            for (; (c | 31) + 32 * (2 * GEMV_UNROLL - 1) < nc; c += 2 * 32 * GEMV_UNROLL)
+                rows_trip<FP8, R, SROWS, true, 2>(wrow, srow, x, c, lane, acc);
+        }
+        for (; (c | 31) + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
+            rows_trip<FP8, R, SROWS, true, 1>(wrow, srow, x, c, lane, acc);
+    }
+    for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)  // the lane's complete groups
+        rows_trip<FP8, R, SROWS, false, 1>(wrow, srow, x, c, lane, acc);
+    for (; c < nc; c += 32) {  // tail chunks (fewer than GEMV_UNROLL per lane) -> partial 0
+        Raw raw[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) raw[r] = load_raw<FP8>(wrow[r], c);
+        float b[8];
+        unpack8(ldg16(x + (i64)c * 8), b);
+        float sc[SROWS];
+#pragma unroll
+        for (int j = 0; j < SROWS; ++j) sc[j] = FP8 ? e8m0_scale(__ldg(srow[j] + (c >> 4))) : 1.0f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float a[8];
+            dequant_chunk(raw[r], sc[r / (R / SROWS)], a);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][0] = __fmaf_rn(a[i], b[i], acc[r][0]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float s = acc[r][0];
+#pragma unroll
+        for (int u = 1; u < GEMV_UNROLL; ++u) s += acc[r][u];
+        out[r] = warp_sum(s);
+    }
 }
 
-// Row o of a dense weight in either form: (row pointer, its scale row or null).
-DEV const void* w_row(const void* W, int fp8, int o, int K) {
-    return fp8 ? (const void*)(reinterpret_cast<const u8*>(W) + (i64)o * K)
-               : (const void*)(reinterpret_cast<const u16*>(W) + (i64)o * K);
-}
-
-DEV float row_dot_any(const void* W, const u8* S, int ld_s, int fp8, int o, const u16* x, int K,
-                      int lane) {
-    const void* wr = w_row(W, fp8, o, K);
-    return fp8 ? warp_row_dot<true>(wr, S + (i64)(o >> 7) * ld_s, x, K, lane)
-               : warp_row_dot<false>(wr, nullptr, x, K, lane);
+// Row o of a dense weight in either form.
+template <bool FP8>
+DEV const void* w_row(const void* W, i64 o, int K) {
+    return FP8 ? (const void*)(reinterpret_cast<const u8*>(W) + o * K)
+               : (const void*)(reinterpret_cast<const u16*>(W) + o * K);
 }
 
 DEV void store_out(void* y, i64 o, float v, int out_bf16) {
@@ -162,27 +250,78 @@ DEV void store_out(void* y, i64 o, float v, int out_bf16) {
     else reinterpret_cast<float*>(y)[o] = v;
 }
 
+// CTAs of 4 warps: the grids are many small CTAs, so the SMs get nearly equal shares of rows
+// even for the 4096-row projections (1024 warps at R = 4).
+constexpr int GEMV_THREADS = 128;
+constexpr int GEMV_WARPS = GEMV_THREADS / 32;
+// Launch bounds' minimum resident CTAs: 4 CTAs x 128 threads caps the kernels at 128 registers
+// (16 warps per SM).  The minimum also matters for the schedule: without it ptxas sinks most
+// of a trip's loads below the first FMAs (SASS: 5 of gemv_bf16_r4's 20 loads issued before the
+// first FFMA, 76 registers); with it all 20 go out together (128 registers), i.e. 8 KB of
+// weights in flight per warp, 128 KB per SM.  The FP8 defaults gemv_fp8_r8 (K < 2048) and
+// gemv_fp8_r4t2 (two trips at once, K >= 2048) take a bound of 3 CTAs: 168 registers, and
+// all 37 (32 weight + 4 x + 1 scale) resp. 41 (32 + 8 + 1) loads before the first FFMA: 8 KB
+// per warp, 96 KB per SM.  (The one-row-per-warp kernel this replaces: 124 registers, 16 warps
+// per SM, 2 KB (bf16) or 1 KB (fp8, K = 1024) in flight per warp.)
+#ifndef GEMV_MINB
+#define GEMV_MINB 4
+#endif
+
+DEV int gemv_warp_id() { return (int)blockIdx.x * GEMV_WARPS + (int)(threadIdx.x >> 5); }
+
+// gemv_bf16 body: warp w computes rows [w R, w R + R) (rows past O recompute row O - 1 and are
+// not stored).  R divides 128 and the first row is a multiple of R, so the R rows share one
+// e8m0 scale row; R divides rows_per_group (the wrapper picks R so), so they share one x.
+template <bool FP8, int R, int T>
+DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_s,
+                   const u16* __restrict__ x, void* __restrict__ y, int O, int K,
+                   int rows_per_group, int out_bf16) {
+    static_assert(128 % R == 0, "R must divide the 128-row scale block");
+    const int lane = threadIdx.x & 31;
+    const int o0 = gemv_warp_id() * R;
+    if (o0 >= O) return;
+    const void* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w_row<FP8>(W, min(o0 + r, O - 1), K);
+    const u8* sr[1] = {FP8 ? S + (i64)(o0 >> 7) * ld_s : nullptr};
+    const u16* xv = x + (rows_per_group > 0 ? (i64)(o0 / rows_per_group) * K : (i64)0);
+    float acc[R];
+    warp_rows_dot<FP8, R, 1, T>(wr, sr, xv, K, lane, acc);
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (o0 + r < O) store_out(y, o0 + r, acc[r], out_bf16);
+}
+
 }  // namespace
 
-// W: bf16 bits [O, K] (S = null) or e4m3 bytes [O, K] with e8m0 scales S [ceil(O/128), ld_s].
-extern "C" __global__ void __launch_bounds__(256)
-gemv_bf16(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x,
-          void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * 8 + warp;
-    if (o >= O) return;
-    const u16* xv = x + (rows_per_group > 0 ? (i64)(o / rows_per_group) * K : (i64)0);
-    const float acc = row_dot_any(W, S, ld_s, S != nullptr, o, xv, K, lane);
-    if (lane == 0) store_out(y, o, acc, out_bf16);
-}
+// W: bf16 bits [O, K] (gemv_bf16_r*) or e4m3 bytes [O, K] with e8m0 scales S [ceil(O/128),
+// ld_s] (gemv_fp8_r*); R rows per warp.
+#define GEMV_ROWS_KERNEL(NAME, FP8, R, T, MINB)                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                   \
+        gemv_rows<FP8, R, T>(W, S, ld_s, x, y, O, K, rows_per_group, out_bf16);                    \
+    }
+GEMV_ROWS_KERNEL(gemv_bf16_r1, false, 1, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_bf16_r2, false, 2, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_bf16_r4, false, 4, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r1, true, 1, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r2, true, 2, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r4, true, 4, 1, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r8, true, 8, 1, 3)    // 168 registers, all 37 loads of a trip together
+GEMV_ROWS_KERNEL(gemv_fp8_r4t2, true, 4, 2, 3)  // 2 trips at once: the long-K FP8 default
 
 // Several projections of the same x in one launch (e.g. every [*, D] projection of the normed
 // hidden state).  segs[s]: rows [row0, segs[s + 1].row0) of the launch are rows [0, n_s) of W_s,
-// written to y_s (f32 or bf16); segs[nseg].row0 = total rows (sentinel).  ring_r > 0 makes y_s
-// the compressor's pending rows: row r of the output goes to y_s[((pos % ring_r) + ring_off) *
-// n_s + r] (f32), plus ape_s[(pos % ring_r) * n_s + r] when ape_s != null (the gate-score
-// position bias; f32(dot + ape), the same rounding as compress_add_ape).  The table lives in
-// device memory, built once at setup (weights and arena outputs never move).
+// computed by the warps [warp0, segs[s + 1].warp0) (ceil(n_s / R) of them, R rows each: a warp
+// never straddles two projections, so its rows share a form, an x, a scale row and an output);
+// written to y_s (f32 or bf16); segs[nseg] is the sentinel (row0 = total rows, warp0 = total
+// warps).  ring_r > 0 makes y_s the compressor's pending rows: row r of the output goes to
+// y_s[((pos % ring_r) + ring_off) * n_s + r] (f32), plus ape_s[(pos % ring_r) * n_s + r] when
+// ape_s != null (the gate-score position bias; f32(dot + ape), the same rounding as
+// compress_add_ape).  The table lives in device memory, built once at setup (weights and arena
+// outputs never move).
 struct GemvSeg {
     const void* w;     // bf16 bits or e4m3 bytes [n_s, K]
     void* y;
@@ -193,44 +332,116 @@ struct GemvSeg {
     int ring_r;
     int ring_off;
     int ld_scale;
-    int pad;
+    int warp0;
 };
 
-extern "C" __global__ void __launch_bounds__(256)
-gemv_bf16_multi(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,
-                const int* __restrict__ pos) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * 8 + warp;
-    if (o >= segs[nseg].row0) return;
+namespace {
+template <int R, int T8>
+DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x,
+                         int K, const int* __restrict__ pos) {
+    static_assert(128 % R == 0, "R must divide the 128-row scale block");
+    const int lane = threadIdx.x & 31;
+    const int w = gemv_warp_id();
+    if (w >= segs[nseg].warp0) return;
     int s = 0;
-    while (s + 1 < nseg && o >= segs[s + 1].row0) ++s;
+    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
     const GemvSeg& g = segs[s];
-    const int r = o - g.row0;
-    float acc = row_dot_any(g.w, g.scale, g.ld_scale, g.scale != nullptr, r, x, K, lane);
-    if (lane != 0) return;
-    if (g.ring_r > 0) {
-        const int n = segs[s + 1].row0 - g.row0;
-        const int slot = pos[0] % g.ring_r;
-        if (g.ape != nullptr) acc = __fadd_rn(acc, __ldg(g.ape + (i64)slot * n + r));
-        reinterpret_cast<float*>(g.y)[(i64)(slot + g.ring_off) * n + r] = acc;
+    const int n = segs[s + 1].row0 - g.row0;
+    const int r0 = (w - g.warp0) * R;
+    const bool fp8 = g.scale != nullptr;
+    const void* wr[R];
+    float acc[R];
+    if (fp8) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) wr[j] = w_row<true>(g.w, min(r0 + j, n - 1), K);
+        const u8* sr[1] = {g.scale + (i64)(r0 >> 7) * g.ld_scale};
+        warp_rows_dot<true, R, 1, T8>(wr, sr, x, K, lane, acc);
     } else {
-        store_out(g.y, r, acc, g.out_bf16);
+#pragma unroll
+        for (int j = 0; j < R; ++j) wr[j] = w_row<false>(g.w, min(r0 + j, n - 1), K);
+        const u8* sr[1] = {nullptr};
+        warp_rows_dot<false, R, 1>(wr, sr, x, K, lane, acc);
+    }
+    if (lane != 0) return;
+    const int slot = g.ring_r > 0 ? pos[0] % g.ring_r : 0;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const int r = r0 + j;
+        if (r >= n) break;
+        if (g.ring_r > 0) {
+            float v = acc[j];
+            if (g.ape != nullptr) v = __fadd_rn(v, __ldg(g.ape + (i64)slot * n + r));
+            reinterpret_cast<float*>(g.y)[(i64)(slot + g.ring_off) * n + r] = v;
+        } else {
+            store_out(g.y, r, acc[j], g.out_bf16);
+        }
     }
 }
 
-// The shared expert's first half: h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no
-// routing weight), the bits of gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.
-extern "C" __global__ void __launch_bounds__(256)
-gemv_bf16_swiglu(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,
-                 const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,
-                 int O, int K, double limit) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * 8 + warp;
-    if (o >= O) return;
-    const float g = round_bf16(row_dot_any(W1, S1, ld_s, S1 != nullptr, o, x, K, lane));
-    const float u = round_bf16(row_dot_any(W3, S3, ld_s, S3 != nullptr, o, x, K, lane));
-    if (lane == 0) h[o] = (u16)f32_to_bf16(swiglu_value(g, u, 1.0f, false, limit));
+// The shared expert's first half for outputs [w P, w P + P): rows of W1 and of W3 in one
+// warp_rows_dot (2P rows; the first P use W1's scale row, the rest W3's).
+template <int P, int T8>
+DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1,
+                          const void* __restrict__ W3, const u8* __restrict__ S3, int ld_s,
+                          const u16* __restrict__ x, u16* __restrict__ h, int O, int K,
+                          double limit) {
+    static_assert(128 % P == 0, "P must divide the 128-row scale block");
+    const int lane = threadIdx.x & 31;
+    const int o0 = gemv_warp_id() * P;
+    if (o0 >= O) return;
+    const void* wr[2 * P];
+    float acc[2 * P];
+    if (S1 != nullptr) {
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            wr[j] = w_row<true>(W1, min(o0 + j, O - 1), K);
+            wr[P + j] = w_row<true>(W3, min(o0 + j, O - 1), K);
+        }
+        const u8* sr[2] = {S1 + (i64)(o0 >> 7) * ld_s, S3 + (i64)(o0 >> 7) * ld_s};
+        warp_rows_dot<true, 2 * P, 2, T8>(wr, sr, x, K, lane, acc);
+    } else {
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            wr[j] = w_row<false>(W1, min(o0 + j, O - 1), K);
+            wr[P + j] = w_row<false>(W3, min(o0 + j, O - 1), K);
+        }
+        const u8* sr[2] = {nullptr, nullptr};
+        warp_rows_dot<false, 2 * P, 2>(wr, sr, x, K, lane, acc);
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        if (o0 + j >= O) break;
+        const float g = round_bf16(acc[j]), u = round_bf16(acc[P + j]);
+        h[o0 + j] = (u16)f32_to_bf16(swiglu_value(g, u, 1.0f, false, limit));
+    }
 }
+}  // namespace
+
+// R rows per warp, FP8 projections T8 trips at once; grid = ceil(segs[nseg].warp0 / GEMV_WARPS)
+// CTAs of GEMV_THREADS.  (The device step's tables have ~1000 warps of 4 rows, all resident at
+// 8 warps per SM, so the 3-CTA bound that T8 = 2 needs costs no occupancy there.)
+#define GEMV_MULTI_KERNEL(NAME, R, T8, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
+         const int* __restrict__ pos) {                                                            \
+        gemv_multi_rows<R, T8>(segs, nseg, x, K, pos);                                             \
+    }
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, GEMV_MINB)
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
+
+// h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no routing weight): the bits of
+// gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.  W1, W3 both bf16 or both fp8 (S1, S3);
+// P outputs per warp, FP8 T8 trips at once (2048 outputs: 1024 warps at P = 2, all resident).
+#define GEMV_SWIGLU_KERNEL(NAME, P, T8, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
+         const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
+         int O, int K, double limit) {                                                             \
+        gemv_swiglu_rows<P, T8>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                          \
+    }
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 3)
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_gather(const int* __restrict__ tok, const u16* __restrict__ embed, u16* __restrict__ streams,

@@ -1,11 +1,14 @@
 """Achieved bandwidth of the decode GEMVs at Flash shapes, one GPU.
 
-    python tools/bench_gemv.py [--device 0] [--reps 20]
+    python tools/bench_gemv.py [--device 0] [--reps 20] [--dense-only] [--rows-sweep]
 
 Each kernel is timed alone as a CUDA graph of --reps copies, each copy followed by a 256 MB
 memset that evicts L2 (the memset graph alone is timed and subtracted), so the weights come
 from HBM as in a decode step.  Prints µs per call and the weight bytes / time as a fraction of
-the device-to-device copy bandwidth measured in the same run.
+the device-to-device copy bandwidth measured in the same run.  --dense-only skips the LM head
+and the routed-expert FP4 rows; --rows-sweep adds a row per rows-per-warp variant of the dense
+GEMVs (R of gemv_bf16 / gemv_fp8, of the multi-projection table, P of the shared SwiGLU), which
+return the same bits and differ in speed only.
 """
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dense-only", action="store_true", help="skip the head and the FP4 experts")
+    ap.add_argument("--rows-sweep", action="store_true", help="time every rows-per-warp variant")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
     from memra_dsv4.gpu import ops_decode as DK
     from memra_dsv4.gpu.ops import experts as EX
-    from memra_dsv4.profiling.launches import record_launches, time_launches
 
     cp.cuda.Device(a.device).use()
     bw = measure_copy_bandwidth(a.device)["copy_bw_Bps"]
@@ -33,32 +37,70 @@ def main(argv=None) -> int:
     def bf16(*shape):
         return (rng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
 
+    def fp8(O, K):
+        """(e4m3 bytes, e8m0 scales): finite codes, scale 2^-7."""
+        return (rng.integers(0, 0x7E, (O, K), dtype=cp.uint8),
+                cp.full((-(-O // 128), -(-K // 128)), 120, cp.uint8))
+
+    def variants(default, allowed):
+        return ([None] + [r for r in allowed if r != default]) if a.rows_sweep else [None]
+
+    def tag(r, default, letter="R"):
+        return f" {letter}={default if r is None else r}"
+
+    def rt(v, fp8, K):
+        """(label, kwargs) of a gemv_bf16 variant (None: the default)."""
+        R, T = DK.gemv_default_variant(fp8, K) if v is None else v
+        return f" R={R} T={T}" + (" (default)" if v is None else ""), \
+            {} if v is None else dict(rows_per_warp=R, trips=T)
+
     cases = []
-    for name, O, K, groups in [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1),
-                               ("wq_b", 32768, 1024, 1), ("wo_a", 8192, 4096, 8),
-                               ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
-                               ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1),
-                               ("head", 129280, 4096, 1)]:
+    dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
+             ("wo_a", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
+             ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1)]
+    if not a.dense_only:
+        dense.append(("head", 129280, 4096, 1))
+    for name, O, K, groups in dense:
         w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
-        cases.append((f"gemv_bf16 {name} [{O}x{K}]", 2 * O * K,
-                      lambda w=w, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g)))
-    for name, O, K, groups in [("wq_b fp8", 32768, 1024, 1), ("wo_a fp8", 8192, 4096, 8),
-                               ("wo_b fp8", 4096, 8192, 1), ("shared_w2 fp8", 4096, 2048, 1)]:
-        w = rng.integers(0, 0x7E, (O, K), dtype=cp.uint8)
-        sc = cp.full((-(-O // 128), -(-K // 128)), 120, cp.uint8)
+        for v in variants(DK.gemv_default_variant(False, K), DK.GEMV_VARIANTS[False]):
+            label, kw = rt(v, False, K)
+            cases.append((f"gemv_bf16 {name} [{O}x{K}]{label}", 2 * O * K,
+                          lambda w=w, x=x, y=y, g=groups, kw=kw: DK.gemv_bf16(w, x, y, groups=g, **kw)))
+    for name, O, K, groups in [("wq_a fp8", 1024, 4096, 1), ("wq_b fp8", 32768, 1024, 1),
+                               ("wo_a fp8", 8192, 4096, 8), ("wo_b fp8", 4096, 8192, 1),
+                               ("shared_w2 fp8", 4096, 2048, 1), ("idx_wq_b fp8", 4096, 1024, 1)]:
+        w, sc = fp8(O, K)
         x, y = bf16(groups * K), cp.empty(O, cp.uint16)
-        cases.append((f"gemv_bf16 {name} [{O}x{K}]", O * K,
-                      lambda w=w, sc=sc, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g, scale=sc)))
+        for v in variants(DK.gemv_default_variant(True, K), DK.GEMV_VARIANTS[True]):
+            label, kw = rt(v, True, K)
+            cases.append((f"gemv_fp8 {name} [{O}x{K}]{label}", O * K,
+                          lambda w=w, sc=sc, x=x, y=y, g=groups, kw=kw:
+                          DK.gemv_bf16(w, x, y, groups=g, scale=sc, **kw)))
     # the attention-side group of [*, 4096] projections of xn in one launch
-    segs = [(bf16(o, 4096), cp.empty(o, cp.float32 if f else cp.uint16))
-            for o, f in [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]]
-    tab = DK.GemvTable(segs, 4096)
+    shapes = [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]
     xm, pos = bf16(4096), cp.zeros(1, cp.int32)
-    cases.append(("gemv_bf16_multi attn group [4160x4096]", 2 * tab.rows * 4096,
-                  lambda: DK.gemv_bf16_multi(tab, xm, pos)))
-    w1, w3, xs, hs = bf16(2048, 4096), bf16(2048, 4096), bf16(4096), cp.empty(2048, cp.uint16)
-    cases.append(("gemv_bf16_swiglu shared [2x2048x4096]", 2 * 2 * 2048 * 4096,
-                  lambda: DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0)))
+    for form in ("bf16", "fp8"):
+        segs = [(bf16(o, 4096) if form == "bf16" else fp8(o, 4096),
+                 cp.empty(o, cp.float32 if f else cp.uint16)) for o, f in shapes]
+        for r in variants(4, DK.MULTI_ROWS):
+            tab = DK.GemvTable(segs, 4096, rows_per_warp=4 if r is None else r)
+            cases.append((f"gemv_bf16_multi {form} attn group [4160x4096]{tag(r, 4)}",
+                          (2 if form == "bf16" else 1) * tab.rows * 4096,
+                          lambda tab=tab: DK.gemv_bf16_multi(tab, xm, pos)))
+    xs, hs = bf16(4096), cp.empty(2048, cp.uint16)
+    for form in ("bf16", "fp8"):
+        if form == "bf16":
+            (w1, s1), (w3, s3) = (bf16(2048, 4096), None), (bf16(2048, 4096), None)
+        else:
+            (w1, s1), (w3, s3) = fp8(2048, 4096), fp8(2048, 4096)
+        for p in variants(2, DK.SWIGLU_OUTS):
+            cases.append((f"gemv_bf16_swiglu {form} shared [2x2048x4096]{tag(p, 2, 'P')}",
+                          (2 if form == "bf16" else 1) * 2 * 2048 * 4096,
+                          lambda w1=w1, w3=w3, s1=s1, s3=s3, p=p:
+                          DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3,
+                                              outs_per_warp=2 if p is None else p)))
+    if a.dense_only:
+        return _run(cases, a, bw)
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
     packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
@@ -79,11 +121,16 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
-    print(f"{'kernel':<48s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
+    return _run(cases, a, bw)
+
+
+def _run(cases, a, bw) -> int:
+    from memra_dsv4.profiling.launches import record_launches, time_launches
+    print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
     for name, nbytes, fn in cases:
         recs = record_launches(fn, ("bench_gemv.py",))
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
-        print(f"{name:<48s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
+        print(f"{name:<56s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
     return 0
 
 

@@ -12,11 +12,38 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or
 
 STEM = "decode"
-KERNELS = ("gemv_bf16", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
-           "entry_commit", "pending_advance", "build_cand")
+# The dense GEMVs (decode.cu): one kernel per weight form, rows per warp R and (FP8) trips issued
+# together T; a row's bits depend on none of them (see warp_rows_dot).  128-thread CTAs of
+# GEMV_WARPS warps (decode.cu GEMV_THREADS / 32).
+GEMV_WARPS = 4
+GEMV_ROWS = {False: (1, 2, 4), True: (1, 2, 4, 8)}    # R instantiated per form (True: e4m3 W)
+GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1)),     # (R, T) instantiated per form
+                 True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}
+MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
+SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
+
+
+def gemv_default_variant(fp8: bool, K: int) -> tuple:
+    """(R, T) of a gemv_bf16 launch: 8 KB of weights in flight per warp in every case (decode.cu
+    GEMV_MINB): bf16 4 rows x 4 chunks x 16 B x 32 lanes; FP8 8 rows x 4 x 8 B, or, for rows of
+    >= 2048 (few rows, long K: wo_b, shared_w2), 4 rows x 2 trips x 4 x 8 B."""
+    if not fp8:
+        return 4, 1
+    return (4, 2) if K >= 2048 else (8, 1)
+
+
+def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
+    return f"gemv_{'fp8' if fp8 else 'bf16'}_r{R}" + (f"t{T}" if T > 1 else "")
+
+
+GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
+    tuple(f"gemv_bf16_multi_r{r}" for r in MULTI_ROWS) + tuple(f"gemv_bf16_swiglu_p{p}" for p in SWIGLU_OUTS)
+KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
+                          "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
-__all__ = ["dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+__all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "gemv_default_variant",
+           "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -40,10 +67,17 @@ def dense_weight(w, scale=None, name: str = "w"):
     return w, np.uint64(0), i32(0)
 
 
-def gemv_bf16(w, x, out, *, groups: int = 1, scale=None):
+def _gemv_grid(warps: int) -> tuple:
+    return ((int(warps) + GEMV_WARPS - 1) // GEMV_WARPS,)
+
+
+def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None,
+              trips: int | None = None):
     """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
     ``scale`` (same bits either way); groups > 1: row o uses x[(o // (O // groups)) * K : +K]
-    (x holds groups * K values)."""
+    (x holds groups * K values).  rows_per_warp R and trips T (a GEMV_VARIANTS pair; default
+    gemv_default_variant, R lowered to a divisor of the rows per group) change the speed only,
+    never the bits."""
     O, K = w.shape
     wa, sa, ld = dense_weight(w, scale, "gemv_bf16.w")
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
@@ -54,9 +88,20 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None):
     assert O % groups == 0, f"gemv_bf16: {O} rows not divisible into {groups} groups"
     assert x.data.ptr % 16 == 0, "gemv_bf16.x: 16-byte alignment"
     rpg = O // groups if groups > 1 else 0
-    kernel(STEM, "gemv_bf16")(((O + 7) // 8,), (256,),
-                              (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg),
-                               i32(1 if out.dtype == np.uint16 else 0)))
+    fp8 = bool(w.dtype == np.uint8)
+    R, T = gemv_default_variant(fp8, K)
+    if rows_per_warp is None and trips is None:
+        while rpg % R:            # a warp's rows must share one x (R = 1 always does)
+            R, T = R // 2, 1
+    else:
+        R = R if rows_per_warp is None else int(rows_per_warp)
+        T = 1 if trips is None else int(trips)
+    assert R in GEMV_ROWS[fp8], f"gemv_bf16: rows_per_warp {R} not in {GEMV_ROWS[fp8]}"
+    assert (R, T) in GEMV_VARIANTS[fp8], f"gemv_bf16: (rows_per_warp, trips) {(R, T)} not in {GEMV_VARIANTS[fp8]}"
+    assert rpg % R == 0, f"gemv_bf16: rows_per_warp {R} does not divide the {rpg} rows per group"
+    kernel(STEM, _gemv_kernel_name(fp8, R, T))(
+        _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
+        (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
     return out
 
 
@@ -67,18 +112,23 @@ class GemvTable:
     Entries: (w, out) with out f32 or bf16 bits of O_s values; or (w, pending, ape, ring_off,
     r): the compressor pending rows ``pending`` f32 [rows, O_s] get row (pos % r) + ring_off,
     plus ape [r, O_s] f32 when given (the score half), i.e. what pending_write + add_ape do, in
-    the GEMV epilogue.  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair."""
+    the GEMV epilogue.  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair.
+    Each projection gets ceil(O_s / R) warps of R rows (field warp0: its first warp), so no warp
+    straddles two projections; R (rows_per_warp) changes the speed only, never the bits."""
 
     SEG = np.dtype([("w", "<u8"), ("y", "<u8"), ("ape", "<u8"), ("scale", "<u8"), ("row0", "<i4"),
                     ("out_bf16", "<i4"), ("ring_r", "<i4"), ("ring_off", "<i4"),
-                    ("ld_scale", "<i4"), ("pad", "<i4")])
+                    ("ld_scale", "<i4"), ("warp0", "<i4")])
 
-    def __init__(self, entries, K: int):
+    def __init__(self, entries, K: int, rows_per_warp: int = 4):
         import cupy as cp
         assert entries, "GemvTable: no projections"
         assert self.SEG.itemsize == 56
+        assert rows_per_warp in MULTI_ROWS, f"GemvTable: rows_per_warp {rows_per_warp} not in {MULTI_ROWS}"
+        assert K % 8 == 0, f"GemvTable: K = {K} must be a multiple of 8"
+        R = int(rows_per_warp)
         rec = np.zeros(len(entries) + 1, dtype=self.SEG)
-        row = 0
+        row = warp = 0
         self.keep = []
         for i, e in enumerate(entries):
             w, out = e[0], e[1]
@@ -91,7 +141,7 @@ class GemvTable:
                 assert out.dtype in (np.float32, np.uint16) and out.size == O and \
                     out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}, want {O}"
                 rec[i] = (w.data.ptr, out.data.ptr, 0, sp, row, int(out.dtype == np.uint16), 0, 0,
-                          int(ld), 0)
+                          int(ld), warp)
             else:
                 ape, ring_off, r = e[2], int(e[3]), int(e[4])
                 check(out, f"GemvTable.pending[{i}]", np.float32, (None, O))
@@ -101,11 +151,13 @@ class GemvTable:
                     check(ape, f"GemvTable.ape[{i}]", np.float32, (r, O))
                     self.keep.append(ape)
                 rec[i] = (w.data.ptr, out.data.ptr, 0 if ape is None else ape.data.ptr, sp, row, 0,
-                          r, ring_off, int(ld), 0)
+                          r, ring_off, int(ld), warp)
             row += O
+            warp += -(-O // R)
             self.keep += [w, out] + ([] if sc is None else [sc])
         rec[len(entries)]["row0"] = row
-        self.rows, self.K, self.nseg = row, int(K), len(entries)
+        rec[len(entries)]["warp0"] = warp
+        self.rows, self.K, self.nseg, self.R, self.warps = row, int(K), len(entries), R, warp
         self.table = cp.asarray(rec.view(np.uint8))
 
 
@@ -116,13 +168,15 @@ def gemv_bf16_multi(table: GemvTable, x, pos):
     check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
     assert x.size == table.K, f"gemv_bf16_multi.x: {x.size} values, the table's K is {table.K}"
     assert x.data.ptr % 16 == 0, "gemv_bf16_multi.x: 16-byte alignment"
-    kernel(STEM, "gemv_bf16_multi")(((table.rows + 7) // 8,), (256,),
-                                    (table.table, i32(table.nseg), x, i32(table.K), pos))
+    kernel(STEM, f"gemv_bf16_multi_r{table.R}")(_gemv_grid(table.warps), (32 * GEMV_WARPS,),
+                                                (table.table, i32(table.nseg), x, i32(table.K), pos))
 
 
-def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None):
+def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
+                     outs_per_warp: int = 2):
     """h [O] bf16 = swiglu_clamped(bf16(W1 x), bf16(W3 x), limit) (no routing weight); W1, W3
-    both bf16 bits or both stored FP8 with their scales."""
+    both bf16 bits or both stored FP8 with their scales.  outs_per_warp P (2P rows per warp)
+    changes the speed only, never the bits."""
     O, K = w1.shape
     a1, s1, ld = dense_weight(w1, scale1, "gemv_bf16_swiglu.w1")
     a3, s3, ld3 = dense_weight(w3, scale3, "gemv_bf16_swiglu.w3")
@@ -130,8 +184,10 @@ def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None):
     check(x, "gemv_bf16_swiglu.x", np.uint16)
     check(h, "gemv_bf16_swiglu.h", np.uint16)
     assert x.size == K and h.size == O and K % 8 == 0, f"gemv_bf16_swiglu: x {x.size}, h {h.size}"
-    kernel(STEM, "gemv_bf16_swiglu")(((O + 7) // 8,), (256,),
-                                     (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
+    assert outs_per_warp in SWIGLU_OUTS, f"gemv_bf16_swiglu: outs_per_warp {outs_per_warp} not in {SWIGLU_OUTS}"
+    P = int(outs_per_warp)
+    kernel(STEM, f"gemv_bf16_swiglu_p{P}")(_gemv_grid(-(-O // P)), (32 * GEMV_WARPS,),
+                                           (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
 
 
 def embed_gather(tok, embed, streams):

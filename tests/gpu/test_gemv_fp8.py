@@ -3,9 +3,12 @@ block scales) against the same kernels on the exactly dequantised bf16 weights.
 
 Bound: bit-identical.  w = e4m3 * 2^(s - 127) is exact in f32 and, for a weight the loader
 accepts, exact in bf16 (formats.dequant_fp8_block + f32_to_bf16_exact, the bf16 arm's load
-path); both forms then feed the same products to the same accumulation order (warp_row_dot), so
+path); both forms then feed the same products to the same accumulation order (warp_rows_dot), so
 the two arms of the device step differ in bytes read only.  Codes cover every finite e4m3 value
-(subnormals included) and scales 2^-8..2^8.
+(subnormals included) and scales 2^-8..2^8.  Every rows-per-warp kernel (gemv_fp8_r1/2/4/8/r4t2,
+gemv_bf16_multi_r1/r4, gemv_bf16_swiglu_p1/p2) is held to the bf16 bits of one row per warp,
+incl. rows past O in the last warp and warps whose rows sit at odd offsets of a 128-row scale
+block (odd segment sizes in a GemvTable).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _dev(*arrs):
 
 
 @pytest.mark.parametrize("O,K,groups", [(1024, 4096, 1), (300, 1032, 1), (8192, 4096, 8),
-                                        (4096, 8192, 1), (64, 264, 1)])
+                                        (4096, 8192, 1), (64, 264, 1), (100, 1824, 1)])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
 def test_gemv_fp8_equals_bf16_bits(O, K, groups, out_dtype):
     seed = fresh_seed()
@@ -53,12 +56,42 @@ def test_gemv_fp8_equals_bf16_bits(O, K, groups, out_dtype):
     assert bad.size == 0, f"seed {seed}: {bad.size} rows differ, first {bad[:5]}"
 
 
-def test_gemv_multi_and_swiglu_mixed_forms():
+@pytest.mark.parametrize("O,K,groups", [(300, 1032, 1), (4096, 1024, 1), (8192, 4096, 8), (37, 2048, 1),
+                                        (21, 264, 3), (10, 1032, 2), (100, 1824, 1), (64, 800, 1),
+                                        (40, 5128, 1), (4096, 8192, 1)])
+def test_gemv_fp8_rows_per_warp(O, K, groups):
+    """gemv_fp8_r{1,2,4,8}, gemv_fp8_r4t2 (and the default) == gemv_bf16_r1 on the dequantised
+    weights, byte for byte, f32 out, nothing written past O; rows per group 7 and 5 exercise the
+    lowering of the default R.  K covers every phase of warp_rows_dot: warp-uniform trip pairs
+    (T = 2; K % 2048 == 0, and K = 4096 + 1024 + 8: a pair, a single uniform trip, a tail) and
+    single trips (scales by shuffle), per-lane complete groups (scale byte loads; K = 1824, 800:
+    chunks mod 128 in (96, 128)) and tail chunks (K = 1032, 264, 1824)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    codes, scale, wb = _fp8(rng, O, K)
+    x = f32_to_bf16_exact(rand_bf16(rng, (groups * K,), 1.0), "x")
+    c_d, s_d, wb_d, x_d = _dev(codes, scale, wb, x)
+    ref = cp.empty(O, cp.float32)
+    DK.gemv_bf16(wb_d, x_d, ref, groups=groups, rows_per_warp=1)
+    ref = cp.asnumpy(ref).view(np.uint32)
+    rpg = O // groups if groups > 1 else 0
+    for v in [None] + [v for v in DK.GEMV_VARIANTS[True] if rpg % v[0] == 0]:
+        y = cp.full(O + 8, -1234.5, cp.float32)
+        kw = {} if v is None else dict(rows_per_warp=v[0], trips=v[1])
+        DK.gemv_bf16(c_d, x_d, y[:O], groups=groups, scale=s_d, **kw)
+        got = cp.asnumpy(y).view(np.uint32)
+        bad = np.flatnonzero(got[:O] != ref)
+        assert bad.size == 0, f"seed {seed}: (R, T) {v}: {bad.size} rows differ, first {bad[:5]}"
+        assert (got[O:] == np.float32(-1234.5).view(np.uint32)).all(), f"seed {seed}: {v}: wrote past O"
+
+
+@pytest.mark.parametrize("K", [2048, 1824])
+@pytest.mark.parametrize("rows_per_warp,outs_per_warp", [(1, 1), (4, 2)])
+def test_gemv_multi_and_swiglu_mixed_forms(rows_per_warp, outs_per_warp, K):
     """A GemvTable mixing FP8 and bf16 entries, and gemv_bf16_swiglu on FP8, equal bf16 bits."""
     seed = fresh_seed()
     rng = rng_for(seed)
-    K = 2048
-    shapes = [(512, True), (256, False), (130, True)]
+    shapes = [(512, True), (256, False), (130, True), (7, True), (203, True)]
     e8, eb, outs8, outsb = [], [], [], []
     for O, is8 in shapes:
         codes, scale, wb = _fp8(rng, O, K)
@@ -70,16 +103,16 @@ def test_gemv_multi_and_swiglu_mixed_forms():
         outsb.append(ob)
     x = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0), "x"))
     pos = cp.zeros(1, cp.int32)
-    DK.gemv_bf16_multi(DK.GemvTable(e8, K), x, pos)
-    DK.gemv_bf16_multi(DK.GemvTable(eb, K), x, pos)
+    DK.gemv_bf16_multi(DK.GemvTable(e8, K, rows_per_warp=rows_per_warp), x, pos)
+    DK.gemv_bf16_multi(DK.GemvTable(eb, K, rows_per_warp=1), x, pos)
     for i, (a, b) in enumerate(zip(outs8, outsb)):
         assert bool((a.view(cp.uint32) == b.view(cp.uint32)).all()), f"seed {seed}: entry {i}"
-    c1, s1, w1 = _fp8(rng, 256, K)
-    c3, s3, w3 = _fp8(rng, 256, K)
-    h8, hb = cp.empty(256, cp.uint16), cp.empty(256, cp.uint16)
+    c1, s1, w1 = _fp8(rng, 259, K)
+    c3, s3, w3 = _fp8(rng, 259, K)
+    h8, hb = cp.empty(259, cp.uint16), cp.empty(259, cp.uint16)
     d = _dev(c1, s1, w1, c3, s3, w3)
-    DK.gemv_bf16_swiglu(d[0], d[3], x, h8, 10.0, scale1=d[1], scale3=d[4])
-    DK.gemv_bf16_swiglu(d[2], d[5], x, hb, 10.0)
+    DK.gemv_bf16_swiglu(d[0], d[3], x, h8, 10.0, scale1=d[1], scale3=d[4], outs_per_warp=outs_per_warp)
+    DK.gemv_bf16_swiglu(d[2], d[5], x, hb, 10.0, outs_per_warp=1)
     assert bool((h8 == hb).all()), f"seed {seed}: swiglu FP8 != bf16"
 
 

@@ -9,10 +9,13 @@ Bounds:
   GEMV_BF16_MAX_ULP bf16 ulp of the f64 value rounded to bf16 on every row where the f32
   accumulation bound is below a quarter of a bf16 ulp of the result.
 * gemv determinism: two launches give identical bytes; a row's value does not depend on O, on
-  its position in the matrix or on the group layout.
-* gemv_bf16_multi: bit-identical to gemv_bf16 of each projection alone; its pending-row entries
-  bit-identical to the twin of gemv_bf16 (f32) + add_ape (one f32 add) + pending_write.
-* gemv_bf16_swiglu: bit-identical to gemv_bf16 (bf16) of W1 and W3, then moe.swiglu.
+  its position in the matrix, on the group layout or on the rows per warp R (every instantiated
+  R, incl. the tails O % R != 0 and the lowering of R to a divisor of the rows per group).
+* gemv_bf16_multi (R = 1 and 4 rows per warp): bit-identical to gemv_bf16 of each projection
+  alone; its pending-row entries bit-identical to the twin of gemv_bf16 (f32) + add_ape (one f32
+  add) + pending_write.
+* gemv_bf16_swiglu (P = 1 and 2 outputs per warp): bit-identical to gemv_bf16 (bf16) of W1 and
+  W3, then moe.swiglu.
 * The glue kernels (embed_gather, step_scalars, ring_write, pending_write, entry_commit,
   pending_advance, build_cand) move or index data and do no arithmetic: bit-identical to their
   twins below (which state the oracle rule each mirrors), the bytes around the outputs included.
@@ -35,7 +38,7 @@ from memra_dsv4.host.pending import advance_pending, cur_offset  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 # Each product of two bf16 values is exact in f32 (8 + 8 significant bits), so the only error of
-# gemv_bf16 is the f32 rounding of its running sums (the fixed tree of warp_row_dot: a chain of
+# gemv_bf16 is the f32 rounding of its running sums (the fixed tree of warp_rows_dot: a chain of
 # K/128 FMAs per lane partial, 3 partial adds, a 5-level butterfly).  Every rounding is at most
 # half an ulp of a partial sum, and |partial sum| <= sum_k |w x|, so the worst case is about
 # (K/128 + 8)/2 ulps of sum|w x| (for K = 8, 7 roundings: 3.5 ulps, so 4 is rigorous there).  On
@@ -279,6 +282,31 @@ def test_gemv_bf16_deterministic_and_row_independent():
                               dtype=dtype.__name__)
 
 
+@pytest.mark.parametrize("O,K,groups", [(7, 1024, 1), (13, 264, 1), (1027, 4096, 1), (9, 1032, 1),
+                                        (33, 4416, 1), (4096, 1024, 1), (24, 264, 3), (10, 1032, 2),
+                                        (21, 4416, 3), (8192, 4096, 8), (1, 2048, 1)])
+def test_gemv_bf16_rows_per_warp(O, K, groups):
+    """Every rows-per-warp kernel (gemv_bf16_r1/r2/r4) gives the bytes of R = 1 (one warp per
+    row), f32 and bf16 out, guards untouched: the last warp's rows past O (O % R != 0) are
+    computed on a clamped row and not stored, and a grouped launch keeps a warp's rows in one
+    group (rows per group 8, 5, 7, 1024: R lowered to a divisor by the default)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    wg = cp.asarray(bits_of(rand_bf16(rng, (O, K), 1.0, spread=3)))
+    xg = cp.asarray(bits_of(rand_bf16(rng, (groups * K,), 1.0, spread=3)))
+    rpg = O // groups if groups > 1 else 0
+    for dtype, fill in ((cp.float32, np.float32(-1234.5)), (cp.uint16, np.uint16(0x7FC1))):
+        ref = cp.empty(O, dtype)
+        DK.gemv_bf16(wg, xg, ref, groups=groups, rows_per_warp=1)
+        ref = ref.get()
+        for R in [None] + [r for r in DK.GEMV_ROWS[False] if rpg % r == 0]:
+            buf, y = _guarded(O, dtype, fill)
+            DK.gemv_bf16(wg, xg, y, groups=groups, rows_per_warp=R)
+            ctx = dict(O=O, K=K, groups=groups, R=R, dtype=np.dtype(dtype).name)
+            assert_same_bytes(y.get(), ref, "gemv_bf16 rows_per_warp R vs 1", seed, **ctx)
+            _check_guards(buf, fill, "gemv_bf16 rows_per_warp", seed, **ctx)
+
+
 def test_gemv_bf16_refusals():
     w = cp.zeros((16, 264), cp.uint16)
     x = cp.zeros(264, cp.uint16)
@@ -294,6 +322,12 @@ def test_gemv_bf16_refusals():
         DK.gemv_bf16(w, x, cp.empty(15, cp.float32))
     with pytest.raises(AssertionError, match="not divisible into 3 groups"):
         DK.gemv_bf16(w, cp.zeros(3 * 264, cp.uint16), cp.empty(16, cp.float32), groups=3)
+    with pytest.raises(AssertionError, match=r"rows_per_warp 8 not in"):     # bf16: R <= 4
+        DK.gemv_bf16(w, x, cp.empty(16, cp.float32), rows_per_warp=8)
+    with pytest.raises(AssertionError, match=r"\(rows_per_warp, trips\) \(4, 2\) not in"):  # T = 2: FP8 only
+        DK.gemv_bf16(w, x, cp.empty(16, cp.float32), rows_per_warp=4, trips=2)
+    with pytest.raises(AssertionError, match=r"rows_per_warp 4 does not divide the 2 rows per group"):
+        DK.gemv_bf16(w, cp.zeros(8 * 264, cp.uint16), cp.empty(16, cp.float32), groups=8, rows_per_warp=4)
 
 
 # ------------------------------------------------------------------------------ gemv_bf16_multi
@@ -326,10 +360,11 @@ def _multi_positions(entries):
     return sorted(set(BOUNDARY) | extra)
 
 
+@pytest.mark.parametrize("rows_per_warp", DK.MULTI_ROWS)
 @pytest.mark.parametrize("K,entries", MULTI_TABLES)
-def test_gemv_bf16_multi(K, entries):
+def test_gemv_bf16_multi(K, entries, rows_per_warp):
     """One launch over a GemvTable, at the boundary positions: a plain projection == gemv_bf16 of
-    it alone, byte for byte (the same warp_row_dot per row); a pending-row pair == the twin of
+    it alone, byte for byte (the same warp_rows_dot order per row); a pending-row pair == the twin of
     gemv_bf16 (f32) + add_ape + pending_write: row (pos % r) + (overlap ? r : 0) of kv gets W_kv x,
     of score f32(W_gate x + ape[pos % r]), every other pending row and every byte around the
     outputs unchanged; a second launch gives the same bytes."""
@@ -338,7 +373,7 @@ def test_gemv_bf16_multi(K, entries):
     if entries == "random":
         n = int(rng.integers(3, 8))
         entries = [("out", int(rng.integers(1, 40)), bool(rng.integers(0, 2))) for _ in range(n)]
-    ctx = dict(K=K, entries=entries)
+    ctx = dict(K=K, entries=entries, rows_per_warp=rows_per_warp)
     x = cp.asarray(bits_of(rand_bf16(rng, (K,), 1.0, spread=3)))
     table_entries, checks = [], []
     for e in entries:
@@ -363,7 +398,7 @@ def test_gemv_bf16_multi(K, entries):
             off = r if overlap else 0
             table_entries += [(wkv, dkv, None, off, r), (wg, dsc, cp.asarray(ape), off, r)]
             checks.append(("pend", (kfull, kv, dkfull), (sfull, sc, dsfull), a32.get(), z32.get(), ape, r, overlap))
-    table = DK.GemvTable(table_entries, K)
+    table = DK.GemvTable(table_entries, K, rows_per_warp=rows_per_warp)
     assert table.nseg == len(table_entries), f"GemvTable.nseg {table.nseg} {describe(seed, **ctx)}"
     for p in _multi_positions(entries):
         DK.gemv_bf16_multi(table, x, _pos(p))
@@ -412,6 +447,10 @@ def test_gemv_bf16_multi_refusals():
         DK.GemvTable([(w, cp.zeros((8, 16), cp.uint16), None, 4, 4)], K)
     with pytest.raises(AssertionError, match=r"GemvTable\.ape\[0\]"):
         DK.GemvTable([(w, cp.zeros((8, 16), cp.float32), cp.zeros((3, 16), cp.float32), 4, 4)], K)
+    with pytest.raises(AssertionError, match=r"GemvTable: rows_per_warp 2 not in"):
+        DK.GemvTable([(w, cp.empty(16, cp.float32))], K, rows_per_warp=2)
+    with pytest.raises(AssertionError, match=r"GemvTable: K = 12 must be a multiple of 8"):
+        DK.GemvTable([(cp.zeros((16, 12), cp.uint16), cp.empty(16, cp.float32))], 12)
     table = DK.GemvTable([(w, cp.empty(16, cp.float32))], K)
     with pytest.raises(AssertionError, match=r"gemv_bf16_multi\.x: 256 values, the table's K is 264"):
         DK.gemv_bf16_multi(table, cp.zeros(256, cp.uint16), pos)
@@ -422,9 +461,10 @@ def test_gemv_bf16_multi_refusals():
 
 
 # ------------------------------------------------------------------------------ gemv_bf16_swiglu
+@pytest.mark.parametrize("outs_per_warp", (1, 2))
 @pytest.mark.parametrize("O,K,limit", [(2048, 4096, 10.0), (13, 264, 10.0), (64, 1032, 0.0), (7, 8192, 10.0),
                                        (40, 4416, 2.5)])
-def test_gemv_bf16_swiglu(O, K, limit):
+def test_gemv_bf16_swiglu(O, K, limit, outs_per_warp):
     """== gemv_bf16 (bf16 out) of W1 and of W3, then moe.swiglu (swiglu_clamped_bf16, no routing
     weight), byte for byte (the header's contract); the dots (|.| up to ~sqrt(K) * 8) go well past
     the clamp.  The SwiGLU itself is checked against the oracle in test_kernels_moe."""
@@ -435,17 +475,19 @@ def test_gemv_bf16_swiglu(O, K, limit):
     w3 = cp.asarray(bits_of(rand_bf16(rng, (O, K), 1.0, spread=3)))
     x = cp.asarray(bits_of(rand_bf16(rng, (K,), 1.0, spread=3)))
     buf, h = _guarded(O, cp.uint16, np.uint16(0x7FC1))
-    DK.gemv_bf16_swiglu(w1, w3, x, h, limit)
-    _check_guards(buf, np.uint16(0x7FC1), "gemv_bf16_swiglu", seed, O=O, K=K, limit=limit)
+    P = outs_per_warp
+    DK.gemv_bf16_swiglu(w1, w3, x, h, limit, outs_per_warp=P)
+    _check_guards(buf, np.uint16(0x7FC1), "gemv_bf16_swiglu", seed, O=O, K=K, limit=limit, P=P)
     Op = (O + 7) // 8 * 8                                 # moe.swiglu wants rows of 8k values
     g, u = cp.zeros((1, Op), cp.uint16), cp.zeros((1, Op), cp.uint16)
     DK.gemv_bf16(w1, x, g[0, :O])
     DK.gemv_bf16(w3, x, u[0, :O])
     want = MO.swiglu(g, u, limit).get()[0, :O]
-    assert_same_bytes(h.get(), want, "gemv_bf16_swiglu vs gemv_bf16 x 2 + swiglu", seed, O=O, K=K, limit=limit)
+    assert_same_bytes(h.get(), want, "gemv_bf16_swiglu vs gemv_bf16 x 2 + swiglu", seed, O=O, K=K, limit=limit,
+                      P=P)
     h2 = cp.empty(O, cp.uint16)
-    DK.gemv_bf16_swiglu(w1, w3, x, h2, limit)
-    assert_same_bytes(h2.get(), want, "gemv_bf16_swiglu second launch", seed, O=O, K=K, limit=limit)
+    DK.gemv_bf16_swiglu(w1, w3, x, h2, limit, outs_per_warp=P)
+    assert_same_bytes(h2.get(), want, "gemv_bf16_swiglu second launch", seed, O=O, K=K, limit=limit, P=P)
 
 
 def test_gemv_bf16_swiglu_refusals():
@@ -459,6 +501,8 @@ def test_gemv_bf16_swiglu_refusals():
         DK.gemv_bf16_swiglu(w, w, x, cp.empty(15, cp.uint16), 10.0)
     with pytest.raises(AssertionError, match=r"gemv_bf16_swiglu\.h: dtype float32"):
         DK.gemv_bf16_swiglu(w, w, x, cp.empty(16, cp.float32), 10.0)
+    with pytest.raises(AssertionError, match=r"gemv_bf16_swiglu: outs_per_warp 4 not in"):
+        DK.gemv_bf16_swiglu(w, w, x, h, 10.0, outs_per_warp=4)
 
 
 # ------------------------------------------------------------------------------ embed_gather
