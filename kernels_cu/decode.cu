@@ -300,7 +300,7 @@ DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_
 #define GEMV_ROWS_KERNEL(NAME, FP8, R, T, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
-         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                   \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) { PDL_ENTRY();                   \
         gemv_rows<FP8, R, T>(W, S, ld_s, x, y, O, K, rows_per_group, out_bf16);                    \
     }
 GEMV_ROWS_KERNEL(gemv_bf16_r1, false, 1, 1, GEMV_MINB)
@@ -424,7 +424,7 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
 #define GEMV_MULTI_KERNEL(NAME, R, T8, MINB)                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
-         const int* __restrict__ pos) {                                                            \
+         const int* __restrict__ pos) { PDL_ENTRY();                                                            \
         gemv_multi_rows<R, T8>(segs, nseg, x, K, pos);                                             \
     }
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, GEMV_MINB)
@@ -437,7 +437,7 @@ GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
          const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
-         int O, int K, double limit) {                                                             \
+         int O, int K, double limit) { PDL_ENTRY();                                                             \
         gemv_swiglu_rows<P, T8>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                          \
     }
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)
@@ -445,14 +445,14 @@ GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 3)
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_gather(const int* __restrict__ tok, const u16* __restrict__ embed, u16* __restrict__ streams,
-             int D, int hc) {
+             int D, int hc) { PDL_ENTRY();
     const i64 row = (i64)tok[0] * D;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hc * D; i += gridDim.x * blockDim.x)
         streams[i] = embed[row + (i % D)];
 }
 
 extern "C" __global__ void step_scalars(const int* __restrict__ pos, int* __restrict__ aux, int r0,
-                                        int r1, int r2, int r3) {
+                                        int r1, int r2, int r3) { PDL_ENTRY();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const int p = pos[0];
     aux[0] = (p + 1) / 4;
@@ -463,7 +463,7 @@ extern "C" __global__ void step_scalars(const int* __restrict__ pos, int* __rest
 
 extern "C" __global__ void __launch_bounds__(256)
 ring_write(const int* __restrict__ pos, const u16* __restrict__ src, u16* __restrict__ ring, int W,
-           int d) {
+           int d) { PDL_ENTRY();
     const i64 row = (i64)(pos[0] % W) * d;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < d; i += gridDim.x * blockDim.x)
         ring[row + i] = src[i];
@@ -471,7 +471,7 @@ ring_write(const int* __restrict__ pos, const u16* __restrict__ src, u16* __rest
 
 extern "C" __global__ void __launch_bounds__(256)
 pending_write(const int* __restrict__ pos, const float* __restrict__ a, const float* __restrict__ z,
-              float* __restrict__ kv, float* __restrict__ score, int r, int ovl, int C) {
+              float* __restrict__ kv, float* __restrict__ score, int r, int ovl, int C) { PDL_ENTRY();
     const i64 row = (i64)((ovl ? r : 0) + pos[0] % r) * C;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < C; i += gridDim.x * blockDim.x) {
         kv[row + i] = a[i];
@@ -481,7 +481,7 @@ pending_write(const int* __restrict__ pos, const float* __restrict__ a, const fl
 
 extern "C" __global__ void __launch_bounds__(256)
 entry_commit(const int* __restrict__ pos, const u16* __restrict__ src, u16* __restrict__ dst, int r,
-             int d, int n_rows) {
+             int d, int n_rows) { PDL_ENTRY();
     const int p1 = pos[0] + 1;
     if (p1 % r != 0) return;
     const int k = p1 / r - 1;
@@ -492,7 +492,7 @@ entry_commit(const int* __restrict__ pos, const u16* __restrict__ src, u16* __re
 
 extern "C" __global__ void __launch_bounds__(256)
 pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __restrict__ score, int r,
-                int ovl, int C) {
+                int ovl, int C) { PDL_ENTRY();
     if ((pos[0] + 1) % r != 0) return;
     const int o = ovl ? r : 0;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < r * C; i += gridDim.x * blockDim.x) {
@@ -508,7 +508,7 @@ pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __re
 
 extern "C" __global__ void __launch_bounds__(256)
 build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict__ sel, int sel_w,
-           int* __restrict__ cand, int K) {
+           int* __restrict__ cand, int K) { PDL_ENTRY();
     const int p = pos[0];
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < K; j += gridDim.x * blockDim.x) {
         int v = -1;
