@@ -24,7 +24,9 @@
 //   of one warp owns the 32-element chunks q = l + 32 i (i < KPL, K <= 1024*KPL); per chunk a
 //   32-product f32 partial in element order (FMA chain), acc = fma(partial, block scale, acc) in
 //   chunk order (NVFP4: two 16-element partials and scales), then the warp xor-tree warp_sum;
-//   NVFP4 multiplies weight_scale_2 once at the end. Gate/up round a and u to bf16, then SwiGLU;
+//   NVFP4 multiplies weight_scale_2 once at the end. (FP4_ALU_ODD computes the odd elements'
+//   products as (e2m1 * 2^-14) * (x * 2^14): the same real products, so the same bits, for
+//   |x| < 2^114; beyond that x * 2^14 overflows.) Gate/up round a and u to bf16, then SwiGLU;
 //   down rounds each pick to bf16 and sums them from 0 in ascending expert id (stable), then adds
 //   the shared expert. x is expected bf16; for the reference numeric class pass the
 //   FP8-simulated activation (quant_sim fp8_sim_b128).
@@ -42,10 +44,17 @@
 //   * x (down: the token's k rows of h) is staged once per CTA in shared memory as f32 (bf16 for
 //     down with K > 2048), lane-interleaved so a warp's 32 lanes read 32 consecutive 16-byte
 //     words (conflict-free), and each x chunk is read once per step for all the rows of a group.
-//   * e2m1 decode: a 16-word f32 table in shared memory (conflict-free: 16 words on 16 banks,
-//     equal addresses broadcast); the lookup address is one byte insert (PRMT) into the table's
-//     256-aligned base. An ALU decode needs more instructions per element than this, and an f32
-//     bit trick would meet subnormals (-ftz).
+//   * e2m1 decode, split between two pipes (FP4_ALU_ODD, default 1). Even elements: a 16-word
+//     f32 table in shared memory (conflict-free: 16 words on 16 banks, equal addresses
+//     broadcast); the lookup address is one byte insert (PRMT) into the table's 256-aligned base.
+//     Table-only (FP4_ALU_ODD=0, the previous kernels) made the GEMVs shared-memory-pipe bound:
+//     one LDS wavefront per 32 weights plus the x reads, ~160 wavefronts per 128-weight chunk step
+//     of a gate/up warp against ~540 issued instructions (4 warps / SM partition). Odd elements:
+//     ALU, two per f16x2 (bit placement, exact e2m1 * 2^-14, subnormal code 1 included) and a
+//     cvt to f32, with their x staged times 2^14 so the products are unchanged. Per chunk step
+//     the issue count stays ~535 and the LDS wavefronts drop to ~96 (nvdisasm, gateup_k4): the
+//     step becomes issue bound. An f32 bit trick would meet f32 subnormals (-ftz), which f16
+//     arithmetic does not flush.
 //   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
 //     rounding, SwiGLU in double) run lane-parallel.
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
@@ -132,6 +141,9 @@ namespace {
 #ifndef FP4_DEPTH
 #define FP4_DEPTH 2  // prefetch distance in chunk steps (register ring slots)
 #endif
+#ifndef FP4_DN_DEPTH
+#define FP4_DN_DEPTH FP4_DEPTH  // down_combine's prefetch distance (its warps have few steps)
+#endif
 #ifndef FP4_MINB
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)
 #endif
@@ -149,11 +161,50 @@ DEV float lds_f32(u32 a) {  // volatile: stays after the barrier that publishes 
     return v;
 }
 
+#ifndef FP4_ALU_ODD
+#define FP4_ALU_ODD 1  // 1: odd elements decoded on the ALU (f16 bit placement), 0: all through the table
+#endif
+// x multiplier of the ALU-decoded (odd) elements: their weights arrive as e2m1 * 2^-14 (below)
+constexpr float FP4_ODD_X_SCALE = FP4_ALU_ODD ? 16384.0f : 1.0f;
+
+// an odd element's x as the FMA chain uses it: times 2^14 with FP4_ALU_ODD (exact for |x| < 2^114;
+// a subnormal x flushes to zero here as the table path's FFMA.FTZ flushes it), else unchanged
+DEV float odd_x(float x) { return FP4_ALU_ODD ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
+
+// f16x2 bit pattern -> two f32 (exact, f16 subnormals included: no .ftz on the cvt)
+DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 lo16, hi16;\n\tmov.b32 {lo16, hi16}, %2;\n\t"
+        "cvt.f32.f16 %0, lo16;\n\tcvt.f32.f16 %1, hi16;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+}
+
 // p continued by sum_{e<8} e2m1(nibble e of w) * xf[e], in element order (f32 FMA chain).
-// t / u: 4 * the low / high nibbles in the four bytes; each lookup address is one byte of t or u
-// placed into the table base b.
+// Even elements: table lookup; t = 4 * the low nibbles of the four bytes, each lookup address is
+// one byte of t placed into the table base b (PRMT), then LDS. The table alone made the kernels
+// shared-memory-pipe bound (one LDS wavefront per 32 weights), so with FP4_ALU_ODD the odd
+// elements are decoded on the ALU instead: the f16 pattern s000 0cc c000 0000 0 (sign to bit 15,
+// the 3 magnitude bits e1 e0 m to bits 11..9) is exactly e2m1 * 2^-14 (code 1 = 2^-15, an f16
+// subnormal), for elements (1, 5) and (3, 7) of w in one f16x2 each (one shift distance per
+// pair), converted to f32 exactly; their x were staged times 2^14 (FP4_ODD_X_SCALE), so every
+// product, hence every FMA of the chain, is the same real number as with the table: same bits.
 DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
-    const u32 t = (w << 2) & 0x3c3c3c3cu, u = (w >> 2) & 0x3c3c3c3cu;
+    const u32 t = (w << 2) & 0x3c3c3c3cu;
+#if FP4_ALU_ODD
+    const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
+    const u32 h37 = ((w >> 3) & 0x0e000e00u) | (w & 0x80008000u);
+    float w1, w5, w3, w7;
+    f16x2_to_f32(h15, w1, w5);
+    f16x2_to_f32(h37, w3, w7);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
+    p = __fmaf_rn(w1, xf[1], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7651u)), xf[2], p);
+    p = __fmaf_rn(w3, xf[3], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7652u)), xf[4], p);
+    p = __fmaf_rn(w5, xf[5], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
+    p = __fmaf_rn(w7, xf[7], p);
+#else
+    const u32 u = (w >> 2) & 0x3c3c3c3cu;
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7650u)), xf[1], p);
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7651u)), xf[2], p);
@@ -162,7 +213,15 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7652u)), xf[5], p);
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7653u)), xf[7], p);
+#endif
     return p;
+}
+
+// e8m0 byte -> f32 2^(b-127), the bits of common.cuh's e8m0_to_f32 (0 -> 2^-127, 255 -> NaN)
+// as selects: that one compiled to two branches per scale in the chunk loop.
+DEV float e8m0_scale(u32 b) {
+    const u32 bits = b == 0u ? 0x00400000u : (b == 255u ? 0x7fc00000u : b << 23);
+    return __uint_as_float(bits);
 }
 
 DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
@@ -188,6 +247,10 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
             xf[4] = hi.x; xf[5] = hi.y; xf[6] = hi.z; xf[7] = hi.w;
         } else {
             unpack8(static_cast<const uint4*>(xq)[32 * j], xf);
+            xf[1] = odd_x(xf[1]);  // the odd elements' weights are decoded times 2^-14 (dot8)
+            xf[3] = odd_x(xf[3]);
+            xf[5] = odd_x(xf[5]);
+            xf[7] = odd_x(xf[7]);
         }
 #pragma unroll
         for (int m = 0; m < NRM; ++m) p[m] = dot8(word_of(w[m], j), xf, b, p[m]);
@@ -201,7 +264,7 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
     }
 #pragma unroll
     for (int m = 0; m < NRM; ++m)
-        if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_to_f32(s[m][0]), acc[m]);
+        if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_scale(s[m][0]), acc[m]);
 }
 
 // the end of a row dot: warp xor-tree of the lane partials; NVFP4 times weight_scale_2
@@ -302,8 +365,8 @@ DEV void stage_row(void* xs, const u16* xr, int nq, int tid, int nthreads) {
         const uint4 v = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
         if (XF) {
             float4* x4 = static_cast<float4*>(xs) + (8 * i + 2 * j) * 32 + l;
-            x4[0] = make_float4(bf16lo(v.x), bf16hi(v.x), bf16lo(v.y), bf16hi(v.y));
-            x4[32] = make_float4(bf16lo(v.z), bf16hi(v.z), bf16lo(v.w), bf16hi(v.w));
+            x4[0] = make_float4(bf16lo(v.x), odd_x(bf16hi(v.x)), bf16lo(v.y), odd_x(bf16hi(v.y)));
+            x4[32] = make_float4(bf16lo(v.z), odd_x(bf16hi(v.z)), bf16lo(v.w), odd_x(bf16hi(v.w)));
         } else {
             static_cast<uint4*>(xs)[idx] = v;
         }
@@ -600,7 +663,7 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.ht = h + t * k * (i64)K;
     pl.sh = shared != nullptr ? shared + t * O : nullptr;
     pl.yr = y + t * ld_y;
-    fp4_stream<KPL, R, FP4_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
+    fp4_stream<KPL, R, FP4_DN_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
 }
 
 }  // namespace

@@ -1,11 +1,16 @@
 """Achieved bandwidth of the decode GEMVs at Flash shapes, one GPU.
 
-    python tools/bench_gemv.py [--device 0] [--reps 20]
+    python tools/bench_gemv.py [--device 0] [--reps 20] [--only-fp4] [--fp4-variants]
 
 Each kernel is timed alone as a CUDA graph of --reps copies, each copy followed by a 256 MB
 memset that evicts L2 (the memset graph alone is timed and subtracted), so the weights come
 from HBM as in a decode step.  Prints µs per call and the weight bytes / time as a fraction of
 the device-to-device copy bandwidth measured in the same run.
+
+--fp4-variants also times the two fused FP4 expert kernels built with other values of the
+tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
+bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels, for an old/new
+comparison in one run; FP4_DN_DEPTH=4 a deeper prefetch ring for down_combine.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only-fp4", action="store_true", help="time only the FP4 expert kernels")
+    ap.add_argument("--fp4-variants", action="store_true",
+                    help="also time the FP4 expert kernels under other experts.cu tuning macros")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
@@ -34,7 +42,8 @@ def main(argv=None) -> int:
         return (rng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
 
     cases = []
-    for name, O, K, groups in [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1),
+    dense = not a.only_fp4
+    for name, O, K, groups in [] if not dense else [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1),
                                ("wq_b", 32768, 1024, 1), ("wo_a", 8192, 4096, 8),
                                ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
                                ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1),
@@ -42,23 +51,25 @@ def main(argv=None) -> int:
         w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
         cases.append((f"gemv_bf16 {name} [{O}x{K}]", 2 * O * K,
                       lambda w=w, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g)))
-    for name, O, K, groups in [("wq_b fp8", 32768, 1024, 1), ("wo_a fp8", 8192, 4096, 8),
+    for name, O, K, groups in [] if not dense else [("wq_b fp8", 32768, 1024, 1), ("wo_a fp8", 8192, 4096, 8),
                                ("wo_b fp8", 4096, 8192, 1), ("shared_w2 fp8", 4096, 2048, 1)]:
         w = rng.integers(0, 0x7E, (O, K), dtype=cp.uint8)
         sc = cp.full((-(-O // 128), -(-K // 128)), 120, cp.uint8)
         x, y = bf16(groups * K), cp.empty(O, cp.uint16)
         cases.append((f"gemv_bf16 {name} [{O}x{K}]", O * K,
                       lambda w=w, sc=sc, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g, scale=sc)))
-    # the attention-side group of [*, 4096] projections of xn in one launch
-    segs = [(bf16(o, 4096), cp.empty(o, cp.float32 if f else cp.uint16))
-            for o, f in [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]]
-    tab = DK.GemvTable(segs, 4096)
-    xm, pos = bf16(4096), cp.zeros(1, cp.int32)
-    cases.append(("gemv_bf16_multi attn group [4160x4096]", 2 * tab.rows * 4096,
-                  lambda: DK.gemv_bf16_multi(tab, xm, pos)))
-    w1, w3, xs, hs = bf16(2048, 4096), bf16(2048, 4096), bf16(4096), cp.empty(2048, cp.uint16)
-    cases.append(("gemv_bf16_swiglu shared [2x2048x4096]", 2 * 2 * 2048 * 4096,
-                  lambda: DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0)))
+    if dense:
+        # the attention-side group of [*, 4096] projections of xn in one launch
+        segs = [(bf16(o, 4096), cp.empty(o, cp.float32 if f else cp.uint16))
+                for o, f in [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]]
+        tab = DK.GemvTable(segs, 4096)
+        xm, pos = bf16(4096), cp.zeros(1, cp.int32)
+        cases.append(("gemv_bf16_multi attn group [4160x4096]", 2 * tab.rows * 4096,
+                      lambda: DK.gemv_bf16_multi(tab, xm, pos)))
+        w1, w3, xs, hs = bf16(2048, 4096), bf16(2048, 4096), bf16(4096), cp.empty(2048, cp.uint16)
+        cases.append(("gemv_bf16_swiglu shared [2x2048x4096]", 2 * 2 * 2048 * 4096,
+                      lambda: DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0)))
+    n_dense = len(cases)
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
     packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
@@ -79,11 +90,32 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
-    print(f"{'kernel':<48s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
-    for name, nbytes, fn in cases:
-        recs = record_launches(fn, ("bench_gemv.py",))
+    def report(name, nbytes, recs):
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
-        print(f"{name:<48s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
+        print(f"{name:<56s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
+
+    print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
+    for name, nbytes, fn in cases:
+        report(name, nbytes, record_launches(fn, ("bench_gemv.py",)))
+    if a.fp4_variants:
+        import dataclasses
+
+        def rebuilt(rec, look):
+            """The recorded launch with the kernel of the same name from the variant build."""
+            stem, kname = rec.kernel.split(".", 1)
+            f = look(stem, kname)
+            smem = int(rec.kwargs.get("shared_mem", 0))
+            if smem + 1024 > 48 * 1024:   # as ops.experts.gemv_fp4_down_combine sets it
+                f.max_dynamic_shared_size_bytes = max(smem, 48 * 1024 + 1)
+            return dataclasses.replace(rec, fn=f)
+
+        for label, defines in [("FP4_ALU_ODD=0 (table-only, previous)", {"FP4_ALU_ODD": 0}),
+                               ("FP4_DN_DEPTH=4", {"FP4_DN_DEPTH": 4}),
+                               ("FP4_ALU_ODD=0 FP4_DN_DEPTH=4", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 4})]:
+            look = EX.variant_kernels(defines)
+            for name, nbytes, fn in cases[n_dense:]:
+                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     return 0
 
 
