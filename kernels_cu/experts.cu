@@ -229,7 +229,7 @@ DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j 
 // One chunk (32 elements) of NRM row dots, THE arithmetic of every FP4 GEMV here: per row a
 // 32-product f32 partial in element order, then acc = fma(partial, block scale, acc) (NVFP4: two
 // 16-element partials, each times its e4m3 scale, in order). xq: this lane's chunk in shared
-// memory (see stage_row): XF, as f32, 4 elements per float4, part jj at xq + 32 jj; else as
+// memory (see stage_rows): XF, as f32, 4 elements per float4, part jj at xq + 32 jj; else as
 // bf16, 8 per uint4. The partials are computed on every lane (zero weights and x where the
 // chunk does not exist); only lanes with a chunk (qok) fold theirs into acc.
 template <int NRM, bool NV, bool XF>
@@ -359,21 +359,41 @@ DEV void init_lut() {
 // (elements 4 jj .. 4 jj + 3) of chunk q = l + 32 i at float4 index (8 i + jj) * 32 + l; else
 // (bf16, 8 per uint4) part j at uint4 index (4 i + j) * 32 + l. Chunks q >= nq are zero.
 template <int KPL, bool XF>
-DEV void stage_row(void* xs, const u16* xr, int nq, int tid, int nthreads) {
-    for (int idx = tid; idx < KPL * 128; idx += nthreads) {
-        const int l = idx & 31, j = (idx >> 5) & 3, i = idx >> 7, q = l + 32 * i;
-        const uint4 v = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
-        if (XF) {
-            float4* x4 = static_cast<float4*>(xs) + (8 * i + 2 * j) * 32 + l;
-            x4[0] = make_float4(bf16lo(v.x), odd_x(bf16hi(v.x)), bf16lo(v.y), odd_x(bf16hi(v.y)));
-            x4[32] = make_float4(bf16lo(v.z), odd_x(bf16hi(v.z)), bf16lo(v.w), odd_x(bf16hi(v.w)));
-        } else {
-            static_cast<uint4*>(xs)[idx] = v;
+__host__ __device__ constexpr int staged_words() { return KPL * (XF ? 256 : 128); }  // 16-byte words per staged row
+
+// nrows rows of K bf16 (row r at xr + r * ld) -> shared memory, row r from 16-byte word r * HW
+// (HW = staged_words), each laid out as above. Every thread first issues up to STAGE_BATCH
+// 16-byte loads, then converts and stores them, so the rows' L2 latency is paid once per batch
+// rather than once per word (down_combine stages k rows: one word per thread and row).
+// 256-thread CTAs (FP4_WARPS warps), as every launch of this file.
+constexpr int STAGE_BATCH = 8;
+template <int KPL, bool XF>
+DEV void stage_rows(void* xs, const u16* xr, i64 ld, int nrows, int nq) {
+    constexpr int WPR = KPL * 128, HW = staged_words<KPL, XF>(), NT = FP4_WARPS * 32;
+    const int total = nrows * WPR;
+    for (int base = threadIdx.x; base < total; base += STAGE_BATCH * NT) {
+        uint4 v[STAGE_BATCH];
+#pragma unroll
+        for (int n = 0; n < STAGE_BATCH; ++n) {
+            const int idx = base + n * NT, w = idx & (WPR - 1), r = idx / WPR;
+            const int l = w & 31, j = (w >> 5) & 3, q = l + 32 * (w >> 7);
+            v[n] = idx < total && q < nq ? ldg16(xr + r * ld + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int n = 0; n < STAGE_BATCH; ++n) {
+            const int idx = base + n * NT, w = idx & (WPR - 1), r = idx / WPR;
+            if (idx >= total) break;
+            const int l = w & 31, j = (w >> 5) & 3, i = w >> 7;
+            if (XF) {
+                float4* x4 = static_cast<float4*>(xs) + r * HW + (8 * i + 2 * j) * 32 + l;
+                x4[0] = make_float4(bf16lo(v[n].x), odd_x(bf16hi(v[n].x)), bf16lo(v[n].y), odd_x(bf16hi(v[n].y)));
+                x4[32] = make_float4(bf16lo(v[n].z), odd_x(bf16hi(v[n].z)), bf16lo(v[n].w), odd_x(bf16hi(v[n].w)));
+            } else {
+                static_cast<uint4*>(xs)[r * HW + w] = v[n];
+            }
         }
     }
 }
-template <int KPL, bool XF>
-__host__ __device__ constexpr int staged_words() { return KPL * (XF ? 256 : 128); }  // 16-byte words per staged row
 
 template <int R, int NRM, bool NV>
 DEV void group_rows(Rows<NRM>& r, int m0, const u8* w, const u8* sc, int o0, int O, int half_k, int nsc) {
@@ -438,7 +458,7 @@ struct GemvPlan : PlanBase {
     Kept kept;
     const u16* xrow;
     DEV void stage() {
-        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<R>& r) {
@@ -496,7 +516,7 @@ struct GateUpPlan : PlanBase {
     Kept kept;
     const u16* xrow;
     DEV void stage() {
-        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<2 * R>& r) {
@@ -576,7 +596,7 @@ struct DownPlan : PlanBase {
     u16* yr;
     Kept kept;
     DEV void stage() {
-        for (int j = 0; j < k; ++j) stage_row<KPL, XF>(hs + j * HW, ht + j * (i64)(half_k * 2), nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<R>& r) {
