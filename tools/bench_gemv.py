@@ -110,8 +110,7 @@ def main(argv=None) -> int:
             return dataclasses.replace(rec, fn=f)
 
         for label, defines in [("FP4_ALU_ODD=0 (table-only, previous)", {"FP4_ALU_ODD": 0}),
-                               ("FP4_DN_DEPTH=4", {"FP4_DN_DEPTH": 4}),
-                               ("FP4_ALU_ODD=0 FP4_DN_DEPTH=4", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 4})]:
+                               ("FP4_DN_DEPTH=4", {"FP4_DN_DEPTH": 4})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_dense:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
