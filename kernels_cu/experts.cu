@@ -142,7 +142,10 @@ namespace {
 #define FP4_DEPTH 2  // prefetch distance in chunk steps (register ring slots)
 #endif
 #ifndef FP4_DN_DEPTH
-#define FP4_DN_DEPTH FP4_DEPTH  // down_combine's prefetch distance (its warps have few steps)
+// down_combine's prefetch distance: its warps have few steps (Flash: 6 picks x 2 chunk steps),
+// so the loads issued before the first step cover a larger share of the run, and its ring of
+// R = 2 rows leaves the registers for 4 slots (<= 124 registers, no spills)
+#define FP4_DN_DEPTH 4
 #endif
 #ifndef FP4_MINB
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)

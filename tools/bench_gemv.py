@@ -10,7 +10,7 @@ the device-to-device copy bandwidth measured in the same run.
 --fp4-variants also times the two fused FP4 expert kernels built with other values of the
 tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels, for an old/new
-comparison in one run; FP4_DN_DEPTH=4 a deeper prefetch ring for down_combine.
+comparison in one run; FP4_DN_DEPTH=2 down_combine's previous prefetch depth (now 4).
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
             return dataclasses.replace(rec, fn=f)
 
         for label, defines in [("FP4_ALU_ODD=0 (table-only, previous)", {"FP4_ALU_ODD": 0}),
-                               ("FP4_DN_DEPTH=4", {"FP4_DN_DEPTH": 4})]:
+                               ("FP4_DN_DEPTH=2 (previous ring depth)", {"FP4_DN_DEPTH": 2})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_dense:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
