@@ -9,8 +9,8 @@ the device-to-device copy bandwidth measured in the same run.
 
 --fp4-variants also times the two fused FP4 expert kernels built with other values of the
 tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
-bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels, for an old/new
-comparison in one run; FP4_DN_DEPTH=2 down_combine's previous prefetch depth (now 4).
+bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
+down_combine's previous prefetch depth (now 4), for an old/new comparison in one run.
 """
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
+
     def report(name, nbytes, recs):
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
         print(f"{name:<56s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
@@ -109,8 +110,11 @@ def main(argv=None) -> int:
                 f.max_dynamic_shared_size_bytes = max(smem, 48 * 1024 + 1)
             return dataclasses.replace(rec, fn=f)
 
-        for label, defines in [("FP4_ALU_ODD=0 (table-only, previous)", {"FP4_ALU_ODD": 0}),
-                               ("FP4_DN_DEPTH=2 (previous ring depth)", {"FP4_DN_DEPTH": 2})]:
+        # "previous": the table-only decode at the old down ring depth (x staging is the new
+        # batched one); "FP4_DN_DEPTH=2" isolates the ring depth (its gate/up row repeats the
+        # default build: a noise estimate)
+        for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
+                               ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_dense:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
