@@ -24,7 +24,9 @@
 //   of one warp owns the 32-element chunks q = l + 32 i (i < KPL, K <= 1024*KPL); per chunk a
 //   32-product f32 partial in element order (FMA chain), acc = fma(partial, block scale, acc) in
 //   chunk order (NVFP4: two 16-element partials and scales), then the warp xor-tree warp_sum;
-//   NVFP4 multiplies weight_scale_2 once at the end. Gate/up round a and u to bf16, then SwiGLU;
+//   NVFP4 multiplies weight_scale_2 once at the end. (FP4_ALU_ODD computes the odd elements'
+//   products as (e2m1 * 2^-14) * (x * 2^14): the same real products, so the same bits, for
+//   |x| < 2^114; beyond that x * 2^14 overflows.) Gate/up round a and u to bf16, then SwiGLU;
 //   down rounds each pick to bf16 and sums them from 0 in ascending expert id (stable), then adds
 //   the shared expert. x is expected bf16; for the reference numeric class pass the
 //   FP8-simulated activation (quant_sim fp8_sim_b128).
@@ -42,10 +44,17 @@
 //   * x (down: the token's k rows of h) is staged once per CTA in shared memory as f32 (bf16 for
 //     down with K > 2048), lane-interleaved so a warp's 32 lanes read 32 consecutive 16-byte
 //     words (conflict-free), and each x chunk is read once per step for all the rows of a group.
-//   * e2m1 decode: a 16-word f32 table in shared memory (conflict-free: 16 words on 16 banks,
-//     equal addresses broadcast); the lookup address is one byte insert (PRMT) into the table's
-//     256-aligned base. An ALU decode needs more instructions per element than this, and an f32
-//     bit trick would meet subnormals (-ftz).
+//   * e2m1 decode, split between two pipes (FP4_ALU_ODD, default 1). Even elements: a 16-word
+//     f32 table in shared memory (conflict-free: 16 words on 16 banks, equal addresses
+//     broadcast); the lookup address is one byte insert (PRMT) into the table's 256-aligned base.
+//     Table-only (FP4_ALU_ODD=0, the previous kernels) made the GEMVs shared-memory-pipe bound:
+//     one LDS wavefront per 32 weights plus the x reads, ~160 wavefronts per 128-weight chunk step
+//     of a gate/up warp against ~540 issued instructions (4 warps / SM partition). Odd elements:
+//     ALU, two per f16x2 (bit placement, exact e2m1 * 2^-14, subnormal code 1 included) and a
+//     cvt to f32, with their x staged times 2^14 so the products are unchanged. Per chunk step
+//     the issue count stays ~535 and the LDS wavefronts drop to ~96 (nvdisasm, gateup_k4): the
+//     step becomes issue bound. An f32 bit trick would meet f32 subnormals (-ftz), which f16
+//     arithmetic does not flush.
 //   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
 //     rounding, SwiGLU in double) run lane-parallel.
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
@@ -75,7 +84,7 @@ DEV u32 mx_to_bf16(u32 n, u32 sb) {
 // packed [R, C/2] u8; scale [R, C/32] u8; out [R, C] bf16. C % 32 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scale, u16* __restrict__ out,
-                   long long R, int C) {
+                   long long R, int C) { PDL_ENTRY();
     const int cpr = C >> 5;
     const i64 total = R * cpr;
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
@@ -96,7 +105,7 @@ dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scale, 
 // packed [R, C/2] u8; wscale [R, C/16] u8 (e4m3); ws2 f32 scalar; out [R, C] bf16. C % 32 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 dequant_nvfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ wscale, float ws2,
-                   u16* __restrict__ out, long long R, int C) {
+                   u16* __restrict__ out, long long R, int C) { PDL_ENTRY();
     const int cpr = C >> 5;
     const i64 total = R * cpr;
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
@@ -132,6 +141,12 @@ namespace {
 #ifndef FP4_DEPTH
 #define FP4_DEPTH 2  // prefetch distance in chunk steps (register ring slots)
 #endif
+#ifndef FP4_DN_DEPTH
+// down_combine's prefetch distance: its warps have few steps (Flash: 6 picks x 2 chunk steps),
+// so the loads issued before the first step cover a larger share of the run, and its ring of
+// R = 2 rows leaves the registers for 4 slots (<= 124 registers, no spills)
+#define FP4_DN_DEPTH 4
+#endif
 #ifndef FP4_MINB
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)
 #endif
@@ -149,11 +164,50 @@ DEV float lds_f32(u32 a) {  // volatile: stays after the barrier that publishes 
     return v;
 }
 
+#ifndef FP4_ALU_ODD
+#define FP4_ALU_ODD 1  // 1: odd elements decoded on the ALU (f16 bit placement), 0: all through the table
+#endif
+// x multiplier of the ALU-decoded (odd) elements: their weights arrive as e2m1 * 2^-14 (below)
+constexpr float FP4_ODD_X_SCALE = FP4_ALU_ODD ? 16384.0f : 1.0f;
+
+// an odd element's x as the FMA chain uses it: times 2^14 with FP4_ALU_ODD (exact for |x| < 2^114;
+// a subnormal x flushes to zero here as the table path's FFMA.FTZ flushes it), else unchanged
+DEV float odd_x(float x) { return FP4_ALU_ODD ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
+
+// f16x2 bit pattern -> two f32 (exact, f16 subnormals included: no .ftz on the cvt)
+DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 lo16, hi16;\n\tmov.b32 {lo16, hi16}, %2;\n\t"
+        "cvt.f32.f16 %0, lo16;\n\tcvt.f32.f16 %1, hi16;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h));
+}
+
 // p continued by sum_{e<8} e2m1(nibble e of w) * xf[e], in element order (f32 FMA chain).
-// t / u: 4 * the low / high nibbles in the four bytes; each lookup address is one byte of t or u
-// placed into the table base b.
+// Even elements: table lookup; t = 4 * the low nibbles of the four bytes, each lookup address is
+// one byte of t placed into the table base b (PRMT), then LDS. The table alone made the kernels
+// shared-memory-pipe bound (one LDS wavefront per 32 weights), so with FP4_ALU_ODD the odd
+// elements are decoded on the ALU instead: the f16 pattern s000 0cc c000 0000 0 (sign to bit 15,
+// the 3 magnitude bits e1 e0 m to bits 11..9) is exactly e2m1 * 2^-14 (code 1 = 2^-15, an f16
+// subnormal), for elements (1, 5) and (3, 7) of w in one f16x2 each (one shift distance per
+// pair), converted to f32 exactly; their x were staged times 2^14 (FP4_ODD_X_SCALE), so every
+// product, hence every FMA of the chain, is the same real number as with the table: same bits.
 DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
-    const u32 t = (w << 2) & 0x3c3c3c3cu, u = (w >> 2) & 0x3c3c3c3cu;
+    const u32 t = (w << 2) & 0x3c3c3c3cu;
+#if FP4_ALU_ODD
+    const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
+    const u32 h37 = ((w >> 3) & 0x0e000e00u) | (w & 0x80008000u);
+    float w1, w5, w3, w7;
+    f16x2_to_f32(h15, w1, w5);
+    f16x2_to_f32(h37, w3, w7);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
+    p = __fmaf_rn(w1, xf[1], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7651u)), xf[2], p);
+    p = __fmaf_rn(w3, xf[3], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7652u)), xf[4], p);
+    p = __fmaf_rn(w5, xf[5], p);
+    p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
+    p = __fmaf_rn(w7, xf[7], p);
+#else
+    const u32 u = (w >> 2) & 0x3c3c3c3cu;
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7650u)), xf[1], p);
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7651u)), xf[2], p);
@@ -162,7 +216,15 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7652u)), xf[5], p);
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7653u)), xf[7], p);
+#endif
     return p;
+}
+
+// e8m0 byte -> f32 2^(b-127), the bits of common.cuh's e8m0_to_f32 (0 -> 2^-127, 255 -> NaN)
+// as selects: that one compiled to two branches per scale in the chunk loop.
+DEV float e8m0_scale(u32 b) {
+    const u32 bits = b == 0u ? 0x00400000u : (b == 255u ? 0x7fc00000u : b << 23);
+    return __uint_as_float(bits);
 }
 
 DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
@@ -170,7 +232,7 @@ DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j 
 // One chunk (32 elements) of NRM row dots, THE arithmetic of every FP4 GEMV here: per row a
 // 32-product f32 partial in element order, then acc = fma(partial, block scale, acc) (NVFP4: two
 // 16-element partials, each times its e4m3 scale, in order). xq: this lane's chunk in shared
-// memory (see stage_row): XF, as f32, 4 elements per float4, part jj at xq + 32 jj; else as
+// memory (see stage_rows): XF, as f32, 4 elements per float4, part jj at xq + 32 jj; else as
 // bf16, 8 per uint4. The partials are computed on every lane (zero weights and x where the
 // chunk does not exist); only lanes with a chunk (qok) fold theirs into acc.
 template <int NRM, bool NV, bool XF>
@@ -188,6 +250,10 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
             xf[4] = hi.x; xf[5] = hi.y; xf[6] = hi.z; xf[7] = hi.w;
         } else {
             unpack8(static_cast<const uint4*>(xq)[32 * j], xf);
+            xf[1] = odd_x(xf[1]);  // the odd elements' weights are decoded times 2^-14 (dot8)
+            xf[3] = odd_x(xf[3]);
+            xf[5] = odd_x(xf[5]);
+            xf[7] = odd_x(xf[7]);
         }
 #pragma unroll
         for (int m = 0; m < NRM; ++m) p[m] = dot8(word_of(w[m], j), xf, b, p[m]);
@@ -201,7 +267,7 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
     }
 #pragma unroll
     for (int m = 0; m < NRM; ++m)
-        if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_to_f32(s[m][0]), acc[m]);
+        if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_scale(s[m][0]), acc[m]);
 }
 
 // the end of a row dot: warp xor-tree of the lane partials; NVFP4 times weight_scale_2
@@ -296,21 +362,41 @@ DEV void init_lut() {
 // (elements 4 jj .. 4 jj + 3) of chunk q = l + 32 i at float4 index (8 i + jj) * 32 + l; else
 // (bf16, 8 per uint4) part j at uint4 index (4 i + j) * 32 + l. Chunks q >= nq are zero.
 template <int KPL, bool XF>
-DEV void stage_row(void* xs, const u16* xr, int nq, int tid, int nthreads) {
-    for (int idx = tid; idx < KPL * 128; idx += nthreads) {
-        const int l = idx & 31, j = (idx >> 5) & 3, i = idx >> 7, q = l + 32 * i;
-        const uint4 v = q < nq ? ldg16(xr + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
-        if (XF) {
-            float4* x4 = static_cast<float4*>(xs) + (8 * i + 2 * j) * 32 + l;
-            x4[0] = make_float4(bf16lo(v.x), bf16hi(v.x), bf16lo(v.y), bf16hi(v.y));
-            x4[32] = make_float4(bf16lo(v.z), bf16hi(v.z), bf16lo(v.w), bf16hi(v.w));
-        } else {
-            static_cast<uint4*>(xs)[idx] = v;
+__host__ __device__ constexpr int staged_words() { return KPL * (XF ? 256 : 128); }  // 16-byte words per staged row
+
+// nrows rows of K bf16 (row r at xr + r * ld) -> shared memory, row r from 16-byte word r * HW
+// (HW = staged_words), each laid out as above. Every thread first issues up to STAGE_BATCH
+// 16-byte loads, then converts and stores them, so the rows' L2 latency is paid once per batch
+// rather than once per word (down_combine stages k rows: one word per thread and row).
+// 256-thread CTAs (FP4_WARPS warps), as every launch of this file.
+constexpr int STAGE_BATCH = 8;
+template <int KPL, bool XF>
+DEV void stage_rows(void* xs, const u16* xr, i64 ld, int nrows, int nq) {
+    constexpr int WPR = KPL * 128, HW = staged_words<KPL, XF>(), NT = FP4_WARPS * 32;
+    const int total = nrows * WPR;
+    for (int base = threadIdx.x; base < total; base += STAGE_BATCH * NT) {
+        uint4 v[STAGE_BATCH];
+#pragma unroll
+        for (int n = 0; n < STAGE_BATCH; ++n) {
+            const int idx = base + n * NT, w = idx & (WPR - 1), r = idx / WPR;
+            const int l = w & 31, j = (w >> 5) & 3, q = l + 32 * (w >> 7);
+            v[n] = idx < total && q < nq ? ldg16(xr + r * ld + 32 * q + 8 * j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int n = 0; n < STAGE_BATCH; ++n) {
+            const int idx = base + n * NT, w = idx & (WPR - 1), r = idx / WPR;
+            if (idx >= total) break;
+            const int l = w & 31, j = (w >> 5) & 3, i = w >> 7;
+            if (XF) {
+                float4* x4 = static_cast<float4*>(xs) + r * HW + (8 * i + 2 * j) * 32 + l;
+                x4[0] = make_float4(bf16lo(v[n].x), odd_x(bf16hi(v[n].x)), bf16lo(v[n].y), odd_x(bf16hi(v[n].y)));
+                x4[32] = make_float4(bf16lo(v[n].z), odd_x(bf16hi(v[n].z)), bf16lo(v[n].w), odd_x(bf16hi(v[n].w)));
+            } else {
+                static_cast<uint4*>(xs)[r * HW + w] = v[n];
+            }
         }
     }
 }
-template <int KPL, bool XF>
-__host__ __device__ constexpr int staged_words() { return KPL * (XF ? 256 : 128); }  // 16-byte words per staged row
 
 template <int R, int NRM, bool NV>
 DEV void group_rows(Rows<NRM>& r, int m0, const u8* w, const u8* sc, int o0, int O, int half_k, int nsc) {
@@ -375,7 +461,7 @@ struct GemvPlan : PlanBase {
     Kept kept;
     const u16* xrow;
     DEV void stage() {
-        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<R>& r) {
@@ -433,7 +519,7 @@ struct GateUpPlan : PlanBase {
     Kept kept;
     const u16* xrow;
     DEV void stage() {
-        stage_row<KPL, true>(const_cast<void*>(xs), xrow, nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<2 * R>& r) {
@@ -513,7 +599,7 @@ struct DownPlan : PlanBase {
     u16* yr;
     Kept kept;
     DEV void stage() {
-        for (int j = 0; j < k; ++j) stage_row<KPL, XF>(hs + j * HW, ht + j * (i64)(half_k * 2), nq, threadIdx.x, blockDim.x);
+        stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
         __syncthreads();
     }
     DEV void rows(int g, Rows<R>& r) {
@@ -600,7 +686,7 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.ht = h + t * k * (i64)K;
     pl.sh = shared != nullptr ? shared + t * O : nullptr;
     pl.yr = y + t * ld_y;
-    fp4_stream<KPL, R, FP4_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
+    fp4_stream<KPL, R, FP4_DN_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
 }
 
 }  // namespace
@@ -613,7 +699,7 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
-         u16* __restrict__ y, int ld_y, int O, int K) {                                           \
+         u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY();                                           \
         gemv_fp4_body<KPL, NV>(x, x_div, expert_ids, wptr, sptr, ws2, y, ld_y, O, K);             \
     }
 
@@ -632,7 +718,7 @@ GEMV_FP4(gemv_nvfp4_k4, 4, true)
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
-         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { \
+         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { PDL_ENTRY(); \
         gemv_fp4_gateup_body<KPL, NV>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3,  \
                                       weight, limit, h, ld_h, O, K);                              \
     }
@@ -652,7 +738,7 @@ GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true)
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
-         const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) {            \
+         const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY();            \
         gemv_fp4_down_combine_body<KPL, NV>(h, expert_ids, k, wptr, sptr, ws2, shared, y, ld_y, O, K); \
     }
 
@@ -680,7 +766,7 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
 extern "C" __global__ void __launch_bounds__(256)
 dequant_mxfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ scale, long long p_stride,
                            long long s_stride, const int* __restrict__ eids, u16* __restrict__ out,
-                           long long R, int C) {
+                           long long R, int C) { PDL_ENTRY();
     const i64 e = __ldg(eids + blockIdx.y);
     const u8* pk = packed + e * p_stride;
     const u8* sc = scale + e * s_stride;
@@ -706,7 +792,7 @@ dequant_mxfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__
 extern "C" __global__ void __launch_bounds__(256)
 dequant_nvfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ wscale, long long p_stride,
                            long long s_stride, const float* __restrict__ ws2, const int* __restrict__ eids,
-                           u16* __restrict__ out, long long R, int C) {
+                           u16* __restrict__ out, long long R, int C) { PDL_ENTRY();
     const i64 e = __ldg(eids + blockIdx.y);
     const u8* pk = packed + e * p_stride;
     const u8* sc = wscale + e * s_stride;
@@ -735,7 +821,7 @@ dequant_nvfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__
 // Grid-stride, thread = 8 channels (two 16 B loads, one 16 B store).
 extern "C" __global__ void __launch_bounds__(256)
 moe_gather_bf16(const float* __restrict__ x, const int* __restrict__ src, u16* __restrict__ xs,
-                long long P, int D) {
+                long long P, int D) { PDL_ENTRY();
     const int cpr = D >> 3;
     const i64 total = P * cpr;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
@@ -759,7 +845,7 @@ moe_gather_bf16(const float* __restrict__ x, const int* __restrict__ src, u16* _
 // flat [P] int32 (t * k + pick), h [P, I] bf16. I % 8 == 0. Grid-stride, thread = 8 channels.
 extern "C" __global__ void __launch_bounds__(256)
 moe_swiglu_rows(const float* __restrict__ gate, const float* __restrict__ up, const float* __restrict__ wts,
-                const int* __restrict__ flat, u16* __restrict__ h, long long P, int I, double limit) {
+                const int* __restrict__ flat, u16* __restrict__ h, long long P, int I, double limit) { PDL_ENTRY();
     const int cpr = I >> 3;
     const i64 total = P * cpr;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
@@ -789,7 +875,7 @@ moe_swiglu_rows(const float* __restrict__ gate, const float* __restrict__ up, co
 // y [T, D] f32 bf16-valued. grid (T, ceil(D / 1024)), block 128, thread = 8 channels.
 extern "C" __global__ void __launch_bounds__(128)
 moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, const float* __restrict__ shared,
-                   float* __restrict__ y, int k, int D) {
+                   float* __restrict__ y, int k, int D) { PDL_ENTRY();
     const i64 t = blockIdx.x;
     const int c = blockIdx.y * 128 + threadIdx.x;
     if (8 * c >= D) return;

@@ -1,6 +1,7 @@
 """Achieved bandwidth of the decode GEMVs at Flash shapes, one GPU.
 
     python tools/bench_gemv.py [--device 0] [--reps 20] [--dense-only] [--rows-sweep]
+                               [--only-fp4] [--fp4-variants]
 
 Each kernel is timed alone as a CUDA graph of --reps copies, each copy followed by a 256 MB
 memset that evicts L2 (the memset graph alone is timed and subtracted), so the weights come
@@ -9,6 +10,12 @@ the device-to-device copy bandwidth measured in the same run.  --dense-only skip
 and the routed-expert FP4 rows; --rows-sweep adds a row per rows-per-warp variant of the dense
 GEMVs (R of gemv_bf16 / gemv_fp8, of the multi-projection table, P of the shared SwiGLU), which
 return the same bits and differ in speed only.
+--only-fp4 times only the routed-expert FP4 rows.
+
+--fp4-variants also times the two fused FP4 expert kernels built with other values of the
+tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
+bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
+down_combine's previous prefetch depth (now 4), for an old/new comparison in one run.
 """
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dense-only", action="store_true", help="skip the head and the FP4 experts")
     ap.add_argument("--rows-sweep", action="store_true", help="time every rows-per-warp variant")
+    ap.add_argument("--only-fp4", action="store_true", help="time only the FP4 expert kernels")
+    ap.add_argument("--fp4-variants", action="store_true",
+                    help="also time the FP4 expert kernels under other experts.cu tuning macros")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
@@ -55,52 +65,54 @@ def main(argv=None) -> int:
             {} if v is None else dict(rows_per_warp=R, trips=T)
 
     cases = []
-    dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
-             ("wo_a", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
-             ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1)]
-    if not a.dense_only:
-        dense.append(("head", 129280, 4096, 1))
-    for name, O, K, groups in dense:
-        w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
-        for v in variants(DK.gemv_default_variant(False, K), DK.GEMV_VARIANTS[False]):
-            label, kw = rt(v, False, K)
-            cases.append((f"gemv_bf16 {name} [{O}x{K}]{label}", 2 * O * K,
-                          lambda w=w, x=x, y=y, g=groups, kw=kw: DK.gemv_bf16(w, x, y, groups=g, **kw)))
-    for name, O, K, groups in [("wq_a fp8", 1024, 4096, 1), ("wq_b fp8", 32768, 1024, 1),
-                               ("wo_a fp8", 8192, 4096, 8), ("wo_b fp8", 4096, 8192, 1),
-                               ("shared_w2 fp8", 4096, 2048, 1), ("idx_wq_b fp8", 4096, 1024, 1)]:
-        w, sc = fp8(O, K)
-        x, y = bf16(groups * K), cp.empty(O, cp.uint16)
-        for v in variants(DK.gemv_default_variant(True, K), DK.GEMV_VARIANTS[True]):
-            label, kw = rt(v, True, K)
-            cases.append((f"gemv_fp8 {name} [{O}x{K}]{label}", O * K,
-                          lambda w=w, sc=sc, x=x, y=y, g=groups, kw=kw:
-                          DK.gemv_bf16(w, x, y, groups=g, scale=sc, **kw)))
-    # the attention-side group of [*, 4096] projections of xn in one launch
-    shapes = [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]
-    xm, pos = bf16(4096), cp.zeros(1, cp.int32)
-    for form in ("bf16", "fp8"):
-        segs = [(bf16(o, 4096) if form == "bf16" else fp8(o, 4096),
-                 cp.empty(o, cp.float32 if f else cp.uint16)) for o, f in shapes]
-        for r in variants(4, DK.MULTI_ROWS):
-            tab = DK.GemvTable(segs, 4096, rows_per_warp=4 if r is None else r)
-            cases.append((f"gemv_bf16_multi {form} attn group [4160x4096]{tag(r, 4)}",
-                          (2 if form == "bf16" else 1) * tab.rows * 4096,
-                          lambda tab=tab: DK.gemv_bf16_multi(tab, xm, pos)))
-    xs, hs = bf16(4096), cp.empty(2048, cp.uint16)
-    for form in ("bf16", "fp8"):
-        if form == "bf16":
-            (w1, s1), (w3, s3) = (bf16(2048, 4096), None), (bf16(2048, 4096), None)
-        else:
-            (w1, s1), (w3, s3) = fp8(2048, 4096), fp8(2048, 4096)
-        for p in variants(2, DK.SWIGLU_OUTS):
-            cases.append((f"gemv_bf16_swiglu {form} shared [2x2048x4096]{tag(p, 2, 'P')}",
-                          (2 if form == "bf16" else 1) * 2 * 2048 * 4096,
-                          lambda w1=w1, w3=w3, s1=s1, s3=s3, p=p:
-                          DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3,
-                                              outs_per_warp=2 if p is None else p)))
+    if not a.only_fp4:
+        dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
+                 ("wo_a", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
+                 ("shared_w2", 4096, 2048, 1), ("idx_wq_b", 4096, 1024, 1)]
+        if not a.dense_only:
+            dense.append(("head", 129280, 4096, 1))
+        for name, O, K, groups in dense:
+            w, x, y = bf16(O, K), bf16(groups * K), cp.empty(O, cp.uint16)
+            for v in variants(DK.gemv_default_variant(False, K), DK.GEMV_VARIANTS[False]):
+                label, kw = rt(v, False, K)
+                cases.append((f"gemv_bf16 {name} [{O}x{K}]{label}", 2 * O * K,
+                              lambda w=w, x=x, y=y, g=groups, kw=kw: DK.gemv_bf16(w, x, y, groups=g, **kw)))
+        for name, O, K, groups in [("wq_a fp8", 1024, 4096, 1), ("wq_b fp8", 32768, 1024, 1),
+                                   ("wo_a fp8", 8192, 4096, 8), ("wo_b fp8", 4096, 8192, 1),
+                                   ("shared_w2 fp8", 4096, 2048, 1), ("idx_wq_b fp8", 4096, 1024, 1)]:
+            w, sc = fp8(O, K)
+            x, y = bf16(groups * K), cp.empty(O, cp.uint16)
+            for v in variants(DK.gemv_default_variant(True, K), DK.GEMV_VARIANTS[True]):
+                label, kw = rt(v, True, K)
+                cases.append((f"gemv_fp8 {name} [{O}x{K}]{label}", O * K,
+                              lambda w=w, sc=sc, x=x, y=y, g=groups, kw=kw:
+                              DK.gemv_bf16(w, x, y, groups=g, scale=sc, **kw)))
+        # the attention-side group of [*, 4096] projections of xn in one launch
+        shapes = [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]
+        xm, pos = bf16(4096), cp.zeros(1, cp.int32)
+        for form in ("bf16", "fp8"):
+            segs = [(bf16(o, 4096) if form == "bf16" else fp8(o, 4096),
+                     cp.empty(o, cp.float32 if f else cp.uint16)) for o, f in shapes]
+            for r in variants(4, DK.MULTI_ROWS):
+                tab = DK.GemvTable(segs, 4096, rows_per_warp=4 if r is None else r)
+                cases.append((f"gemv_bf16_multi {form} attn group [4160x4096]{tag(r, 4)}",
+                              (2 if form == "bf16" else 1) * tab.rows * 4096,
+                              lambda tab=tab: DK.gemv_bf16_multi(tab, xm, pos)))
+        xs, hs = bf16(4096), cp.empty(2048, cp.uint16)
+        for form in ("bf16", "fp8"):
+            if form == "bf16":
+                (w1, s1), (w3, s3) = (bf16(2048, 4096), None), (bf16(2048, 4096), None)
+            else:
+                (w1, s1), (w3, s3) = fp8(2048, 4096), fp8(2048, 4096)
+            for p in variants(2, DK.SWIGLU_OUTS):
+                cases.append((f"gemv_bf16_swiglu {form} shared [2x2048x4096]{tag(p, 2, 'P')}",
+                              (2 if form == "bf16" else 1) * 2 * 2048 * 4096,
+                              lambda w1=w1, w3=w3, s1=s1, s3=s3, p=p:
+                              DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3,
+                                                  outs_per_warp=2 if p is None else p)))
+    n_dense = len(cases)
     if a.dense_only:
-        return _run(cases, a, bw)
+        return _run(cases, a, bw, n_dense, EX)
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
     packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
@@ -121,16 +133,40 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
-    return _run(cases, a, bw)
+    return _run(cases, a, bw, n_dense, EX)
 
 
-def _run(cases, a, bw) -> int:
+def _run(cases, a, bw, n_dense, EX) -> int:
     from memra_dsv4.profiling.launches import record_launches, time_launches
-    print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
-    for name, nbytes, fn in cases:
-        recs = record_launches(fn, ("bench_gemv.py",))
+
+    def report(name, nbytes, recs):
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
         print(f"{name:<56s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
+
+    print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
+    for name, nbytes, fn in cases:
+        report(name, nbytes, record_launches(fn, ("bench_gemv.py",)))
+    if a.fp4_variants:
+        import dataclasses
+
+        def rebuilt(rec, look):
+            """The recorded launch with the kernel of the same name from the variant build."""
+            stem, kname = rec.kernel.split(".", 1)
+            f = look(stem, kname)
+            smem = int(rec.kwargs.get("shared_mem", 0))
+            if smem + 1024 > 48 * 1024:   # as ops.experts.gemv_fp4_down_combine sets it
+                f.max_dynamic_shared_size_bytes = max(smem, 48 * 1024 + 1)
+            return dataclasses.replace(rec, fn=f)
+
+        # "previous": the table-only decode at the old down ring depth (x staging is the new
+        # batched one); "FP4_DN_DEPTH=2" isolates the ring depth (its gate/up row repeats the
+        # default build: a noise estimate)
+        for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
+                               ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2})]:
+            look = EX.variant_kernels(defines)
+            for name, nbytes, fn in cases[n_dense:]:
+                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     return 0
 
 

@@ -188,3 +188,74 @@ def test_fused_moe_equals_unfused(fmt, case):
     assert cp.array_equal(h2, h), f"fused gate/up != unfused {describe(seed, fmt=fmt, case=case)}"
     y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
     assert cp.array_equal(y2, y), f"fused down+combine != unfused {describe(seed, fmt=fmt, case=case)}"
+
+
+def _random_stack(rng, E, O_, K_in, fmt):
+    """[E, O, K/2] nibbles (all 16 codes) and scales over a wide range: MXFP4 e8m0 100..150 with
+    some 0 (2^-127) and 255 (NaN); NVFP4 every finite e4m3 code (subnormals included), ws2 > 0."""
+    packed = rng.integers(0, 256, (E, O_, K_in // 2), dtype=np.uint8)
+    if fmt == "mxfp4":
+        sc = rng.integers(100, 151, (E, O_, K_in // 32), dtype=np.uint8)
+        sc[rng.random(sc.shape) < 1e-3] = 0
+        sc[rng.random(sc.shape) < 1e-4] = 255
+        ws2 = None
+    else:
+        sc = rng.integers(0, 0x7F, (E, O_, K_in // 16), dtype=np.uint8)
+        sc |= (rng.random(sc.shape) < 0.5).astype(np.uint8) << 7          # signed scales too
+        ws2 = cp.asarray((rng.random(E) * 2.0 ** -6 + 2.0 ** -12).astype(np.float32))
+    pg, sg = cp.asarray(packed), cp.asarray(sc)
+    return pg, sg, (K.stacked_pointer_table(pg), K.stacked_pointer_table(sg), ws2)
+
+
+def _wide_bf16(rng, shape):
+    """bf16 bits over 2^-30 .. 2^30 (|x| < 2^114, the FP4_ALU_ODD premise) with zeros, -0 and
+    bf16 subnormals mixed in."""
+    x = rand_bf16(rng, shape, 1.0, spread=30)
+    r = rng.random(shape)
+    x[r < 0.02] = 0.0
+    x[(r >= 0.02) & (r < 0.04)] = -0.0
+    x[(r >= 0.04) & (r < 0.06)] = np.float32(2.0 ** -130)              # bf16 subnormal
+    return cp.asarray(bits_of(x))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
+def test_alu_odd_decode_same_bits_as_table(fmt, case):
+    """The default build decodes the odd elements of every 8 on the ALU (f16 bit placement,
+    e2m1 * 2^-14) against x staged times 2^14 (FP4_ALU_ODD=1); the table-only build
+    (FP4_ALU_ODD=0, the previous kernels) reads every weight from the e2m1 table.  Every product,
+    hence every FMA of the chain, is the same real number, so all three FP4 GEMVs must agree bit
+    for bit (|x| < 2^114).  Cases: Flash shapes (K 4096 / 2048: KPL 4 / 2, x staged as f32);
+    wide_down (down K = 4096: h staged as bf16, the unpack path); odd (K = 288, O = 160: KPL 1,
+    partial warps)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    I, D, T, k = {"flash": (2048, 4096, 2, 6), "wide_down": (4096, 512, 2, 6), "odd": (160, 288, 3, 4)}[case]
+    E = 8
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[-1, 1] = -1                                                   # an empty pick
+    flat = cp.asarray(ids.reshape(-1).copy())
+    keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)] + [_random_stack(rng, E, D, I, fmt)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
+    x = _wide_bf16(rng, (T, D))
+    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
+    h = _wide_bf16(rng, (T * k, I))
+    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+
+    def run():
+        hh = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                               ws2_1=ws1, ws2_3=ws3)
+        y = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
+        g = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1)
+        g2 = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2)
+        return hh, y, g, g2
+
+    got = run()
+    with K.kernels_from(K.variant_kernels({"FP4_ALU_ODD": 0})):
+        want = run()
+    for name, a, b in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got, want):
+        same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
+        assert bool(same.all()), (f"{name}: FP4_ALU_ODD build != table build at "
+                                  f"{int((~same).sum())} of {a.size} {describe(seed, fmt=fmt, case=case)}")
+    # the comparison is not vacuous: finite, nonzero outputs
+    assert int(((got[0] & 0x7FFF) != 0).sum()) > got[0].size // 2, describe(seed, fmt=fmt, case=case)

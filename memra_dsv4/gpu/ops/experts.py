@@ -9,15 +9,21 @@ gemv_fp4(fmt, x, expert_ids, wptr, sptr, O, K, ...)
     reference class: pass the FP8-simulated x, quant_sim.fp8_sim(x, 128)).
 gemv_fp4_gateup(...)        fused gemv(w1), gemv(w3), moe.swiglu: the same bits, one launch
 gemv_fp4_down_combine(...)  fused gemv(w2) and moe.combine: the same bits, one launch
+
+Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
+values of its tuning macros (the arithmetic does not depend on them), and
+`with kernels_from(variant): ...` routes the wrappers above to that build.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, grid_stride_blocks, i32, kernel, null_or,
-                                        out_array, row_stride, sm_count)
+from memra_dsv4.gpu.ops._common import (check, cupy, device_id, dynamic_smem, grid_stride_blocks, i32, kernel,
+                                        null_or, out_array, row_stride, sm_count)
 
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
@@ -175,3 +181,43 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
              (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)), i32(O), i32(K)),
              shared_mem=smem)
     return out
+
+
+_VARIANTS: dict = {}   # (device, defines) -> lookup
+
+
+def variant_kernels(defines: dict):
+    """kernels_cu/experts.cu built with extra ``-D NAME=value`` tuning macros (FP4_ALU_ODD,
+    FP4_DEPTH, FP4_DN_DEPTH, ...), for tests and benchmarks: returns a ``kernel(stem, name)``
+    lookup to pass to `kernels_from`.  Not for the decode path (no disk-cache bookkeeping)."""
+    cp = cupy()
+    key = (device_id(), tuple(sorted((k, int(v)) for k, v in defines.items())))
+    hit = _VARIANTS.get(key)
+    if hit is not None:
+        return hit
+    loader = kernel_loader.get_loader(device_id())
+    with open(loader.source_path(STEM), encoding="utf-8") as fh:
+        source = fh.read()
+    options = kernel_loader.nvrtc_options(loader.kernels_dir) + tuple(
+        f"-D{k}={int(v)}" for k, v in sorted(defines.items()))
+    module = cp.RawModule(code=source, options=options, name_expressions=list(KERNELS))
+    module.compile()
+    funcs = {n: module.get_function(n) for n in KERNELS}
+
+    def lookup(stem: str, name: str):
+        assert stem == STEM, f"variant_kernels: {stem!r} is not {STEM!r}"
+        return funcs[name]
+    _VARIANTS[key] = lookup
+    return lookup
+
+
+@contextlib.contextmanager
+def kernels_from(lookup):
+    """Route this module's wrappers to ``lookup`` (a `variant_kernels` build) inside the block."""
+    global kernel
+    saved = kernel
+    kernel = lookup
+    try:
+        yield
+    finally:
+        kernel = saved
