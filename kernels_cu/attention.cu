@@ -270,7 +270,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
          int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
          int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc,                    \
          const int* __restrict__ rope_pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
-         int rope_R) {                                                                             \
+         int rope_R) { PDL_ENTRY();                                                                             \
         sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, \
                                      OutRope{rope_pos, cos_t, sin_t, rope_R});                     \
     }
@@ -315,13 +315,13 @@ extern "C" __global__ void __launch_bounds__(128)
 sparse_attn_combine_d512(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
                          const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
                          const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
-                         const float* __restrict__ sin_t, int rope_R) {
+                         const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
     sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }
 extern "C" __global__ void __launch_bounds__(32)
 sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
                          const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
                          const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
-                         const float* __restrict__ sin_t, int rope_R) {
+                         const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
     sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }
