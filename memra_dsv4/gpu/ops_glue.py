@@ -192,8 +192,11 @@ class GemmBackend:
                 raise ValueError(f"mm_batched: operand at {a.data.ptr:#x} must be contiguous "
                                  f"and 256-byte aligned")
         plan = self.lt.plan(GemmKey(m, N, K, "bf16", "bf16", "f32", batch=n))
-        plan.run_arrays(w_u16, x_u16.reshape(n, m, K), y.reshape(n, m, N),
-                        cp.cuda.get_current_stream())
+        if n == 1:   # a batch-1 key is the plain GEMM plan, whose operands are 2-D
+            plan.run_arrays(w_u16.reshape(N, K), x_u16, y, cp.cuda.get_current_stream())
+        else:
+            plan.run_arrays(w_u16, x_u16.reshape(n, m, K), y.reshape(n, m, N),
+                            cp.cuda.get_current_stream())
         return y
 
 

@@ -257,5 +257,9 @@ def test_alu_odd_decode_same_bits_as_table(fmt, case):
         same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
         assert bool(same.all()), (f"{name}: FP4_ALU_ODD build != table build at "
                                   f"{int((~same).sum())} of {a.size} {describe(seed, fmt=fmt, case=case)}")
-    # the comparison is not vacuous: finite, nonzero outputs
-    assert int(((got[0] & 0x7FFF) != 0).sum()) > got[0].size // 2, describe(seed, fmt=fmt, case=case)
+    # the comparison is not vacuous: a good share of nonzero outputs in every kernel (the wide-
+    # range x and the SwiGLU leave ~46 % of gate/up's bf16 outputs at +-0 on the H200, one of
+    # the T*k rows is the empty pick; a broken kernel writing zeros falls far below a quarter)
+    for name, a in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got):
+        nz = int(((a & 0x7FFF) != 0).sum())
+        assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, case=case)}"

@@ -212,7 +212,7 @@ def test_scores_topk_fused_bitwise(N, k, kind):
     for nv in sorted({0, 1, k - 1, k, k + 1, N, int(rng.integers(0, N + 1))}):
         nv = min(max(nv, 0), N)
         _check_fused(qg, wg, kg, cp.asarray(np.array([nv], np.int32)), k, width, offset, 128 ** -0.5 * H ** -0.5,
-                     seed, N=N, k=k, kind=kind, nv=nv)
+                     seed, N=N, topk=k, kind=kind, nv=nv)
 
 
 @pytest.mark.parametrize("H", [4, 8, 32])
