@@ -348,7 +348,7 @@ sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restric
 //     M' = max(M, m_t), L = L a + l_t b, A = A a + a_t b; o = A / (L + exp(sink - M)) -> bf16;
 //     inverse RoPE epilogue (OutRope) on the stored value.  A tile whose 32 slots are all -1 is
 //     skipped: its merge is the identity (a = 1, b = 0), so skipping changes no bit.
-// Layout: grid (T, H/HG), block 128*NHG = 4*NHG warps; warp w = 4*hgi + ds owns heads
+// Layout: grid (T, ceil(H/HG)), block 128*NHG = 4*NHG warps; warp w = 4*hgi + ds owns heads
 // h0 + 16*hgi .. +15 and dims ds*D/4 .. +D/4-1 of O (f32 accumulators in registers: D/32 n-tiles x 4).
 // The token's kv rows are gathered tile by tile (cp.async, zero-filled holes, double-buffered)
 // into rows padded to D + 8 bf16 (a row stride of 16 mod 128 bytes: the 8 row addresses of every
@@ -413,17 +413,19 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
 
     if (n_tiles > 0) mma_issue_tile<D>(smem, kv, ld_kv, idx_row, K, 0, NT);
 
-    // A fragments of Q (rows = heads h0 + g, h0 + g + 8; k = the warp's dims), straight from global
+    // A fragments of Q (rows = heads h0 + g, h0 + g + 8; k = the warp's dims), straight from global;
+    // heads >= H (H not a multiple of 16: small test models) are zero rows, computed, never stored
     u32 qa[KS][4];
     {
-        const u16* r0 = q + (t * H + h0 + g) * (i64)D + dw0 + 2 * tg;
-        const u16* r8 = r0 + 8 * D;
+        const u32 m0 = h0 + g < H ? 0xffffffffu : 0u, m8 = h0 + g + 8 < H ? 0xffffffffu : 0u;
+        const u16* r0 = q + (t * H + min(h0 + g, H - 1)) * (i64)D + dw0 + 2 * tg;  // clamped: in bounds
+        const u16* r8 = q + (t * H + min(h0 + g + 8, H - 1)) * (i64)D + dw0 + 2 * tg;
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
-            qa[s][0] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s));
-            qa[s][1] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s));
-            qa[s][2] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s + 8));
-            qa[s][3] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s + 8));
+            qa[s][0] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s)) & m0;
+            qa[s][1] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s)) & m8;
+            qa[s][2] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s + 8)) & m0;
+            qa[s][3] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s + 8)) & m8;
         }
     }
 
@@ -559,14 +561,15 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int h = h0 + g + 8 * r;
-        const float den = __fadd_rn(Ls[r], expf(__fsub_rn(__ldg(sink + h), M[r])));
+        const bool h_ok = h < H;  // rows past H: computed on zeros, not stored
+        const float den = __fadd_rn(Ls[r], expf(__fsub_rn(__ldg(sink + (h_ok ? h : 0)), M[r])));
         u16* orow = out + (t * H + h) * (i64)D;
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
             const int d = dw0 + 8 * n + 2 * tg;
             float o[2] = {round_bf16(__fdiv_rn(A[n][2 * r], den)), round_bf16(__fdiv_rn(A[n][2 * r + 1], den))};
             out_rope<2>(o, d, D, t, orope);
-            *reinterpret_cast<u32*>(orow + d) = pack_bf16x2(o[0], o[1]);
+            if (h_ok) *reinterpret_cast<u32*>(orow + d) = pack_bf16x2(o[0], o[1]);
         }
     }
 }
@@ -575,9 +578,11 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
 
 // Arguments as the SIMT kernels' fused path (no workspace): q [T, H, D] bf16, kv [N, ld_kv] bf16,
 // idx [T, K] int32, sink [H] f32 -> out [T, H, D] bf16; rope_pos null: no inverse RoPE.
-// grid (T, H/HG), block 128*NHG, dynamic smem 2*32*(D+8)*2 + NHG*8192 bytes.
-#define SPARSE_ATTN_MMA(NAME, D, NHG)                                                              \
-    extern "C" __global__ void __launch_bounds__(128 * NHG)                                        \
+// grid (T, ceil(H/HG)), block 128*NHG, dynamic smem 2*32*(D+8)*2 + NHG*8192 bytes.
+// LB: the launch bounds, parenthesised (d512 hg16: 3 CTAs per SM, as 3 x 73 KiB of smem fit, so
+// <= 168 registers; hg32 asks for nothing more: a minimum of 1 or 2 CTAs makes ptxas spill).
+#define SPARSE_ATTN_MMA(NAME, D, NHG, LB)                                                          \
+    extern "C" __global__ void __launch_bounds__ LB                                                \
     NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
          int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
          int probs_bf16, const int* __restrict__ rope_pos, const float* __restrict__ cos_t,        \
@@ -587,6 +592,6 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
                                      OutRope{rope_pos, cos_t, sin_t, rope_R});                     \
     }
 
-SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg16, 512, 1)
-SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg32, 512, 2)
-SPARSE_ATTN_MMA(sparse_attn_mma_d128_hg16, 128, 1)
+SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg16, 512, 1, (128, 3))
+SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg32, 512, 2, (256))
+SPARSE_ATTN_MMA(sparse_attn_mma_d128_hg16, 128, 1, (128))

@@ -14,8 +14,9 @@ sparse_attention_mma(q, kv, idx, sink, scale, probs_bf16=False, heads_per_cta=16
     enters P.V as bf16(p) + bf16(p - bf16(p)) (within 2^-16 of p).  So it is NOT bit-identical
     to sparse_attention (both are within the twin's bf16-class bound), but it is deterministic
     and a token's output does not depend on the other tokens of the launch.
-    mma_supported(T, H, D) says whether a launch qualifies (D in {128, 512}, H a multiple of 16)
-    and is worth it (T >= MMA_MIN_T): the chunk routine's selector.
+    mma_supported(T, H, D) says whether a launch qualifies (D in {128, 512}; any H: heads past
+    the last multiple of 16 are zero rows in the MMA, not stored) and is worth it
+    (T >= MMA_MIN_T): the chunk routine's selector.
 """
 
 from __future__ import annotations
@@ -129,9 +130,8 @@ _MMA_VARIANTS = {(512, 16): 128, (512, 32): 256, (128, 16): 128}
 
 
 def mma_supported(T: int, H: int, D: int, heads_per_cta: int = 16) -> bool:
-    """True when sparse_attention_mma handles (H, D) with heads_per_cta and T >= MMA_MIN_T."""
-    return (int(T) >= MMA_MIN_T and (int(D), int(heads_per_cta)) in _MMA_VARIANTS
-            and int(H) % int(heads_per_cta) == 0)
+    """True when sparse_attention_mma handles D with heads_per_cta, H >= 1 and T >= MMA_MIN_T."""
+    return int(T) >= MMA_MIN_T and int(H) >= 1 and (int(D), int(heads_per_cta)) in _MMA_VARIANTS
 
 
 def mma_smem_bytes(D: int, heads_per_cta: int) -> int:
@@ -144,15 +144,14 @@ def sparse_attention_mma(q, kv, idx, sink, scale: float, out=None, *, probs_bf16
                          inverse_rope=None, heads_per_cta: int = 16):
     """As sparse_attention (n_split = 1) with the dots on tensor cores: q [T, H, D] bf16 (C-contiguous),
     kv [N, D] bf16 rows (last axis contiguous, 16-byte aligned rows), idx [T, K] int32 (-1 = skip),
-    sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}; H a multiple of heads_per_cta
-    (16; D = 512 also 32).  inverse_rope as sparse_attention.  Any T (MMA_MIN_T is the chunk
+    sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}; heads_per_cta 16 (D = 512 also 32); any H
+    (the last CTA's heads >= H are computed as zero rows and not stored).  inverse_rope as sparse_attention.  Any T (MMA_MIN_T is the chunk
     routine's choice, not a limit)."""
     check(q, "sparse_attention_mma.q", np.uint16)
     assert q.ndim == 3, f"sparse_attention_mma.q: expected [T, H, D], got {q.shape}"
     T, H, D = q.shape
     hpc = int(heads_per_cta)
     assert (D, hpc) in _MMA_VARIANTS, f"sparse_attention_mma: (D, heads_per_cta) = {(D, hpc)} unsupported"
-    assert H % hpc == 0, f"sparse_attention_mma: H = {H} must be a multiple of {hpc}"
     check(kv, "sparse_attention_mma.kv", np.uint16, rows_strided=True)
     assert kv.shape[1] == D, f"sparse_attention_mma.kv: row width {kv.shape[1]} != {D}"
     assert row_stride(kv) % 8 == 0 and kv.data.ptr % 16 == 0, \
@@ -176,7 +175,7 @@ def sparse_attention_mma(q, kv, idx, sink, scale: float, out=None, *, probs_bf16
         rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
     k = kernel(STEM, f"sparse_attn_mma_d{D}_hg{hpc}")
     smem = dynamic_smem(k, mma_smem_bytes(D, hpc))
-    k((T, H // hpc, 1), (_MMA_VARIANTS[(D, hpc)],),
+    k((T, (H + hpc - 1) // hpc, 1), (_MMA_VARIANTS[(D, hpc)],),
       (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
        i32(int(probs_bf16))) + rope_args, shared_mem=smem)
     return out
