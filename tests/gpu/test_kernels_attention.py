@@ -204,7 +204,7 @@ def test_sparse_attention_mma(case, probs_bf16):
     pol = POLICIES["reference" if probs_bf16 else "bf16"]
     want = O.sparse_attention_with_sinks(q, kv, idx, sink, scale, pol=pol)
     qg, kvg, ig, sg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(idx), cp.asarray(sink)
-    got = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16)
+    got = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=16)
     gotf = _f32(got)
     assert np.all(gotf[2] == 0), f"fully masked token not 0 {describe(seed, case=case)}"
     bound = _bound(q, kv, idx, sink, scale, want, probs_bf16, MMA_LOGIT_TERMS, MMA_PV_REL)
@@ -217,10 +217,11 @@ def test_sparse_attention_mma(case, probs_bf16):
     print(f"\n{case} probs_bf16={probs_bf16}: rel L2 vs twin {r_twin:.2e}, vs SIMT {r_simt:.2e}, "
           f"SIMT vs twin {_rel_l2(simt, want):.2e}")
     # deterministic, and a token's bits do not depend on the launch's other tokens or on heads per CTA
-    again = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16)
+    again = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=16)
     assert cp.array_equal(again, got), f"two launches differ {describe(seed, case=case)}"
     t = c["T"] - 1
-    one = K.sparse_attention_mma(qg[t:t + 1].copy(), kvg, ig[t:t + 1].copy(), sg, scale, probs_bf16=probs_bf16)
+    one = K.sparse_attention_mma(qg[t:t + 1].copy(), kvg, ig[t:t + 1].copy(), sg, scale, probs_bf16=probs_bf16,
+                                 heads_per_cta=16)
     assert cp.array_equal(one[0], got[t]), f"token alone != in batch {describe(seed, case=case)}"
     if K.mma_supported(K.MMA_MIN_T, c["H"], c["D"], heads_per_cta=32):
         g32 = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=32)

@@ -127,11 +127,24 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
 MMA_MIN_T = 64
 # (D, heads per CTA) -> threads; each warp owns 16 heads x D/4 dims of the output
 _MMA_VARIANTS = {(512, 16): 128, (512, 32): 256, (128, 16): 128}
+# Heads per CTA when the caller does not say (D = 512; D = 128 has 16 only).  16: 4 warps, 3 CTAs
+# per SM; 32: 8 warps, 1 CTA per SM, but each token's kv rows are gathered H/32 instead of H/16
+# times (L2 traffic halved).  tools/bench_prefill_attention.py times both; the outputs are
+# bit-identical, so this is a pure speed choice.
+MMA_HEADS_PER_CTA = 16
 
 
-def mma_supported(T: int, H: int, D: int, heads_per_cta: int = 16) -> bool:
-    """True when sparse_attention_mma handles D with heads_per_cta, H >= 1 and T >= MMA_MIN_T."""
-    return int(T) >= MMA_MIN_T and int(H) >= 1 and (int(D), int(heads_per_cta)) in _MMA_VARIANTS
+def _heads_per_cta(D: int, heads_per_cta: int | None) -> int:
+    if heads_per_cta is not None:
+        return int(heads_per_cta)
+    return MMA_HEADS_PER_CTA if (int(D), MMA_HEADS_PER_CTA) in _MMA_VARIANTS else 16
+
+
+def mma_supported(T: int, H: int, D: int, heads_per_cta: int | None = None) -> bool:
+    """True when sparse_attention_mma handles D with heads_per_cta (None: the default), H >= 1
+    and T >= MMA_MIN_T."""
+    return (int(T) >= MMA_MIN_T and int(H) >= 1
+            and (int(D), _heads_per_cta(D, heads_per_cta)) in _MMA_VARIANTS)
 
 
 def mma_smem_bytes(D: int, heads_per_cta: int) -> int:
@@ -141,16 +154,17 @@ def mma_smem_bytes(D: int, heads_per_cta: int) -> int:
 
 
 def sparse_attention_mma(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
-                         inverse_rope=None, heads_per_cta: int = 16):
+                         inverse_rope=None, heads_per_cta: int | None = None):
     """As sparse_attention (n_split = 1) with the dots on tensor cores: q [T, H, D] bf16 (C-contiguous),
     kv [N, D] bf16 rows (last axis contiguous, 16-byte aligned rows), idx [T, K] int32 (-1 = skip),
-    sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}; heads_per_cta 16 (D = 512 also 32); any H
+    sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}; heads_per_cta 16 (D = 512 also 32;
+    None: MMA_HEADS_PER_CTA where D allows it, else 16); any H
     (the last CTA's heads >= H are computed as zero rows and not stored).  inverse_rope as sparse_attention.  Any T (MMA_MIN_T is the chunk
     routine's choice, not a limit)."""
     check(q, "sparse_attention_mma.q", np.uint16)
     assert q.ndim == 3, f"sparse_attention_mma.q: expected [T, H, D], got {q.shape}"
     T, H, D = q.shape
-    hpc = int(heads_per_cta)
+    hpc = _heads_per_cta(D, heads_per_cta)
     assert (D, hpc) in _MMA_VARIANTS, f"sparse_attention_mma: (D, heads_per_cta) = {(D, hpc)} unsupported"
     check(kv, "sparse_attention_mma.kv", np.uint16, rows_strided=True)
     assert kv.shape[1] == D, f"sparse_attention_mma.kv: row width {kv.shape[1]} != {D}"
