@@ -271,3 +271,39 @@ def test_sparse_attention_mma_kv_cache_view_and_all_padding():
     got = K.sparse_attention_mma(cp.asarray(bits_of(q)), wg[5:5 + N, :D], cp.asarray(idx), cp.asarray(sink), scale)
     assert_within(_f32(got), want, _bound(q, kv, idx, sink, scale, want, False, MMA_LOGIT_TERMS, MMA_PV_REL),
                   "mma attention on a cache view", seed)
+
+
+def test_chunk_routine_uses_mma_from_min_t(monkeypatch):
+    """ChunkBlock.attention takes the tensor-core kernel for chunks of >= MMA_MIN_T tokens (tiny
+    model: H = 4, D = 128, one partial 16-head group) and the SIMT kernel below.  The two prefills'
+    logits agree within the bf16 class up to a near-tie router / top-k flip (rel L2 <= 0.5, the
+    FLIP_REL of test_decode_gpu; a wrong attention moves them by O(1)); the oracle comparison of
+    the MMA path is tests/gpu/test_prefill_gpu.py's long-prompt cases (300 and 140 tokens)."""
+    from memra_dsv4.checkpoint import Checkpoint
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.synth import synth_arrays
+
+    cfg = preset("tiny")
+    m = Dsv4Gpu.load(Checkpoint.from_arrays(cfg, synth_arrays(cfg, seed=0)), devices=(0,))
+    calls = []
+    real = K.sparse_attention_mma
+
+    def counting(*a, **kw):
+        calls.append(int(a[0].shape[0]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "sparse_attention_mma", counting)
+    ids = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, K.MMA_MIN_T).tolist()
+    m.forward(ids[:K.MMA_MIN_T - 1])
+    assert calls == [], f"MMA kernel used below MMA_MIN_T: {calls}"
+    a = m.forward(ids).logits
+    assert calls and set(calls) == {K.MMA_MIN_T}, f"MMA kernel not used at T = MMA_MIN_T: {calls}"
+    monkeypatch.setattr(K, "MMA_MIN_T", 10 ** 9)
+    n = len(calls)
+    b = m.forward(ids).logits
+    assert len(calls) == n
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    print(f"\ntiny prefill({K.MMA_MIN_T}) logits, MMA vs SIMT attention: rel L2 {rel:.2e}")
+    assert rel <= 0.5, f"MMA vs SIMT prefill logits rel L2 {rel:.2e}: not a near-tie flip"
