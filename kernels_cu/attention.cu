@@ -325,3 +325,273 @@ sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restric
                          const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
     sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }
+
+// ---------------------------------------------------------------------------------------------
+// sparse_attn_mma_d{D}_hg{16*NHG}: the prefill form of the same attention, with the two products
+// on tensor cores (mma.sync.m16n8k16 bf16 x bf16 -> f32, fragments from shared memory with
+// ldmatrix).  Same candidate tiles (32), same per-tile statistics and the same tile-order merge
+// as the SIMT kernel above; what differs is only the f32 accumulation order of the dots, and P's
+// representation in P.V:
+//   * S = Q.K^T: q and kv are bf16 values, so every product is exact in f32; the 128-dim slice of
+//     warp w accumulates in the MMA's order (8 chained k-steps of 16), and the four slices'
+//     partials are added in the fixed order ((w0 + w1) + w2) + w3.  bf16 class: not the SIMT
+//     kernel's bits (its order is per-lane FMA chains + a butterfly), but a fixed order that
+//     depends only on the token's own row: prefill rows of one launch == the same token alone.
+//   * m_t, p_j = exp(s_j - m_t), l_t exactly as the SIMT kernel writes them (f32, masked slots
+//     -inf / 0); l_t = per-thread sum of its 8 columns, then a quad butterfly (fixed order).
+//   * P.V in the bf16 class (P kept f32): P = P_hi + P_lo with P_hi = bf16(p), P_lo = bf16(p - P_hi)
+//     (p - P_hi is exact), two MMAs on the same V fragment.  |p - P_hi - P_lo| <= 2^-16 p, the
+//     products are exact, so a_t is f32 P.V up to 2^-16 relative (plus the f32 accumulation).
+//     Reference class (probs_bf16 = 1): P_hi only = bf16(p) relative to the tile max, as the
+//     SIMT kernel's cast.
+//   * a_t of each tile is accumulated from zero and merged into A with the SIMT kernel's
+//     M' = max(M, m_t), L = L a + l_t b, A = A a + a_t b; o = A / (L + exp(sink - M)) -> bf16;
+//     inverse RoPE epilogue (OutRope) on the stored value.  A tile whose 32 slots are all -1 is
+//     skipped: its merge is the identity (a = 1, b = 0), so skipping changes no bit.
+// Layout: grid (T, ceil(H/HG)), block 128*NHG = 4*NHG warps; warp w = 4*hgi + ds owns heads
+// h0 + 16*hgi .. +15 and dims ds*D/4 .. +D/4-1 of O (f32 accumulators in registers: D/32 n-tiles x 4).
+// The token's kv rows are gathered tile by tile (cp.async, zero-filled holes, double-buffered)
+// into rows padded to D + 8 bf16 (a row stride of 16 mod 128 bytes: the 8 row addresses of every
+// ldmatrix phase hit distinct banks).  Q fragments (16 heads x D/4 dims) stay in registers for
+// the whole launch.  The S partials go through shared memory laid out [hgi][ds][n-tile][lane][4]
+// (16-byte lane-contiguous stores / loads: conflict-free); thanks to the m16n8 accumulator layout
+// == the m16k16 A-operand layout, every thread re-reads exactly the S entries it needs for its P
+// fragments.  Dynamic smem: 2*32*(D+8)*2 + NHG*4*16*32*4 bytes (D = 512, NHG = 1: 74752).
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+DEV void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i
+DEV void ldsm_x4(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+DEV void ldsm_x4_trans(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+template <int D>
+DEV void mma_issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
+                        int K, int tile, int nt) {
+    constexpr int CPR = D / 8, LDS = D + 8;  // 16-byte chunks per row, padded smem row
+    for (int c = threadIdx.x; c < TJ * CPR; c += nt) {
+        const int r = c / CPR, cc = c % CPR;
+        const int j = tile * TJ + r;
+        const int id = j < K ? __ldg(idx_row + j) : -1;
+        const u16* src = id >= 0 ? kv + (i64)id * ld_kv + 8 * cc : kv;
+        cp_async16(buf + r * LDS + 8 * cc, src, id >= 0);
+    }
+    cp_async_commit();
+}
+
+template <int D, int NHG>
+DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
+                              const int* __restrict__ idx, int K, const float* __restrict__ sink, float scale,
+                              u16* __restrict__ out, int H, int probs_bf16, OutRope orope) {
+    constexpr int NT = 128 * NHG, HG = 16 * NHG, LDS = D + 8;
+    constexpr int DW = D / 4;      // O dims per warp
+    constexpr int KS = DW / 16;    // k-steps of the warp's S partial
+    constexpr int ND = DW / 8;     // n-tiles of the warp's O slice
+    static_assert(KS % 2 == 0 && ND >= 1, "D must be a multiple of 128");
+    extern __shared__ __align__(16) u16 smem[];
+    float* sx = reinterpret_cast<float*>(smem + 2 * TJ * LDS);  // [NHG][4 ds][4 n-tiles][32 lanes][4]
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+    const int hgi = wid >> 2, ds = wid & 3;
+    const i64 t = blockIdx.x;
+    const int h0 = blockIdx.y * HG + 16 * hgi;  // this warp's 16 heads
+    const int dw0 = ds * DW;                     // this warp's dims
+    const int n_tiles = (K + TJ - 1) / TJ;
+    const int* idx_row = idx + t * K;
+
+    if (n_tiles > 0) mma_issue_tile<D>(smem, kv, ld_kv, idx_row, K, 0, NT);
+
+    // A fragments of Q (rows = heads h0 + g, h0 + g + 8; k = the warp's dims), straight from global;
+    // heads >= H (H not a multiple of 16: small test models) are zero rows, computed, never stored
+    u32 qa[KS][4];
+    {
+        const u32 m0 = h0 + g < H ? 0xffffffffu : 0u, m8 = h0 + g + 8 < H ? 0xffffffffu : 0u;
+        const u16* r0 = q + (t * H + min(h0 + g, H - 1)) * (i64)D + dw0 + 2 * tg;  // clamped: in bounds
+        const u16* r8 = q + (t * H + min(h0 + g + 8, H - 1)) * (i64)D + dw0 + 2 * tg;
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            qa[s][0] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s)) & m0;
+            qa[s][1] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s)) & m8;
+            qa[s][2] = __ldg(reinterpret_cast<const u32*>(r0 + 16 * s + 8)) & m0;
+            qa[s][3] = __ldg(reinterpret_cast<const u32*>(r8 + 16 * s + 8)) & m8;
+        }
+    }
+
+    // running state of rows g (index 0) and g + 8 (index 1); A[n][0..1] row g, A[n][2..3] row g + 8
+    float M[2] = {f32_ninf(), f32_ninf()}, Ls[2] = {0.0f, 0.0f};
+    float A[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) A[n][0] = A[n][1] = A[n][2] = A[n][3] = 0.0f;
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const u16* buf = smem + (tile & 1) * (TJ * LDS);
+        if (tile + 1 < n_tiles) {
+            mma_issue_tile<D>(smem + ((tile + 1) & 1) * (TJ * LDS), kv, ld_kv, idx_row, K, tile + 1, NT);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        // bit j: slot tile*32 + j holds a candidate (the same word in every warp: CTA-uniform)
+        const int jl = tile * TJ + lane;
+        const u32 vmask = __ballot_sync(0xffffffffu, jl < K && __ldg(idx_row + jl) >= 0);
+        if (vmask != 0u) {
+            // ---- S partial over the warp's dims: 4 n-tiles (8 candidates) x KS k-steps
+            float sp[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                sp[j][0] = sp[j][1] = sp[j][2] = sp[j][3] = 0.0f;
+                // matrix i of an x4: candidates 8j..8j+7, dims dw0 + 32*s2 + 8i (k-steps 2*s2, 2*s2+1)
+                const u16* kr = buf + (8 * j + (lane & 7)) * LDS + dw0 + 8 * (lane >> 3);
+#pragma unroll
+                for (int s2 = 0; s2 < KS / 2; ++s2) {
+                    u32 b[4];
+                    ldsm_x4(b, kr + 32 * s2);
+                    mma_bf16_16816(sp[j], qa[2 * s2], b[0], b[1]);
+                    mma_bf16_16816(sp[j], qa[2 * s2 + 1], b[2], b[3]);
+                }
+            }
+            float* sx_me = sx + (hgi * 4 + ds) * (4 * 32 * 4) + lane * 4;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                *reinterpret_cast<float4*>(sx_me + j * 128) = make_float4(sp[j][0], sp[j][1], sp[j][2], sp[j][3]);
+            __syncthreads();
+            // ---- full logits in the fixed slice order, scale, mask
+            const float* sx_hg = sx + hgi * (4 * 4 * 32 * 4) + lane * 4;
+            float sv[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 v = *reinterpret_cast<const float4*>(sx_hg + j * 128);
+                float a0 = v.x, a1 = v.y, a2 = v.z, a3 = v.w;
+#pragma unroll
+                for (int d2 = 1; d2 < 4; ++d2) {
+                    v = *reinterpret_cast<const float4*>(sx_hg + d2 * 512 + j * 128);
+                    a0 = __fadd_rn(a0, v.x); a1 = __fadd_rn(a1, v.y);
+                    a2 = __fadd_rn(a2, v.z); a3 = __fadd_rn(a3, v.w);
+                }
+                const bool v0 = (vmask >> (8 * j + 2 * tg)) & 1u, v1 = (vmask >> (8 * j + 2 * tg + 1)) & 1u;
+                sv[j][0] = v0 ? __fmul_rn(a0, scale) : f32_ninf();
+                sv[j][1] = v1 ? __fmul_rn(a1, scale) : f32_ninf();
+                sv[j][2] = v0 ? __fmul_rn(a2, scale) : f32_ninf();
+                sv[j][3] = v1 ? __fmul_rn(a3, scale) : f32_ninf();
+            }
+            // ---- tile statistics of rows g / g + 8: the quad (tg = 0..3) holds the row's 32 slots
+            float mt[2], lt[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = sv[0][2 * r];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) m = fmaxf(m, fmaxf(sv[j][2 * r], sv[j][2 * r + 1]));
+                mt[r] = group_max<4>(m);
+            }
+            float pj[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // a -inf slot is masked (mt is then finite)
+                    pj[j][e] = sv[j][e] == f32_ninf() ? 0.0f : expf(__fsub_rn(sv[j][e], mt[e >> 1]));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float l = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) l = __fadd_rn(__fadd_rn(l, pj[j][2 * r]), pj[j][2 * r + 1]);
+                lt[r] = group_sum<4>(l);
+            }
+            // ---- P fragments (A operand, k = candidates): k-step s = n-tiles 2s, 2s+1 of S
+            u32 ph[2][4], pl[2][4];
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {      // a0/a1: n-tile 2s; a2/a3: n-tile 2s+1
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {     // rows g / g + 8
+                        const float x0 = pj[2 * s + hh][2 * r], x1 = pj[2 * s + hh][2 * r + 1];
+                        const float h0v = round_bf16(x0), h1v = round_bf16(x1);
+                        ph[s][2 * hh + r] = pack_bf16x2(h0v, h1v);
+                        pl[s][2 * hh + r] = pack_bf16x2(__fsub_rn(x0, h0v), __fsub_rn(x1, h1v));
+                    }
+                }
+            }
+            // ---- merge weights (the SIMT kernel's sequence)
+            float ma[2], mb[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float Mn = fmaxf(M[r], mt[r]);
+                ma[r] = merge_scale(M[r], Mn);
+                mb[r] = merge_scale(mt[r], Mn);
+                Ls[r] = __fadd_rn(__fmul_rn(Ls[r], ma[r]), __fmul_rn(lt[r], mb[r]));
+                M[r] = Mn;
+            }
+            // ---- a_t = P.V per 8-dim n-tile (from zero), then A = A a + a_t b
+            // x4.trans, lane = candidate row: matrices = candidates 0-7, 8-15, 16-23, 24-31 at
+            // dims dw0 + 8n..: (b0, b1) of k-step 0, then of k-step 1
+            const u16* vr = buf + lane * LDS + dw0;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                u32 b[4];
+                ldsm_x4_trans(b, vr + 8 * n);
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (!probs_bf16) {
+                    mma_bf16_16816(c, pl[0], b[0], b[1]);
+                    mma_bf16_16816(c, pl[1], b[2], b[3]);
+                }
+                mma_bf16_16816(c, ph[0], b[0], b[1]);
+                mma_bf16_16816(c, ph[1], b[2], b[3]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    A[n][e] = __fadd_rn(__fmul_rn(A[n][e], ma[e >> 1]), __fmul_rn(c[e], mb[e >> 1]));
+            }
+        }
+        __syncthreads();  // every warp is done with buf and sx before they are refilled
+    }
+
+    // ---- o = A / (L + exp(sink - M)) -> bf16, inverse RoPE, store (u32 = 2 dims per row)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int h = h0 + g + 8 * r;
+        const bool h_ok = h < H;  // rows past H: computed on zeros, not stored
+        const float den = __fadd_rn(Ls[r], expf(__fsub_rn(__ldg(sink + (h_ok ? h : 0)), M[r])));
+        u16* orow = out + (t * H + h) * (i64)D;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int d = dw0 + 8 * n + 2 * tg;
+            float o[2] = {round_bf16(__fdiv_rn(A[n][2 * r], den)), round_bf16(__fdiv_rn(A[n][2 * r + 1], den))};
+            out_rope<2>(o, d, D, t, orope);
+            if (h_ok) *reinterpret_cast<u32*>(orow + d) = pack_bf16x2(o[0], o[1]);
+        }
+    }
+}
+
+}  // namespace
+
+// Arguments as the SIMT kernels' fused path (no workspace): q [T, H, D] bf16, kv [N, ld_kv] bf16,
+// idx [T, K] int32, sink [H] f32 -> out [T, H, D] bf16; rope_pos null: no inverse RoPE.
+// grid (T, ceil(H/HG)), block 128*NHG, dynamic smem 2*32*(D+8)*2 + NHG*8192 bytes.
+// LB: the launch bounds, parenthesised (d512 hg16: 3 CTAs per SM, as 3 x 73 KiB of smem fit, so
+// <= 168 registers; hg32 asks for nothing more: a minimum of 1 or 2 CTAs makes ptxas spill).
+#define SPARSE_ATTN_MMA(NAME, D, NHG, LB)                                                          \
+    extern "C" __global__ void __launch_bounds__ LB                                                \
+    NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
+         int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
+         int probs_bf16, const int* __restrict__ rope_pos, const float* __restrict__ cos_t,        \
+         const float* __restrict__ sin_t, int rope_R) {                                            \
+        PDL_ENTRY();                                                                               \
+        sparse_attn_mma_body<D, NHG>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16,        \
+                                     OutRope{rope_pos, cos_t, sin_t, rope_R});                     \
+    }
+
+SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg16, 512, 1, (128, 3))
+SPARSE_ATTN_MMA(sparse_attn_mma_d512_hg32, 512, 2, (256))
+SPARSE_ATTN_MMA(sparse_attn_mma_d128_hg16, 128, 1, (128))

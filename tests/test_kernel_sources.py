@@ -332,6 +332,11 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                                             probs_bf16=True, n_split=n_split)
             M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, n_split=n_split,
                                             inverse_rope=(i32(2), f32(9, 32), f32(9, 32)))
+    for H, D, hpc in ((64, 512, 16), (64, 512, 32), (16, 128, 16)):
+        M["attention"].sparse_attention_mma(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, probs_bf16=True,
+                                            heads_per_cta=hpc)
+        M["attention"].sparse_attention_mma(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, heads_per_cta=hpc,
+                                            inverse_rope=(i32(2), f32(9, 32), f32(9, 32)))
     lg = M["router"].logits(u16(2, 64), u16(8, 64))
     M["router"].select(lg, 2, 1.5, bias=f32(8))
     M["router"].select(f32(3, 256), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(3))

@@ -204,10 +204,15 @@ class ChunkBlock:
                 cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
         cand = G.candidates(cp.asarray(win), comp_sel, offset)
         with phase(f"{self.ph}/attn/sparse_attention"):
-            ob = AT.sparse_attention(qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
-                                     cp.ascontiguousarray(cand, dtype=cp.int32),
-                                     cp.ascontiguousarray(b.w("attn.attn_sink"), dtype=cp.float32),
-                                     hd ** -0.5, n_split=None, inverse_rope=(ridx, cos, sin))
+            # long chunks: the tensor-core kernel (another fixed f32 dot order, same bf16-class
+            # bound); short ones (verify drafts) keep the SIMT kernel of the device step
+            sa_args = (qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
+                       cp.ascontiguousarray(cand, dtype=cp.int32),
+                       cp.ascontiguousarray(b.w("attn.attn_sink"), dtype=cp.float32), hd ** -0.5)
+            if AT.mma_supported(S, H, hd):
+                ob = AT.sparse_attention_mma(*sa_args, inverse_rope=(ridx, cos, sin))
+            else:
+                ob = AT.sparse_attention(*sa_args, n_split=None, inverse_rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/output"):
             Gn = cfg.o_groups
             og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are

@@ -11,6 +11,21 @@ Bitwise properties: fused (n_split = 1) == split (any n_split) == auto; a token 
 same token in a batch (decode == prefill).
 Cases: Flash (H = 64, D = 512, window 128 as ring slots + 512 selected entries, decode offsets,
 -1 padding, window wrap) and tiny (H = 4, D = 128, K = 10, not a multiple of the 32-tile).
+
+The tensor-core prefill kernel (sparse_attention_mma) is checked with the same bound, with
+LOGIT_TERMS -> MMA_LOGIT_TERMS = 320: a logit is 8 chained mma.sync k-steps per 128-dim slice,
+each adding 16 exact products to the accumulator; taking the worst case of a tensor core that
+aligns the 17 addends to the largest and truncates each (<= 1 ulp = 2 units of 2^-24 of a
+magnitude <= sum |q kv| per addend) gives 8 * 17 * 2 = 272 units, + 3 slice adds + the scale,
+rounded up to 320 (still 7x below one bf16 ulp of the output at D = 512: the O(1) errors of a
+layout bug stay far outside).  PV_REL -> MMA_PV_REL = 2^-15: P = bf16(p) + bf16(p - bf16(p)) is
+within 2^-16 p; 4 chained MMAs per tile (68 units of 2^-23 relative to sum p |v|, the same
+worst case) ~ 2^-16.9; the merges ~2^-18 over 20 tiles.  Also: relative L2 against the twin's
+stored output (bf16 class <= 1e-3: the CPU replay of the kernel's arithmetic,
+tests/test_attention_mma_layout.py, measures ~7e-5 at D = 512, K = 640; reference class <= 4e-3:
+~1.7e-3, the tile-max P cast, the same convention as the SIMT kernel) and against the SIMT kernel
+(<= 1e-3); bitwise: heads_per_cta 16 == 32, a token alone == in a batch, the fused inverse-RoPE
+epilogue == a separate rope.rope(inverse=True).
 """
 
 from __future__ import annotations
@@ -56,7 +71,7 @@ def _case(rng, T, H, D, W, topk, n_comp, decode: bool):
     return q, kv, idx, sink
 
 
-def _bound(q, kv, idx, sink, scale, want, probs_bf16):
+def _bound(q, kv, idx, sink, scale, want, probs_bf16, logit_terms=LOGIT_TERMS, pv_rel=PV_REL):
     q64, kv64 = q.astype(np.float64), kv.astype(np.float64)
     T, H, D = q.shape
     out = np.empty(want.shape, np.float64)
@@ -68,8 +83,8 @@ def _bound(q, kv, idx, sink, scale, want, probs_bf16):
         p = np.exp(s - m[:, None])
         den = p.sum(-1) + np.exp(sink - m)
         A = (p @ np.abs(g)) / den[:, None]
-        Es = scale * LOGIT_TERMS * 2.0 ** -24 * (np.abs(q64[t]) @ np.abs(g).T).max(axis=-1)
-        out[t] = (2 * Es[:, None] + PV_REL + (P_BF16_REL if probs_bf16 else 0.0)) * A
+        Es = scale * logit_terms * 2.0 ** -24 * (np.abs(q64[t]) @ np.abs(g).T).max(axis=-1)
+        out[t] = (2 * Es[:, None] + pv_rel + (P_BF16_REL if probs_bf16 else 0.0)) * A
     return out + 2 * ulp_bf16(want)
 
 
@@ -148,3 +163,150 @@ def test_sparse_attention_inverse_rope_epilogue(case, n_split):
     ROPE.rope(plain, pos, cg, sg_, inverse=True)
     fused = K.sparse_attention(qg, kvg, ig, skg, scale, n_split=n_split, inverse_rope=(pos, cg, sg_))
     assert cp.array_equal(fused, plain), f"inverse-rope epilogue != separate rope {describe(seed, case=case)}"
+
+
+# ------------------------------------------------------------------ tensor-core prefill kernel
+MMA_LOGIT_TERMS = 320
+MMA_PV_REL = 2.0 ** -15
+
+MMA_CASES = {
+    # K = 640 = window 128 + top-k 512 (Flash CSA); early tokens: -1 window and entry padding
+    "flash_prefill": dict(T=6, H=64, D=512, W=128, topk=512, n_comp=700, decode=False),
+    "flash_decode_layout": dict(T=5, H=64, D=512, W=128, topk=512, n_comp=1200, decode=True),
+    # many CTAs in flight (T * H/16 = 384), HCA-like K = 128 + 64 = 192
+    "flash_prefill_t96_k192": dict(T=96, H=64, D=512, W=128, topk=64, n_comp=300, decode=False),
+    # D = 128, K = 40 (a 8-slot tail tile)
+    "d128_h32": dict(T=70, H=32, D=128, W=32, topk=8, n_comp=40, decode=False),
+}
+
+
+def _mma_case(rng, c):
+    q, kv, idx, sink = _case(rng, c["T"], c["H"], c["D"], c["W"], c["topk"], c["n_comp"], c["decode"])
+    idx[2, :] = -1                  # a fully masked token: o = 0
+    idx[3, : idx.shape[1] // 2] = -1  # whole empty tiles before valid ones (skipped tiles)
+    return q, kv, idx, sink
+
+
+def _rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-300))
+
+
+def _f32(bits_gpu):
+    return (bits_gpu.get().astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("case", sorted(MMA_CASES))
+@pytest.mark.parametrize("probs_bf16", [False, True])
+def test_sparse_attention_mma(case, probs_bf16):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    c = MMA_CASES[case]
+    q, kv, idx, sink = _mma_case(rng, c)
+    scale = c["D"] ** -0.5
+    pol = POLICIES["reference" if probs_bf16 else "bf16"]
+    want = O.sparse_attention_with_sinks(q, kv, idx, sink, scale, pol=pol)
+    qg, kvg, ig, sg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(idx), cp.asarray(sink)
+    got = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=16)
+    gotf = _f32(got)
+    assert np.all(gotf[2] == 0), f"fully masked token not 0 {describe(seed, case=case)}"
+    bound = _bound(q, kv, idx, sink, scale, want, probs_bf16, MMA_LOGIT_TERMS, MMA_PV_REL)
+    assert_within(gotf, want, bound, "sparse attention (mma)", seed, case=case, probs_bf16=probs_bf16)
+    r_twin = _rel_l2(gotf, want)
+    assert r_twin <= (4e-3 if probs_bf16 else 1e-3), f"rel L2 vs twin {r_twin:.3e} {describe(seed, case=case)}"
+    simt = _f32(K.sparse_attention(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, n_split=1))
+    r_simt = _rel_l2(gotf, simt)
+    assert r_simt <= 1e-3, f"rel L2 vs the SIMT kernel {r_simt:.3e} {describe(seed, case=case)}"
+    print(f"\n{case} probs_bf16={probs_bf16}: rel L2 vs twin {r_twin:.2e}, vs SIMT {r_simt:.2e}, "
+          f"SIMT vs twin {_rel_l2(simt, want):.2e}")
+    # deterministic, and a token's bits do not depend on the launch's other tokens or on heads per CTA
+    again = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=16)
+    assert cp.array_equal(again, got), f"two launches differ {describe(seed, case=case)}"
+    t = c["T"] - 1
+    one = K.sparse_attention_mma(qg[t:t + 1].copy(), kvg, ig[t:t + 1].copy(), sg, scale, probs_bf16=probs_bf16,
+                                 heads_per_cta=16)
+    assert cp.array_equal(one[0], got[t]), f"token alone != in batch {describe(seed, case=case)}"
+    if K.mma_supported(K.MMA_MIN_T, c["H"], c["D"], heads_per_cta=32):
+        g32 = K.sparse_attention_mma(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, heads_per_cta=32)
+        assert cp.array_equal(g32, got), f"heads_per_cta 32 != 16 {describe(seed, case=case)}"
+
+
+@pytest.mark.parametrize("case", ["flash_prefill", "d128_h32"])
+def test_sparse_attention_mma_inverse_rope_epilogue(case):
+    """The fused inverse-RoPE epilogue == the MMA attention, then rope.rope(inverse=True), bit for bit."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.ops import rope as ROPE
+    from memra_dsv4.host.rope import layer_cos_sin
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    c = MMA_CASES[case]
+    q, kv, idx, sink = _mma_case(rng, c)
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(4096))
+    cg, sg_ = cp.asarray(cos), cp.asarray(sin)
+    pos = cp.asarray(rng.integers(0, 4096, c["T"]).astype(np.int32))
+    qg, kvg, ig, skg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(idx), cp.asarray(sink)
+    scale = c["D"] ** -0.5
+    plain = K.sparse_attention_mma(qg, kvg, ig, skg, scale)
+    ROPE.rope(plain, pos, cg, sg_, inverse=True)
+    fused = K.sparse_attention_mma(qg, kvg, ig, skg, scale, inverse_rope=(pos, cg, sg_))
+    assert cp.array_equal(fused, plain), f"inverse-rope epilogue != separate rope {describe(seed, case=case)}"
+
+
+def test_sparse_attention_mma_kv_cache_view_and_all_padding():
+    """kv as a row view of a larger cache (ld_kv > D); lists that are all -1 but one slot, a K
+    that is not a multiple of 32, and rows whose only candidates sit in the last (partial) tile."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, H, D, N, Kc = 4, 64, 512, 300, 150
+    q = rand_bf16(rng, (T, H, D), 1.0)
+    wide = kv_fp8_sim(rand_bf16(rng, (N + 10, D + 64), 1.0), 64)
+    kv = np.ascontiguousarray(wide[5:5 + N, :D])
+    idx = np.full((T, Kc), -1, np.int32)
+    idx[0, 37] = 3
+    idx[1, :100] = rng.integers(0, N, 100)
+    idx[2, 140:] = rng.integers(0, N, 10)
+    idx[3] = rng.integers(0, N, Kc)
+    sink = rng.standard_normal(H).astype(np.float32)
+    scale = D ** -0.5
+    want = O.sparse_attention_with_sinks(q, kv, idx, sink, scale)
+    wg = cp.asarray(bits_of(wide))
+    got = K.sparse_attention_mma(cp.asarray(bits_of(q)), wg[5:5 + N, :D], cp.asarray(idx), cp.asarray(sink), scale)
+    assert_within(_f32(got), want, _bound(q, kv, idx, sink, scale, want, False, MMA_LOGIT_TERMS, MMA_PV_REL),
+                  "mma attention on a cache view", seed)
+
+
+def test_chunk_routine_uses_mma_from_min_t(monkeypatch):
+    """ChunkBlock.attention takes the tensor-core kernel for chunks of >= MMA_MIN_T tokens (tiny
+    model: H = 4, D = 128, one partial 16-head group) and the SIMT kernel below.  The two prefills'
+    logits agree within the bf16 class up to a near-tie router / top-k flip (rel L2 <= 0.5, the
+    FLIP_REL of test_decode_gpu; a wrong attention moves them by O(1)); the oracle comparison of
+    the MMA path is tests/gpu/test_prefill_gpu.py's long-prompt cases (300 and 140 tokens)."""
+    from memra_dsv4.checkpoint import Checkpoint
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.synth import synth_arrays
+
+    cfg = preset("tiny")
+    m = Dsv4Gpu.load(Checkpoint.from_arrays(cfg, synth_arrays(cfg, seed=0)), devices=(0,))
+    calls = []
+    real = K.sparse_attention_mma
+
+    def counting(*a, **kw):
+        calls.append(int(a[0].shape[0]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(K, "sparse_attention_mma", counting)
+    ids = np.random.default_rng(fresh_seed()).integers(2, cfg.vocab_size, K.MMA_MIN_T).tolist()
+    m.forward(ids[:K.MMA_MIN_T - 1])
+    assert calls == [], f"MMA kernel used below MMA_MIN_T: {calls}"
+    a = m.forward(ids).logits
+    assert calls and set(calls) == {K.MMA_MIN_T}, f"MMA kernel not used at T = MMA_MIN_T: {calls}"
+    monkeypatch.setattr(K, "MMA_MIN_T", 10 ** 9)
+    n = len(calls)
+    b = m.forward(ids).logits
+    assert len(calls) == n
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    print(f"\ntiny prefill({K.MMA_MIN_T}) logits, MMA vs SIMT attention: rel L2 {rel:.2e}")
+    assert rel <= 0.5, f"MMA vs SIMT prefill logits rel L2 {rel:.2e}: not a near-tie flip"

@@ -6,6 +6,17 @@ sparse_attention(q, kv, idx, sink, scale, probs_bf16=False, n_split=1)
     n_split > 1 spreads each (token, head group)'s tiles over n_split CTAs and merges the
     per-tile partials in tile order with a second kernel: the same bits as n_split = 1, more
     parallelism for decode.  The workspace (f32, workspace_size() elements) may be passed in.
+
+sparse_attention_mma(q, kv, idx, sink, scale, probs_bf16=False, heads_per_cta=16)
+    The prefill form (many tokens): Q.K^T and P.V on tensor cores (mma.sync m16n8k16, bf16 ->
+    f32).  Same tiles, tile statistics, merge, sink, epilogue and numeric classes as
+    sparse_attention; the dots accumulate in another fixed f32 order, and in the bf16 class P
+    enters P.V as bf16(p) + bf16(p - bf16(p)) (within 2^-16 of p).  So it is NOT bit-identical
+    to sparse_attention (both are within the twin's bf16-class bound), but it is deterministic
+    and a token's output does not depend on the other tokens of the launch.
+    mma_supported(T, H, D) says whether a launch qualifies (D in {128, 512}; any H: heads past
+    the last multiple of 16 are zero rows in the MMA, not stored) and is worth it
+    (T >= MMA_MIN_T): the chunk routine's selector.
 """
 
 from __future__ import annotations
@@ -18,7 +29,8 @@ from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, n
 STEM = "attention"
 KERNELS = ("sparse_attn_d512_hg16", "sparse_attn_d512_hg8", "sparse_attn_d512_hg4",
            "sparse_attn_d128_hg16", "sparse_attn_d128_hg8", "sparse_attn_d128_hg4",
-           "sparse_attn_combine_d512", "sparse_attn_combine_d128")
+           "sparse_attn_combine_d512", "sparse_attn_combine_d128",
+           "sparse_attn_mma_d512_hg16", "sparse_attn_mma_d512_hg32", "sparse_attn_mma_d128_hg16")
 kernel_loader.register(STEM, KERNELS)
 
 TILE = 32
@@ -105,4 +117,79 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
        i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args, shared_mem=smem)
     kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,),
                                               (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args)
+    return out
+
+
+# ----------------------------------------------------------------------------- tensor-core form
+# Below this many tokens the chunk routine keeps the SIMT kernel (decode-sized verify chunks: the
+# MMA kernel's grid of T * H/16 CTAs is too small to matter and the SIMT path stays bit-identical
+# to the device step there).
+MMA_MIN_T = 64
+# (D, heads per CTA) -> threads; each warp owns 16 heads x D/4 dims of the output
+_MMA_VARIANTS = {(512, 16): 128, (512, 32): 256, (128, 16): 128}
+# Heads per CTA when the caller does not say (D = 512; D = 128 has 16 only).  16: 4 warps, 3 CTAs
+# per SM; 32: 8 warps, 1 CTA per SM, but each token's kv rows are gathered H/32 instead of H/16
+# times (L2 traffic halved).  tools/bench_prefill_attention.py times both; the outputs are
+# bit-identical, so this is a pure speed choice.
+MMA_HEADS_PER_CTA = 16
+
+
+def _heads_per_cta(D: int, heads_per_cta: int | None) -> int:
+    if heads_per_cta is not None:
+        return int(heads_per_cta)
+    return MMA_HEADS_PER_CTA if (int(D), MMA_HEADS_PER_CTA) in _MMA_VARIANTS else 16
+
+
+def mma_supported(T: int, H: int, D: int, heads_per_cta: int | None = None) -> bool:
+    """True when sparse_attention_mma handles D with heads_per_cta (None: the default), H >= 1
+    and T >= MMA_MIN_T."""
+    return (int(T) >= MMA_MIN_T and int(H) >= 1
+            and (int(D), _heads_per_cta(D, heads_per_cta)) in _MMA_VARIANTS)
+
+
+def mma_smem_bytes(D: int, heads_per_cta: int) -> int:
+    """Dynamic shared memory of sparse_attn_mma_*: two 32-row kv tiles padded to D + 8 bf16,
+    plus the f32 S partials (16 heads x 32 slots x 4 dim slices per 16-head group)."""
+    return 2 * TILE * (int(D) + 8) * 2 + (int(heads_per_cta) // 16) * 4 * 16 * TILE * 4
+
+
+def sparse_attention_mma(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
+                         inverse_rope=None, heads_per_cta: int | None = None):
+    """As sparse_attention (n_split = 1) with the dots on tensor cores: q [T, H, D] bf16 (C-contiguous),
+    kv [N, D] bf16 rows (last axis contiguous, 16-byte aligned rows), idx [T, K] int32 (-1 = skip),
+    sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}; heads_per_cta 16 (D = 512 also 32;
+    None: MMA_HEADS_PER_CTA where D allows it, else 16); any H
+    (the last CTA's heads >= H are computed as zero rows and not stored).  inverse_rope as sparse_attention.  Any T (MMA_MIN_T is the chunk
+    routine's choice, not a limit)."""
+    check(q, "sparse_attention_mma.q", np.uint16)
+    assert q.ndim == 3, f"sparse_attention_mma.q: expected [T, H, D], got {q.shape}"
+    T, H, D = q.shape
+    hpc = _heads_per_cta(D, heads_per_cta)
+    assert (D, hpc) in _MMA_VARIANTS, f"sparse_attention_mma: (D, heads_per_cta) = {(D, hpc)} unsupported"
+    check(kv, "sparse_attention_mma.kv", np.uint16, rows_strided=True)
+    assert kv.shape[1] == D, f"sparse_attention_mma.kv: row width {kv.shape[1]} != {D}"
+    assert row_stride(kv) % 8 == 0 and kv.data.ptr % 16 == 0, \
+        "sparse_attention_mma.kv: rows must be 16-byte aligned"
+    check(idx, "sparse_attention_mma.idx", np.int32)
+    assert idx.ndim == 2 and idx.shape[0] == T, f"sparse_attention_mma.idx: expected [{T}, K], got {idx.shape}"
+    K = idx.shape[1]
+    check(sink, "sparse_attention_mma.sink", np.float32, (H,))
+    out = out_array(out, "sparse_attention_mma.out", (T, H, D), np.uint16)
+    if T == 0:
+        return out
+    if inverse_rope is not None:
+        rpos, rcos, rsin = inverse_rope
+        check(rpos, "sparse_attention_mma.rope_pos", np.int32, (T,))
+        check(rcos, "sparse_attention_mma.cos", np.float32)
+        check(rsin, "sparse_attention_mma.sin", np.float32, rcos.shape)
+        R = 2 * rcos.shape[1]
+        assert R % 8 == 0 and R <= D, f"sparse_attention_mma: rope dims {R} unsupported"
+        rope_args = (rpos, rcos, rsin, i32(R))
+    else:
+        rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
+    k = kernel(STEM, f"sparse_attn_mma_d{D}_hg{hpc}")
+    smem = dynamic_smem(k, mma_smem_bytes(D, hpc))
+    k((T, (H + hpc - 1) // hpc, 1), (_MMA_VARIANTS[(D, hpc)],),
+      (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
+       i32(int(probs_bf16))) + rope_args, shared_mem=smem)
     return out
