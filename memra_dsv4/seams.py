@@ -118,6 +118,12 @@ SEAM_PDL = Seam(
     "per model and printed): `on` (every kernel of the step launches with programmatic stream "
     "serialisation, captured as programmatic graph edges: a kernel's launch overlaps its "
     "predecessor's tail; every kernel opens with griddepcontrol.wait) or `off` (plain launches).")
+SEAM_PREFILL_ATTN = Seam(
+    "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
+    "Sparse attention of GPU prefill chunks of >= 64 tokens (memra_dsv4.gpu.ops.attention, read "
+    "once per model and printed): `mma` (tensor-core kernel, bf16 products exact, P split into "
+    "two bf16 halves, its own fixed f32 order) or `simt` (the decode step's CUDA-core kernel). "
+    "Shorter chunks always use `simt`.")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
@@ -132,7 +138,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_DENSE, SEAM_PDL, SEAM_PREFILL_ATTN, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

@@ -79,6 +79,7 @@ class ChunkBlock:
         self.b = _Block(model, st, layer, ph)
         self.cfg = model.config
         self.ph = ph
+        self.attn_kernel = getattr(model, "prefill_attn", "mma")   # seam MEMRA_DSV4_PREFILL_ATTN
         self.ratio = self.b.ratio
         self.kind = self.b.kind
 
@@ -209,7 +210,7 @@ class ChunkBlock:
             sa_args = (qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
                        cp.ascontiguousarray(cand, dtype=cp.int32),
                        cp.ascontiguousarray(b.w("attn.attn_sink"), dtype=cp.float32), hd ** -0.5)
-            if AT.mma_supported(S, H, hd):
+            if self.attn_kernel == "mma" and AT.mma_supported(S, H, hd):
                 ob = AT.sparse_attention_mma(*sa_args, inverse_rope=(ridx, cos, sin))
             else:
                 ob = AT.sparse_attention(*sa_args, n_split=None, inverse_rope=(ridx, cos, sin))

@@ -11,6 +11,8 @@ API
     ``decode_path`` (seam ``MEMRA_DSV4_DECODE_PATH``) and ``pdl`` (seam ``MEMRA_DSV4_PDL``:
     programmatic dependent launch in the device step, gpu.pdl) are read once and printed;
     ``self.pdl`` may be changed later (the device step recaptures its graphs when it differs).
+    ``prefill_attn`` (seam ``MEMRA_DSV4_PREFILL_ATTN``): ``mma`` / ``simt`` kernel of the chunk
+    routine's sparse attention for chunks >= 64 tokens (``self.prefill_attn``).
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -53,7 +55,8 @@ importlib.import_module("memra_dsv4.gpu.ops.experts")
 class Dsv4Gpu:
     def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
                  force_bounce: bool = False, max_seq_len: int | None = None,
-                 decode_path: str | None = None, pdl: str | None = None) -> None:
+                 decode_path: str | None = None, pdl: str | None = None,
+                 prefill_attn: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -73,6 +76,8 @@ class Dsv4Gpu:
         self._cp = cp
         self.decode_path = resolve_decode_path(decode_path)   # read once, printed
         self.pdl = _resolve_pdl(pdl)                           # read once, printed (gpu.pdl)
+        self.prefill_attn = _resolve_announced(                # read once, printed
+            "PREFILL_ATTN", prefill_attn, "prefill sparse attention (chunks >= 64 tokens)")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
@@ -94,7 +99,8 @@ class Dsv4Gpu:
     @classmethod
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
              max_seq_len: int | None = None, decode_path: str | None = None,
-             dense: str | None = None, pdl: str | None = None) -> "Dsv4Gpu":
+             dense: str | None = None, pdl: str | None = None,
+             prefill_attn: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -109,13 +115,14 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl)
+        return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
+                   prefill_attn)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
                   decode_path: str | None = None, dense: str | None = None,
-                  pdl: str | None = None) -> "Dsv4Gpu":
+                  pdl: str | None = None, prefill_attn: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -130,7 +137,8 @@ class Dsv4Gpu:
         if bar is not None:
             bar.close()
         _print_bytes(stages)
-        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl)
+        return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
+                   prefill_attn)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -406,11 +414,16 @@ class _Block:
 
 def _resolve_pdl(explicit: str | None) -> str:
     """The PDL seam (``MEMRA_DSV4_PDL`` or ``pdl=``), read once per model and printed."""
+    return _resolve_announced("PDL", explicit, "device-step launches: pdl")
+
+
+def _resolve_announced(which: str, explicit: str | None, what: str) -> str:
+    """Seam ``SEAM_<which>``: argument > environment > default, printed with its source."""
     import sys
     from memra_dsv4 import seams
-    value = seams.resolve(seams.SEAM_PDL, explicit)
+    seam = getattr(seams, f"SEAM_{which}")
+    value = seams.resolve(seam, explicit)
     src = "argument" if explicit is not None else (
-        f"env {seams.SEAM_PDL.env}" if seams.env_value(seams.SEAM_PDL) != seams.SEAM_PDL.default
-        else "default")
-    print(f"memra_dsv4: device-step launches: pdl = {value} ({src})", file=sys.stderr)
+        f"env {seam.env}" if seams.env_value(seam) != seam.default else "default")
+    print(f"memra_dsv4: {what} = {value} ({src})", file=sys.stderr)
     return value
