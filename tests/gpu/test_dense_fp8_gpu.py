@@ -79,7 +79,7 @@ def test_fp8_prefill_and_decode_bit_identical(tiny_pair):
 
 def test_fp8_device_step_bit_identical(tiny_pair):
     """The device step (graph replay) reads the stored FP8 bytes in its GEMVs
-    (decode.cu warp_row_dot<true>) and must give the bf16 arm's bits: same products, same
+    (decode.cu gemv_fp8_* kernels, warp_rows_dot on e4m3) and must give the bf16 arm's bits: same products, same
     order.  12 steps after a 5-token prefill cross a CSA emit and the tiny window."""
     from memra_dsv4.gpu.step import device_step
     _, mb, mf = tiny_pair
