@@ -6,6 +6,9 @@
 #   tools/gpu_check.sh bench-decode ARGS    # python3 -m $BENCH_DECODE (bench.decode_step) ARGS
 #   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill) ARGS
 #   tools/gpu_check.sh all                  # tests, then both benches with their defaults
+#   tools/gpu_check.sh flash-layers FMT     # the opt-in flash-layers:4 capture test of one expert
+#                                           # format (mxfp4 | nvfp4), MEMRA_DSV4_SLOW_ORACLE=1, with
+#                                           # the whole call's time (it did not finish in 230 s)
 #   tools/gpu_check.sh decode-evidence      # the #7 numbers in one call (~6 min on 2x H200):
 #                                           # bench_gemv, then bench.decode_step device arm at
 #                                           # 1K (bf16 with --launch-profile, fp8) and 32K
@@ -107,6 +110,11 @@ case "$step" in
     tests)         run_tests "$@" || status=1 ;;
     bench-decode)  run_bench bench_decode.log "$BENCH_DECODE" "$@" || status=1 ;;
     bench-prefill) run_bench bench_prefill.log "$BENCH_PREFILL" "$@" || status=1 ;;
+    flash-layers)
+        fmt=${1:-mxfp4}
+        case "$fmt" in mxfp4|nvfp4) ;; *) echo "flash-layers: format $fmt (mxfp4 | nvfp4)" >&2; exit 2 ;; esac
+        MEMRA_DSV4_SLOW_ORACLE=1 GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-570} \
+            run_tests -k "flash_layers and $fmt" -s || status=1 ;;
     decode-evidence)
         "$PY" tools/bench_gemv.py 2>&1 | tee "$OUT/gemv.log" || status=1
         common="--model synthetic:flash --devices ${DEVICES:-0,1} --arms path=device --steps 30 --warmup 3 --phase-steps 0"
@@ -126,7 +134,7 @@ case "$step" in
         run_bench bench_prefill.log "$BENCH_PREFILL" || status=1
         ;;
     *)
-        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|decode-evidence|all]" >&2
+        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|flash-layers FMT|decode-evidence|all]" >&2
         exit 2 ;;
 esac
 echo "== gpu_check: $step finished with status $status (logs in $OUT)"
