@@ -81,7 +81,9 @@ DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
     }
 }
 
-template <int D, int NT>
+// One tile's TJ candidate rows into shared memory rows of LDS elements (D: the SIMT kernels;
+// D + 8: the tensor-core kernels' padded rows, conflict-free for ldmatrix), by NT threads.
+template <int D, int NT, int LDS = D>
 DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
                     int K, int tile) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -90,7 +92,7 @@ DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* 
         const int j = tile * TJ + r;
         const int id = j < K ? __ldg(idx_row + j) : -1;
         const u16* src = id >= 0 ? kv + (i64)id * ld_kv + 8 * cc : kv;
-        cp_async16(buf + r * D + 8 * cc, src, id >= 0);
+        cp_async16(buf + r * LDS + 8 * cc, src, id >= 0);
     }
     cp_async_commit();
 }
@@ -377,20 +379,6 @@ DEV void ldsm_x4_trans(u32 (&r)[4], const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-template <int D>
-DEV void mma_issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
-                        int K, int tile, int nt) {
-    constexpr int CPR = D / 8, LDS = D + 8;  // 16-byte chunks per row, padded smem row
-    for (int c = threadIdx.x; c < TJ * CPR; c += nt) {
-        const int r = c / CPR, cc = c % CPR;
-        const int j = tile * TJ + r;
-        const int id = j < K ? __ldg(idx_row + j) : -1;
-        const u16* src = id >= 0 ? kv + (i64)id * ld_kv + 8 * cc : kv;
-        cp_async16(buf + r * LDS + 8 * cc, src, id >= 0);
-    }
-    cp_async_commit();
-}
-
 template <int D, int NHG>
 DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
                               const int* __restrict__ idx, int K, const float* __restrict__ sink, float scale,
@@ -411,7 +399,7 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
     const int n_tiles = (K + TJ - 1) / TJ;
     const int* idx_row = idx + t * K;
 
-    if (n_tiles > 0) mma_issue_tile<D>(smem, kv, ld_kv, idx_row, K, 0, NT);
+    if (n_tiles > 0) issue_tile<D, NT, LDS>(smem, kv, ld_kv, idx_row, K, 0);
 
     // A fragments of Q (rows = heads h0 + g, h0 + g + 8; k = the warp's dims), straight from global;
     // heads >= H (H not a multiple of 16: small test models) are zero rows, computed, never stored
@@ -438,7 +426,7 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
     for (int tile = 0; tile < n_tiles; ++tile) {
         const u16* buf = smem + (tile & 1) * (TJ * LDS);
         if (tile + 1 < n_tiles) {
-            mma_issue_tile<D>(smem + ((tile + 1) & 1) * (TJ * LDS), kv, ld_kv, idx_row, K, tile + 1, NT);
+            issue_tile<D, NT, LDS>(smem + ((tile + 1) & 1) * (TJ * LDS), kv, ld_kv, idx_row, K, tile + 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();

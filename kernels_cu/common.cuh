@@ -59,6 +59,22 @@ DEV u32 f32_to_bf16(float f) {
 // round to bf16 precision, staying in f32
 DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// Streaming weight loads (16 / 8 bytes): read once per decode step, so kept out of L1 (the
+// activations, re-read by every warp of a CTA, stay there).
+DEV uint4 ldg_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+DEV uint2 ldg_stream8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 // the twins' pol.store() of a float64 value: f64 -> f32 (RN) -> bf16 (RNE)
 DEV u32 f64_to_bf16(double d) { return f32_to_bf16(__double2float_rn(d)); }
 

@@ -41,16 +41,6 @@ using namespace memra;
 
 namespace {
 
-// Streaming 16-byte load of weights: read once per step, so keep them out of L1 (x, which every
-// warp of the CTA re-reads, stays there).
-DEV uint4 ldg_stream16(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // 8 stored e4m3 bytes -> 8 f32 (exact: every e4m3 value is a normal f16, hardware converts:
 // one F2FP.F16.E4M3.UNPACK_B per pair, then HADD2.F32 per value).
 DEV void unpack8_e4m3(const uint2& v, float* f) {
@@ -69,12 +59,6 @@ DEV void unpack8_e4m3(const uint2& v, float* f) {
             f[4 * h + 2 * p + 1] = hi;
         }
     }
-}
-
-DEV uint2 ldg_stream8(const void* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
 }
 
 // ---------------------------------------------------------------------------- dense GEMV core

@@ -79,12 +79,10 @@ DEV u32 mx_to_bf16(u32 n, u32 sb) {
     return sign | ((2u + m) << (E + 5));  // subnormal: (1 + m/2) 2^(E-127) = (2+m) 2^(E+5) * 2^-133
 }
 
-}  // namespace
-
-// packed [R, C/2] u8; scale [R, C/32] u8; out [R, C] bf16. C % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256)
-dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scale, u16* __restrict__ out,
-                   long long R, int C) { PDL_ENTRY();
+// The dequantisation of one matrix, grid-stride over its 32-element chunks (16 B read, 64 B
+// written per thread step): packed [R, C/2] u8, scale [R, C/32] e8m0 -> out [R, C] bf16.
+DEV void dequant_mxfp4_rows(const u8* __restrict__ packed, const u8* __restrict__ scale, u16* __restrict__ out,
+                            i64 R, int C) {
     const int cpr = C >> 5;
     const i64 total = R * cpr;
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
@@ -102,10 +100,9 @@ dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scale, 
     }
 }
 
-// packed [R, C/2] u8; wscale [R, C/16] u8 (e4m3); ws2 f32 scalar; out [R, C] bf16. C % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256)
-dequant_nvfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ wscale, float ws2,
-                   u16* __restrict__ out, long long R, int C) { PDL_ENTRY();
+// packed [R, C/2] u8, wscale [R, C/16] e4m3, ws2 -> out [R, C] bf16 = bf16(f32(e2m1 * s) * ws2).
+DEV void dequant_nvfp4_rows(const u8* __restrict__ packed, const u8* __restrict__ wscale, float ws2,
+                            u16* __restrict__ out, i64 R, int C) {
     const int cpr = C >> 5;
     const i64 total = R * cpr;
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
@@ -122,6 +119,22 @@ dequant_nvfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ wscale,
             o[v] = pack8(f);
         }
     }
+}
+
+}  // namespace
+
+// packed [R, C/2] u8; scale [R, C/32] u8; out [R, C] bf16. C % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+dequant_mxfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ scale, u16* __restrict__ out,
+                   long long R, int C) { PDL_ENTRY();
+    dequant_mxfp4_rows(packed, scale, out, R, C);
+}
+
+// packed [R, C/2] u8; wscale [R, C/16] u8 (e4m3); ws2 f32 scalar; out [R, C] bf16. C % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+dequant_nvfp4_bf16(const u8* __restrict__ packed, const u8* __restrict__ wscale, float ws2,
+                   u16* __restrict__ out, long long R, int C) { PDL_ENTRY();
+    dequant_nvfp4_rows(packed, wscale, ws2, out, R, C);
 }
 
 namespace {
@@ -760,8 +773,8 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
 
 // dequant_{mx,nv}fp4_bf16_experts: out[j] = dequant(expert eids[j]) for j < gridDim.y, from the
 // STACKED per-layer tensors (packed [E, R, C/2] u8, scales [E, R, C/32 | C/16] u8; p_stride /
-// s_stride = bytes per expert). Per 32-element chunk the exact arithmetic of dequant_*_bf16
-// above (same helpers), so the bits equal a per-expert call. grid (x, n), block 256, grid-stride
+// s_stride = bytes per expert). Each expert slot runs dequant_*_rows, the body of
+// dequant_*_bf16 above, so the bits equal a per-expert call. grid (x, n), block 256, grid-stride
 // over the expert's R * C / 32 chunks (memory bound: 16 B read, 64 B written per thread step).
 extern "C" __global__ void __launch_bounds__(256)
 dequant_mxfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__ scale, long long p_stride,
@@ -770,22 +783,7 @@ dequant_mxfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__
     const i64 e = __ldg(eids + blockIdx.y);
     const u8* pk = packed + e * p_stride;
     const u8* sc = scale + e * s_stride;
-    const int cpr = C >> 5;
-    const i64 total = R * cpr;
-    u16* o_e = out + (i64)blockIdx.y * total * 32;
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
-        const uint4 w = ldg16(pk + q * 16);
-        const u32 sb = __ldg(sc + q);
-        const u32 ws[4] = {w.x, w.y, w.z, w.w};
-        uint4* o = reinterpret_cast<uint4*>(o_e + q * 32);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            u32 h[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) h[i] = mx_to_bf16((ws[v] >> (4 * i)) & 15u, sb);
-            o[v] = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-        }
-    }
+    dequant_mxfp4_rows(pk, sc, out + (i64)blockIdx.y * (R * (C >> 5)) * 32, R, C);  // expert slot j: R * C outputs
 }
 
 // ws2: f32 [E] on the device (the layer's weight_scale_2 per expert).
@@ -797,23 +795,7 @@ dequant_nvfp4_bf16_experts(const u8* __restrict__ packed, const u8* __restrict__
     const u8* pk = packed + e * p_stride;
     const u8* sc = wscale + e * s_stride;
     const float s2 = __ldg(ws2 + e);
-    const int cpr = C >> 5;
-    const i64 total = R * cpr;
-    u16* o_e = out + (i64)blockIdx.y * total * 32;
-    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
-        const uint4 w = ldg16(pk + q * 16);
-        const float s0 = e4m3_to_f32(__ldg(sc + 2 * q)), s1 = e4m3_to_f32(__ldg(sc + 2 * q + 1));
-        const u32 ws[4] = {w.x, w.y, w.z, w.w};
-        uint4* o = reinterpret_cast<uint4*>(o_e + q * 32);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-            const float s = v < 2 ? s0 : s1;
-            float f[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = __fmul_rn(__fmul_rn(e2m1_to_f32((ws[v] >> (4 * i)) & 15u), s), s2);
-            o[v] = pack8(f);
-        }
-    }
+    dequant_nvfp4_rows(pk, sc, s2, out + (i64)blockIdx.y * (R * (C >> 5)) * 32, R, C);  // expert slot j: R * C outputs
 }
 
 // moe_gather_bf16: xs[p] = bf16(x[src[p]]) (RNE; exact for the bf16-valued activations), zeros

@@ -204,15 +204,6 @@ namespace {
 constexpr int RF_WARPS = 4;
 constexpr int RF_LOADS = 16;
 
-// streaming weight load: read once per step, keep it out of L1
-DEV uint4 ldg_stream16(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 template <int EPL>
 DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,
                            const int* __restrict__ tid2eid, const int* __restrict__ token_ids,

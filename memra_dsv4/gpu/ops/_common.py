@@ -42,6 +42,29 @@ def dynamic_smem(kern, nbytes: int) -> int:
     return int(nbytes)
 
 
+def ticket_counter(counters: dict, owner: str):
+    """The current device's zeroed int32 [1] ticket counter in ``counters`` (device -> array) of
+    a last-CTA kernel (every launch leaves it zero).  Allocated once and never freed: a captured
+    graph bakes its address, so the first call must come before any capture (DeviceStep._prewarm
+    makes it); a first call inside a capture is refused, naming ``owner``.  Not for concurrent
+    launches on two streams of one device."""
+    cp = cupy()
+    dev = cp.cuda.runtime.getDevice()
+    cnt = counters.get(dev)
+    if cnt is None:
+        stream = cp.cuda.get_current_stream()
+        try:
+            capturing = stream.is_capturing()
+        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
+            capturing = True
+        if capturing:
+            raise RuntimeError(f"{owner}: first call on device {dev} inside a CUDA-graph "
+                               f"capture; call it before capturing (DeviceStep._prewarm does)")
+        cnt = counters[dev] = cp.zeros((1,), dtype=np.int32)
+        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
+    return cnt
+
+
 def i32(v) -> np.int32:
     return np.int32(v)
 

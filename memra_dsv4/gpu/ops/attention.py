@@ -38,6 +38,20 @@ TILE = 32
 _HG_THREADS = {16: 256, 8: 256, 4: 128}
 
 
+def _rope_args(inverse_rope, T: int, D: int, name: str) -> tuple:
+    """The kernels' OutRope arguments (pos, cos, sin, R): the inverse RoPE of the output's last
+    R dims at positions pos [T] (cos / sin [positions, R/2] f32), or null pointers and R = 0."""
+    if inverse_rope is None:
+        return (null_or(None), null_or(None), null_or(None), i32(0))
+    rpos, rcos, rsin = inverse_rope
+    check(rpos, f"{name}.rope_pos", np.int32, (T,))
+    check(rcos, f"{name}.cos", np.float32)
+    check(rsin, f"{name}.sin", np.float32, rcos.shape)
+    R = 2 * rcos.shape[1]
+    assert R % 8 == 0 and R <= D, f"{name}: rope dims {R} unsupported"
+    return (rpos, rcos, rsin, i32(R))
+
+
 def head_group(H: int) -> int:
     for hg in (16, 8, 4):
         if H % hg == 0:
@@ -88,16 +102,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
         n_split = auto_split(T, H, K)
     nt = n_tiles(K)
     n_split = max(1, min(int(n_split), max(1, nt)))
-    if inverse_rope is not None:
-        rpos, rcos, rsin = inverse_rope
-        check(rpos, "sparse_attention.rope_pos", np.int32, (T,))
-        check(rcos, "sparse_attention.cos", np.float32)
-        check(rsin, "sparse_attention.sin", np.float32, rcos.shape)
-        R = 2 * rcos.shape[1]
-        assert R % 8 == 0 and R <= D, f"sparse_attention: rope dims {R} unsupported"
-        rope_args = (rpos, rcos, rsin, i32(R))
-    else:
-        rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
+    rope_args = _rope_args(inverse_rope, T, D, "sparse_attention")
     k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}")
     smem = dynamic_smem(k, 2 * TILE * D * 2)
     if n_split == 1:
@@ -177,16 +182,7 @@ def sparse_attention_mma(q, kv, idx, sink, scale: float, out=None, *, probs_bf16
     out = out_array(out, "sparse_attention_mma.out", (T, H, D), np.uint16)
     if T == 0:
         return out
-    if inverse_rope is not None:
-        rpos, rcos, rsin = inverse_rope
-        check(rpos, "sparse_attention_mma.rope_pos", np.int32, (T,))
-        check(rcos, "sparse_attention_mma.cos", np.float32)
-        check(rsin, "sparse_attention_mma.sin", np.float32, rcos.shape)
-        R = 2 * rcos.shape[1]
-        assert R % 8 == 0 and R <= D, f"sparse_attention_mma: rope dims {R} unsupported"
-        rope_args = (rpos, rcos, rsin, i32(R))
-    else:
-        rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
+    rope_args = _rope_args(inverse_rope, T, D, "sparse_attention_mma")
     k = kernel(STEM, f"sparse_attn_mma_d{D}_hg{hpc}")
     smem = dynamic_smem(k, mma_smem_bytes(D, hpc))
     k((T, (H + hpc - 1) // hpc, 1), (_MMA_VARIANTS[(D, hpc)],),

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, out_array, row_stride, sm_count
+from memra_dsv4.gpu.ops._common import (check, dynamic_smem, i32, kernel, out_array,
+                                        row_stride, sm_count, ticket_counter)
 
 STEM = "indexer"
 KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk", "indexer_fused_d128")
@@ -31,25 +32,9 @@ _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fus
 
 
 def workspace():
-    """The current device's ticket counter of indexer_fused_d128 (int32 [1], zero; every launch
-    leaves it zero).  Allocated once and never freed: a captured graph bakes its address, so
-    call this before the first capture (DeviceStep._prewarm does).  Not for concurrent
-    launches on two streams of one device."""
-    cp = cupy()
-    dev = cp.cuda.runtime.getDevice()
-    cnt = _WS.get(dev)
-    if cnt is None:
-        stream = cp.cuda.get_current_stream()
-        try:
-            capturing = stream.is_capturing()
-        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
-            capturing = True
-        if capturing:
-            raise RuntimeError(f"indexer.workspace: first call on device {dev} inside a CUDA-graph "
-                               f"capture; call it before capturing (DeviceStep._prewarm does)")
-        cnt = _WS[dev] = cp.zeros((1,), dtype=np.int32)
-        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
-    return cnt
+    """The current device's ticket counter of indexer_fused_d128 (_common.ticket_counter: int32 [1],
+    zero between launches; made before the first capture by DeviceStep._prewarm)."""
+    return ticket_counter(_WS, "indexer.workspace")
 
 
 IMPLS = ("simt", "mma")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, null_or, out_array
+from memra_dsv4.gpu.ops._common import (check, dynamic_smem, i32, kernel, null_or, out_array,
+                                        ticket_counter)
 
 STEM = "router"
 _SELECT = {32: "router_select_e32", 64: "router_select_e64", 128: "router_select_e128",
@@ -32,25 +33,9 @@ _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of router_fuse
 
 
 def workspace():
-    """The current device's ticket counter of router_fused_* (int32 [1], zero; every launch
-    leaves it zero).  Allocated once and never freed: a captured graph bakes its address, so
-    call this before the first capture (DeviceStep._prewarm does).  Not for concurrent
-    launches on two streams of one device."""
-    cp = cupy()
-    dev = cp.cuda.runtime.getDevice()
-    cnt = _WS.get(dev)
-    if cnt is None:
-        stream = cp.cuda.get_current_stream()
-        try:
-            capturing = stream.is_capturing()
-        except cp.cuda.runtime.CUDARuntimeError:  # the legacy stream while a blocking one captures
-            capturing = True
-        if capturing:
-            raise RuntimeError(f"router.workspace: first call on device {dev} inside a CUDA-graph "
-                               f"capture; call it before capturing (DeviceStep._prewarm does)")
-        cnt = _WS[dev] = cp.zeros((1,), dtype=np.int32)
-        stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
-    return cnt
+    """The current device's ticket counter of router_fused_* (_common.ticket_counter: int32 [1],
+    zero between launches; made before the first capture by DeviceStep._prewarm)."""
+    return ticket_counter(_WS, "router.workspace")
 
 
 def logits(x, w_gate, out=None):
