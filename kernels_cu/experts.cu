@@ -756,9 +756,13 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
 // -> f32). NOT bit-identical to the CUDA-core kernels (different f32 summation order and the
 // tensor core's internal sums); bf16 class, bound in tests/gpu/test_kernels_experts.py.
 //
-// WHY: the CUDA-core kernels issue ~50 instructions per 8 weights (FFMA per weight, decode,
-// LDS; nvdisasm gateup_k4) and run at ~2x the HBM floor. Here a warp decodes 8 weights into
-// four f16x2 with 12 ALU + 3 shift instructions and ONE mma consumes them (8 per lane).
+// WHY: gemv_mxfp4_gateup_k4's loop issues 5.2 instructions per weight and lane (nvdisasm: 2659
+// per 512; an FFMA per weight, the decode, LDS of the table and of x), 1.9 of them on the ALU pipe
+// (LOP3 / PRMT / SHF, half rate), and runs at ~2x the HBM floor. Here a lane decodes 8 weights into
+// four f16x2 with 11 ALU + 4 IMAD (shifts) and ONE mma takes them: 3.05 instructions per weight
+// and lane (195 per 64-weight step, 8 HMMA), 1.9 on the ALU pipe -> ALU-bound at ~0.7x the issue
+// time of the CUDA-core loop. FP4_MMA_PLACE=1 decodes with 8 ALU + 7 IMAD (1.5 ALU per weight,
+// ~0.6x) if the tensor core takes f16 subnormals (test_mma_place_decode_variant decides).
 //
 // THE ROW ARITHMETIC (fixed by (o, K) alone: never by the slot count, k, nor the CTA shape):
 //   * K is cut into steps of 128 and the steps into MMA_KS = 2 segments (segment ks: steps
@@ -796,6 +800,9 @@ constexpr int MMA_KS = 2;         // K segments per row (part of the row arithme
 #ifndef FP4_MMA_DEPTH
 #define FP4_MMA_DEPTH 2  // ring depth in steps (tuning only)
 #endif
+#ifndef FP4_MMA_MINB
+#define FP4_MMA_MINB 2  // launch bounds (384 threads, MINB CTAs): 2 -> <= 80 registers (DEPTH 2 fits)
+#endif
 #ifndef FP4_MMA_PLACE
 #define FP4_MMA_PLACE 0  // 1: e2m1 -> f16 by bit placement (f16 subnormals into the mma), see below
 #endif
@@ -832,12 +839,14 @@ DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
     h[3] = prmt(lo, hi, 0x7838u) | (w & 0x80008000u);
 }
 
-// e8m0 scale from a word holding the byte at bits 23..30: 2^(b-127); b = 255 -> NaN; b = 0 -> +0,
-// which under -ftz (every build here) is what FFMA makes of e8m0_scale's 2^-127 (a subnormal
-// operand flushes): the same products as e8m0_scale, in 1 shift + 3 ALU instructions
-DEV float e8m0_ftz(u32 shifted) {
-    const u32 bits = shifted & 0x7f800000u;
-    return __uint_as_float(bits == 0x7f800000u ? 0x7fc00000u : bits);
+// acc + partial * e8m0(b), off the ALU pipe (the decode's bottleneck). bits: b at bits 23..30,
+// zeros below, anything at bit 31 (removed by |.|). sc = 2^(b-127) for b in 1..254, +inf for 255,
+// +0 for 0 -- which under -ftz (every build here) is what FFMA makes of e8m0_scale's 2^-127 (a
+// subnormal operand flushes); sc - sc is +0, or NaN for b = 255, so acc + (sc - sc) keeps acc
+// (only a zero's sign can change, after an FTZ flush) or turns it NaN as e8m0_scale's NaN does.
+DEV float mma_fold_e8m0(float partial, u32 bits, float acc) {
+    const float sc = fabsf(__uint_as_float(bits));
+    return __fmaf_rn(partial, sc, __fadd_rn(acc, __fsub_rn(sc, sc)));
 }
 
 DEV u32 f16x2_rn(float lo, float hi) {  // (lo, hi) -> f16x2, round to nearest even
@@ -876,7 +885,9 @@ DEV void mma_task(const u8* __restrict__ wb, const u8* __restrict__ sb, const u1
     const u8* pw8 = pw + 8 * (i64)half_k;
     const u8* ps8 = ps + 8 * (i64)nsc;
     const bool sg = sl && okg, s8 = sl && ok8;
-    // scale defaults where nothing is loaded (lanes t >= 2, rows >= O): 1.0 (their partials are 0)
+    // scale defaults where nothing is loaded (lanes t >= 2, rows >= O): 1.0 (their partials are 0).
+    // MXFP4: the 2 e8m0 bytes (blocks 2t, 2t+1) of a row in one word (decoded on the FMA pipe,
+    // mma_fold_e8m0); NVFP4: the 4 e4m3 bytes (blocks 2t, 2t+1 x halves 0, 1) in one word
     const u32 sdef = NV ? 0x38383838u : 0x7f7fu;
     uint4 rw[D][2];
     u32 rs[D][2];
@@ -958,10 +969,10 @@ DEV void mma_task(const u8* __restrict__ wb, const u8* __restrict__ sb, const u1
                 acc8 = __fmaf_rn(acc[2], e4m3_to_f32((rs[d][1] >> 8) & 0xffu), acc8);
                 acc8 = __fmaf_rn(acc[3], e4m3_to_f32(rs[d][1] >> 24), acc8);
             } else {
-                accg = __fmaf_rn(acc[0], e8m0_ftz(rs[d][0] << 23), accg);
-                accg = __fmaf_rn(acc[1], e8m0_ftz(rs[d][0] << 15), accg);
-                acc8 = __fmaf_rn(acc[2], e8m0_ftz(rs[d][1] << 23), acc8);
-                acc8 = __fmaf_rn(acc[3], e8m0_ftz(rs[d][1] << 15), acc8);
+                accg = mma_fold_e8m0(acc[0], rs[d][0] << 23, accg);            // byte 0; bit 31: |.|
+                accg = mma_fold_e8m0(acc[1], __umulhi(rs[d][0], 1u << 24) << 23, accg);  // byte 1
+                acc8 = mma_fold_e8m0(acc[2], rs[d][1] << 23, acc8);
+                acc8 = mma_fold_e8m0(acc[3], __umulhi(rs[d][1], 1u << 24) << 23, acc8);
             }
             if (st + D < ns) fetch(d);  // step st + D into the slot just used
         }
@@ -1007,7 +1018,7 @@ DEV float mma_row(const float* part, int term, int r, float ws2, bool nv) {
 extern __shared__ uint4 fp4_mma_smem[];
 
 #define GEMV_FP4_MMA(NAME, NV)                                                                     \
-    extern "C" __global__ void __launch_bounds__(384, 2)                                          \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
          u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY();                               \
@@ -1035,7 +1046,7 @@ GEMV_FP4_MMA(gemv_mxfp4_mma, false)
 GEMV_FP4_MMA(gemv_nvfp4_mma, true)
 
 #define GEMV_FP4_GATEUP_MMA(NAME, NV)                                                              \
-    extern "C" __global__ void __launch_bounds__(384, 2)                                          \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
@@ -1073,7 +1084,7 @@ GEMV_FP4_GATEUP_MMA(gemv_nvfp4_gateup_mma, true)
 // down + combine: terms = the token's k picks (pick j: h row t*k + j, expert ids[t, j]); the
 // rounded pick rows are summed from 0 in ascending expert id (stable), then the shared row.
 #define GEMV_FP4_DOWN_MMA(NAME, NV)                                                                \
-    extern "C" __global__ void __launch_bounds__(384, 2)                                          \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
     NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
          const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY(); \

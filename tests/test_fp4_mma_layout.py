@@ -160,3 +160,17 @@ def test_tile_mx_and_nv_equal_dot():
             got = emulate_tile(packed, sc, x, nv, decode) * mult
             want = W @ x
             assert np.allclose(got, want, rtol=1e-12, atol=1e-9 * np.abs(W) @ np.abs(x)), (nv, decode.__name__)
+
+
+def test_e8m0_word_decode():
+    """MXFP4 scales are loaded as one u16 per row (blocks 2t, 2t+1): byte 0 -> |f32(rs << 23)|,
+    byte 1 -> f32((rs >> 8) << 23) (umulhi by 2^24), i.e. 2^(b-127) for b in 1..254, +inf for 255
+    (made NaN by mma_fold_e8m0's sc - sc), +0 for 0 (e8m0_scale's 2^-127 under -ftz)."""
+    rs = np.arange(1 << 16, dtype=np.uint64)
+    lo = np.abs(((rs << np.uint64(23)) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)).astype(np.float64)
+    hi = (((rs * (1 << 24)) >> np.uint64(32)) << np.uint64(23)).astype(np.uint32).view(np.float32).astype(np.float64)
+    for got, b in ((lo, rs & np.uint64(0xFF)), (hi, rs >> np.uint64(8))):
+        b = b.astype(np.int64)
+        mid = (b > 0) & (b < 255)
+        assert np.array_equal(got[mid], np.exp2(b[mid] - 127.0))
+        assert np.all(got[b == 0] == 0.0) and np.all(np.isinf(got[b == 255]))

@@ -20,7 +20,8 @@ down_combine's previous prefetch depth (now 4), for an old/new comparison in one
 --fp4-mma adds the tensor-core kernels of the two fused FP4 expert GEMVs (ops.experts impl="mma",
 gemv_*_mma in experts.cu) right after the CUDA-core rows, same inputs, and the same kernels built
 with FP4_MMA_PLACE=1 (bit-placement e2m1 decode; only meaningful if test_mma_place_decode_variant
-passes) and FP4_MMA_DEPTH=4 (ring depth): an A/B of "simt" vs "mma" in one run.
+passes) and FP4_MMA_DEPTH=4 (ring depth; needs FP4_MMA_MINB=1, i.e. > 80 registers, fewer CTAs per
+SM): an A/B of "simt" vs "mma" in one run.
     python tools/bench_gemv.py --only-fp4 --fp4-mma
 """
 from __future__ import annotations
@@ -186,7 +187,7 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None) -> int:
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if a.fp4_mma and n_simt is not None:
         for label, defines in [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}),
-                               ("mma FP4_MMA_DEPTH=4", {"FP4_MMA_DEPTH": 4})]:
+                               ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_simt:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
