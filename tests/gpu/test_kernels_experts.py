@@ -7,6 +7,10 @@ Bounds:
   order, 5-level warp tree); |got - want| <= ulp_bf16(want) + GEMV_TERMS(K) * 2^-24 * sum_k |w x|
   with GEMV_TERMS(K) = 32 + K/1024 + 5 (the longest rounding chain), against the twin's
   correctly rounded float64 sum; slots are independent (one slot alone == the same slot in a batch).
+* tensor-core variant (impl="mma"): mma_bound (tensor-core truncating sums, the FFMA chain and
+  the f16 rounding of x below max|x| 2^-32; derivation above mma_terms), against the twin and
+  against the CUDA-core kernels; its fused kernels equal its plain GEMV + swiglu / combine bit
+  for bit.
 Flash sizes: 256 experts of w1/w3 [2048, 4096] (x_div = 6: slot s reads token s // 6) and
 w2 [4096, 2048]; tiny: [128, 256].
 """
