@@ -762,6 +762,384 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
 
+// ==================================================================== tensor-core FP4 GEMVs (opt-in)
+// gemv_{mx,nv}fp4_mma, gemv_{mx,nv}fp4_gateup_mma, gemv_{mx,nv}fp4_down_combine_mma: the same
+// contracts and launch arguments as the _k* kernels above (selected by ops.experts impl="mma"),
+// K % 128 == 0, K <= 4096, with the row dots on the tensor cores (mma.sync m16n8k16, f16 x f16
+// -> f32). NOT bit-identical to the CUDA-core kernels (different f32 summation order and the
+// tensor core's internal sums); bf16 class, bound in tests/gpu/test_kernels_experts.py.
+//
+// WHY: gemv_mxfp4_gateup_k4's loop issues 5.2 instructions per weight and lane (nvdisasm: 2659
+// per 512; an FFMA per weight, the decode, LDS of the table and of x), 1.9 of them on the ALU pipe
+// (LOP3 / PRMT / SHF, half rate), and runs at ~2x the HBM floor. Here a lane decodes 8 weights into
+// four f16x2 with 11 ALU + 4 IMAD (shifts) and ONE mma takes them: 3.05 instructions per weight
+// and lane (195 per 64-weight step, 8 HMMA), 1.9 on the ALU pipe -> ALU-bound at ~0.7x the issue
+// time of the CUDA-core loop. FP4_MMA_PLACE=1 decodes with 8 ALU + 7 IMAD (1.5 ALU per weight,
+// ~0.6x) if the tensor core takes f16 subnormals (test_mma_place_decode_variant decides).
+//
+// THE ROW ARITHMETIC (fixed by (o, K) alone: never by the slot count, k, nor the CTA shape):
+//   * K is cut into steps of 128 and the steps into MMA_KS = 2 segments (segment ks: steps
+//     [ks*nst/2, (ks+1)*nst/2), nst = K/128). A warp computes 16 rows x one segment.
+//   * x of the segment is converted to f16 times 2^s, s = 142 - (biased exponent of max|x| over
+//     the segment), clamped to [-126, 126], so max|x| 2^s lies in [2^15, 2^16): RN cvt, exact
+//     for every element with |x| >= max|x| 2^-32; below that the error is <= max|x| 2^-40
+//     (f16 subnormal quantum 2^-24 at scale 2^s); f32-subnormal x (bf16 subnormals) flush (-ftz).
+//   * e2m1 -> f16 is exact (a PRMT table of the 8 magnitudes' high bytes; the low byte of each
+//     is 0, the sign is ORed in), so every product w * x_f16 is exact inside the tensor core.
+//   * A step is 8 mmas: lane (g = lane/4, t = lane%4) feeds rows g and g+8 from ITS 32-element
+//     block (block t of the step, one 16-byte load per row = one MXFP4 scale block, two NVFP4
+//     ones) into its 4 k-slots {2t, 2t+1, 2t+8, 2t+9} of every mma; B column n holds x of block
+//     n at lane n's k-slots and zeros elsewhere (only lanes g == t hold nonzero B), so the f32
+//     accumulator column n is the block-n partial of every row: D[r][n] = sum of the 32 products
+//     of (row r, block n) (NVFP4: mmas 0-3 and 4-7 from zero, one per 16-element half).
+//   * Lane t < 2 folds its columns 2t, 2t+1 of rows g, g+8: acc = fma(partial, block scale, acc)
+//     in block order (NVFP4: half 0 of both blocks, then half 1), over the steps of the segment;
+//     the segment value is (acc(t=0) + acc(t=1)) * 2^-s; the row is seg0 + seg1 (NVFP4: times
+//     weight_scale_2). Epilogues (bf16 rounding, SwiGLU, the combine in ascending expert id) as
+//     in the CUDA-core kernels, so gemv_*_mma, then swiglu / combine == the fused _mma kernels.
+//
+// LAYOUT: grid (ceil(O/16), slots | tokens); a CTA owns one 16-row tile and all its terms
+// (gate/up: W1 and W3; down: the k picks; plain: one), each split into the 2 K segments: NT*2
+// warp tasks on W = min(2 NT, 12) warps (blockDim = 32 W). Each warp stages its own segment of x
+// (no CTA barrier before the math), with its first weight loads already in flight, and streams
+// its steps with a register ring of MMA_DEPTH steps (2 x 16 B per lane and step, + the scales).
+// Partials go through shared memory; one barrier; 16 threads run the epilogue.
+// x staging layout (per warp, dynamic shared memory): element order, every 8 elements
+// x0..x7 -> one uint4 {(x0,x4), (x1,x5), (x2,x6), (x3,x7)} as f16x2, matching the decode's
+// pairs (n_i, n_{i+4}); lane (t, t) reads the 4 uint4 of its block per step.
+namespace {
+
+constexpr int MMA_KS = 2;         // K segments per row (part of the row arithmetic)
+#ifndef FP4_MMA_DEPTH
+#define FP4_MMA_DEPTH 2  // ring depth in steps (tuning only)
+#endif
+#ifndef FP4_MMA_MINB
+#define FP4_MMA_MINB 2  // launch bounds (384 threads, MINB CTAs): 2 -> <= 80 registers (DEPTH 2 fits)
+#endif
+#ifndef FP4_MMA_PLACE
+#define FP4_MMA_PLACE 0  // 1: e2m1 -> f16 by bit placement (f16 subnormals into the mma), see below
+#endif
+
+DEV u32 prmt(u32 a, u32 b, u32 sel) {  // PTX prmt (selector msb = replicate the byte's sign)
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// 8 e2m1 nibbles n0..n7 of w -> 4 f16x2 h[i] = (e2m1(n_i) low half, e2m1(n_{i+4}) high half),
+// exact. The f16 of every e2m1 magnitude has a zero low byte: the high bytes 00 38 3C 3E 40 42
+// 44 46 are an 8-byte PRMT table indexed by the 3 magnitude bits (lo: n0..n3, hi: n4..n7); the
+// interleave PRMTs put them in bytes 1 and 3 (selector nibble 8 = sign of a byte < 0x80 = 0x00
+// for bytes 0 and 2); n_i's sign (bit 4i+3) and n_{i+4}'s (4i+19) are 16 apart, so one shift
+// puts both at 15 and 31.
+DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
+#if FP4_MMA_PLACE
+    // bit placement (sign -> 15, e1 e0 m -> 11..9): exactly e2m1 * 2^-14, code 1 an f16 SUBNORMAL
+    // (2^-15): 8 ALU + 7 IMAD per word instead of 11 ALU + 4; correct only if the tensor core
+    // takes f16 subnormal inputs (tests decide); the 2^-14 is undone in mma_task
+    h[0] = ((w << 9) & 0x0e000e00u) | ((w << 12) & 0x80008000u);
+    h[1] = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
+    h[2] = ((w << 1) & 0x0e000e00u) | ((w << 4) & 0x80008000u);
+    h[3] = (__umulhi(w, 1u << 29) & 0x0e000e00u) | (w & 0x80008000u);
+    return;
+#endif
+    const u32 m = w & 0x77777777u;
+    const u32 lo = prmt(0x3E3C3800u, 0x46444240u, m);
+    const u32 hi = prmt(0x3E3C3800u, 0x46444240u, __umulhi(m, 0x10000u));  // m >> 16 on the FMA pipe
+    h[0] = prmt(lo, hi, 0x4808u) | ((w << 12) & 0x80008000u);
+    h[1] = prmt(lo, hi, 0x5818u) | ((w << 8) & 0x80008000u);
+    h[2] = prmt(lo, hi, 0x6828u) | ((w << 4) & 0x80008000u);
+    h[3] = prmt(lo, hi, 0x7838u) | (w & 0x80008000u);
+}
+
+// acc + partial * e8m0(b), off the ALU pipe (the decode's bottleneck). bits: b at bits 23..30,
+// zeros below, anything at bit 31 (removed by |.|). sc = 2^(b-127) for b in 1..254, +inf for 255,
+// +0 for 0 -- which under -ftz (every build here) is what FFMA makes of e8m0_scale's 2^-127 (a
+// subnormal operand flushes); sc - sc is +0, or NaN for b = 255, so acc + (sc - sc) keeps acc
+// (only a zero's sign can change, after an FTZ flush) or turns it NaN as e8m0_scale's NaN does.
+DEV float mma_fold_e8m0(float partial, u32 bits, float acc) {
+    const float sc = fabsf(__uint_as_float(bits));
+    return __fmaf_rn(partial, sc, __fadd_rn(acc, __fsub_rn(sc, sc)));
+}
+
+DEV u32 f16x2_rn(float lo, float hi) {  // (lo, hi) -> f16x2, round to nearest even
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// D += A B, m16n8k16, f16 inputs, f32 accumulate. A: a0 (row g, k 2t..), a1 (row g+8, k 2t..),
+// a2 (row g, k 2t+8..), a3 (row g+8, k 2t+8..); B: b0 (k 2t.., col g), b1 (k 2t+8.., col g).
+DEV void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__host__ __device__ constexpr int mma_seg_words(int K) {  // staged uint4 per warp for K
+    return ((K / 128 + MMA_KS - 1) / MMA_KS) * 16;
+}
+
+// One warp task: rows o0 .. o0+15 (rows >= O read as zeros) of the term (weights wb [O, K/2],
+// scales sb [O, K/32 | K/16], input row xrow [K] bf16), K segment ks; writes the 16 segment
+// values to part[0..15]. xs: this warp's staging area (mma_seg_words(K) uint4).
+template <bool NV>
+DEV void mma_task(const u8* __restrict__ wb, const u8* __restrict__ sb, const u16* __restrict__ xrow, int O,
+                  int K, int o0, int ks, uint4* xs, float* part) {
+    constexpr int D = FP4_MMA_DEPTH;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int nst = K >> 7, st0 = ks * nst / MMA_KS, ns = (ks + 1) * nst / MMA_KS - st0;
+    const int half_k = K >> 1, nsc = NV ? K >> 4 : K >> 5;
+    const bool okg = o0 + g < O, ok8 = o0 + g + 8 < O, sl = t < 2;
+    // next step's weights / scales of rows g and g+8 (advanced by fetch)
+    const u8* pw = wb + (i64)(o0 + g) * half_k + 16 * t + 64 * st0;
+    const u8* ps = sb + (i64)(o0 + g) * nsc + (NV ? 4 : 2) * t + (NV ? 8 : 4) * st0;
+    const u8* pw8 = pw + 8 * (i64)half_k;
+    const u8* ps8 = ps + 8 * (i64)nsc;
+    const bool sg = sl && okg, s8 = sl && ok8;
+    // scale defaults where nothing is loaded (lanes t >= 2, rows >= O): 1.0 (their partials are 0).
+    // MXFP4: the 2 e8m0 bytes (blocks 2t, 2t+1) of a row in one word (decoded on the FMA pipe,
+    // mma_fold_e8m0); NVFP4: the 4 e4m3 bytes (blocks 2t, 2t+1 x halves 0, 1) in one word
+    const u32 sdef = NV ? 0x38383838u : 0x7f7fu;
+    uint4 rw[D][2];
+    u32 rs[D][2];
+    auto fetch = [&](int d) {
+        rw[d][0] = okg ? ldg16(pw) : make_uint4(0, 0, 0, 0);
+        rw[d][1] = ok8 ? ldg16(pw8) : make_uint4(0, 0, 0, 0);
+        if (NV) {
+            rs[d][0] = sg ? __ldg(reinterpret_cast<const u32*>(ps)) : sdef;
+            rs[d][1] = s8 ? __ldg(reinterpret_cast<const u32*>(ps8)) : sdef;
+        } else {
+            rs[d][0] = sg ? (u32)__ldg(reinterpret_cast<const unsigned short*>(ps)) : sdef;
+            rs[d][1] = s8 ? (u32)__ldg(reinterpret_cast<const unsigned short*>(ps8)) : sdef;
+        }
+        pw += 64;
+        pw8 += 64;
+        ps += NV ? 8 : 4;
+        ps8 += NV ? 8 : 4;
+    };
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+        if (d < ns) fetch(d);
+    // stage x of the segment (f16 x 2^s, pair order) while the first weights are in flight
+    const int n16 = ns * 16;
+    const u16* xseg = xrow + 128 * st0;
+    u32 mx2 = 0;
+    for (int i = lane; i < n16; i += 32) {
+        const uint4 v = ldg16(xseg + 8 * i);
+        mx2 = __vmaxu2(mx2, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                     __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
+        xs[i] = v;
+    }
+    const u32 mx = __reduce_max_sync(0xffffffffu, max(mx2 & 0xffffu, mx2 >> 16));
+    const int s = mx == 0u ? 0 : min(126, max(-126, 142 - (int)(mx >> 7)));
+    const float up = pow2f(s), down = pow2f(-s);
+    for (int i = lane; i < n16; i += 32) {
+        const uint4 v = xs[i];
+        uint4 o;
+        o.x = f16x2_rn(__fmul_rn(bf16lo(v.x), up), __fmul_rn(bf16lo(v.z), up));
+        o.y = f16x2_rn(__fmul_rn(bf16hi(v.x), up), __fmul_rn(bf16hi(v.z), up));
+        o.z = f16x2_rn(__fmul_rn(bf16lo(v.y), up), __fmul_rn(bf16lo(v.w), up));
+        o.w = f16x2_rn(__fmul_rn(bf16hi(v.y), up), __fmul_rn(bf16hi(v.w), up));
+        xs[i] = o;
+    }
+    __syncwarp();
+    const bool bl = g == t;  // this lane holds B (x of block t at its k-slots); others keep zeros
+    uint4 xb[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) xb[c] = make_uint4(0, 0, 0, 0);
+    float accg = 0.0f, acc8 = 0.0f;
+    for (int b0 = 0; b0 < ns; b0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int st = b0 + d;
+            if (st >= ns) break;  // warp-uniform
+            if (bl) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) xb[c] = xs[16 * st + 4 * t + c];
+            }
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                if (NV && c == 2) {  // half 0 of blocks 2t, 2t+1 done: scale bytes 0 and 2
+                    accg = __fmaf_rn(acc[0], e4m3_to_f32(rs[d][0] & 0xffu), accg);
+                    accg = __fmaf_rn(acc[1], e4m3_to_f32((rs[d][0] >> 16) & 0xffu), accg);
+                    acc8 = __fmaf_rn(acc[2], e4m3_to_f32(rs[d][1] & 0xffu), acc8);
+                    acc8 = __fmaf_rn(acc[3], e4m3_to_f32((rs[d][1] >> 16) & 0xffu), acc8);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[q] = 0.0f;
+                }
+                u32 hg[4], h8[4];
+                e2m1x8_to_f16x2(word_of(rw[d][0], c), hg);
+                e2m1x8_to_f16x2(word_of(rw[d][1], c), h8);
+                mma16816(acc, hg[0], h8[0], hg[1], h8[1], xb[c].x, xb[c].y);
+                mma16816(acc, hg[2], h8[2], hg[3], h8[3], xb[c].z, xb[c].w);
+            }
+            if (NV) {  // half 1: scale bytes 1 and 3
+                accg = __fmaf_rn(acc[0], e4m3_to_f32((rs[d][0] >> 8) & 0xffu), accg);
+                accg = __fmaf_rn(acc[1], e4m3_to_f32(rs[d][0] >> 24), accg);
+                acc8 = __fmaf_rn(acc[2], e4m3_to_f32((rs[d][1] >> 8) & 0xffu), acc8);
+                acc8 = __fmaf_rn(acc[3], e4m3_to_f32(rs[d][1] >> 24), acc8);
+            } else {
+                accg = mma_fold_e8m0(acc[0], rs[d][0] << 23, accg);            // byte 0; bit 31: |.|
+                accg = mma_fold_e8m0(acc[1], __umulhi(rs[d][0], 1u << 24) << 23, accg);  // byte 1
+                acc8 = mma_fold_e8m0(acc[2], rs[d][1] << 23, acc8);
+                acc8 = mma_fold_e8m0(acc[3], __umulhi(rs[d][1], 1u << 24) << 23, acc8);
+            }
+            if (st + D < ns) fetch(d);  // step st + D into the slot just used
+        }
+    }
+    // lanes t = 0, 1 hold blocks {0,1} and {2,3} of every step: add the pair (same bits in both)
+    accg = __fadd_rn(accg, __shfl_xor_sync(0xffffffffu, accg, 1));
+    acc8 = __fadd_rn(acc8, __shfl_xor_sync(0xffffffffu, acc8, 1));
+    if (t == 0) {
+        // FP4_MMA_PLACE: the weights were e2m1 * 2^-14 (one more exact power of two)
+        part[g] = FP4_MMA_PLACE ? __fmul_rn(__fmul_rn(accg, down), 16384.0f) : __fmul_rn(accg, down);
+        part[g + 8] = FP4_MMA_PLACE ? __fmul_rn(__fmul_rn(acc8, down), 16384.0f) : __fmul_rn(acc8, down);
+    }
+    __syncwarp();  // the staging area is reused by this warp's next task
+}
+
+DEV void mma_zero_task(float* part) {
+    const int lane = threadIdx.x & 31;
+    if (lane < 16) part[lane] = 0.0f;
+}
+
+// dynamic shared memory of an _mma launch: W staging areas, then the partials [2 NT][16] f32
+// and the combine order [16] int (ops.experts computes the same size)
+struct MmaSmem {
+    uint4* xs;
+    float* part;
+    int* order;
+    DEV MmaSmem(uint4* base, int K, int W, int NT) {
+        xs = base;
+        part = reinterpret_cast<float*>(base + W * mma_seg_words(K));
+        order = reinterpret_cast<int*>(part + 2 * NT * 16);
+    }
+    DEV uint4* warp_xs(int K) const { return xs + (threadIdx.x >> 5) * mma_seg_words(K); }
+};
+
+// the row of term `term` after its two segments (NVFP4: times weight_scale_2)
+DEV float mma_row(const float* part, int term, int r, float ws2, bool nv) {
+    const float v = __fadd_rn(part[(2 * term) * 16 + r], part[(2 * term + 1) * 16 + r]);
+    return nv ? __fmul_rn(v, ws2) : v;
+}
+
+}  // namespace
+
+extern __shared__ uint4 fp4_mma_smem[];
+
+#define GEMV_FP4_MMA(NAME, NV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
+    NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY();                               \
+        const i64 slot = blockIdx.y;                                                              \
+        const int o0 = blockIdx.x * 16, W = blockDim.x >> 5, warp = threadIdx.x >> 5;             \
+        const int e = __ldg(expert_ids + slot);                                                   \
+        u16* yr = y + slot * ld_y;                                                                \
+        if (e < 0) {                                                                              \
+            if (threadIdx.x < 16 && o0 + (int)threadIdx.x < O) yr[o0 + threadIdx.x] = 0;          \
+            return;                                                                               \
+        }                                                                                         \
+        MmaSmem sm(fp4_mma_smem, K, W, 1);                                                        \
+        const u8* wb = reinterpret_cast<const u8*>(__ldg(wptr + e));                             \
+        const u8* sb = reinterpret_cast<const u8*>(__ldg(sptr + e));                             \
+        for (int task = warp; task < 2; task += W)                                                \
+            mma_task<NV>(wb, sb, x + (slot / x_div) * (i64)K, O, K, o0, task, sm.warp_xs(K),       \
+                         sm.part + 16 * task);                                                    \
+        __syncthreads();                                                                          \
+        const int r = threadIdx.x;                                                                \
+        if (r < 16 && o0 + r < O)                                                                 \
+            yr[o0 + r] = (u16)f32_to_bf16(mma_row(sm.part, 0, r, NV ? __ldg(ws2 + e) : 1.0f, NV)); \
+    }
+
+GEMV_FP4_MMA(gemv_mxfp4_mma, false)
+GEMV_FP4_MMA(gemv_nvfp4_mma, true)
+
+#define GEMV_FP4_GATEUP_MMA(NAME, NV)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
+    NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
+         const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
+         const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
+         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { PDL_ENTRY(); \
+        const i64 slot = blockIdx.y;                                                              \
+        const int o0 = blockIdx.x * 16, W = blockDim.x >> 5, warp = threadIdx.x >> 5;             \
+        const int e = __ldg(expert_ids + slot);                                                   \
+        u16* hr = h + slot * ld_h;                                                                \
+        if (e < 0) {                                                                              \
+            if (threadIdx.x < 16 && o0 + (int)threadIdx.x < O) hr[o0 + threadIdx.x] = 0;          \
+            return;                                                                               \
+        }                                                                                         \
+        MmaSmem sm(fp4_mma_smem, K, W, 2);                                                        \
+        const u16* xr = x + (slot / x_div) * (i64)K;                                              \
+        for (int task = warp; task < 4; task += W) {  /* term = task / 2 (W1, W3), segment task % 2 */ \
+            const bool up = task >= 2;                                                            \
+            mma_task<NV>(reinterpret_cast<const u8*>(__ldg((up ? w3ptr : w1ptr) + e)),             \
+                         reinterpret_cast<const u8*>(__ldg((up ? s3ptr : s1ptr) + e)), xr, O, K, o0, \
+                         task & 1, sm.warp_xs(K), sm.part + 16 * task);                           \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+        const int r = threadIdx.x;                                                                \
+        if (r < 16 && o0 + r < O) {                                                               \
+            const float a = round_bf16(mma_row(sm.part, 0, r, NV ? __ldg(ws2_1 + e) : 1.0f, NV)); \
+            const float u = round_bf16(mma_row(sm.part, 1, r, NV ? __ldg(ws2_3 + e) : 1.0f, NV)); \
+            const bool weighted = weight != nullptr;                                              \
+            hr[o0 + r] = (u16)f32_to_bf16(swiglu_value(a, u, weighted ? __ldg(weight + slot) : 1.0f, \
+                                                       weighted, limit));                         \
+        }                                                                                         \
+    }
+
+GEMV_FP4_GATEUP_MMA(gemv_mxfp4_gateup_mma, false)
+GEMV_FP4_GATEUP_MMA(gemv_nvfp4_gateup_mma, true)
+
+// down + combine: terms = the token's k picks (pick j: h row t*k + j, expert ids[t, j]); the
+// rounded pick rows are summed from 0 in ascending expert id (stable), then the shared row.
+#define GEMV_FP4_DOWN_MMA(NAME, NV)                                                                \
+    extern "C" __global__ void __launch_bounds__(384, FP4_MMA_MINB)                                          \
+    NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY(); \
+        const i64 tok = blockIdx.y;                                                               \
+        const int o0 = blockIdx.x * 16, W = blockDim.x >> 5, warp = threadIdx.x >> 5;             \
+        const int* ids = expert_ids + tok * k;                                                    \
+        MmaSmem sm(fp4_mma_smem, K, W, k);                                                        \
+        if ((int)threadIdx.x < k) {  /* stable rank of pick j: order[rank] = j */                 \
+            const int j = threadIdx.x, ej = __ldg(ids + j);                                       \
+            int rank = 0;                                                                         \
+            for (int i = 0; i < k; ++i) {                                                         \
+                const int ei = __ldg(ids + i);                                                    \
+                rank += (ei < ej || (ei == ej && i < j)) ? 1 : 0;                                 \
+            }                                                                                     \
+            sm.order[rank] = j;                                                                   \
+        }                                                                                         \
+        for (int task = warp; task < 2 * k; task += W) {                                          \
+            const int j = task >> 1, e = __ldg(ids + j);                                          \
+            if (e < 0) {                                                                          \
+                mma_zero_task(sm.part + 16 * task);                                               \
+                continue;                                                                         \
+            }                                                                                     \
+            mma_task<NV>(reinterpret_cast<const u8*>(__ldg(wptr + e)), reinterpret_cast<const u8*>(__ldg(sptr + e)), \
+                         h + (tok * k + j) * (i64)K, O, K, o0, task & 1, sm.warp_xs(K), sm.part + 16 * task); \
+        }                                                                                         \
+        __syncthreads();                                                                          \
+        const int r = threadIdx.x, o = o0 + r;                                                    \
+        if (r < 16 && o < O) {                                                                    \
+            float comb = 0.0f;                                                                    \
+            for (int rank = 0; rank < k; ++rank) {                                                \
+                const int j = sm.order[rank], e = __ldg(ids + j);                                 \
+                comb = __fadd_rn(comb, e >= 0 ? round_bf16(mma_row(sm.part, j, r, NV ? __ldg(ws2 + e) : 1.0f, NV)) \
+                                              : 0.0f);                                            \
+            }                                                                                     \
+            if (shared != nullptr) comb = __fadd_rn(comb, bf16_to_f32(__ldg(shared + tok * O + o))); \
+            y[tok * ld_y + o] = (u16)f32_to_bf16(comb);                                           \
+        }                                                                                         \
+    }
+
+GEMV_FP4_DOWN_MMA(gemv_mxfp4_down_combine_mma, false)
+GEMV_FP4_DOWN_MMA(gemv_nvfp4_down_combine_mma, true)
+
 // ==================================================================== prefill MoE (batched)
 // The chunk routine's routed experts (memra_dsv4/gpu/ops/prefill_moe.py): the tokens' picks are
 // laid out expert-sorted in a padded buffer (expert slot j of a group owns rows

@@ -356,6 +356,14 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                                          x_div=6, **w2)
             M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
                                                **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
+    for K in (256, 2048, 4096):  # the tensor-core variant (k = 16 at K = 4096: > 48 KB of shared memory)
+        for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):
+            M["experts"].gemv_fp4(fmt, u16(1, K), i32(6), tab, tab, 72, K, x_div=6, impl="mma", **nv)
+            M["experts"].gemv_fp4_gateup(fmt, u16(1, K), i32(6), tab, tab, tab, tab, 64, K, weight=f32(6), x_div=6,
+                                         impl="mma", **({"ws2_1": f32(4), "ws2_3": f32(4)} if nv else {}))
+            for k in (6, 16):
+                M["experts"].gemv_fp4_down_combine(fmt, u16(2 * k, K), i32(2, k), tab, tab, 64, K, shared=u16(2, 64),
+                                                   impl="mma", **nv)
     gu = u16(3, 256)
     M["moe"].swiglu(gu[:, :128], gu[:, 128:], 10.0, f32(3))
     M["moe"].swiglu(u16(3, 128), u16(3, 128), 0.0)

@@ -1,7 +1,7 @@
 """Achieved bandwidth of the decode GEMVs at Flash shapes, one GPU.
 
     python tools/bench_gemv.py [--device 0] [--reps 20] [--dense-only] [--rows-sweep]
-                               [--only-fp4] [--fp4-variants]
+                               [--only-fp4] [--fp4-variants] [--fp4-mma]
 
 Each kernel is timed alone as a CUDA graph of --reps copies, each copy followed by a 256 MB
 memset that evicts L2 (the memset graph alone is timed and subtracted), so the weights come
@@ -16,6 +16,13 @@ return the same bits and differ in speed only.
 tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
 down_combine's previous prefetch depth (now 4), for an old/new comparison in one run.
+
+--fp4-mma adds the tensor-core kernels of the two fused FP4 expert GEMVs (ops.experts impl="mma",
+gemv_*_mma in experts.cu) right after the CUDA-core rows, same inputs, and the same kernels built
+with FP4_MMA_PLACE=1 (bit-placement e2m1 decode; only meaningful if test_mma_place_decode_variant
+passes) and FP4_MMA_DEPTH=4 (ring depth; needs FP4_MMA_MINB=1, i.e. > 80 registers, fewer CTAs per
+SM): an A/B of "simt" vs "mma" in one run.
+    python tools/bench_gemv.py --only-fp4 --fp4-mma
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only-fp4", action="store_true", help="time only the FP4 expert kernels")
     ap.add_argument("--fp4-variants", action="store_true",
                     help="also time the FP4 expert kernels under other experts.cu tuning macros")
+    ap.add_argument("--fp4-mma", action="store_true",
+                    help="also time the tensor-core FP4 expert kernels (impl='mma') and their variants")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
@@ -133,10 +142,19 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
-    return _run(cases, a, bw, n_dense, EX)
+    n_simt = len(cases)
+    if a.fp4_mma:
+        cases.append(("gemv_fp4_gateup mxfp4 mma 6x[2x2048x4096]", k * 2 * fp4(I, D),
+                      lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"],
+                                                 sp["w3"], I, D, weight=wts, limit=10.0, out=h,
+                                                 x_div=k, impl="mma")))
+        cases.append(("gemv_fp4_down_combine mxfp4 mma 6x[4096x2048]", k * fp4(D, I),
+                      lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
+                                                       sp["w2"], D, I, shared=sh, out=out, impl="mma")))
+    return _run(cases, a, bw, n_dense, EX, n_simt)
 
 
-def _run(cases, a, bw, n_dense, EX) -> int:
+def _run(cases, a, bw, n_dense, EX, n_simt=None) -> int:
     from memra_dsv4.profiling.launches import record_launches, time_launches
 
     def report(name, nbytes, recs):
@@ -146,25 +164,32 @@ def _run(cases, a, bw, n_dense, EX) -> int:
     print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
     for name, nbytes, fn in cases:
         report(name, nbytes, record_launches(fn, ("bench_gemv.py",)))
+    import dataclasses
+
+    def rebuilt(rec, look):
+        """The recorded launch with the kernel of the same name from the variant build."""
+        stem, kname = rec.kernel.split(".", 1)
+        f = look(stem, kname)
+        smem = int(rec.kwargs.get("shared_mem", 0))
+        if smem + 1024 > 48 * 1024:   # as ops.experts.gemv_fp4_down_combine sets it
+            f.max_dynamic_shared_size_bytes = max(smem, 48 * 1024 + 1)
+        return dataclasses.replace(rec, fn=f)
+
     if a.fp4_variants:
-        import dataclasses
-
-        def rebuilt(rec, look):
-            """The recorded launch with the kernel of the same name from the variant build."""
-            stem, kname = rec.kernel.split(".", 1)
-            f = look(stem, kname)
-            smem = int(rec.kwargs.get("shared_mem", 0))
-            if smem + 1024 > 48 * 1024:   # as ops.experts.gemv_fp4_down_combine sets it
-                f.max_dynamic_shared_size_bytes = max(smem, 48 * 1024 + 1)
-            return dataclasses.replace(rec, fn=f)
-
         # "previous": the table-only decode at the old down ring depth (x staging is the new
         # batched one); "FP4_DN_DEPTH=2" isolates the ring depth (its gate/up row repeats the
         # default build: a noise estimate)
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2})]:
             look = EX.variant_kernels(defines)
-            for name, nbytes, fn in cases[n_dense:]:
+            for name, nbytes, fn in cases[n_dense:n_simt]:
+                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
+    if a.fp4_mma and n_simt is not None:
+        for label, defines in [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}),
+                               ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1})]:
+            look = EX.variant_kernels(defines)
+            for name, nbytes, fn in cases[n_simt:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     return 0

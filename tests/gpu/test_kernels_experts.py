@@ -7,6 +7,10 @@ Bounds:
   order, 5-level warp tree); |got - want| <= ulp_bf16(want) + GEMV_TERMS(K) * 2^-24 * sum_k |w x|
   with GEMV_TERMS(K) = 32 + K/1024 + 5 (the longest rounding chain), against the twin's
   correctly rounded float64 sum; slots are independent (one slot alone == the same slot in a batch).
+* tensor-core variant (impl="mma"): mma_bound (tensor-core truncating sums, the FFMA chain and
+  the f16 rounding of x below max|x| 2^-32; derivation above mma_terms), against the twin and
+  against the CUDA-core kernels; its fused kernels equal its plain GEMV + swiglu / combine bit
+  for bit.
 Flash sizes: 256 experts of w1/w3 [2048, 4096] (x_div = 6: slot s reads token s // 6) and
 w2 [4096, 2048]; tiny: [128, 256].
 """
@@ -263,3 +267,157 @@ def test_alu_odd_decode_same_bits_as_table(fmt, case):
     for name, a in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got):
         nz = int(((a & 0x7FFF) != 0).sum())
         assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, case=case)}"
+
+
+# ---------------------------------------------------------------- tensor-core variant (impl="mma")
+# Bound of gemv_*_mma against the twin's float64 sum (see the "tensor-core FP4 GEMVs" header in
+# kernels_cu/experts.cu): the weights are exact in f16 and every product is exact; the tensor core
+# adds each mma's products to its f32 accumulator with alignment to the largest term and
+# truncation (measured behaviour of NVIDIA f16 -> f32 MMA: Fasi, Higham, Mikaitis, Pranesh 2021):
+# <= (terms) 2^-23 max|term| per mma, <= 5 nonzero terms per column (4 products + the
+# accumulator), 8 chained mmas per 32-element block -> <= 80 2^-24 of the block's sum|w x|, taken
+# as 128; then the lane's FFMA chain (<= 4 per step and row: NVFP4), the pair add, the segment add
+# and ws2 (<= 4 ceil(K/256) + 8 roundings).  x is fed as f16(x 2^s) with max|x| 2^s in
+# [2^15, 2^16) per K segment: error <= 2^-25 2^-s <= 2^-40 max|x| per element, plus 2^-126 for
+# f32 subnormals flushed (-ftz) -> (2^-40 max|x| + 2^-126) sum|w|.  The final bf16 rounding: ulp.
+def mma_terms(K_in: int) -> int:
+    return 128 + 4 * (-(-K_in // 256)) + 8
+
+
+def mma_bound(want, absum, wsum, xmax, K_in):
+    return ulp_bf16(want) + mma_terms(K_in) * 2.0 ** -24 * absum + (2.0 ** -40 * xmax + 2.0 ** -126) * wsum
+
+
+def _f32(bits):
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash_w13", "flash_w2", "tiny", "odd", "wide_x"])
+def test_gemv_fp4_mma(fmt, case):
+    """gemv_fp4(impl="mma") against the twin (mma_bound) and against the CUDA-core kernel
+    (|mma - simt| within both bounds; >= 90 % identical bf16 outputs where x is ordinary: the f32
+    sums differ by ~2^-20 relative, a bf16 flip needs a value within that of a rounding boundary).
+    Cases: Flash w1/w3 [2048, 4096] with x_div 6 and w2 [4096, 2048]; tiny [128, 256] (one step per
+    K segment); odd [72, 384] (partial 16-row tile, 3 steps split 1 + 2); wide_x [64, 1024] with x
+    over 2^-20 .. 2^20 plus zeros (the per-segment f16 scaling; identical share not asserted)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, O_, K_in, T, topk = {"flash_w13": (256, 2048, 4096, 2, 6), "flash_w2": (256, 4096, 2048, 2, 6),
+                            "tiny": (8, 128, 256, 5, 2), "odd": (8, 72, 384, 3, 2),
+                            "wide_x": (8, 64, 1024, 3, 2)}[case]
+    ids = np.stack([rng.choice(E, topk, replace=False) for _ in range(T)]).astype(np.int32).reshape(-1)
+    ids[-1] = -1
+    S = ids.size
+    x_div = topk if case != "flash_w2" else 1
+    nx = S // x_div if x_div > 1 else S
+    x = rand_bf16(rng, (nx, K_in), 1.0, spread=20 if case == "wide_x" else 0)
+    if case == "wide_x":
+        x[rng.random(x.shape) < 0.05] = 0.0
+    used = sorted(set(int(i) for i in ids if i >= 0))
+    pg, sg, (wptr, sptr, ws2g) = _stack(rng, E, O_, K_in, used, fmt)
+    xg, ig = cp.asarray(bits_of(x)), cp.asarray(ids)
+    got = K.gemv_fp4(fmt, xg, ig, wptr, sptr, O_, K_in, x_div=x_div, ws2=ws2g, impl="mma")
+    ref = K.gemv_fp4(fmt, xg, ig, wptr, sptr, O_, K_in, x_div=x_div, ws2=ws2g, impl="simt")
+    ws2 = ws2g.get() if ws2g is not None else None
+    want = np.zeros((S, O_), np.float32)
+    absum = np.zeros((S, O_))
+    wsum = np.zeros((S, O_))
+    xmax = np.zeros((S, 1))
+    for s_ in range(S):
+        e = int(ids[s_])
+        if e < 0:
+            continue
+        packed, sc = pg[e].get(), sg[e].get()
+        W = dequant_mxfp4(packed, sc, "w") if fmt == "mxfp4" else dequant_nvfp4(packed, sc, ws2[e], "w")
+        xr = x[s_ // x_div]
+        want[s_] = O.linear(xr[None], W, "fp4")[0]
+        Wd = np.abs(W.astype(np.float64))
+        absum[s_] = Wd @ np.abs(xr.astype(np.float64))
+        wsum[s_] = Wd.sum(axis=1)
+        xmax[s_] = np.abs(xr).max()
+    gotf, reff = _f32(got.get()), _f32(ref.get())
+    bm = mma_bound(want, absum, wsum, xmax, K_in)
+    assert_within(gotf, want, bm, f"gemv_{fmt}_mma", seed, case=case)
+    bs = ulp_bf16(want) + gemv_terms(K_in) * 2.0 ** -24 * absum
+    assert_within(gotf, reff, bm + bs, f"gemv_{fmt}_mma vs CUDA-core", seed, case=case)
+    assert not got[-1].any(), f"gemv_{fmt}_mma: slot with expert -1 not zero {describe(seed, case=case)}"
+    live = ids >= 0
+    nz = int((got[cp.asarray(live)] & 0x7FFF).astype(cp.bool_).sum())
+    assert nz > 0.9 * live.sum() * O_, f"gemv_{fmt}_mma: only {nz} nonzero outputs {describe(seed, case=case)}"
+    if case != "wide_x":
+        same = float((got == ref)[cp.asarray(live)].mean())
+        assert same >= 0.9, f"gemv_{fmt}_mma: only {same:.3f} of outputs equal to the CUDA-core kernel's {describe(seed, case=case)}"
+    s = 1
+    one = K.gemv_fp4(fmt, xg[s // x_div: s // x_div + 1].copy(), ig[s:s + 1].copy(), wptr, sptr, O_, K_in,
+                     x_div=1, ws2=ws2g, impl="mma")
+    assert cp.array_equal(one[0], got[s]), f"gemv_{fmt}_mma: slot alone != in batch {describe(seed, case=case)}"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "tiny", "many_picks"])
+def test_fused_moe_mma_equals_unfused_mma(fmt, case):
+    """impl="mma": gemv_fp4_gateup == gemv(w1), gemv(w3), swiglu and gemv_fp4_down_combine ==
+    gemv(w2), combine, bit for bit (one row arithmetic, fixed by (o, K), whatever the CTA holds).
+    many_picks: k = 8 -> 16 warp tasks on 12 warps (warps run two tasks, reusing their staging)."""
+    from memra_dsv4.gpu.ops import moe as MOE
+
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, I, D, T, k = {"flash": (256, 2048, 4096, 3, 6), "tiny": (8, 128, 256, 4, 2),
+                     "many_picks": (16, 256, 512, 2, 8)}[case]
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[-1, 0] = -1
+    used = sorted(set(int(i) for i in ids.reshape(-1) if i >= 0))
+    keep = [_stack(rng, E, I, D, used, fmt) for _ in range(2)] + [_stack(rng, E, D, I, used, fmt)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
+    x = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
+    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+    flat = cp.asarray(ids.reshape(-1).copy())
+    a = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1, impl="mma")
+    u = K.gemv_fp4(fmt, x, flat, w3p, w3s, I, D, x_div=k, ws2=ws3, impl="mma")
+    h = MOE.swiglu(a, u, 10.0, wts)
+    routed = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2, impl="mma")
+    y = MOE.combine(routed.reshape(T, k, D), cp.asarray(ids), shared)
+    h2 = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                           ws2_1=ws1, ws2_3=ws3, impl="mma")
+    assert cp.array_equal(h2, h), f"fused gate/up (mma) != unfused {describe(seed, fmt=fmt, case=case)}"
+    y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl="mma")
+    assert cp.array_equal(y2, y), f"fused down+combine (mma) != unfused {describe(seed, fmt=fmt, case=case)}"
+    nz = int((y2 & 0x7FFF).astype(cp.bool_).sum())
+    assert nz > y2.size // 2, f"down+combine (mma): only {nz} of {y2.size} nonzero {describe(seed, fmt=fmt, case=case)}"
+    # and the fused mma kernels against the fused CUDA-core ones on the same inputs: equal outputs
+    # except where an f32 sum sits within ~2^-16 (relative) of a bf16 rounding boundary (gate/up:
+    # a flip of a or u changes h; down+combine is fed the same h, so only its own sums differ)
+    h3 = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                           ws2_1=ws1, ws2_3=ws3, impl="simt")
+    y3 = K.gemv_fp4_down_combine(fmt, h3, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl="simt")
+    y4 = K.gemv_fp4_down_combine(fmt, h3, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl="mma")
+    for name, p, q in (("gate/up", h2, h3), ("down+combine", y4, y3)):
+        same = float((p == q).mean())
+        assert same >= 0.9, f"{name}: mma == CUDA-core at only {same:.3f} {describe(seed, fmt=fmt, case=case)}"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma_place_decode_variant(fmt):
+    """FP4_MMA_PLACE=1 (e2m1 -> f16 by bit placement: code 1 = 2^-15 is an f16 SUBNORMAL fed to
+    the tensor core) against the twin with mma_bound.  Fails if the tensor core flushes f16
+    subnormal inputs (every +-0.5 weight would vanish); then the variant must not be used."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, O_, K_in, S = 4, 256, 2048, 3
+    ids = np.array([2, 0, 3], np.int32)
+    pg, sg, (wptr, sptr, ws2g) = _stack(rng, E, O_, K_in, [0, 2, 3], fmt)
+    x = rand_bf16(rng, (S, K_in), 1.0)
+    with K.kernels_from(K.variant_kernels({"FP4_MMA_PLACE": 1})):
+        got = K.gemv_fp4(fmt, cp.asarray(bits_of(x)), cp.asarray(ids), wptr, sptr, O_, K_in, ws2=ws2g, impl="mma")
+    gotf = _f32(got.get())
+    ws2 = ws2g.get() if ws2g is not None else None
+    for s_, e in enumerate(ids):
+        packed, sc = pg[e].get(), sg[e].get()
+        W = dequant_mxfp4(packed, sc, "w") if fmt == "mxfp4" else dequant_nvfp4(packed, sc, ws2[e], "w")
+        want = O.linear(x[s_][None], W, "fp4")[0]
+        Wd = np.abs(W.astype(np.float64))
+        bm = mma_bound(want, Wd @ np.abs(x[s_].astype(np.float64)), Wd.sum(axis=1), np.abs(x[s_]).max(), K_in)
+        assert_within(gotf[s_], want, bm, f"gemv_{fmt}_mma FP4_MMA_PLACE=1", seed, slot=s_)

@@ -10,6 +10,15 @@ gemv_fp4(fmt, x, expert_ids, wptr, sptr, O, K, ...)
 gemv_fp4_gateup(...)        fused gemv(w1), gemv(w3), moe.swiglu: the same bits, one launch
 gemv_fp4_down_combine(...)  fused gemv(w2) and moe.combine: the same bits, one launch
 
+impl="simt" | "mma" (default DEFAULT_IMPL = "simt") picks the kernels of the three FP4 GEMVs:
+    "simt": the CUDA-core kernels (gemv_*_k{1,2,4}; the validated default);
+    "mma":  the tensor-core kernels (gemv_*_mma, K % 128 == 0, K <= 4096): mma.sync m16n8k16 on
+            f16 weights (exact e2m1) and f16 x (times a per-segment power of two), f32
+            accumulate.  Same contracts, bf16 class, NOT the same bits as "simt" (summation order,
+            tensor-core sums, x below max|x| 2^-32 rounded); the fused _mma kernels equal
+            gemv_fp4(impl="mma") + swiglu / combine bit for bit.  Bound in
+            tests/gpu/test_kernels_experts.py (mma_bound).
+
 Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
 values of its tuning macros (the arithmetic does not depend on them), and
 `with kernels_from(variant): ...` routes the wrappers above to that build.
@@ -28,8 +37,40 @@ from memra_dsv4.gpu.ops._common import (check, cupy, device_id, dynamic_smem, gr
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     f"gemv_{fmt}{kind}_k{kpl}" for kind in ("", "_gateup", "_down_combine")
-    for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4))
+    for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4)) + tuple(
+    f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4"))
 kernel_loader.register(STEM, KERNELS)
+
+IMPLS = ("simt", "mma")
+DEFAULT_IMPL = "simt"    # the lead switches this after the GPU validation of "mma"
+
+# tensor-core launch geometry (kernels_cu/experts.cu, "tensor-core FP4 GEMVs"): a CTA owns 16 rows
+# of one slot (token) and all of its terms (plain 1, gate/up 2, down k), each cut into MMA_KS = 2
+# K segments = 2 * terms warp tasks on min(2 * terms, 12) warps
+MMA_ROWS = 16
+MMA_KS = 2
+MMA_MAX_WARPS = 12
+
+
+def _impl(impl) -> str:
+    impl = DEFAULT_IMPL if impl is None else impl
+    assert impl in IMPLS, f"FP4 GEMV impl {impl!r} (one of {IMPLS})"
+    return impl
+
+
+def _mma_check(K: int, what: str):
+    assert K % 128 == 0 and 0 < K <= 4096, f"{what}: impl='mma' needs K % 128 == 0 and K <= 4096 (K = {K})"
+
+
+def _mma_launch(kern, O: int, n_y: int, terms: int, K: int, args):
+    """Grid (ceil(O / 16), n_y), 32 * W threads, dynamic shared memory: W staging areas of
+    ceil(K / 256) * 256 bytes, the partials [2 * terms][16] f32 and the combine order [16] int32
+    (MmaSmem in experts.cu)."""
+    W = min(MMA_KS * terms, MMA_MAX_WARPS)
+    seg_bytes = ((K // 128 + MMA_KS - 1) // MMA_KS) * 16 * 16
+    smem = W * seg_bytes + MMA_KS * terms * MMA_ROWS * 4 + 16 * 4
+    dynamic_smem(kern, smem)
+    kern(((O + MMA_ROWS - 1) // MMA_ROWS, n_y), (32 * W,), args, shared_mem=smem)
 
 # FP4 GEMV launch geometry (kernels_cu/experts.cu): 256-thread CTAs of 8 warps, 2 resident per SM
 # (<= 128 registers); a warp group is R rows (the FP4_*_R macros of experts.cu). Each slot
@@ -91,11 +132,13 @@ def stacked_pointer_table(stacked):
     return cp.asarray(np.array([stacked.data.ptr + e * stride for e in range(E)], dtype=np.uint64))
 
 
-def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x_div: int = 1, ws2=None):
+def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x_div: int = 1, ws2=None,
+             impl=None):
     """fmt 'mxfp4' | 'nvfp4'.  x [n_x, K] bf16; expert_ids [S] int32 (< 0: zero row);
     wptr/sptr uint64 [E] (packed [O, K/2] u8; scales [O, K/32] e8m0 | [O, K/16] e4m3);
     ws2 f32 [E] (nvfp4) -> out [S, O] bf16 (rows may be strided).  Slot s reads x row s // x_div.
-    K % 32 == 0, K <= 4096."""
+    K % 32 == 0, K <= 4096 (impl 'mma': K % 128 == 0)."""
+    impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4: format {fmt!r}"
     check(x, "gemv_fp4.x", np.uint16, (None, K))
     check(expert_ids, "gemv_fp4.expert_ids", np.int32)
@@ -110,7 +153,12 @@ def gemv_fp4(fmt: str, x, expert_ids, wptr, sptr, O: int, K: int, out=None, *, x
     if out is None:
         out = out_array(None, "gemv_fp4.out", (S, O), np.uint16)
     check(out, "gemv_fp4.out", np.uint16, (S, O), rows_strided=True)
-    if S and O:
+    if S and O and impl == "mma":
+        _mma_check(K, "gemv_fp4")
+        _mma_launch(kernel(STEM, f"gemv_{fmt}_mma"), O, S, 1, K,
+                    (x, i32(x_div), expert_ids, wptr, sptr, null_or(ws2 if fmt == "nvfp4" else None),
+                     out, i32(row_stride(out)), i32(O), i32(K)))
+    elif S and O:
         kernel(STEM, f"gemv_{fmt}_k{kpl}")((_fp4_grid_x(O, GEMV_ROWS_PER_GROUP, S), S), (256,),
                                          (x, i32(x_div), expert_ids, wptr, sptr, null_or(ws2 if fmt == "nvfp4" else None),
                                           out, i32(row_stride(out)), i32(O), i32(K)))
@@ -132,9 +180,11 @@ def _tables(fmt, wptr, sptr, ws2, what):
 
 
 def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int, K: int, *, weight=None,
-                    limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None):
+                    limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None, impl=None):
     """h[s] = swiglu(bf16(W1_e x), bf16(W3_e x)) * weight[s] (limit <= 0: no clamp), e = expert_ids[s],
-    x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu."""
+    x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu
+    (with the same impl)."""
+    impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
     check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
     check(expert_ids, "gemv_fp4_gateup.expert_ids", np.int32)
@@ -147,7 +197,12 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     if out is None:
         out = out_array(None, "gemv_fp4_gateup.out", (S, O), np.uint16)
     check(out, "gemv_fp4_gateup.out", np.uint16, (S, O), rows_strided=True)
-    if S and O:
+    if S and O and impl == "mma":
+        _mma_check(K, "gemv_fp4_gateup")
+        _mma_launch(kernel(STEM, f"gemv_{fmt}_gateup_mma"), O, S, 2, K,
+                    (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight),
+                     np.float64(limit), out, i32(row_stride(out)), i32(O), i32(K)))
+    elif S and O:
         kernel(STEM, f"gemv_{fmt}_gateup_k{_kpl(K)}")(
             (_fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S), S), (256,),
             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
@@ -156,10 +211,11 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
 
 
 def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *, shared=None, out=None,
-                          ws2=None):
+                          ws2=None, impl=None):
     """y[t] = bf16(sum over picks in ascending expert id of bf16(W2_e h[t*k + j]) + shared[t]).
     h [T*k, K] bf16 (routing-weighted SwiGLU output); expert_ids [T, k] int32; shared [T, O] bf16
-    or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine."""
+    or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine (same impl)."""
+    impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_down_combine: format {fmt!r}"
     check(expert_ids, "gemv_fp4_down_combine.expert_ids", np.int32)
     assert expert_ids.ndim == 2 and expert_ids.shape[1] <= 16, "gemv_fp4_down_combine: expert_ids [T, k <= 16]"
@@ -171,7 +227,12 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
     if out is None:
         out = out_array(None, "gemv_fp4_down_combine.out", (T, O), np.uint16)
     check(out, "gemv_fp4_down_combine.out", np.uint16, (T, O), rows_strided=True)
-    if T and O:
+    if T and O and impl == "mma":
+        _mma_check(K, "gemv_fp4_down_combine")
+        _mma_launch(kernel(STEM, f"gemv_{fmt}_down_combine_mma"), O, T, k, K,
+                    (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)),
+                     i32(O), i32(K)))
+    elif T and O:
         kpl = _kpl(K)
         kern = kernel(STEM, f"gemv_{fmt}_down_combine_k{kpl}")
         smem = k * kpl * (4096 if kpl <= 2 else 2048)   # the token's k rows of h (f32 | bf16) in shared memory
