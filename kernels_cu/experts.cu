@@ -951,7 +951,7 @@ moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, co
 //     never stored; only the n8 tiles holding tokens < n are loaded and multiplied.
 //   * Items with 57..64 rows run a branch-free chunk (all 8 n8 tiles: the 8 B loads and the 32
 //     independent mma per word interleave); smaller ones the per-tile-branch form.  sm_90a, nvcc:
-//     ~200 registers, ~100 KB shared memory: 1 CTA of 8 warps per SM (FP4MMA_MINB 1); per chunk
+//     ~220 registers, ~135 KB shared memory: 1 CTA of 8 warps per SM (FP4MMA_MINB 1); per chunk
 //     and warp ~500 issued instructions in the full form, 128 of them HMMA.
 //   K % 128 == 0 (Flash: 4096, 2048; the wrapper checks), N any.
 namespace {
@@ -960,7 +960,7 @@ namespace {
 #define FP4MMA_WARPS 8  // warps per CTA (32 weight rows each)
 #endif
 #ifndef FP4MMA_STAGES
-#define FP4MMA_STAGES 3  // cp.async pipeline depth (chunks of 128 k in flight)
+#define FP4MMA_STAGES 4  // cp.async pipeline depth (chunks of 128 k; 1 CTA / SM, so smem is free: ~135 KB)
 #endif
 #ifndef FP4MMA_MINB
 #define FP4MMA_MINB 1  // resident CTAs per SM the register budget is set for
@@ -993,12 +993,9 @@ DEV void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-DEV uint4 lds128(const void* p) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(smem_addr(p)));
-    return v;
-}
+// a plain C++ load (the compiler sees the shared-memory read: ordered by the barriers, free to be
+// scheduled early); the pointers derive from the extern __shared__ array, so this is one LDS.128
+DEV uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // bf16 pairs (v01 = code 0 | code 1 << 16, ...) -> the PRMT tables {low bytes of codes 0-3, 4-7,
 // high bytes of codes 0-3, 4-7}

@@ -65,7 +65,7 @@ GEMMS = ("blaslt", "fp4mma")     # routed_moe(gemm=): dequant + cuBLASLt (defaul
 
 # fp4mma launch geometry: the FP4MMA_* macro defaults of kernels_cu/experts.cu (keep in step)
 MMA_WARPS = 8                    # warps per CTA, 32 weight rows each
-MMA_STAGES = 3                   # cp.async pipeline depth
+MMA_STAGES = 4                   # cp.async pipeline depth
 MMA_ROWS = 32 * MMA_WARPS        # weight rows per CTA (gate/up: MMA_ROWS / 2 indices of W1 and of W3)
 MMA_BN = 64                      # rows (picks) of one expert per work item
 MMA_KC = 128                     # k per stage; K % MMA_KC == 0
