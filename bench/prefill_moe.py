@@ -1,9 +1,13 @@
 """Micro-benchmark of the batched prefill MoE (gpu.ops.prefill_moe.routed_moe) on one GPU with
 full-size Flash experts (256 x MXFP4 w1/w3 [2048, 4096], w2 [4096, 2048], random bytes) and
 random top-6 routing: GPU time per layer (CUDA events around one call after a warm-up call that
-builds the cuBLASLt plans) and the projection to 43 layers.  Runs in well under a minute.
+builds the cuBLASLt plans) and the projection to 43 layers, for each GEMM arm (--gemm: "blaslt" =
+dequant into bf16 scratch + cuBLASLt batches, the default path; "fp4mma" = the FP4 tensor-core
+grouped GEMM on the stored bytes).  For fp4mma also the two kernels alone (gate/up + SwiGLU, down)
+and the stored FP4 bytes they read per layer against the copy bandwidth.  Runs in well under a
+minute.
 
-    python -m bench.prefill_moe --tokens 1,1024,8192
+    python -m bench.prefill_moe --tokens 1,1024,8192 --gemm blaslt,fp4mma
 """
 from __future__ import annotations
 
@@ -12,20 +16,36 @@ import time
 
 import numpy as np
 
+COPY_BW = 4.23e12   # measured H200 device copy bandwidth (bench/results), bytes / s
+
+
+def _events_ms(cp, fn, reps=1):
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(reps):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) / reps
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,1024,8192")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--gemm", default="blaslt,fp4mma", help="comma list of routed_moe(gemm=) arms")
     a = ap.parse_args(argv)
     import cupy as cp
     from memra_dsv4.config import preset
     from memra_dsv4.gpu.ops_glue import GemmBackend
-    from memra_dsv4.gpu.ops.prefill_moe import dispatch_plan, group_size, routed_moe
+    from memra_dsv4.gpu.ops import prefill_moe as PM
 
     cfg = preset("flash")
     E, k, D, I = 256, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    arms = [s.strip() for s in a.gemm.split(",") if s.strip()]
+    for arm in arms:
+        assert arm in PM.GEMMS, f"--gemm {arm!r} not in {PM.GEMMS}"
     with cp.cuda.Device(a.device):
         rs = cp.random.RandomState(0)
         experts = {}
@@ -33,31 +53,56 @@ def main(argv=None) -> int:
             packed = rs.randint(0, 256, size=(E, o, i // 2), dtype=cp.int32).astype(cp.uint8)
             scale = rs.randint(116, 123, size=(E, o, i // 32), dtype=cp.int32).astype(cp.uint8)
             experts[w] = (packed, scale)
+        per_expert_bytes = sum(int(p[0].nbytes + s[0].nbytes) for p, s in experts.values())
         g = GemmBackend(a.device, "blaslt")
         rng = np.random.default_rng(0)
-        print(f"group size {group_size(I, D)} experts; {a.layers} layers projected")
+        grp = PM.group_size(I, D)
+        print(f"group size {grp} experts; {a.layers} layers projected; arms {arms}")
         for T in [int(t) for t in a.tokens.split(",")]:
             x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
             idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
             wts = cp.asarray(rng.random((T, k)).astype(np.float32))
             shared = cp.zeros((T, D), dtype=cp.float32)
-            t0 = time.perf_counter()
-            routed_moe(g, x, idx, wts, experts, "mxfp4", cfg.swiglu_limit, shared)   # plans
-            cp.cuda.Device(a.device).synchronize()
-            warm = time.perf_counter() - t0
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            t0 = time.perf_counter()
-            e0.record()
-            routed_moe(g, x, idx, wts, experts, "mxfp4", cfg.swiglu_limit, shared)
-            e1.record()
-            host = time.perf_counter() - t0
-            e1.synchronize()
-            ms = cp.cuda.get_elapsed_time(e0, e1)
-            p = dispatch_plan(idx, group_size(I, D))
-            print(f"T={T:5d}: {ms:8.2f} ms/layer GPU ({host * 1e3:7.2f} ms host enqueue), "
-                  f"x{a.layers} = {ms * a.layers / 1e3:6.3f} s; {p.eids.size} experts in "
-                  f"{len(p.groups)} groups, {p.rows} padded rows for {T * k} picks "
-                  f"(first call incl. plans {warm * 1e3:.0f} ms)", flush=True)
+            p = PM.dispatch_plan(idx, grp)
+            fp4_bytes = p.eids.size * per_expert_bytes
+            res = {}
+            for arm in arms:
+                def call():
+                    return PM.routed_moe(g, x, idx, wts, experts, "mxfp4", cfg.swiglu_limit, shared, gemm=arm)
+                t0 = time.perf_counter()
+                out = call()                                   # plans / module load
+                cp.cuda.Device(a.device).synchronize()
+                warm = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                ms = _events_ms(cp, call)
+                host = time.perf_counter() - t0
+                res[arm] = (ms, out)
+                print(f"T={T:5d} {arm:7s}: {ms:8.2f} ms/layer GPU (incl. {host * 1e3:7.2f} ms wall), "
+                      f"x{a.layers} = {ms * a.layers / 1e3:6.3f} s; {p.eids.size} experts in "
+                      f"{len(p.groups)} groups, {p.rows} padded rows for {T * k} picks "
+                      f"(first call {warm * 1e3:.0f} ms)", flush=True)
+                if arm == "fp4mma":
+                    items_h = PM.mma_items(p)
+                    items = cp.asarray(items_h)
+                    xs = cp.zeros((p.rows, D), dtype=cp.uint16)
+                    hs = cp.zeros((p.rows, I), dtype=cp.uint16)
+                    ys = cp.empty((p.rows, D), dtype=cp.float32)
+                    flat = cp.asarray(np.maximum(p.flat, 0))
+                    wf = wts.reshape(-1)
+                    gu = _events_ms(cp, lambda: PM.fp4mma_gateup("mxfp4", experts["w1"], experts["w3"], items, xs,
+                                                                 wf, flat, cfg.swiglu_limit, hs), reps=3)
+                    dn = _events_ms(cp, lambda: PM.fp4mma_down("mxfp4", experts["w2"], items, hs, ys), reps=3)
+                    flops = 2 * 3 * T * k * I * D
+                    print(f"          fp4mma kernels: gate/up+SwiGLU {gu:7.3f} ms, down {dn:7.3f} ms "
+                          f"({len(items_h)} items); FP4 bytes {fp4_bytes / 1e9:.2f} GB -> "
+                          f"{fp4_bytes / ((gu + dn) * 1e-3) / COPY_BW * 100:5.1f} % of copy bw, "
+                          f"{flops / ((gu + dn) * 1e-3) / 1e12:6.1f} TFLOP/s useful", flush=True)
+            if len(res) == 2 and "blaslt" in res and "fp4mma" in res:
+                (mb, ob), (mm, om) = res["blaslt"], res["fp4mma"]
+                ob, om = ob.get().astype(np.float64), om.get().astype(np.float64)
+                rel = np.linalg.norm(om - ob) / max(np.linalg.norm(ob), 1e-30)
+                print(f"          A/B T={T}: fp4mma / blaslt = {mm / mb:5.3f} ({mb - mm:+.2f} ms/layer), "
+                      f"relL2(fp4mma, blaslt) = {rel:.2e}", flush=True)
     return 0
 
 

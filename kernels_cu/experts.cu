@@ -1260,3 +1260,444 @@ moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, co
     yo[0] = make_float4(o[0], o[1], o[2], o[3]);
     yo[1] = make_float4(o[4], o[5], o[6], o[7]);
 }
+
+// ============================================================ prefill MoE: FP4 grouped GEMM (mma)
+// fp4mma_gateup_{mxfp4,nvfp4} / fp4mma_down_{mxfp4,nvfp4}: the routed experts of a prefill chunk
+// as ONE launch per projection over all active experts, multiplying the expert-sorted bf16 rows
+// (prefill_moe.dispatch_plan's layout) by the experts' STORED FP4 bytes on tensor cores
+// (mma.sync m16n8k16 bf16 x bf16 -> f32).  Replaces, per group of experts, 3 dequant launches into
+// a bf16 scratch + 3 strided-batched cuBLASLt GEMMs + the SwiGLU launch (prefill_moe.py "fp4mma").
+//
+// Work: items[y] = {expert id e, first row r0 of the tile in xs / hs / ys, rows n (1..64), 0}: one
+//   expert's (up to) 64 consecutive rows; blockIdx.x = a tile of output rows (gate/up: 16 * WARPS
+//   indices i of both W1 and W3, down: 32 * WARPS rows of W2).  x fastest: the CTAs that share an
+//   item's activation rows (and an expert's weights, its items are adjacent) run together (L2).
+// THE ARITHMETIC: out[r, o] = sum_k W[o, k] a[r, k] with W[o, k] the EXACT bf16 the dequant kernels
+//   above write (dequant_mxfp4_bf16: e2m1 * 2^(S-127), every S incl. subnormal / inf / NaN results;
+//   dequant_nvfp4_bf16: bf16(f32(f32(e2m1 * e4m3) * ws2)), same f32 products, RNE; NaN stays NaN,
+//   its payload may differ), products exact in f32, f32 accumulation in the
+//   tensor core's order over 16-element steps, the steps in a fixed order (128-element chunks; in a
+//   chunk lane quad q's step w covers elements 32 q + 8 w .. + 7 of every row, see below).  So: the
+//   same products as cuBLASLt on the dequantised scratch, another f32 summation order (bf16 class).
+//   Epilogues: gate/up -> h[r, i] = bf16(swiglu_value(bf16(gate), bf16(up), wts[flat[r]], limit)),
+//   moe_swiglu_rows' formula bit for bit given the same gate / up; down -> ys[r, o] f32 (the
+//   combine rounds it to bf16, as it rounds the cuBLASLt output).
+//
+// LAYOUT.  CTA = WARPS warps; warp w owns 32 weight rows (two m16 tiles: gate/up = 16 indices of W1
+//   and the same 16 of W3, so gate and up of one (row, i) land in the same thread's registers and
+//   SwiGLU runs in registers) x the item's 64 tokens (8 n8 tiles; tiles past the item's rows are
+//   skipped, a warp-uniform branch).  Weights are the A operand (M = output rows), activations the
+//   B operand (N = tokens), so an expert with a few rows wastes n8, not m16, granules.
+//   * K permutation: in a 128-element chunk, lane (g, q) (g = lane / 4, q = lane % 4) reads the
+//     16 packed bytes of block q (elements 32 q .. 32 q + 31, ONE MXFP4 scale, two NVFP4 scales) of
+//     each of its 4 rows with one 16-byte LDS; word w (8 elements) feeds k-steps 2w, 2w + 1: the A
+//     fragment's k pairs (2q, 2q+1) / (2q+8, 2q+9) of step 2w+s are elements 8w+4s+(0,1) / (2,3).
+//     The B fragment of token g takes the SAME elements from one 16-byte LDS of the activation row:
+//     a bijection of the chunk's 128 k, identical on both sides, so the dot product is unchanged.
+//   * Decode (no LDS, no f32 math per element): per (row, block) an 8-entry table of the 8 scaled
+//     magnitudes as bf16, split into low bytes (2 registers) and high bytes (2 registers); per word
+//     of 8 nibbles, 4 PRMT look-ups (the 3-bit code is the PRMT byte index), 2 PRMT in sign mode (a
+//     negative nibble's selector MSB replicates a byte's bit 7: 0x80 -> 0xFF) give the signs, and
+//     4 PRMT interleave low / high bytes into the four bf16x2 fragment registers: 17 integer ops
+//     per 8 weights.  MXFP4 tables: the e2m1 bf16 patterns plus (S - 127) << 7 on both halves (one
+//     IADD per register pair; exact whenever every product is a normal bf16, 2 <= S <= 252; other S
+//     take mx_to_bf16 per code).  NVFP4 tables: the 8 f32 products of dequant_nvfp4_bf16 per code,
+//     RNE to bf16 (cvt.rn.bf16x2: the integer RNE of f32_to_bf16 for every non-NaN; NaN stays NaN).
+//   * Shared memory per stage (cp.async, FP4MMA_STAGES deep, one barrier per chunk): activations
+//     [64 tokens][128] bf16, the 16-byte granule j of token t at slot j ^ (((j >> 3) & 1) << 1) ^
+//     (t & 1) (a quarter-warp's 8 B-fragment loads then hit 8 distinct 16-byte bank groups); packed
+//     weights [32 * WARPS rows][64 B] (16 consecutive rows per m16 tile: conflict-free 16-byte LDS);
+//     scales [rows][4 | 8 B].  Rows >= N and tokens >= n are zero-filled (cp.async src-size 0) and
+//     never stored; only the n8 tiles holding tokens < n are loaded and multiplied.
+//   * Items with 57..64 rows run a branch-free chunk (all 8 n8 tiles: the 8 B loads and the 32
+//     independent mma per word interleave); smaller ones the per-tile-branch form.  sm_90a, nvcc:
+//     ~220 registers, ~135 KB shared memory: 1 CTA of 8 warps per SM (FP4MMA_MINB 1); per chunk
+//     and warp ~500 issued instructions in the full form, 128 of them HMMA.
+//   K % 128 == 0 (Flash: 4096, 2048; the wrapper checks), N any.
+namespace {
+
+#ifndef FP4MMA_WARPS
+#define FP4MMA_WARPS 8  // warps per CTA (32 weight rows each)
+#endif
+#ifndef FP4MMA_STAGES
+#define FP4MMA_STAGES 4  // cp.async pipeline depth (chunks of 128 k; 1 CTA / SM, so smem is free: ~135 KB)
+#endif
+#ifndef FP4MMA_MINB
+#define FP4MMA_MINB 1  // resident CTAs per SM the register budget is set for
+#endif
+constexpr int MMA_THREADS = 32 * FP4MMA_WARPS;
+constexpr int MMA_ROWS = 32 * FP4MMA_WARPS;  // weight rows per CTA (gate/up: half W1, half W3)
+constexpr int MMA_BN = 64;                   // tokens per item
+constexpr int MMA_KC = 128;                  // k per pipeline stage
+
+template <bool NV>
+struct MmaSmem {
+    static constexpr int SB = NV ? 8 : 4;              // scale bytes per row per chunk
+    static constexpr int X = MMA_BN * MMA_KC * 2;      // activations, bf16
+    static constexpr int W = MMA_ROWS * (MMA_KC / 2);  // packed e2m1
+    static constexpr int S = MMA_ROWS * SB;
+    static constexpr int STAGE = X + W + S;
+    static constexpr int TOTAL = STAGE * FP4MMA_STAGES;
+};
+
+DEV u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+DEV void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// a plain C++ load (the compiler sees the shared-memory read: ordered by the barriers, free to be
+// scheduled early); the pointers derive from the extern __shared__ array, so this is one LDS.128
+DEV uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// bf16 pairs (v01 = code 0 | code 1 << 16, ...) -> the PRMT tables {low bytes of codes 0-3, 4-7,
+// high bytes of codes 0-3, 4-7}
+DEV void split_table(u32 v01, u32 v23, u32 v45, u32 v67, u32 (&t)[4]) {
+    t[0] = prmt(v01, v23, 0x6420u);
+    t[1] = prmt(v45, v67, 0x6420u);
+    t[2] = prmt(v01, v23, 0x7531u);
+    t[3] = prmt(v45, v67, 0x7531u);
+}
+
+// MXFP4 block table: code c -> mx_to_bf16(c, S) (the dequant kernels' bits).  Fast form, valid for
+// 2 <= S <= 252 (0.5 * 2^(S-127) .. 6 * 2^(S-127) are normal bf16): the e2m1 bf16 patterns
+// 0, .5 | 1, 1.5 | 2, 3 | 4, 6 with (S - 127) added to the exponent field of both halves (each half
+// stays in [0, 0x7f80), so the 32-bit add is the two 16-bit adds).
+DEV void mx_table_fast(u32 S, u32 (&t)[4]) {
+    const u32 d = (S - 127u) * 0x00800080u;
+    split_table(0x3f000000u + ((S - 127u) << 23), 0x3fc03f80u + d, 0x40404000u + d, 0x40c04080u + d, t);
+}
+// any S (subnormal, inf and NaN products included), per code
+DEV void mx_table_exact(u32 S, u32 (&t)[4]) {
+    split_table(mx_to_bf16(0u, S) | (mx_to_bf16(1u, S) << 16), mx_to_bf16(2u, S) | (mx_to_bf16(3u, S) << 16),
+                mx_to_bf16(4u, S) | (mx_to_bf16(5u, S) << 16), mx_to_bf16(6u, S) | (mx_to_bf16(7u, S) << 16), t);
+}
+
+DEV u32 cvt_bf16x2(float lo, float hi) {  // RNE; lo -> bits 0..15
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// NVFP4 half-block table: code c -> bf16(f32(f32(e2m1(c) * e4m3(sb)) * ws2)), dequant_nvfp4_bf16's order
+DEV void nv_table(u32 sb, float ws2, u32 (&t)[4]) {
+    const float s = e4m3_to_f32(sb);
+    float v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) v[c] = __fmul_rn(__fmul_rn(e2m1_to_f32((u32)c), s), ws2);
+    split_table(cvt_bf16x2(v[0], v[1]), cvt_bf16x2(v[2], v[3]), cvt_bf16x2(v[4], v[5]), cvt_bf16x2(v[6], v[7]), t);
+}
+
+// 8 nibbles (element 2j low nibble of byte j) -> 4 bf16x2: r[j] = elements (2j, 2j+1)
+DEV void decode8(u32 w, const u32 (&t)[4], u32 (&r)[4]) {
+    const u32 m = w & 0x77777777u;  // magnitude codes: PRMT byte indices (nibbles 0..3 used)
+    const u32 mh = m >> 16;         // codes of elements 4..7
+    const u32 la = prmt(t[0], t[1], m), lb = prmt(t[0], t[1], mh);
+    u32 ha = prmt(t[2], t[3], m), hb = prmt(t[2], t[3], mh);
+    // sign mode: selector nibble MSB set (negative element) replicates bit 7 of the selected byte
+    // (every byte 0x80): 0x80 for +, 0xFF for -; bit 6 -> bit 7 is then the sign, XORed into the
+    // high byte (bf16 bit 15): -V(c), exactly what the dequant kernels' e2m1(8 | c) products give
+    // (a negative NVFP4 scale included)
+    const u32 sa = prmt(0x80808080u, 0x80808080u, w), sb = prmt(0x80808080u, 0x80808080u, w >> 16);
+    ha ^= (sa << 1) & 0x80808080u;
+    hb ^= (sb << 1) & 0x80808080u;
+    r[0] = prmt(la, ha, 0x5140u);
+    r[1] = prmt(la, ha, 0x7362u);
+    r[2] = prmt(lb, hb, 0x5140u);
+    r[3] = prmt(lb, hb, 0x7362u);
+}
+
+// weight row rho of the CTA tile -> output row o and matrix (gate/up: second = W3)
+template <bool GATEUP>
+DEV int mma_row(int rho, int n0, bool& second) {
+    if (GATEUP) {
+        second = ((rho >> 4) & 1) != 0;
+        return n0 + 16 * (rho >> 5) + (rho & 15);
+    }
+    second = false;
+    return n0 + rho;
+}
+
+// 16-byte / N-byte cp.async to a shared-memory ADDRESS (u32), zero-filled when !valid
+DEV void cp_async16_sa(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+template <int N>
+DEV void cp_async_ca_sa(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(valid ? N : 0));
+}
+
+// This thread's share of every stage's copies, resolved once per CTA (sources at chunk 0, stage
+// offsets): MMA_WPT weight granules (granule tid + THREADS u: row / 4, 16 B part % 4), one scale
+// row, XPT activation granules; invalid rows / tokens are zero-filled, tokens past the last
+// multiplied n8 tile are skipped.
+constexpr int MMA_WPT = MMA_ROWS * 4 / MMA_THREADS;  // weight granules per thread (4)
+constexpr int MMA_XPT = MMA_BN * 16 / MMA_THREADS;   // activation granules per thread
+static_assert(MMA_ROWS == MMA_THREADS && MMA_XPT * MMA_THREADS == MMA_BN * 16, "fp4mma copy split");
+
+template <bool NV>
+struct MmaCopies {
+    const u8* w[MMA_WPT];
+    u32 wd[MMA_WPT];
+    const u8* s;
+    u32 sd;
+    const u16* x[MMA_XPT];
+    u32 xd[MMA_XPT];
+    u32 wok, sok, xok, xuse;  // bit masks
+
+    template <bool GATEUP>
+    DEV void init(int n0, int N, int K, int ntok, int ntok8, const u8* pA, const u8* sA, const u8* pB,
+                  const u8* sB, const u16* act) {
+        using L = MmaSmem<NV>;
+        const int tid = threadIdx.x;
+        const i64 kb = K >> 1, sbr = K / (NV ? 16 : 32);
+        wok = sok = xok = xuse = 0u;
+#pragma unroll
+        for (int u = 0; u < MMA_WPT; ++u) {
+            const int i = tid + MMA_THREADS * u, rho = i >> 2, j = i & 3;
+            bool second;
+            const int o = mma_row<GATEUP>(rho, n0, second);
+            const u8* base = second ? pB : pA;
+            w[u] = o < N ? base + (i64)o * kb + 16 * j : base;
+            wok |= (o < N ? 1u : 0u) << u;
+            wd[u] = L::X + rho * 64 + 16 * j;
+        }
+        {
+            bool second;
+            const int o = mma_row<GATEUP>(tid, n0, second);
+            const u8* base = second ? sB : sA;
+            s = o < N ? base + (i64)o * sbr : base;
+            sok = o < N ? 1u : 0u;
+            sd = L::X + L::W + tid * L::SB;
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_XPT; ++u) {
+            const int i = tid + MMA_THREADS * u, tok = i >> 4, j = i & 15;
+            const int slot = j ^ (((j >> 3) & 1) << 1) ^ (tok & 1);
+            x[u] = tok < ntok ? act + (i64)tok * K + 8 * j : act;
+            xok |= (tok < ntok ? 1u : 0u) << u;
+            xuse |= (tok < ntok8 ? 1u : 0u) << u;
+            xd[u] = 2 * (tok * MMA_KC + 8 * slot);
+        }
+    }
+
+    // chunk c into the stage at shared address st
+    DEV void issue(u32 st, int c) const {
+        using L = MmaSmem<NV>;
+#pragma unroll
+        for (int u = 0; u < MMA_WPT; ++u) {
+            const bool ok = (wok >> u) & 1u;
+            cp_async16_sa(st + wd[u], ok ? w[u] + 64 * c : w[u], ok);
+        }
+        cp_async_ca_sa<L::SB>(st + sd, sok ? s + L::SB * c : s, sok != 0u);
+#pragma unroll
+        for (int u = 0; u < MMA_XPT; ++u) {
+            if ((xuse >> u) & 1u) {
+                const bool ok = (xok >> u) & 1u;
+                cp_async16_sa(st + xd[u], ok ? x[u] + MMA_KC * c : x[u], ok);
+            }
+        }
+    }
+};
+
+// One 128-k chunk of the warp's 32 rows x the item's n8 tiles (FULL: all 8, no per-tile branch, so
+// the B loads and the independent tiles' mma interleave freely).
+template <bool GATEUP, bool NV, bool FULL>
+DEV void fp4mma_chunk(const unsigned char* st, const int (&wrow)[4], const int (&xoff)[4], int q, int ntiles,
+                      float s2a, float s2b, float (&acc)[2][8][4]) {
+    using L = MmaSmem<NV>;
+    const u16* xs = reinterpret_cast<const u16*>(st);
+    const unsigned char* ws = st + L::X;
+    const unsigned char* ss = st + L::X + L::W;
+    uint4 wv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wv[i] = lds128(ws + wrow[i] * 64 + 16 * q);
+    u32 tb[4][4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        if (w == 0 || (NV && w == 2)) {
+            if (NV) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    nv_table(ss[wrow[i] * 8 + 2 * q + (w >> 1)], GATEUP && i >= 2 ? s2b : s2a, tb[i]);
+            } else {
+                u32 S[4];
+                bool odd = false;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    S[i] = ss[wrow[i] * 4 + q];
+                    odd |= S[i] - 2u > 250u;
+                }
+                if (__builtin_expect(odd, 0)) {  // some product is not a normal bf16 (never in real weights)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) mx_table_exact(S[i], tb[i]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) mx_table_fast(S[i], tb[i]);
+                }
+            }
+        }
+        u32 a[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) decode8(word_of(wv[i], w), tb[i], a[i]);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            if (FULL || nt < ntiles) {
+                const uint4 b = lds128(xs + nt * 8 * MMA_KC + xoff[w]);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma16816(acc[mt][nt], a[2 * mt][0], a[2 * mt + 1][0], a[2 * mt][1], a[2 * mt + 1][1], b.x, b.y);
+                    mma16816(acc[mt][nt], a[2 * mt][2], a[2 * mt + 1][2], a[2 * mt][3], a[2 * mt + 1][3], b.z, b.w);
+                }
+            }
+        }
+    }
+}
+
+template <bool GATEUP, bool NV>
+DEV void fp4mma_body(const u8* __restrict__ pa, const u8* __restrict__ sa, const u8* __restrict__ pb,
+                     const u8* __restrict__ sbp, i64 p_stride, i64 s_stride, const float* __restrict__ ws2a,
+                     const float* __restrict__ ws2b, const int* __restrict__ items, const u16* __restrict__ act,
+                     int N, int K, const float* __restrict__ wts, const int* __restrict__ flat, double limit,
+                     u16* __restrict__ hout, float* __restrict__ yout) {
+    using L = MmaSmem<NV>;
+    extern __shared__ __align__(128) unsigned char mma_smem[];
+    const i64 e = __ldg(items + 4 * blockIdx.y);
+    const i64 r0 = __ldg(items + 4 * blockIdx.y + 1);
+    const int ntok = __ldg(items + 4 * blockIdx.y + 2);
+    const int ntiles = (ntok + 7) >> 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    const int n0 = blockIdx.x * (GATEUP ? MMA_ROWS / 2 : MMA_ROWS);
+    const u8* pA = pa + e * p_stride;
+    const u8* sA = sa + e * s_stride;
+    const u8* pB = GATEUP ? pb + e * p_stride : pA;
+    const u8* sB = GATEUP ? sbp + e * s_stride : sA;
+    float s2a = 1.0f, s2b = 1.0f;
+    if (NV) {
+        s2a = __ldg(ws2a + e);
+        s2b = GATEUP ? __ldg(ws2b + e) : s2a;
+    }
+    const int nchunks = K / MMA_KC;
+    MmaCopies<NV> cps;
+    cps.template init<GATEUP>(n0, N, K, ntok, 8 * ntiles, pA, sA, pB, sB, act + r0 * K);
+    const u32 sm0 = smem_addr(mma_smem);
+
+#pragma unroll
+    for (int s = 0; s < FP4MMA_STAGES - 1; ++s) {
+        if (s < nchunks) cps.issue(sm0 + s * L::STAGE, s);
+        cp_async_commit();
+    }
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+
+    // this thread's 4 weight rows in the tile: m16 tile mt = i >> 1, rows g (i even) / g + 8 (i odd)
+    int wrow[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wrow[i] = 32 * warp + 16 * (i >> 1) + 8 * (i & 1) + g;
+    // B fragments: granule j = 4q + w of token 8 nt + g, at its swizzled slot (see issue)
+    int xoff[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) xoff[w] = g * MMA_KC + 8 * ((4 * q + w) ^ ((q >> 1) << 1) ^ (g & 1));
+
+    for (int c = 0; c < nchunks; ++c) {
+        cp_async_wait<FP4MMA_STAGES - 2>();
+        __syncthreads();  // chunk c landed for every thread; slot (c - 1) % STAGES is free
+        {
+            const int nc = c + FP4MMA_STAGES - 1;
+            if (nc < nchunks) cps.issue(sm0 + (nc % FP4MMA_STAGES) * L::STAGE, nc);
+            cp_async_commit();
+        }
+        const unsigned char* st = mma_smem + (c % FP4MMA_STAGES) * L::STAGE;
+        if (ntiles == 8)
+            fp4mma_chunk<GATEUP, NV, true>(st, wrow, xoff, q, ntiles, s2a, s2b, acc);
+        else
+            fp4mma_chunk<GATEUP, NV, false>(st, wrow, xoff, q, ntiles, s2a, s2b, acc);
+    }
+    cp_async_wait<0>();  // nothing real is pending (the tail commits are empty); leave no group behind
+
+    // epilogue: acc[mt][nt][2 hh + cc] = (row 16 mt + g + 8 hh of the warp, token 8 nt + 2 q + cc)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (nt >= ntiles) continue;
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+            const int tok = 8 * nt + 2 * q + cc;
+            if (tok >= ntok) continue;
+            const i64 p = r0 + tok;
+            if (GATEUP) {
+                const float wt = __ldg(wts + __ldg(flat + p));
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int o = n0 + 16 * warp + g + 8 * hh;
+                    if (o < N) {
+                        const float gv = round_bf16(acc[0][nt][2 * hh + cc]), uv = round_bf16(acc[1][nt][2 * hh + cc]);
+                        hout[p * N + o] = (u16)f32_to_bf16(swiglu_value(gv, uv, wt, true, limit));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int o = n0 + 32 * warp + 16 * mt + g + 8 * hh;
+                        if (o < N) yout[p * N + o] = acc[mt][nt][2 * hh + cc];
+                    }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// gate/up: hs[r0 + t, i] for the item's tokens t < n and i < N (= I); xs [P, K = D] bf16, w1 / w3
+// stacked [E, I, D/2] packed + [E, I, D/32 | D/16] scales (p_stride / s_stride bytes per expert),
+// wts [T * k] f32, flat [P] int32 (t * k + j of each row). grid (ceil(N / (16 WARPS)), items).
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP4MMA_MINB)
+fp4mma_gateup_mxfp4(const u8* __restrict__ w1p, const u8* __restrict__ w1s, const u8* __restrict__ w3p,
+                    const u8* __restrict__ w3s, long long p_stride, long long s_stride, const int* __restrict__ items,
+                    const u16* __restrict__ xs, const float* __restrict__ wts, const int* __restrict__ flat,
+                    u16* __restrict__ hs, int N, int K, double limit) { PDL_ENTRY();
+    fp4mma_body<true, false>(w1p, w1s, w3p, w3s, p_stride, s_stride, nullptr, nullptr, items, xs, N, K, wts, flat,
+                             limit, hs, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP4MMA_MINB)
+fp4mma_gateup_nvfp4(const u8* __restrict__ w1p, const u8* __restrict__ w1s, const u8* __restrict__ w3p,
+                    const u8* __restrict__ w3s, long long p_stride, long long s_stride, const float* __restrict__ ws2_1,
+                    const float* __restrict__ ws2_3, const int* __restrict__ items, const u16* __restrict__ xs,
+                    const float* __restrict__ wts, const int* __restrict__ flat, u16* __restrict__ hs, int N, int K,
+                    double limit) { PDL_ENTRY();
+    fp4mma_body<true, true>(w1p, w1s, w3p, w3s, p_stride, s_stride, ws2_1, ws2_3, items, xs, N, K, wts, flat, limit,
+                            hs, nullptr);
+}
+
+// down: ys[r0 + t, o] (f32) for t < n, o < N (= D); hs [P, K = I] bf16; w2 stacked [E, D, I/2].
+// grid (ceil(N / (32 WARPS)), items).
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP4MMA_MINB)
+fp4mma_down_mxfp4(const u8* __restrict__ w2p, const u8* __restrict__ w2s, long long p_stride, long long s_stride,
+                  const int* __restrict__ items, const u16* __restrict__ hs, float* __restrict__ ys, int N,
+                  int K) { PDL_ENTRY();
+    fp4mma_body<false, false>(w2p, w2s, nullptr, nullptr, p_stride, s_stride, nullptr, nullptr, items, hs, N, K,
+                              nullptr, nullptr, 0.0, nullptr, ys);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, FP4MMA_MINB)
+fp4mma_down_nvfp4(const u8* __restrict__ w2p, const u8* __restrict__ w2s, long long p_stride, long long s_stride,
+                  const float* __restrict__ ws2, const int* __restrict__ items, const u16* __restrict__ hs,
+                  float* __restrict__ ys, int N, int K) { PDL_ENTRY();
+    fp4mma_body<false, true>(w2p, w2s, nullptr, nullptr, p_stride, s_stride, ws2, nullptr, items, hs, N, K, nullptr,
+                             nullptr, 0.0, nullptr, ys);
+}

@@ -378,6 +378,12 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     PM.gather_rows(f32(4, 64), i32(5), u16(5, 64))
     PM.swiglu_rows(f32(5, 64), f32(5, 64), f32(8), i32(5), 10.0, u16(5, 64))
     PM.combine_sorted(f32(5, 64), i32(2, 4), f32(2, 64))
+    for fmt, blk in (("mxfp4", 32), ("nvfp4", 16)):
+        w13 = (u8(2, 128, 128), u8(2, 128, 256 // blk))       # [E, I = 128, D / 2], D = 256
+        w2 = (u8(2, 256, 64), u8(2, 256, 128 // blk))         # [E, D, I / 2]
+        PM.fp4mma_gateup(fmt, w13, w13, i32(3, 4), u16(10, 256), f32(12), i32(10), 10.0, u16(10, 128),
+                         None if fmt == "mxfp4" else (f32(2), f32(2)))
+        PM.fp4mma_down(fmt, w2, i32(3, 4), u16(10, 128), f32(10, 256), None if fmt == "mxfp4" else f32(2))
     from memra_dsv4.gpu.ops import kernel_names
 
     every = {n for names in kernel_names().values() for n in names}
@@ -396,3 +402,21 @@ def test_fp4_launch_geometry_matches_the_kernel_macros():
     assert macro == {"FP4_GV_R": EX.GEMV_ROWS_PER_GROUP, "FP4_GU_R": EX.GATEUP_ROWS_PER_GROUP,
                      "FP4_DN_R": EX.DOWN_ROWS_PER_GROUP}
     assert warps == EX.FP4_WARPS
+
+
+def test_fp4mma_launch_geometry_matches_the_kernel_macros():
+    """gpu/ops/prefill_moe.py sizes the fp4mma grids, blocks and dynamic shared memory from the
+    tile that kernels_cu/experts.cu compiles in (FP4MMA_WARPS, FP4MMA_STAGES, MMA_BN, MMA_KC):
+    pinned here so a retune of one side cannot silently mis-size the other."""
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        src = f.read()
+    macro = {m: int(v) for m, v in re.findall(r"#define (FP4MMA_(?:WARPS|STAGES)) (\d+)", src)}
+    assert macro == {"FP4MMA_WARPS": PM.MMA_WARPS, "FP4MMA_STAGES": PM.MMA_STAGES}
+    assert int(re.search(r"constexpr int MMA_BN = (\d+);", src).group(1)) == PM.MMA_BN
+    assert int(re.search(r"constexpr int MMA_KC = (\d+);", src).group(1)) == PM.MMA_KC
+    assert PM.MMA_ROWS == 32 * PM.MMA_WARPS
+    # the kernel's MmaSmem: stages x (activations + packed weights + scales)
+    assert PM.mma_smem_bytes("mxfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 4)
+    assert PM.mma_smem_bytes("nvfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 8)
+    assert PM.mma_smem_bytes("nvfp4") <= 227 * 1024

@@ -257,3 +257,198 @@ def test_store_helpers_one_pass(shape):
     if x.ndim == 2 and x.shape[1] > 2:
         view = cp.asarray(x)[:, ::2]
         assert np.array_equal(G.bf16_bits(view).get(), want_bits[:, ::2]), f"seed {seed}: strided"
+
+
+# ------------------------------------------------------------------ fp4mma (FP4 grouped GEMM)
+# Bounds and why (see also the module doc):
+# * one-hot rows (x = e_k): every output is ONE product W[o, k] * 1 plus exact zeros, so the
+#   kernels' decoded weights are compared EXACTLY with the dequant kernel's bf16 scratch (itself
+#   bit-identical to the twins), over the full scale range: MXFP4 S in [0, 252] (S < 2: the
+#   per-code fallback table, subnormal bf16 weights), NVFP4 every finite e4m3 byte and a ws2 that
+#   is not a power of two (the twin's two roundings), negative scales too.  Exception allowed:
+#   a subnormal bf16 weight read back as 0 (a tensor-core flush, not a decode difference: the
+#   cuBLASLt path multiplies the same subnormal bf16 on the same tensor cores).  Gate/up: h equals
+#   swiglu_rows (the same device function) applied to the exact gate / up, bit for bit.
+# * random rows: the down GEMM against float64 of the twin-dequantised weights within
+#   K * 2^-24 * sum_k |x w| (any f32 summation order), as test_mm_batched.
+# * rows outside the work items are never written (sentinels survive).
+_ITEM_SPLITS = {128: [1, 7, 64, 56], 256: [1, 8, 9, 64, 46, 64, 64]}   # 1 row, partial and full n8 tiles
+
+
+def _onehot_items(E, K, pad):
+    """Work items covering, per expert e, rows e * K + t (t < K) in the sizes _ITEM_SPLITS[K];
+    ``pad`` spare rows at the end belong to no item."""
+    items = []
+    for e in range(E):
+        t0 = 0
+        for n in _ITEM_SPLITS[K]:
+            items.append((e, e * K + t0, n, 0))
+            t0 += n
+        assert t0 == K
+    return np.asarray(items, np.int32), E * K + pad
+
+
+def _edge_stacked(rng, fmt, E, R, C):
+    packed = rng.integers(0, 256, (E, R, C // 2), dtype=np.uint8)
+    if fmt == "mxfp4":
+        scale = rng.integers(0, 253, (E, R, C // 32), dtype=np.uint8)       # 2^-127 .. 2^125
+        ws2 = None
+    else:
+        scale = rng.integers(0, 0xFF, (E, R, C // 16), dtype=np.uint8)      # every e4m3, both signs
+        scale[(scale & 0x7F) == 0x7F] = 0x3F                                  # ... but NaN
+        ws2 = (np.exp2(rng.integers(-12, -6, E)) * rng.uniform(1, 2, E)).astype(np.float32)
+    return packed, scale, ws2
+
+
+def _scratch(fmt, w, ws2, E):
+    """The dequant kernel's bf16 of all E experts as float32 [E, R, C] (host)."""
+    pk, sc = w
+    out = cp.empty((E, pk.shape[1], 2 * pk.shape[2]), dtype=cp.uint16)
+    PM.dequant_experts(fmt, pk, sc, cp.arange(E, dtype=cp.int32), out, ws2)
+    return (out.get().astype(np.uint32) << 16).view(np.float32)
+
+
+def _assert_decoded(got, want, what, seed, **ctx):
+    sub = (np.abs(want) < np.float32(2.0 ** -126)) & (want != 0)
+    ok = (got == want) | (np.isnan(got) & np.isnan(want)) | (sub & (got == 0))
+    assert ok.all(), (f"seed {seed}: {what}: {int((~ok).sum())} of {ok.size} decoded weights differ "
+                      f"(first at {np.argwhere(~ok)[0]}: got {got[~ok][0]!r}, want {want[~ok][0]!r}) {ctx}")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4mma_down_decodes_exactly(fmt):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, N, K, pad = 3, 300, 128, 16                         # N: a full and a partial CTA of rows
+    pk, sc, ws2 = _edge_stacked(rng, fmt, E, N, K)
+    w = (cp.asarray(pk), cp.asarray(sc))
+    ws2_d = None if ws2 is None else cp.asarray(ws2)
+    items, P = _onehot_items(E, K, pad)
+    x = np.zeros((P, K), np.uint16)
+    x[np.arange(E * K), np.arange(E * K) % K] = 0x3F80    # row e * K + t = e_t
+    ys = cp.full((P, N), np.nan, dtype=cp.float32)
+    PM.fp4mma_down(fmt, w, cp.asarray(items), cp.asarray(x), ys, ws2_d)
+    got = ys.get()
+    want = _scratch(fmt, w, ws2_d, E)                      # [E, N, K]
+    _assert_decoded(got[:E * K].reshape(E, K, N), want.transpose(0, 2, 1), "fp4mma_down one-hot", seed,
+                    fmt=fmt)
+    assert np.isnan(got[E * K:]).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_fp4mma_gateup_decodes_exactly(fmt, limit):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, I, D, pad = 2, 80, 256, 16                          # I: a partial CTA of indices
+    host = {m: _stacked(rng, fmt, E, I, D) for m in ("w1", "w3")}
+    w = {m: (cp.asarray(h[0]), cp.asarray(h[1])) for m, h in host.items()}
+    ws2 = None if fmt == "mxfp4" else {m: cp.asarray(h[2]) for m, h in host.items()}
+    items, P = _onehot_items(E, D, pad)
+    x = np.zeros((P, D), np.uint16)
+    x[np.arange(E * D), np.arange(E * D) % D] = 0x3F80
+    wts = (rng.random(P) * 0.5).astype(np.float32)
+    flat = np.arange(P, dtype=np.int32)
+    flat[E * D:] = -1
+    hs = cp.full((P, I), 0xABCD, dtype=cp.uint16)
+    PM.fp4mma_gateup(fmt, w["w1"], w["w3"], cp.asarray(items), cp.asarray(x), cp.asarray(wts),
+                     cp.asarray(flat), limit, hs, None if ws2 is None else (ws2["w1"], ws2["w3"]))
+    got = hs.get()
+    # the exact gate / up of row e * D + t: W[e][:, t]; then swiglu_rows, the same device function
+    gate = np.zeros((P, I), np.float32)
+    up = np.zeros((P, I), np.float32)
+    W1 = _scratch(fmt, w["w1"], None if ws2 is None else ws2["w1"], E)
+    W3 = _scratch(fmt, w["w3"], None if ws2 is None else ws2["w3"], E)
+    gate[:E * D] = W1.transpose(0, 2, 1).reshape(E * D, I)
+    up[:E * D] = W3.transpose(0, 2, 1).reshape(E * D, I)
+    want = PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat), limit,
+                          cp.empty((P, I), cp.uint16)).get()
+    assert np.array_equal(got[:E * D], want[:E * D]), (
+        f"seed {seed}: fp4mma_gateup one-hot: {int((got[:E * D] != want[:E * D]).sum())} h values differ "
+        f"from swiglu_rows of the exact gate / up ({fmt}, limit {limit})")
+    assert (got[E * D:] == 0xABCD).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("N,K", [(512, 2048), (256, 128), (4096, 256)])
+def test_fp4mma_down_bound(fmt, N, K):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E = 5
+    pk, sc, ws2 = _stacked(rng, fmt, E, N, K)
+    # items: repeated experts, gaps (rows of no item), 1-row and > 64-row experts cut in tiles
+    counts = {0: 1, 3: 130, 1: 9, 4: 64, 2: 33}
+    items, rows = [], 0
+    for e, c in counts.items():
+        rows += 3                                          # a gap before every expert
+        for t0 in range(0, c, 64):
+            items.append((e, rows + t0, min(64, c - t0), 0))
+        rows += c
+    items = np.asarray(items, np.int32)
+    P = rows + 5
+    x = rand_bf16(rng, (P, K), 1.0, spread=2)
+    ys = cp.full((P, N), np.nan, dtype=cp.float32)
+    PM.fp4mma_down(fmt, (cp.asarray(pk), cp.asarray(sc)), cp.asarray(items), cp.asarray(bits_of(x)), ys,
+                   None if ws2 is None else cp.asarray(ws2))
+    got = ys.get()
+    covered = np.zeros(P, bool)
+    for e, r0, n, _ in items:
+        covered[r0:r0 + n] = True
+        W = _twin_dequant(fmt, pk, sc, ws2, int(e)).astype(np.float64)
+        xb = x[r0:r0 + n].astype(np.float64)
+        want = xb @ W.T
+        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(W).T)
+        err = np.abs(got[r0:r0 + n] - want)
+        assert (err <= bound).all(), (f"seed {seed}: item {(e, r0, n)} err {np.nanmax(err):.3e} beyond the "
+                                      f"f32 bound ({fmt}, N {N}, K {K})")
+    assert np.isnan(got[~covered]).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,k,E,D,I,group,distinct", [
+    (1, 6, 16, 4096, 2048, None, True),      # decode-sized chunk, full-size matrices: 1 row / expert
+    (64, 6, 16, 4096, 2048, None, True),     # ~24 rows per expert (partial n8 tiles)
+    (200, 6, 8, 512, 256, None, True),       # 150 rows per expert: 3 items each, full tiles
+    (40, 2, 8, 256, 128, 3, True),           # tiny, several groups
+    (33, 4, 16, 512, 256, 5, False),         # small, repeated ids (hash tables), empty experts
+])
+def test_routed_moe_fp4mma(fmt, T, k, E, D, I, group, distinct):
+    """routed_moe(gemm="fp4mma") against the default path (dequant + cuBLASLt) and the float64
+    oracle, MOE_REL_L2 each (the GEMM sums run in another f32 order; everything around them is
+    the same)."""
+    seed = fresh_seed()
+    x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
+    with cp.cuda.Device(0):
+        g = G.GemmBackend(0, "blaslt")
+        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
+        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
+        got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group,
+                            gemm="fp4mma").get()
+        base = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group).get()
+    assert np.array_equal(got, round_bf16(got)), f"seed {seed}: output not bf16-valued"
+    r_base = _rel(got, base)
+    assert r_base <= MOE_REL_L2, f"seed {seed}: fp4mma vs blaslt path relL2 {r_base:.2e}"
+    routed = np.zeros((T, k, D), np.float32)
+    for e in np.unique(idx):
+        t, j = np.nonzero(idx == e)
+        W = {w: round_bf16(_twin_dequant(fmt, pk, sc, w2, int(e))) for w, (pk, sc, w2) in host.items()}
+        routed[t, j] = O.expert_ffn(x[t], W["w1"], W["w2"], W["w3"], limit=10.0, weight=wts[t, j])
+    want = O.moe_combine(routed, idx, shared)
+    r = _rel(got, want)
+    assert r <= MOE_REL_L2, f"seed {seed}: fp4mma vs float64 oracle relL2 {r:.2e} (blaslt {_rel(base, want):.2e})"
+
+
+def test_mma_items_cover_every_pick_once():
+    """CPU-side, but here with its kernels: the work items tile each expert's picks exactly."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    idx = rng.integers(0, 40, (300, 6)).astype(np.int64)
+    plan = PM.dispatch_plan(idx, 7)
+    items = PM.mma_items(plan)
+    cover = np.zeros(plan.rows, np.int64)
+    for e, r0, n, _ in items:
+        assert 1 <= n <= PM.MMA_BN
+        cover[r0:r0 + n] += 1
+        assert (idx.reshape(-1)[plan.flat[r0:r0 + n]] == e).all(), f"seed {seed}: item rows of another expert"
+    assert (cover[plan.src >= 0] == 1).all() and (cover[plan.src < 0] == 0).all(), f"seed {seed}"

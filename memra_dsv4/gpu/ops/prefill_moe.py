@@ -16,6 +16,11 @@ ONE host->device copy of the dispatch tables (``dispatch_plan``), and per group 
 ``group_size`` experts: 3 dequant launches into a bounded bf16 scratch, 2 batched GEMMs (gate,
 up), 1 SwiGLU launch, 1 batched GEMM (down); then one gather before and one combine after.
 No per-expert host round trip, no per-expert allocation.
+``gemm="fp4mma"`` (opt-in; default "blaslt" above): the same contract with the GEMMs run by two
+launches over ALL active experts that read the STORED FP4 bytes (kernels_cu/experts.cu "FP4
+grouped GEMM": decode to the exact bf16 the dequant kernels write, in registers, then
+mma.sync bf16 -> f32; SwiGLU fused into the gate/up epilogue): no bf16 scratch, no dequant
+launches, no gate/up f32 buffers; the work items (``mma_items``) ride in the same one upload.
 
 Layout (``dispatch_plan``, pure NumPy): the active experts, sorted by pick count (descending,
 ties by id) so a group's counts are alike, are cut into groups of ``group``; a group of n
@@ -33,6 +38,9 @@ Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
 ``gather_rows``      xs[p] = bf16(x[src[p]]), zeros for src < 0
 ``swiglu_rows``      h[p] = bf16(swiglu(bf16(gate[p]), bf16(up[p])) * wts[flat[p]]), 0 for padding
 ``combine_sorted``   y[t] = bf16(sum_j bf16(ys[pos[t, j]]) + shared[t]) (pos in ascending id)
+``fp4mma_gateup``    hs = swiglu_rows(xs . W1^T, xs . W3^T) per item, W decoded from the FP4 bytes
+                     (twin: the float64 products of the exact dequantised weights, f32-class bound)
+``fp4mma_down``      ys = hs . W2^T per item (f32, unrounded; same twin and bound)
 """
 
 from __future__ import annotations
@@ -42,16 +50,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, grid_stride_blocks, i32, kernel
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, grid_stride_blocks, i32, kernel
 
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16_experts", "dequant_nvfp4_bf16_experts", "moe_gather_bf16",
-           "moe_swiglu_rows", "moe_combine_sorted")
+           "moe_swiglu_rows", "moe_combine_sorted",
+           "fp4mma_gateup_mxfp4", "fp4mma_gateup_nvfp4", "fp4mma_down_mxfp4", "fp4mma_down_nvfp4")
 kernel_loader.register(STEM, KERNELS)
 
 SCRATCH_BUDGET_BYTES = 1 << 30   # bf16 scratch of one group's W1, W3, W2 (full Flash: 21 experts)
 MAX_GROUP = 32                   # more buys nothing: the batched GEMMs already fill the GPU
 ROW_ALIGN = 16                   # group starts: 16 rows x (D % 8 == 0) x >= 2 B = 256-B aligned
+GEMMS = ("blaslt", "fp4mma")     # routed_moe(gemm=): dequant + cuBLASLt (default) | FP4 tensor-core GEMM
+
+# fp4mma launch geometry: the FP4MMA_* macro defaults of kernels_cu/experts.cu (keep in step)
+MMA_WARPS = 8                    # warps per CTA, 32 weight rows each
+MMA_STAGES = 4                   # cp.async pipeline depth
+MMA_ROWS = 32 * MMA_WARPS        # weight rows per CTA (gate/up: MMA_ROWS / 2 indices of W1 and of W3)
+MMA_BN = 64                      # rows (picks) of one expert per work item
+MMA_KC = 128                     # k per stage; K % MMA_KC == 0
 
 
 def moe_bucket(m: int) -> int:
@@ -139,6 +156,27 @@ def dispatch_plan(idx_h, group: int, bucket=moe_bucket) -> DispatchPlan:
                         groups=tuple(groups), rows=int(row), src=src, flat=fl, pos=pos)
 
 
+def mma_items(plan: DispatchPlan, bn: int = MMA_BN) -> np.ndarray:
+    """The fp4mma work items of ``plan``: int32 [n, 4] = (expert id, first padded row, rows, 0),
+    every active expert cut into tiles of ``bn`` consecutive rows (its picks, not its padding), in
+    plan.eids order (an expert's tiles adjacent: their CTAs share its weights in L2)."""
+    rows = []
+    for gr in plan.groups:
+        for j in range(gr.n):
+            s = gr.slot0 + j
+            base, cnt, e = gr.row0 + j * gr.mb, int(plan.counts[s]), int(plan.eids[s])
+            for t0 in range(0, cnt, bn):
+                rows.append((e, base + t0, min(bn, cnt - t0), 0))
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
+
+
+def mma_smem_bytes(fmt: str) -> int:
+    """Dynamic shared memory of the fp4mma kernels (experts.cu MmaSmem): per stage activations
+    [MMA_BN][MMA_KC] bf16, packed weights [MMA_ROWS][MMA_KC / 2], scales [MMA_ROWS][4 | 8]."""
+    sb = 8 if fmt == "nvfp4" else 4
+    return MMA_STAGES * (MMA_BN * MMA_KC * 2 + MMA_ROWS * MMA_KC // 2 + MMA_ROWS * sb)
+
+
 # ------------------------------------------------------------------------------- kernels
 def dequant_experts(fmt: str, packed, scale, eids, out, ws2=None):
     """out[j] = bf16 dequant of expert eids[j] of the stacked packed [E, R, C/2] u8 / scale
@@ -218,9 +256,83 @@ def combine_sorted(ys, pos, shared, out=None):
     return out
 
 
+def _mma_weights(fmt, w, name):
+    """(packed [E, R, C/2] u8, scale [E, R, C/32 | C/16] u8) checked; returns (E, R, C)."""
+    packed, scale = w
+    check(packed, f"{name}.packed", np.uint8)
+    E, R, half = packed.shape
+    C = 2 * half
+    assert C % MMA_KC == 0, f"{name}: K = {C} must be a multiple of {MMA_KC} (fp4mma)"
+    check(scale, f"{name}.scale", np.uint8, (E, R, C // (32 if fmt == "mxfp4" else 16)))
+    return E, R, C
+
+
+def _mma_launch(name, fmt, grid_x, n_items, args):
+    assert n_items < 65536, f"{name}: {n_items} work items (grid.y limit 65535)"
+    k = kernel(STEM, name)
+    smem = dynamic_smem(k, mma_smem_bytes(fmt))
+    k((grid_x, n_items), (32 * MMA_WARPS,), args, shared_mem=smem)
+
+
+def fp4mma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None):
+    """hs[r0 + t, i] = bf16(swiglu_clamped(bf16(xs[r0+t] . W1_e[i]), bf16(xs[r0+t] . W3_e[i]),
+    limit, wts[flat[r0+t]])) for every item (e, r0, n, 0) of ``items`` [n_items, 4] int32 and
+    t < n, i < I; W = the exact bf16 dequantisation of the stored FP4 (never materialised);
+    f32 accumulation (kernels_cu/experts.cu "FP4 grouped GEMM").  w1, w3: (packed [E, I, D/2],
+    scale) stacked; xs [P, D] bf16 (uint16); wts [T*k] f32; flat [P] int32; hs [P, I] uint16
+    (rows outside the items untouched); ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4."""
+    assert fmt in ("mxfp4", "nvfp4"), f"fp4mma_gateup: format {fmt!r}"
+    E, I, D = _mma_weights(fmt, w1, "fp4mma_gateup.w1")
+    assert _mma_weights(fmt, w3, "fp4mma_gateup.w3") == (E, I, D), "fp4mma_gateup: w1 / w3 shapes differ"
+    assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
+    check(items, "fp4mma_gateup.items", np.int32, (None, 4))
+    check(xs, "fp4mma_gateup.xs", np.uint16, (None, D))
+    P = xs.shape[0]
+    check(wts, "fp4mma_gateup.wts", np.float32)
+    check(flat, "fp4mma_gateup.flat", np.int32, (P,))
+    check(hs, "fp4mma_gateup.hs", np.uint16, (P, I))
+    n = int(items.shape[0])
+    if n == 0:
+        return hs
+    ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
+    tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
+    if fmt == "mxfp4":
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss) + tail
+    else:
+        assert ws2 is not None and len(ws2) == 2, "fp4mma_gateup: NVFP4 needs ws2 = (w1, w3)"
+        for j, a in enumerate(ws2):
+            check(a, f"fp4mma_gateup.ws2[{j}]", np.float32, (E,))
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss, ws2[0], ws2[1]) + tail
+    _mma_launch(f"fp4mma_gateup_{fmt}", fmt, -(-I // (MMA_ROWS // 2)), n, args)
+    return hs
+
+
+def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None):
+    """ys[r0 + t, o] = hs[r0 + t] . W2_e[o] (f32 accumulation of the exact products, not rounded)
+    for every item (e, r0, n, 0) and t < n, o < D.  w2: (packed [E, D, I/2], scale) stacked;
+    hs [P, I] uint16; ys [P, D] f32 (rows outside the items untouched); ws2 f32 [E] (NVFP4)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"fp4mma_down: format {fmt!r}"
+    E, D, I = _mma_weights(fmt, w2, "fp4mma_down.w2")
+    check(items, "fp4mma_down.items", np.int32, (None, 4))
+    check(hs, "fp4mma_down.hs", np.uint16, (None, I))
+    check(ys, "fp4mma_down.ys", np.float32, (hs.shape[0], D))
+    n = int(items.shape[0])
+    if n == 0:
+        return ys
+    ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
+    tail = (items, hs, ys, i32(D), i32(I))
+    if fmt == "mxfp4":
+        args = (w2[0], w2[1], ps, ss) + tail
+    else:
+        check(ws2, "fp4mma_down.ws2", np.float32, (E,))
+        args = (w2[0], w2[1], ps, ss, ws2) + tail
+    _mma_launch(f"fp4mma_down_{fmt}", fmt, -(-D // MMA_ROWS), n, args)
+    return ys
+
+
 # ------------------------------------------------------------------------- orchestration
 def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, *,
-               ws2=None, group: int | None = None, ph: str | None = None):
+               ws2=None, group: int | None = None, ph: str | None = None, gemm: str = "blaslt"):
     """The MoE output y [T, D] f32 (bf16-valued) = combine(routed experts) + shared (module doc).
 
     g: ops_glue.GemmBackend of the current device; x [T, D] f32 bf16-valued; idx_h [T, k]
@@ -228,7 +340,11 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     "w3": (packed [E, out, in/2] u8, scale u8)}; ws2: {"w1", "w2", "w3": f32 [E] device} for
     NVFP4; shared [T, D] f32.  ph: the phase prefix (``.../ffn/moe``) under which the
     dispatch (host plan, the table upload, the gather), the experts (per group: dequant, GEMMs,
-    SwiGLU) and the combine are bracketed; None brackets nothing."""
+    SwiGLU) and the combine are bracketed; None brackets nothing.
+    gemm: "blaslt" (default) dequantises each group into the bf16 scratch and runs cuBLASLt
+    batches; "fp4mma" runs two launches for all experts (fp4mma_gateup, fp4mma_down) on the stored
+    FP4 bytes, no scratch (g unused; needs D % 128 == I % 128 == 0).  Same products, same
+    roundings around the GEMMs; the f32 summation order differs (bf16 class, not bitwise)."""
     from memra_dsv4.profiling import phase
     cp = cupy()
     x = cp.ascontiguousarray(x, dtype=cp.float32)
@@ -240,16 +356,32 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     k = idx_h.shape[1]
     assert idx_h.shape[0] == T, f"routed_moe: idx {idx_h.shape} vs x {x.shape}"
     check(wts, "routed_moe.wts", np.float32, (T, k))
+    assert gemm in GEMMS, f"routed_moe: gemm {gemm!r} not in {GEMMS}"
     grp = int(group or group_size(I, D))
     bracket = (lambda leaf: phase(f"{ph}/{leaf}")) if ph else (lambda leaf: _NO_PHASE)
     with bracket("dispatch"):
         plan = dispatch_plan(idx_h, grp)
         P, n_act = plan.rows, plan.eids.size
-        tab = cp.asarray(plan.table())                       # the one host->device copy
+        host_tab = plan.table()
+        if gemm == "fp4mma":
+            items_h = mma_items(plan)
+            host_tab = np.concatenate([host_tab, items_h.reshape(-1)])
+        tab = cp.asarray(host_tab)                           # the one host->device copy
         src, flat = tab[:P], tab[P:2 * P]
         pos = tab[2 * P:2 * P + T * k].reshape(T, k)
-        eids = tab[2 * P + T * k:]
+        eids = tab[2 * P + T * k:2 * P + T * k + n_act]
         xs = gather_rows(x, src, cp.empty((P, D), dtype=cp.uint16))
+    if gemm == "fp4mma":
+        items = tab[2 * P + T * k + n_act:].reshape(-1, 4)
+        hs = cp.empty((P, I), dtype=cp.uint16)
+        ys = cp.empty((P, D), dtype=cp.float32)
+        wflat = cp.ascontiguousarray(wts).reshape(-1)
+        with bracket("experts"):
+            fp4mma_gateup(fmt, experts["w1"], experts["w3"], items, xs, wflat, flat, limit, hs,
+                          None if ws2 is None else (ws2["w1"], ws2["w3"]))
+            fp4mma_down(fmt, experts["w2"], items, hs, ys, None if ws2 is None else ws2["w2"])
+        with bracket("combine"):
+            return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
     hs = cp.empty((P, I), dtype=cp.uint16)
     ys = cp.empty((P, D), dtype=cp.float32)
     gmax = max(gr.n * gr.mb for gr in plan.groups)
