@@ -440,6 +440,9 @@ def test_sparse_attention_decode_graph_replay_pdl(rope_tables):
             K.sparse_attention_decode(qg, kvg, pos, W, ratio, sel, K_, sg, scale, out=o, workspace=ws,
                                       inverse_rope=(pos, cg, sng))
 
+    with stream:
+        enqueue()  # load the module (and run once) before any capture
+    stream.synchronize()
     for pdl in (False, True):
         with pdl_launches(pdl):
             g = graphs.capture(stream, enqueue)
