@@ -134,6 +134,9 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
 # ----------------------------------------------------------------------------- decode form
 _N_COUNTERS = 64  # head groups per device the ticket counters cover (H / HG)
 _WS: dict[int, object] = {}  # device -> int32 [_N_COUNTERS] ticket counters (kept 0)
+# Upper bound of decode_mergers().  1 = the plain last-CTA pattern: the single merger is the last
+# arrival, which never waits (the merge of a whole head group then runs on one SM).
+MAX_DECODE_MERGERS = 8
 
 
 def decode_counters():
@@ -165,7 +168,7 @@ def decode_mergers(H: int, D: int, n_split: int) -> int:
     hg = head_group(H)
     slots, threads = hg * (D // 4), _HG_THREADS[hg]
     groups = H // hg
-    n = max(1, min(int(n_split), slots // threads))
+    n = max(1, min(int(n_split), slots // threads, MAX_DECODE_MERGERS))
     return max(1, min(n, (sm_count() - 1) // groups + 1))
 
 
