@@ -81,25 +81,51 @@ DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
     }
 }
 
+// Candidate j of the token's list (-1 = skip; j >= K: -1).  IdxCand reads the given list;
+// DecodeCand computes decode.cu build_cand's entry j from (pos, W, ratio, sel) where it is used
+// (the decode kernel: no build_cand launch, no list in memory; the same ints, so the same bits).
+struct IdxCand {
+    const int* __restrict__ row;
+    int K;
+    DEV int operator()(int j) const { return j < K ? __ldg(row + j) : -1; }
+};
+struct DecodeCand {
+    int p, W, ratio, K;
+    const int* __restrict__ sel;  // CSA: ascending entry ids, -1 padded; null: HCA (all entries)
+    int sel_w;
+    DEV int operator()(int j) const {  // build_cand, element j
+        if (j >= K) return -1;
+        if (j < W) {
+            const int t = max(p - W + 1, 0) + j;
+            return t <= p ? t % W : -1;
+        }
+        if (ratio <= 0) return -1;
+        const int k = j - W;
+        if (sel == nullptr) return k < (p + 1) / ratio ? W + k : -1;
+        if (k >= sel_w) return -1;
+        const int e = __ldg(sel + k);
+        return e >= 0 ? W + e : -1;
+    }
+};
+
 // One tile's TJ candidate rows into shared memory rows of LDS elements (D: the SIMT kernels;
 // D + 8: the tensor-core kernels' padded rows, conflict-free for ldmatrix), by NT threads.
-template <int D, int NT, int LDS = D>
-DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx_row,
-                    int K, int tile) {
+template <int D, int NT, int LDS = D, typename Cand>
+DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const Cand& cand, int tile) {
     constexpr int CPR = D / 8;  // 16-byte chunks per row
     for (int c = threadIdx.x; c < TJ * CPR; c += NT) {
         const int r = c / CPR, cc = c % CPR;
         const int j = tile * TJ + r;
-        const int id = j < K ? __ldg(idx_row + j) : -1;
+        const int id = cand(j);
         const u16* src = id >= 0 ? kv + (i64)id * ld_kv + 8 * cc : kv;
         cp_async16(buf + r * LDS + 8 * cc, src, id >= 0);
     }
     cp_async_commit();
 }
 
-template <int D, int HPW, int NW>
+template <int D, int HPW, int NW, typename Cand>
 DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
-                          const int* __restrict__ idx, int K, const float* __restrict__ sink,
+                          const Cand& cand, int K, const float* __restrict__ sink,
                           float scale, u16* __restrict__ out, int H, int probs_bf16, float* __restrict__ ws_ml,
                           float* __restrict__ ws_acc, OutRope orope) {
     using L = Lanes<D>;
@@ -113,7 +139,6 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     const int tps = (n_tiles + n_split - 1) / n_split;
     const int tile0 = blockIdx.z * tps;
     const int tile1 = min(n_tiles, tile0 + tps);
-    const int* idx_row = idx + t * K;
 
     float qf[HPW][NCH][U];
 #pragma unroll
@@ -133,11 +158,11 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
             for (int u = 0; u < U; ++u) A[hh][ch][u] = 0.0f;
     }
 
-    if (tile0 < tile1) issue_tile<D, NT>(smem, kv, ld_kv, idx_row, K, tile0);
+    if (tile0 < tile1) issue_tile<D, NT>(smem, kv, ld_kv, cand, tile0);
     for (int tile = tile0; tile < tile1; ++tile) {
         u16* buf = smem + ((tile - tile0) & 1) * (TJ * D);
         if (tile + 1 < tile1) {
-            issue_tile<D, NT>(smem + ((tile + 1 - tile0) & 1) * (TJ * D), kv, ld_kv, idx_row, K, tile + 1);
+            issue_tile<D, NT>(smem + ((tile + 1 - tile0) & 1) * (TJ * D), kv, ld_kv, cand, tile + 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -169,7 +194,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
             }
         }
         const int j_me = tile * TJ + lane;
-        const bool valid = j_me < K && __ldg(idx_row + j_me) >= 0;
+        const bool valid = cand(j_me) >= 0;
 
         // ---- per-tile softmax statistics and P.V
         float pv[HPW], mt[HPW], lt[HPW];
@@ -273,7 +298,8 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
          int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc,                    \
          const int* __restrict__ rope_pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
          int rope_R) { PDL_ENTRY();                                                                             \
-        sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, idx, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, \
+        sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, IdxCand{idx + (i64)blockIdx.x * K, K}, K, sink, scale, out, \
+                                     H, probs_bf16, ws_ml, ws_acc,                                 \
                                      OutRope{rope_pos, cos_t, sin_t, rope_R});                     \
     }
 
@@ -284,19 +310,26 @@ SPARSE_ATTN(sparse_attn_d128_hg16, 128, 2, 8)
 SPARSE_ATTN(sparse_attn_d128_hg8, 128, 1, 8)
 SPARSE_ATTN(sparse_attn_d128_hg4, 128, 1, 4)
 
-// Merge per-tile partials in tile order (the fused path's exact sequence) and write o.
-// grid (T, H), block D/4: thread owns 4 consecutive dims.
-template <int D>
-DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
-                                  const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
-                                  OutRope orope) {
-    const i64 th = (i64)blockIdx.x * H + blockIdx.y;
-    const int d0 = threadIdx.x * 4;
+// Merge per-tile partials in tile order (the fused path's exact sequence) and write o: the 4
+// consecutive dims d0.. of head h of token t.  CG: read the partials through L2 (ld.cg; the decode
+// kernel reads partials other CTAs of the same launch wrote), else the read-only path.
+template <bool CG>
+DEV float ld_part(const float* p) { return CG ? __ldcg(p) : __ldg(p); }
+template <bool CG>
+DEV float4 ld_part4(const float* p) {
+    return CG ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
+}
+
+template <int D, bool CG>
+DEV void merge_partials4(const float* ws_ml, const float* ws_acc, const float* __restrict__ sink,
+                         u16* __restrict__ out, i64 t, int h, int H, int n_tiles, int d0, const OutRope& orope) {
+    const i64 th = t * H + h;
     float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
     for (int tile = 0; tile < n_tiles; ++tile) {
         const i64 slot = th * n_tiles + tile;
-        const float mt = __ldg(ws_ml + 2 * slot), lt = __ldg(ws_ml + 2 * slot + 1);
-        const float4 at = __ldg(reinterpret_cast<const float4*>(ws_acc + slot * D + d0));
+        const float mt = ld_part<CG>(ws_ml + 2 * slot), lt = ld_part<CG>(ws_ml + 2 * slot + 1);
+        const float4 at = ld_part4<CG>(ws_acc + slot * D + d0);
         const float a4[4] = {at.x, at.y, at.z, at.w};
         const float Mn = fmaxf(M, mt);
         const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
@@ -305,12 +338,20 @@ DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* 
         for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
         M = Mn;
     }
-    const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + blockIdx.y), M)));
+    const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + h), M)));
     float o[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
-    out_rope<4>(o, d0, D, blockIdx.x, orope);
+    out_rope<4>(o, d0, D, t, orope);
     *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+}
+
+// grid (T, H), block D/4: thread owns 4 consecutive dims.
+template <int D>
+DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
+                                  const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
+                                  OutRope orope) {
+    merge_partials4<D, false>(ws_ml, ws_acc, sink, out, blockIdx.x, blockIdx.y, H, n_tiles, threadIdx.x * 4, orope);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -327,6 +368,92 @@ sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restric
                          const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
     sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
 }
+
+// ---------------------------------------------------------------------------------------------
+// sparse_attn_decode_d{D}_hg{HG}: the device step's sparse attention of ONE token in one launch,
+// byte-for-byte build_cand (decode.cu) + sparse_attn_d{D}_hg{HG} (split) + sparse_attn_combine_d{D}.
+//   * candidates: DecodeCand computes build_cand's entry j where the tile gather and the valid
+//     mask use it (pos from the device, W, ratio, the indexer's selection for CSA);
+//   * grid (1, H/HG, n_split): the split CTAs run sparse_attn_body exactly as the split kernel
+//     (same tiles, same per-tile partials in the same workspace layout).  n_split = 1: the fused
+//     path, out written by the body, nothing else happens;
+//   * merge: each CTA fences its partial writes and draws a ticket on its head group's counter
+//     (atomicAdd).  The CTAs that draw the last n_merge tickets are the mergers: merger m waits
+//     (thread 0 spins on an ld.acquire.gpu of the counter, with nanosleep) until all n_split
+//     tickets are drawn, fences, and merges slice m of the group's HG * D/4 four-dim slots (slot
+//     s -> head s / (D/4), dims 4 (s % (D/4)) ..; slots m*NT + tid, step n_merge*NT) with
+//     merge_partials4: the combine kernel's code, reading the partials through L2.  The last
+//     merger's tile-0.. merge order is the combine's, so the bits are the combine's.
+//     n_merge > 1 spreads the merge over several SMs (one CTA merging HG = 16 heads x 512 dims x
+//     20 tiles would read 640 KiB through one SM: slower than the separate combine launch).
+//   * forward progress of the wait: a merger waits only for CTAs of its own group that have not
+//     drawn a ticket yet; at most (H/HG) * (n_merge - 1) CTAs ever wait at once and the wrapper
+//     keeps that below the SM count, so a CTA still to be scheduled always finds a slot freed by a
+//     CTA that does not wait (and under PDL no dependent grid starts before every CTA of this one
+//     is resident).
+//   * counters: int32 [H/HG] per device (ops.attention.workspace(), made before any capture),
+//     zero before the launch and left zero: every merger adds 1 again after its wait, and the one
+//     that brings the count to n_split + n_merge resets it (all waits are over by then).  Graph
+//     replays and the next layer's launch start from 0.  Not for concurrent launches.
+template <int D, int HPW, int NW>
+DEV void sparse_attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
+                                 const int* __restrict__ pos, int W, int ratio, const int* __restrict__ sel,
+                                 int sel_w, int K, const float* __restrict__ sink, float scale,
+                                 u16* __restrict__ out, int H, int probs_bf16, float* ws_ml, float* ws_acc,
+                                 int* counters, int n_merge, OutRope orope) {
+    constexpr int NT = 32 * NW, HG = HPW * NW, SLOTS = HG * (D / 4);
+    const DecodeCand cand{__ldg(pos), W, ratio, K, sel, sel_w};
+    sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, cand, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, orope);
+    const int n_split = gridDim.z;
+    if (n_split == 1) return;
+    __shared__ int s_ticket;
+    int* cnt = counters + blockIdx.y;
+    __threadfence();  // this CTA's partials are visible device-wide before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) s_ticket = atomicAdd(cnt, 1);
+    __syncthreads();
+    const int m = s_ticket - (n_split - n_merge);
+    if (m < 0) return;
+    if (threadIdx.x == 0) {
+        for (;;) {
+            int c;
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(c) : "l"(cnt) : "memory");
+            if (c >= n_split) break;
+            asm volatile("nanosleep.u32 64;" ::: "memory");
+        }
+    }
+    __syncthreads();
+    __threadfence();  // every other CTA's partials, read below through L2
+    const int n_tiles = (K + TJ - 1) / TJ;
+    for (int s = m * NT + threadIdx.x; s < SLOTS; s += n_merge * NT)
+        merge_partials4<D, true>(ws_ml, ws_acc, sink, out, 0, blockIdx.y * HG + s / (D / 4), H, n_tiles,
+                                 (s % (D / 4)) * 4, orope);
+    if (threadIdx.x == 0 && atomicAdd(cnt, 1) == n_split + n_merge - 1) atomicExch(cnt, 0);
+}
+
+// q: [1, H, D] bf16; kv: [N, ld_kv] bf16; pos: [1] int32; W, ratio, sel [sel_w] int32 (CSA; null:
+// HCA), K: build_cand's arguments (K = the candidate list length); sink [H] f32; out [1, H, D] bf16;
+// ws_ml [H, n_tiles, 2], ws_acc [H, n_tiles, D] f32 (n_split > 1); counters int32 [H/HG] (zero);
+// 1 <= n_merge <= n_split; rope_* as SPARSE_ATTN.  grid (1, H/HG, n_split), block 32*NW, dynamic
+// smem 2*32*D*2 bytes.
+#define SPARSE_ATTN_DECODE(NAME, D, HPW, NW)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                          \
+    NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ pos, \
+         int W, int ratio, const int* __restrict__ sel, int sel_w, int K, const float* __restrict__ sink, \
+         float scale, u16* __restrict__ out, int H, int probs_bf16, float* ws_ml, float* ws_acc,   \
+         int* counters, int n_merge, const int* __restrict__ rope_pos, const float* __restrict__ cos_t, \
+         const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();                              \
+        sparse_attn_decode_body<D, HPW, NW>(q, kv, ld_kv, pos, W, ratio, sel, sel_w, K, sink, scale, out, H, \
+                                            probs_bf16, ws_ml, ws_acc, counters, n_merge,         \
+                                            OutRope{rope_pos, cos_t, sin_t, rope_R});              \
+    }
+
+SPARSE_ATTN_DECODE(sparse_attn_decode_d512_hg16, 512, 2, 8)
+SPARSE_ATTN_DECODE(sparse_attn_decode_d512_hg8, 512, 1, 8)
+SPARSE_ATTN_DECODE(sparse_attn_decode_d512_hg4, 512, 1, 4)
+SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg16, 128, 2, 8)
+SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg8, 128, 1, 8)
+SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg4, 128, 1, 4)
 
 // ---------------------------------------------------------------------------------------------
 // sparse_attn_mma_d{D}_hg{16*NHG}: the prefill form of the same attention, with the two products
@@ -397,9 +524,9 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
     const int h0 = blockIdx.y * HG + 16 * hgi;  // this warp's 16 heads
     const int dw0 = ds * DW;                     // this warp's dims
     const int n_tiles = (K + TJ - 1) / TJ;
-    const int* idx_row = idx + t * K;
+    const IdxCand cand{idx + t * K, K};
 
-    if (n_tiles > 0) issue_tile<D, NT, LDS>(smem, kv, ld_kv, idx_row, K, 0);
+    if (n_tiles > 0) issue_tile<D, NT, LDS>(smem, kv, ld_kv, cand, 0);
 
     // A fragments of Q (rows = heads h0 + g, h0 + g + 8; k = the warp's dims), straight from global;
     // heads >= H (H not a multiple of 16: small test models) are zero rows, computed, never stored
@@ -426,7 +553,7 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
     for (int tile = 0; tile < n_tiles; ++tile) {
         const u16* buf = smem + (tile & 1) * (TJ * LDS);
         if (tile + 1 < n_tiles) {
-            issue_tile<D, NT, LDS>(smem + ((tile + 1) & 1) * (TJ * LDS), kv, ld_kv, idx_row, K, tile + 1);
+            issue_tile<D, NT, LDS>(smem + ((tile + 1) & 1) * (TJ * LDS), kv, ld_kv, cand, tile + 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -434,7 +561,7 @@ DEV void sparse_attn_mma_body(const u16* __restrict__ q, const u16* __restrict__
         __syncthreads();
         // bit j: slot tile*32 + j holds a candidate (the same word in every warp: CTA-uniform)
         const int jl = tile * TJ + lane;
-        const u32 vmask = __ballot_sync(0xffffffffu, jl < K && __ldg(idx_row + jl) >= 0);
+        const u32 vmask = __ballot_sync(0xffffffffu, cand(jl) >= 0);
         if (vmask != 0u) {
             // ---- S partial over the warp's dims: 4 n-tiles (8 candidates) x KS k-steps
             float sp[4][4];

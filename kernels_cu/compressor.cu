@@ -27,6 +27,22 @@
 //   reads 128 pending rows).  norm_rope_sim (one row) places it by row_mode: ROW_GATE: out row 0;
 //   ROW_ENTRY: row (pos + 1) / r - 1 of out = the compressed cache (skipped past n_rows);
 //   ROW_RING: no gate, row pos % r of out = the window ring (r = W).
+// compress_emit_{fp8_d512,hadfp4_d128}: the decode emission chain of one compressor in ONE
+//   launch, byte-for-byte what compress_pool_{overlap,plain} (emit-gated) + norm_rope_sim
+//   (row_mode ROW_ENTRY, rope position pos + 1 - r) + decode.cu pending_advance write, in that
+//   order.  Gate closed ((pos + 1) % r != 0): every thread returns before touching memory.
+//   Gate open, one CTA of d threads (d = the pooled width = D):
+//     1. thread c pools channel c with the SAME routine as the pool kernels (pool_small<8> over
+//        the overlap candidates / pool_plain_channel over the r rows) into shared memory (the f32
+//        value the pool kernels store to the arena and norm_rope_sim reloads: same bits);
+//     2. __syncthreads: every read of the pending rows is done; then all threads run
+//        pending_advance's element loop (rows [0, r) <- rows [r, 2r) when overlapping, the
+//        current rows <- (0, -inf));
+//     3. threads < D/EPT (norm_rope_sim's CTA: same EPT dims per thread, same block reduction
+//        order; its two __syncthreads become a named barrier over those threads) post-process the
+//        pooled row into compressed row (pos + 1) / r - 1 (nothing past n_rows).
+//   The pending rows are [rows, C] f32, contiguous (ld = C): overlap r = 4, rows = 2r, C = 2d;
+//   plain rows = r, C = d.
 #include "common.cuh"
 
 using namespace memra;
@@ -78,6 +94,22 @@ DEV float pool_small(int n, Get get) {
     return __double2float_rn(__ddiv_rn(num, den));
 }
 
+// One channel of a plain (non-overlap) pool: rows kp[i * ld], zp[i * ld], i < r (compress_pool's
+// routine, the pool_small order with a runtime candidate count).  Plain loads: the decode emit
+// kernel rewrites these rows after reading them (no read-only cache path on data it writes).
+DEV float pool_plain_channel(const float* kp, const float* zp, int ld, int r) {
+    double m = f64_ninf();
+    for (int i = 0; i < r; ++i) m = fmax(m, (double)zp[(i64)i * ld]);
+    double den = 0.0, num = 0.0;
+    for (int i = 0; i < r; ++i) {
+        const double e = exp(__dsub_rn((double)zp[(i64)i * ld], m));
+        const double term = e > 0.0 ? __dmul_rn(e, (double)kp[(i64)i * ld]) : 0.0;
+        den = i == 0 ? e : __dadd_rn(den, e);
+        num = i == 0 ? term : __dadd_rn(num, term);
+    }
+    return __double2float_rn(__ddiv_rn(num, den));
+}
+
 }  // namespace
 
 // kv, score: [rows, ld] f32 (ld >= 2d; token rows 4k..4k+3 are block k); prev_kv, prev_score:
@@ -122,77 +154,32 @@ compress_pool_plain(const float* __restrict__ kv, const float* __restrict__ scor
     const int c = blockIdx.x * 128 + threadIdx.x;
     const i64 k = blockIdx.y;
     if (c >= d) return;
-    const float* kp = kv + k * r * (i64)ld + c;
-    const float* zp = score + k * r * (i64)ld + c;
-    double m = f64_ninf();
-    for (int i = 0; i < r; ++i) m = fmax(m, (double)__ldg(zp + (i64)i * ld));
-    double den = 0.0, num = 0.0;
-    for (int i = 0; i < r; ++i) {
-        const double e = exp(__dsub_rn((double)__ldg(zp + (i64)i * ld), m));
-        const double term = e > 0.0 ? __dmul_rn(e, (double)__ldg(kp + (i64)i * ld)) : 0.0;
-        den = i == 0 ? e : __dadd_rn(den, e);
-        num = i == 0 ? term : __dadd_rn(num, term);
-    }
-    out[k * ld_out + c] = __double2float_rn(__ddiv_rn(num, den));
+    out[k * ld_out + c] = pool_plain_channel(kv + k * r * (i64)ld + c, score + k * r * (i64)ld + c, ld, r);
 }
 
 namespace {
 
 enum { SIM_NONE = 0, SIM_FP8 = 1, SIM_HAD_FP4 = 2 };
 
-template <int D, int EPT, bool IN_F32, int SIM>
-DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict__ w, double eps,
-                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                           const int* __restrict__ pos, int R, u16* out, int ld_out,
-                           const int* __restrict__ gate_pos, int gate_r, int row_mode, int n_rows) {
-    if (gate_pos != nullptr) {
-        const int p = __ldg(gate_pos);
-        if (row_mode == ROW_RING) {            // ring row p % r (the window cache), no gate
-            out += (i64)(p % gate_r) * ld_out;
-        } else {
-            if ((p + 1) % gate_r != 0) return;  // emission gate
-            if (row_mode == ROW_ENTRY) {       // compressed row (p + 1) / r - 1
-                const int k = (p + 1) / gate_r - 1;
-                if (k >= n_rows) return;
-                out += (i64)k * ld_out;
-            }
-        }
-    }
-    constexpr int NT = D / EPT;
-    constexpr int NW = NT / 32;
-    static_assert(NT % 32 == 0, "one or more whole warps per row");
+// The post-processing of one row after its load: v[EPT] = this thread's dims d0 .. d0 + EPT - 1
+// (bf16 values in f32), rope_p = the row's rope position (read only by the rope slice's threads),
+// o_row = the output row.  bsum(x) = the sum of x over the row's D/EPT threads in block_sum's
+// order (warp_sum, then warp 0 + warp 1 + ...): every caller gets the same bits.
+template <int D, int EPT, int SIM, typename BlockSum>
+DEV void norm_rope_sim_core(float* v, int d0, const float* __restrict__ w, double eps,
+                            const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rope_p,
+                            int R, u16* o_row, BlockSum bsum) {
     static_assert(SIM != SIM_HAD_FP4 || (D == 128 && EPT == 4), "Hadamard path is one warp of 4 dims");
-    __shared__ double red[NW > 0 ? NW : 1];
-    const i64 row = blockIdx.x;
-    const int d0 = threadIdx.x * EPT;
-    float v[EPT];
-    if (IN_F32) {
-        const float* in = reinterpret_cast<const float*>(in_v) + row * ld_in + d0;
-#pragma unroll
-        for (int i = 0; i < EPT; i += 4) {
-            const float4 q = __ldg(reinterpret_cast<const float4*>(in + i));
-            v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
-            v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
-        }
-    } else {
-        const u16* in = reinterpret_cast<const u16*>(in_v) + row * ld_in + d0;
-#pragma unroll
-        for (int i = 0; i < EPT; i += 4) {
-            const uint2 q = __ldg(reinterpret_cast<const uint2*>(in + i));
-            v[i] = bf16lo(q.x); v[i + 1] = bf16hi(q.x);
-            v[i + 2] = bf16lo(q.y); v[i + 3] = bf16hi(q.y);
-        }
-    }
     double ss = 0.0;
 #pragma unroll
     for (int i = 0; i < EPT; ++i) ss = __fma_rn((double)v[i], (double)v[i], ss);
-    ss = block_sum<NW>(ss, red);
+    ss = bsum(ss);
     const double r = 1.0 / sqrt(ss / (double)D + eps);
 #pragma unroll
     for (int i = 0; i < EPT; ++i)
         v[i] = bf16_to_f32(f64_to_bf16(__dmul_rn((double)__ldg(w + d0 + i), __dmul_rn((double)v[i], r))));
     if (d0 >= D - R) {  // rope slice (D - R is a multiple of EPT)
-        const int p = __ldg(pos + row);
+        const int p = rope_p;
         const int j0 = (d0 - (D - R)) >> 1;
 #pragma unroll
         for (int i = 0; i < EPT; i += 2) {
@@ -225,7 +212,7 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict_
 #pragma unroll
         for (int i = 0; i < 4; ++i) v[i] = fp4_sim_value(v[i], e);
     }
-    u16* o = out + row * ld_out + d0;
+    u16* o = o_row + d0;
 #pragma unroll
     for (int i = 0; i < EPT; i += 4) {
         uint2 q;
@@ -233,6 +220,69 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict_
         q.y = pack_bf16x2(v[i + 2], v[i + 3]);
         *reinterpret_cast<uint2*>(o + i) = q;
     }
+}
+
+template <int D, int EPT, bool IN_F32, int SIM>
+DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict__ w, double eps,
+                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                           const int* __restrict__ pos, int R, u16* out, int ld_out,
+                           const int* __restrict__ gate_pos, int gate_r, int row_mode, int n_rows) {
+    if (gate_pos != nullptr) {
+        const int p = __ldg(gate_pos);
+        if (row_mode == ROW_RING) {            // ring row p % r (the window cache), no gate
+            out += (i64)(p % gate_r) * ld_out;
+        } else {
+            if ((p + 1) % gate_r != 0) return;  // emission gate
+            if (row_mode == ROW_ENTRY) {       // compressed row (p + 1) / r - 1
+                const int k = (p + 1) / gate_r - 1;
+                if (k >= n_rows) return;
+                out += (i64)k * ld_out;
+            }
+        }
+    }
+    constexpr int NT = D / EPT;
+    constexpr int NW = NT / 32;
+    static_assert(NT % 32 == 0, "one or more whole warps per row");
+    __shared__ double red[NW > 0 ? NW : 1];
+    const i64 row = blockIdx.x;
+    const int d0 = threadIdx.x * EPT;
+    float v[EPT];
+    if (IN_F32) {
+        const float* in = reinterpret_cast<const float*>(in_v) + row * ld_in + d0;
+#pragma unroll
+        for (int i = 0; i < EPT; i += 4) {
+            const float4 q = __ldg(reinterpret_cast<const float4*>(in + i));
+            v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
+            v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
+        }
+    } else {
+        const u16* in = reinterpret_cast<const u16*>(in_v) + row * ld_in + d0;
+#pragma unroll
+        for (int i = 0; i < EPT; i += 4) {
+            const uint2 q = __ldg(reinterpret_cast<const uint2*>(in + i));
+            v[i] = bf16lo(q.x); v[i + 1] = bf16hi(q.x);
+            v[i + 2] = bf16lo(q.y); v[i + 3] = bf16hi(q.y);
+        }
+    }
+    const int rope_p = d0 >= D - R ? __ldg(pos + row) : 0;
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, w, eps, cos_t, sin_t, rope_p, R, out + row * ld_out,
+                                    [&](double x) { return block_sum<NW>(x, red); });
+}
+
+// block_sum's arithmetic over the first NW warps of a larger CTA: a named barrier (id 1) over
+// those 32 * NW threads replaces __syncthreads (the other threads never reach it).  One call per
+// launch, so red needs no leading barrier.
+template <int NW>
+DEV double block_sum_first_warps(double v, double* red) {
+    v = warp_sum(v);
+    if (NW == 1) return v;
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) red[w] = v;
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory");
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < NW; ++i) s += red[i];
+    return s;
 }
 
 }  // namespace
@@ -256,3 +306,83 @@ NORM_ROPE_SIM(norm_rope_fp8_d128_f32in, 128, 4, true, SIM_FP8)
 NORM_ROPE_SIM(norm_rope_fp8_d128_bf16in, 128, 4, false, SIM_FP8)
 NORM_ROPE_SIM(norm_rope_hadfp4_d128_f32in, 128, 4, true, SIM_HAD_FP4)
 NORM_ROPE_SIM(norm_rope_hadfp4_d128_bf16in, 128, 4, false, SIM_HAD_FP4)
+
+namespace {
+
+// The decode emission chain (see the header): D = the pooled width, one CTA of D threads.
+template <int D, int EPT, int SIM>
+DEV void compress_emit_body(const int* __restrict__ pos, int r, int ovl, float* kv, float* score,
+                            const float* __restrict__ w, double eps, const float* __restrict__ cos_t,
+                            const float* __restrict__ sin_t, int R, u16* out, int ld_out, int n_rows) {
+    constexpr int NT = D / EPT;  // norm_rope_sim's threads
+    constexpr int NW = NT / 32;
+    static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
+    const int p = __ldg(pos);
+    if ((p + 1) % r != 0) return;  // the emission gate (uniform: the whole CTA leaves)
+    __shared__ __align__(16) float pooled[D];
+    __shared__ double red[NW];
+    const int c = threadIdx.x;
+    const int C = ovl ? 2 * D : D;  // pending row width = the row stride (contiguous rows)
+    // 1. pool channel c (compress_pool_overlap with kv = rows r.., prev = rows 0..3, entry 0;
+    //    compress_pool_plain with entry 0)
+    if (ovl) {
+        const float* cur_kv = kv + (i64)r * C;
+        const float* cur_sc = score + (i64)r * C;
+        pooled[c] = pool_small<8>(8, [&](int i, double& a, double& z) {
+            if (i < 4) {
+                a = kv[(i64)i * C + c];
+                z = score[(i64)i * C + c];
+            } else {
+                a = cur_kv[(i64)(i - 4) * C + D + c];
+                z = cur_sc[(i64)(i - 4) * C + D + c];
+            }
+        });
+    } else {
+        pooled[c] = pool_plain_channel(kv + c, score + c, C, r);
+    }
+    __syncthreads();  // all pending-row reads are done (and pooled is complete)
+    // 2. pending_advance's loop (the same elements, the same values)
+    {
+        const int o = ovl ? r : 0;
+        for (int i = threadIdx.x; i < r * C; i += D) {
+            const i64 cur = (i64)o * C + i;
+            if (ovl) {
+                kv[i] = kv[cur];
+                score[i] = score[cur];
+            }
+            kv[cur] = 0.0f;
+            score[cur] = f32_ninf();
+        }
+    }
+    // 3. norm_rope_sim (f32 input, ROW_ENTRY) on the pooled row, rope position p + 1 - r
+    if (threadIdx.x >= NT) return;
+    const int k = (p + 1) / r - 1;
+    if (k >= n_rows) return;  // uniform over the NT threads: the named barrier is never split
+    const int d0 = threadIdx.x * EPT;
+    float v[EPT];
+#pragma unroll
+    for (int i = 0; i < EPT; i += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(pooled + d0 + i);
+        v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
+        v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
+    }
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, w, eps, cos_t, sin_t, p + 1 - r, R, out + (i64)k * ld_out,
+                                    [&](double x) { return block_sum_first_warps<NW>(x, red); });
+}
+
+}  // namespace
+
+// pos: [1] int32 (the decoded token's position); kv, score: the pending rows [(ovl ? 2r : r), C]
+// f32, contiguous (ovl: r = 4, C = 2D; else C = D); w [D] f32; cos/sin [n_pos, R/2] f32; out: the
+// compressed cache [n_rows, ld_out] bf16.  grid 1, block D.
+#define COMPRESS_EMIT(NAME, D, EPT, SIM)                                                            \
+    extern "C" __global__ void __launch_bounds__(D)                                                 \
+    NAME(const int* __restrict__ pos, int r, int ovl, float* kv, float* score, const float* __restrict__ w, \
+         double eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R, u16* out, \
+         int ld_out, int n_rows) { PDL_ENTRY();                                                     \
+        compress_emit_body<D, EPT, SIM>(pos, r, ovl, kv, score, w, eps, cos_t, sin_t, R, out, ld_out, n_rows); \
+    }
+
+COMPRESS_EMIT(compress_emit_fp8_d512, 512, 8, SIM_FP8)
+COMPRESS_EMIT(compress_emit_fp8_d128, 128, 4, SIM_FP8)
+COMPRESS_EMIT(compress_emit_hadfp4_d128, 128, 4, SIM_HAD_FP4)

@@ -321,6 +321,11 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         M["compressor"].norm_rope_sim(f32(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode)
         M["compressor"].norm_rope_sim(u16(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode,
                                       out=u16(5, D)[1:3])
+    for r, ovl, D, mode in ((4, True, 512, "fp8"), (128, False, 512, "fp8"), (4, True, 128, "hadfp4"),
+                            (16, False, 128, "fp8")):
+        rows, C = (2 if ovl else 1) * r, (2 if ovl else 1) * D
+        M["compressor"].emit(i32(1), f32(rows, C), f32(rows, C), r, ovl, f32(D), 1e-6, f32(10, 32), f32(10, 32),
+                             mode, u16(5, D)[1:3])
     sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2), w_scale=0.011)
     M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(300, 128), i32(2), impl="mma")
     M["indexer"].topk(sc, i32(2), 4, order="index")
@@ -332,6 +337,13 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                                             probs_bf16=True, n_split=n_split)
             M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, n_split=n_split,
                                             inverse_rope=(i32(2), f32(9, 32), f32(9, 32)))
+    for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
+        for n_split in (1, 3):  # counters given: the fake arrays stay out of the per-device cache
+            M["attention"].sparse_attention_decode(u16(1, H, D), u16(200, D), i32(1), 128, 4, i32(8), 136, f32(H),
+                                                   0.1, probs_bf16=True, n_split=n_split, counters=i32(64))
+            M["attention"].sparse_attention_decode(u16(1, H, D), u16(200, D), i32(1), 128, 128, None, 150, f32(H),
+                                                   0.1, n_split=n_split, counters=i32(64),
+                                                   inverse_rope=(i32(1), f32(9, 32), f32(9, 32)))
     for H, D, hpc in ((64, 512, 16), (64, 512, 32), (16, 128, 16)):
         M["attention"].sparse_attention_mma(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, probs_bf16=True,
                                             heads_per_cta=hpc)

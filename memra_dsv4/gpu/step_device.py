@@ -13,14 +13,16 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * q: q_norm, wq_b, head_rms + RoPE fused; kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim)
   written straight into ring row pos % W (the LayerCache ring / compressed rows are views of
   one [W + n, hd] buffer, so attention indexes it directly);
-* compressor emission, gated on the device (no-ops unless (pos + 1) % r == 0): pool (overlap /
-  plain) over the pending rows, norm_rope_sim at kpos = pos + 1 - r straight into compressed
-  row (pos + 1) / r - 1, pending_advance;
+* compressor emission, gated on the device (a no-op unless (pos + 1) % r == 0), one launch per
+  compressor (compressor.emit): pool (overlap / plain) over the pending rows, norm_rope_sim at
+  kpos = pos + 1 - r straight into compressed row (pos + 1) / r - 1, pending_advance;
 * indexer: q GEMV + RoPE/Hadamard/FP4, then scores over the key rows with
   n_valid = (pos + 1) // 4 from the device and the top-k in index order in one launch
   (indexer_fused_d128: its last CTA selects through a per-device ticket counter);
-* build_cand (window chronological, then the compressed segment, -1 padded), sparse attention
-  with the inverse-RoPE epilogue;
+* sparse attention with the inverse-RoPE epilogue in ONE launch (attention.sparse_attention_decode:
+  build_cand's candidate list - window chronological, then the compressed segment, -1 padded -
+  computed in the kernel, split over CTAs, the partials merged by the CTAs that finish last
+  through a per-device ticket counter);
 * router logits + select (learned bias or hash tid2eid[tok]) on the device in one launch
   (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
@@ -129,6 +131,7 @@ class DeviceStep:
         """Load every kernel module, the hc split workspace and the router / indexer ticket
         counters before any capture."""
         from memra_dsv4.gpu import kernel_loader, ops, ops_decode
+        from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import hc as HC
         from memra_dsv4.gpu.ops import indexer as IX
         from memra_dsv4.gpu.ops import router as RT
@@ -137,8 +140,9 @@ class DeviceStep:
             for n in names:
                 loader.get(stem, n)
         HC.split_workspace(4, max(1, 4 * self.cfg.hidden_size // HC.SEG))
-        RT.workspace()  # router_fused_* / indexer_fused_d128 ticket counters (graphs bake
-        IX.workspace()  # their addresses)
+        RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket
+        IX.workspace()  # counters (graphs bake their addresses)
+        AT.decode_counters()
 
     def invalidate(self) -> None:
         """Prefill rewrote the caches in place (same addresses): graphs stay valid."""
@@ -324,34 +328,17 @@ class DeviceStep:
                 cur, oth = oth, cur
         return cur, oth
 
-    def _kpos(self, S, r: int):
-        i = S.ratios.index(r)
-        return S.v["dev.aux"][1 + i:2 + i]
-
     def _compress(self, S, L, pend, dst, indexer: bool) -> None:
         """The emission half of a compressor (its wkv / wgate GEMVs wrote this token's pending
-        row in the layer's GemvTable): pool, norm + RoPE + sim straight into compressed row
-        (pos + 1) / r - 1, then advance the pending rows; every kernel is a no-op unless
-        (pos + 1) % r == 0 (the emit gate reads pos on the device)."""
-        from memra_dsv4.gpu import ops_decode as DK
+        row in the layer's GemvTable) in ONE launch (compressor.emit: compress_emit_*): pool,
+        norm + RoPE (at kpos = pos + 1 - r) + sim straight into compressed row (pos + 1) / r - 1,
+        then advance the pending rows; a no-op unless (pos + 1) % r == 0 (the emit gate reads pos
+        on the device).  Byte-for-byte the former pool_* + norm_rope_sim(row="entry") +
+        pending_advance launches."""
         from memra_dsv4.gpu.ops import compressor as CM
-        cfg, v = self.cfg, S.v
         sub = "attn.indexer.compressor" if indexer else "attn.compressor"
-        r, ovl = pend.ratio, pend.overlap
-        C = pend.kv.shape[1]
-        d = C // 2 if ovl else C
-        pos = v["pos"]
-        gate = (pos, r)
-        pooled = v["dev.idx_pooled" if indexer else "cmp.pooled"][:d].reshape(1, d)
-        if ovl:
-            CM.pool_overlap(pend.kv[r:2 * r], pend.score[r:2 * r], 1, out=pooled,
-                            prev_kv=pend.kv[:r], prev_score=pend.score[:r], emit_gate=gate)
-        else:
-            CM.pool_plain(pend.kv, pend.score, r, 1, out=pooled, emit_gate=gate)
-        CM.norm_rope_sim(pooled, L.f32[f"{sub}.norm.weight"], cfg.rms_norm_eps, L.cos, L.sin,
-                         self._kpos(S, r), "hadfp4" if indexer else "fp8", out=dst,
-                         emit_gate=gate, row="entry")
-        DK.pending_advance(pos, pend.kv, pend.score, r, ovl)
+        CM.emit(S.v["pos"], pend.kv, pend.score, pend.ratio, pend.overlap, L.f32[f"{sub}.norm.weight"],
+                self.cfg.rms_norm_eps, L.cos, L.sin, "hadfp4" if indexer else "fp8", dst)
 
     def _indexer(self, S, L, cache):
         from memra_dsv4.gpu import ops_decode as DK
@@ -406,13 +393,11 @@ class DeviceStep:
                 K = W + cache.comp.shape[0]
             with phase(f"{ap}/compressor"):
                 self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
-        cand = v["attn.cand"][:K]
         o = v["attn.o"].reshape(1, H, hd)
-        with phase(f"{ap}/sparse_attention"):
-            DK.build_cand(pos, cand, W, L.ratio, sel)
-            AT.sparse_attention(q, cache.kv, cand.reshape(1, K), L.w("attn.attn_sink"),
-                                hd ** -0.5, out=o, n_split=None, workspace=v["dev.attn_ws"],
-                                inverse_rope=(pos, L.cos, L.sin))
+        with phase(f"{ap}/sparse_attention"):  # build_cand + split + combine in one launch
+            AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, L.w("attn.attn_sink"),
+                                       hd ** -0.5, out=o, workspace=v["dev.attn_ws"],
+                                       inverse_rope=(pos, L.cos, L.sin))
         with phase(f"{ap}/output"):
             w, sc = L.lin("attn.wo_a")
             DK.gemv_bf16(w, o, v["attn.u"], groups=cfg.o_groups, scale=sc)

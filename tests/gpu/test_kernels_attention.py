@@ -310,3 +310,165 @@ def test_chunk_routine_uses_mma_from_min_t(monkeypatch):
     rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
     print(f"\ntiny prefill({K.MMA_MIN_T}) logits, MMA vs SIMT attention: rel L2 {rel:.2e}")
     assert rel <= 0.5, f"MMA vs SIMT prefill logits rel L2 {rel:.2e}: not a near-tie flip"
+
+
+# ------------------------------------------------------------------ decode form (one launch)
+# sparse_attention_decode == ops_decode.build_cand + sparse_attention(n_split) (split kernel +
+# combine kernel), byte for byte, for every n_split / n_merge; the candidate list it computes
+# in-kernel == host.indices' canonical row (through the twin bound); its ticket counters are zero
+# after every launch, inside a CUDA graph replayed at changing positions, with PDL edges.
+DECODE_CASES = {
+    # name: H, D, W, ratio, sel width (CSA; None: HCA / window only), compressed rows
+    "flash_csa": (64, 512, 128, 4, 512, 1200),
+    "flash_hca": (64, 512, 128, 128, None, 96),
+    "flash_window_only": (64, 512, 128, 0, None, 0),
+    "tiny_csa": (4, 128, 8, 4, 2, 5),
+    "small_hca": (8, 128, 32, 16, None, 40),
+}
+
+
+def _decode_inputs(rng, H, D, W, n_comp):
+    q = rand_bf16(rng, (1, H, D), 1.0)
+    kv = kv_fp8_sim(rand_bf16(rng, (W + n_comp, D), 1.0, spread=1), 64)
+    sink = (rng.standard_normal(H) * 2).astype(np.float32)
+    return q, kv, sink
+
+
+def _decode_sel(rng, p, ratio, sel_w, n_comp):
+    """The indexer's output for position p: ascending entries < min((p+1)//ratio, n_comp), -1 padded."""
+    n_t = min((p + 1) // ratio, n_comp)
+    comp = np.sort(rng.choice(n_t, size=min(sel_w, n_t), replace=False)) if n_t else np.zeros(0, np.int64)
+    sel = np.full(sel_w, -1, np.int32)
+    sel[:comp.size] = comp
+    return sel
+
+
+def _decode_positions(rng, W, ratio):
+    r = max(ratio, 1)
+    return sorted({0, 3, W - 1, W, 4 * r - 1, int(rng.integers(W, 4096)), int(rng.integers(0, 4096))})
+
+
+def _host_cand(p, K, W, ratio, sel):
+    win = window_ring_slots(p, W)
+    if ratio == 0:
+        return np.concatenate([win, np.full(K - W, -1, np.int32)])
+    comp = np.arange((p + 1) // ratio, dtype=np.int32)[:K - W] if sel is None else sel
+    return candidate_row(win, comp, W, comp_width=K - W)
+
+
+@pytest.fixture(scope="module")
+def rope_tables():
+    from memra_dsv4.config import preset
+    from memra_dsv4.host.rope import layer_cos_sin
+    cos, sin = layer_cos_sin(preset("flash"), 2, np.arange(4096))
+    return cp.asarray(cos), cp.asarray(sin)
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+@pytest.mark.parametrize("probs_bf16", [False, True])
+def test_sparse_attention_decode_equals_build_cand_split_combine(case, probs_bf16, rope_tables):
+    from memra_dsv4.gpu import ops_decode as DK
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, D, W, ratio, sel_w, n_comp = DECODE_CASES[case]
+    K_ = W + (sel_w if sel_w is not None else n_comp)
+    q, kv, sink = _decode_inputs(rng, H, D, W, n_comp)
+    scale = D ** -0.5
+    qg, kvg, sg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(sink)
+    cg, sng = rope_tables
+    counters = K.decode_counters()
+    nt = K.n_tiles(K_)
+    for p in _decode_positions(rng, W, ratio):
+        sel = _decode_sel(rng, p, ratio, sel_w, n_comp) if sel_w is not None else None
+        selg = cp.asarray(sel) if sel is not None else None
+        pos = cp.asarray(np.array([p], np.int32))
+        cand = cp.full(K_, 12345, cp.int32)
+        DK.build_cand(pos, cand, W, ratio, selg)
+        host = _host_cand(p, K_, W, ratio, sel)
+        assert np.array_equal(cand.get(), host), f"build_cand != host row at pos {p} {describe(seed, case=case)}"
+        for rope in (None, (pos, cg, sng)):
+            for n_split in sorted({1, 2, 5, nt, K.auto_split(1, H, K_)}):
+                want = K.sparse_attention(qg, kvg, cand.reshape(1, K_), sg, scale, probs_bf16=probs_bf16,
+                                          n_split=n_split, inverse_rope=rope)
+                ns = max(1, min(n_split, nt))
+                for n_merge in sorted({1, 2, K.decode_mergers(H, D, ns), ns} - {0}):
+                    if n_merge > ns:
+                        continue
+                    out = cp.full((1, H, D), 0x7fc1, cp.uint16)
+                    ws = cp.full(K.workspace_size(1, H, D, K_), np.nan, cp.float32)
+                    K.sparse_attention_decode(qg, kvg, pos, W, ratio, selg, K_, sg, scale, out=out,
+                                              probs_bf16=probs_bf16, n_split=n_split, n_merge=n_merge,
+                                              workspace=ws, inverse_rope=rope)
+                    ctx = dict(case=case, pos=p, n_split=n_split, n_merge=n_merge, rope=rope is not None)
+                    assert cp.array_equal(out, want), f"decode != build_cand + split + combine {describe(seed, **ctx)}"
+                    assert not counters.any(), f"ticket counters not reset {describe(seed, **ctx)}"
+        # the twin on the canonical candidate row (auto split / mergers, no rope)
+        got = K.sparse_attention_decode(qg, kvg, pos, W, ratio, selg, K_, sg, scale, probs_bf16=probs_bf16)
+        pol = POLICIES["reference" if probs_bf16 else "bf16"]
+        idx = host.reshape(1, K_)
+        want_t = O.sparse_attention_with_sinks(q, kv, idx, sink, scale, pol=pol)
+        gotf = (got.get().astype(np.uint32) << 16).view(np.float32)
+        assert_within(gotf, want_t, _bound(q, kv, idx, sink, scale, want_t, probs_bf16), "decode attention",
+                      seed, case=case, pos=p)
+
+
+def test_sparse_attention_decode_graph_replay_pdl(rope_tables):
+    """Two decode launches (two 'layers' sharing the counters) captured once with PDL edges,
+    replayed at changing device positions: every replay == the unfused reference, counters 0."""
+    from memra_dsv4.gpu import graphs
+    from memra_dsv4.gpu import ops_decode as DK
+    from memra_dsv4.gpu.pdl import pdl_launches
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, D, W, ratio, sel_w, n_comp = DECODE_CASES["flash_csa"]
+    K_ = W + sel_w
+    scale = D ** -0.5
+    cg, sng = rope_tables
+    layers = []
+    for _ in range(2):
+        q, kv, sink = _decode_inputs(rng, H, D, W, n_comp)
+        layers.append((cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(sink)))
+    counters = K.decode_counters()
+    stream = cp.cuda.Stream(non_blocking=True)
+    pos = cp.zeros(1, cp.int32)
+    sel = cp.full(sel_w, -1, cp.int32)
+    outs = [cp.zeros((1, H, D), cp.uint16) for _ in layers]
+    ws = cp.zeros(K.workspace_size(1, H, D, K_), cp.float32)
+
+    def enqueue():
+        for (qg, kvg, sg), o in zip(layers, outs):
+            K.sparse_attention_decode(qg, kvg, pos, W, ratio, sel, K_, sg, scale, out=o, workspace=ws,
+                                      inverse_rope=(pos, cg, sng))
+
+    with stream:
+        enqueue()  # load the module (and run once) before any capture
+    stream.synchronize()
+    for pdl in (False, True):
+        with pdl_launches(pdl):
+            g = graphs.capture(stream, enqueue)
+        for p in (int(rng.integers(0, 600)), W - 1, 2047, int(rng.integers(600, 4096))):
+            s = _decode_sel(rng, p, ratio, sel_w, n_comp)
+            with stream:
+                pos.set(np.array([p], np.int32), stream=stream)
+                sel.set(s, stream=stream)
+                g.launch(stream)
+            stream.synchronize()
+            cand = cp.empty(K_, cp.int32)
+            DK.build_cand(pos, cand, W, ratio, sel)
+            for (qg, kvg, sg), o in zip(layers, outs):
+                want = K.sparse_attention(qg, kvg, cand.reshape(1, K_), sg, scale, n_split=None,
+                                          inverse_rope=(pos, cg, sng))
+                assert cp.array_equal(o, want), f"graph replay != reference {describe(seed, pos=p, pdl=pdl)}"
+            assert not counters.any(), f"ticket counters not reset after replay {describe(seed, pos=p, pdl=pdl)}"
+
+
+def test_sparse_attention_decode_refusals():
+    q = cp.zeros((1, 64, 512), cp.uint16)
+    kv = cp.zeros((200, 512), cp.uint16)
+    pos, sink = cp.zeros(1, cp.int32), cp.zeros(64, cp.float32)
+    with pytest.raises(AssertionError, match="expected \\[1, H, D\\]"):
+        K.sparse_attention_decode(cp.zeros((2, 64, 512), cp.uint16), kv, pos, 128, 4, None, 160, sink, 1.0)
+    with pytest.raises(AssertionError, match="n_merge"):
+        K.sparse_attention_decode(q, kv, pos, 128, 128, None, 160, sink, 1.0, n_split=2, n_merge=3)
+    with pytest.raises(AssertionError, match="needs ratio > 0"):
+        K.sparse_attention_decode(q, kv, pos, 128, 0, cp.zeros(4, cp.int32), 132, sink, 1.0)

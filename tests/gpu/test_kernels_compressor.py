@@ -208,3 +208,106 @@ def test_norm_rope_row_mode_refusals(yarn_table):
                         emit_gate=(pos, 128), row="ring")
     with pytest.raises(AssertionError, match="row 'bogus'"):
         K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", row="bogus")
+
+
+# ------------------------------------------------------------------- decode emission in one launch
+# compress_emit_* == compress_pool_{overlap,plain} (emit_gate) + norm_rope_sim(row="entry",
+# rope position pos + 1 - r) + ops_decode.pending_advance, byte for byte: the compressed cache
+# (every row, guard rows included), the pending kv and score rows, gate closed or open, past the
+# cache's last row, and over a run of consecutive tokens (the pending state machine).
+EMIT_CASES = [  # d, mode, ratio, overlap: Flash main CSA / HCA, Flash indexer, a tiny plain one
+    (512, "fp8", 4, True), (512, "fp8", 128, False), (128, "hadfp4", 4, True), (128, "fp8", 16, False),
+]
+
+
+def _emit_reference(pos, kv, sc, r, ovl, w, cos_g, sin_g, mode, cache):
+    """The three launches the device step made before compress_emit (step_device._compress)."""
+    from memra_dsv4.gpu import ops_decode as DK
+    d = kv.shape[1] // 2 if ovl else kv.shape[1]
+    pooled = cp.empty((1, d), cp.float32)
+    gate = (pos, r)
+    if ovl:
+        K.pool_overlap(kv[r:2 * r], sc[r:2 * r], 1, out=pooled, prev_kv=kv[:r], prev_score=sc[:r], emit_gate=gate)
+    else:
+        K.pool_plain(kv, sc, r, 1, out=pooled, emit_gate=gate)
+    kpos = cp.maximum(pos + 1 - r, 0).astype(cp.int32)  # step_scalars' aux[1 + i]
+    K.norm_rope_sim(pooled, w, EPS, cos_g, sin_g, kpos, mode, out=cache, emit_gate=gate, row="entry")
+    DK.pending_advance(pos, kv, sc, r, ovl)
+
+
+def _rand_state(rng, r, ovl, d):
+    rows, C = (2 if ovl else 1) * r, (2 if ovl else 1) * d
+    a, z = _proj(rng, rows, C)
+    z[rng.random(rows) < 0.2] = -np.inf  # fresh (advanced) rows: score -inf, kv 0
+    return a, z
+
+
+@pytest.mark.parametrize("d,mode,r,ovl", EMIT_CASES)
+def test_compress_emit_equals_three_launches(yarn_table, d, mode, r, ovl):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    _, _, cos_g, sin_g = yarn_table
+    w = cp.asarray(bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0))
+    N = 6
+    for p in sorted({0, r - 2, r - 1, 2 * r - 1, N * r - 1, (N + 1) * r - 1, 3 * r, int(rng.integers(0, 60000))}):
+        if p < 0:
+            continue
+        a, z = _rand_state(rng, r, ovl, d)
+        cache0 = rng.integers(0, 65536, (N + 2, d)).astype(np.uint16)  # rows 1..N: the cache view
+        pos = cp.asarray(np.array([p], np.int32))
+        kv_w, sc_w, cache_w = cp.asarray(a), cp.asarray(z), cp.asarray(cache0)
+        _emit_reference(pos, kv_w, sc_w, r, ovl, w, cos_g, sin_g, mode, cache_w[1:N + 1])
+        kv_g, sc_g, cache_g = cp.asarray(a), cp.asarray(z), cp.asarray(cache0)
+        K.emit(pos, kv_g, sc_g, r, ovl, w, EPS, cos_g, sin_g, mode, cache_g[1:N + 1])
+        ctx = f"[seed={seed}] d={d} mode={mode} r={r} ovl={ovl} pos={p}"
+        assert cp.array_equal(cache_g, cache_w), f"emit: compressed cache differs {ctx}"
+        assert np.array_equal(kv_g.get().view(np.uint32), kv_w.get().view(np.uint32)), f"emit: pending kv {ctx}"
+        assert np.array_equal(sc_g.get().view(np.uint32), sc_w.get().view(np.uint32)), f"emit: pending score {ctx}"
+        opened = (p + 1) % r == 0
+        if not opened:  # non-vacuity: the closed gate really left everything alone
+            assert cp.array_equal(cache_g, cp.asarray(cache0)) and cp.array_equal(kv_g, cp.asarray(a)), ctx
+        elif (p + 1) // r - 1 < N:  # ... and the open one wrote the row
+            assert not cp.array_equal(cache_g[(p + 1) // r], cp.asarray(cache0[(p + 1) // r])), ctx
+
+
+@pytest.mark.parametrize("d,mode,r,ovl", EMIT_CASES)
+def test_compress_emit_state_machine(yarn_table, d, mode, r, ovl):
+    """Consecutive tokens from a fresh state: write this token's pending row, then emit; the
+    one-launch path and the three-launch path keep identical pending states and caches."""
+    from memra_dsv4.gpu import ops_decode as DK
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    _, _, cos_g, sin_g = yarn_table
+    w = cp.asarray(bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0))
+    rows, C = (2 if ovl else 1) * r, (2 if ovl else 1) * d
+    N = 5
+    fresh_kv, fresh_sc = np.zeros((rows, C), np.float32), np.full((rows, C), -np.inf, np.float32)
+    paths = [[cp.asarray(fresh_kv), cp.asarray(fresh_sc), cp.zeros((N, d), cp.uint16)] for _ in range(2)]
+    for p in range(min(N * r + r // 2 + 1, 3 * r + 3) if r > 16 else N * r + 3):
+        a, z = _proj(rng, 1, C)
+        pos = cp.asarray(np.array([p], np.int32))
+        for kv, sc, _ in paths:
+            DK.pending_write(pos, cp.asarray(a[0]), cp.asarray(z[0]), kv, sc, r, ovl)
+        _emit_reference(pos, paths[0][0], paths[0][1], r, ovl, w, cos_g, sin_g, mode, paths[0][2])
+        K.emit(pos, paths[1][0], paths[1][1], r, ovl, w, EPS, cos_g, sin_g, mode, paths[1][2])
+        for i, what in enumerate(("kv", "score", "cache")):
+            x, y = paths[1][i].get(), paths[0][i].get()
+            assert np.array_equal(x.view(np.uint32 if x.itemsize == 4 else np.uint16),
+                                  y.view(np.uint32 if y.itemsize == 4 else np.uint16)), (
+                f"emit state machine: {what} differs after pos {p} [seed={seed}] d={d} r={r} ovl={ovl}")
+    assert paths[1][2].any(), f"no entry emitted [seed={seed}]"
+
+
+def test_compress_emit_refusals(yarn_table):
+    _, _, cos_g, sin_g = yarn_table
+    pos, w = cp.zeros(1, cp.int32), cp.ones(512, cp.float32)
+    cache = cp.zeros((4, 512), cp.uint16)
+    with pytest.raises(AssertionError, match="pending rows"):
+        K.emit(pos, cp.zeros((4, 1024), cp.float32), cp.zeros((4, 1024), cp.float32), 4, True, w, EPS,
+               cos_g, sin_g, "fp8", cache)
+    with pytest.raises(AssertionError, match="overlap pooling is ratio 4"):
+        K.emit(pos, cp.zeros((16, 1024), cp.float32), cp.zeros((16, 1024), cp.float32), 8, True, w, EPS,
+               cos_g, sin_g, "fp8", cache)
+    with pytest.raises(AssertionError, match="unsupported"):
+        K.emit(pos, cp.zeros((4, 256), cp.float32), cp.zeros((4, 256), cp.float32), 4, False,
+               cp.ones(256, cp.float32), EPS, cos_g, sin_g, "fp8", cp.zeros((4, 256), cp.uint16))

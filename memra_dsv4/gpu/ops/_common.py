@@ -42,9 +42,9 @@ def dynamic_smem(kern, nbytes: int) -> int:
     return int(nbytes)
 
 
-def ticket_counter(counters: dict, owner: str):
-    """The current device's zeroed int32 [1] ticket counter in ``counters`` (device -> array) of
-    a last-CTA kernel (every launch leaves it zero).  Allocated once and never freed: a captured
+def ticket_counter(counters: dict, owner: str, size: int = 1):
+    """The current device's zeroed int32 [size] ticket counters in ``counters`` (device -> array)
+    of a last-CTA kernel (every launch leaves them zero).  Allocated once and never freed: a captured
     graph bakes its address, so the first call must come before any capture (DeviceStep._prewarm
     makes it); a first call inside a capture is refused, naming ``owner``.  Not for concurrent
     launches on two streams of one device."""
@@ -60,7 +60,7 @@ def ticket_counter(counters: dict, owner: str):
         if capturing:
             raise RuntimeError(f"{owner}: first call on device {dev} inside a CUDA-graph "
                                f"capture; call it before capturing (DeviceStep._prewarm does)")
-        cnt = counters[dev] = cp.zeros((1,), dtype=np.int32)
+        cnt = counters[dev] = cp.zeros((int(size),), dtype=np.int32)
         stream.synchronize()  # zero before any launch on another (non-blocking) stream reads it
     return cnt
 

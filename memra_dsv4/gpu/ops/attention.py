@@ -7,6 +7,15 @@ sparse_attention(q, kv, idx, sink, scale, probs_bf16=False, n_split=1)
     per-tile partials in tile order with a second kernel: the same bits as n_split = 1, more
     parallelism for decode.  The workspace (f32, workspace_size() elements) may be passed in.
 
+sparse_attention_decode(q, kv, pos, window, ratio, sel, K, sink, scale, ...)
+    The device step's form (ONE token, graph-safe): build_cand's candidate list computed inside
+    the kernel from pos (int32 [1] on the device), the window, the ratio and the indexer's
+    selection, the split over n_split CTAs and the tile-order merge of the partials (by the CTAs
+    that finish last, through per-device ticket counters: decode_counters(), made before any
+    capture)
+    in ONE launch: byte-for-byte ops_decode.build_cand + sparse_attention(n_split) (split +
+    combine kernels), which stay callable as the reference.
+
 sparse_attention_mma(q, kv, idx, sink, scale, probs_bf16=False, heads_per_cta=16)
     The prefill form (many tokens): Q.K^T and P.V on tensor cores (mma.sync m16n8k16, bf16 ->
     f32).  Same tiles, tile statistics, merge, sink, epilogue and numeric classes as
@@ -24,12 +33,14 @@ from __future__ import annotations
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, null_or, out_array, row_stride, sm_count
+from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, null_or, out_array, row_stride, sm_count, ticket_counter
 
 STEM = "attention"
 KERNELS = ("sparse_attn_d512_hg16", "sparse_attn_d512_hg8", "sparse_attn_d512_hg4",
            "sparse_attn_d128_hg16", "sparse_attn_d128_hg8", "sparse_attn_d128_hg4",
            "sparse_attn_combine_d512", "sparse_attn_combine_d128",
+           "sparse_attn_decode_d512_hg16", "sparse_attn_decode_d512_hg8", "sparse_attn_decode_d512_hg4",
+           "sparse_attn_decode_d128_hg16", "sparse_attn_decode_d128_hg8", "sparse_attn_decode_d128_hg4",
            "sparse_attn_mma_d512_hg16", "sparse_attn_mma_d512_hg32", "sparse_attn_mma_d128_hg16")
 kernel_loader.register(STEM, KERNELS)
 
@@ -122,6 +133,105 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
        i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args, shared_mem=smem)
     kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,),
                                               (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args)
+    return out
+
+
+# ----------------------------------------------------------------------------- decode form
+_N_COUNTERS = 64  # head groups per device the ticket counters cover (H / HG)
+_WS: dict[int, object] = {}  # device -> int32 [_N_COUNTERS] ticket counters (kept 0)
+# Upper bound of decode_mergers().  1 = the plain last-CTA pattern: the single merger is the last
+# arrival, which never waits (the merge of a whole head group then runs on one SM).
+MAX_DECODE_MERGERS = 8
+
+
+def decode_counters():
+    """The current device's ticket counters of sparse_attn_decode_* (int32 [64], zero; every
+    launch leaves them zero); ``_common.ticket_counter`` rules: made before the first capture
+    (DeviceStep._prewarm does), not for concurrent launches on two streams of one device."""
+    return ticket_counter(_WS, "attention.decode_counters", _N_COUNTERS)
+
+
+def decode_mergers(H: int, D: int, n_split: int) -> int:
+    """CTAs per head group that merge (sparse_attn_decode_*): enough to give every thread of a
+    merger one 4-dim slot (HG * D/4 slots), at most n_split, and few enough that at most
+    (H/HG) * (n_mergers - 1) CTAs wait at once, below the SM count (forward progress)."""
+    hg = head_group(H)
+    slots, threads = hg * (D // 4), _HG_THREADS[hg]
+    groups = H // hg
+    n = max(1, min(int(n_split), slots // threads, MAX_DECODE_MERGERS))
+    return max(1, min(n, (sm_count() - 1) // groups + 1))
+
+
+def sparse_attention_decode(q, kv, pos, window: int, ratio: int, sel, K: int, sink, scale: float,
+                            out=None, *, probs_bf16: bool = False, n_split: int | None = None,
+                            n_merge: int | None = None, workspace=None, counters=None, inverse_rope=None):
+    """One token: q [1, H, D] bf16; kv [N, D] bf16 rows (ring of `window` rows, then the
+    compressed entries at row window + e); pos int32 [1] (device); ratio (0: window only);
+    sel int32 [sel_w] (CSA: the indexer's ascending entry ids, -1 padded) or None (HCA: every
+    entry below (pos + 1) // ratio); K = the candidate count (window + sel_w, or window + the
+    compressed rows); sink [H] f32 -> out [1, H, D] bf16.  = ops_decode.build_cand(pos, cand,
+    window, ratio, sel) then sparse_attention(q, kv, cand.reshape(1, K), sink, scale, n_split=...),
+    bit for bit.  n_split None = auto_split; n_merge None = decode_mergers; workspace as
+    sparse_attention; counters int32 [>= H/HG] zero (default: decode_counters())."""
+    check(q, "sparse_attention_decode.q", np.uint16)
+    assert q.ndim == 3 and q.shape[0] == 1, f"sparse_attention_decode.q: expected [1, H, D], got {q.shape}"
+    _, H, D = q.shape
+    assert D in (128, 512), f"sparse_attention_decode: head dim {D} unsupported (128, 512)"
+    check(kv, "sparse_attention_decode.kv", np.uint16, rows_strided=True)
+    assert kv.shape[1] == D, f"sparse_attention_decode.kv: row width {kv.shape[1]} != {D}"
+    assert row_stride(kv) % 8 == 0, "sparse_attention_decode.kv: rows must be 16-byte aligned"
+    check(pos, "sparse_attention_decode.pos", np.int32, (1,))
+    W, ratio, K = int(window), int(ratio), int(K)
+    assert W >= 1 and K >= W and ratio >= 0, f"sparse_attention_decode: window {W}, ratio {ratio}, K {K}"
+    sel_w = 0
+    if sel is not None:
+        check(sel, "sparse_attention_decode.sel", np.int32)
+        assert ratio > 0, "sparse_attention_decode: a selection needs ratio > 0"
+        sel_w = sel.size
+    check(sink, "sparse_attention_decode.sink", np.float32, (H,))
+    out = out_array(out, "sparse_attention_decode.out", (1, H, D), np.uint16)
+    hg = head_group(H)
+    groups = H // hg
+    nt = n_tiles(K)
+    if n_split is None:
+        n_split = auto_split(1, H, K)
+    n_split = max(1, min(int(n_split), max(1, nt)))
+    if n_merge is None:
+        n_merge = decode_mergers(H, D, n_split)
+    n_merge = int(n_merge)
+    assert 1 <= n_merge <= n_split, f"sparse_attention_decode: n_merge {n_merge} outside 1..{n_split}"
+    assert groups * (n_merge - 1) < sm_count(), (
+        f"sparse_attention_decode: {groups} groups x {n_merge - 1} waiting mergers >= {sm_count()} SMs")
+    if inverse_rope is not None:
+        rpos, rcos, rsin = inverse_rope
+        check(rpos, "sparse_attention_decode.rope_pos", np.int32, (1,))
+        check(rcos, "sparse_attention_decode.cos", np.float32)
+        check(rsin, "sparse_attention_decode.sin", np.float32, rcos.shape)
+        R = 2 * rcos.shape[1]
+        assert R % 8 == 0 and R <= D, f"sparse_attention_decode: rope dims {R} unsupported"
+        rope_args = (rpos, rcos, rsin, i32(R))
+    else:
+        rope_args = (null_or(None), null_or(None), null_or(None), i32(0))
+    if n_split > 1:
+        need = workspace_size(1, H, D, K)
+        if workspace is None:
+            workspace = cupy().empty((need,), dtype=np.float32)
+        check(workspace, "sparse_attention_decode.workspace", np.float32)
+        assert workspace.size >= need, f"sparse_attention_decode.workspace: {workspace.size} < {need} floats"
+        ws_ml, ws_acc = workspace[: H * nt * 2], workspace[H * nt * 2: need]
+        if counters is None:
+            counters = decode_counters()
+        check(counters, "sparse_attention_decode.counters", np.int32)
+        assert counters.size >= groups, f"sparse_attention_decode.counters: {counters.size} < {groups} groups"
+        ws_args = (ws_ml, ws_acc, counters)
+    else:
+        ws_args = (null_or(None), null_or(None), null_or(None))
+    k = kernel(STEM, f"sparse_attn_decode_d{D}_hg{hg}")
+    smem = dynamic_smem(k, 2 * TILE * D * 2)
+    k((1, groups, n_split), (_HG_THREADS[hg],),
+      (q, kv, i32(row_stride(kv)), pos, i32(W), i32(ratio), null_or(sel), i32(sel_w), i32(K), sink,
+       np.float32(scale), out, i32(H), i32(int(probs_bf16))) + ws_args + (i32(n_merge),) + rope_args,
+      shared_mem=smem)
     return out
 
 

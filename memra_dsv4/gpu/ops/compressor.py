@@ -9,6 +9,13 @@ norm_rope_sim(x, w, eps, cos, sin, pos, mode)
 
 Decode uses the same kernels on the pending state: pool_overlap(state_kv[4:8], state_score[4:8],
 1, prev_kv=state_kv[0:4], prev_score=state_score[0:4]); pool_plain(state_kv, state_score, r, 1).
+
+emit(pos, kv, score, ratio, overlap, weight, eps, cos, sin, mode, out)
+                                       the device step's emission chain in ONE launch
+                                       (compress_emit_*): byte-for-byte pool_overlap / pool_plain
+                                       (emit_gate) + norm_rope_sim(row="entry", rope position
+                                       pos + 1 - r) + ops_decode.pending_advance; a no-op unless
+                                       (pos + 1) % r == 0.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from memra_dsv4.gpu.ops._common import check, grid_stride_blocks, i32, kernel, n
 STEM = "compressor"
 KERNELS = ("compress_add_ape", "compress_pool_overlap", "compress_pool_plain",
            "norm_rope_fp8_d512_f32in", "norm_rope_fp8_d512_bf16in", "norm_rope_fp8_d128_f32in",
-           "norm_rope_fp8_d128_bf16in", "norm_rope_hadfp4_d128_f32in", "norm_rope_hadfp4_d128_bf16in")
+           "norm_rope_fp8_d128_bf16in", "norm_rope_hadfp4_d128_f32in", "norm_rope_hadfp4_d128_bf16in",
+           "compress_emit_fp8_d512", "compress_emit_fp8_d128", "compress_emit_hadfp4_d128")
 kernel_loader.register(STEM, KERNELS)
 
 
@@ -145,4 +153,41 @@ def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=N
         kernel(STEM, name)((n,), (threads,), (x, i32(row_stride(x)), weight, np.float64(eps), cos, sin, pos,
                                               i32(R), out, i32(row_stride(out)), *_gate(emit_gate),
                                               i32(_ROW_MODES[row]), i32(n_rows)))
+    return out
+
+
+_EMIT = {(512, "fp8"): "compress_emit_fp8_d512", (128, "fp8"): "compress_emit_fp8_d128",
+         (128, "hadfp4"): "compress_emit_hadfp4_d128"}
+
+
+def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin, mode: str, out):
+    """Decode emission of one compressor (one launch, graph-safe: reads pos on the device).
+    pos int32 [1]; kv, score: the pending rows f32 [(2 if overlap else 1) * ratio, C], contiguous
+    (overlap: ratio 4, C = 2d; else C = d), read and then advanced in place; weight [d] f32 norm
+    weight; cos, sin [n_pos, R/2] f32; out: the compressed cache [N, d] bf16 rows (row-strided
+    view).  When (pos + 1) % ratio == 0: entry (pos + 1) // ratio - 1 (if < N) = norm_rope_sim of
+    the pooled pending rows at rope position pos + 1 - ratio, and the pending rows advance
+    (CompressorState.advance); otherwise nothing is touched.  The same bytes as
+    pool_* (emit_gate) -> norm_rope_sim(row="entry") -> ops_decode.pending_advance."""
+    check(pos, "compress.emit.pos", np.int32, (1,))
+    check(kv, "compress.emit.kv", np.float32)
+    check(score, "compress.emit.score", np.float32, kv.shape)
+    assert kv.ndim == 2, f"compress.emit.kv: expected [rows, C], got {kv.shape}"
+    r, C = int(ratio), kv.shape[1]
+    assert kv.shape[0] == (2 if overlap else 1) * r, (
+        f"compress.emit: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * r} "
+        f"(ratio {r}, overlap {overlap})")
+    assert not overlap or r == 4, f"compress.emit: overlap pooling is ratio 4, got {r}"
+    d = C // 2 if overlap else C
+    assert not overlap or C == 2 * d, f"compress.emit: overlap rows must be 2d wide, got {C}"
+    key = (d, mode)
+    assert key in _EMIT, f"compress.emit: d = {d}, mode {mode!r} unsupported (have {sorted(_EMIT)})"
+    check(weight, "compress.emit.weight", np.float32, (d,))
+    check(cos, "compress.emit.cos", np.float32)
+    check(sin, "compress.emit.sin", np.float32, cos.shape)
+    R = 2 * cos.shape[1]
+    assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"compress.emit: rope dims {R} unsupported"
+    check(out, "compress.emit.out", np.uint16, (None, d), rows_strided=True)
+    kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, weight, np.float64(eps),
+                                          cos, sin, i32(R), out, i32(row_stride(out)), i32(out.shape[0])))
     return out
