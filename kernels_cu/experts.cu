@@ -1314,7 +1314,7 @@ moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, co
 //     ~220 registers, ~135 KB shared memory: 1 CTA of 8 warps per SM (FP4MMA_MINB 1); per chunk
 //     and warp ~500 issued instructions in the full form, 128 of them HMMA.
 //   K % 128 == 0 (Flash: 4096, 2048; the wrapper checks), N any.
-namespace {
+namespace fp4g {
 
 #ifndef FP4MMA_WARPS
 #define FP4MMA_WARPS 8  // warps per CTA (32 weight rows each)
@@ -1660,7 +1660,8 @@ DEV void fp4mma_body(const u8* __restrict__ pa, const u8* __restrict__ sa, const
     }
 }
 
-}  // namespace
+}  // namespace fp4g
+using namespace fp4g;
 
 // gate/up: hs[r0 + t, i] for the item's tokens t < n and i < N (= I); xs [P, K = D] bf16, w1 / w3
 // stacked [E, I, D/2] packed + [E, I, D/32 | D/16] scales (p_stride / s_stride bytes per expert),
