@@ -9,6 +9,11 @@
 #   tools/gpu_check.sh flash-layers FMT     # the opt-in flash-layers:4 capture test of one expert
 #                                           # format (mxfp4 | nvfp4), MEMRA_DSV4_SLOW_ORACLE=1, with
 #                                           # the whole call's time (it did not finish in 230 s)
+#   tools/gpu_check.sh batch FILE           # one line of FILE per step: SECONDS NAME COMMAND...
+#                                           # (COMMAND run by bash under `timeout SECONDS`, output
+#                                           # in NAME.log; '#' lines skipped); all the logs and
+#                                           # the bench results the steps wrote come back in
+#                                           # batch.tgz, with a summary (rc, seconds) in batch.log
 #   tools/gpu_check.sh decode-evidence      # the #7 numbers in one call (~6 min on 2x H200):
 #                                           # bench_gemv, then bench.decode_step device arm at
 #                                           # 1K (bf16 with --launch-profile, fp8) and 32K
@@ -128,13 +133,32 @@ case "$step" in
             -C "$REPO" $(ls -t bench/results/*.json bench/results/*.png 2>/dev/null | head -8)) \
             && rm -f "$OUT"/decode_*.log "$OUT"/gemv.log "$OUT"/*.json "$OUT"/*.png
         ;;
+    batch)
+        file=${1:?batch FILE}
+        [ -f "$file" ] || { echo "batch: $file not found" >&2; exit 2; }
+        mkdir -p "$OUT/batch"
+        touch "$OUT/batch/.t0"
+        while read -r secs name cmd; do
+            case "$secs" in ''|'#'*) continue ;; esac
+            echo "== [$name] timeout $secs: $cmd" | tee -a "$OUT/batch.log"
+            t0=$(date +%s)
+            timeout "$secs" bash -c "$cmd" >"$OUT/batch/$name.log" 2>&1 </dev/null
+            rc=$?
+            echo "== [$name] rc $rc after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/batch.log"
+            tail -4 "$OUT/batch/$name.log" | sed 's/^/    /' | tee -a "$OUT/batch.log"
+            [ "$rc" = 0 ] || status=1
+        done <"$file"
+        new_results=$(cd "$REPO" && find bench/results -newer "$OUT/batch/.t0" -type f 2>/dev/null)
+        tar czf "$OUT/batch.tgz" -C "$OUT" batch batch.log ${new_results:+-C "$REPO" $new_results} \
+            && rm -rf "$OUT/batch"
+        ;;
     all)
         run_tests || status=1
         run_bench bench_decode.log "$BENCH_DECODE" || status=1
         run_bench bench_prefill.log "$BENCH_PREFILL" || status=1
         ;;
     *)
-        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|flash-layers FMT|decode-evidence|all]" >&2
+        echo "usage: tools/gpu_check.sh [tests [PYTEST ARGS]|bench-decode ARGS|bench-prefill ARGS|flash-layers FMT|batch FILE|decode-evidence|all]" >&2
         exit 2 ;;
 esac
 echo "== gpu_check: $step finished with status $status (logs in $OUT)"
