@@ -19,6 +19,13 @@ Bitwise where the arithmetic is the same: a reused state (reset) == a fresh stat
 1 stage.  The device-path tests (device-hostmath == legacy bytewise, device within bounds,
 graph replay == eager, zero allocations per step) skip with the reason while
 memra_dsv4.gpu.step.IMPLEMENTED is False.
+Every model here runs its prefills with prefill_attn="simt", the decode kernels' attention
+arithmetic: the contract isolates the state machine (rings, pending rows, emissions, visibility).
+With the default tensor-core prefill attention (chunks >= 64) a re-prefill's attention sums in
+another order, and on these random weights that flips near-tie router / indexer choices at more
+steps than MAX_FLIPS (seen on the H200 at 6f6c8d2: tiny L127 3 flipped steps, small L127 top-1
+3/5); that kernel is checked against the oracle block by block with the decisions replayed
+(test_prefill_gpu long prompts, test_kernels_attention mma).
 Case names carry the boundary they cross (tiny: window 8 -> L 8/9, HCA ratio 16 -> 15/16,
 CSA ratio 4 -> 3/4; small: window 32, HCA 32).
 """
@@ -101,7 +108,8 @@ def _model(name, devices=(0,), path="legacy", experts="mxfp4"):
         ck = _MODELS.get(("ckpt", name, experts))
         if ck is None:
             ck = _MODELS[("ckpt", name, experts)] = _ckpt(name, experts)
-        _MODELS[key] = Dsv4Gpu.load(ck, devices=devices, decode_path=path, max_seq_len=1024)
+        _MODELS[key] = Dsv4Gpu.load(ck, devices=devices, decode_path=path, max_seq_len=1024,
+                                    prefill_attn="simt")
     return _MODELS[("ckpt", name, experts)], _MODELS[key]
 
 

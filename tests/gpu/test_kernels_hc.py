@@ -72,7 +72,22 @@ def test_hc_pre(T, D):
                 max_ulp=WSUM_MAX_ULP, T=T, D=D)
     # end to end
     wy, wpost2, wcomb2 = O.hc_pre(X, fn, scale, base, hc_mult=4, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
-    assert_bf16(y.get(), wy, "hc_pre y", seed, max_ulp=HC_Y_MAX_ULP, max_frac=HC_Y_MAX_FRAC, T=T, D=D)
+    # y = sum_i pre_i x_i: where the 4 terms cancel (|y| << sum |pre_i x_i|) the f32 ulps by which
+    # the GPU's pre differs from the twin's are large relative to y itself (seen: 8 bf16 ulp at
+    # y = 2e-6 from terms ~1), so those elements get an absolute bound on the terms' scale; the
+    # others keep the ulp rule.
+    yg = decode_bf16(y.get()).astype(np.float64)
+    wyv = np.asarray(wy, np.float64)
+    mag = np.einsum("ti,tid->td", np.abs(pre.get()).astype(np.float64), np.abs(np.asarray(X, np.float64)))
+    cancel = np.abs(wyv) < 2.0 ** -4 * mag
+    err = np.abs(yg - wyv)
+    abs_bound = 2.0 ** -7 * np.abs(wyv) + 2.0 ** -16 * mag
+    assert not (cancel & (err > abs_bound)).any(), (
+        f"hc_pre y (cancelling elements): max err / bound "
+        f"{float((err / np.maximum(abs_bound, 1e-30))[cancel].max()):.3g} [seed={seed}, T={T}, D={D}]")
+    keep = ~cancel
+    assert_bf16(y.get()[keep], np.asarray(wy, np.float32)[keep], "hc_pre y", seed, max_ulp=HC_Y_MAX_ULP,
+                max_frac=HC_Y_MAX_FRAC, T=T, D=D)
     # a token alone == the same token in the batch
     if T > 1:
         y1, _, _ = K.hc_pre(Xg[T - 1:].copy(), fng, cp.asarray(scale), cp.asarray(base), iters=ITERS,
