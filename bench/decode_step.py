@@ -6,9 +6,14 @@
 One model is loaded; every arm gets its own DecodeState prefilled with the same --ctx tokens
 (its own pending rows / ring, so arms never share state) and decodes greedily from there.
 Arms (bench.harness.parse_arms): ``path=legacy|device-hostmath|device`` (the decode path seam,
-set on the model per step; an arm whose path is not implemented is reported and dropped) and
+set on the model per step; an arm whose path is not implemented is reported and dropped),
 ``pdl=on|off`` (programmatic dependent launch in the device step, gpu/pdl.py; each arm captures
-its own graphs, so ``path=device+pdl=off,path=device+pdl=on`` is an A/B in one process).
+its own graphs, so ``path=device+pdl=off,path=device+pdl=on`` is an A/B in one process) and
+``attn=split|fused`` (the device step's sparse attention, seam MEMRA_DSV4_DECODE_ATTN: build_cand
++ split kernel + combine, or the one-launch sparse_attention_decode; bit-identical; each arm
+captures its own graphs, so ``path=device+attn=split,path=device+attn=fused`` is an A/B in one
+process).  A setting an arm leaves out is the model's (its seam's) value; the JSON records each
+arm's settings as given and as resolved.
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
 the logits after every device synchronised, so each sample is the whole step.
@@ -79,12 +84,39 @@ def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
     return st
 
 
+def _arm_settings() -> dict:
+    """Arm setting -> the seam whose allowed values it takes (path: MEMRA_DSV4_DECODE_PATH, pdl:
+    MEMRA_DSV4_PDL, attn: MEMRA_DSV4_DECODE_ATTN)."""
+    from memra_dsv4 import seams
+    return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN}
+
+
+def check_arms(spec: str) -> list[dict]:
+    """``--arms`` parsed (bench.harness.parse_arms) and validated before any GPU work: only the
+    settings path / pdl / attn, each with a value its seam allows; SystemExit naming the arm,
+    the setting and the allowed values otherwise."""
+    from bench.harness import parse_arms
+    known = _arm_settings()
+    arms = parse_arms(spec)
+    for s in arms:
+        unknown = set(s) - set(known)
+        if unknown:
+            raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: "
+                             f"{', '.join(known)}")
+        for key, seam in known.items():
+            if key in s and s[key] not in seam.allowed:
+                raise SystemExit(f"arm {s}: {key}={s[key]!r}; expected one of "
+                                 f"{', '.join(seam.allowed)} (seam {seam.env})")
+    return arms
+
+
 class _ArmState:
     def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
-                 pdl: str | None = None):
+                 pdl: str | None = None, attn: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.m, self.path = m, resolve_decode_path(path, announce=False)
         self.pdl = pdl or getattr(m, "pdl", "off")   # the arm's PDL setting (device path only)
+        self.attn = attn or getattr(m, "decode_attn", "split")  # decode attention form (device)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
         else:
@@ -92,13 +124,13 @@ class _ArmState:
             self.tok = int(np.argmax(logits))
 
     def step(self) -> None:
-        self.m.decode_path, self.m.pdl = self.path, self.pdl
+        self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
         phase brackets record events (a device-path graph replay has no per-phase brackets)."""
-        self.m.decode_path, self.m.pdl = self.path, self.pdl
+        self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         if self.path == "device":
             from memra_dsv4.gpu.step import device_step
             logits = device_step(self.m, self.state, self.tok, graph=False)
@@ -114,7 +146,7 @@ def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
     from memra_dsv4.profiling.launches import aggregate, format_rows, record_launches, time_launches
 
     def one():
-        st.m.decode_path, st.m.pdl = st.path, st.pdl
+        st.m.decode_path, st.m.pdl, st.m.decode_attn = st.path, st.pdl, st.attn
         st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
     recs = record_launches(one, ("step_device.py",))
     times = time_launches(recs, reps=reps, flush_bytes=flush_bytes)
@@ -148,21 +180,15 @@ def main(argv=None) -> int:
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
+    arms_spec = check_arms(a.arms)   # before any GPU work
 
     import cupy as cp
-    from bench.harness import (Arm, CudaEventTimer, floors, measure_copy_bandwidth, parse_arms,
+    from bench.harness import (Arm, CudaEventTimer, floors, measure_copy_bandwidth,
                                phase_breakdown, run_interleaved, summarize, write_results)
     from memra_dsv4.gpu.step import total_step_bytes
     from memra_dsv4.profiling import build_report, phase_collect, phase_reset, prof_configure
 
     devices = tuple(int(d) for d in a.devices.split(","))
-    arms_spec = parse_arms(a.arms)
-    for s in arms_spec:
-        unknown = set(s) - {"path", "pdl"}
-        if unknown:
-            raise SystemExit(f"arm {s}: unknown setting(s) {sorted(unknown)}; known: path, pdl")
-        if s.get("pdl", "on") not in ("on", "off"):
-            raise SystemExit(f"arm {s}: pdl={s['pdl']!r}; expected on or off")
     prof_configure("off")
     max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
     m = _load(a.model, devices, max_seq, a.dense)
@@ -177,7 +203,7 @@ def main(argv=None) -> int:
     from bench.harness import arm_label
     for s in arms_spec:
         name = arm_label(s)
-        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"))
+        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -212,6 +238,8 @@ def main(argv=None) -> int:
                     if a.launch_profile and arm.settings.get("path") == "device" else None)
         out_arms[arm.name] = {
             "settings": arm.settings, "summary": summ,
+            "resolved": {"path": states[arm.name].path, "pdl": states[arm.name].pdl,
+                         "attn": states[arm.name].attn},
             "ratio_to_first": summ["median"] / base,
             "bytes_per_step": own_b, "native_bytes_per_step": nat_b,
             "achieved_frac_of_copy_bw": frac,

@@ -55,7 +55,8 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_KERNELS_DIR", "SEAM_REQUIRE_PARITY", "resolve",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_KERNELS_DIR",
+    "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
     "LINEAR_KINDS",
@@ -118,6 +119,13 @@ SEAM_PDL = Seam(
     "per model and printed): `on` (every kernel of the step launches with programmatic stream "
     "serialisation, captured as programmatic graph edges: a kernel's launch overlaps its "
     "predecessor's tail; every kernel opens with griddepcontrol.wait) or `off` (plain launches).")
+SEAM_DECODE_ATTN = Seam(
+    "decode_attn", "MEMRA_DSV4_DECODE_ATTN", "split", ("split", "fused"),
+    "Sparse attention of the `device` decode step (memra_dsv4.gpu.step_device, read once per "
+    "model and printed): `split` (three launches: build_cand, the split-K attention kernel, the "
+    "combine kernel) or `fused` (attention.sparse_attention_decode: candidates in-kernel, the "
+    "split-K partials merged by the last CTAs through ticket counters, one launch); the two are "
+    "bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention of GPU prefill chunks of >= 64 tokens (memra_dsv4.gpu.ops.attention, read "
@@ -138,7 +146,8 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_PREFILL_ATTN, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_KERNELS_DIR,
+    SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

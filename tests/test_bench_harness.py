@@ -56,6 +56,25 @@ def test_parse_arms_rejects_malformed(spec, message):
         parse_arms(spec)
 
 
+def test_decode_step_arms_take_attn_and_refuse_bad_values():
+    """bench/decode_step.py: arm settings path / pdl / attn, checked before any GPU work."""
+    from bench import decode_step
+    assert decode_step.check_arms("path=device+attn=split,path=device+attn=fused") == [
+        {"path": "device", "attn": "split"}, {"path": "device", "attn": "fused"}]
+    assert decode_step.check_arms("path=device+pdl=off+attn=fused") == [
+        {"path": "device", "pdl": "off", "attn": "fused"}]
+    assert arm_label({"path": "device", "attn": "fused"}) == "path=device+attn=fused"
+    for spec, message in (("path=device+attn=one", r"attn='one'; expected one of split, fused"),
+                          ("path=device+pdl=maybe", r"pdl='maybe'; expected one of on, off"),
+                          ("path=fast", r"path='fast'; expected one of legacy, device-hostmath, device"),
+                          ("path=device+attention=fused", r"unknown setting\(s\) \['attention'\]; known: path, pdl, attn")):
+        with pytest.raises(SystemExit, match=message):
+            decode_step.check_arms(spec)
+    # main refuses before it imports CuPy or loads a model
+    with pytest.raises(SystemExit, match="attn='fused2'"):
+        decode_step.main(["--arms", "path=device+attn=split,path=device+attn=fused2"])
+
+
 def test_arm_label_inverts_parse():
     spec = "path=legacy,path=device+dense=fp8"
     assert ",".join(arm_label(a) for a in parse_arms(spec)) == spec

@@ -29,6 +29,29 @@ def test_step_ws_plan_invariants(name):
     assert a.fingerprint() == b.fingerprint()
 
 
+@pytest.mark.parametrize("name,msl", [("tiny", 1024), ("small", 1024), ("flash", 4096), ("flash", 65536)])
+def test_step_ws_plan_serves_both_decode_attention_forms(name, msl):
+    """Every layer's candidate count K (as step_device computes it: window, + the CSA selection
+    width or the HCA compressed rows) fits attn.cand (build_cand's list, decode_attn "split")
+    and its split-K workspace fits dev.attn_ws (either form)."""
+    from memra_dsv4.gpu.ops.attention import workspace_size
+    cfg = preset(name)
+    W, H, hd = cfg.sliding_window, cfg.num_attention_heads, cfg.head_dim
+    for i, layers, e, h in weight_plan(cfg, 2):
+        p = step.step_ws_plan(cfg, layers, e, h, msl, i)
+        for lid in layers:
+            r = cfg.compress_ratio(lid)
+            if not r:
+                K = W
+            elif cfg.attn_kind(lid) == "csa":
+                K = W + p.slot("idx.sel").shape[0]
+            else:
+                K = W + max(1, msl // r)
+            assert p.slot("attn.cand").shape[0] >= K, (name, lid, K)
+            need = workspace_size(1, H, hd, K)
+            assert int(np.prod(p.slot("dev.attn_ws").shape)) >= need, (name, lid, K, need)
+
+
 def test_step_ws_plan_sized_by_kinds_not_layer_count():
     cfg = preset("flash")
     p1 = step.step_ws_plan(cfg, range(2, 6), False, False, 4096, 1)
@@ -89,3 +112,19 @@ def test_bench_decode_step_parses():
     import bench.decode_step as bd
     assert callable(bd.main)
     assert np.isfinite(1.0)
+
+
+def test_device_step_attn_form_reads_the_model():
+    """DeviceStep.attn_form: model.decode_attn (split when the model has none), validated."""
+    from types import SimpleNamespace
+
+    from memra_dsv4.gpu.step_device import DeviceStep
+    ds = object.__new__(DeviceStep)       # no GPU: only the form's resolution
+    for value, want in (("split", "split"), ("fused", "fused"), (None, "split")):
+        ds.m = SimpleNamespace(decode_attn=value)
+        assert ds.attn_form() == want
+    ds.m = SimpleNamespace()
+    assert ds.attn_form() == "split"
+    ds.m = SimpleNamespace(decode_attn="3launch")
+    with pytest.raises(ValueError, match=r"model.decode_attn \(env MEMRA_DSV4_DECODE_ATTN\).*split, fused"):
+        ds.attn_form()

@@ -82,3 +82,48 @@ def test_policy_hooks():
     assert seams.policy(None).name == seams.resolve("numerics")
     with pytest.raises(ValueError):
         bf.linear(xx, w, "int8")
+
+
+def test_decode_attn_seam(monkeypatch):
+    """MEMRA_DSV4_DECODE_ATTN: split (default) | fused; explicit > env > default; a bad value is
+    refused naming the variable and the allowed values."""
+    s = seams.SEAMS["decode_attn"]
+    assert s is seams.SEAM_DECODE_ATTN
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_DECODE_ATTN", "split", ("split", "fused"))
+    monkeypatch.delenv("MEMRA_DSV4_DECODE_ATTN", raising=False)
+    assert seams.resolve("decode_attn") == "split"
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_ATTN", "fused")
+    assert seams.resolve("decode_attn") == "fused"
+    assert seams.resolve("decode_attn", "split") == "split"            # explicit wins
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_ATTN", "one-launch")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_ATTN.*'one-launch'.*split, fused"):
+        seams.resolve("decode_attn")
+    monkeypatch.delenv("MEMRA_DSV4_DECODE_ATTN")
+    with pytest.raises(ValueError, match=r"decode_attn \(argument; env MEMRA_DSV4_DECODE_ATTN\).*split, fused"):
+        seams.resolve("decode_attn", "unfused")
+
+
+def test_decode_attn_announced_like_pdl(monkeypatch, capsys):
+    """Dsv4Gpu resolves decode_attn through _resolve_announced (as pdl): the value and its source
+    printed once."""
+    from memra_dsv4.gpu import model as gm
+    monkeypatch.delenv("MEMRA_DSV4_DECODE_ATTN", raising=False)
+    assert gm._resolve_announced("DECODE_ATTN", None, "device-step sparse attention") == "split"
+    assert "memra_dsv4: device-step sparse attention = split (default)" in capsys.readouterr().err
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_ATTN", "fused")
+    assert gm._resolve_announced("DECODE_ATTN", None, "device-step sparse attention") == "fused"
+    assert "= fused (env MEMRA_DSV4_DECODE_ATTN)" in capsys.readouterr().err
+    assert gm._resolve_announced("DECODE_ATTN", "split", "device-step sparse attention") == "split"
+    assert "= split (argument)" in capsys.readouterr().err
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_ATTN", "bogus")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_ATTN.*split, fused"):
+        gm._resolve_announced("DECODE_ATTN", None, "device-step sparse attention")
+
+
+def test_dsv4gpu_takes_decode_attn_everywhere():
+    import inspect
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    for fn in (Dsv4Gpu.__init__, Dsv4Gpu.load, Dsv4Gpu.synthetic):
+        p = inspect.signature(fn).parameters
+        assert "decode_attn" in p and p["decode_attn"].default is None, fn.__name__

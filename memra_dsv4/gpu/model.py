@@ -13,6 +13,10 @@ API
     ``self.pdl`` may be changed later (the device step recaptures its graphs when it differs).
     ``prefill_attn`` (seam ``MEMRA_DSV4_PREFILL_ATTN``): ``mma`` / ``simt`` kernel of the chunk
     routine's sparse attention for chunks >= 64 tokens (``self.prefill_attn``).
+    ``decode_attn`` (seam ``MEMRA_DSV4_DECODE_ATTN``, read once and printed): the device step's
+    sparse attention, ``split`` (build_cand + split kernel + combine) or ``fused`` (one launch,
+    attention.sparse_attention_decode), bit-identical; ``self.decode_attn`` may be changed later
+    (the device step recaptures its graphs when it differs, as for ``pdl``).
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -56,7 +60,7 @@ class Dsv4Gpu:
     def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
                  force_bounce: bool = False, max_seq_len: int | None = None,
                  decode_path: str | None = None, pdl: str | None = None,
-                 prefill_attn: str | None = None) -> None:
+                 prefill_attn: str | None = None, decode_attn: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -78,6 +82,8 @@ class Dsv4Gpu:
         self.pdl = _resolve_pdl(pdl)                           # read once, printed (gpu.pdl)
         self.prefill_attn = _resolve_announced(                # read once, printed
             "PREFILL_ATTN", prefill_attn, "prefill sparse attention (chunks >= 64 tokens)")
+        self.decode_attn = _resolve_announced(                 # read once, printed (step_device)
+            "DECODE_ATTN", decode_attn, "device-step sparse attention")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
@@ -100,7 +106,7 @@ class Dsv4Gpu:
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
              max_seq_len: int | None = None, decode_path: str | None = None,
              dense: str | None = None, pdl: str | None = None,
-             prefill_attn: str | None = None) -> "Dsv4Gpu":
+             prefill_attn: str | None = None, decode_attn: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -116,13 +122,14 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn)
+                   prefill_attn, decode_attn)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
                   decode_path: str | None = None, dense: str | None = None,
-                  pdl: str | None = None, prefill_attn: str | None = None) -> "Dsv4Gpu":
+                  pdl: str | None = None, prefill_attn: str | None = None,
+                  decode_attn: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -138,7 +145,7 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn)
+                   prefill_attn, decode_attn)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

@@ -85,7 +85,7 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
         kmax = max(kmax, W + (sel_w if r == 4 and "csa" in kinds else max(1, max_seq_len // r)))
         if r == 4:
             kmax = max(kmax, W + max(1, max_seq_len // 4))
-    p.add("attn.cand", (kmax,), "i32")
+    p.add("attn.cand", (kmax,), "i32")      # build_cand's list (decode_attn "split")
     if ratios:
         p.add("cmp.pooled", (hd,), "f32")
     if "csa" in kinds:
@@ -105,6 +105,7 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p.add("ffn.out", (D,), "bf16")
     # device-step extras (gpu.step.DeviceStep)
     p.add("dev.aux", (8,), "i32")
+    # the split-K workspace of either decode attention form: attention.workspace_size(1, H, hd, K)
     p.add("dev.attn_ws", (H * (-(-kmax // 32)) * (2 + hd),), "f32")
     p.add("dev.mix", (1, cfg.hc_mix_rows), "f32")
     p.add("dev.kvraw", (hd,), "bf16")

@@ -19,10 +19,14 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * indexer: q GEMV + RoPE/Hadamard/FP4, then scores over the key rows with
   n_valid = (pos + 1) // 4 from the device and the top-k in index order in one launch
   (indexer_fused_d128: its last CTA selects through a per-device ticket counter);
-* sparse attention with the inverse-RoPE epilogue in ONE launch (attention.sparse_attention_decode:
-  build_cand's candidate list - window chronological, then the compressed segment, -1 padded -
-  computed in the kernel, split over CTAs, the partials merged by the CTAs that finish last
-  through a per-device ticket counter);
+* sparse attention with the inverse-RoPE epilogue, in the form ``model.decode_attn`` names (seam
+  MEMRA_DSV4_DECODE_ATTN; the two are bit-identical):
+  ``split`` (default): build_cand (window chronological, then the compressed segment, -1 padded,
+  into the arena's attn.cand), then attention.sparse_attention split over CTAs (n_split auto)
+  and its combine kernel: three launches (two where auto_split gives 1: no combine);
+  ``fused``: ONE launch (attention.sparse_attention_decode: the same candidate list computed in
+  the kernel, split over CTAs, the partials merged by the CTAs that finish last through a
+  per-device ticket counter).  Both use the arena's dev.attn_ws as the split workspace;
 * router logits + select (learned bias or hash tid2eid[tok]) on the device in one launch
   (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
@@ -32,7 +36,9 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
-stepped with graph=True; cached per state (the cache addresses belong to the state).
+stepped with graph=True; cached per state (the cache addresses belong to the state) together
+with the (pdl, decode_attn) they were captured with: stepping the state after either of
+``model.pdl`` / ``model.decode_attn`` changed recaptures.
 """
 
 from __future__ import annotations
@@ -128,8 +134,11 @@ class DeviceStep:
 
     # ------------------------------------------------------------------ setup helpers
     def _prewarm(self, S) -> None:
-        """Load every kernel module, the hc split workspace and the router / indexer ticket
-        counters before any capture."""
+        """Load every kernel module, the hc split workspace and the router / indexer / decode
+        attention ticket counters before any capture.  Both decode attention forms are ready:
+        ops.kernel_names() has attention's split, combine and sparse_attn_decode_* kernels,
+        ops_decode.KERNELS has build_cand, and the counters are made here (the split form needs
+        none)."""
         from memra_dsv4.gpu import kernel_loader, ops, ops_decode
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import hc as HC
@@ -154,6 +163,7 @@ class DeviceStep:
         if state.max_seq_len != self.msl:
             raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
                              f"StepWs built for {self.msl}")
+        attn = self.attn_form()   # validated before any device work
         pos = int(state.pos)
         for S in self.stages:
             S.host[0], S.host[1] = token, pos
@@ -166,8 +176,8 @@ class DeviceStep:
         pdl_on = getattr(self.m, "pdl", "off") == "on"
         if graph:
             gs = self._graphs.get(id(state))
-            if gs is None or gs[0] is not state or gs[2] != pdl_on:
-                gs = (state, self._capture(state, pdl_on), pdl_on)
+            if gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn:
+                gs = (state, self._capture(state, pdl_on, attn), pdl_on, attn)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -184,7 +194,7 @@ class DeviceStep:
                 with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
                     if S.si > 0:
                         S.stream.wait_event(self.stages[S.si - 1].event)
-                    self._enqueue(S, state)
+                    self._enqueue(S, state, attn)
                     if S.si + 1 < len(self.stages):
                         S.event.record(S.stream)
         last = self.stages[-1]
@@ -193,6 +203,13 @@ class DeviceStep:
             logits = cp.asnumpy(last.v["head.logits"])
         state.pos = pos + 1
         return logits
+
+    def attn_form(self) -> str:
+        """The decode attention form of the next step: ``model.decode_attn`` (seam
+        MEMRA_DSV4_DECODE_ATTN; "split" when the model has none), validated."""
+        from memra_dsv4.seams import SEAM_DECODE_ATTN
+        value = getattr(self.m, "decode_attn", None) or SEAM_DECODE_ATTN.default
+        return SEAM_DECODE_ATTN.check(value, f"model.decode_attn (env {SEAM_DECODE_ATTN.env})")
 
     def _ensure_tables(self, state) -> None:
         """Per state (they hold its pending-row addresses), before any capture or eager
@@ -232,9 +249,10 @@ class DeviceStep:
         return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
-    def _capture(self, state, pdl_on: bool = False):
+    def _capture(self, state, pdl_on: bool = False, attn: str = "split"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
-        stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges."""
+        stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
+        ``attn`` the decode attention form ("split" / "fused")."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -248,13 +266,13 @@ class DeviceStep:
         try:
             for S in self.stages:
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
-                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state)))
+                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
         finally:
             phase_set_capturing(was)
         return out
 
     # ------------------------------------------------------------------ launches
-    def _enqueue(self, S, state) -> None:
+    def _enqueue(self, S, state, attn: str = "split") -> None:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu import runtime
         from memra_dsv4.gpu.ops import hc as HC
@@ -271,7 +289,7 @@ class DeviceStep:
             tabs = self._tables[id(state)][1]
             for L in S.layers:
                 with phase(f"{sp}/block"):
-                    cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid])
+                    cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid], attn)
             if st.has_head:
                 with phase(f"{sp}/head"):
                     y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
@@ -300,7 +318,7 @@ class DeviceStep:
                        pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
                        comb=v["hc.comb"].reshape(1, 4, 4), mixes=v["dev.mix"], f=f, out=out)
 
-    def _block(self, S, L, cur, oth, cache, table):
+    def _block(self, S, L, cur, oth, cache, table, attn: str = "split"):
         """One layer.  The hc_post that closes a sub-layer is fused into the next boundary's
         launch (_hc_pre with f): the attn sub-layer's into the ffn boundary, the ffn sub-layer's
         into the next layer's attn boundary.  The stage's first layer starts from the streams
@@ -318,7 +336,7 @@ class DeviceStep:
             else:  # the previous layer's ffn hc_post + this attn's hc_pre + attn_norm
                 self._hc_pre(S, L, cur, "attn", f=v["ffn.out"].reshape(1, D), out=oth)
                 cur, oth = oth, cur
-            self._attention(S, L, cache, table)
+            self._attention(S, L, cache, table, attn)
         with phase(f"{bp}/ffn"):  # the attn hc_post + the ffn hc_pre + ffn_norm
             self._hc_pre(S, L, cur, "ffn", f=v["attn.out"].reshape(1, D), out=oth)
             cur, oth = oth, cur
@@ -360,7 +378,7 @@ class DeviceStep:
                        sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
         return sel
 
-    def _attention(self, S, L, cache, table) -> None:
+    def _attention(self, S, L, cache, table, attn: str = "split") -> None:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import compressor as CM
@@ -394,10 +412,16 @@ class DeviceStep:
             with phase(f"{ap}/compressor"):
                 self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
         o = v["attn.o"].reshape(1, H, hd)
-        with phase(f"{ap}/sparse_attention"):  # build_cand + split + combine in one launch
-            AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, L.w("attn.attn_sink"),
-                                       hd ** -0.5, out=o, workspace=v["dev.attn_ws"],
-                                       inverse_rope=(pos, L.cos, L.sin))
+        sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
+        with phase(f"{ap}/sparse_attention"):
+            if attn == "fused":  # build_cand + split + combine in one launch
+                AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
+                                           out=o, workspace=v["dev.attn_ws"], inverse_rope=rope)
+            else:                # "split": build_cand, then the split kernel + combine
+                cand = v["attn.cand"][:K]
+                DK.build_cand(pos, cand, W, L.ratio, sel)
+                AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
+                                    n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope)
         with phase(f"{ap}/output"):
             w, sc = L.lin("attn.wo_a")
             DK.gemv_bf16(w, o, v["attn.u"], groups=cfg.o_groups, scale=sc)
