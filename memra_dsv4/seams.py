@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -132,6 +132,13 @@ SEAM_PREFILL_ATTN = Seam(
     "once per model and printed): `mma` (tensor-core kernel, bf16 products exact, P split into "
     "two bf16 halves, its own fixed f32 order) or `simt` (the decode step's CUDA-core kernel). "
     "Shorter chunks always use `simt`.")
+SEAM_PREFILL_MOE = Seam(
+    "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt"),
+    "Routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, read once per model "
+    "and printed): `fp4mma` (one grouped tensor-core GEMM per projection reading the STORED "
+    "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order) or "
+    "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
+    "strided-batched cuBLASLt GEMMs and a SwiGLU launch).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
@@ -146,7 +153,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_KERNELS_DIR,
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_KERNELS_DIR,
     SEAM_REQUIRE_PARITY)}
 
 

@@ -17,6 +17,9 @@ API
     sparse attention, ``split`` (build_cand + split kernel + combine) or ``fused`` (one launch,
     attention.sparse_attention_decode), bit-identical; ``self.decode_attn`` may be changed later
     (the device step recaptures its graphs when it differs, as for ``pdl``).
+    ``prefill_moe`` (seam ``MEMRA_DSV4_PREFILL_MOE``, read once and printed): the chunk routine's
+    routed experts, ``fp4mma`` (grouped tensor-core GEMM on the stored FP4 bytes) or ``blaslt``
+    (dequantise into a bf16 scratch + cuBLASLt); ``self.prefill_moe`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -60,7 +63,8 @@ class Dsv4Gpu:
     def __init__(self, config: Dsv4Config, stages, devices, numerics: str = "bf16",
                  force_bounce: bool = False, max_seq_len: int | None = None,
                  decode_path: str | None = None, pdl: str | None = None,
-                 prefill_attn: str | None = None, decode_attn: str | None = None) -> None:
+                 prefill_attn: str | None = None, decode_attn: str | None = None,
+                 prefill_moe: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -84,6 +88,8 @@ class Dsv4Gpu:
             "PREFILL_ATTN", prefill_attn, "prefill sparse attention (chunks >= 64 tokens)")
         self.decode_attn = _resolve_announced(                 # read once, printed (step_device)
             "DECODE_ATTN", decode_attn, "device-step sparse attention")
+        self.prefill_moe = _resolve_announced(                 # read once, printed
+            "PREFILL_MOE", prefill_moe, "prefill routed experts")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
@@ -106,7 +112,8 @@ class Dsv4Gpu:
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
              max_seq_len: int | None = None, decode_path: str | None = None,
              dense: str | None = None, pdl: str | None = None,
-             prefill_attn: str | None = None, decode_attn: str | None = None) -> "Dsv4Gpu":
+             prefill_attn: str | None = None, decode_attn: str | None = None,
+             prefill_moe: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -122,14 +129,14 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn)
+                   prefill_attn, decode_attn, prefill_moe)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
                   decode_path: str | None = None, dense: str | None = None,
                   pdl: str | None = None, prefill_attn: str | None = None,
-                  decode_attn: str | None = None) -> "Dsv4Gpu":
+                  decode_attn: str | None = None, prefill_moe: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -145,7 +152,7 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn)
+                   prefill_attn, decode_attn, prefill_moe)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -392,7 +399,14 @@ class _Block:
         with phase(f"{self.ph}/ffn/moe/dispatch"):     # the one device->host read of the ids
             idx_h = cp.asnumpy(idx)
         return routed_moe(self.g, x, idx_h, wts, experts, fmt, self.cfg.swiglu_limit,
-                          shared, ws2=ws2, ph=f"{self.ph}/ffn/moe")
+                          shared, ws2=ws2, ph=f"{self.ph}/ffn/moe",
+                          gemm=self._moe_gemm(x.shape[1], experts["w1"][0].shape[1]))
+
+    def _moe_gemm(self, D: int, I: int) -> str:
+        """The seam MEMRA_DSV4_PREFILL_MOE; the FP4 tensor-core GEMM tiles K by 128, so a model
+        whose hidden or expert width is not a multiple of 128 runs "blaslt"."""
+        form = getattr(self.m, "prefill_moe", "fp4mma")
+        return form if form != "fp4mma" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
 
     def moe(self, x, ids_d, cap):
         import cupy as cp
