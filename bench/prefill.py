@@ -1,6 +1,10 @@
 """Prefill throughput of the GPU runtime.
 
     python -m bench.prefill --model synthetic:flash --devices 0,1 --tokens 1024,8192
+    python -m bench.prefill ... --arms moe=fp4mma+pipeline=off,moe=fp4mma+pipeline=on,moe=blaslt
+
+--arms: every token count runs every arm in one process (A/B): settings moe (seam
+MEMRA_DSV4_PREFILL_MOE), pipeline (MEMRA_DSV4_PREFILL_PIPELINE), attn (MEMRA_DSV4_PREFILL_ATTN).
 
 Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
 TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
@@ -37,6 +41,24 @@ def bf16_peak_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+def parse_arms(spec: str) -> list[tuple[str, dict]]:
+    """'moe=fp4mma+pipeline=on,moe=blaslt' -> [(label, settings)]; empty -> [("", {})].
+    Unknown keys or values are refused before anything loads."""
+    known = {"moe": ("fp4mma", "blaslt"), "pipeline": ("off", "on"), "attn": ("mma", "simt")}
+    out = []
+    for part in [p for p in spec.split(",") if p.strip()]:
+        s = {}
+        for kv in part.split("+"):
+            k, _, v = kv.strip().partition("=")
+            if k not in known:
+                raise SystemExit(f"prefill arm {part!r}: unknown setting {k!r}; known: {', '.join(known)}")
+            if v not in known[k]:
+                raise SystemExit(f"prefill arm {part!r}: {k}={v!r}; expected one of {', '.join(known[k])}")
+            s[k] = v
+        out.append((part.strip(), s))
+    return out or [("", {})]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="synthetic:flash")
@@ -44,7 +66,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1024,8192")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--arms", default="",
+                    help="comma list of arms, each '+'-joined settings moe=fp4mma|blaslt, "
+                         "pipeline=off|on, attn=mma|simt (the seams MEMRA_DSV4_PREFILL_MOE / "
+                         "_PIPELINE / _ATTN); every token count runs every arm; empty: the "
+                         "model's settings")
     a = ap.parse_args(argv)
+    parse_arms(a.arms)  # refuse a bad arm before loading anything
     os.environ.setdefault("MEMRA_DSV4_PROF", "events")
     from bench.harness import phase_breakdown, summarize, write_results
     from memra_dsv4.gpu.model import Dsv4Gpu
@@ -59,13 +87,19 @@ def main(argv=None) -> int:
     peak = bf16_peak_tflops(devices[0])
     print(f"bf16 GEMM peak (cuBLASLt 8192^3): {peak:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
+    arm_list = parse_arms(a.arms)
+    base = {"moe": m.prefill_moe, "pipeline": m.prefill_pipeline, "attn": m.prefill_attn}
     arms = {}
-    for T in [int(t) for t in a.tokens.split(",")]:
+    for T, (label, arm) in [(int(t), la) for t in a.tokens.split(",") for la in arm_list]:
         ids = rng.integers(0, m.config.vocab_size, T)
+        s = dict(base, **arm)
+        m.prefill_moe, m.prefill_pipeline, m.prefill_attn = s["moe"], s["pipeline"], s["attn"]
+        T_label = f"T={T}" + (f" {label}" if label else "")
+        print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']}", flush=True)
         for i in range(a.warmup):
             t0 = time.perf_counter()
             m.forward(ids)
-            print(f"T={T}: warm-up forward {i}: {(time.perf_counter() - t0) * 1e3:.0f} ms",
+            print(f"{T_label}: warm-up forward {i}: {(time.perf_counter() - t0) * 1e3:.0f} ms",
                   flush=True)  # progress: a time-boxed run still says how far it got
         phase_reset()
         for g in m.gemm.values():
@@ -75,14 +109,14 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             m.forward(ids)
             samples.append((time.perf_counter() - t0) * 1e3)
-            print(f"T={T}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
+            print(f"{T_label}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
         flops = sum(g.flops for g in m.gemm.values()) / a.iters
         rows = build_report(phase_collect(), 0.0, a.iters)
         med = float(np.median(samples))
         tflops = flops / (med * 1e-3) / 1e12
-        print(f"T={T}: median {med:.1f} ms, {T / med * 1e3:.0f} tok/s, GEMM {tflops:.1f} TFLOP/s "
+        print(f"{T_label}: median {med:.1f} ms, {T / med * 1e3:.0f} tok/s, GEMM {tflops:.1f} TFLOP/s "
               f"({100 * tflops / peak:.1f}% of peak)")
-        arms[f"T={T}"] = {"settings": {"tokens": str(T)},
+        arms[T_label] = {"settings": {"tokens": str(T), **s},
                           "summary": summarize(samples, tokens_per_step=T),
                           "phases_us": phase_breakdown(rows, depth=0),
                           "tokens_per_s": T / med * 1e3, "gemm_tflops": tflops,

@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -139,6 +139,13 @@ SEAM_PREFILL_MOE = Seam(
     "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order) or "
     "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
     "strided-batched cuBLASLt GEMMs and a SwiGLU launch).")
+SEAM_PREFILL_PIPELINE = Seam(
+    "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on"),
+    "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `off` "
+    "(the whole prompt as one chunk: one boundary copy per stage boundary) or `on` (prompts of "
+    ">= 2048 tokens cut into 4 chunks that flow through the stages with one host thread per "
+    "stage, so the stages overlap; bit-identical to running those chunks one after another, "
+    "bf16-class against the whole-prompt chunk; needs peer access, else `off`).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
@@ -153,7 +160,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_KERNELS_DIR,
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_KERNELS_DIR,
     SEAM_REQUIRE_PARITY)}
 
 

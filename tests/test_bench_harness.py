@@ -217,3 +217,14 @@ def test_git_commit_short_env_override(tmp_path, monkeypatch):
     assert harness.git_commit_short() == "abcdef0"
     monkeypatch.setenv("MEMRA_DSV4_COMMIT", "  ")
     assert harness.git_commit_short(tmp_path) == "nogit"  # blank: ignored
+
+
+def test_prefill_bench_arms_parse_and_refuse():
+    from bench.prefill import parse_arms
+    assert parse_arms("") == [("", {})]
+    assert parse_arms("moe=fp4mma+pipeline=on, moe=blaslt") == [
+        ("moe=fp4mma+pipeline=on", {"moe": "fp4mma", "pipeline": "on"}), ("moe=blaslt", {"moe": "blaslt"})]
+    with pytest.raises(SystemExit, match="unknown setting 'gemm'"):
+        parse_arms("gemm=fp4mma")
+    with pytest.raises(SystemExit, match="pipeline='2'; expected one of off, on"):
+        parse_arms("pipeline=2")

@@ -152,3 +152,29 @@ def test_prefill_moe_seam(monkeypatch):
     assert blk._moe_gemm(4096, 2000) == "blaslt"
     blk.m = SimpleNamespace(prefill_moe="blaslt")
     assert blk._moe_gemm(4096, 2048) == "blaslt"
+
+
+def test_prefill_pipeline_seam_and_plan(monkeypatch):
+    """MEMRA_DSV4_PREFILL_PIPELINE: off (default) | on; the chunk plan: none for one stage or
+    short prompts, else 4 chunks of whole 64-token multiples (the last takes the rest)."""
+    from types import SimpleNamespace
+    from memra_dsv4.gpu import pipeline as PL
+    s = seams.SEAMS["prefill_pipeline"]
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on"))
+    monkeypatch.setenv("MEMRA_DSV4_PREFILL_PIPELINE", "yes")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_PREFILL_PIPELINE.*'yes'.*off, on"):
+        seams.resolve("prefill_pipeline")
+    assert PL.pipeline_chunks(8192, 1) is None
+    assert PL.pipeline_chunks(2047, 2) is None
+    assert PL.pipeline_chunks(8192, 2) == [2048] * 4
+    assert PL.pipeline_chunks(2048, 2) == [1024, 1024]
+    assert PL.pipeline_chunks(3000, 2) == [1536, 1464]
+    assert PL.pipeline_chunks(5000, 2) == [1280, 1280, 1280, 1160]
+    for S in range(2048, 20000, 37):
+        ch = PL.pipeline_chunks(S, 3)
+        assert sum(ch) == S and 2 <= len(ch) <= PL.N_CHUNKS and all(c % 64 == 0 for c in ch[:-1])
+        assert min(ch[:-1]) >= PL.MIN_CHUNK and ch[-1] > 0
+    one = SimpleNamespace(force_bounce=False, stages=[SimpleNamespace(device=0)])
+    assert not PL.pipeline_supported(one)
+    bounce = SimpleNamespace(force_bounce=True, stages=[SimpleNamespace(device=0), SimpleNamespace(device=1)])
+    assert not PL.pipeline_supported(bounce)

@@ -64,7 +64,7 @@ class Dsv4Gpu:
                  force_bounce: bool = False, max_seq_len: int | None = None,
                  decode_path: str | None = None, pdl: str | None = None,
                  prefill_attn: str | None = None, decode_attn: str | None = None,
-                 prefill_moe: str | None = None) -> None:
+                 prefill_moe: str | None = None, prefill_pipeline: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -90,6 +90,8 @@ class Dsv4Gpu:
             "DECODE_ATTN", decode_attn, "device-step sparse attention")
         self.prefill_moe = _resolve_announced(                 # read once, printed
             "PREFILL_MOE", prefill_moe, "prefill routed experts")
+        self.prefill_pipeline = _resolve_announced(            # read once, printed (gpu.pipeline)
+            "PREFILL_PIPELINE", prefill_pipeline, "prefill pipelined over the stages")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         forms = {st.dense_fmt for st in stages}
@@ -113,7 +115,7 @@ class Dsv4Gpu:
              max_seq_len: int | None = None, decode_path: str | None = None,
              dense: str | None = None, pdl: str | None = None,
              prefill_attn: str | None = None, decode_attn: str | None = None,
-             prefill_moe: str | None = None) -> "Dsv4Gpu":
+             prefill_moe: str | None = None, prefill_pipeline: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -129,14 +131,15 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn, prefill_moe)
+                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
                   force_bounce: bool = False, max_seq_len: int | None = None,
                   decode_path: str | None = None, dense: str | None = None,
                   pdl: str | None = None, prefill_attn: str | None = None,
-                  decode_attn: str | None = None, prefill_moe: str | None = None) -> "Dsv4Gpu":
+                  decode_attn: str | None = None, prefill_moe: str | None = None,
+                  prefill_pipeline: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -152,7 +155,7 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn, prefill_moe)
+                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -169,7 +172,19 @@ class Dsv4Gpu:
         ids = self.check_ids(token_ids)
         state = self.new_state(max_seq_len=ids.shape[0])
         state.reset()
+        chunks = None if capture else self._pipeline_plan(ids.shape[0])
+        if chunks:
+            from memra_dsv4.gpu.pipeline import run_chunk_pipelined
+            return run_chunk_pipelined(self, state, ids, chunks, ph="prefill")
         return run_chunk(self, state, ids, capture=capture, ph="prefill")
+
+    def _pipeline_plan(self, S: int):
+        """Chunk lengths of a pipelined prefill of S tokens (gpu.pipeline), or None: the seam
+        MEMRA_DSV4_PREFILL_PIPELINE is off, one stage, no peer access, or too short a prompt."""
+        if getattr(self, "prefill_pipeline", "off") != "on":
+            return None
+        from memra_dsv4.gpu.pipeline import pipeline_chunks, pipeline_supported
+        return pipeline_chunks(S, len(self.stages)) if pipeline_supported(self) else None
 
     # ------------------------------------------------------------------ decode
     def new_state(self, max_seq_len: int | None = None):
@@ -203,8 +218,14 @@ class Dsv4Gpu:
         state.reset()
         if self._step is not None:
             self._step.invalidate()
+        chunks = self._pipeline_plan(ids.shape[0])
         with phase("prefill_state"):
-            logits = forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state")
+            if chunks:
+                from memra_dsv4.gpu.pipeline import run_chunk_pipelined
+                logits = run_chunk_pipelined(self, state, ids, chunks, all_logits=all_logits,
+                                             ph="prefill_state").logits
+            else:
+                logits = forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state")
         return logits, state
 
     def prefill_chunk(self, state, token_ids, *, all_logits: bool = False):

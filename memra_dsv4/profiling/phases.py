@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import zlib
 from typing import TextIO
 
@@ -83,29 +84,34 @@ class _NullDomain:
 class _Recorder:
     """Pending event records as parallel preallocated slots: names[i], starts[i], ends[i]."""
 
-    __slots__ = ("clock", "names", "starts", "ends", "count")
+    __slots__ = ("clock", "names", "starts", "ends", "count", "lock")
 
     def __init__(self, clock: TimeSource) -> None:
         self.clock = clock
+        # One host thread per pipeline stage may bracket at once (gpu.decode.run_chunk_pipelined):
+        # a slot index is taken and its start stamped under the lock (uncontended: ~50 ns).
+        self.lock = threading.Lock()
         self.names: list = [None] * _INITIAL_SLOTS
         self.starts: list = [None] * _INITIAL_SLOTS
         self.ends: list = [None] * _INITIAL_SLOTS
         self.count = 0
 
     def open(self, name: str) -> int:
-        i = self.count
-        if i == len(self.names):  # doubling keeps growth rare; it never happens while capturing
-            for slots in (self.names, self.starts, self.ends):
-                slots.extend([None] * len(slots))
-        self.names[i] = name
-        self.starts[i] = self.clock.stamp()
-        self.ends[i] = None
-        self.count = i + 1
-        return i
+        with self.lock:
+            i = self.count
+            if i == len(self.names):  # doubling keeps growth rare; it never happens while capturing
+                for slots in (self.names, self.starts, self.ends):
+                    slots.extend([None] * len(slots))
+            self.names[i] = name
+            self.starts[i] = self.clock.stamp()
+            self.ends[i] = None
+            self.count = i + 1
+            return i
 
     def close(self, i: int) -> None:
         self.ends[i] = _DROPPED  # what the record stays if the stamp raises
-        self.ends[i] = self.clock.stamp()
+        with self.lock:
+            self.ends[i] = self.clock.stamp()
 
     def drop(self, i: int) -> None:
         self.ends[i] = _DROPPED
@@ -157,22 +163,31 @@ class _EventBracket:
     def __init__(self, name: str, domain, attr, rec: _Recorder) -> None:
         self._name, self._attr, self._rec = name, attr, rec
         self._push, self._pop = domain.push_range, domain.pop_range
-        self._open: list[int] = []  # slot per open entry: a name may nest inside itself
+        # open slots per host thread (a name may nest inside itself, and two pipeline-stage
+        # threads may hold the same name open at once): thread id -> stack of slots
+        self._open: dict[int, list[int]] = {}
+
+    def _stack(self) -> list[int]:
+        tid = threading.get_ident()
+        st = self._open.get(tid)
+        if st is None:
+            st = self._open[tid] = []
+        return st
 
     def __enter__(self) -> None:
         self._push(self._attr)
         if _capturing:
-            self._open.append(-1)
+            self._stack().append(-1)
             return
         try:
-            self._open.append(self._rec.open(self._name))
+            self._stack().append(self._rec.open(self._name))
         except BaseException:
             self._pop()  # __exit__ will not run when __enter__ raises
             raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
-            i = self._open.pop()
+            i = self._stack().pop()
             if i >= 0:
                 if _capturing:
                     self._rec.drop(i)

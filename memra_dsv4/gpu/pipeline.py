@@ -1,0 +1,162 @@
+"""Pipelined prefill over the stages (seam ``MEMRA_DSV4_PREFILL_PIPELINE``, default ``off``).
+
+Contract
+--------
+``pipeline_chunks(S, n_stages) -> list[int] | None``
+    The chunk lengths a prompt of S tokens is cut into: ``None`` (run the plain chunk routine)
+    with one stage or when S < 2 * MIN_CHUNK; else 4 chunks (whole multiples of 64 tokens; the
+    last takes the rest) of at least MIN_CHUNK tokens each.  4 chunks over 2 stages keep both
+    GPUs busy for 4 of the 5 chunk-times: time ~ 5/4 of one stage's whole-prompt time instead
+    of 2x; more chunks would cut the fill/drain further but add per-chunk host round trips
+    (the MoE's one id readback per layer) and smaller GEMMs.
+``run_chunk_pipelined(model, state, ids, chunks, all_logits=False, ph="prefill") -> ForwardOut``
+    The same result, BIT FOR BIT, as running the chunks one after another through the chunk
+    routine (``run_chunk`` of chunk 0, then of chunk 1, ... on the same state): each stage's
+    layers see the same inputs, positions and caches in the same order, on the same stream.
+    Only the schedule differs: one host thread per stage, so stage s runs chunk j while stage
+    s + 1 runs chunk j - 1.  It is NOT bit-equal to one whole-prompt chunk (the GEMMs have
+    another M, the attention another candidate tiling): bf16 class, as decode vs re-prefill.
+    Not for captures or verify journals (those keep the plain routine).
+
+Synchronisation: stage s records an event on its compute stream after chunk j; the thread of
+stage s + 1 makes its own compute stream wait on that event and copies the streams over with
+one peer ``memcpyAsync`` on its stream (``runtime.boundary_copy``: bracketed
+``{ph}/boundary_copy``; one copy per chunk and boundary, where the plain routine makes one per
+forward).  The source arrays stay referenced until the end of the forward, so the producer's
+memory pool never hands them out while a copy may still read them.  Without peer access
+between two stages the caller runs the plain routine (``pipeline_supported``).  An exception in
+any stage thread stops the others at their next chunk and is re-raised in the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+from memra_dsv4.profiling import phase
+
+__all__ = ["MIN_CHUNK", "N_CHUNKS", "pipeline_chunks", "pipeline_supported", "run_chunk_pipelined"]
+
+MIN_CHUNK = 1024   # tokens: below this a chunk's GEMMs and host round trips dominate
+N_CHUNKS = 4
+
+
+def pipeline_chunks(S: int, n_stages: int) -> list[int] | None:
+    S, n_stages = int(S), int(n_stages)
+    if n_stages < 2 or S < 2 * MIN_CHUNK:
+        return None
+    n = min(N_CHUNKS, S // MIN_CHUNK)
+    size = -(-S // n)
+    size = -(-size // 64) * 64
+    chunks = []
+    left = S
+    while left > 0:
+        chunks.append(min(size, left))
+        left -= chunks[-1]
+    assert sum(chunks) == S and len(chunks) >= 2
+    return chunks
+
+
+def pipeline_supported(model) -> bool:
+    """Peer access both ways between every pair of consecutive stages, and no forced bounce."""
+    from memra_dsv4.gpu import runtime
+    if model.force_bounce or len(model.stages) < 2:
+        return False
+    devs = [st.device for st in model.stages]
+    return all(a == b or (runtime.peer_enabled(a, b) and runtime.peer_enabled(b, a))
+               for a, b in zip(devs, devs[1:]))
+
+
+class _Stop(Exception):
+    """An upstream stage failed; this stage stops (the upstream error is the one re-raised)."""
+
+
+def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
+                        all_logits: bool = False, ph: str = "prefill"):
+    import cupy as cp
+    from memra_dsv4.gpu import runtime
+    from memra_dsv4.gpu.decode import ChunkBlock
+    from memra_dsv4.gpu.model import _f32
+    from memra_dsv4.oracle.model import ForwardOut
+
+    cfg = model.config
+    n_st = len(model.stages)
+    assert n_st >= 2 and sum(chunks) == ids.shape[0], (n_st, chunks, ids.shape)
+    p0 = state.pos
+    offs = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    last = len(chunks) - 1
+    inbox = [queue.Queue() for _ in range(n_st)]   # inbox[s]: (streams, ready event) | None
+    keep: list = []                                 # producer arrays a copy may still read
+    out: dict = {"logits": []}
+    errors: list[BaseException] = []
+    paths: list[str] = []
+    model.boundary_paths = paths
+
+    def stage_thread(si: int) -> None:
+        st = model.stages[si]
+        dev = model.devs[st.device]
+        sp = f"{ph}/stage{si}"
+        try:
+            with cp.cuda.Device(st.device), dev.compute:
+                for j in range(len(chunks)):
+                    if errors:
+                        raise _Stop()
+                    a, b = int(offs[j]), int(offs[j + 1])
+                    S = b - a
+                    streams = None
+                    if si > 0:
+                        item = inbox[si].get()
+                        if item is None:
+                            raise _Stop()
+                        src, ready = item
+                        with phase(f"{ph}/boundary_copy"):
+                            dev.compute.wait_event(ready)
+                            streams = cp.empty(src.shape, dtype=src.dtype)
+                            paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
+                    with phase(sp):
+                        ids_d = cp.asarray(ids[a:b])
+                        if st.has_embed:
+                            with phase(f"{sp}/embed"):
+                                e = _f32(st["embed.weight"][ids_d])
+                                streams = cp.ascontiguousarray(
+                                    cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                        for layer in st.layers:
+                            with phase(f"{sp}/block"):
+                                streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
+                                    streams, ids_d, state.cache(layer), p0 + a, None, None)
+                        if st.has_head and (all_logits or j == last):
+                            with phase(f"{sp}/head"):
+                                rows = streams if all_logits else streams[-1:]
+                                logits, _, _ = model._head(st, rows, all_rows=all_logits)
+                            out["logits"].append(cp.asnumpy(logits))
+                            if j == last:
+                                out["hc_state"] = cp.asnumpy(streams[-1])
+                    if si + 1 < n_st:
+                        ready = cp.cuda.Event(disable_timing=True)
+                        ready.record(dev.compute)
+                        keep.append(streams)
+                        inbox[si + 1].put((streams, ready))
+                dev.compute.synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            if not isinstance(e, _Stop):
+                errors.append(e)
+            if si + 1 < n_st:
+                inbox[si + 1].put(None)
+
+    threads = [threading.Thread(target=stage_thread, args=(si,), name=f"memra-prefill-stage{si}")
+               for si in range(n_st)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for d in model.devs:
+        d.compute.synchronize()
+    keep.clear()
+    state.pos = p0 + int(ids.shape[0])
+    logits = np.concatenate(out["logits"], axis=0) if all_logits else out["logits"][-1]
+    return ForwardOut(logits=logits, hc_state=out["hc_state"], streams=None, captures=None,
+                      captures_top=None, numerics=model.numerics)

@@ -1,0 +1,125 @@
+"""Pipelined prefill over 2 stages (memra_dsv4.gpu.pipeline) on two GPUs.
+
+* run_chunk_pipelined == the same chunks run one after another through the chunk routine, bit
+  for bit: logits (every row), hc state and every cache of the DecodeState (tiny and small,
+  chunk lengths that cross the window, a CSA emit and an HCA emit);
+* the seam: with prefill_pipeline="on" forward / prefill take the pipelined route for a long
+  enough prompt (one boundary copy per chunk), and decode continues from that state;
+* an exception in a stage thread reaches the caller (no hang), and the model still works.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from test_decode_gpu import _ckpt, _ids  # noqa: E402  (prepend import mode)
+
+pytestmark = pytest.mark.gpu
+
+_CACHE: dict = {}
+
+
+def _two_stage(name):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    if name not in _CACHE:
+        ck = _ckpt(name)
+        _CACHE[name] = (ck, Dsv4Gpu.load(ck, devices=(0, 1), max_seq_len=1024))
+    ck, m = _CACHE[name]
+    if not all(st.device == d for st, d in zip(m.stages, (0, 1))) or len(m.stages) != 2:
+        pytest.skip(f"{name}: the plan did not make 2 stages")
+    return ck, m
+
+
+def _sequential(m, ids, chunks):
+    from memra_dsv4.gpu.decode import run_chunk
+    st = m.new_state()
+    st.reset()
+    rows, a = [], 0
+    for n in chunks:
+        out = run_chunk(m, st, np.asarray(ids[a:a + n], np.int32), all_logits=True, ph="prefill")
+        rows.append(out.logits)
+        a += n
+    return np.concatenate(rows), out.hc_state, st
+
+
+@pytest.mark.parametrize("name,chunks", [("tiny", [64, 100, 136]), ("tiny", [5, 3, 17, 1]),
+                                         ("small", [96, 64, 140])])
+def test_pipelined_equals_sequential_chunks_bitwise(name, chunks):
+    from memra_dsv4.gpu.pipeline import pipeline_supported, run_chunk_pipelined
+    ck, m = _two_stage(name)
+    if not pipeline_supported(m):
+        pytest.skip("no peer access between the two GPUs")
+    ids = _ids(ck.config, sum(chunks), seed=5)
+    want_logits, want_hc, want_st = _sequential(m, ids, chunks)
+    st = m.new_state()
+    st.reset()
+    out = run_chunk_pipelined(m, st, np.asarray(ids, np.int32), chunks, all_logits=True)
+    assert m.boundary_paths == ["peer"] * len(chunks), m.boundary_paths
+    assert out.logits.shape == want_logits.shape
+    assert np.array_equal(out.logits, want_logits), (
+        f"logits differ at rows {np.nonzero((out.logits != want_logits).any(axis=1))[0][:10]}")
+    assert np.array_equal(out.hc_state, want_hc)
+    a, b = st.snapshot(), want_st.snapshot()
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not bad, f"state differs in {bad[:8]}"
+
+
+def test_seam_routes_forward_and_prefill(monkeypatch):
+    from memra_dsv4.gpu import pipeline as PL
+    ck, m = _two_stage("tiny")
+    if not PL.pipeline_supported(m):
+        pytest.skip("no peer access between the two GPUs")
+    monkeypatch.setattr(PL, "MIN_CHUNK", 32)
+    ids = _ids(ck.config, 200, seed=9)
+    chunks = PL.pipeline_chunks(len(ids), 2)
+    assert chunks and len(chunks) == PL.N_CHUNKS
+    keep = m.prefill_pipeline
+    try:
+        m.prefill_pipeline = "off"
+        plain = m.forward(ids)
+        assert len(m.boundary_paths) == 1
+        m.prefill_pipeline = "on"
+        piped = m.forward(ids)
+        assert len(m.boundary_paths) == len(chunks)
+        want_logits, _, _ = _sequential(m, ids, chunks)
+        assert np.array_equal(piped.logits, want_logits[-1])
+        # bf16 class against the whole-prompt chunk (other GEMM M): top-1 and a loose L2
+        rel = np.linalg.norm(piped.logits - plain.logits) / np.linalg.norm(plain.logits)
+        assert rel < 0.5, rel
+        # prefill + decode continue from the pipelined state, as from the sequential one
+        logits, st = m.prefill(ids)
+        assert np.array_equal(logits, want_logits[-1])
+        nxt = int(np.argmax(logits))
+        _, _, seq_st = _sequential(m, ids, chunks)
+        assert np.array_equal(m.decode_step(st, nxt), m.decode_step(seq_st, nxt))
+    finally:
+        m.prefill_pipeline = keep
+
+
+def test_stage_error_reaches_the_caller(monkeypatch):
+    from memra_dsv4.gpu import decode as D
+    from memra_dsv4.gpu.pipeline import pipeline_supported, run_chunk_pipelined
+    ck, m = _two_stage("tiny")
+    if not pipeline_supported(m):
+        pytest.skip("no peer access between the two GPUs")
+    ids = np.asarray(_ids(ck.config, 90, seed=3), np.int32)
+    real = D.ChunkBlock.forward
+    stage1_layers = set(m.stages[1].layers)
+
+    def boom(self, streams, ids_d, cache, p0, c=None, journal=None):
+        if self.b.lid in stage1_layers and p0 > 0:
+            raise RuntimeError("injected stage-1 failure")
+        return real(self, streams, ids_d, cache, p0, c, journal)
+
+    monkeypatch.setattr(D.ChunkBlock, "forward", boom)
+    st = m.new_state()
+    st.reset()
+    with pytest.raises(RuntimeError, match="injected stage-1 failure"):
+        run_chunk_pipelined(m, st, ids, [30, 30, 30])
+    monkeypatch.setattr(D.ChunkBlock, "forward", real)
+    assert int(np.argmax(m.forward(ids[:10]).logits)) >= 0   # still usable
