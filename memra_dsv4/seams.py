@@ -128,10 +128,11 @@ SEAM_DECODE_ATTN = Seam(
     "bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
-    "Sparse attention of GPU prefill chunks of >= 64 tokens (memra_dsv4.gpu.ops.attention, read "
-    "once per model and printed): `mma` (tensor-core kernel, bf16 products exact, P split into "
-    "two bf16 halves, its own fixed f32 order) or `simt` (the decode step's CUDA-core kernel). "
-    "Shorter chunks always use `simt`.")
+    "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
+    "(memra_dsv4.gpu.ops.attention / indexer, read once per model and printed): `mma` "
+    "(tensor-core kernels: bf16 products exact, the attention's P split into two bf16 halves, "
+    "their own fixed f32 orders) or `simt` (the decode step's CUDA-core kernels). Shorter "
+    "chunks always use `simt`.")
 SEAM_PREFILL_MOE = Seam(
     "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt"),
     "Routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, read once per model "

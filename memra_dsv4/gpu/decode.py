@@ -246,8 +246,9 @@ class ChunkBlock:
     def indexer(self, x, qr, cos, sin, ridx, cache, p0: int, pos, cap):
         """(selection [S, w] int32 entry ids, the chunk's new keys, (a, z) of the indexer
         compressor); scores over (cached keys ++ new keys) with the device step's kernels:
-        q = fp4_sim(hadamard(rope(.))) (quant_sim.cu), scores (indexer.cu 'simt', the decode's
-        dot order) and top-k (score order, ties -> lower index; -1 padded)."""
+        q = fp4_sim(hadamard(rope(.))) (quant_sim.cu), scores (indexer.cu: 'simt', the decode's
+        dot order, or 'mma' for chunks >= 64 tokens under prefill_attn = "mma") and top-k (score
+        order, ties -> lower index; -1 padded)."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
@@ -275,10 +276,14 @@ class ChunkBlock:
         # oracle's scores do (the valid columns are the same bits either way).
         n_cols = n_valid if cap is None else cp.full((S,), n, dtype=cp.int32)
         wb = G.bf16_bits(wts)   # w_scale 1 below: wts is already the stored product
+        # the seam MEMRA_DSV4_PREFILL_ATTN: "mma" puts the q.K dots of chunks >= MMA_MIN_T on
+        # tensor cores too (products exact, another f32 order: a near-tie choice may differ
+        # from the decode's "simt" scores, as the attention's sums do)
+        impl = "mma" if self.attn_kernel == "mma" and S >= AT.MMA_MIN_T else "simt"
         scores = cp.empty((S, n), dtype=cp.uint16)
         for s0 in range(0, S, _GRID_Y_ROWS):   # the scores kernel puts the rows on grid.y
             r = slice(s0, min(S, s0 + _GRID_Y_ROWS))
-            IX.scores(qI[r], wb[r], keys, n_cols[r], out=scores[r])
+            IX.scores(qI[r], wb[r], keys, n_cols[r], out=scores[r], impl=impl)
         sel = IX.topk(scores, n_valid, cfg.index_topk)
         if cap is not None:
             cap.update({"attn.index.scores": G.to_f32(scores), "attn.index.sel": sel})
