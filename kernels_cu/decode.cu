@@ -18,6 +18,11 @@
 //                 add_ape do).
 // gemv_bf16_swiglu_p{1,2}: shared-expert gate/up GEMVs + clamped SwiGLU in one launch (P
 //                 outputs, 2P rows, per warp).
+// Variants of the three (same bits, speed only; picked by ops_decode's selection, the defaults
+//                 above unchanged): gemv_bf16_r{1,2}t2, gemv_fp8_r1t4 / r2t2 / r2t4 (more warps,
+//                 more trips of loads at once) and the TMA bulk streaming kernels
+//                 gemv_{bf16,fp8}_bulk_r*s*, gemv_bf16_multi_bulk_r*s*, gemv_bf16_swiglu_bulk_p*s*
+//                 (gb_stream below).
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
@@ -177,7 +182,7 @@ template <bool FP8, int R, int SROWS, int T = 1>
 DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16* __restrict__ x,
                        int K, int lane, float* out) {
     static_assert(R % SROWS == 0, "SROWS must divide R");
-    static_assert(T == 1 || (FP8 && T == 2), "T = 2: FP8 only");
+    static_assert(T == 1 || T == 2 || T == 4, "T: 1, 2 or 4 trips at once");
     using Raw = typename RawChunk<FP8>::T;
     const int nc = K >> 3;
     float acc[R][GEMV_UNROLL];
@@ -187,12 +192,19 @@ DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16
         for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
     int c = lane;  // = lane + 32 GEMV_UNROLL t in trip t
     if constexpr (FP8) {  // trips where every lane has a complete group (c | 31: lane 31's c)
-        if constexpr (T == 2) {
+        if constexpr (T == 4) {
+            for (; (c | 31) + 32 * (4 * GEMV_UNROLL - 1) < nc; c += 4 * 32 * GEMV_UNROLL)
+                rows_trip<FP8, R, SROWS, true, 4>(wrow, srow, x, c, lane, acc);
+        }
+        if constexpr (T >= 2) {
             for (; (c | 31) + 32 * (2 * GEMV_UNROLL - 1) < nc; c += 2 * 32 * GEMV_UNROLL)
                 rows_trip<FP8, R, SROWS, true, 2>(wrow, srow, x, c, lane, acc);
         }
         for (; (c | 31) + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
             rows_trip<FP8, R, SROWS, true, 1>(wrow, srow, x, c, lane, acc);
+    } else if constexpr (T > 1) {  // bf16: T of the lane's complete groups at once
+        for (; c + 32 * (T * GEMV_UNROLL - 1) < nc; c += T * 32 * GEMV_UNROLL)
+            rows_trip<FP8, R, SROWS, false, T>(wrow, srow, x, c, lane, acc);
     }
     for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)  // the lane's complete groups
         rows_trip<FP8, R, SROWS, false, 1>(wrow, srow, x, c, lane, acc);
@@ -295,6 +307,14 @@ GEMV_ROWS_KERNEL(gemv_fp8_r2, true, 2, 1, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r4, true, 4, 1, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r8, true, 8, 1, 3)    // 168 registers, all 37 loads of a trip together
 GEMV_ROWS_KERNEL(gemv_fp8_r4t2, true, 4, 2, 3)  // 2 trips at once: the long-K FP8 default
+// Variants (ops_decode.GEMV_VARIANTS; same bits, selected through ops_decode.GEMV_SELECT or
+// MEMRA_DSV4_GEMV_VARIANT): more warps (fewer rows each) with more trips in flight per warp, for
+// the small-O shapes whose R = 4 grids cover half the SMs or less (wq_a, wkv: 64 / 32 CTAs).
+GEMV_ROWS_KERNEL(gemv_bf16_r1t2, false, 1, 2, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_bf16_r2t2, false, 2, 2, 3)
+GEMV_ROWS_KERNEL(gemv_fp8_r1t4, true, 1, 4, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r2t2, true, 2, 2, GEMV_MINB)
+GEMV_ROWS_KERNEL(gemv_fp8_r2t4, true, 2, 4, 3)
 
 // Several projections of the same x in one launch (e.g. every [*, D] projection of the normed
 // hidden state).  segs[s]: rows [row0, segs[s + 1].row0) of the launch are rows [0, n_s) of W_s,
@@ -426,6 +446,381 @@ GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
     }
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 3)
+
+// ------------------------------------------------ dense GEMV variants: TMA bulk-copy streaming
+// gemv_{bf16,fp8}_bulk_r{R}s{S}, gemv_bf16_multi_bulk_r{R}s{S}, gemv_bf16_swiglu_bulk_p{P}s{S}:
+// the same rows, the same per-row arithmetic (THE ORDER of warp_rows_dot, so the same bits),
+// but the weights reach the SMs through cp.async.bulk (TMA) copies into a per-warp shared-memory
+// ring of S stages instead of register loads.  A stage is one trip (GEMV_UNROLL x 32 chunks =
+// 1024 columns) of the warp's NR rows: NR bulk copies of <= 2 KB (bf16) / 1 KB (FP8) issued by
+// lane 0 on one mbarrier.  The grid is persistent: nw warps (<= groups, a few CTAs per SM), warp
+// w takes the contiguous groups [w G / nw, (w + 1) G / nw) (a group: the NR rows one register
+// kernel's warp computes) and streams their trips back to back, so S stages stay in flight
+// across row boundaries while the lanes compute: bytes in flight per SM = CTAs x 4 warps x S x
+// NR x 2 KB | 1 KB, held by no register, and loads overlap arithmetic within a warp.  x is read
+// through L1 at compute time (ldg16, shared by the NR rows); the FP8 scale bytes of a group
+// (<= 64: K <= 8192) are loaded one group ahead, packed 2 per lane (bytes l, l + 32), and
+// shuffled per chunk.  Requirements (checked by the wrappers): K % 16 == 0 (16-byte bulk sizes
+// and row starts in both forms), K <= 8192 for FP8 rows, 16-byte aligned W and x.
+namespace {
+constexpr int GB_TRIP = 32 * GEMV_UNROLL;  // chunks per trip
+
+DEV void gb_mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+DEV void gb_mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+DEV void gb_mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n\t.reg .pred P1;\n"
+        "GB_WAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
+        "@!P1 bra GB_WAIT;\n}" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+DEV void gb_bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+
+// One group's operands: NR weight rows (clamped, as the register kernels do), its SROWS scale
+// rows (FP8), its x, its form.
+template <int NR, int SROWS>
+struct GbGroup {
+    const u8* w[NR];
+    const u8* s[SROWS];
+    const u16* x;
+    bool fp8;
+};
+
+// The group's scale bytes (<= 64), packed per lane: byte l | byte (l + 32) << 8.
+template <int NR, int SROWS>
+DEV void gb_scales(const GbGroup<NR, SROWS>& g, int nb, int lane, u32 (&spk)[SROWS]) {
+#pragma unroll
+    for (int j = 0; j < SROWS; ++j) {
+        u32 v = 0;
+        if (g.fp8) {
+            if (lane < nb) v = __ldg(g.s[j] + lane);
+            if (lane + 32 < nb) v |= (u32)__ldg(g.s[j] + lane + 32) << 8;
+        }
+        spk[j] = v;
+    }
+}
+
+// Trip t of the NR rows from the stage at `stage` (row r at stage + r ROWB): chunks c = 128 t
+// + lane + 32 u; a lane whose trip is complete (c + 96 < nc for u = 0) adds chunk u into partial
+// u, else its chunks c < nc go to partial 0 in ascending u (warp_rows_dot's tail rule: a trip
+// is exactly one of the lane's groups of GEMV_UNROLL).
+// The x chunks and scales are fetched before waiting for the stage (bar, parity).
+template <bool FP8, int NR, int SROWS, int ROWB>
+DEV void gb_trip(const u8* stage, u32 bar, u32 parity, const u16* __restrict__ x,
+                 const u32 (&spk)[SROWS], int t, int nc, int lane, float (&acc)[NR][GEMV_UNROLL]) {
+    using Raw = typename RawChunk<FP8>::T;
+    constexpr int CB = FP8 ? 8 : 16;
+    const int c0 = GB_TRIP * t + lane;
+    Raw raw[NR][GEMV_UNROLL];
+    uint4 xv[GEMV_UNROLL];
+    float sc[SROWS][GEMV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        const int c = min(c0 + 32 * u, nc - 1);
+        xv[u] = ldg16(x + (i64)c * 8);
+        if constexpr (FP8) {
+            const int b = c >> 4;
+#pragma unroll
+            for (int j = 0; j < SROWS; ++j) {
+                const u32 v = __shfl_sync(0xffffffffu, spk[j], b & 31);
+                sc[j][u] = e8m0_scale((b & 32) ? (v >> 8) & 0xffu : v & 0xffu);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < SROWS; ++j) sc[j][u] = 1.0f;
+        }
+    }
+    gb_mbar_wait(bar, parity);
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+            raw[r][u] = *reinterpret_cast<const Raw*>(stage + r * ROWB + (lane + 32 * u) * CB);
+    if (c0 + 32 * (GEMV_UNROLL - 1) < nc) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            float b[8];
+            unpack8(xv[u], b);
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                float a[8];
+                dequant_chunk(raw[r][u], sc[r / (NR / SROWS)][u], a);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][u] = __fmaf_rn(a[i], b[i], acc[r][u]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            if (c0 + 32 * u >= nc) break;
+            float b[8];
+            unpack8(xv[u], b);
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                float a[8];
+                dequant_chunk(raw[r][u], sc[r / (NR / SROWS)][u], a);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][0] = __fmaf_rn(a[i], b[i], acc[r][0]);
+            }
+        }
+    }
+}
+
+// The streaming loop.  D: ngroups(), group(g, hint) -> GbGroup (hint: a lookup state that only
+// moves forward), store(g, out[NR]) on lane 0.  FORM: 0 bf16, 1 FP8, 2 per group (g.fp8).
+// ROWB: bytes per row of a stage (2048 when a bf16 row may come, else 1024).
+template <int FORM, int NR, int SROWS, int S, int ROWB, class D>
+DEV void gb_stream(const D& d, int K, int nw) {
+    extern __shared__ __align__(128) u8 gb_smem[];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int w = gemv_warp_id();
+    if (w >= nw) return;
+    const int G = d.ngroups();
+    const int g0 = (int)((i64)w * G / nw), g1 = (int)((i64)(w + 1) * G / nw);
+    if (g0 >= g1) return;
+    const u32 bar0 = smem_addr(gb_smem) + (u32)(wib * S * 8);
+    const u32 ring = smem_addr(gb_smem) + (u32)(GEMV_WARPS * S * 8 + 127) / 128 * 128 +
+                     (u32)(wib * S * NR * ROWB);
+    const u8* ring_p = gb_smem + (GEMV_WARPS * S * 8 + 127) / 128 * 128 + wib * S * NR * ROWB;
+    const int nc = K >> 3, ntrips = (nc + GB_TRIP - 1) / GB_TRIP, nb = (K + 127) >> 7;
+    const int n = (g1 - g0) * ntrips;
+    if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) gb_mbar_init(bar0 + 8 * s);
+        asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncwarp();
+    int phint = 0;  // the producer's (lane 0) lookup state
+    auto issue = [&](int item) {
+        const int g = g0 + item / ntrips, t = item - (item / ntrips) * ntrips;
+        const GbGroup<NR, SROWS> gg = d.group(g, phint);
+        const bool f8 = FORM == 1 || (FORM == 2 && gg.fp8);
+        const int cb = f8 ? 8 : 16;
+        const u32 bytes = (u32)(min(GB_TRIP, nc - GB_TRIP * t) * cb);
+        const int s = item % S;
+        const u32 bar = bar0 + 8 * s;
+        gb_mbar_expect(bar, bytes * NR);
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+            gb_bulk_g2s(ring + (u32)((s * NR + r) * ROWB), gg.w[r] + (i64)GB_TRIP * t * cb, bytes, bar);
+    };
+    if (lane == 0)
+        for (int i = 0; i < S && i < n; ++i) issue(i);
+    int chint = 0;  // the consumer's lookup state
+    GbGroup<NR, SROWS> cur = d.group(g0, chint);
+    u32 spk[SROWS];
+    gb_scales(cur, nb, lane, spk);
+    int it = 0;
+    for (int g = g0; g < g1; ++g) {
+        GbGroup<NR, SROWS> nxt = cur;
+        u32 spn[SROWS];
+#pragma unroll
+        for (int j = 0; j < SROWS; ++j) spn[j] = 0;
+        if (g + 1 < g1) {  // the next group's scale bytes, in flight during this group
+            nxt = d.group(g + 1, chint);
+            gb_scales(nxt, nb, lane, spn);
+        }
+        float acc[NR][GEMV_UNROLL];
+#pragma unroll
+        for (int r = 0; r < NR; ++r)
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+        for (int t = 0; t < ntrips; ++t, ++it) {
+            const int s = it % S;
+            const u32 bar = bar0 + 8 * s, par = (u32)((it / S) & 1);
+            const u8* stage = ring_p + s * NR * ROWB;
+            if (FORM == 1 || (FORM == 2 && cur.fp8))
+                gb_trip<true, NR, SROWS, ROWB>(stage, bar, par, cur.x, spk, t, nc, lane, acc);
+            else
+                gb_trip<false, NR, SROWS, ROWB>(stage, bar, par, cur.x, spk, t, nc, lane, acc);
+            __syncwarp();  // every lane has read the stage before it is refilled
+            if (lane == 0 && it + S < n) issue(it + S);
+        }
+        float out[NR];
+#pragma unroll
+        for (int r = 0; r < NR; ++r) {
+            float v = acc[r][0];
+#pragma unroll
+            for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
+            out[r] = warp_sum(v);
+        }
+        if (lane == 0) d.store(g, out);
+        cur = nxt;
+#pragma unroll
+        for (int j = 0; j < SROWS; ++j) spk[j] = spn[j];
+    }
+}
+
+// gemv_bf16's rows (R per group, the register kernels' layout).
+template <bool FP8, int R>
+struct GbPlain {
+    const void* W;
+    const u8* S;
+    int ld_s;
+    const u16* x;
+    void* y;
+    int O, K, rpg, out_bf16;
+    DEV int ngroups() const { return (O + R - 1) / R; }
+    DEV GbGroup<R, 1> group(int g, int&) const {
+        GbGroup<R, 1> r;
+        const int o0 = g * R;
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+            r.w[j] = reinterpret_cast<const u8*>(w_row<FP8>(W, min(o0 + j, O - 1), K));
+        r.s[0] = FP8 ? S + (i64)(o0 >> 7) * ld_s : nullptr;
+        r.x = x + (rpg > 0 ? (i64)(o0 / rpg) * K : (i64)0);
+        r.fp8 = FP8;
+        return r;
+    }
+    DEV void store(int g, const float* v) const {
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+            if (g * R + j < O) store_out(y, g * R + j, v[j], out_bf16);
+    }
+};
+
+// gemv_bf16_multi's rows: group g = the table's warp g (R rows of one projection).
+template <int R>
+struct GbMulti {
+    const GemvSeg* segs;
+    int nseg, K;
+    const int* pos;
+    DEV int ngroups() const { return segs[nseg].warp0; }
+    DEV int seg_of(int g, int& hint) const {
+        while (hint + 1 < nseg && g >= segs[hint + 1].warp0) ++hint;
+        return hint;
+    }
+    DEV GbGroup<R, 1> group(int g, int& hint) const {
+        const GemvSeg& sg = segs[seg_of(g, hint)];
+        const int n = (&sg)[1].row0 - sg.row0, r0 = (g - sg.warp0) * R;
+        GbGroup<R, 1> r;
+        r.fp8 = sg.scale != nullptr;
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+            r.w[j] = reinterpret_cast<const u8*>(sg.w) + (i64)min(r0 + j, n - 1) * K * (r.fp8 ? 1 : 2);
+        r.s[0] = r.fp8 ? sg.scale + (i64)(r0 >> 7) * sg.ld_scale : nullptr;
+        r.x = nullptr;  // set by the kernel (one x)
+        return r;
+    }
+    DEV void store(int g, const float* v) const {
+        int hint = 0;
+        const GemvSeg& sg = segs[seg_of(g, hint)];
+        const int n = (&sg)[1].row0 - sg.row0, r0 = (g - sg.warp0) * R;
+        const int slot = sg.ring_r > 0 ? pos[0] % sg.ring_r : 0;
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            const int r = r0 + j;
+            if (r >= n) break;
+            if (sg.ring_r > 0) {
+                float a = v[j];
+                if (sg.ape != nullptr) a = __fadd_rn(a, __ldg(sg.ape + (i64)slot * n + r));
+                reinterpret_cast<float*>(sg.y)[(i64)(slot + sg.ring_off) * n + r] = a;
+            } else {
+                store_out(sg.y, r, v[j], sg.out_bf16);
+            }
+        }
+    }
+};
+template <int R>
+struct GbMultiX : GbMulti<R> {
+    const u16* x;
+    DEV GbGroup<R, 1> group(int g, int& hint) const {
+        GbGroup<R, 1> r = GbMulti<R>::group(g, hint);
+        r.x = x;
+        return r;
+    }
+};
+
+// gemv_bf16_swiglu's outputs: group g = outputs [g P, g P + P), rows of W1 then of W3.
+template <int P>
+struct GbSwiglu {
+    const void *W1, *W3;
+    const u8 *S1, *S3;
+    int ld_s;
+    const u16* x;
+    u16* h;
+    int O, K;
+    double limit;
+    DEV int ngroups() const { return (O + P - 1) / P; }
+    DEV GbGroup<2 * P, 2> group(int g, int&) const {
+        GbGroup<2 * P, 2> r;
+        const int o0 = g * P;
+        r.fp8 = S1 != nullptr;
+        const i64 eb = r.fp8 ? 1 : 2;
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            r.w[j] = reinterpret_cast<const u8*>(W1) + (i64)min(o0 + j, O - 1) * K * eb;
+            r.w[P + j] = reinterpret_cast<const u8*>(W3) + (i64)min(o0 + j, O - 1) * K * eb;
+        }
+        r.s[0] = r.fp8 ? S1 + (i64)(o0 >> 7) * ld_s : nullptr;
+        r.s[1] = r.fp8 ? S3 + (i64)(o0 >> 7) * ld_s : nullptr;
+        r.x = x;
+        return r;
+    }
+    DEV void store(int g, const float* v) const {
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            if (g * P + j >= O) break;
+            const float gg = round_bf16(v[j]), u = round_bf16(v[P + j]);
+            h[g * P + j] = (u16)f32_to_bf16(swiglu_value(gg, u, 1.0f, false, limit));
+        }
+    }
+};
+}  // namespace
+
+// Launch: grid = ceil(nw / GEMV_WARPS) CTAs of GEMV_THREADS, dynamic shared memory
+// ceil(GEMV_WARPS S 8 / 128) 128 + GEMV_WARPS S NR ROWB (ops_decode._bulk_smem).
+#define GEMV_BULK_KERNEL(NAME, FP8, R, S, MINB)                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W, const u8* __restrict__ S_, int ld_s, const u16* __restrict__ x, \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16, int nw) {           \
+        PDL_ENTRY();                                                                               \
+        const GbPlain<FP8, R> d{W, S_, ld_s, x, y, O, K, rows_per_group, out_bf16};                \
+        gb_stream<FP8 ? 1 : 0, R, 1, S, FP8 ? 1024 : 2048>(d, K, nw);                             \
+    }
+GEMV_BULK_KERNEL(gemv_bf16_bulk_r1s4, false, 1, 4, 4)
+GEMV_BULK_KERNEL(gemv_bf16_bulk_r2s4, false, 2, 4, 3)
+GEMV_BULK_KERNEL(gemv_bf16_bulk_r4s3, false, 4, 3, 2)
+GEMV_BULK_KERNEL(gemv_fp8_bulk_r1s8, true, 1, 8, 4)
+GEMV_BULK_KERNEL(gemv_fp8_bulk_r2s4, true, 2, 4, 4)
+GEMV_BULK_KERNEL(gemv_fp8_bulk_r4s4, true, 4, 4, 3)
+
+#define GEMV_MULTI_BULK_KERNEL(NAME, R, S, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
+         const int* __restrict__ pos, int nw) {                                                    \
+        PDL_ENTRY();                                                                               \
+        GbMultiX<R> d;                                                                             \
+        d.segs = segs; d.nseg = nseg; d.K = K; d.pos = pos; d.x = x;                               \
+        gb_stream<2, R, 1, S, 2048>(d, K, nw);                                                     \
+    }
+GEMV_MULTI_BULK_KERNEL(gemv_bf16_multi_bulk_r1s8, 1, 8, 4)
+GEMV_MULTI_BULK_KERNEL(gemv_bf16_multi_bulk_r4s3, 4, 3, 2)
+
+#define GEMV_SWIGLU_BULK_KERNEL(NAME, P, S, MINB)                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
+         const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
+         int O, int K, double limit, int nw) {                                                     \
+        PDL_ENTRY();                                                                               \
+        const GbSwiglu<P> d{W1, W3, S1, S3, ld_s, x, h, O, K, limit};                              \
+        gb_stream<2, 2 * P, 2, S, 2048>(d, K, nw);                                                 \
+    }
+GEMV_SWIGLU_BULK_KERNEL(gemv_bf16_swiglu_bulk_p1s4, 1, 4, 3)
+GEMV_SWIGLU_BULK_KERNEL(gemv_bf16_swiglu_bulk_p2s3, 2, 3, 2)
+
 
 extern "C" __global__ void __launch_bounds__(256)
 embed_gather(const int* __restrict__ tok, const u16* __restrict__ embed, u16* __restrict__ streams,

@@ -12,6 +12,13 @@ GEMVs (R of gemv_bf16 / gemv_fp8, of the multi-projection table, P of the shared
 return the same bits and differ in speed only.
 --only-fp4 times only the routed-expert FP4 rows.
 
+--variants times, after each dense GEMV's default row, every variant of ops_decode
+(gemv_variant_names: the register kernels with more trips in flight and the TMA bulk streaming
+kernels) on the same inputs, and first checks each one's output bytes against the default's
+(a "MISMATCH" line and exit status 1 if any differ; "n/a" where a variant cannot take the shape).
+For the lead, on a fresh box (< 60 s):
+    python3 tools/bench_gemv.py --dense-only --variants --reps 10
+
 --fp4-variants also times the two fused FP4 expert kernels built with other values of the
 tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
@@ -42,6 +49,8 @@ def main(argv=None) -> int:
                     help="also time the FP4 expert kernels under other experts.cu tuning macros")
     ap.add_argument("--fp4-mma", action="store_true",
                     help="also time the tensor-core FP4 expert kernels (impl='mma') and their variants")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time (and bit-check against the default) every dense GEMV variant")
     a = ap.parse_args(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
@@ -74,6 +83,30 @@ def main(argv=None) -> int:
             {} if v is None else dict(rows_per_warp=R, trips=T)
 
     cases = []
+    mismatches = []
+
+    def add_variants(op, fp8, label, nbytes, call, outs):
+        """call(variant) runs the op into outs (a list of arrays); each variant's bytes must
+        equal the default's."""
+        if not a.variants:
+            return
+        call("default")
+        ref = [cp.asnumpy(o).tobytes() for o in outs]
+        for vn in DK.gemv_variant_names(op, fp8)[1:]:
+            for o in outs:
+                o.view(cp.uint8).fill(0xA5)
+            try:
+                call(vn)
+            except AssertionError as e:
+                print(f"{label} [{vn}]: n/a ({e})")
+                continue
+            cp.cuda.Device().synchronize()
+            got = [cp.asnumpy(o).tobytes() for o in outs]
+            if got != ref:
+                mismatches.append(f"{label} [{vn}]")
+                print(f"!!! MISMATCH: {label} [{vn}] differs from the default's bytes !!!")
+            cases.append((f"{label} [{vn}]", nbytes, lambda vn=vn: call(vn)))
+
     if not a.only_fp4:
         dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
                  ("wo_a", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("shared_w1", 2048, 4096, 1),
@@ -86,6 +119,8 @@ def main(argv=None) -> int:
                 label, kw = rt(v, False, K)
                 cases.append((f"gemv_bf16 {name} [{O}x{K}]{label}", 2 * O * K,
                               lambda w=w, x=x, y=y, g=groups, kw=kw: DK.gemv_bf16(w, x, y, groups=g, **kw)))
+            add_variants("plain", False, f"gemv_bf16 {name} [{O}x{K}]", 2 * O * K,
+                         lambda vn, w=w, x=x, y=y, g=groups: DK.gemv_bf16(w, x, y, groups=g, variant=vn), [y])
         for name, O, K, groups in [("wq_a fp8", 1024, 4096, 1), ("wq_b fp8", 32768, 1024, 1),
                                    ("wo_a fp8", 8192, 4096, 8), ("wo_b fp8", 4096, 8192, 1),
                                    ("shared_w2 fp8", 4096, 2048, 1), ("idx_wq_b fp8", 4096, 1024, 1)]:
@@ -96,6 +131,9 @@ def main(argv=None) -> int:
                 cases.append((f"gemv_fp8 {name} [{O}x{K}]{label}", O * K,
                               lambda w=w, sc=sc, x=x, y=y, g=groups, kw=kw:
                               DK.gemv_bf16(w, x, y, groups=g, scale=sc, **kw)))
+            add_variants("plain", True, f"gemv_fp8 {name} [{O}x{K}]", O * K,
+                         lambda vn, w=w, sc=sc, x=x, y=y, g=groups:
+                         DK.gemv_bf16(w, x, y, groups=g, scale=sc, variant=vn), [y])
         # the attention-side group of [*, 4096] projections of xn in one launch
         shapes = [(1024, 0), (512, 0), (1024, 1), (1024, 1), (256, 1), (256, 1), (64, 0)]
         xm, pos = bf16(4096), cp.zeros(1, cp.int32)
@@ -107,6 +145,15 @@ def main(argv=None) -> int:
                 cases.append((f"gemv_bf16_multi {form} attn group [4160x4096]{tag(r, 4)}",
                               (2 if form == "bf16" else 1) * tab.rows * 4096,
                               lambda tab=tab: DK.gemv_bf16_multi(tab, xm, pos)))
+            if a.variants:
+                tabs = {R: DK.GemvTable(segs, 4096, rows_per_warp=R) for R in DK.MULTI_ROWS}
+
+                def call_multi(vn, tabs=tabs):
+                    R = 4 if vn == "default" else int(vn.split("_r")[1].split("s")[0])
+                    DK.gemv_bf16_multi(tabs[R], xm, pos, variant=vn)
+                add_variants("multi", form == "fp8", f"gemv_bf16_multi {form} attn group [4160x4096]",
+                             (2 if form == "bf16" else 1) * tabs[4].rows * 4096, call_multi,
+                             [o for _, o in segs])
         xs, hs = bf16(4096), cp.empty(2048, cp.uint16)
         for form in ("bf16", "fp8"):
             if form == "bf16":
@@ -119,9 +166,14 @@ def main(argv=None) -> int:
                               lambda w1=w1, w3=w3, s1=s1, s3=s3, p=p:
                               DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3,
                                                   outs_per_warp=2 if p is None else p)))
+            add_variants("swiglu", form == "fp8", f"gemv_bf16_swiglu {form} shared [2x2048x4096]",
+                         (2 if form == "bf16" else 1) * 2 * 2048 * 4096,
+                         lambda vn, w1=w1, w3=w3, s1=s1, s3=s3:
+                         DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3, variant=vn), [hs])
     n_dense = len(cases)
     if a.dense_only:
-        return _run(cases, a, bw, n_dense, EX)
+        rc = _run(cases, a, bw, n_dense, EX)
+        return _mismatch_report(mismatches) or rc
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
     packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
@@ -151,7 +203,16 @@ def main(argv=None) -> int:
         cases.append(("gemv_fp4_down_combine mxfp4 mma 6x[4096x2048]", k * fp4(D, I),
                       lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                        sp["w2"], D, I, shared=sh, out=out, impl="mma")))
-    return _run(cases, a, bw, n_dense, EX, n_simt)
+    rc = _run(cases, a, bw, n_dense, EX, n_simt)
+    return _mismatch_report(mismatches) or rc
+
+
+def _mismatch_report(mismatches) -> int:
+    for m in mismatches:
+        print(f"!!! MISMATCH: {m}")
+    if mismatches:
+        print(f"!!! {len(mismatches)} GEMV variant(s) differ from the default's bytes: do not select them")
+    return 1 if mismatches else 0
 
 
 def _run(cases, a, bw, n_dense, EX, n_simt=None) -> int:

@@ -2,14 +2,34 @@
 
 All take preallocated CuPy arrays (arena views) and allocate nothing; integer arguments go as
 np.int32; positions are read on the device from ``pos`` (int32 [1]).
+
+Dense GEMV variants.  Every dense GEMV (gemv_bf16 plain, gemv_bf16_multi, gemv_bf16_swiglu) has
+several kernels that return the same bits (decode.cu THE ORDER) and differ in speed only:
+register kernels ``r{R}t{T}`` (plain; R rows per warp, T trips of loads at once), ``r{R}``
+(multi), ``p{P}`` (swiglu), and the TMA bulk-copy streaming kernels ``bulk_r{R}s{S}`` /
+``bulk_p{P}s{S}`` (a persistent grid, an S-stage shared-memory ring per warp; K % 16 == 0 and,
+for FP8 rows, K <= 8192).  Which one a launch uses:
+
+* an explicit ``variant=`` argument (asserted eligible), else
+* ``MEMRA_DSV4_GEMV_VARIANT`` (bench / A-B runs only; read at every call): comma-separated
+  ``KEY=VARIANT``, KEY ``op``, ``op.form`` or ``op.form.cls`` (op plain | multi | swiglu, form
+  bf16 | fp8, cls small | large, see gemv_shape_class; the most specific key wins), e.g.
+  ``plain.fp8=bulk_r4s4,plain.bf16.small=bulk_r1s4,multi=bulk_r4s3``, else
+* ``GEMV_SELECT``, the same keys in a module-level dict (empty: the current defaults), else
+* the current defaults (gemv_default_variant, multi r4, swiglu p2).
+
+A variant named by the env or the table that a launch cannot take (K, rows per group, the
+table's R) falls back to the default for that launch.  ``default`` names the default.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, i32, kernel, null_or
+from memra_dsv4.gpu.ops._common import check, dynamic_smem, i32, kernel, null_or, sm_count
 
 STEM = "decode"
 # The dense GEMVs (decode.cu): one kernel per weight form, rows per warp R and (FP8) trips issued
@@ -17,10 +37,19 @@ STEM = "decode"
 # GEMV_WARPS warps (decode.cu GEMV_THREADS / 32).
 GEMV_WARPS = 4
 GEMV_ROWS = {False: (1, 2, 4), True: (1, 2, 4, 8)}    # R instantiated per form (True: e4m3 W)
-GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1)),     # (R, T) instantiated per form
-                 True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}
+GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)),     # (R, T) instantiated per form
+                 True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (1, 4), (2, 2), (2, 4))}
 MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
+# TMA bulk streaming kernels (decode.cu gb_stream): (R | P, stages S, launch-bounds min CTAs)
+GEMV_BULK = {False: ((1, 4, 4), (2, 4, 3), (4, 3, 2)),   # gemv_bf16_bulk_r{R}s{S}
+             True: ((1, 8, 4), (2, 4, 4), (4, 4, 3))}    # gemv_fp8_bulk_r{R}s{S}
+MULTI_BULK = ((1, 8, 4), (4, 3, 2))                      # gemv_bf16_multi_bulk_r{R}s{S}
+SWIGLU_BULK = ((1, 4, 3), (2, 3, 2))                     # gemv_bf16_swiglu_bulk_p{P}s{S}
+# The lead's pick after a GPU measurement: {"op[.form[.cls]]": variant}; empty = the defaults.
+GEMV_SELECT: dict = {}
+GEMV_VARIANT_ENV = "MEMRA_DSV4_GEMV_VARIANT"
+_SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small" (<= 16 MB bf16)
 
 
 def gemv_default_variant(fp8: bool, K: int) -> tuple:
@@ -37,12 +66,95 @@ def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
 
 
 GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
-    tuple(f"gemv_bf16_multi_r{r}" for r in MULTI_ROWS) + tuple(f"gemv_bf16_swiglu_p{p}" for p in SWIGLU_OUTS)
+    tuple(f"gemv_bf16_multi_r{r}" for r in MULTI_ROWS) + tuple(f"gemv_bf16_swiglu_p{p}" for p in SWIGLU_OUTS) + \
+    tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
+    tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
+    tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK)
+
+
+def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
+    """Variant names of a dense GEMV op ('plain', 'multi', 'swiglu') for a weight form:
+    'default' first, then the register kernels added next to the defaults (all of them with
+    new_only False) and the bulk kernels (tools/bench_gemv.py --variants, the GPU tests)."""
+    if op == "plain":
+        old = {False: ((1, 1), (2, 1), (4, 1)), True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}[fp8]
+        reg = [f"r{r}t{t}" for r, t in GEMV_VARIANTS[fp8] if not (new_only and (r, t) in old)]
+        return ("default", *reg, *(f"bulk_r{r}s{st}" for r, st, _ in GEMV_BULK[fp8]))
+    if op == "multi":
+        return ("default", *(() if new_only else ("r1", "r4")),
+                *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK))
+    if op == "swiglu":
+        return ("default", *(() if new_only else ("p1", "p2")),
+                *(f"bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK))
+    raise ValueError(f"gemv op {op!r}: plain, multi or swiglu")
+
+
+def gemv_shape_class(O: int, K: int) -> str:
+    """'small' (<= 2^23 weight elements: wq_a, wkv, shared_w1 / w2, idx_wq_b) or 'large'."""
+    return "small" if int(O) * int(K) <= _SMALL_ELEMS else "large"
+
+
+def _parse_select(text: str) -> dict:
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, val = item.partition("=")
+        assert sep and key.strip() and val.strip(), (
+            f"{GEMV_VARIANT_ENV}: {item!r} is not KEY=VARIANT (KEY op[.form[.cls]])")
+        out[key.strip()] = val.strip()
+    return out
+
+
+def gemv_selected(op: str, fp8: bool, cls: str) -> str | None:
+    """The variant the env override or GEMV_SELECT names for (op, form, cls); None: default."""
+    keys = (f"{op}.{'fp8' if fp8 else 'bf16'}.{cls}", f"{op}.{'fp8' if fp8 else 'bf16'}", op)
+    env = os.environ.get(GEMV_VARIANT_ENV, "")
+    for table in ((_parse_select(env),) if env else ()) + (GEMV_SELECT,):
+        for k in keys:
+            if k in table:
+                v = table[k]
+                return None if v == "default" else v
+    return None
+
+
+def _bulk_smem(nr: int, S: int, rowb: int) -> int:
+    """decode.cu gb_stream's dynamic shared memory: 4 warps' mbarriers (128 B aligned) + rings."""
+    return -(-GEMV_WARPS * S * 8 // 128) * 128 + GEMV_WARPS * S * nr * rowb
+
+
+def _bulk_launch(name: str, groups: int, nr: int, S: int, rowb: int, minb: int, args: tuple):
+    """A persistent gb_stream launch: nw = min(groups, warps resident on every SM) warps."""
+    k = kernel(STEM, name)
+    smem = _bulk_smem(nr, S, rowb)
+    ctas = max(1, min(int(minb), (228 * 1024) // (smem + 1024)))
+    nw = max(1, min(int(groups), sm_count() * GEMV_WARPS * ctas))
+    dynamic_smem(k, smem)
+    k(_gemv_grid(nw), (32 * GEMV_WARPS,), args + (i32(nw),), shared_mem=smem)
+
+
+def _parse_variant(v: str, letter: str):
+    """'bulk_r4s3' -> (True, 4, 3); 'r4t2' -> (False, 4, 2); 'r4' / 'p2' -> (False, n, 1)."""
+    bulk = v.startswith("bulk_")
+    body = v[5:] if bulk else v
+    try:
+        assert body[0] == letter
+        if bulk:
+            a, b = body[1:].split("s")
+            return True, int(a), int(b)
+        a, _, b = body[1:].partition("t")
+        return False, int(a), int(b) if b else 1
+    except (AssertionError, ValueError, IndexError):
+        raise ValueError(f"gemv variant {v!r}: expected {letter}N[tT] or bulk_{letter}NsS") from None
+
+
+def _bulk_ok(K: int, fp8: bool) -> bool:
+    return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
                           "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "gemv_default_variant",
+           "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
+           "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
@@ -72,12 +184,13 @@ def _gemv_grid(warps: int) -> tuple:
 
 
 def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None,
-              trips: int | None = None):
+              trips: int | None = None, variant: str | None = None):
     """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
     ``scale`` (same bits either way); groups > 1: row o uses x[(o // (O // groups)) * K : +K]
     (x holds groups * K values).  rows_per_warp R and trips T (a GEMV_VARIANTS pair; default
     gemv_default_variant, R lowered to a divisor of the rows per group) change the speed only,
-    never the bits."""
+    never the bits; so does ``variant`` (module docstring: 'r{R}t{T}', 'bulk_r{R}s{S}',
+    'default'; None: the env override / GEMV_SELECT / the default)."""
     O, K = w.shape
     wa, sa, ld = dense_weight(w, scale, "gemv_bf16.w")
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
@@ -89,6 +202,25 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     assert x.data.ptr % 16 == 0, "gemv_bf16.x: 16-byte alignment"
     rpg = O // groups if groups > 1 else 0
     fp8 = bool(w.dtype == np.uint8)
+    explicit = variant is not None
+    if variant is None and rows_per_warp is None and trips is None:
+        variant = gemv_selected("plain", fp8, gemv_shape_class(O, K))
+    if variant is not None and variant != "default":
+        bulk, R, T = _parse_variant(variant, "r")
+        if bulk:
+            ok = any(r == R and st == T for r, st, _ in GEMV_BULK[fp8]) and _bulk_ok(K, fp8) and rpg % R == 0
+        else:
+            ok = (R, T) in GEMV_VARIANTS[fp8] and rpg % R == 0
+        assert ok or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
+        if ok and bulk:
+            minb = next(m for r, st, m in GEMV_BULK[fp8] if r == R and st == T)
+            _bulk_launch(f"gemv_{'fp8' if fp8 else 'bf16'}_bulk_r{R}s{T}", -(-O // R), R, T,
+                         1024 if fp8 else 2048, minb,
+                         (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg),
+                          i32(1 if out.dtype == np.uint16 else 0)))
+            return out
+        if ok:
+            rows_per_warp, trips = R, T
     R, T = gemv_default_variant(fp8, K)
     if rows_per_warp is None and trips is None:
         while rpg % R:            # a warp's rows must share one x (R = 1 always does)
@@ -120,10 +252,18 @@ class GemvTable:
                     ("out_bf16", "<i4"), ("ring_r", "<i4"), ("ring_off", "<i4"),
                     ("ld_scale", "<i4"), ("warp0", "<i4")])
 
-    def __init__(self, entries, K: int, rows_per_warp: int = 4):
+    def __init__(self, entries, K: int, rows_per_warp: int | None = None):
         import cupy as cp
         assert entries, "GemvTable: no projections"
         assert self.SEG.itemsize == 56
+        self.fp8 = any(isinstance(e[0], tuple) for e in entries)
+        self.cls = gemv_shape_class(sum(int((e[0][0] if isinstance(e[0], tuple) else e[0]).shape[0])
+                                        for e in entries), K)
+        if rows_per_warp is None:   # the R of the selected variant (a table serves that R only)
+            v = gemv_selected("multi", self.fp8, self.cls)
+            rows_per_warp = 4 if v is None else _parse_variant(v, "r")[1]
+            if rows_per_warp not in MULTI_ROWS:
+                rows_per_warp = 4
         assert rows_per_warp in MULTI_ROWS, f"GemvTable: rows_per_warp {rows_per_warp} not in {MULTI_ROWS}"
         assert K % 8 == 0, f"GemvTable: K = {K} must be a multiple of 8"
         R = int(rows_per_warp)
@@ -161,22 +301,37 @@ class GemvTable:
         self.table = cp.asarray(rec.view(np.uint8))
 
 
-def gemv_bf16_multi(table: GemvTable, x, pos):
+def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None):
     """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch; pos int32 [1]
-    (read only by pending-row entries)."""
+    (read only by pending-row entries).  ``variant`` ('r{R}', 'bulk_r{R}s{S}', 'default'; R
+    must be the table's): the speed only, never the bits."""
     check(x, "gemv_bf16_multi.x", np.uint16)
     check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
     assert x.size == table.K, f"gemv_bf16_multi.x: {x.size} values, the table's K is {table.K}"
     assert x.data.ptr % 16 == 0, "gemv_bf16_multi.x: 16-byte alignment"
+    explicit = variant is not None
+    if variant is None:
+        variant = gemv_selected("multi", table.fp8, table.cls)
+    if variant is not None and variant != "default":
+        bulk, R, S = _parse_variant(variant, "r")
+        ok = R == table.R and (not bulk or (any(r == R and st == S for r, st, _ in MULTI_BULK)
+                                            and _bulk_ok(table.K, table.fp8)))
+        assert ok or not explicit, f"gemv_bf16_multi: variant {variant!r} not available (table R {table.R}, K {table.K})"
+        if ok and bulk:
+            minb = next(m for r, st, m in MULTI_BULK if r == R and st == S)
+            _bulk_launch(f"gemv_bf16_multi_bulk_r{R}s{S}", table.warps, R, S, 2048, minb,
+                         (table.table, i32(table.nseg), x, i32(table.K), pos))
+            return
     kernel(STEM, f"gemv_bf16_multi_r{table.R}")(_gemv_grid(table.warps), (32 * GEMV_WARPS,),
                                                 (table.table, i32(table.nseg), x, i32(table.K), pos))
 
 
 def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
-                     outs_per_warp: int = 2):
+                     outs_per_warp: int | None = None, variant: str | None = None):
     """h [O] bf16 = swiglu_clamped(bf16(W1 x), bf16(W3 x), limit) (no routing weight); W1, W3
-    both bf16 bits or both stored FP8 with their scales.  outs_per_warp P (2P rows per warp)
-    changes the speed only, never the bits."""
+    both bf16 bits or both stored FP8 with their scales.  outs_per_warp P (2P rows per warp,
+    default 2) and ``variant`` ('p{P}', 'bulk_p{P}s{S}', 'default') change the speed only, never
+    the bits."""
     O, K = w1.shape
     a1, s1, ld = dense_weight(w1, scale1, "gemv_bf16_swiglu.w1")
     a3, s3, ld3 = dense_weight(w3, scale3, "gemv_bf16_swiglu.w3")
@@ -184,6 +339,24 @@ def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
     check(x, "gemv_bf16_swiglu.x", np.uint16)
     check(h, "gemv_bf16_swiglu.h", np.uint16)
     assert x.size == K and h.size == O and K % 8 == 0, f"gemv_bf16_swiglu: x {x.size}, h {h.size}"
+    fp8 = bool(w1.dtype == np.uint8)
+    explicit = variant is not None
+    if variant is None and outs_per_warp is None:
+        variant = gemv_selected("swiglu", fp8, gemv_shape_class(2 * O, K))
+    if variant is not None and variant != "default":
+        bulk, P, S = _parse_variant(variant, "p")
+        ok = (any(p == P and st == S for p, st, _ in SWIGLU_BULK) and _bulk_ok(K, fp8)) if bulk \
+            else P in SWIGLU_OUTS
+        assert ok or not explicit, f"gemv_bf16_swiglu: variant {variant!r} not available (K {K})"
+        if ok and bulk:
+            minb = next(m for p, st, m in SWIGLU_BULK if p == P and st == S)
+            _bulk_launch(f"gemv_bf16_swiglu_bulk_p{P}s{S}", -(-O // P), 2 * P, S, 2048, minb,
+                         (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
+            return
+        if ok:
+            outs_per_warp = P
+    if outs_per_warp is None:
+        outs_per_warp = 2
     assert outs_per_warp in SWIGLU_OUTS, f"gemv_bf16_swiglu: outs_per_warp {outs_per_warp} not in {SWIGLU_OUTS}"
     P = int(outs_per_warp)
     kernel(STEM, f"gemv_bf16_swiglu_p{P}")(_gemv_grid(-(-O // P)), (32 * GEMV_WARPS,),

@@ -1,0 +1,150 @@
+"""The dense GEMV variants' wrappers (memra_dsv4/gpu/ops_decode.py) without a GPU: every variant
+kernel is registered, declared in decode.cu and launched with its signature's argument kinds,
+a dynamic shared-memory size it is allowed (<= 227 KB, the limit raised above 48 KB) and a grid
+of whole CTAs covering nw <= groups warps; the selection (explicit > MEMRA_DSV4_GEMV_VARIANT >
+GEMV_SELECT > default) and its fallback.  The bits are the GPU test's (tests/gpu/
+test_gemv_variants.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_kernel_sources import KDIR, _fake_cupy, declared_kernels, kernel_signatures
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu import ops_decode as DK
+
+    sigs = kernel_signatures()
+    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+    launched = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+            self.max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            want = sigs[self.name]
+            assert len(args) == len(want), f"{self.name}: {len(args)} args, kernel takes {len(want)}"
+            for i, (a, k) in enumerate(zip(args, want)):
+                ok = (isinstance(a, np.ndarray) or type(a) is np.uint64) if k == "ptr" else type(a) is kinds[k]
+                assert ok, f"{self.name}: argument {i} is {type(a).__name__}, kernel expects {k}"
+            assert shared_mem <= 227 * 1024
+            assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem
+            assert tuple(block) == (128,)
+            launched.append((self.name, tuple(grid), args, shared_mem))
+
+    cache = {}
+
+    def fake_kernel(stem, name):
+        from memra_dsv4.gpu.kernel_loader import registered
+
+        assert name in registered()[stem], f"{stem}.{name} not registered"
+        return cache.setdefault(name, FakeKernel(name))
+
+    monkeypatch.setattr(DK, "kernel", fake_kernel)
+    monkeypatch.setattr(DK, "sm_count", lambda: 132)
+    monkeypatch.delenv(DK.GEMV_VARIANT_ENV, raising=False)
+    return fake, DK, launched
+
+
+def _bulk_check(name, grid, args, groups):
+    nw = int(args[-1])
+    assert 1 <= nw <= groups, f"{name}: nw {nw}, groups {groups}"
+    assert grid[0] == -(-nw // 4), f"{name}: grid {grid} for {nw} warps"
+
+
+def test_every_variant_launches(fake_launch):
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    declared = declared_kernels(os.path.join(KDIR, "decode.cu"))
+    assert set(DK.KERNELS) <= declared
+    for fp8 in (False, True):
+        for O, K, g in [(1024, 4096, 1), (8192, 4096, 8), (32768, 1024, 1), (37, 2064, 1)]:
+            w = A(np.zeros((O, K), np.uint8 if fp8 else np.uint16))
+            kw = dict(scale=A(np.zeros((-(-O // 128), -(-K // 128)), np.uint8))) if fp8 else {}
+            for vn in DK.gemv_variant_names("plain", fp8, new_only=False):
+                launched.clear()
+                DK.gemv_bf16(w, A(np.zeros(g * K, np.uint16)), A(np.zeros(O, np.float32)), groups=g,
+                             variant=vn, **kw)
+                (name, grid, args, smem), = launched
+                if vn == "default":
+                    R, T = DK.gemv_default_variant(fp8, K)
+                    assert name == DK._gemv_kernel_name(fp8, R, T)
+                elif vn.startswith("bulk_"):
+                    assert name == f"gemv_{'fp8' if fp8 else 'bf16'}_{vn}"
+                    _bulk_check(name, grid, args, -(-O // DK._parse_variant(vn, "r")[1]))
+                else:
+                    assert name == f"gemv_{'fp8' if fp8 else 'bf16'}_" + (vn[:-2] if vn.endswith("t1") else vn)
+    K = 4096
+    segs = [(A(np.zeros((o, K), np.uint16)), A(np.zeros(o, np.float32))) for o in (1024, 512, 64)]
+    segs.append(((A(np.zeros((130, K), np.uint8)), A(np.zeros((2, 32), np.uint8))), A(np.zeros(130, np.uint16))))
+    x, pos = A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32))
+    tabs = {R: DK.GemvTable(segs, K, rows_per_warp=R) for R in DK.MULTI_ROWS}
+    assert tabs[4].fp8 and tabs[4].cls == "small"
+    for vn in DK.gemv_variant_names("multi", True, new_only=False):
+        R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
+        launched.clear()
+        DK.gemv_bf16_multi(tabs[R], x, pos, variant=vn)
+        (name, grid, args, smem), = launched
+        assert name == f"gemv_bf16_multi_{'r4' if vn == 'default' else vn}"
+        if vn.startswith("bulk_"):
+            _bulk_check(name, grid, args, tabs[R].warps)
+    with pytest.raises(AssertionError, match="not available"):
+        DK.gemv_bf16_multi(tabs[4], x, pos, variant="bulk_r1s8")
+    w1 = A(np.zeros((2048, K), np.uint8))
+    s1 = A(np.zeros((16, 32), np.uint8))
+    for vn in DK.gemv_variant_names("swiglu", True, new_only=False):
+        launched.clear()
+        DK.gemv_bf16_swiglu(w1, w1, x, A(np.zeros(2048, np.uint16)), 10.0, scale1=s1, scale3=s1, variant=vn)
+        (name, grid, args, smem), = launched
+        assert name == f"gemv_bf16_swiglu_{'p2' if vn == 'default' else vn}"
+        if vn.startswith("bulk_"):
+            _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
+    gemv = {n for n in DK.KERNELS if n.startswith("gemv_")}
+    seen = set()
+    for fp8 in (False, True):
+        for op in ("plain", "multi", "swiglu"):
+            for vn in DK.gemv_variant_names(op, fp8, new_only=False)[1:]:
+                base = {"plain": f"gemv_{'fp8' if fp8 else 'bf16'}_", "multi": "gemv_bf16_multi_",
+                        "swiglu": "gemv_bf16_swiglu_"}[op]
+                seen.add(base + (vn[:-2] if op == "plain" and vn.endswith("t1") else vn))
+    assert gemv == seen, f"variants without a name: {sorted(gemv - seen)}; names without a kernel: {sorted(seen - gemv)}"
+
+
+def test_selection_order_and_fallback(fake_launch, monkeypatch):
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    assert DK.gemv_selected("plain", True, "large") is None           # nothing selected: defaults
+    monkeypatch.setitem(DK.GEMV_SELECT, "plain.fp8", "bulk_r4s4")
+    monkeypatch.setitem(DK.GEMV_SELECT, "plain.fp8.small", "r2t4")
+    assert DK.gemv_selected("plain", True, "large") == "bulk_r4s4"
+    assert DK.gemv_selected("plain", True, "small") == "r2t4"
+    assert DK.gemv_selected("plain", False, "small") is None
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain=default, swiglu=bulk_p1s4")
+    assert DK.gemv_selected("plain", True, "large") is None            # the env wins, 'default'
+    assert DK.gemv_selected("swiglu", False, "large") == "bulk_p1s4"
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.fp8=bulk_r4s4")
+    O, K = 256, 1032                                                    # K % 16: no bulk kernel
+    w, s = A(np.zeros((O, K), np.uint8)), A(np.zeros((2, 9), np.uint8))
+    DK.gemv_bf16(w, A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)), scale=s)
+    assert launched[-1][0] == "gemv_fp8_r8"                             # fell back to the default
+    with pytest.raises(AssertionError, match="not available"):
+        DK.gemv_bf16(w, A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)), scale=s, variant="bulk_r4s4")
+    O, K = 1024, 4096
+    w, s = A(np.zeros((O, K), np.uint8)), A(np.zeros((8, 32), np.uint8))
+    DK.gemv_bf16(w, A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)), scale=s)
+    assert launched[-1][0] == "gemv_fp8_bulk_r4s4"
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.fp8")
+    with pytest.raises(AssertionError, match="KEY=VARIANT"):
+        DK.gemv_selected("plain", True, "large")
+    with pytest.raises(ValueError, match="gemv variant"):
+        DK._parse_variant("bulk_q4", "r")
