@@ -533,3 +533,308 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
                                          h[6] | (h[7] << 16)));
     }
 }
+
+// ------------------------------------------------------------------------- hc_boundary_poll
+// hc_boundary with a shorter serial tail (ops.hc BOUNDARY_IMPL "poll"); the same bytes in every
+// output (mixes, pre, post, comb, out, x, xn), each value by the same f32 / f64 expression in the
+// same order as hc_boundary (and so as the unfused chain).
+//
+// Phase A: hc_boundary's, unchanged (bnd_phase_a below is a copy of its code). The handoff is a
+//   self-validating slot per value instead of fence + ticket + a second L2 read: lane k < 4 of warp
+//   w of CTA sg publishes its value in slot sg*32 + 4w + k (the layout of hc_boundary's ws) as
+//   bits ^ BND_KEY (never 0: BND_KEY is a NaN payload the double sums cannot produce; a value with
+//   those bits would be stored as 1, a NaN as well) with a release (fence.acq_rel.gpu +
+//   st.relaxed.gpu, after the __syncthreads that follows the CTA's stores to out). An empty slot
+//   is 0. Every CTA but CTA 0 is then done.
+// CTA 0 (the designated tail; no ticket): warps 4..7 start the norm weight's cp.async, then all
+//   256 threads poll the nseg*32 slots (ld.relaxed.gpu, every missing slot of a thread re-read
+//   per round: one L2 round trip after the last slot lands), decode them into shared memory in
+//   hc_boundary's [nseg][32] partial layout, fence.acq_rel.gpu (acquire: out of the other CTAs),
+//   __syncthreads. Then, with no further block-wide barrier:
+//     warp 0: the 16 comb rows (lane & 15) and the squares, each lane its own segment chain, then
+//             the Sinkhorn over all 32 lanes (lanes 16..31 a copy of 0..15: full-mask shuffles),
+//             lanes 0..15 write mixes[8..23] and comb;
+//     warp 1: rows 4..7 -> mixes[4..7], post (hc_boundary ran these on the Sinkhorn warp, after
+//             the Sinkhorn in issue order: here they are off the Sinkhorn's path);
+//     warps 2..3: zero the slots for the next launch (every slot was read before the barrier);
+//     warps 4..7: rows 0..3 -> pre (each warp its own copy; warp 4 writes mixes[0..3], pre), the
+//             streams' cp.async, then hc_boundary's weighted sum + rmsnorm code unchanged.
+//   Each chain is hc_boundary's: part[slot] + part[32 + slot] + ... in segment order (double),
+//   rs = 1 / sqrt(squares / n + norm_eps), mix = f32(chain * rs).
+// Forward progress: only CTA 0 waits, and only for CTAs that never wait, so no co-residency is
+//   needed (a CTA still to be scheduled gets any SM the others leave; under PDL no dependent grid
+//   starts before every CTA of this one has run PDL_ENTRY).
+// Slots: u64 [128 * 32] (ops.hc via ticket_counter: zeroed once, before any capture), left zero
+//   by every launch (graph replay). Not for concurrent launches on two streams of one device.
+// post_in / comb_in may alias post_out / comb_out: every CTA reads them before its release, CTA 0
+//   writes them after its acquire.
+namespace {
+constexpr u64 BND_KEY = 0x7FF4C0DE5EED0001ULL;
+constexpr int BND_MAX_SLOTS = MIX_MAX_SEG * 32;                 // n <= 32768: nseg <= 128
+constexpr int BND_POLL = BND_MAX_SLOTS / BND_THREADS;           // slots per polling thread (16)
+
+DEV void st_release_gpu(u64* p, u64 v) {
+    asm volatile("fence.acq_rel.gpu;\n\tst.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DEV u64 ld_relaxed_gpu(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+DEV u64 bnd_encode(double v) {
+    const u64 s = (u64)__double_as_longlong(v) ^ BND_KEY;
+    return s != 0 ? s : 1ULL;
+}
+DEV double bnd_decode(u64 s) { return __longlong_as_double((long long)(s ^ BND_KEY)); }
+
+// hc_boundary's segment chain of value t (row t < 24, t == 24 the squares) over part [nseg][32]
+DEV double bnd_chain(const double* part, int t, int nseg) {
+    const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
+    double a = part[slot];
+    for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
+    return a;
+}
+// mix value of row t from its chain and the squares' chain (hc_boundary's expression)
+DEV float bnd_mix(double tot_row, double tot_sq, int n, double norm_eps) {
+    const double rs = 1.0 / sqrt(tot_sq / (double)n + norm_eps);
+    return __double2float_rn(__dmul_rn(tot_row, rs));
+}
+
+// split_lanes' Sinkhorn with every lane of the warp: lane l holds comb entry (j, k) of
+// e = l & 15 = 4j + k; lanes 16..31 compute the same values as 0..15 (full-mask shuffles within
+// each half). Returns comb[j][k] (the same f32 operations in the same order as split_lanes).
+DEV float sum4_full(float v, int src0, int step) {
+    const float a = __shfl_sync(0xffffffffu, v, src0);
+    const float b = __shfl_sync(0xffffffffu, v, src0 + step);
+    const float c = __shfl_sync(0xffffffffu, v, src0 + 2 * step);
+    const float d = __shfl_sync(0xffffffffu, v, src0 + 3 * step);
+    return __fadd_rn(__fadd_rn(__fadd_rn(a, b), c), d);
+}
+DEV float sinkhorn_full_warp(float m, float s2, float b, int iters, float hc_eps, int lane) {
+    const int h = lane & 16, e = lane & 15, j = e >> 2, k = e & 3;
+    const int row0 = h + 4 * j, col0 = h + k;
+    float L = __fadd_rn(__fmul_rn(m, s2), b);
+    const float l0 = __shfl_sync(0xffffffffu, L, row0), l1 = __shfl_sync(0xffffffffu, L, row0 + 1);
+    const float l2 = __shfl_sync(0xffffffffu, L, row0 + 2), l3 = __shfl_sync(0xffffffffu, L, row0 + 3);
+    const float mx = fmaxf(fmaxf(l0, l1), fmaxf(l2, l3));
+    L = exp_f32(__fsub_rn(L, mx));
+    L = __fadd_rn(__fdiv_rn(L, sum4_full(L, row0, 1)), hc_eps);   // it is now C
+    L = __fdiv_rn(L, __fadd_rn(sum4_full(L, col0, 4), hc_eps));
+    for (int it = 1; it < iters; ++it) {
+        L = __fdiv_rn(L, __fadd_rn(sum4_full(L, row0, 1), hc_eps));
+        L = __fdiv_rn(L, __fadd_rn(sum4_full(L, col0, 4), hc_eps));
+    }
+    return L;
+}
+
+// hc_boundary's phase A for CTA sg (a copy of its code): writes out (f given), returns lane l < 4
+// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
+DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                       const float* comb_in, u16* out, const float* __restrict__ fn,
+                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
+    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
+        wa[q] = __ldg(wp);
+        wb[q] = __ldg(wp + 1);
+    }
+    {
+        const int nlines = (2 * D + 127) / 128;
+        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
+            prefetch_l2(norm_w + 64 * li);
+    }
+    float xf[8];
+    if (f != nullptr) {
+        const int e = sg * MIX_SEG + threadIdx.x;
+        const int j = e / D, d = e - j * D;
+        const u32 fb = __ldg(f + d);
+        u32 rb[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
+        const double pj = post_in[j];
+        double cj[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
+        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
+#pragma unroll
+        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
+        const u16 h = (u16)f64_to_bf16(acc);
+        seg_s[threadIdx.x] = h;
+        out[e] = h;
+        __syncthreads();  // also orders every thread's store to out before the release below
+        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
+    } else {
+        unpack8(ldg16(R + e0), xf);
+    }
+    double v[4] = {0.0, 0.0, 0.0, 0.0};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const double d = xf[i];
+        v[3] = __fma_rn(d, d, v[3]);
+    }
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
+    }
+#pragma unroll
+    for (int o = 16; o >= 4; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = __dadd_rn(v[k], __shfl_xor_sync(0xffffffffu, v[k], o));
+    rs_stage<2>(v, lane);
+    rs_stage<1>(v, lane);
+    return v[0];
+}
+}  // namespace
+
+// hc_boundary's arguments with slots (u64 [128 * 32], zero, left zero) in place of ws / counter.
+// grid (n / 256), block 256, dynamic shared 14 D bytes.
+extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
+hc_boundary_poll(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                 const float* comb_in, u16* out, const float* __restrict__ fn,
+                 const float* __restrict__ scale, const float* __restrict__ base,
+                 const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
+                 float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
+                 double norm_eps, int* slots_i32) { PDL_ENTRY();
+    extern __shared__ double bnd_smem[];  // CTA 0: partials [nseg][32], S [4][D], weight [D]
+    __shared__ double red[4];
+    __shared__ __align__(16) u16 seg_s[MIX_SEG];
+    u64* slots = reinterpret_cast<u64*>(slots_i32);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D, nseg = n / MIX_SEG;
+    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
+    if (lane < 4) st_release_gpu(slots + blockIdx.x * 32 + 4 * wid + lane, bnd_encode(val));
+    if (blockIdx.x != 0) return;
+    // ---- CTA 0
+    const int nc = D >> 3;
+    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
+    double* part = bnd_smem;                                          // [nseg][32]
+    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
+    u16* wst = sst + HC * D;                                          // [D] the norm weight
+    if (wid >= 4) {  // the weight is an input: in flight during the wait
+        for (int c = vt; c < nc; c += 128) cp_async16(wst + 8 * c, norm_w + 8 * c, true);
+        cp_async_commit();
+    }
+    {
+        const int nslot = nseg * 32;
+        u64 s[BND_POLL];
+#pragma unroll
+        for (int i = 0; i < BND_POLL; ++i) s[i] = 0;
+        for (;;) {
+#pragma unroll
+            for (int i = 0; i < BND_POLL; ++i) {
+                const int q = threadIdx.x + i * BND_THREADS;
+                if (q < nslot && s[i] == 0) s[i] = ld_relaxed_gpu(slots + q);
+            }
+            bool done = true;
+#pragma unroll
+            for (int i = 0; i < BND_POLL; ++i) {
+                const int q = threadIdx.x + i * BND_THREADS;
+                done = done && (q >= nslot || s[i] != 0);
+            }
+            if (done) break;
+        }
+#pragma unroll
+        for (int i = 0; i < BND_POLL; ++i) {
+            const int q = threadIdx.x + i * BND_THREADS;
+            if (q < nslot) part[q] = bnd_decode(s[i]);
+        }
+        fence_acq_rel_gpu();  // acquire: the other CTAs' out, released with their slots
+    }
+    __syncthreads();
+    if (wid == 0) {  // comb rows 8 + (lane & 15): the Sinkhorn
+        const int e = lane & 15;
+        const float m = bnd_mix(bnd_chain(part, 2 * HC + e, nseg), bnd_chain(part, BND_ROWS, nseg), n, norm_eps);
+        if (lane < 16) mixes[2 * HC + lane] = m;
+        const float c = sinkhorn_full_warp(m, scale[2], base[2 * HC + e], iters, hc_eps, lane);
+        if (lane < 16) comb_out[lane] = c;
+        return;
+    }
+    if (wid == 1) {  // rows 4..7: post
+        if (lane < HC) {
+            const float m = bnd_mix(bnd_chain(part, HC + lane, nseg), bnd_chain(part, BND_ROWS, nseg), n, norm_eps);
+            mixes[HC + lane] = m;
+            const float s = sigmoid_f32(__fadd_rn(__fmul_rn(m, scale[1]), base[HC + lane]));
+            post_out[lane] = __fmul_rn(2.0f, s);
+        }
+        return;
+    }
+    if (wid < 4) {  // the slots back to zero for the next launch (all were read before the barrier)
+        uint4* z = reinterpret_cast<uint4*>(slots);
+        for (int q = threadIdx.x - 64; q < nseg * 16; q += 64) z[q] = make_uint4(0u, 0u, 0u, 0u);
+        return;
+    }
+    // warps 4..7: the streams' cp.async, pre (rows 0..3, each warp its own copy), then
+    // hc_boundary's weighted sum + rmsnorm_row<u16> with thread vt's chunks
+    {
+        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs (acquired above)
+        for (int c = vt; c < nc; c += 128) {
+#pragma unroll
+            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
+        }
+        cp_async_commit();
+    }
+    float pl = 0.0f;
+    if (lane < HC) {
+        const float m = bnd_mix(bnd_chain(part, lane, nseg), bnd_chain(part, BND_ROWS, nseg), n, norm_eps);
+        pl = pre_value(m, scale[0], base[lane], hc_eps);
+        if (wid == 4) {
+            mixes[lane] = m;
+            pre_out[lane] = pl;
+        }
+    }
+    float pre_r[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) pre_r[i] = __shfl_sync(0xffffffffu, pl, i);
+    cp_async_wait<0>();  // thread vt reads only the chunks its own cp.async brought
+    double ss = 0.0;
+    for (int c = vt; c < nc; c += 128) {
+        double acc[8];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            float xi[8];
+            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
+            const double p = pre_r[i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const double prod = __dmul_rn(p, (double)xi[e]);
+                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
+            }
+        }
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            h[e] = f64_to_bf16(acc[e]);
+            const double xv = bf16_to_f32(h[e]);
+            ss = __fma_rn(xv, xv, ss);
+        }
+        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                   h[6] | (h[7] << 16));
+        stg16(x_out + 8 * c, o);
+        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
+    }
+    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
+    if (lane == 0) red[wid - 4] = ss;
+    bar_upper_half();
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    for (int c = vt; c < nc; c += 128) {
+        float xv[8], wv[8];
+        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
+        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                         h[6] | (h[7] << 16)));
+    }
+}

@@ -1,12 +1,17 @@
-"""Time one decode sub-layer boundary: the fused hc_boundary launch against the unfused chain
-hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, both replayed from CUDA graphs.
+"""Time one decode sub-layer boundary: every hc_boundary implementation (ops.hc.BOUNDARY_IMPLS:
+"lastcta" = the default kernel, "poll" = hc_boundary_poll) against the unfused chain
+hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, all replayed from CUDA graphs.
 
-Each graph runs --boundaries boundaries back to back on ping-pong streams, every boundary with
-its own fn (f32 [24, 4D], 1.5 MB at D = 4096) and norm weight, so fn streams from HBM as in the
-decode step (48 x 1.5 MB = 72 MB > the 50 MB L2).  Prints microseconds per boundary (graph
-time / boundaries, launch gaps included) and checks that both graphs leave the same bytes.
+Two forms, as DeviceStep._block launches them: "post" (the previous sub-layer's hc_post fused in,
+streams ping-pong, post / comb in place: every boundary but a stage's first) and "first" (no
+hc_post: the first attn boundary of a stage).  Each graph runs --boundaries boundaries back to
+back, every boundary with its own fn (f32 [24, 4D], 1.5 MB at D = 4096) and norm weight, so fn
+streams from HBM as in the decode step (48 x 1.5 MB = 72 MB > the 50 MB L2).  Prints microseconds
+per boundary (graph time / boundaries, launch gaps included; no PDL) and checks that every graph
+leaves the same bytes as the unfused one after one replay from the same start: any difference
+prints MISMATCH and the exit status is 1.
 
-    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50]
+    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50] [--impls lastcta,poll]
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--boundaries", type=int, default=48)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--impls", default=",".join(HC.BOUNDARY_IMPLS))
     a = ap.parse_args()
     D, NB = a.dim, a.boundaries
+    impls = [i for i in a.impls.split(",") if i]
     t0 = time.time()
     rs = cp.random.RandomState(1)
 
@@ -42,9 +49,10 @@ def main() -> int:
     ws = [bf16_bits((D,), 0.1, 1.0) for _ in range(NB)]  # norm weights ~ 1
     scale = cp.asarray(np.array([0.5, 0.7, 1.1], np.float32))
     base = cp.asarray((np.random.default_rng(2).standard_normal(24) * 0.5).astype(np.float32))
-    f = bf16_bits((1, D))
+    fs = [bf16_bits((1, D)) for _ in range(NB)]  # each sub-layer's output
     X0 = bf16_bits((1, 4, D))
     iters, eps = 20, 1e-6
+    KEYS = ("a", "b", "x", "xn", "pre", "post", "comb", "mixes")
 
     def bufs():
         return dict(a=X0.copy(), b=cp.empty_like(X0), x=cp.empty((1, D), cp.uint16),
@@ -52,56 +60,76 @@ def main() -> int:
                     post=cp.full((1, 4), 0.5, cp.float32), comb=cp.full((1, 4, 4), 0.25, cp.float32),
                     mixes=cp.empty((1, 24), cp.float32))
 
-    F, U = bufs(), bufs()
+    def fused(B, impl, form):
+        def run():
+            cur, oth = B["a"], B["b"]
+            for k in range(NB):
+                kw = dict(f=fs[k], out=oth) if form == "post" else {}
+                HC.hc_boundary(cur, fns[k], scale, base, ws[k], iters=iters, hc_eps=eps, norm_eps=eps,
+                               xn=B["xn"], x=B["x"], pre=B["pre"], post=B["post"], comb=B["comb"],
+                               mixes=B["mixes"], impl=impl, **kw)
+                if form == "post":
+                    cur, oth = oth, cur
+        return run
 
-    def fused():
-        cur, oth = F["a"], F["b"]
-        for k in range(NB):
-            HC.hc_boundary(cur, fns[k], scale, base, ws[k], iters=iters, hc_eps=eps, norm_eps=eps,
-                           xn=F["xn"], x=F["x"], pre=F["pre"], post=F["post"], comb=F["comb"],
-                           mixes=F["mixes"], f=f, out=oth)
-            cur, oth = oth, cur
-
-    def unfused():
-        cur, oth = U["a"], U["b"]
-        for k in range(NB):
-            HC.hc_post(f, cur, U["post"], U["comb"], out=oth)
-            cur, oth = oth, cur
-            HC.hc_pre(cur, fns[k], scale, base, iters=iters, hc_eps=eps, norm_eps=eps, mixes=U["mixes"],
-                      y=U["x"], pre=U["pre"], post=U["post"], comb=U["comb"])
-            RN.rmsnorm(U["x"], ws[k], eps, out=U["xn"])
+    def unfused(B, form):
+        def run():
+            cur, oth = B["a"], B["b"]
+            for k in range(NB):
+                if form == "post":
+                    HC.hc_post(fs[k], cur, B["post"], B["comb"], out=oth)
+                    cur, oth = oth, cur
+                HC.hc_pre(cur, fns[k], scale, base, iters=iters, hc_eps=eps, norm_eps=eps, mixes=B["mixes"],
+                          y=B["x"], pre=B["pre"], post=B["post"], comb=B["comb"])
+                RN.rmsnorm(B["x"], ws[k], eps, out=B["xn"])
+        return run
 
     s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fused()
-        unfused()  # load kernels, size the split workspace before capture
-    s.synchronize()
-    F.update(bufs())
-    U.update(bufs())
-    gf, gu = graphs.capture(s, fused), graphs.capture(s, unfused)
-    # one replay each from the same start: same bytes
-    graphs.replay(gf, s)
-    graphs.replay(gu, s)
-    s.synchronize()
-    same = all(bool(cp.array_equal(F[k].view(cp.uint8), U[k].view(cp.uint8)))
-               for k in ("a", "b", "x", "xn", "pre", "post", "comb", "mixes"))
     ev = [cp.cuda.Event() for _ in range(2)]
-    res = {}
-    for name, g in (("unfused (4 launches)", gu), ("fused hc_boundary", gf)):
-        for _ in range(3):
-            graphs.replay(g, s)
-        ev[0].record(s)
-        for _ in range(a.reps):
-            graphs.replay(g, s)
-        ev[1].record(s)
-        ev[1].synchronize()
-        res[name] = cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3 / (a.reps * NB)
-    for name, us in res.items():
-        print(f"{name:24s} {us:7.2f} us / boundary  (D={D}, {NB} boundaries x {a.reps} graph replays)")
-    print(f"saving per boundary {res['unfused (4 launches)'] - res['fused hc_boundary']:.2f} us; "
-          f"x 85 fused boundaries ~ {85 * (res['unfused (4 launches)'] - res['fused hc_boundary']) / 1e3:.2f} ms/step")
-    print(f"fused == unfused bytes after one replay: {same}   ({time.time() - t0:.1f} s)")
-    return 0 if same else 1
+    ok = True
+    for form in ("post", "first"):
+        arms = [("unfused (4 launches)", None)] + [(f"hc_boundary {i}", i) for i in impls]
+        B = {name: bufs() for name, _ in arms}
+        fn_of = {name: (unfused(B[name], form) if i is None else fused(B[name], i, form)) for name, i in arms}
+        with s:
+            for name, _ in arms:  # load kernels, size workspaces / slots before any capture
+                fn_of[name]()
+        s.synchronize()
+        for name, _ in arms:
+            B[name].update(bufs())
+        gs = {name: graphs.capture(s, fn_of[name]) for name, _ in arms}
+        for name, _ in arms:  # one replay each from the same start: the same bytes
+            graphs.replay(gs[name], s)
+        s.synchronize()
+        ref = arms[0][0]
+        for name, _ in arms[1:]:
+            bad = [k for k in KEYS if not bool(cp.array_equal(B[name][k].view(cp.uint8), B[ref][k].view(cp.uint8)))]
+            if bad:
+                ok = False
+                print(f"*** MISMATCH *** form={form} {name} != unfused in {bad}")
+        res = {}
+        for name, _ in arms:
+            g = gs[name]
+            for _ in range(3):
+                graphs.replay(g, s)
+            ev[0].record(s)
+            for _ in range(a.reps):
+                graphs.replay(g, s)
+            ev[1].record(s)
+            ev[1].synchronize()
+            res[name] = cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3 / (a.reps * NB)
+        for name, us in res.items():
+            print(f"form={form:5s} {name:22s} {us:7.2f} us / boundary  (D={D}, {NB} boundaries x {a.reps} replays)")
+        if "hc_boundary lastcta" in res:
+            for name, us in res.items():
+                if name.startswith("hc_boundary ") and name != "hc_boundary lastcta":
+                    d = res["hc_boundary lastcta"] - us
+                    print(f"form={form:5s} {name} saves {d:.2f} us / boundary vs lastcta "
+                          f"(x 86 boundaries ~ {86 * d / 1e3:.3f} ms/step)")
+    print(f"all graphs == unfused bytes after one replay: {ok}   ({time.time() - t0:.1f} s)")
+    if not ok:
+        print("*** MISMATCH: a variant's bytes differ from the unfused chain ***")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

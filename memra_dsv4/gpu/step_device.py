@@ -134,11 +134,11 @@ class DeviceStep:
 
     # ------------------------------------------------------------------ setup helpers
     def _prewarm(self, S) -> None:
-        """Load every kernel module, the hc split workspace and the router / indexer / decode
-        attention ticket counters before any capture.  Both decode attention forms are ready:
-        ops.kernel_names() has attention's split, combine and sparse_attn_decode_* kernels,
-        ops_decode.KERNELS has build_cand, and the counters are made here (the split form needs
-        none)."""
+        """Load every kernel module, the hc split workspace and boundary slots, and the router /
+        indexer / decode attention ticket counters before any capture.  Both decode attention
+        forms are ready: ops.kernel_names() has attention's split, combine and
+        sparse_attn_decode_* kernels, ops_decode.KERNELS has build_cand, and the counters are
+        made here (the split form needs none)."""
         from memra_dsv4.gpu import kernel_loader, ops, ops_decode
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import hc as HC
@@ -149,6 +149,7 @@ class DeviceStep:
             for n in names:
                 loader.get(stem, n)
         HC.split_workspace(4, max(1, 4 * self.cfg.hidden_size // HC.SEG))
+        HC.boundary_slots()  # hc_boundary_poll's slots (BOUNDARY_IMPL "poll"; zero, baked by graphs)
         RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket
         IX.workspace()  # counters (graphs bake their addresses)
         AT.decode_counters()

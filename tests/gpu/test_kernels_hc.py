@@ -15,6 +15,9 @@ widths whose 256-element mixes segments straddle two streams (D = 192, 128); twi
 last-CTA counter must be left at zero), in place (post / comb read and rewritten as the device
 step does), chained over several boundaries, and replayed from a CUDA graph with new inputs.
 Against the twins (oracle hc_post / hc_pre / rmsnorm) it inherits the unfused bounds above.
+Every hc_boundary implementation (ops.hc.BOUNDARY_IMPLS: "lastcta", "poll") is held byte for byte
+to the default one on fresh inputs (both sub-layer kinds, with and without the hc_post half, in
+place and not, a graph replay), and its counters / slots are zero after every launch.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def _poisoned(shape, dtype):
     return cp.full(shape, 0xFFFF if dtype == np.uint16 else np.nan, dtype=dtype)
 
 
-def _fused(g, with_post: bool, in_place: bool):
+def _fused(g, with_post: bool, in_place: bool, impl=None):
     D = g["X"].shape[2]
     o = dict(x=_poisoned((1, D), np.uint16), xn=_poisoned((1, D), np.uint16),
              pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32))
@@ -210,7 +213,7 @@ def _fused(g, with_post: bool, in_place: bool):
     kw = dict(f=g["f"], out=out, post_in=pin, comb_in=cin) if with_post else {}
     S = K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
                       norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], post=o["post"],
-                      comb=o["comb"], mixes=o["mixes"], **kw)
+                      comb=o["comb"], mixes=o["mixes"], impl=impl, **kw)
     assert S is (out if with_post else g["X"])
     o["streams"] = S
     return o
@@ -358,3 +361,120 @@ def test_hc_boundary_refusals():
         K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"].view(np.int16).astype(np.float32), **kw)
     with pytest.raises(AssertionError, match="belong to the hc_post half"):
         K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], out=cp.empty((1, 4, D), np.uint16), **kw)
+
+
+# ------------------------------------------------------------------------- hc_boundary variants
+def _counters_zero(impl):
+    if impl == "poll":
+        slots = K.boundary_slots()
+        assert not bool(cp.any(slots)), f"hc_boundary_poll: slots not zero after a launch ({int(cp.count_nonzero(slots))} words)"
+    else:
+        _, cnt = K.split_workspace(1, 1)
+        assert not bool(cp.any(cnt)), "hc_boundary: ticket counter not zero after a launch"
+
+
+@pytest.mark.parametrize("impl", [i for i in K.BOUNDARY_IMPLS if i != "lastcta"])
+@pytest.mark.parametrize("D,with_post,in_place,wide", [
+    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash: both kinds
+    (4096, True, True, True), (4096, False, False, True),                              # wide range
+    (7168, True, True, False), (256, True, True, False), (256, False, False, False),  # Pro, tiny
+    (192, True, False, True), (128, True, False, False), (128, False, False, False),  # straddling segments
+    (64, True, True, False), (64, False, False, False),                               # one CTA
+])
+def test_hc_boundary_impl_bitwise(impl, D, with_post, in_place, wide):
+    """Every variant == the lastcta kernel byte for byte (and so == the unfused chain), seeds
+    fresh per repetition; the variant's counters / slots are zero after each launch."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    for rep in range(3):
+        g = _dev(_boundary_case(rng, D, wide))
+        want = _fused(g, with_post, in_place, impl="lastcta")
+        got = _fused(g, with_post, in_place, impl=impl)
+        cp.cuda.Device().synchronize()
+        _counters_zero(impl)
+        _assert_same_bytes(got, want, seed, impl=impl, D=D, with_post=with_post, in_place=in_place,
+                           wide=wide, rep=rep)
+        if rep == 0 and D == 4096:  # and the unfused chain itself
+            _assert_same_bytes(got, _unfused(g, with_post), seed, impl=impl, D=D, vs="unfused")
+
+
+@pytest.mark.parametrize("impl", [i for i in K.BOUNDARY_IMPLS if i != "lastcta"])
+def test_hc_boundary_impl_env_and_chain(impl, monkeypatch):
+    """The variant picked through $MEMRA_DSV4_HC_BOUNDARY_IMPL (read at call time), chained as
+    DeviceStep._block runs it (first boundary without hc_post, then with; in-place post / comb;
+    ping-pong streams), equals the default kernel's chain at every boundary."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D = 4096
+    g = _dev(_boundary_case(rng, D))
+    params = [_dev(_boundary_case(rng, D)) for _ in range(6)]
+    fs = [cp.asarray(bits_of(rand_bf16(rng, (1, D), 1.0, spread=2))) for _ in params]
+    runs = {}
+    for name in ("lastcta", impl):
+        monkeypatch.setenv(K.BOUNDARY_IMPL_ENV, name)
+        assert K.boundary_impl() == name
+        a, b = g["X"].copy(), cp.empty_like(g["X"])
+        bufs = dict(x=cp.empty((1, D), np.uint16), xn=cp.empty((1, D), np.uint16),
+                    pre=cp.empty((1, 4), np.float32), post=cp.empty((1, 4), np.float32),
+                    comb=cp.empty((1, 4, 4), np.float32), mixes=cp.empty((1, 24), np.float32))
+        seq = []
+        for k, (p, f) in enumerate(zip(params, fs)):
+            kw = dict(f=f, out=b) if k else {}
+            K.hc_boundary(a, p["fn"], p["scale"], p["base"], p["w"], iters=ITERS, hc_eps=HC_EPS,
+                          norm_eps=NORM_EPS, **bufs, **kw)
+            if k:
+                a, b = b, a
+            seq.append(dict(streams=a.copy(), **{n: v.copy() for n, v in bufs.items()}))
+        runs[name] = seq
+        cp.cuda.Device().synchronize()
+        _counters_zero(name)
+    for k, (got, want) in enumerate(zip(runs[impl], runs["lastcta"])):
+        _assert_same_bytes(got, want, seed, impl=impl, boundary=k)
+
+
+@pytest.mark.parametrize("impl", [i for i in K.BOUNDARY_IMPLS if i != "lastcta"])
+def test_hc_boundary_impl_graph_replay(impl):
+    """The variant captured once and replayed with new inputs (in-place post / comb, both kinds
+    in one graph) equals the default kernel on the same inputs; slots zero after every replay."""
+    from memra_dsv4.gpu import graphs
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D = 4096
+    g = _dev(_boundary_case(rng, D))
+    g2 = _dev(_boundary_case(rng, D))
+
+    def new_bufs():
+        return dict(x=cp.empty((1, D), np.uint16), xn=cp.empty((1, D), np.uint16),
+                    pre=cp.empty((1, 4), np.float32), post=cp.empty((1, 4), np.float32),
+                    comb=cp.empty((1, 4, 4), np.float32), mixes=cp.empty((1, 24), np.float32))
+
+    bufs, out = new_bufs(), cp.empty((1, 4, D), np.uint16)
+    ref, rout = new_bufs(), cp.empty((1, 4, D), np.uint16)
+
+    def run(b, o, name):
+        K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], iters=ITERS, hc_eps=HC_EPS,
+                      norm_eps=NORM_EPS, f=g["f"], out=o, impl=name, **b)           # attn -> ffn kind
+        K.hc_boundary(o, g2["fn"], g2["scale"], g2["base"], g2["w"], iters=ITERS, hc_eps=HC_EPS,
+                      norm_eps=NORM_EPS, impl=name, **b)                            # first-of-stage kind
+
+    run(bufs, out, impl)  # loads the kernel and allocates the slots before the capture
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    graph = graphs.capture(s, lambda: run(bufs, out, impl))
+    for rep in range(3):
+        for src, dst in ((_dev(_boundary_case(rng, D)), g), (_dev(_boundary_case(rng, D)), g2)):
+            for k, v in src.items():
+                dst[k][...] = v
+        post0, comb0 = g["post"].copy(), g["comb"].copy()
+        for b in (bufs, ref):
+            b["post"][...] = post0
+            b["comb"][...] = comb0
+        cp.cuda.Device().synchronize()
+        run(ref, rout, "lastcta")
+        cp.cuda.Device().synchronize()
+        graphs.replay(graph, s)
+        s.synchronize()
+        _counters_zero(impl)
+        got = dict(streams=out, **{k: bufs[k] for k in ("mixes", "x", "pre", "post", "comb", "xn")})
+        want = dict(streams=rout, **{k: ref[k] for k in ("mixes", "x", "pre", "post", "comb", "xn")})
+        _assert_same_bytes(got, want, seed, impl=impl, rep=rep)

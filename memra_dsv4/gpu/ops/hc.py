@@ -11,21 +11,53 @@ hc_boundary(streams, fn, scale, base, norm_w, ...)  one decode token's sub-layer
     hc_pre -> rmsnorm, and bit-identical to the unfused kernels hc_post -> hc_pre -> rmsnorm
 
 Streams are [T, hc, D] bf16 (uint16) with hc = 4.
+
+hc_boundary implementations (the same bytes in every output; BOUNDARY_IMPLS):
+    "lastcta"  kernels_cu/hc.cu hc_boundary: the last CTA to draw a ticket (fence + atomic) runs
+               the tail (segment sums, Sinkhorn, weighted sum, rmsnorm).  The default.
+    "poll"     hc_boundary_poll: phase A publishes its partials in self-validating slots (release
+               stores, no ticket); CTA 0 polls them (one L2 round trip after the last lands) and
+               runs the tail with the Sinkhorn alone on its warp (post / pre on other warps).
+               Its slots: _BND_SLOTS (ticket_counter: zeroed before any capture, left zero).
+The module switch BOUNDARY_IMPL picks one; the environment variable MEMRA_DSV4_HC_BOUNDARY_IMPL,
+read at every call, overrides it (benches / tests); hc_boundary(impl=...) overrides both.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, i32, kernel, out_array, sm_count
+from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, i32, kernel, out_array, sm_count,
+                                        ticket_counter)
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
-           "hc_post", "hc_boundary")
+           "hc_post", "hc_boundary", "hc_boundary_poll")
 kernel_loader.register(STEM, KERNELS)
 
 HC = 4
+
+BOUNDARY_IMPLS = ("lastcta", "poll")
+BOUNDARY_IMPL = "lastcta"
+BOUNDARY_IMPL_ENV = "MEMRA_DSV4_HC_BOUNDARY_IMPL"
+_BND_SLOTS: dict = {}       # device -> int32 [2 * 128 * 32] (u64 slots of hc_boundary_poll)
+_BND_SLOT_WORDS = 2 * 128 * 32
+
+
+def boundary_impl(impl: str | None = None) -> str:
+    """The hc_boundary implementation a call uses: ``impl``, else $MEMRA_DSV4_HC_BOUNDARY_IMPL
+    (read now), else BOUNDARY_IMPL."""
+    name = impl or os.environ.get(BOUNDARY_IMPL_ENV) or BOUNDARY_IMPL
+    assert name in BOUNDARY_IMPLS, f"hc_boundary: impl {name!r} not in {BOUNDARY_IMPLS}"
+    return name
+
+
+def boundary_slots():
+    """hc_boundary_poll's slots on the current device (zero between launches)."""
+    return ticket_counter(_BND_SLOTS, "hc_boundary(poll)", size=_BND_SLOT_WORDS)
 
 
 def _streams(X, name):
@@ -173,7 +205,7 @@ def hc_post(f, residual, post, comb, out=None):
 
 def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: float,
                 norm_eps: float, xn, x, pre, post, comb, mixes, f=None, out=None, post_in=None,
-                comb_in=None):
+                comb_in=None, impl: str | None = None):
     """One decode token (T = 1) across a sub-layer boundary, one launch (kernels_cu/hc.cu
     hc_boundary), bit for bit the unfused chain:
 
@@ -186,7 +218,8 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     kernel reads them before any CTA writes them).  streams [1, 4, D] bf16 bits, fn [24, 4D]
     f32, scale [3], base [24] f32, norm_weight [D] bf16 bits; x, xn [1, D]; pre, post [1, 4];
     comb [1, 4, 4]; mixes [1, 24].  Uses the per-device split workspace (not concurrently on two
-    streams of one device).  Returns the streams the norm was taken from (out or streams)."""
+    streams of one device).  Returns the streams the norm was taken from (out or streams).
+    impl: "lastcta" / "poll" (None: boundary_impl(), see the module docstring); same bytes."""
     T, D = _streams(streams, "hc_boundary.streams")
     assert T == 1, f"hc_boundary: one token (decode), got T = {T}"
     n = HC * D
@@ -219,17 +252,22 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
             "hc_boundary: out / post_in / comb_in belong to the hc_post half (f given)")
         src = streams
     nseg = n // SEG
-    ws, cnt = split_workspace(1, nseg)
-    k = kernel(STEM, "hc_boundary")
-    smem = 14 * D  # phase B: ws partials (4D), the streams (8D), the norm weight (2D); the opt-in below also covers ~0.9 KB static
+    name = boundary_impl(impl)
+    if name == "poll":
+        k = kernel(STEM, "hc_boundary_poll")
+        tail = (boundary_slots(),)
+    else:
+        k = kernel(STEM, "hc_boundary")
+        tail = split_workspace(1, nseg)
+    smem = 14 * D  # the tail CTA: partials (4D), the streams (8D), the norm weight (2D); the opt-in below also covers ~0.9 KB static
     dynamic_smem(k, smem + 1024)
     null = np.uint64(0)
     k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
                         null if f is None else comb_in, null if f is None else out, fn, scale, base,
                         norm_weight, mixes, pre, post, comb, x, xn, i32(D), i32(iters),
-                        np.float32(hc_eps), np.float64(norm_eps), ws, cnt), shared_mem=smem)
+                        np.float32(hc_eps), np.float64(norm_eps)) + tuple(tail), shared_mem=smem)
     return src
 
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
-           "hc_boundary"]
+           "hc_boundary", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS"]
