@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                     help="also time the FP4 expert kernels under other experts.cu tuning macros")
     ap.add_argument("--fp4-mma", action="store_true",
                     help="also time the tensor-core FP4 expert kernels (impl='mma') and their variants")
+    ap.add_argument("--suggest", metavar="FILE", default=None,
+                    help="with --variants --dense-only: write the fastest bit-identical variant per "
+                         "(op, form, class) as a MEMRA_DSV4_GEMV_VARIANT value to FILE")
     ap.add_argument("--variants", action="store_true",
                     help="also time (and bit-check against the default) every dense GEMV variant")
     a = ap.parse_args(argv)
@@ -84,12 +87,17 @@ def main(argv=None) -> int:
 
     cases = []
     mismatches = []
+    meta = {}   # case name -> (op, form, cls, shape label, variant): for --suggest
 
     def add_variants(op, fp8, label, nbytes, call, outs):
         """call(variant) runs the op into outs (a list of arrays); each variant's bytes must
         equal the default's."""
         if not a.variants:
             return
+        form = "fp8" if fp8 else "bf16"
+        cls = ("large" if nbytes // (1 if fp8 else 2) > (1 << 23) else "small") if op == "plain" else "any"
+        cases.append((f"{label} [default]", nbytes, lambda: call("default")))
+        meta[f"{label} [default]"] = (op, form, cls, label, "default")
         call("default")
         ref = [cp.asnumpy(o).tobytes() for o in outs]
         for vn in DK.gemv_variant_names(op, fp8)[1:]:
@@ -106,6 +114,8 @@ def main(argv=None) -> int:
                 mismatches.append(f"{label} [{vn}]")
                 print(f"!!! MISMATCH: {label} [{vn}] differs from the default's bytes !!!")
             cases.append((f"{label} [{vn}]", nbytes, lambda vn=vn: call(vn)))
+            if got == ref:
+                meta[f"{label} [{vn}]"] = (op, form, cls, label, vn)
 
     if not a.only_fp4:
         dense = [("wq_a", 1024, 4096, 1), ("wkv", 512, 4096, 1), ("wq_b", 32768, 1024, 1),
@@ -172,7 +182,10 @@ def main(argv=None) -> int:
                          DK.gemv_bf16_swiglu(w1, w3, xs, hs, 10.0, scale1=s1, scale3=s3, variant=vn), [hs])
     n_dense = len(cases)
     if a.dense_only:
-        rc = _run(cases, a, bw, n_dense, EX)
+        times = {}
+        rc = _run(cases, a, bw, n_dense, EX, times=times)
+        if a.suggest:
+            _suggest(meta, times, a.suggest)
         return _mismatch_report(mismatches) or rc
     # routed experts, MXFP4, k = 6 of 256
     E, I, D, k = 256, 2048, 4096, 6
@@ -215,11 +228,38 @@ def _mismatch_report(mismatches) -> int:
     return 1 if mismatches else 0
 
 
-def _run(cases, a, bw, n_dense, EX, n_simt=None) -> int:
+def _suggest(meta, times, path) -> None:
+    """Per (op, form, class): the bit-identical variant with the least summed time over the
+    class's shapes, if it beats the default by > 2 %; printed and written to ``path`` as a
+    MEMRA_DSV4_GEMV_VARIANT value (empty when the defaults stay)."""
+    groups = {}
+    for name, (op, form, cls, shape, vn) in meta.items():
+        if name in times:
+            groups.setdefault((op, form, cls), {}).setdefault(vn, {})[shape] = times[name]
+    picks = []
+    for (op, form, cls), by_v in sorted(groups.items()):
+        shapes = set(by_v.get("default", {}))
+        best, best_t = "default", sum(by_v.get("default", {}).values())
+        for vn, t in by_v.items():
+            if vn != "default" and set(t) == shapes and sum(t.values()) < 0.98 * best_t:
+                best, best_t = vn, sum(t.values())
+        print(f"suggest {op}.{form}.{cls}: {best} ({best_t:.2f} us over {len(shapes)} shape(s); "
+              f"default {sum(by_v.get('default', {}).values()):.2f} us)")
+        if best != "default":
+            picks.append(f"{op}.{form}" + ("" if cls == "any" else f".{cls}") + f"={best}")
+    value = ",".join(picks)
+    print(f"MEMRA_DSV4_GEMV_VARIANT={value}")
+    with open(path, "w") as fh:
+        fh.write(value + "\n")
+
+
+def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
     from memra_dsv4.profiling.launches import record_launches, time_launches
 
     def report(name, nbytes, recs):
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
+        if times is not None:
+            times[name] = us
         print(f"{name:<56s} {us:8.2f} {nbytes / us / 1e3:8.0f} {100 * nbytes / (us * 1e-6) / bw:9.1f}%")
 
     print(f"{'kernel':<56s} {'us':>8s} {'GB/s':>8s} {'of copy bw':>10s}")
