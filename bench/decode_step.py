@@ -12,8 +12,12 @@ its own graphs, so ``path=device+pdl=off,path=device+pdl=on`` is an A/B in one p
 ``attn=split|fused`` (the device step's sparse attention, seam MEMRA_DSV4_DECODE_ATTN: build_cand
 + split kernel + combine, or the one-launch sparse_attention_decode; bit-identical; each arm
 captures its own graphs, so ``path=device+attn=split,path=device+attn=fused`` is an A/B in one
-process).  A setting an arm leaves out is the model's (its seam's) value; the JSON records each
-arm's settings as given and as resolved.
+process).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
+``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
+read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
+``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL); the arm sets both variables before each of
+its steps, so its graphs are captured with its kernels.  A setting an arm leaves out is the
+model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
 the logits after every device synchronised, so each sample is the whole step.
@@ -87,8 +91,27 @@ def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
 def _arm_settings() -> dict:
     """Arm setting -> the seam whose allowed values it takes (path: MEMRA_DSV4_DECODE_PATH, pdl:
     MEMRA_DSV4_PDL, attn: MEMRA_DSV4_DECODE_ATTN)."""
+    from types import SimpleNamespace
     from memra_dsv4 import seams
-    return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN}
+    return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN,
+            "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
+            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL")}
+
+
+def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
+    """The env values an arm's gemv= / hc= settings stand for ({} when it gives neither)."""
+    env = {}
+    if "gemv" in s:
+        val = ""
+        if s["gemv"] == "pick":
+            if not gemv_pick:
+                raise SystemExit(f"arm {s}: gemv=pick needs --gemv-pick FILE")
+            with open(gemv_pick) as fh:
+                val = fh.read().strip()
+        env["MEMRA_DSV4_GEMV_VARIANT"] = val
+    if "hc" in s:
+        env["MEMRA_DSV4_HC_BOUNDARY_IMPL"] = s["hc"]
+    return env
 
 
 def check_arms(spec: str) -> list[dict]:
@@ -112,8 +135,10 @@ def check_arms(spec: str) -> list[dict]:
 
 class _ArmState:
     def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
-                 pdl: str | None = None, attn: str | None = None):
+                 pdl: str | None = None, attn: str | None = None, kernel_env: dict | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
+        self.kernel_env = dict(kernel_env or {})   # env var -> value set before each step
+        self._apply_env()
         self.m, self.path = m, resolve_decode_path(path, announce=False)
         self.pdl = pdl or getattr(m, "pdl", "off")   # the arm's PDL setting (device path only)
         self.attn = attn or getattr(m, "decode_attn", "split")  # decode attention form (device)
@@ -123,13 +148,23 @@ class _ArmState:
             logits, self.state = m.prefill(ids, m.new_state(max_seq_len))
             self.tok = int(np.argmax(logits))
 
+    def _apply_env(self) -> None:
+        import os
+        for k, v in self.kernel_env.items():
+            if v:
+                os.environ[k] = v
+            else:
+                os.environ.pop(k, None)
+
     def step(self) -> None:
+        self._apply_env()
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
         phase brackets record events (a device-path graph replay has no per-phase brackets)."""
+        self._apply_env()
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         if self.path == "device":
             from memra_dsv4.gpu.step import device_step
@@ -146,6 +181,7 @@ def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
     from memra_dsv4.profiling.launches import aggregate, format_rows, record_launches, time_launches
 
     def one():
+        st._apply_env()
         st.m.decode_path, st.m.pdl, st.m.decode_attn = st.path, st.pdl, st.attn
         st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
     recs = record_launches(one, ("step_device.py",))
@@ -166,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="path=legacy")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--gemv-pick", default=None, metavar="FILE",
+                    help="MEMRA_DSV4_GEMV_VARIANT value used by arms with gemv=pick")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--phase-steps", type=int, default=3)
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
@@ -203,7 +241,8 @@ def main(argv=None) -> int:
     from bench.harness import arm_label
     for s in arms_spec:
         name = arm_label(s)
-        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"))
+        st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
+                       _kernel_env(s, a.gemv_pick))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -238,6 +277,7 @@ def main(argv=None) -> int:
                     if a.launch_profile and arm.settings.get("path") == "device" else None)
         out_arms[arm.name] = {
             "settings": arm.settings, "summary": summ,
+            "kernel_env": states[arm.name].kernel_env,
             "resolved": {"path": states[arm.name].path, "pdl": states[arm.name].pdl,
                          "attn": states[arm.name].attn},
             "ratio_to_first": summ["median"] / base,

@@ -228,3 +228,18 @@ def test_prefill_bench_arms_parse_and_refuse():
         parse_arms("gemm=fp4mma")
     with pytest.raises(SystemExit, match="pipeline='2'; expected one of off, on"):
         parse_arms("pipeline=2")
+
+
+def test_decode_bench_kernel_arms(tmp_path):
+    from bench.decode_step import _kernel_env, check_arms
+    arms = check_arms("path=device+gemv=pick+hc=poll,path=device+gemv=base+hc=lastcta")
+    pick = tmp_path / "pick"
+    pick.write_text("plain.fp8.large=bulk_r4s4\n")
+    assert _kernel_env(arms[0], str(pick)) == {"MEMRA_DSV4_GEMV_VARIANT": "plain.fp8.large=bulk_r4s4",
+                                               "MEMRA_DSV4_HC_BOUNDARY_IMPL": "poll"}
+    assert _kernel_env(arms[1], None) == {"MEMRA_DSV4_GEMV_VARIANT": "", "MEMRA_DSV4_HC_BOUNDARY_IMPL": "lastcta"}
+    assert _kernel_env({"path": "device"}, None) == {}
+    with pytest.raises(SystemExit, match="gemv=pick needs --gemv-pick"):
+        _kernel_env(arms[0], None)
+    with pytest.raises(SystemExit, match="hc='fast'; expected one of lastcta, poll"):
+        check_arms("path=device+hc=fast")
