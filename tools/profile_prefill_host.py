@@ -1,0 +1,54 @@
+"""Where the host time of a GPU prefill goes (cProfile of one warm forward).
+
+    python3 tools/profile_prefill_host.py --tokens 8192 --devices 0,1 [--top 40]
+
+The 8K prefill of synthetic Flash spends GPU-idle time between phases (bench.prefill at 6089d42:
+the attention phases' brackets sum to ~60 % of the attention time): the host enqueues slower
+than the GPUs run.  This loads the model, runs one warm-up forward, then one forward under
+cProfile, and prints the functions by own time and by cumulative time, plus the wall time of
+the profiled forward (cProfile itself adds overhead: read the shares, not the absolute times).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="synthetic:flash")
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args(argv)
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    devices = tuple(int(d) for d in a.devices.split(","))
+    m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=devices, seed=0)
+    ids = np.random.default_rng(0).integers(0, m.config.vocab_size, a.tokens)
+    t0 = time.perf_counter()
+    m.forward(ids)
+    print(f"warm-up forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    t0 = time.perf_counter()
+    m.forward(ids)
+    print(f"plain forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    m.forward(ids)
+    prof.disable()
+    print(f"profiled forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(a.top)
+        print(f"==== by {key}")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:12000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
