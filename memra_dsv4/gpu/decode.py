@@ -184,8 +184,10 @@ class ChunkBlock:
             kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
         h0 = max(0, p0 - W)
         hist = G.to_f32(cache.ring[cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)])
-        win = hidx.window_matrix(S, W, start=p0)
-        win = np.where(win >= 0, win - h0, -1).astype(np.int32)
+        def window_rows():   # window positions as rows of hist ++ kv (the chunk's layers share it)
+            w = hidx.window_matrix(S, W, start=p0)
+            return cp.asarray(np.where(w >= 0, w - h0, -1).astype(np.int32))
+        win = b.m.chunk_memo(("window", S, W, p0), window_rows)
         rows = [hist, kv]
         offset = hist.shape[0] + S
         comp_sel = new_ent = new_keys = az = idx_az = None
@@ -195,7 +197,8 @@ class ChunkBlock:
                     comp_sel, new_keys, idx_az = self.indexer(x, qr, cos, sin, ridx, cache, p0,
                                                               pos, cap)
             else:
-                comp_sel = cp.asarray(hidx.hca_matrix(S, self.ratio, start=p0))
+                comp_sel = b.m.chunk_memo(("hca", S, self.ratio, p0),
+                                          lambda: cp.asarray(hidx.hca_matrix(S, self.ratio, start=p0)))
             with phase(f"{self.ph}/attn/compressor"):
                 new_ent, ca, cz = self.compress_chunk(x, cache.comp_state, p0, indexer=False)
             az = (ca, cz)
@@ -203,7 +206,7 @@ class ChunkBlock:
             rows.append(new_ent)
             if cap is not None:   # every entry visible to the chunk (cached ++ new)
                 cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
-        cand = G.candidates(cp.asarray(win), comp_sel, offset)
+        cand = G.candidates(win, comp_sel, offset)
         with phase(f"{self.ph}/attn/sparse_attention"):
             # long chunks: the tensor-core kernel (another fixed f32 dot order, same bf16-class
             # bound); short ones (verify drafts) keep the SIMT kernel of the device step
@@ -330,6 +333,7 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     top = {} if capture else None
     streams = logits_h = out_state = None
     model.boundary_paths = []
+    model.clear_chunk_memo()
     for si, st in enumerate(model.stages):
         dev = model.devs[st.device]
         sp = f"{ph}/stage{si}"

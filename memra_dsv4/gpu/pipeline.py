@@ -93,6 +93,7 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
     errors: list[BaseException] = []
     paths: list[str] = []
     model.boundary_paths = paths
+    model.clear_chunk_memo()   # keys carry the positions: the chunks' tables coexist
 
     def stage_thread(si: int) -> None:
         st = model.stages[si]
