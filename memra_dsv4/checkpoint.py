@@ -25,6 +25,8 @@ Contract
   in dtype and shape to what is stored), `raw(name)` (read-only NumPy view of the stored bytes in the storage dtype: BF16 as
   uint16, F8_* and U8 as uint8, I8 as int8, shape as stored), `dequant(name)` (exact float32;
   int64 for I64; bf16/f32 NaN or inf refused), `expert_kind(layer)` / `expert_kinds`,
+  `dequant(name, np.float64)` (the same values as float64), `dequant_rows(name, rows)` (BF16/F32
+  rows only: the embedding lookup without decoding the table),
   `layer_bytes(unit)`, `group_bytes(unit)`, `total_bytes()`, `location(name)` (shard path and
   absolute byte range, for direct-to-device readers).  Decoder refusals (e8m0 0xFF, e4m3 NaN
   codes, weight_scale_2 <= 0) raise `CheckpointError` naming the file and tensor.
@@ -543,17 +545,42 @@ class Checkpoint:
                                   f"now has {m.size} bytes (changed since open)")
         return m[t.begin:t.end].view(dtype).reshape(spec.shape)
 
-    def dequant(self, name: str) -> np.ndarray:
-        """Exact float32 values of a tensor (int64 for I64); decoder refusals name the tensor."""
+    def dequant(self, name: str, dtype=np.float32) -> np.ndarray:
+        """Exact float32 values of a tensor (int64 for I64); decoder refusals name the tensor.
+        ``dtype=np.float64``: the same values as float64 (FP4 experts are then decoded straight
+        to float64, without the float32 intermediate; every other kind is widened)."""
         spec = self.spec(name)
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise CheckpointError(f"dequant {name}: dtype must be float32 or float64, got {dtype}")
+        wide = np.dtype(dtype) == np.float64
         try:
-            return self._dequant(spec)
+            if wide and spec.kind in ("mxfp4", "nvfp4"):
+                return self._dequant(spec, wide=True)
+            w = self._dequant(spec)
+            return w.astype(np.float64) if wide and w.dtype == np.float32 else w
         except FormatError as e:
             where = self._stored[name].file or self.source
             raise CheckpointError(f"{where}: {e}") from e
 
-    def _dequant(self, spec: TensorSpec) -> np.ndarray:
+    def dequant_rows(self, name: str, rows) -> np.ndarray:
+        """``dequant(name)[rows]`` for a BF16 / F32 tensor (embedding, head), decoding only the
+        selected rows (``rows``: a slice or an integer index array along axis 0).  The values are
+        the same; the non-finite refusal covers only those rows."""
+        spec = self.spec(name)
+        if spec.kind not in ("bf16", "f32"):
+            raise CheckpointError(f"dequant_rows {name}: only BF16 / F32 tensors, not {spec.kind}")
+        part = self.raw(name)[rows]
+        try:
+            if spec.kind == "bf16":
+                return _finite(decode_bf16(np.ascontiguousarray(part), name), name)
+            return _finite(np.array(part, dtype=np.float32), name)
+        except FormatError as e:
+            where = self._stored[name].file or self.source
+            raise CheckpointError(f"{where}: {e}") from e
+
+    def _dequant(self, spec: TensorSpec, wide: bool = False) -> np.ndarray:
         name, kind, raw = spec.name, spec.kind, self.raw(spec.name)
+        out = np.float64 if wide else np.float32
         if kind == "bf16":
             return _finite(decode_bf16(raw, name), name)
         if kind == "f32":
@@ -574,10 +601,10 @@ class Checkpoint:
         if kind == "fp8":
             return dequant_fp8_block(raw, self.raw(f"{stem}.scale"), name, QUANT_BLOCK)
         if kind == "mxfp4":
-            return dequant_mxfp4(raw, self.raw(f"{stem}.scale"), name)
+            return dequant_mxfp4(raw, self.raw(f"{stem}.scale"), name, out)
         if kind == "nvfp4":
             return dequant_nvfp4(raw, self.raw(f"{stem}.weight_scale"),
-                                 np.float32(self.raw(f"{stem}.weight_scale_2")), name)
+                                 np.float32(self.raw(f"{stem}.weight_scale_2")), name, out)
         raise CheckpointError(f"{name}: no decoder for tensor kind {kind!r}")
 
     # -------------------------------------------------------------- lifetime

@@ -12,7 +12,9 @@ API
     experts (current official revision and transformers; True) or not (initial revision).
     ``cache_weights``: keep dequantised weights (float32; float64 for exact) between calls
     (True).  With Flash dimensions one layer's 256 experts are ~25 GB in float32; pass False
-    to dequantise on every use instead.
+    to dequantise on every use instead: then only the looked-up embedding rows are decoded,
+    the head slice by slice, and a ``Checkpoint``'s routed experts straight to float64 (the
+    same values; results are bit-identical to the cached mode, tests/test_oracle_fastpaths.py).
 
 ``Oracle.prefill(token_ids, all_logits=False, capture=False) -> ForwardOut``
     One sequence from position 0: the chunk routine of ``memra_dsv4.oracle.decode``
@@ -81,6 +83,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memra_dsv4.checkpoint import Checkpoint
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.host.rope import layer_cos_sin
@@ -92,6 +95,10 @@ from memra_dsv4.oracle.state import CompressorState, LayerCache
 from memra_dsv4.seams import NumericsPolicy, policy
 
 __all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
+
+# The lm head runs over vocab slices of about this many weight elements (16M: 64 MB float32,
+# 128 MB float64 per slice).
+HEAD_CHUNK_ELEMS = 1 << 24
 
 
 @dataclass
@@ -162,6 +169,10 @@ class _Layer:
 
     def w(self, leaf: str) -> np.ndarray:
         return self.o.weight(f"{self.p}.{leaf}")
+
+    def gw(self, leaf: str) -> np.ndarray:
+        """A weight used only as a GEMM operand (``Oracle.gemm_weight``)."""
+        return self.o.gemm_weight(f"{self.p}.{leaf}")
 
     def rope(self, positions) -> tuple[np.ndarray, np.ndarray]:
         return layer_cos_sin(self.cfg, self.lid, positions, self.pol.dtype)
@@ -272,8 +283,8 @@ class _Layer:
             rows, picks = np.nonzero(idx == e)
             ep = f"ffn.experts.{int(e)}"
             routed[rows, picks] = ops.expert_ffn(
-                x[rows], self.w(f"{ep}.w1.weight"), self.w(f"{ep}.w2.weight"),
-                self.w(f"{ep}.w3.weight"), limit=cfg.swiglu_limit, weight=wts[rows, picks],
+                x[rows], self.gw(f"{ep}.w1.weight"), self.gw(f"{ep}.w2.weight"),
+                self.gw(f"{ep}.w3.weight"), limit=cfg.swiglu_limit, weight=wts[rows, picks],
                 kind="fp4", pol=pol)
         shared = ops.expert_ffn(
             x, self.w("ffn.shared_experts.w1.weight"), self.w("ffn.shared_experts.w2.weight"),
@@ -325,6 +336,17 @@ class Oracle(DecodeMixin):
                 self._w[name] = w
         return w
 
+    def gemm_weight(self, name: str) -> np.ndarray:
+        """``weight(name)`` for a tensor used only as a GEMM operand (``seams.mm`` widens it to
+        float64 anyway): without the weight cache (``cache_weights=False``) a ``Checkpoint``
+        decodes it straight to float64, the same values without the float32 intermediate
+        (the routed experts of Flash: ~2x faster).  Otherwise ``weight(name)``."""
+        if self.cache_weights or name in self._w or not isinstance(self.ckpt, Checkpoint):
+            return self.weight(name)
+        w = self.ckpt.dequant(name, np.float64)
+        w.setflags(write=False)
+        return w
+
     def tid2eid(self, prefix: str) -> np.ndarray:
         name = f"{prefix}.ffn.gate.tid2eid"
         w = self._w.get(name)
@@ -334,7 +356,37 @@ class Oracle(DecodeMixin):
         return w
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
-        return self.weight("embed.weight")[ids]
+        name = "embed.weight"
+        if self.cache_weights or name in self._w or not hasattr(self.ckpt, "dequant_rows"):
+            return self.weight(name)[ids]
+        # no weight cache: decode only the looked-up rows (the same values)
+        return self.pol.arr(self.ckpt.dequant_rows(name, np.asarray(ids)))
+
+    def _lm_head(self, y: np.ndarray) -> np.ndarray:
+        """``ops.lm_head(y, weight("head.weight"))``, over vocab slices of ~HEAD_CHUNK_ELEMS
+        weight elements (a multiple of 64 rows) when the head is larger than that: without the
+        [vocab, dim] float64 copy of the whole head (Flash: 4 GB, 5x slower).  Each logit is
+        the same float64 dot product of one weight row: a single-threaded BLAS computes an
+        element of a large product in the same order whatever the number of rows in the call
+        (tests/test_oracle_fastpaths.py; small products, M*N*K <= 64^3 here, take another
+        kernel, which slices this large never do).  Without the weight cache the rows are
+        decoded slice by slice too."""
+        name = "head.weight"
+        V, D = self.config.vocab_size, self.config.hidden_size
+        step = max(64, HEAD_CHUNK_ELEMS // max(1, D) // 64 * 64)
+        cached = self.cache_weights or name in self._w or not hasattr(self.ckpt, "dequant_rows")
+        full = self.weight(name) if cached else None
+        out = None
+        for r0 in range(0, V, step):
+            r1 = min(V, r0 + step)
+            w = full[r0:r1] if cached else self.pol.arr(self.ckpt.dequant_rows(name, slice(r0, r1)))
+            part = ops.lm_head(y, w, pol=self.pol)
+            if out is None:
+                if r1 == V:
+                    return part
+                out = np.empty((*part.shape[:-1], V), dtype=part.dtype)
+            out[..., r0:r1] = part
+        return out
 
     def _head(self, streams, prefix: str, rows):
         """hc_head -> final norm -> fp32 logits for ``rows`` of streams [S, hc, dim]."""
@@ -343,7 +395,7 @@ class Oracle(DecodeMixin):
                         self.weight(f"{prefix}hc_head_scale"), self.weight(f"{prefix}hc_head_base"),
                         hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, pol=pol)
         yn = ops.rmsnorm(y, self.weight(f"{prefix}norm.weight"), cfg.rms_norm_eps, pol=pol)
-        return y, yn, ops.lm_head(yn[rows], self.weight("head.weight"), pol=pol)
+        return y, yn, self._lm_head(yn[rows])
 
     def _mtp_input(self, layer: _Layer, h, ids):
         """The MTP block's input streams: h0 = store(h_proj(hnorm(h)) + e_proj(enorm(embed)))
