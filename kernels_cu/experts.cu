@@ -768,8 +768,12 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
 // K % 128 == 0, K <= 4096, with the row dots on the tensor cores (mma.sync m16n8k16, f16 x f16
 // -> f32). NOT bit-identical to the CUDA-core kernels (different f32 summation order and the
 // tensor core's internal sums); bf16 class, bound in tests/gpu/test_kernels_experts.py.
+// MEASURED (H200, 715d477, tools/bench_gemv.py --only-fp4 --fp4-mma): NOT faster than the _k*
+// kernels (gate/up 31.0 vs 28.0 us, down 18.0 vs 18.3 us for 6 experts; PLACE=1 / DEPTH=4 no
+// better), so the issue-rate argument below was not the limit: both forms stop at ~40-45 % of
+// copy bandwidth. Kept opt-in as the measured alternative.
 //
-// WHY: gemv_mxfp4_gateup_k4's loop issues 5.2 instructions per weight and lane (nvdisasm: 2659
+// WHY (the hypothesis it was written for): gemv_mxfp4_gateup_k4's loop issues 5.2 instructions per weight and lane (nvdisasm: 2659
 // per 512; an FFMA per weight, the decode, LDS of the table and of x), 1.9 of them on the ALU pipe
 // (LOP3 / PRMT / SHF, half rate), and runs at ~2x the HBM floor. Here a lane decodes 8 weights into
 // four f16x2 with 11 ALU + 4 IMAD (shifts) and ONE mma takes them: 3.05 instructions per weight
