@@ -8,7 +8,11 @@ several kernels that return the same bits (decode.cu THE ORDER) and differ in sp
 register kernels ``r{R}t{T}`` (plain; R rows per warp, T trips of loads at once), ``r{R}``
 (multi), ``p{P}`` (swiglu), and the TMA bulk-copy streaming kernels ``bulk_r{R}s{S}`` /
 ``bulk_p{P}s{S}`` (a persistent grid, an S-stage shared-memory ring per warp; K % 16 == 0 and,
-for FP8 rows, K <= 8192).  Which one a launch uses:
+for FP8 rows, K <= 8192).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
+--variants``, L2 flushed): every variant bit-identical to the default; the bulk kernels slower
+on every shape (wq_b bf16 24.3 vs 19.9 us, fp8 19.4 vs 13.4 us), the register variants 0.5-2 us
+faster on the small shapes only, and no change of the whole step (8.49 vs 8.50 ms), so the
+defaults stay.  Which one a launch uses:
 
 * an explicit ``variant=`` argument (asserted eligible), else
 * ``MEMRA_DSV4_GEMV_VARIANT`` (bench / A-B runs only; read at every call): comma-separated
