@@ -345,7 +345,132 @@ static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CT
 // barrier of warps 4..7 (threads 128..255) of the CTA; barrier 0 is __syncthreads
 DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-DEV uint4 ldcg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
+// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
+DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                       const float* comb_in, u16* out, const float* __restrict__ fn,
+                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
+    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
+        wa[q] = __ldg(wp);
+        wb[q] = __ldg(wp + 1);
+    }
+    {
+        const int nlines = (2 * D + 127) / 128;
+        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
+            prefetch_l2(norm_w + 64 * li);
+    }
+    float xf[8];
+    if (f != nullptr) {
+        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
+        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
+        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
+        const int e = sg * MIX_SEG + threadIdx.x;
+        const int j = e / D, d = e - j * D;
+        // every load before any arithmetic (weak loads of post_in / comb_in: the launch's writer
+        // of them - hc_boundary's last CTA - writes only after every CTA has passed its fence)
+        const u32 fb = __ldg(f + d);
+        u32 rb[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
+        const double pj = post_in[j];
+        double cj[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
+        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
+#pragma unroll
+        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
+        const u16 h = (u16)f64_to_bf16(acc);
+        seg_s[threadIdx.x] = h;
+        out[e] = h;
+        __syncthreads();  // also orders every thread's store to out before the release below
+        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
+    } else {
+        unpack8(ldg16(R + e0), xf);
+    }
+    double v[4] = {0.0, 0.0, 0.0, 0.0};  // rows 3w, 3w+1, 3w+2, then the sum of squares
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const double d = xf[i];
+        v[3] = __fma_rn(d, d, v[3]);
+    }
+#pragma unroll
+    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
+        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
+    }
+    // reduce_scatter32's tree on 4 values: pair lanes by bit 4, 3, 2 (xor), then 1, 0 (scatter)
+#pragma unroll
+    for (int o = 16; o >= 4; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v[k] = __dadd_rn(v[k], __shfl_xor_sync(0xffffffffu, v[k], o));
+    rs_stage<2>(v, lane);
+    rs_stage<1>(v, lane);  // lane l now holds value l & 3
+    return v[0];
+}
+
+// The last CTA's x = bf16(sum_i pre_i S_i) and rmsnorm_row<u16> (xn) by warps 4..7 over thread
+// vt's chunks (a thread reads only the chunks its own cp.async brought: the caller waited for
+// them). S [4][D] in shared memory, row 0 overwritten by x; wst [D] the norm weight; red [4]
+// shared doubles; pre: the 4 pre weights (shared memory or registers). One code for both kernels'
+// x / xn bytes.
+template <typename Pre>
+DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16* xn_out, double* red,
+                       int D, double norm_eps) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int vt = threadIdx.x - 128, nc = D >> 3;
+    double ss = 0.0;
+    for (int c = vt; c < nc; c += 128) {
+        double acc[8];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            float xi[8];
+            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
+            const double p = pre[i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const double prod = __dmul_rn(p, (double)xi[e]);
+                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
+            }
+        }
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            h[e] = f64_to_bf16(acc[e]);
+            const double xv = bf16_to_f32(h[e]);
+            ss = __fma_rn(xv, xv, ss);
+        }
+        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                   h[6] | (h[7] << 16));
+        stg16(x_out + 8 * c, o);
+        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
+    }
+    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
+    if (lane == 0) red[wid - 4] = ss;
+    bar_upper_half();
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    for (int c = vt; c < nc; c += 128) {
+        float xv[8], wv[8];
+        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
+        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                         h[6] | (h[7] << 16)));
+    }
+}
 }  // namespace
 
 // f [D] bf16 or null; R [4, D] bf16; post_in [4], comb_in [4, 4] f32 (read only when f != null);
@@ -371,68 +496,10 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int n = HC * D, nseg = n / MIX_SEG;
     const int sg = blockIdx.x;
-    const int e0 = sg * MIX_SEG + 8 * lane;
-    // ---- phase A. The fn rows (the HBM stream) are requested first.
-    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
-#pragma unroll
-    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
-        const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
-        wa[q] = __ldg(wp);
-        wb[q] = __ldg(wp + 1);
-    }
-    {
-        const int nlines = (2 * D + 127) / 128;
-        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
-            prefetch_l2(norm_w + 64 * li);
-    }
-    float xf[8];
-    if (f != nullptr) {
-        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
-        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
-        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
-        const int e = sg * MIX_SEG + threadIdx.x;
-        const int j = e / D, d = e - j * D;
-        // every load before any arithmetic (weak loads of post_in / comb_in: this launch's last
-        // CTA overwrites them only after every CTA has passed its fence)
-        const u32 fb = __ldg(f + d);
-        u32 rb[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
-        const double pj = post_in[j];
-        double cj[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
-        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
-#pragma unroll
-        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
-        const u16 h = (u16)f64_to_bf16(acc);
-        seg_s[threadIdx.x] = h;
-        out[e] = h;
-        __syncthreads();
-        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
-    } else {
-        unpack8(ldg16(R + e0), xf);
-    }
-    double v[4] = {0.0, 0.0, 0.0, 0.0};  // rows 3w, 3w+1, 3w+2, then the sum of squares
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const double d = xf[i];
-        v[3] = __fma_rn(d, d, v[3]);
-    }
-#pragma unroll
-    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
-        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
-    }
-    // reduce_scatter32's tree on 4 values: pair lanes by bit 4, 3, 2 (xor), then 1, 0 (scatter)
-#pragma unroll
-    for (int o = 16; o >= 4; o >>= 1)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[k] = __dadd_rn(v[k], __shfl_xor_sync(0xffffffffu, v[k], o));
-    rs_stage<2>(v, lane);
-    rs_stage<1>(v, lane);  // lane l now holds value l & 3
-    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = v[0];  // slot 4w + 3: the same squares in every warp
+    // ---- phase A (the fn rows, the HBM stream, are requested first; hc_post once per element
+    // when f is given: thread t makes element 256 sg + t and shares the segment in seg_s)
+    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
+    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;  // slot 4w + 3: the same squares in every warp
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
@@ -489,49 +556,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
     if (vt < HC) pre_s[vt] = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
     cp_async_wait<0>();
     bar_upper_half();
-    double ss = 0.0;
-    for (int c = vt; c < nc; c += 128) {
-        double acc[8];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float xi[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
-            const double p = pre_s[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double prod = __dmul_rn(p, (double)xi[e]);
-                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
-            }
-        }
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            h[e] = f64_to_bf16(acc[e]);
-            const double xv = bf16_to_f32(h[e]);
-            ss = __fma_rn(xv, xv, ss);
-        }
-        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                   h[6] | (h[7] << 16));
-        stg16(x_out + 8 * c, o);
-        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
-    }
-    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
-    if (lane == 0) red[wid - 4] = ss;
-    bar_upper_half();
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
-    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
-    for (int c = vt; c < nc; c += 128) {
-        float xv[8], wv[8];
-        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
-        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
-        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                         h[6] | (h[7] << 16)));
-    }
+    bnd_wsum_norm(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
 }
 
 // ------------------------------------------------------------------------- hc_boundary_poll
@@ -539,7 +564,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
 // output (mixes, pre, post, comb, out, x, xn), each value by the same f32 / f64 expression in the
 // same order as hc_boundary (and so as the unfused chain).
 //
-// Phase A: hc_boundary's, unchanged (bnd_phase_a below is a copy of its code). The handoff is a
+// Phase A: hc_boundary's own (bnd_phase_a). The handoff is a
 //   self-validating slot per value instead of fence + ticket + a second L2 read: lane k < 4 of warp
 //   w of CTA sg publishes its value in slot sg*32 + 4w + k (the layout of hc_boundary's ws) as
 //   bits ^ BND_KEY (never 0: BND_KEY is a NaN payload the double sums cannot produce; a value with
@@ -628,70 +653,6 @@ DEV float sinkhorn_full_warp(float m, float s2, float b, int iters, float hc_eps
     return L;
 }
 
-// hc_boundary's phase A for CTA sg (a copy of its code): writes out (f given), returns lane l < 4
-// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
-DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
-                       const float* comb_in, u16* out, const float* __restrict__ fn,
-                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int n = HC * D;
-    const int sg = blockIdx.x;
-    const int e0 = sg * MIX_SEG + 8 * lane;
-    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
-#pragma unroll
-    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
-        const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
-        wa[q] = __ldg(wp);
-        wb[q] = __ldg(wp + 1);
-    }
-    {
-        const int nlines = (2 * D + 127) / 128;
-        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
-            prefetch_l2(norm_w + 64 * li);
-    }
-    float xf[8];
-    if (f != nullptr) {
-        const int e = sg * MIX_SEG + threadIdx.x;
-        const int j = e / D, d = e - j * D;
-        const u32 fb = __ldg(f + d);
-        u32 rb[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
-        const double pj = post_in[j];
-        double cj[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
-        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
-#pragma unroll
-        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
-        const u16 h = (u16)f64_to_bf16(acc);
-        seg_s[threadIdx.x] = h;
-        out[e] = h;
-        __syncthreads();  // also orders every thread's store to out before the release below
-        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
-    } else {
-        unpack8(ldg16(R + e0), xf);
-    }
-    double v[4] = {0.0, 0.0, 0.0, 0.0};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const double d = xf[i];
-        v[3] = __fma_rn(d, d, v[3]);
-    }
-#pragma unroll
-    for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
-        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
-    }
-#pragma unroll
-    for (int o = 16; o >= 4; o >>= 1)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) v[k] = __dadd_rn(v[k], __shfl_xor_sync(0xffffffffu, v[k], o));
-    rs_stage<2>(v, lane);
-    rs_stage<1>(v, lane);
-    return v[0];
-}
 }  // namespace
 
 // hc_boundary's arguments with slots (u64 [128 * 32], zero, left zero) in place of ws / counter.
@@ -794,47 +755,5 @@ hc_boundary_poll(const u16* __restrict__ f, const u16* __restrict__ R, const flo
 #pragma unroll
     for (int i = 0; i < HC; ++i) pre_r[i] = __shfl_sync(0xffffffffu, pl, i);
     cp_async_wait<0>();  // thread vt reads only the chunks its own cp.async brought
-    double ss = 0.0;
-    for (int c = vt; c < nc; c += 128) {
-        double acc[8];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float xi[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
-            const double p = pre_r[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double prod = __dmul_rn(p, (double)xi[e]);
-                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
-            }
-        }
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            h[e] = f64_to_bf16(acc[e]);
-            const double xv = bf16_to_f32(h[e]);
-            ss = __fma_rn(xv, xv, ss);
-        }
-        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                   h[6] | (h[7] << 16));
-        stg16(x_out + 8 * c, o);
-        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
-    }
-    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
-    if (lane == 0) red[wid - 4] = ss;
-    bar_upper_half();
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
-    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
-    for (int c = vt; c < nc; c += 128) {
-        float xv[8], wv[8];
-        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
-        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
-        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                         h[6] | (h[7] << 16)));
-    }
+    bnd_wsum_norm(pre_r, sst, wst, x_out, xn_out, red, D, norm_eps);
 }
