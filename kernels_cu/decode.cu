@@ -340,6 +340,26 @@ struct GemvSeg {
 };
 
 namespace {
+// Rows r0 .. r0 + R - 1 (< n) of segment g: f32 (+ ape of the ring slot) into the pending ring row
+// pos % ring_r of a ring segment, else the plain output (bf16 or f32).  The register and the bulk
+// multi kernels' one epilogue.
+template <int R>
+DEV void store_seg_rows(const GemvSeg& g, int n, int r0, const int* __restrict__ pos, const float* v) {
+    const int slot = g.ring_r > 0 ? pos[0] % g.ring_r : 0;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+        const int r = r0 + j;
+        if (r >= n) break;
+        if (g.ring_r > 0) {
+            float a = v[j];
+            if (g.ape != nullptr) a = __fadd_rn(a, __ldg(g.ape + (i64)slot * n + r));
+            reinterpret_cast<float*>(g.y)[(i64)(slot + g.ring_off) * n + r] = a;
+        } else {
+            store_out(g.y, r, v[j], g.out_bf16);
+        }
+    }
+}
+
 template <int R, int T8>
 DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x,
                          int K, const int* __restrict__ pos) {
@@ -367,19 +387,7 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
         warp_rows_dot<false, R, 1>(wr, sr, x, K, lane, acc);
     }
     if (lane != 0) return;
-    const int slot = g.ring_r > 0 ? pos[0] % g.ring_r : 0;
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-        const int r = r0 + j;
-        if (r >= n) break;
-        if (g.ring_r > 0) {
-            float v = acc[j];
-            if (g.ape != nullptr) v = __fadd_rn(v, __ldg(g.ape + (i64)slot * n + r));
-            reinterpret_cast<float*>(g.y)[(i64)(slot + g.ring_off) * n + r] = v;
-        } else {
-            store_out(g.y, r, acc[j], g.out_bf16);
-        }
-    }
+    store_seg_rows<R>(g, n, r0, pos, acc);
 }
 
 // The shared expert's first half for outputs [w P, w P + P): rows of W1 and of W3 in one
@@ -717,20 +725,7 @@ struct GbMulti {
     DEV void store(int g, const float* v) const {
         int hint = 0;
         const GemvSeg& sg = segs[seg_of(g, hint)];
-        const int n = (&sg)[1].row0 - sg.row0, r0 = (g - sg.warp0) * R;
-        const int slot = sg.ring_r > 0 ? pos[0] % sg.ring_r : 0;
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-            const int r = r0 + j;
-            if (r >= n) break;
-            if (sg.ring_r > 0) {
-                float a = v[j];
-                if (sg.ape != nullptr) a = __fadd_rn(a, __ldg(sg.ape + (i64)slot * n + r));
-                reinterpret_cast<float*>(sg.y)[(i64)(slot + sg.ring_off) * n + r] = a;
-            } else {
-                store_out(sg.y, r, v[j], sg.out_bf16);
-            }
-        }
+        store_seg_rows<R>(sg, (&sg)[1].row0 - sg.row0, (g - sg.warp0) * R, pos, v);
     }
 };
 template <int R>
