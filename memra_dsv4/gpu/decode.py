@@ -315,6 +315,54 @@ def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     return run_chunk(model, state, ids, all_logits=all_logits, ph=ph).logits
 
 
+def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str, head: bool,
+              all_logits: bool = False, caps=None, top=None, journal=None):
+    """Stage ``si``'s part of a chunk at positions p0..: the embedding (first stage), its layers,
+    and - when ``head`` and the stage has it - the head, on the stage's device and compute stream,
+    bracketed ``{ph}/stage{si}/...``.  ``streams``: the stage's input (already on its device;
+    None for the first stage).  Returns (streams, logits NumPy or None, hc state of the last row
+    or None).  ``caps`` (list) / ``top`` (dict) collect captures; ``journal`` as run_chunk.  The
+    one per-stage body of run_chunk and of gpu.pipeline.run_chunk_pipelined."""
+    cp = _cp()
+    from memra_dsv4.gpu.model import _f32
+    cfg = model.config
+    st = model.stages[si]
+    dev = model.devs[st.device]
+    sp = f"{ph}/stage{si}"
+    capture = caps is not None
+    logits_h = out_state = None
+    S = ids.shape[0]
+    with cp.cuda.Device(st.device), dev.compute:
+        with phase(sp):
+            ids_d = cp.asarray(ids)
+            if st.has_embed:
+                with phase(f"{sp}/embed"):
+                    e = _f32(st["embed.weight"][ids_d])
+                    streams = cp.ascontiguousarray(
+                        cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                    if capture:
+                        top["embed"] = cp.asnumpy(e)
+            for layer in st.layers:
+                c = {} if capture else None
+                with phase(f"{sp}/block"):
+                    streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
+                        streams, ids_d, state.cache(layer), p0, c,
+                        None if journal is None else journal.layer(layer))
+                if capture:
+                    caps.append({k: cp.asnumpy(v) for k, v in c.items()})
+            if st.has_head and head:
+                with phase(f"{sp}/head"):
+                    # hc_head and the norm are per row: without all_logits or captures
+                    # only the last row is needed (same bits for it)
+                    rows = streams if (all_logits or capture) else streams[-1:]
+                    logits, y, yn = model._head(st, rows, all_rows=all_logits)
+                logits_h = cp.asnumpy(logits)
+                out_state = cp.asnumpy(streams[-1])
+                if capture:
+                    top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
+    return streams, logits_h, out_state
+
+
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
               capture: bool = False, ph: str = "decode", journal=None):
     """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
@@ -323,10 +371,7 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     [hc, dim] of the last position, and with ``capture`` the oracle's capture names per block
     (NumPy) plus captures_top embed / hc_head / final_norm.  ``journal`` (gpu.verify.Journal):
     each block records what a rollback of this chunk needs before it writes its caches."""
-    cp = _cp()
-    from memra_dsv4.gpu.model import _f32
     from memra_dsv4.oracle.model import ForwardOut
-    cfg = model.config
     p0 = state.pos
     S = ids.shape[0]
     caps = [] if capture else None
@@ -335,36 +380,10 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     model.boundary_paths = []
     model.clear_chunk_memo()
     for si, st in enumerate(model.stages):
-        dev = model.devs[st.device]
-        sp = f"{ph}/stage{si}"
-        with cp.cuda.Device(st.device), dev.compute:
-            with phase(sp):
-                ids_d = cp.asarray(ids)
-                if st.has_embed:
-                    with phase(f"{sp}/embed"):
-                        e = _f32(st["embed.weight"][ids_d])
-                        streams = cp.ascontiguousarray(
-                            cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
-                        if capture:
-                            top["embed"] = cp.asnumpy(e)
-                for layer in st.layers:
-                    c = {} if capture else None
-                    with phase(f"{sp}/block"):
-                        streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
-                            streams, ids_d, state.cache(layer), p0, c,
-                            None if journal is None else journal.layer(layer))
-                    if capture:
-                        caps.append({k: cp.asnumpy(v) for k, v in c.items()})
-                if st.has_head:
-                    with phase(f"{sp}/head"):
-                        # hc_head and the norm are per row: without all_logits or captures
-                        # only the last row is needed (same bits for it)
-                        rows = streams if (all_logits or capture) else streams[-1:]
-                        logits, y, yn = model._head(st, rows, all_rows=all_logits)
-                    logits_h = cp.asnumpy(logits)
-                    out_state = cp.asnumpy(streams[-1])
-                    if capture:
-                        top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
+        streams, lg, hs = run_stage(model, si, state, ids, p0, streams, ph=ph, head=True,
+                                    all_logits=all_logits, caps=caps, top=top, journal=journal)
+        if st.has_head:
+            logits_h, out_state = lg, hs
         if si + 1 < len(model.stages):
             streams = model._boundary(streams, si, ph)
     for d in model.devs:

@@ -11,8 +11,9 @@ Contract
     (the MoE's one id readback per layer) and smaller GEMMs.
 ``run_chunk_pipelined(model, state, ids, chunks, all_logits=False, ph="prefill") -> ForwardOut``
     The same result, BIT FOR BIT, as running the chunks one after another through the chunk
-    routine (``run_chunk`` of chunk 0, then of chunk 1, ... on the same state): each stage's
-    layers see the same inputs, positions and caches in the same order, on the same stream.
+    routine (``run_chunk`` of chunk 0, then of chunk 1, ... on the same state): each stage runs
+    the chunk routine's own per-stage body (``decode.run_stage``) on the same inputs, positions
+    and caches in the same order, on the same stream.
     Only the schedule differs: one host thread per stage, so stage s runs chunk j while stage
     s + 1 runs chunk j - 1.  It is NOT bit-equal to one whole-prompt chunk (the GEMMs have
     another M, the attention another candidate tiling): bf16 class, as decode vs re-prefill.
@@ -77,11 +78,9 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
                         all_logits: bool = False, ph: str = "prefill"):
     import cupy as cp
     from memra_dsv4.gpu import runtime
-    from memra_dsv4.gpu.decode import ChunkBlock
-    from memra_dsv4.gpu.model import _f32
+    from memra_dsv4.gpu.decode import run_stage
     from memra_dsv4.oracle.model import ForwardOut
 
-    cfg = model.config
     n_st = len(model.stages)
     assert n_st >= 2 and sum(chunks) == ids.shape[0], (n_st, chunks, ids.shape)
     p0 = state.pos
@@ -98,14 +97,12 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
     def stage_thread(si: int) -> None:
         st = model.stages[si]
         dev = model.devs[st.device]
-        sp = f"{ph}/stage{si}"
         try:
             with cp.cuda.Device(st.device), dev.compute:
                 for j in range(len(chunks)):
                     if errors:
                         raise _Stop()
                     a, b = int(offs[j]), int(offs[j + 1])
-                    S = b - a
                     streams = None
                     if si > 0:
                         item = inbox[si].get()
@@ -116,24 +113,13 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
                             dev.compute.wait_event(ready)
                             streams = cp.empty(src.shape, dtype=src.dtype)
                             paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
-                    with phase(sp):
-                        ids_d = cp.asarray(ids[a:b])
-                        if st.has_embed:
-                            with phase(f"{sp}/embed"):
-                                e = _f32(st["embed.weight"][ids_d])
-                                streams = cp.ascontiguousarray(
-                                    cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
-                        for layer in st.layers:
-                            with phase(f"{sp}/block"):
-                                streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
-                                    streams, ids_d, state.cache(layer), p0 + a, None, None)
-                        if st.has_head and (all_logits or j == last):
-                            with phase(f"{sp}/head"):
-                                rows = streams if all_logits else streams[-1:]
-                                logits, _, _ = model._head(st, rows, all_rows=all_logits)
-                            out["logits"].append(cp.asnumpy(logits))
-                            if j == last:
-                                out["hc_state"] = cp.asnumpy(streams[-1])
+                    head = all_logits or j == last
+                    streams, logits, hc_state = run_stage(model, si, state, ids[a:b], p0 + a, streams,
+                                                          ph=ph, head=head, all_logits=all_logits)
+                    if st.has_head and head:
+                        out["logits"].append(logits)
+                        if j == last:
+                            out["hc_state"] = hc_state
                     if si + 1 < n_st:
                         ready = cp.cuda.Event(disable_timing=True)
                         ready.record(dev.compute)
