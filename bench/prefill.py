@@ -42,21 +42,26 @@ def bf16_peak_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
 
 
 def parse_arms(spec: str) -> list[tuple[str, dict]]:
-    """'moe=fp4mma+pipeline=on,moe=blaslt' -> [(label, settings)]; empty -> [("", {})].
-    Unknown keys or values are refused before anything loads."""
-    known = {"moe": ("fp4mma", "blaslt"), "pipeline": ("off", "on"), "attn": ("mma", "simt")}
-    out = []
-    for part in [p for p in spec.split(",") if p.strip()]:
-        s = {}
-        for kv in part.split("+"):
-            k, _, v = kv.strip().partition("=")
+    """'moe=fp4mma+pipeline=on,moe=blaslt' -> [(label, settings)] (bench.harness.parse_arms and
+    arm_label); empty -> [("", {})].  Unknown keys or values are refused before anything loads:
+    each key takes the values of its seam."""
+    from bench.harness import arm_label, parse_arms as parse
+    from memra_dsv4 import seams
+    known = {"moe": seams.SEAM_PREFILL_MOE.allowed, "pipeline": seams.SEAM_PREFILL_PIPELINE.allowed,
+             "attn": seams.SEAM_PREFILL_ATTN.allowed}
+    if not spec.strip():
+        return [("", {})]
+    try:
+        arms = parse(spec)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    for s in arms:
+        for k, v in s.items():
             if k not in known:
-                raise SystemExit(f"prefill arm {part!r}: unknown setting {k!r}; known: {', '.join(known)}")
+                raise SystemExit(f"prefill arm {arm_label(s)!r}: unknown setting {k!r}; known: {', '.join(known)}")
             if v not in known[k]:
-                raise SystemExit(f"prefill arm {part!r}: {k}={v!r}; expected one of {', '.join(known[k])}")
-            s[k] = v
-        out.append((part.strip(), s))
-    return out or [("", {})]
+                raise SystemExit(f"prefill arm {arm_label(s)!r}: {k}={v!r}; expected one of {', '.join(known[k])}")
+    return [(arm_label(s), s) for s in arms]
 
 
 def main(argv=None) -> int:

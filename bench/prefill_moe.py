@@ -19,14 +19,10 @@ import numpy as np
 COPY_BW = 4.23e12   # measured H200 device copy bandwidth (bench/results), bytes / s
 
 
-def _events_ms(cp, fn, reps=1):
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record()
-    for _ in range(reps):
-        fn()
-    e1.record()
-    e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) / reps
+def _events_ms(fn, reps=1):
+    """GPU milliseconds per call of fn over reps back-to-back calls (harness.CudaEventTimer)."""
+    from bench.harness import CudaEventTimer
+    return CudaEventTimer()(lambda: [fn() for _ in range(reps)]) / reps
 
 
 def main(argv=None) -> int:
@@ -74,7 +70,7 @@ def main(argv=None) -> int:
                 cp.cuda.Device(a.device).synchronize()
                 warm = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                ms = _events_ms(cp, call)
+                ms = _events_ms(call)
                 host = time.perf_counter() - t0
                 res[arm] = (ms, out)
                 print(f"T={T:5d} {arm:7s}: {ms:8.2f} ms/layer GPU (incl. {host * 1e3:7.2f} ms wall), "
@@ -89,9 +85,9 @@ def main(argv=None) -> int:
                     ys = cp.empty((p.rows, D), dtype=cp.float32)
                     flat = cp.asarray(np.maximum(p.flat, 0))
                     wf = wts.reshape(-1)
-                    gu = _events_ms(cp, lambda: PM.fp4mma_gateup("mxfp4", experts["w1"], experts["w3"], items, xs,
+                    gu = _events_ms(lambda: PM.fp4mma_gateup("mxfp4", experts["w1"], experts["w3"], items, xs,
                                                                  wf, flat, cfg.swiglu_limit, hs), reps=3)
-                    dn = _events_ms(cp, lambda: PM.fp4mma_down("mxfp4", experts["w2"], items, hs, ys), reps=3)
+                    dn = _events_ms(lambda: PM.fp4mma_down("mxfp4", experts["w2"], items, hs, ys), reps=3)
                     flops = 2 * 3 * T * k * I * D
                     print(f"          fp4mma kernels: gate/up+SwiGLU {gu:7.3f} ms, down {dn:7.3f} ms "
                           f"({len(items_h)} items); FP4 bytes {fp4_bytes / 1e9:.2f} GB -> "

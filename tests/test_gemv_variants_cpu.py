@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_kernel_sources import KDIR, _fake_cupy, declared_kernels, kernel_signatures
+from tests.test_kernel_sources import KDIR, _fake_cupy, check_kernel_args, declared_kernels, kernel_signatures
 
 
 @pytest.fixture
@@ -23,7 +23,6 @@ def fake_launch(monkeypatch):
     from memra_dsv4.gpu import ops_decode as DK
 
     sigs = kernel_signatures()
-    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
     launched = []
 
     class FakeKernel:
@@ -32,11 +31,7 @@ def fake_launch(monkeypatch):
             self.max_dynamic_shared_size_bytes = 0
 
         def __call__(self, grid, block, args, shared_mem=0):
-            want = sigs[self.name]
-            assert len(args) == len(want), f"{self.name}: {len(args)} args, kernel takes {len(want)}"
-            for i, (a, k) in enumerate(zip(args, want)):
-                ok = (isinstance(a, np.ndarray) or type(a) is np.uint64) if k == "ptr" else type(a) is kinds[k]
-                assert ok, f"{self.name}: argument {i} is {type(a).__name__}, kernel expects {k}"
+            check_kernel_args(self.name, args, sigs)
             assert shared_mem <= 227 * 1024
             assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem
             assert tuple(block) == (128,)

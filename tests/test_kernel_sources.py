@@ -217,6 +217,19 @@ def kernel_signatures() -> dict[str, list[str]]:
     return out
 
 
+def check_kernel_args(name: str, args, sigs) -> None:
+    """A fake launch's arguments against kernel ``name``'s parsed signature (kernel_signatures()):
+    the count, and per argument a device array (the fake's ndarray) or a u64 pointer where the
+    kernel takes a pointer, else exactly the NumPy scalar type of the parameter."""
+    import numpy as np
+    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+    want = sigs[name]
+    assert len(args) == len(want), f"{name}: {len(args)} args, kernel takes {len(want)}"
+    for i, (a, k) in enumerate(zip(args, want)):
+        ok = (isinstance(a, np.ndarray) or type(a) is np.uint64) if k == "ptr" else type(a) is kinds[k]
+        assert ok, f"{name}: argument {i} is {type(a).__name__}, kernel expects {k}"
+
+
 def _fake_cupy():
     import types
 
@@ -248,7 +261,6 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     launched = []
-    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
 
     class FakeKernel:
         def __init__(self, name):
@@ -256,14 +268,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
             self.max_dynamic_shared_size_bytes = 0
 
         def __call__(self, grid, block, args, shared_mem=0):
-            want = sigs[self.name]
-            assert len(args) == len(want), f"{self.name}: {len(args)} args, kernel takes {len(want)}"
-            for i, (a, k) in enumerate(zip(args, want)):
-                if k == "ptr":
-                    ok = isinstance(a, np.ndarray) or type(a) is np.uint64
-                else:
-                    ok = type(a) is kinds[k]
-                assert ok, f"{self.name}: argument {i} is {type(a).__name__}, kernel expects {k}"
+            check_kernel_args(self.name, args, sigs)
             assert all(int(g) >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, f"{self.name}: launch {grid} {block}"
             assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem, (
                 f"{self.name}: {shared_mem} B dynamic smem without raising the limit")

@@ -59,16 +59,12 @@ def main(argv=None) -> int:
     def bf16(*shape):
         return (grng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
 
-    def timed(fn, reps):
+    from bench.harness import CudaEventTimer
+
+    def timed(fn, reps):  # ms per call after one warm call
         fn()
         cp.cuda.Device().synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        for _ in range(reps):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return cp.cuda.get_elapsed_time(e0, e1) / reps
+        return CudaEventTimer()(lambda: [fn() for _ in range(reps)]) / reps
 
     def rel(x, y):
         xf = (x.astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)

@@ -162,16 +162,19 @@ def _stack(rng, E, O_, K_in, used, fmt):
     return pg, sg, tabs
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("case", ["flash", "tiny"])
-def test_fused_moe_equals_unfused(fmt, case):
+_FUSED_CASES = {"flash": (256, 2048, 4096, 3, 6), "tiny": (8, 128, 256, 4, 2),
+                "many_picks": (16, 256, 512, 2, 8)}   # E, I, D, T, k
+
+
+def _fused_equals_unfused(fmt, case, impl):
     """gemv_fp4_gateup == gemv(w1), gemv(w3), swiglu and gemv_fp4_down_combine == gemv(w2),
-    combine, bit for bit (the fused kernels share the row-dot routine)."""
+    combine, bit for bit, for one impl (None: the default) on random stacks with one empty pick
+    (the unfused swiglu of two zero rows is 0 as well).  Returns what a caller checks further."""
     from memra_dsv4.gpu.ops import moe as MOE
 
     seed = fresh_seed()
     rng = rng_for(seed)
-    E, I, D, T, k = {"flash": (256, 2048, 4096, 3, 6), "tiny": (8, 128, 256, 4, 2)}[case]
+    E, I, D, T, k = _FUSED_CASES[case]
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     ids[-1, 0] = -1
     used = sorted(set(int(i) for i in ids.reshape(-1) if i >= 0))
@@ -181,17 +184,26 @@ def test_fused_moe_equals_unfused(fmt, case):
     wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
     shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
     flat = cp.asarray(ids.reshape(-1).copy())
-    a = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1)
-    u = K.gemv_fp4(fmt, x, flat, w3p, w3s, I, D, x_div=k, ws2=ws3)
+    a = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1, impl=impl)
+    u = K.gemv_fp4(fmt, x, flat, w3p, w3s, I, D, x_div=k, ws2=ws3, impl=impl)
     h = MOE.swiglu(a, u, 10.0, wts)
-    routed = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2)
+    routed = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2, impl=impl)
     y = MOE.combine(routed.reshape(T, k, D), cp.asarray(ids), shared)
     h2 = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
-                           ws2_1=ws1, ws2_3=ws3)
-    # the empty pick: the unfused swiglu of two zero rows is 0 as well
-    assert cp.array_equal(h2, h), f"fused gate/up != unfused {describe(seed, fmt=fmt, case=case)}"
-    y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
-    assert cp.array_equal(y2, y), f"fused down+combine != unfused {describe(seed, fmt=fmt, case=case)}"
+                           ws2_1=ws1, ws2_3=ws3, impl=impl)
+    tag = "" if impl is None else f" ({impl})"
+    assert cp.array_equal(h2, h), f"fused gate/up{tag} != unfused {describe(seed, fmt=fmt, case=case)}"
+    y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl=impl)
+    assert cp.array_equal(y2, y), f"fused down+combine{tag} != unfused {describe(seed, fmt=fmt, case=case)}"
+    return seed, dict(x=x, flat=flat, ids=ids, wts=wts, shared=shared, k=k, I=I, D=D,
+                      w1=(w1p, w1s, ws1), w3=(w3p, w3s, ws3), w2=(w2p, w2s, ws2)), h2, y2
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "tiny"])
+def test_fused_moe_equals_unfused(fmt, case):
+    """The default kernels: the fused ones share the row-dot routine of gemv_fp4."""
+    _fused_equals_unfused(fmt, case, None)
 
 
 def _random_stack(rng, E, O_, K_in, fmt):
@@ -360,31 +372,9 @@ def test_fused_moe_mma_equals_unfused_mma(fmt, case):
     """impl="mma": gemv_fp4_gateup == gemv(w1), gemv(w3), swiglu and gemv_fp4_down_combine ==
     gemv(w2), combine, bit for bit (one row arithmetic, fixed by (o, K), whatever the CTA holds).
     many_picks: k = 8 -> 16 warp tasks on 12 warps (warps run two tasks, reusing their staging)."""
-    from memra_dsv4.gpu.ops import moe as MOE
-
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    E, I, D, T, k = {"flash": (256, 2048, 4096, 3, 6), "tiny": (8, 128, 256, 4, 2),
-                     "many_picks": (16, 256, 512, 2, 8)}[case]
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
-    ids[-1, 0] = -1
-    used = sorted(set(int(i) for i in ids.reshape(-1) if i >= 0))
-    keep = [_stack(rng, E, I, D, used, fmt) for _ in range(2)] + [_stack(rng, E, D, I, used, fmt)]
-    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
-    x = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
-    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
-    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
-    flat = cp.asarray(ids.reshape(-1).copy())
-    a = K.gemv_fp4(fmt, x, flat, w1p, w1s, I, D, x_div=k, ws2=ws1, impl="mma")
-    u = K.gemv_fp4(fmt, x, flat, w3p, w3s, I, D, x_div=k, ws2=ws3, impl="mma")
-    h = MOE.swiglu(a, u, 10.0, wts)
-    routed = K.gemv_fp4(fmt, h, flat, w2p, w2s, D, I, ws2=ws2, impl="mma")
-    y = MOE.combine(routed.reshape(T, k, D), cp.asarray(ids), shared)
-    h2 = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
-                           ws2_1=ws1, ws2_3=ws3, impl="mma")
-    assert cp.array_equal(h2, h), f"fused gate/up (mma) != unfused {describe(seed, fmt=fmt, case=case)}"
-    y2 = K.gemv_fp4_down_combine(fmt, h2, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl="mma")
-    assert cp.array_equal(y2, y), f"fused down+combine (mma) != unfused {describe(seed, fmt=fmt, case=case)}"
+    seed, c, h2, y2 = _fused_equals_unfused(fmt, case, "mma")
+    x, flat, ids, wts, shared, k, I, D = (c[n] for n in ("x", "flat", "ids", "wts", "shared", "k", "I", "D"))
+    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = c["w1"], c["w3"], c["w2"]
     nz = int((y2 & 0x7FFF).astype(cp.bool_).sum())
     assert nz > y2.size // 2, f"down+combine (mma): only {nz} of {y2.size} nonzero {describe(seed, fmt=fmt, case=case)}"
     # and the fused mma kernels against the fused CUDA-core ones on the same inputs: equal outputs

@@ -213,16 +213,21 @@ def test_routed_moe(fmt, T, k, E, D, I, group, distinct):
     assert np.array_equal(got, round_bf16(got)), f"seed {seed}: output not bf16-valued"
     r_old = _rel(got, old)
     assert r_old <= MOE_REL_L2, f"seed {seed}: vs per-expert path relL2 {r_old:.2e}"
-    # float64 oracle: expert_ffn of each expert's picks with the twin-dequantised weights (rows
-    # are independent), then moe_combine
-    routed = np.zeros((T, k, D), np.float32)
+    want = _oracle_moe(fmt, host, x, idx, wts, shared)
+    r = _rel(got, want)
+    assert r <= MOE_REL_L2, f"seed {seed}: vs float64 oracle relL2 {r:.2e} (per-expert path {_rel(old, want):.2e})"
+
+
+def _oracle_moe(fmt, host, x, idx, wts, shared):
+    """The float64 oracle: expert_ffn of each expert's picks with the twin-dequantised weights
+    (rows are independent), then moe_combine."""
+    T, k = idx.shape
+    routed = np.zeros((T, k, x.shape[1]), np.float32)
     for e in np.unique(idx):
         t, j = np.nonzero(idx == e)
         W = {w: round_bf16(_twin_dequant(fmt, pk, sc, w2, int(e))) for w, (pk, sc, w2) in host.items()}
         routed[t, j] = O.expert_ffn(x[t], W["w1"], W["w2"], W["w3"], limit=10.0, weight=wts[t, j])
-    want = O.moe_combine(routed, idx, shared)
-    r = _rel(got, want)
-    assert r <= MOE_REL_L2, f"seed {seed}: vs float64 oracle relL2 {r:.2e} (per-expert path {_rel(old, want):.2e})"
+    return O.moe_combine(routed, idx, shared)
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (3, 4, 512), (0, 8)])
@@ -433,12 +438,7 @@ def test_routed_moe_fp4mma(fmt, T, k, E, D, I, group, distinct):
     assert np.array_equal(got, round_bf16(got)), f"seed {seed}: output not bf16-valued"
     r_base = _rel(got, base)
     assert r_base <= MOE_REL_L2, f"seed {seed}: fp4mma vs blaslt path relL2 {r_base:.2e}"
-    routed = np.zeros((T, k, D), np.float32)
-    for e in np.unique(idx):
-        t, j = np.nonzero(idx == e)
-        W = {w: round_bf16(_twin_dequant(fmt, pk, sc, w2, int(e))) for w, (pk, sc, w2) in host.items()}
-        routed[t, j] = O.expert_ffn(x[t], W["w1"], W["w2"], W["w3"], limit=10.0, weight=wts[t, j])
-    want = O.moe_combine(routed, idx, shared)
+    want = _oracle_moe(fmt, host, x, idx, wts, shared)
     r = _rel(got, want)
     assert r <= MOE_REL_L2, f"seed {seed}: fp4mma vs float64 oracle relL2 {r:.2e} (blaslt {_rel(base, want):.2e})"
 

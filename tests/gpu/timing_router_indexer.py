@@ -8,40 +8,17 @@ from __future__ import annotations
 
 import cupy as cp
 import numpy as np
+from timing_common import bits, us_per_call  # tests/gpu on sys.path (run as a script)
 
-from memra_dsv4.gpu import graphs
 from memra_dsv4.gpu.ops import indexer as IX
 from memra_dsv4.gpu.ops import router as RT
-
-REPS, ITERS = 50, 20
-
-
-def _bits(a):
-    return cp.asarray((np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16))
-
-
-def _time(fn) -> float:
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fn()
-    s.synchronize()
-    g = graphs.capture(s, lambda: [fn() for _ in range(REPS)])
-    graphs.replay(g, s)
-    s.synchronize()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record(s)
-    for _ in range(ITERS):
-        graphs.replay(g, s)
-    b.record(s)
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) * 1e3 / (ITERS * REPS)
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
     D, E, k = 4096, 256, 6
-    x = _bits(rng.standard_normal((1, D)))
-    w = _bits(rng.standard_normal((E, D)) / 64)
+    x = bits(rng.standard_normal((1, D)))
+    w = bits(rng.standard_normal((E, D)) / 64)
     bias = cp.asarray((rng.standard_normal(E) * 0.1).astype(np.float32))
     lg, sc = cp.empty((1, E), np.float32), cp.empty((1, E), np.float32)
     idx, wt = cp.empty((1, k), np.int32), cp.empty((1, k), np.float32)
@@ -55,13 +32,13 @@ def main() -> None:
     def fused_router():
         RT.fused(x, w, k, 2.5, bias=bias, logits=lg, scores=sc, idx=idx, weights=wt)
 
-    print(f"router E={E} D={D}: unfused (logits + select) {_time(unfused_router):6.2f} us   "
-          f"fused {_time(fused_router):6.2f} us")
+    print(f"router E={E} D={D}: unfused (logits + select) {us_per_call(unfused_router):6.2f} us   "
+          f"fused {us_per_call(fused_router):6.2f} us")
     H, K = 64, 512
-    q = _bits(rng.standard_normal((1, H, 128)))
-    hw = _bits(rng.standard_normal((1, H)) / 64)
+    q = bits(rng.standard_normal((1, H, 128)))
+    hw = bits(rng.standard_normal((1, H)) / 64)
     for N, nv in ((2048, 256), (2048, 1024), (8192, 8192), (32768, 8192)):
-        keys = _bits(rng.standard_normal((N, 128)))
+        keys = bits(rng.standard_normal((N, 128)))
         nvg = cp.asarray(np.array([nv], np.int32))
         s_out, sel = cp.empty((1, N), np.uint16), cp.empty((1, min(K, N)), np.int32)
 
@@ -72,8 +49,8 @@ def main() -> None:
         def fused_idx():
             IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0)
 
-        print(f"indexer N={N:5d} n_valid={nv:5d} k={K}: unfused (scores + topk) {_time(unfused_idx):6.2f} us   "
-              f"fused {_time(fused_idx):6.2f} us")
+        print(f"indexer N={N:5d} n_valid={nv:5d} k={K}: unfused (scores + topk) {us_per_call(unfused_idx):6.2f} us   "
+              f"fused {us_per_call(fused_idx):6.2f} us")
 
 
 if __name__ == "__main__":

@@ -15,48 +15,27 @@ from __future__ import annotations
 
 import cupy as cp
 import numpy as np
+from timing_common import bits, us_per_call  # tests/gpu on sys.path (run as a script)
 
 from memra_dsv4.config import preset
-from memra_dsv4.gpu import graphs
 from memra_dsv4.gpu import ops_decode as DK
 from memra_dsv4.gpu.ops import attention as AT
 from memra_dsv4.gpu.ops import compressor as CM
-from memra_dsv4.gpu.pdl import pdl_launches
 from memra_dsv4.host.rope import layer_cos_sin
 
-REPS, ITERS = 50, 20
 
-
-def _bits(a):
-    return cp.asarray((np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16))
-
-
-def _time(fn) -> float:
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        fn()
-    s.synchronize()
-    with pdl_launches(True):
-        g = graphs.capture(s, lambda: [fn() for _ in range(REPS)])
-    graphs.replay(g, s)
-    s.synchronize()
-    a, b = cp.cuda.Event(), cp.cuda.Event()
-    a.record(s)
-    for _ in range(ITERS):
-        graphs.replay(g, s)
-    b.record(s)
-    b.synchronize()
-    return cp.cuda.get_elapsed_time(a, b) * 1e3 / (ITERS * REPS)
+def _time(fn) -> float:  # with PDL edges, as the device step runs
+    return us_per_call(fn, pdl=True)
 
 
 def attention(rng, cos, sin) -> None:
     H, D, W = 64, 512, 128
-    q = _bits(rng.standard_normal((1, H, D)))
+    q = bits(rng.standard_normal((1, H, D)))
     sink = cp.asarray(rng.standard_normal(H).astype(np.float32))
     AT.decode_counters()
     for name, ratio, sel_w, n_comp, p in (("CSA 1K ctx", 4, 512, 2048, 1023), ("CSA 8K ctx", 4, 512, 2048, 8191),
                                           ("HCA 8K ctx", 128, None, 64, 8191)):
-        kv = _bits(rng.standard_normal((W + n_comp, D)))
+        kv = bits(rng.standard_normal((W + n_comp, D)))
         K = W + (sel_w if sel_w is not None else n_comp)
         pos = cp.asarray(np.array([p], np.int32))
         sel = None
