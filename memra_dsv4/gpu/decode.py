@@ -19,10 +19,18 @@ ONE routine, ``forward_chunk``, runs positions p0..p0+S-1 of a sequence, mirrori
 ``Dsv4Gpu.decode_step`` = a chunk of one token (path ``legacy``).  ``run_chunk`` returns the
 whole ``ForwardOut``; ``forward_chunk`` only its logits.
 
+The one-token dispatch (``one_token=True``, passed by ``Dsv4Gpu.decode_step`` on ``legacy``
+only: S == 1, no journal, no captures; prefills, prefill_chunk and verify are unchanged): every
+block runs ``ChunkBlock.forward_one``, the device step's kernels with the device step's
+arguments (GEMVs, fused FP4 expert GEMVs, hc_mixes / hc_weighted_sum / hc_post, norm_rope_sim,
+compressor.emit, indexer scores, split sparse attention) and the four islands (hc split, router
+selection, indexer fine top-k, head gate) on the host (gpu.hostmath), so that ``legacy`` and
+``device-hostmath`` give the same bytes.  The positions, ring / pending rows and candidate list
+are the host's (``hostmath.step_candidates``), not the device's.
+
 Decode path seam (``MEMRA_DSV4_DECODE_PATH`` or the ``decode_path=`` argument; resolved once
 per model by ``resolve_decode_path`` and printed on stderr): ``legacy`` (this module),
-``device-hostmath`` / ``device`` (memra_dsv4.gpu.step: refused with NotImplementedError until
-the device-resident step lands; see the module doc there).
+``device-hostmath`` / ``device`` (memra_dsv4.gpu.step / step_device).
 """
 
 from __future__ import annotations
@@ -33,16 +41,21 @@ import numpy as np
 
 # The kernel modules the chunk routine launches register their kernels at import: imported here
 # so every name is registered before any module is built (no mid-run rebuild of a stem).
+from memra_dsv4.gpu import ops_decode as DK
 from memra_dsv4.gpu.ops import attention as AT
+from memra_dsv4.gpu.ops import compressor as CM
+from memra_dsv4.gpu.ops import experts as EX
 from memra_dsv4.gpu.ops import hc as HC
 from memra_dsv4.gpu.ops import indexer as IX
 from memra_dsv4.gpu.ops import quant_sim as QS
 from memra_dsv4.gpu.ops import rmsnorm as RN
+from memra_dsv4.gpu.ops import router as RT  # noqa: F401  (registered before any build)
 from memra_dsv4.host import indices as hidx
 from memra_dsv4.host.pending import closing_blocks
 from memra_dsv4.profiling import phase
 
-__all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock"]
+__all__ = ["DECODE_PATHS", "resolve_decode_path", "forward_chunk", "run_chunk", "ChunkBlock",
+           "one_token_dispatch"]
 
 DECODE_PATHS = ("legacy", "device-hostmath", "device")
 _GRID_Y_ROWS = 32768   # rows per launch of kernels that index rows by blockIdx.y (<= 65535)
@@ -57,6 +70,19 @@ def resolve_decode_path(explicit: str | None = None, *, announce: bool = True) -
             != seams.SEAM_DECODE_PATH.default or _env_set() else "default")
         print(f"memra_dsv4: gpu decode path = {path} ({src})", file=sys.stderr)
     return path
+
+
+def one_token_dispatch(S: int, journal=None, capture: bool = False,
+                       one_token: bool = False) -> bool:
+    """Whether run_chunk takes the one-token dispatch (ChunkBlock.forward_one): asked for
+    (``one_token``, by decode_step on ``legacy``) on a chunk of one token without a journal or
+    captures.  Asked for on anything else is refused (ValueError)."""
+    if not one_token:
+        return False
+    if S != 1 or journal is not None or capture:
+        raise ValueError(f"one_token dispatch: needs S == 1, no journal, no capture (got S = {S}, "
+                         f"journal {journal is not None}, capture {bool(capture)})")
+    return True
 
 
 def _env_set() -> bool:
@@ -122,6 +148,152 @@ class ChunkBlock:
         return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                          norm_eps=cfg.rms_norm_eps, n_split=1)
+
+    # ------------------------------------------------------------- one-token dispatch
+    def forward_one(self, streams, cache, p0: int, L, io, token: int):
+        """The block for one token at p0 with the device step's kernels and host islands
+        (module doc); streams [1, hc, D] f32 (bf16-valued) -> same form.  ``L``: the layer's
+        step_device.stage_views entry; ``io``: hostmath.HostIO on the current stream.  The op
+        order is DeviceStep._block's; hc_post runs alone (the step's hostmath branch does the
+        same instead of its fused boundary)."""
+        cp = _cp()
+        from memra_dsv4.gpu import ops_glue as G
+        cfg = self.cfg
+        D, hc = cfg.hidden_size, cfg.hc_mult
+        sb = cp.ascontiguousarray(G.bf16_bits(streams)).reshape(1, hc, D)
+        pos_d = cp.asarray(np.array([p0], dtype=np.int32))
+        t = {"mixes": cp.empty((1, cfg.hc_mix_rows), cp.float32),
+             "pre": cp.empty((1, hc), cp.float32), "post": cp.empty((1, hc), cp.float32),
+             "comb": cp.empty((1, hc, hc), cp.float32), "x": cp.empty((1, D), cp.uint16),
+             "xn": cp.empty((1, D), cp.uint16)}
+        with phase(f"{self.ph}/attn"):
+            self._hc_one(io, L, sb, "attn", t)
+            a = self._attention_one(t["xn"], cache, p0, pos_d, L, io)
+            s1 = HC.hc_post(a.reshape(1, D), sb, t["post"], t["comb"])
+        with phase(f"{self.ph}/ffn"):
+            self._hc_one(io, L, s1, "ffn", t)
+            f = self._moe_one(t["xn"], L, io, token)
+            s2 = HC.hc_post(f.reshape(1, D), s1, t["post"], t["comb"])
+        return G.to_f32(s2)
+
+    def _hc_one(self, io, L, sb, sub: str, t) -> None:
+        from memra_dsv4.gpu import hostmath as HM
+        HM.hc_island(io, self.cfg, sb, L.f32[f"hc_{sub}_fn"], L.host[f"hc_{sub}_scale"],
+                     L.host[f"hc_{sub}_base"], L.w(f"{sub}_norm.weight"), mixes=t["mixes"],
+                     x=t["x"], xn=t["xn"], pre=t["pre"], post=t["post"], comb=t["comb"])
+
+    @staticmethod
+    def _gemv(L, pre: str, x, out, **kw):
+        w, sc = L.lin(pre)
+        return DK.gemv_bf16(w, x, out, scale=sc, **kw)
+
+    def _pending_one(self, xn, pend, sub: str, p0: int, L) -> None:
+        """This token's pending row of a compressor, host-indexed: row (p0 % r) [+ r for the
+        ratio-4 overlap layout] = (wkv . xn, f32(wgate . xn + ape[p0 % r])): the GemvTable
+        epilogue's values, per projection (a row's GEMV order depends on K only, §9.1)."""
+        cp = _cp()
+        r = pend.ratio
+        C = pend.kv.shape[1]
+        a, z = cp.empty(C, cp.float32), cp.empty(C, cp.float32)
+        self._gemv(L, f"{sub}.wkv", xn, a)
+        self._gemv(L, f"{sub}.wgate", xn, z)
+        z += L.w(f"{sub}.ape")[p0 % r]
+        row = pend.cur_offset + p0 % r
+        pend.kv[row] = a
+        pend.score[row] = z
+
+    def _emit_one(self, pend, dst, pos_d, L, indexer: bool) -> None:
+        sub = "attn.indexer.compressor" if indexer else "attn.compressor"
+        CM.emit(pos_d, pend.kv, pend.score, pend.ratio, pend.overlap, L.f32[f"{sub}.norm.weight"],
+                self.cfg.rms_norm_eps, L.cos, L.sin, "hadfp4" if indexer else "fp8", dst)
+
+    def _attention_one(self, xn, cache, p0: int, pos_d, L, io):
+        cp = _cp()
+        from memra_dsv4.gpu import hostmath as HM
+        cfg = self.cfg
+        eps, W = cfg.rms_norm_eps, cfg.sliding_window
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        u16 = cp.uint16
+        ap = f"{self.ph}/attn"
+        with phase(f"{ap}/projections"):   # the rows of the step's gemv_bf16_multi table
+            qr = cp.empty((1, cfg.q_lora_rank), u16)
+            kvraw = cp.empty((1, hd), u16)
+            self._gemv(L, "attn.wq_a", xn, qr)
+            self._gemv(L, "attn.wkv", xn, kvraw)
+            if self.ratio:
+                self._pending_one(xn, cache.comp_state, "attn.compressor", p0, L)
+            if self.kind == "csa":
+                self._pending_one(xn, cache.idx_state, "attn.indexer.compressor", p0, L)
+                wI = cp.empty((1, nI), u16)
+                self._gemv(L, "attn.indexer.weights_proj", xn, wI)
+        with phase(f"{ap}/q"):
+            RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
+            q = cp.empty((1, H, hd), u16)
+            self._gemv(L, "attn.wq_b", qr, q)
+            RN.head_rms(q, eps, out=q, rope=(pos_d, L.cos, L.sin))
+        with phase(f"{ap}/kv"):            # the ring row by the host's index
+            kv = CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos_d,
+                                  "fp8")
+            cache.ring[p0 % W] = kv[0]
+        sel_h, K = None, W
+        if self.ratio:
+            if self.kind == "csa":
+                with phase(f"{ap}/indexer"):
+                    self._emit_one(cache.idx_state, cache.idx_keys, pos_d, L, indexer=True)
+                    qI = cp.empty((1, nI, dI), u16)
+                    self._gemv(L, "attn.indexer.wq_b", qr, qI)
+                    QS.rope_hadamard128_fp4(qI, pos_d, L.cos, L.sin, out=qI)
+                    N = cache.idx_keys.shape[0]
+                    nv = (p0 + 1) // 4
+                    sel = cp.empty(min(cfg.index_topk, N), cp.int32)
+                    sel_h = HM.indexer_island(io, cfg, qI, wI, cache.idx_keys,
+                                              cp.asarray(np.array([nv], np.int32)), nv,
+                                              scores=cp.empty((1, N), u16), sel=sel)
+                K = W + sel_h.size
+            else:
+                K = W + cache.comp.shape[0]
+            with phase(f"{ap}/compressor"):
+                self._emit_one(cache.comp_state, cache.comp, pos_d, L, indexer=False)
+        with phase(f"{ap}/sparse_attention"):  # the step's "split" form, host candidates
+            cand = cp.asarray(HM.step_candidates(p0, W, self.ratio, K, sel_h)).reshape(1, K)
+            o = AT.sparse_attention(q, cache.kv, cand, L.w("attn.attn_sink"), hd ** -0.5,
+                                    n_split=None, inverse_rope=(pos_d, L.cos, L.sin))
+        with phase(f"{ap}/output"):
+            u = cp.empty(cfg.o_groups * cfg.o_lora_rank, u16)
+            self._gemv(L, "attn.wo_a", o, u, groups=cfg.o_groups)
+            out = cp.empty(cfg.hidden_size, u16)
+            self._gemv(L, "attn.wo_b", u, out)
+        return out
+
+    def _moe_one(self, xn, L, io, token: int):
+        cp = _cp()
+        from memra_dsv4.gpu import hostmath as HM
+        cfg = self.cfg
+        D, I, E, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                      cfg.num_experts_per_tok)
+        mp = f"{self.ph}/ffn/moe"
+        ids, wts = cp.empty((1, k), cp.int32), cp.empty((1, k), cp.float32)
+        with phase(f"{mp}/router"):
+            HM.router_island(io, cfg, xn, L.w("ffn.gate.weight"),
+                             logits=cp.empty((1, E), cp.float32), ids=ids, weights=wts,
+                             bias_h=L.host.get("bias"), tid2eid_h=L.host.get("tid2eid"),
+                             token=token)
+        h = cp.empty((k, I), cp.uint16)
+        with phase(f"{mp}/experts"):
+            EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
+                               L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit,
+                               out=h, x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
+        sh, shared = cp.empty(I, cp.uint16), cp.empty((1, D), cp.uint16)
+        with phase(f"{mp}/shared"):
+            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+            DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
+            self._gemv(L, "ffn.shared_experts.w2", sh, shared)
+        out = cp.empty((1, D), cp.uint16)
+        with phase(f"{mp}/combine"):
+            EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I, shared=shared,
+                                     out=out, ws2=L.ws2["w2"])
+        return out
 
     # --------------------------------------------------------------------- compressor
     def compress_chunk(self, x, cs, p0: int, indexer: bool):
@@ -309,20 +481,50 @@ def candidates_with_prev(A, Z, prev_a, prev_z):
 
 
 def forward_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
-                  ph: str = "decode"):
+                  ph: str = "decode", one_token: bool = False):
     """Trunk forward of validated ids at positions state.pos.. against ``state`` (advances
     pos).  Returns logits float32 NumPy ([vocab], or [S, vocab] with ``all_logits``)."""
-    return run_chunk(model, state, ids, all_logits=all_logits, ph=ph).logits
+    return run_chunk(model, state, ids, all_logits=all_logits, ph=ph, one_token=one_token).logits
+
+
+def _legacy_io(model, device: int, stream):
+    """The legacy one-token dispatch's hostmath.HostIO of ``device`` (pinned buffers kept)."""
+    from memra_dsv4.gpu.hostmath import HostIO
+    ios = model.__dict__.setdefault("_legacy_io", {})
+    io = ios.get(device)
+    if io is None or io.stream is not stream:
+        io = ios[device] = HostIO(stream)
+    return io
+
+
+def _head_one(model, st, streams, io, msl: int):
+    """The head of the one-token dispatch: the device step's head with the gate on the host
+    (hostmath.head_island), rmsnorm, head GEMV.  streams [1, hc, D] f32 -> logits f32 [vocab]."""
+    cp = _cp()
+    from memra_dsv4.gpu import hostmath as HM
+    from memra_dsv4.gpu import ops_glue as G
+    from memra_dsv4.gpu.step_device import stage_views
+    cfg = model.config
+    D, hc = cfg.hidden_size, cfg.hc_mult
+    _, head_fn, head_host = stage_views(model, st, msl)
+    sb = cp.ascontiguousarray(G.bf16_bits(streams)).reshape(1, hc, D)
+    y = cp.empty((1, D), cp.uint16)
+    HM.head_island(io, cfg, sb, head_fn, head_host["scale"], head_host["base"],
+                   mixes=cp.empty((1, hc), cp.float32), pre=cp.empty((1, hc), cp.float32), y=y)
+    yn = RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps)
+    logits = cp.empty(cfg.vocab_size, cp.float32)
+    DK.gemv_bf16(st["head.weight"], yn, logits)
+    return logits
 
 
 def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str, head: bool,
-              all_logits: bool = False, caps=None, top=None, journal=None):
+              all_logits: bool = False, caps=None, top=None, journal=None, one: bool = False):
     """Stage ``si``'s part of a chunk at positions p0..: the embedding (first stage), its layers,
     and - when ``head`` and the stage has it - the head, on the stage's device and compute stream,
     bracketed ``{ph}/stage{si}/...``.  ``streams``: the stage's input (already on its device;
     None for the first stage).  Returns (streams, logits NumPy or None, hc state of the last row
-    or None).  ``caps`` (list) / ``top`` (dict) collect captures; ``journal`` as run_chunk.  The
-    one per-stage body of run_chunk and of gpu.pipeline.run_chunk_pipelined."""
+    or None).  ``caps`` (list) / ``top`` (dict) collect captures; ``journal`` as run_chunk;
+    ``one``: the legacy one-token dispatch (``one_token_dispatch``).  The one per-stage body of run_chunk and of gpu.pipeline.run_chunk_pipelined."""
     cp = _cp()
     from memra_dsv4.gpu.model import _f32
     cfg = model.config
@@ -342,10 +544,19 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
                         cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
                     if capture:
                         top["embed"] = cp.asnumpy(e)
-            for layer in st.layers:
+            if one:
+                from memra_dsv4.gpu.step_device import stage_views
+                views = stage_views(model, st, state.max_seq_len)[0]
+                io = _legacy_io(model, st.device, dev.compute)
+            for li, layer in enumerate(st.layers):
                 c = {} if capture else None
                 with phase(f"{sp}/block"):
-                    streams = ChunkBlock(model, st, layer, f"{sp}/block").forward(
+                    blk = ChunkBlock(model, st, layer, f"{sp}/block")
+                    if one:
+                        streams = blk.forward_one(streams, state.cache(layer), p0, views[li],
+                                                  io, int(ids[0]))
+                        continue
+                    streams = blk.forward(
                         streams, ids_d, state.cache(layer), p0, c,
                         None if journal is None else journal.layer(layer))
                 if capture:
@@ -355,7 +566,10 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
                     # hc_head and the norm are per row: without all_logits or captures
                     # only the last row is needed (same bits for it)
                     rows = streams if (all_logits or capture) else streams[-1:]
-                    logits, y, yn = model._head(st, rows, all_rows=all_logits)
+                    if one:
+                        logits = _head_one(model, st, rows, io, state.max_seq_len)
+                    else:
+                        logits, y, yn = model._head(st, rows, all_rows=all_logits)
                 logits_h = cp.asnumpy(logits)
                 out_state = cp.asnumpy(streams[-1])
                 if capture:
@@ -364,16 +578,20 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
 
 
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
-              capture: bool = False, ph: str = "decode", journal=None):
+              capture: bool = False, ph: str = "decode", journal=None,
+              one_token: bool = False):
     """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
     pos); phases ``{ph}/stage{i}/...``; exactly one ``model._boundary`` per stage boundary.
     Returns a ForwardOut: logits ([vocab], or [S, vocab] with ``all_logits``), hc_state
     [hc, dim] of the last position, and with ``capture`` the oracle's capture names per block
     (NumPy) plus captures_top embed / hc_head / final_norm.  ``journal`` (gpu.verify.Journal):
-    each block records what a rollback of this chunk needs before it writes its caches."""
+    each block records what a rollback of this chunk needs before it writes its caches.
+    ``one_token`` (decode_step on ``legacy``): the one-token dispatch (module doc,
+    ``one_token_dispatch``)."""
     from memra_dsv4.oracle.model import ForwardOut
     p0 = state.pos
     S = ids.shape[0]
+    one = one_token_dispatch(S, journal, capture, one_token)
     caps = [] if capture else None
     top = {} if capture else None
     streams = logits_h = out_state = None
@@ -381,7 +599,8 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     model.clear_chunk_memo()
     for si, st in enumerate(model.stages):
         streams, lg, hs = run_stage(model, si, state, ids, p0, streams, ph=ph, head=True,
-                                    all_logits=all_logits, caps=caps, top=top, journal=journal)
+                                    all_logits=all_logits, caps=caps, top=top, journal=journal,
+                                    one=one)
         if st.has_head:
             logits_h, out_state = lg, hs
         if si + 1 < len(model.stages):

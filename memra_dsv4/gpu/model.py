@@ -268,8 +268,8 @@ class Dsv4Gpu:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
         ids = self.check_ids(t.reshape(1))
         check_room(state, 1, "decode_step")
-        if self.decode_path == "legacy":
-            return forward_chunk(self, state, ids, ph="decode")
+        if self.decode_path == "legacy":   # the one-token dispatch (gpu.decode module doc)
+            return forward_chunk(self, state, ids, ph="decode", one_token=True)
         from memra_dsv4.gpu.step import device_step
         return device_step(self, state, int(ids[0]))
 

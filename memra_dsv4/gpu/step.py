@@ -2,9 +2,13 @@
 per-stage workspace arena, and the bytes one decode step must read.
 
 ``device_step(model, state, token, graph=None)`` runs the ``device`` path
-(gpu.step_device.DeviceStep: StepWs arena, device-side indices, one CUDA graph per stage).
-``IMPLEMENTED`` is True; ``device-hostmath`` is not written (``HOSTMATH_IMPLEMENTED`` False:
-``device_step`` raises NotImplementedError naming it, its GPU tests skip with that reason).
+(gpu.step_device.DeviceStep: StepWs arena, device-side indices, one CUDA graph per stage) or,
+when ``model.decode_path == "device-hostmath"``, the same launches with the four islands (hc
+split, router selection, indexer fine top-k, head gate) computed on the host by gpu.hostmath:
+the byte-identity instrument against ``legacy`` (whose one-token dispatch,
+gpu.decode.ChunkBlock.forward_one, runs the same kernels and the same islands).
+``IMPLEMENTED`` and ``HOSTMATH_IMPLEMENTED`` are True (device-hostmath: written, not yet run on
+a GPU; docs/semantics.md section 9).
 
 ``step_ws_plan(cfg, layers, has_embed, has_head, max_seq_len, stage_index=0) -> ArenaPlan``
     The per-stage arena of one decode step: every activation buffer of one token, sized once.
@@ -33,19 +37,18 @@ __all__ = ["IMPLEMENTED", "NOT_IMPLEMENTED_REASON", "device_step", "step_ws_plan
 
 IMPLEMENTED = True
 NOT_IMPLEMENTED_REASON = ""
-HOSTMATH_IMPLEMENTED = False
-HOSTMATH_REASON = ("memra_dsv4.gpu.step: decode_path='device-hostmath' (Sinkhorn / router / "
-                   "top-k / head gate on the host) is not written yet; use 'device' or 'legacy'")
+HOSTMATH_IMPLEMENTED = True
+HOSTMATH_REASON = ""
 
 
 def device_step(model, state, token: int, *, graph: bool | None = None):
     """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab].
     graph None/True: replay the per-stage CUDA graphs (captured once per state); False: the
-    same launches eagerly."""
+    same launches eagerly.  On ``device-hostmath`` the step always runs eagerly and without
+    PDL, whatever ``graph`` says: its host round trips (read the island inputs, apply the host
+    rule, upload the result) cannot be captured."""
     from memra_dsv4.oracle.decode import check_no_journal
     check_no_journal(state, "device_step")
-    if model.decode_path == "device-hostmath":
-        raise NotImplementedError(f"decode_path='device-hostmath': {HOSTMATH_REASON}")
     from memra_dsv4.gpu.step_device import DeviceStep
     if model._step is None:
         model._step = DeviceStep(model, state.max_seq_len)
@@ -114,6 +117,7 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
         p.add("dev.idx_scores", (n_keys,), "bf16")
     if has_head:
         p.add("dev.head_mix", (1, hc), "f32")
+        p.add("dev.head_pre", (1, hc), "f32")   # device-hostmath: the host's head gate
         p.add("head.y", (D,), "bf16")
         p.add("head.yn", (D,), "bf16")
         p.add("head.logits", (cfg.vocab_size,), "f32")

@@ -62,7 +62,6 @@ class DeviceStep:
     def __init__(self, model, max_seq_len: int) -> None:
         import cupy as cp
         from memra_dsv4.gpu.arena import Arena
-        from memra_dsv4.gpu.ops import experts as EX
         from memra_dsv4.gpu.step import step_ws_plan
 
         self.m = model
@@ -71,7 +70,9 @@ class DeviceStep:
         self.stages: list[_Stage] = []
         self._graphs: dict[int, tuple] = {}
         self._tables: dict[int, tuple] = {}
-        tables: dict = {}
+        # device-hostmath: the same launches except the four islands (gpu.hostmath), eager
+        self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
+        self._tok = self._pos = 0
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -87,46 +88,10 @@ class DeviceStep:
                 assert len(S.ratios) <= 4, f"stage {si}: ratios {S.ratios} (at most 4)"
                 S.host = np.zeros(2, np.int32)
                 S.event = cp.cuda.Event(disable_timing=True)
-                S.layers = []
-                for lid in st.layers:
-                    L = _Layer()
-                    L.lid, L.p = lid, f"layers.{lid}"
-                    L.ratio, L.kind = cfg.compress_ratio(lid), cfg.attn_kind(lid)
-                    c, s = layer_cos_sin(cfg, lid, np.arange(self.msl), np.float32)
-                    c, s = np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
-                    key = (st.device, c.shape, hash(c.tobytes()), hash(s.tobytes()))
-                    if key not in tables:
-                        tables[key] = (cp.asarray(c), cp.asarray(s))
-                    L.cos, L.sin = tables[key]
-                    w = lambda leaf, L=L, st=st: st[f"{L.p}.{leaf}"]  # bind this stage
-                    L.w = w
-                    # (weight, scale): bf16 bits + None, or stored e4m3 + e8m0 (dense="fp8")
-                    L.lin = lambda pre, L=L, st=st: (st[f"{L.p}.{pre}.weight"],
-                                                     st.scale_of(f"{L.p}.{pre}"))
-                    L.f32 = {}
-                    for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",
-                                 "attn.indexer.compressor.norm.weight"):
-                        if f"{L.p}.{leaf}" in st.t:
-                            L.f32[leaf] = _bf16_to_f32(w(leaf))
-                    for sub in ("hc_attn", "hc_ffn"):
-                        fn = w(f"{sub}_fn")
-                        L.f32[f"{sub}_fn"] = cp.ascontiguousarray(
-                            fn.astype(cp.float32).reshape(fn.shape[0], -1))
-                    L.hash = cfg.is_hash_layer(lid)
-                    if L.hash:
-                        L.tid2eid = cp.ascontiguousarray(w("ffn.gate.tid2eid").astype(cp.int32))
-                    L.fmt = st.expert_fmt[lid]
-                    key_e = f"{L.p}.ffn.experts"
-                    L.wp, L.sp, L.ws2 = {}, {}, {}
-                    for m in ("w1", "w2", "w3"):
-                        L.wp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.packed"])
-                        L.sp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.scale"])
-                        L.ws2[m] = (cp.asarray(np.asarray(st.ws2[f"{key_e}.{m}"], np.float32))
-                                    if L.fmt == "nvfp4" else None)
-                    S.layers.append(L)
-                if st.has_head:
-                    fn = st["hc_head_fn"]
-                    S.head_fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
+                S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
+                if self.hostmath:
+                    from memra_dsv4.gpu.hostmath import HostIO
+                    S.io = HostIO(S.stream)
                 self._prewarm(S)
             self.stages.append(S)
         for d in model.devs:
@@ -175,6 +140,9 @@ class DeviceStep:
                                rt.memcpyHostToDevice, S.stream.ptr)
         self._ensure_tables(state)
         pdl_on = getattr(self.m, "pdl", "off") == "on"
+        if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
+            graph, pdl_on = False, False
+            self._tok, self._pos = int(token), pos
         if graph:
             gs = self._graphs.get(id(state))
             if gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn:
@@ -294,9 +262,15 @@ class DeviceStep:
             if st.has_head:
                 with phase(f"{sp}/head"):
                     y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
-                    HC.hc_head(cur, S.head_fn, st["hc_head_scale"], st["hc_head_base"],
-                               hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, out=y,
-                               mixes=v["dev.head_mix"])
+                    if self.hostmath:   # the head gate on the host (gpu.hostmath)
+                        from memra_dsv4.gpu import hostmath as HM
+                        HM.head_island(S.io, cfg, cur, S.head_fn, S.head_host["scale"],
+                                       S.head_host["base"], mixes=v["dev.head_mix"],
+                                       pre=v["dev.head_pre"], y=y)
+                    else:
+                        HC.hc_head(cur, S.head_fn, st["hc_head_scale"], st["hc_head_base"],
+                                   hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, out=y,
+                                   mixes=v["dev.head_mix"])
                     RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
                     DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
             if S.si + 1 < len(self.stages):
@@ -313,6 +287,18 @@ class DeviceStep:
         from memra_dsv4.gpu.ops import hc as HC
         cfg, v = self.cfg, S.v
         D = cfg.hidden_size
+        if self.hostmath:   # hc_post alone, then the split on the host (gpu.hostmath)
+            from memra_dsv4.gpu import hostmath as HM
+            if f is not None:
+                HC.hc_post(f, streams, v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4),
+                           out=out)
+                streams = out
+            HM.hc_island(S.io, cfg, streams, L.f32[f"hc_{sub}_fn"], L.host[f"hc_{sub}_scale"],
+                         L.host[f"hc_{sub}_base"], L.w(f"{sub}_norm.weight"),
+                         mixes=v["dev.mix"], x=v["x"].reshape(1, D), xn=v["xn"].reshape(1, D),
+                         pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
+                         comb=v["hc.comb"].reshape(1, 4, 4))
+            return
         HC.hc_boundary(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
                        L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                        norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D), x=v["x"].reshape(1, D),
@@ -374,6 +360,11 @@ class DeviceStep:
         nv = v["dev.aux"][0:1]
         sc = v["dev.idx_scores"][:N].reshape(1, N)
         sel = v["idx.sel"]
+        if self.hostmath:   # scores on the device, the fine top-k on the host (gpu.hostmath)
+            from memra_dsv4.gpu import hostmath as HM
+            HM.indexer_island(S.io, cfg, q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv,
+                              (self._pos + 1) // 4, scores=sc, sel=sel)
+            return sel
         # scores + top-k (index order) in one launch: indexer_fused_d128
         IX.scores_topk(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, cfg.index_topk, sc,
                        sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
@@ -441,10 +432,16 @@ class DeviceStep:
         logits = v["moe.logits"].reshape(1, E)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
         with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
-            route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"]) if L.hash
-                     else dict(bias=L.w("ffn.gate.bias")))
-            RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor, logits=logits,
-                     scores=v["moe.scores"].reshape(1, E), idx=ids, weights=wts, **route)
+            if self.hostmath:   # logits on the device, the selection on the host
+                from memra_dsv4.gpu import hostmath as HM
+                HM.router_island(S.io, cfg, xn, L.w("ffn.gate.weight"), logits=logits, ids=ids,
+                                 weights=wts, bias_h=L.host.get("bias"),
+                                 tid2eid_h=L.host.get("tid2eid"), token=self._tok)
+            else:
+                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"]) if L.hash
+                         else dict(bias=L.w("ffn.gate.bias")))
+                RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor, logits=logits,
+                         scores=v["moe.scores"].reshape(1, E), idx=ids, weights=wts, **route)
         h = v["moe.h"]
         with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
             EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
@@ -460,6 +457,77 @@ class DeviceStep:
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"].reshape(1, D),
                                      out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+
+
+def stage_views(model, st, msl: int):
+    """(layers, head_fn, head_host) of one stage for the decode kernels, made once per
+    (model, device, max_seq_len) and shared by the device step and the legacy one-token
+    dispatch (gpu.decode.ChunkBlock.forward_one): per layer the full-length RoPE tables
+    (cos / sin [msl, R/2] f32, indexed by pos on the device), weight accessors (w, lin: bf16
+    bits or stored FP8 + scale), f32 norm / hc_fn copies, the expert pointer tables, and the
+    host copies the islands read (gpu.hostmath: hc scale / base, router bias, tid2eid)."""
+    import cupy as cp
+    from memra_dsv4.gpu.ops import experts as EX
+    memo = model.__dict__.setdefault("_stage_views", {})
+    key = (st.device, tuple(st.layers), int(msl))
+    if key in memo:
+        return memo[key]
+    cfg = model.config
+    tables = model.__dict__.setdefault("_rope_tables", {})
+    layers = []
+    with cp.cuda.Device(st.device):
+        for lid in st.layers:
+            L = _Layer()
+            L.lid, L.p = lid, f"layers.{lid}"
+            L.ratio, L.kind = cfg.compress_ratio(lid), cfg.attn_kind(lid)
+            c, s = layer_cos_sin(cfg, lid, np.arange(msl), np.float32)
+            c, s = np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
+            tk = (st.device, c.shape, hash(c.tobytes()), hash(s.tobytes()))
+            if tk not in tables:
+                tables[tk] = (cp.asarray(c), cp.asarray(s))
+            L.cos, L.sin = tables[tk]
+            w = lambda leaf, L=L, st=st: st[f"{L.p}.{leaf}"]  # bind this stage
+            L.w = w
+            # (weight, scale): bf16 bits + None, or stored e4m3 + e8m0 (dense="fp8")
+            L.lin = lambda pre, L=L, st=st: (st[f"{L.p}.{pre}.weight"],
+                                             st.scale_of(f"{L.p}.{pre}"))
+            L.f32 = {}
+            for leaf in ("attn.kv_norm.weight", "attn.compressor.norm.weight",
+                         "attn.indexer.compressor.norm.weight"):
+                if f"{L.p}.{leaf}" in st.t:
+                    L.f32[leaf] = _bf16_to_f32(w(leaf))
+            for sub in ("hc_attn", "hc_ffn"):
+                fn = w(f"{sub}_fn")
+                L.f32[f"{sub}_fn"] = cp.ascontiguousarray(
+                    fn.astype(cp.float32).reshape(fn.shape[0], -1))
+            L.hash = cfg.is_hash_layer(lid)
+            if L.hash:
+                L.tid2eid = cp.ascontiguousarray(w("ffn.gate.tid2eid").astype(cp.int32))
+            L.fmt = st.expert_fmt[lid]
+            key_e = f"{L.p}.ffn.experts"
+            L.wp, L.sp, L.ws2 = {}, {}, {}
+            for m in ("w1", "w2", "w3"):
+                L.wp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.packed"])
+                L.sp[m] = EX.stacked_pointer_table(st[f"{key_e}.{m}.scale"])
+                L.ws2[m] = (cp.asarray(np.asarray(st.ws2[f"{key_e}.{m}"], np.float32))
+                            if L.fmt == "nvfp4" else None)
+            L.host = {}
+            for sub in ("hc_attn", "hc_ffn"):
+                L.host[f"{sub}_scale"] = cp.asnumpy(w(f"{sub}_scale")).astype(np.float32)
+                L.host[f"{sub}_base"] = cp.asnumpy(w(f"{sub}_base")).astype(np.float32)
+            if L.hash:
+                L.host["tid2eid"] = cp.asnumpy(L.tid2eid).astype(np.int64)
+            else:
+                L.host["bias"] = cp.asnumpy(w("ffn.gate.bias")).astype(np.float32)
+            layers.append(L)
+        head_fn = head_host = None
+        if st.has_head:
+            fn = st["hc_head_fn"]
+            head_fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
+            head_host = {"scale": cp.asnumpy(st["hc_head_scale"]).astype(np.float32),
+                         "base": cp.asnumpy(st["hc_head_base"]).astype(np.float32)}
+    memo[key] = (layers, head_fn, head_host)
+    return memo[key]
 
 
 def _bf16_to_f32(u16):

@@ -16,9 +16,13 @@ reduction blocking than the M=L one, so the comparison is bf16-class, not bitwis
   REL_L2_STATE (2.5e-1: the rows went through the KV FP8 sim, and after a flip the residual
   differs), indexer keys (FP4-simulated) <= REL_L2_FP4 (2e-1).
 Bitwise where the arithmetic is the same: a reused state (reset) == a fresh state, 2 stages ==
-1 stage.  The device-path tests (device-hostmath == legacy bytewise, device within bounds,
-graph replay == eager, zero allocations per step) skip with the reason while
-memra_dsv4.gpu.step.IMPLEMENTED is False.
+1 stage, and device-hostmath == legacy (legacy's decode_step is the one-token dispatch of the
+chunk routine: the device step's kernels with the hc split, router selection, indexer top-k and
+head gate on the host, gpu.hostmath; device-hostmath is the device step with the same islands).
+Legacy decode vs re-prefill is therefore across arithmetics (GEMV vs cuBLASLt GEMM, fused FP4
+GEMVs vs the prefill MoE, host vs device islands): bf16 class, the bounds below.  The
+device-path tests (device within bounds, graph replay == eager, zero allocations per step) skip
+with the reason while memra_dsv4.gpu.step.IMPLEMENTED is False.
 Every model here runs its prefills with prefill_attn="simt", the decode kernels' attention
 arithmetic: the contract isolates the state machine (rings, pending rows, emissions, visibility).
 With the default tensor-core prefill attention (chunks >= 64) a re-prefill's attention sums in
@@ -318,18 +322,57 @@ def _run_path(name, path, L, steps, devices=(0,)):
     return [m.decode_step(st, t) for t in ids[L:]], st
 
 
-@pytest.mark.parametrize("L", [3, 16, 129])
-def test_device_hostmath_bytewise_equals_legacy(L):
+def _hostmath_bytewise(name, L, steps, devices=(0,)):
+    """device-hostmath == legacy, logits of every step and the whole state, byte for byte."""
     _need_device_step()
     from memra_dsv4.gpu import step
     if not step.HOSTMATH_IMPLEMENTED:
         pytest.skip(step.HOSTMATH_REASON)
-    a, sa = _run_path("tiny", "legacy", L, 5)
-    b, sb = _run_path("tiny", "device-hostmath", L, 5)
+    a, sa = _run_path(name, "legacy", L, steps, devices)
+    b, sb = _run_path(name, "device-hostmath", L, steps, devices)
     for i, (x, y) in enumerate(zip(a, b)):
         assert np.array_equal(x, y), f"step {i}: max |diff| {np.abs(x - y).max()}"
     ga, gb = sa.snapshot(), sb.snapshot()
-    assert not [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    bad = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    assert not bad, f"state differs in {bad}"
+
+
+@pytest.mark.parametrize("L", [3, 16, 129])
+def test_device_hostmath_bytewise_equals_legacy(L):
+    _hostmath_bytewise("tiny", L, 5)
+
+
+@pytest.mark.parametrize("L", [31, 40])
+def test_device_hostmath_bytewise_equals_legacy_small(L):
+    _hostmath_bytewise("small", L, 5)
+
+
+@pytest.mark.multi_gpu
+def test_device_hostmath_bytewise_equals_legacy_two_stages():
+    _hostmath_bytewise("small", 40, 5, devices=(0, 1))
+    _, m = _model("small", (0, 1), "device-hostmath")
+    assert len(m.stages) == 2
+
+
+def test_device_hostmath_eager_and_allocates_nothing():
+    """device-hostmath runs eagerly whatever graph= says (same bytes), and after its first
+    step (pinned island buffers made on first use) allocates nothing on the device."""
+    _need_device_step()
+    from memra_dsv4.gpu.arena import count_allocations
+    from memra_dsv4.gpu.step import device_step
+    ck, m = _model("tiny", (0,), "device-hostmath")
+    ids = _ids(ck.config, 30, seed=13)
+    _, s_a = m.prefill(ids[:20])
+    _, s_b = m.prefill(ids[:20], m.new_state())
+    a = [device_step(m, s_a, t, graph=False) for t in ids[20:25]]
+    b = [device_step(m, s_b, t, graph=True) for t in ids[20:25]]
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert np.array_equal(x, y), f"step {i}: graph=True vs False max |diff| {np.abs(x - y).max()}"
+    assert not m._step._graphs, "device-hostmath captured a graph"
+    with count_allocations() as c:
+        for t in ids[25:30]:
+            device_step(m, s_b, t, graph=True)
+    assert c.total == 0, f"{c} allocations in 5 device-hostmath steps"
 
 
 @pytest.mark.parametrize("L", [3, 16, 129])

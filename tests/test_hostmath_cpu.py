@@ -1,0 +1,156 @@
+"""CPU checks of the device-hostmath / legacy one-token islands (memra_dsv4.gpu.hostmath): the
+host rules against the oracle's own functions, the candidate list against a transcription of
+build_cand (kernels_cu/decode.cu), the one-token dispatch decision and the step module's flags.
+The device halves (HostIO, the *_island launches) need a GPU: tests/gpu/test_decode_gpu.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_dsv4.gpu import hostmath as HM
+from memra_dsv4.oracle import ops as O
+
+
+def _bits(x):
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_hc_rule_is_the_oracle_split_bytewise():
+    rng = np.random.default_rng(0)
+    hc, iters, eps = 4, 20, 1e-6
+    for _ in range(20):
+        m = rng.standard_normal(24).astype(np.float32) * 3
+        sc = rng.standard_normal(3).astype(np.float32)
+        b = rng.standard_normal(24).astype(np.float32)
+        p, q, c = HM.hc_rule(m, sc, b, hc, iters, eps)
+        rp, rq, rc = O.hc_split(m[None], sc, b, hc, iters, eps)
+        for a, r in ((p, rp[0]), (q, rq[0]), (c, rc[0])):
+            assert a.dtype == np.float32 and a.tobytes() == np.ascontiguousarray(r).tobytes()
+
+
+def test_head_rule_is_the_oracle_gate_bytewise():
+    rng = np.random.default_rng(1)
+    m = rng.standard_normal(4).astype(np.float32)
+    sc, b = rng.standard_normal(1).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    got = HM.head_rule(m, sc, b, 1e-6)
+    ref = O.hc_head_weights(m[None], sc, b, 1e-6)[0]
+    assert got.dtype == np.float32 and got.tobytes() == np.ascontiguousarray(ref).tobytes()
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+def test_route_rule_is_the_oracle_router_bytewise(hashed):
+    rng = np.random.default_rng(2)
+    E, k = 16, 4
+    lg = rng.standard_normal(E).astype(np.float32)
+    lg[3] = lg[5]   # a tie: lower expert id first
+    if hashed:
+        t2e = np.stack([rng.permutation(E)[:k] for _ in range(50)])
+        ids, w = HM.route_rule(lg, k, 2.5, tid2eid=t2e, token=17)
+        ri, rw, _ = O.router(lg[None], k=k, route_scale=2.5, tid2eid=t2e,
+                             token_ids=np.array([17]))
+    else:
+        bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+        ids, w = HM.route_rule(lg, k, 2.5, bias=bias)
+        ri, rw, _ = O.router(lg[None], k=k, route_scale=2.5, bias=bias)
+    assert ids.dtype == np.int32 and w.dtype == np.float32
+    assert np.array_equal(ids, ri[0]) and w.tobytes() == np.ascontiguousarray(rw[0]).tobytes()
+
+
+@pytest.mark.parametrize("n_valid,k,width", [(0, 4, 4), (3, 4, 4), (4, 4, 4), (37, 8, 8),
+                                             (37, 8, 10), (200, 64, 64)])
+def test_index_rule_is_the_oracle_topk_ascending(n_valid, k, width):
+    rng = np.random.default_rng(n_valid)
+    N = max(n_valid, 1) + 5
+    s = rng.standard_normal(N).astype(np.float32)
+    s[1::7] = s[0]                       # ties -> lower index
+    bits = _bits(s)
+    got = HM.index_rule(bits, n_valid, k, width)
+    f = (bits.astype(np.uint32) << 16).view(np.float32)
+    ref = O.indexer_topk(f[None], np.array([n_valid]), k)[0]
+    ref = np.sort(ref[ref >= 0])
+    assert got.dtype == np.int32 and got.shape == (width,)
+    assert np.array_equal(got[:ref.size], ref) and (got[ref.size:] == -1).all()
+
+
+def _build_cand(pos, W, ratio, K, sel=None):
+    """kernels_cu/decode.cu build_cand, transcribed."""
+    out = []
+    for j in range(K):
+        v = -1
+        if j < W:
+            t = max(pos - W + 1, 0) + j
+            if t <= pos:
+                v = t % W
+        elif ratio > 0:
+            k = j - W
+            if sel is None:
+                if k < (pos + 1) // ratio:
+                    v = W + k
+            elif k < len(sel) and sel[k] >= 0:
+                v = W + sel[k]
+        out.append(v)
+    return np.array(out, np.int32)
+
+
+@pytest.mark.parametrize("W", [4, 8])
+def test_step_candidates_equal_build_cand(W):
+    rng = np.random.default_rng(W)
+    for pos in range(0, 70):
+        assert np.array_equal(HM.step_candidates(pos, W, 0, W), _build_cand(pos, W, 0, W))
+        for r, n in ((16, 80 // 16), (4, 80 // 4)):   # HCA: K = W + the rows of msl 80
+            assert np.array_equal(HM.step_candidates(pos, W, r, W + n), _build_cand(pos, W, r, W + n))
+        nv, width = (pos + 1) // 4, 6                    # CSA: the selection, -1 padded
+        sel = HM.index_rule(_bits(rng.standard_normal(max(nv, 1))), nv, width, width)
+        assert np.array_equal(HM.step_candidates(pos, W, 4, W + width, sel),
+                              _build_cand(pos, W, 4, W + width, list(sel)))
+
+
+def test_sel_width_is_the_step_plans():
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu import step
+    cfg = preset("tiny")
+    csa = [l for l in range(cfg.num_hidden_layers) if cfg.attn_kind(l) == "csa"]
+    for msl in (3, 64, 1024, 65536):
+        p = step.step_ws_plan(cfg, csa, False, True, msl)
+        assert tuple(p.slot("idx.sel").shape) == (HM.sel_width(cfg.index_topk, msl),)
+        assert tuple(p.slot("dev.head_pre").shape) == (1, cfg.hc_mult)
+        assert HM.sel_width(cfg.index_topk, msl) == min(cfg.index_topk, max(1, msl // 4))
+
+
+def test_one_token_dispatch_decision():
+    from memra_dsv4.gpu.decode import one_token_dispatch
+    assert one_token_dispatch(1, None, False, True) is True
+    for S in (1, 2, 64):                 # prefills, prefill_chunk, verify: never asked
+        assert one_token_dispatch(S, None, False, False) is False
+        assert one_token_dispatch(S, object(), True, False) is False
+    for args in ((2, None, False), (1, object(), False), (1, None, True)):
+        with pytest.raises(ValueError, match="one_token dispatch"):
+            one_token_dispatch(*args, True)
+
+
+def test_step_module_declares_hostmath_built():
+    from memra_dsv4.gpu import step
+    assert step.IMPLEMENTED and step.HOSTMATH_IMPLEMENTED and step.HOSTMATH_REASON == ""
+
+
+def test_decode_step_plumbing(monkeypatch):
+    """legacy decode_step asks forward_chunk for the one-token dispatch; device paths go to
+    device_step (fakes: no GPU)."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu import decode, step
+    from memra_dsv4.gpu.cache import DecodeState
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    m = object.__new__(Dsv4Gpu)
+    m.config, m.max_seq_len = preset("tiny"), 64
+    st = object.__new__(DecodeState)
+    st.owner, st.journal, st.pos, st.max_seq_len = m, None, 5, 64
+    seen = []
+    monkeypatch.setattr(decode, "forward_chunk",
+                        lambda model, state, ids, **kw: seen.append(("legacy", list(ids), kw)) or 1)
+    monkeypatch.setattr(step, "device_step",
+                        lambda model, state, tok: seen.append((model.decode_path, tok)) or 2)
+    m.decode_path = "legacy"
+    assert m.decode_step(st, 7) == 1
+    m.decode_path = "device-hostmath"
+    assert m.decode_step(st, 8) == 2
+    assert seen == [("legacy", [7], {"ph": "decode", "one_token": True}), ("device-hostmath", 8)]
