@@ -185,22 +185,26 @@ def test_copy_bandwidth_counts_read_plus_write():
 # ------------------------------------------------------------------ brackets on every GPU path
 # The list, per path: embed, each stage, each block split into attn / ffn, attention's
 # q / kv / compressor / indexer / sparse_attention / output, MoE's router / dispatch / experts /
-# combine, the boundary copy (2 stages), the head.  The device step has no dispatch (the expert
-# ids are read on the device); its projections of xn are one launch ("projections").
+# combine, the boundary copy (2 stages), the head.  The device step and legacy decode (the chunk
+# routine's one-token dispatch on the step's kernels) have no dispatch (the expert ids are read
+# on the device); the device step's projections of xn are one launch ("projections").
 _ATTN = ("q", "kv", "compressor", "indexer", "sparse_attention", "output")
 _MOE_CHUNK = ("router", "dispatch", "experts", "shared", "combine")
 _MOE_DEVICE = ("router", "experts", "shared", "combine")
 
 
-def _expected(prefix: str, n_stages: int, moe: tuple[str, ...]) -> set[str]:
+def _expected(prefix: str, n_stages: int, moe: tuple[str, ...],
+              chunk_routine: bool | None = None) -> set[str]:
     names = {f"{prefix}/stage0/embed", f"{prefix}/stage{n_stages - 1}/head"}
     for si in range(n_stages):
         b = f"{prefix}/stage{si}/block"
         names |= {f"{prefix}/stage{si}", b, f"{b}/attn", f"{b}/ffn"}
         names |= {f"{b}/attn/{a}" for a in _ATTN}
         names |= {f"{b}/ffn/moe/{m}" for m in moe}
+    if chunk_routine is None:
+        chunk_routine = moe is _MOE_CHUNK
     if n_stages > 1:   # the chunk routine brackets it between stages, the device step in stage0
-        names.add(f"{prefix}/boundary_copy" if moe is _MOE_CHUNK else f"{prefix}/stage0/boundary_copy")
+        names.add(f"{prefix}/boundary_copy" if chunk_routine else f"{prefix}/stage0/boundary_copy")
     return names
 
 
@@ -236,7 +240,8 @@ def test_every_gpu_path_brackets_its_phases(devices):
     times = phase_collect()
     n = len(devices)
     want = (_expected("prefill", n, _MOE_CHUNK) | _expected("verify", n, _MOE_CHUNK)
-            | _expected("decode", n, _MOE_CHUNK) | {"verify", "verify/rollback"})
+            | _expected("decode", n, _MOE_DEVICE, chunk_routine=True)   # legacy: one-token
+            | {"verify", "verify/rollback"})                            # dispatch, no dispatch
     dev_want = _expected("decode", n, _MOE_DEVICE) | {
         f"decode/stage{si}/block/attn/projections" for si in range(n)}
     missing = sorted((want | dev_want) - set(times))
