@@ -36,6 +36,11 @@ typedef long long i64;
 // scheduled once every CTA of this grid has passed this point (the grid is resident): its CTAs
 // park at their own wait, hiding the launch / drain gap between dependent kernels of a graph.
 #define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+// The one exception to "nothing before the wait": PDL_ENTRY_PREFETCH(stmt) runs stmt first, and
+// stmt may only issue L2 prefetch hints for memory no kernel of the step writes (the dense GEMVs'
+// weights: decode.cu gemv_*_prefetch); it loads and stores nothing, so it cannot observe or race
+// with the predecessor.  tools/pdl_entry.py accepts it as the opening statement.
+#define PDL_ENTRY_PREFETCH(...) do { __VA_ARGS__; PDL_ENTRY(); } while (0)
 
 namespace memra {
 

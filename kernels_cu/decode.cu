@@ -265,6 +265,44 @@ constexpr int GEMV_WARPS = GEMV_THREADS / 32;
 
 DEV int gemv_warp_id() { return (int)blockIdx.x * GEMV_WARPS + (int)(threadIdx.x >> 5); }
 
+// ------------------------------------------------- L2 prefetch of the weights before the PDL wait
+// A dense GEMV's weights are static: nothing of the step writes them, so a warp may ask for its
+// rows BEFORE griddepcontrol.wait (PDL_ENTRY_PREFETCH, common.cuh).  Under PDL this launch's CTAs
+// become resident while the predecessor still runs (the predecessor triggers right after its own
+// wait); in the device step the predecessor is usually a latency-bound kernel (hc_boundary,
+// rmsnorm, the attention combine, the router) that leaves HBM idle, so the weight stream of this
+// GEMV starts that much earlier.  cp.async.bulk.prefetch.L2 is a hint: no register, no shared
+// memory, no completion to wait for, and it changes no value this kernel computes (the loads
+// read the same bytes from L2 or HBM): the outputs are bit-identical with any budget.
+// memra_l2_prefetch_bytes (per module, per device; memra_dsv4/gpu/ops_decode.py sets it from the
+// seam MEMRA_DSV4_L2_PREFETCH; 0 = off) caps what one launch asks for: rows whose first byte lies
+// within the first `budget` bytes of their matrix.  A constant, read when a kernel runs, so a
+// captured graph follows a new value without a recapture.
+__constant__ u64 memra_l2_prefetch_bytes;
+
+namespace {
+// lane 0: prefetch `bytes` from p into L2 (16-byte aligned spans only; others are skipped)
+DEV void l2_prefetch_span(const void* p, u64 bytes) {
+    if (bytes == 0 || (reinterpret_cast<u64>(p) & 15) || (bytes & 15) || bytes >= (1ull << 32)) return;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)bytes) : "memory");
+}
+
+// rows [o0, o0 + n) of a [*, K] weight of row size rowb, if they start within the budget
+DEV void l2_prefetch_rows(const void* W, i64 o0, int n, u64 rowb) {
+    const u64 budget = memra_l2_prefetch_bytes;
+    if (n <= 0 || (u64)o0 * rowb >= budget) return;
+    l2_prefetch_span(reinterpret_cast<const u8*>(W) + o0 * rowb, (u64)n * rowb);
+}
+
+// gemv_rows' warp: rows [w R, w R + R) of W
+template <bool FP8, int R>
+DEV void gemv_rows_prefetch(const void* W, int O, int K) {
+    if ((threadIdx.x & 31) != 0) return;
+    const i64 o0 = (i64)gemv_warp_id() * R;
+    if (o0 < O) l2_prefetch_rows(W, o0, min(R, O - (int)o0), (u64)K * (FP8 ? 1 : 2));
+}
+}  // namespace
+
 // gemv_bf16 body: warp w computes rows [w R, w R + R) (rows past O recompute row O - 1 and are
 // not stored).  R divides 128 and the first row is a multiple of R, so the R rows share one
 // e8m0 scale row; R divides rows_per_group (the wrapper picks R so), so they share one x.
@@ -296,7 +334,8 @@ DEV void gemv_rows(const void* __restrict__ W, const u8* __restrict__ S, int ld_
 #define GEMV_ROWS_KERNEL(NAME, FP8, R, T, MINB)                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
-         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) { PDL_ENTRY();                   \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                    \
+        PDL_ENTRY_PREFETCH(gemv_rows_prefetch<FP8, R>(W, O, K));                                   \
         gemv_rows<FP8, R, T>(W, S, ld_s, x, y, O, K, rows_per_group, out_bf16);                    \
     }
 GEMV_ROWS_KERNEL(gemv_bf16_r1, false, 1, 1, GEMV_MINB)
@@ -360,6 +399,19 @@ DEV void store_seg_rows(const GemvSeg& g, int n, int r0, const int* __restrict__
     }
 }
 
+// gemv_multi_rows' warp: its R rows of its segment (the table is static device memory)
+template <int R>
+DEV void gemv_multi_prefetch(const GemvSeg* __restrict__ segs, int nseg, int K) {
+    if ((threadIdx.x & 31) != 0) return;
+    const int w = gemv_warp_id();
+    if (w >= segs[nseg].warp0) return;
+    int s = 0;
+    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    const GemvSeg& g = segs[s];
+    const int n = segs[s + 1].row0 - g.row0, r0 = (w - g.warp0) * R;
+    if (r0 < n) l2_prefetch_rows(g.w, r0, min(R, n - r0), (u64)K * (g.scale != nullptr ? 1 : 2));
+}
+
 template <int R, int T8>
 DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x,
                          int K, const int* __restrict__ pos) {
@@ -392,6 +444,17 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
 
 // The shared expert's first half for outputs [w P, w P + P): rows of W1 and of W3 in one
 // warp_rows_dot (2P rows; the first P use W1's scale row, the rest W3's).
+// gemv_swiglu_rows' warp: its P rows of W1 and of W3
+template <int P>
+DEV void gemv_swiglu_prefetch(const void* W1, const void* W3, bool fp8, int O, int K) {
+    if ((threadIdx.x & 31) != 0) return;
+    const i64 o0 = (i64)gemv_warp_id() * P;
+    if (o0 >= O) return;
+    const u64 rowb = (u64)K * (fp8 ? 1 : 2);
+    l2_prefetch_rows(W1, o0, min(P, O - (int)o0), rowb);
+    l2_prefetch_rows(W3, o0, min(P, O - (int)o0), rowb);
+}
+
 template <int P, int T8>
 DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1,
                           const void* __restrict__ W3, const u8* __restrict__ S3, int ld_s,
@@ -436,7 +499,8 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
 #define GEMV_MULTI_KERNEL(NAME, R, T8, MINB)                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
-         const int* __restrict__ pos) { PDL_ENTRY();                                                            \
+         const int* __restrict__ pos) {                                                             \
+        PDL_ENTRY_PREFETCH(gemv_multi_prefetch<R>(segs, nseg, K));                                 \
         gemv_multi_rows<R, T8>(segs, nseg, x, K, pos);                                             \
     }
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, GEMV_MINB)
@@ -449,7 +513,8 @@ GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
          const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
-         int O, int K, double limit) { PDL_ENTRY();                                                             \
+         int O, int K, double limit) {                                                              \
+        PDL_ENTRY_PREFETCH(gemv_swiglu_prefetch<P>(W1, W3, S1 != nullptr, O, K));                  \
         gemv_swiglu_rows<P, T8>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                          \
     }
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)

@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -126,6 +126,13 @@ SEAM_DECODE_ATTN = Seam(
     "combine kernel) or `fused` (attention.sparse_attention_decode: candidates in-kernel, the "
     "split-K partials merged by the last CTAs through ticket counters, one launch); the two are "
     "bit-identical.")
+SEAM_L2_PREFETCH = Seam(
+    "l2_prefetch", "MEMRA_DSV4_L2_PREFETCH", "off", ("off", "8", "16", "32", "64", "128"),
+    "L2 prefetch of the dense decode GEMVs' weights before their PDL wait (memra_dsv4.gpu."
+    "ops_decode.set_l2_prefetch, read once per model and printed; the device step applies it): "
+    "`off`, or how many MB at the start of each weight matrix a GEMV launch asks the L2 for "
+    "(cp.async.bulk.prefetch.L2) while its predecessor still runs. A hint: bit-identical outputs "
+    "with every value.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -161,7 +168,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_KERNELS_DIR,
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_L2_PREFETCH, SEAM_KERNELS_DIR,
     SEAM_REQUIRE_PARITY)}
 
 

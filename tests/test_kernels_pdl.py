@@ -43,12 +43,15 @@ def test_rule_checker_finds_and_fixes_plain_templated_and_macro_kernels():
         '        y[0] = 1.0f;                                  \\\n'
         '    }\n'
         'extern "C" __global__ void ok(float* y) {\n    /* why */ PDL_ENTRY();\n    y[0] = 0;\n}\n'
+        'extern "C" __global__ void pf(const float* w, float* y) {\n'
+        '    PDL_ENTRY_PREFETCH(hint(w));\n    y[0] = 0;\n}\n'
+        'extern "C" __global__ void late(float* y) {\n    y[0] = 0; PDL_ENTRY_PREFETCH(hint(y));\n}\n'
         '__global__ void declared_only(float* y);\n')
     names = [n for n, _ in pdl_entry.violations(src)]
-    assert names == ["plain", "templ", "NAME"], names
+    assert names == ["plain", "templ", "NAME", "late"], names   # pf: the prefetch form opens it
     fixed = pdl_entry.fix(src)
     assert pdl_entry.violations(fixed) == []
-    assert fixed.count("PDL_ENTRY();") == 4
+    assert fixed.count("PDL_ENTRY();") == 5
     assert pdl_entry.fix(fixed) == fixed                       # idempotent
     assert "{ PDL_ENTRY();       \\\n" in fixed                  # the macro line keeps its continuation
 
@@ -86,3 +89,12 @@ def test_context_nests_and_restores():
         with pdl.pdl_launches(True):
             raise RuntimeError("boom")
     assert not pdl.pdl_active()
+
+
+def test_l2_prefetch_budget_parsing():
+    from memra_dsv4.gpu import ops_decode as DK
+    assert DK.l2_prefetch_bytes("off") == 0 and DK.l2_prefetch_bytes(None) == 0
+    assert DK.l2_prefetch_bytes("32") == 32 << 20 and DK.l2_prefetch_bytes(8) == 8 << 20
+    for bad in ("lots", "-1", "1.5", "5000"):
+        with pytest.raises(ValueError, match="l2_prefetch"):
+            DK.l2_prefetch_bytes(bad)

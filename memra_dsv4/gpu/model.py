@@ -64,7 +64,8 @@ class Dsv4Gpu:
                  force_bounce: bool = False, max_seq_len: int | None = None,
                  decode_path: str | None = None, pdl: str | None = None,
                  prefill_attn: str | None = None, decode_attn: str | None = None,
-                 prefill_moe: str | None = None, prefill_pipeline: str | None = None) -> None:
+                 prefill_moe: str | None = None, prefill_pipeline: str | None = None,
+                 l2_prefetch: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -92,6 +93,8 @@ class Dsv4Gpu:
             "PREFILL_MOE", prefill_moe, "prefill routed experts")
         self.prefill_pipeline = _resolve_announced(            # read once, printed (gpu.pipeline)
             "PREFILL_PIPELINE", prefill_pipeline, "prefill pipelined over the stages")
+        self.l2_prefetch = _resolve_announced(                 # read once, printed (step_device)
+            "L2_PREFETCH", l2_prefetch, "device-step L2 prefetch of dense GEMV weights (MB)")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -116,7 +119,8 @@ class Dsv4Gpu:
              max_seq_len: int | None = None, decode_path: str | None = None,
              dense: str | None = None, pdl: str | None = None,
              prefill_attn: str | None = None, decode_attn: str | None = None,
-             prefill_moe: str | None = None, prefill_pipeline: str | None = None) -> "Dsv4Gpu":
+             prefill_moe: str | None = None, prefill_pipeline: str | None = None,
+             l2_prefetch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -132,7 +136,8 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline)
+                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
+                   l2_prefetch=l2_prefetch)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -140,7 +145,8 @@ class Dsv4Gpu:
                   decode_path: str | None = None, dense: str | None = None,
                   pdl: str | None = None, prefill_attn: str | None = None,
                   decode_attn: str | None = None, prefill_moe: str | None = None,
-                  prefill_pipeline: str | None = None) -> "Dsv4Gpu":
+                  prefill_pipeline: str | None = None,
+                  l2_prefetch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -156,7 +162,8 @@ class Dsv4Gpu:
             bar.close()
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
-                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline)
+                   prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
+                   l2_prefetch=l2_prefetch)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

@@ -56,6 +56,43 @@ GEMV_VARIANT_ENV = "MEMRA_DSV4_GEMV_VARIANT"
 _SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small" (<= 16 MB bf16)
 
 
+# L2 prefetch before the PDL wait (decode.cu memra_l2_prefetch_bytes; seam MEMRA_DSV4_L2_PREFETCH)
+L2_PREFETCH_SYMBOL = "memra_l2_prefetch_bytes"
+_l2_prefetch_set: dict = {}    # (device, id(module)) -> bytes last written to its constant
+
+
+def l2_prefetch_bytes(value) -> int:
+    """Seam value (``off`` or MB as text / int) -> bytes; ValueError naming the value otherwise."""
+    if value in (None, "off", 0, "0"):
+        return 0
+    try:
+        mb = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"l2_prefetch = {value!r}: expected 'off' or a whole number of MB") from None
+    if not 0 <= mb <= 4096:
+        raise ValueError(f"l2_prefetch = {value!r} MB: expected 0..4096")
+    return mb << 20
+
+
+def set_l2_prefetch(device_id: int, value) -> int:
+    """Write the prefetch budget (bytes per weight matrix and launch) into ``device_id``'s
+    decode module constant; a no-op when it already holds it.  A synchronous host-to-device copy
+    outside any stream capture (the kernels read the constant when they run, so captured graphs
+    follow it).  Returns the bytes."""
+    nbytes = l2_prefetch_bytes(value)
+    mod = kernel_loader.get_loader(device_id).module(STEM)   # a rebuilt module starts at 0
+    key = (device_id, id(mod))
+    if _l2_prefetch_set.get(key) == nbytes:
+        return nbytes
+    import cupy as cp
+    with cp.cuda.Device(device_id):
+        ptr = mod.get_global(L2_PREFETCH_SYMBOL)
+        host = np.array([nbytes], dtype=np.uint64)
+        cp.cuda.runtime.memcpy(ptr.ptr, host.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
+    _l2_prefetch_set[key] = nbytes
+    return nbytes
+
+
 def gemv_default_variant(fp8: bool, K: int) -> tuple:
     """(R, T) of a gemv_bf16 launch: 8 KB of weights in flight per warp in every case (decode.cu
     GEMV_MINB): bf16 4 rows x 4 chunks x 16 B x 32 lanes; FP8 8 rows x 4 x 8 B, or, for rows of

@@ -139,6 +139,9 @@ class DeviceStep:
                 rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
                                rt.memcpyHostToDevice, S.stream.ptr)
         self._ensure_tables(state)
+        from memra_dsv4.gpu.ops_decode import set_l2_prefetch
+        for S in self.stages:   # the GEMVs' prefetch budget (a constant: graphs follow it)
+            set_l2_prefetch(S.dev, getattr(self.m, "l2_prefetch", "off"))
         pdl_on = getattr(self.m, "pdl", "off") == "on"
         if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
             graph, pdl_on = False, False
@@ -431,6 +434,15 @@ class DeviceStep:
         xn = v["xn"].reshape(1, D)
         logits = v["moe.logits"].reshape(1, E)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
+        # Launch order (bit-identical to any other: the five are independent until the combine):
+        # shared SwiGLU, router, shared w2, routed gate/up, down + combine.  Each dense GEMV
+        # then follows a latency-bound kernel (hc_boundary, the router) that leaves HBM idle,
+        # and asks the L2 for its weights before its PDL wait (seam MEMRA_DSV4_L2_PREFETCH,
+        # decode.cu gemv_*_prefetch) while that kernel runs.
+        sh = v["moe.sh_h"]
+        with phase(f"{mp}/shared"):   # the SwiGLU half (w2 after the router)
+            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+            DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
         with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
             if self.hostmath:   # logits on the device, the selection on the host
                 from memra_dsv4.gpu import hostmath as HM
@@ -442,17 +454,14 @@ class DeviceStep:
                          else dict(bias=L.w("ffn.gate.bias")))
                 RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor, logits=logits,
                          scores=v["moe.scores"].reshape(1, E), idx=ids, weights=wts, **route)
+        with phase(f"{mp}/shared"):
+            w, sc = L.lin("ffn.shared_experts.w2")
+            DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
         h = v["moe.h"]
         with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
             EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
                                L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit,
                                out=h, x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
-        sh = v["moe.sh_h"]
-        with phase(f"{mp}/shared"):
-            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
-            DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
-            w, sc = L.lin("ffn.shared_experts.w2")
-            DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
         with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"].reshape(1, D),
