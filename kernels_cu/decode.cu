@@ -44,6 +44,10 @@
 
 using namespace memra;
 
+// The dense GEMVs' L2 prefetch budget (see "L2 prefetch of the weights before the PDL wait"
+// below); at file scope with C linkage: the host finds it by this name (cuModuleGetGlobal).
+extern "C" { __constant__ u64 memra_l2_prefetch_bytes; }
+
 namespace {
 
 // 8 stored e4m3 bytes -> 8 f32 (exact: every e4m3 value is a normal f16, hardware converts:
@@ -278,8 +282,6 @@ DEV int gemv_warp_id() { return (int)blockIdx.x * GEMV_WARPS + (int)(threadIdx.x
 // seam MEMRA_DSV4_L2_PREFETCH; 0 = off) caps what one launch asks for: rows whose first byte lies
 // within the first `budget` bytes of their matrix.  A constant, read when a kernel runs, so a
 // captured graph follows a new value without a recapture.
-__constant__ u64 memra_l2_prefetch_bytes;
-
 namespace {
 // lane 0: prefetch `bytes` from p into L2 (16-byte aligned spans only; others are skipped)
 DEV void l2_prefetch_span(const void* p, u64 bytes) {
