@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -133,6 +133,12 @@ SEAM_L2_PREFETCH = Seam(
     "`off`, or how many MB at the start of each weight matrix a GEMV launch asks the L2 for "
     "(cp.async.bulk.prefetch.L2) while its predecessor still runs. A hint: bit-identical outputs "
     "with every value.")
+SEAM_DECODE_FORK = Seam(
+    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "off", ("off", "on"),
+    "Graph branches in the `device` decode step (memra_dsv4.gpu.step_device, read once per "
+    "model and printed): `on` captures each attention sub-layer's kv norm, indexer and "
+    "compressor launches on a side stream beside the wq_b GEMV (fork / join events; the eager "
+    "step stays on one stream), `off` one stream. Bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -168,7 +174,7 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_L2_PREFETCH, SEAM_KERNELS_DIR,
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_KERNELS_DIR,
     SEAM_REQUIRE_PARITY)}
 
 

@@ -65,7 +65,7 @@ class Dsv4Gpu:
                  decode_path: str | None = None, pdl: str | None = None,
                  prefill_attn: str | None = None, decode_attn: str | None = None,
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
-                 l2_prefetch: str | None = None) -> None:
+                 l2_prefetch: str | None = None, decode_fork: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -95,6 +95,8 @@ class Dsv4Gpu:
             "PREFILL_PIPELINE", prefill_pipeline, "prefill pipelined over the stages")
         self.l2_prefetch = _resolve_announced(                 # read once, printed (step_device)
             "L2_PREFETCH", l2_prefetch, "device-step L2 prefetch of dense GEMV weights (MB)")
+        self.decode_fork = _resolve_announced(                 # read once, printed (step_device)
+            "DECODE_FORK", decode_fork, "device-step attention graph branches")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -120,7 +122,8 @@ class Dsv4Gpu:
              dense: str | None = None, pdl: str | None = None,
              prefill_attn: str | None = None, decode_attn: str | None = None,
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
-             l2_prefetch: str | None = None) -> "Dsv4Gpu":
+             l2_prefetch: str | None = None,
+             decode_fork: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -137,7 +140,7 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch)
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -146,7 +149,8 @@ class Dsv4Gpu:
                   pdl: str | None = None, prefill_attn: str | None = None,
                   decode_attn: str | None = None, prefill_moe: str | None = None,
                   prefill_pipeline: str | None = None,
-                  l2_prefetch: str | None = None) -> "Dsv4Gpu":
+                  l2_prefetch: str | None = None,
+             decode_fork: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -163,7 +167,7 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch)
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

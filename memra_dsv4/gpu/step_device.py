@@ -61,6 +61,7 @@ class _Stage:
 class DeviceStep:
     def __init__(self, model, max_seq_len: int) -> None:
         import cupy as cp
+        from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.arena import Arena
         from memra_dsv4.gpu.step import step_ws_plan
 
@@ -73,6 +74,7 @@ class DeviceStep:
         # device-hostmath: the same launches except the four islands (gpu.hostmath), eager
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
+        self._forking = False   # True while capturing with the attention fork (_attention)
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -88,6 +90,10 @@ class DeviceStep:
                 assert len(S.ratios) <= 4, f"stage {si}: ratios {S.ratios} (at most 4)"
                 S.host = np.zeros(2, np.int32)
                 S.event = cp.cuda.Event(disable_timing=True)
+                # the attention fork (seam MEMRA_DSV4_DECODE_FORK, graphs only): a side stream
+                # and its fork / join events, made before any capture
+                S.side = cp.cuda.Stream(non_blocking=True)
+                S.fork = graphs.Fork(S.stream, S.side)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
                     from memra_dsv4.gpu.hostmath import HostIO
@@ -147,9 +153,11 @@ class DeviceStep:
             graph, pdl_on = False, False
             self._tok, self._pos = int(token), pos
         if graph:
+            fork = self.fork_form()
             gs = self._graphs.get(id(state))
-            if gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn:
-                gs = (state, self._capture(state, pdl_on, attn), pdl_on, attn)
+            if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
+                    or gs[4] != fork):
+                gs = (state, self._capture(state, pdl_on, attn, fork), pdl_on, attn, fork)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -175,6 +183,14 @@ class DeviceStep:
             logits = cp.asnumpy(last.v["head.logits"])
         state.pos = pos + 1
         return logits
+
+    def fork_form(self) -> str:
+        """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; "off" when the model has none),
+        validated: "on" captures the attention sub-layer's kv / indexer / compressor launches on
+        a side stream beside wq_b (graphs only; the eager step stays one stream)."""
+        from memra_dsv4.seams import SEAM_DECODE_FORK
+        value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
+        return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
 
     def attn_form(self) -> str:
         """The decode attention form of the next step: ``model.decode_attn`` (seam
@@ -221,10 +237,11 @@ class DeviceStep:
         return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
-    def _capture(self, state, pdl_on: bool = False, attn: str = "split"):
+    def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
-        ``attn`` the decode attention form ("split" / "fused")."""
+        ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
+        sub-layer's kv / indexer / compressor launches on the stage's side stream (_attention)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -237,10 +254,12 @@ class DeviceStep:
         phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
         try:
             for S in self.stages:
+                self._forking = fork == "on"
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
         finally:
             phase_set_capturing(was)
+            self._forking = False
         return out
 
     # ------------------------------------------------------------------ launches
@@ -389,23 +408,43 @@ class DeviceStep:
             DK.gemv_bf16_multi(table, v["xn"], pos)
         with phase(f"{ap}/q"):
             RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
-            w, sc = L.lin("attn.wq_b")
-            DK.gemv_bf16(w, qr, q, scale=sc)
-            RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
-        kvraw = v["dev.kvraw"].reshape(1, hd)
-        with phase(f"{ap}/kv"):  # norm + RoPE + FP8 sim straight into ring row pos % W
-            CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos, "fp8",
-                             out=cache.ring, emit_gate=(pos, W), row="ring")
-        sel, K = None, W
-        if L.ratio:
-            if L.kind == "csa":
-                with phase(f"{ap}/indexer"):
-                    sel = self._indexer(S, L, cache)
-                K = W + sel.size
-            else:
-                K = W + cache.comp.shape[0]
-            with phase(f"{ap}/compressor"):
-                self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
+
+        def q_path():
+            with phase(f"{ap}/q"):
+                w, sc = L.lin("attn.wq_b")
+                DK.gemv_bf16(w, qr, q, scale=sc)
+                RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+
+        def kv_path():   # reads xn's projections (multi) and the normed qr (indexer), not q
+            kvraw = v["dev.kvraw"].reshape(1, hd)
+            with phase(f"{ap}/kv"):  # norm + RoPE + FP8 sim straight into ring row pos % W
+                CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos,
+                                 "fp8", out=cache.ring, emit_gate=(pos, W), row="ring")
+            sel, K = None, W
+            if L.ratio:
+                if L.kind == "csa":
+                    with phase(f"{ap}/indexer"):
+                        sel = self._indexer(S, L, cache)
+                    K = W + sel.size
+                else:
+                    K = W + cache.comp.shape[0]
+                with phase(f"{ap}/compressor"):
+                    self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
+            return sel, K
+
+        if self._forking:
+            # Captured as two graph branches: wq_b (a bandwidth-bound GEMV) beside the
+            # latency-bound kv / indexer / compressor launches; they share no buffer, so the
+            # values are those of the one-stream order.  The join makes the attention wait for
+            # both.
+            S.fork.fork()
+            with S.side:
+                sel, K = kv_path()
+            q_path()
+            S.fork.join()
+        else:
+            q_path()
+            sel, K = kv_path()
         o = v["attn.o"].reshape(1, H, hd)
         sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
         with phase(f"{ap}/sparse_attention"):

@@ -1,0 +1,51 @@
+"""The attention fork of the device step (seam MEMRA_DSV4_DECODE_FORK, step_device._attention):
+with ``on`` each attention sub-layer's kv norm / indexer / compressor launches are captured on a
+side stream beside wq_b.  The branches share no buffer, so the step must give the same bits as
+the one-stream graph.  Checked on tiny (1 stage; CSA and HCA layers, 14 steps after a 5-token
+prefill: CSA emits and the window wrap) and on small over 2 stages when 2 GPUs are present: the
+two arms interleaved step by step, logits and every cache byte equal; and the eager step (which
+never forks) equals the forked graph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+def _run_arms(name, devices, steps=14, prompt=5):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    from memra_dsv4.gpu.step import device_step
+    if cp.cuda.runtime.getDeviceCount() < len(devices):
+        pytest.skip(f"needs {len(devices)} GPUs")
+    ck, m = _model(name, devices, "device")
+    ids = _ids(ck.config, prompt + steps + 1, seed=11)
+    arms = ("off", "on", "eager")
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    old = getattr(m, "decode_fork", "off")
+    try:
+        for i, t in enumerate(ids[prompt:prompt + steps]):
+            got = {}
+            for a in arms:
+                m.decode_fork = "on" if a == "on" else "off"
+                got[a] = device_step(m, states[a], int(t), graph=a != "eager")
+            for a in ("on", "eager"):
+                assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
+                    f"{name}: step {i} (pos {prompt + i}): logits of {a} differ from the one-stream graph"
+        ref = states["off"].snapshot()
+        for a in ("on", "eager"):
+            sa = states[a].snapshot()
+            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            assert not diff, f"{name}: caches of {a} differ from the one-stream graph: {diff}"
+    finally:
+        m.decode_fork = old
+
+
+def test_fork_graph_bit_identical_tiny():
+    _run_arms("tiny", (0,))
+
+
+@pytest.mark.multi_gpu
+def test_fork_graph_bit_identical_small_two_stages():
+    _run_arms("small", (0, 1), steps=8, prompt=30)
