@@ -386,3 +386,79 @@ DEV void compress_emit_body(const int* __restrict__ pos, int r, int ovl, float* 
 COMPRESS_EMIT(compress_emit_fp8_d512, 512, 8, SIM_FP8)
 COMPRESS_EMIT(compress_emit_fp8_d128, 128, 4, SIM_FP8)
 COMPRESS_EMIT(compress_emit_hadfp4_d128, 128, 4, SIM_HAD_FP4)
+
+// ----------------------------------------------------------------------------------------------
+// The chunk routine's rmsnorm (+ RoPE) in two launches instead of ~25 CuPy ops, bit-identical to
+// the CuPy chain it replaces (ops_glue.rope(ops_glue.rmsnorm(x, w, eps), cos, sin), optionally on
+// ops_glue.store(x)), which stays callable as the reference (ops_glue.rmsnorm / rope).  Why not
+// norm_rope_sim_* above: their row statistic is a block reduction in its own order, the chain's is
+// cupy.mean's; the two agree except in rare last-bit ties, and the chunk routine's contract is
+// "the same bits as before".  So the statistic stays cupy.mean over the SAME [n, D] float64 array
+// of squares (chain_sq writes it: same shape, same values, so CuPy picks the same reduction), and
+// chain_rms_rope does every elementwise step after it with the chain's operations:
+//   r = 1.0 / sqrt(mean + eps)                         (double: add, sqrt, div, as cupy's ufuncs)
+//   c = store((float)(w * (x * r)))                    (double muls in the chain's grouping)
+//   rope pairs (a, b) of the last 2P dims, position = the row:
+//     re = a*c - b*s, im = a*s + b*c in double (explicit _rn: no FMA contraction, which the
+//     chain's separate kernels never get), (float), store
+// "store" is ops_glue's RNE formula u += 0x7FFF + ((u >> 16) & 1) verbatim (no NaN special case,
+// unlike f32_to_bf16: the chain's bits for every input); "(float)" is a plain conversion, the
+// instruction cupy's astype emits (both compiled by NVRTC with CuPy's -ftz=true).
+// Layout: x [n, ld_x] f32 rows; sq [n, D] f64 contiguous; mean [n] f64; w [D] bf16 bits;
+// cos/sin [n, P] f32 (row t = row t's angles); out [n, ld_out] bf16 bits.  One thread per element
+// pair (D even; D - 2P even), grid-stride, block 256.
+namespace {
+
+DEV u32 chain_rne(float f) {  // ops_glue._RNE
+    const u32 u = __float_as_uint(f);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+DEV float chain_store(float f) { return __uint_as_float(chain_rne(f) << 16); }
+
+DEV double chain_load(const float* x, i64 off, int pre_store) {
+    const float v = x[off];
+    return (double)(pre_store ? chain_store(v) : v);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256)
+chain_sq(const float* __restrict__ x, int ld_x, int pre_store, double* __restrict__ sq, int n, int D) { PDL_ENTRY();
+    const i64 total = (i64)n * D;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 row = i / D;
+        const int c = (int)(i - row * D);
+        const double v = chain_load(x, row * ld_x + c, pre_store);
+        sq[i] = __dmul_rn(v, v);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+chain_rms_rope(const float* __restrict__ x, int ld_x, int pre_store, const double* __restrict__ mean,
+               const u16* __restrict__ w, double eps, const float* __restrict__ cos_t,
+               const float* __restrict__ sin_t, int P, u16* __restrict__ out, int ld_out, int n, int D) { PDL_ENTRY();
+    const int half = D >> 1;
+    const i64 total = (i64)n * half;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 row = i / half;
+        const int c0 = 2 * (int)(i - row * half);
+        const double r = __ddiv_rn(1.0, sqrt(__dadd_rn(mean[row], eps)));
+        float y[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const double v = chain_load(x, row * ld_x + c0 + j, pre_store);
+            const double wd = (double)bf16_to_f32(w[c0 + j]);
+            y[j] = chain_store((float)__dmul_rn(wd, __dmul_rn(v, r)));
+        }
+        if (c0 >= D - 2 * P) {  // a rope pair (ops_glue.rope: interleaved pairs on the last 2P dims)
+            const int p = (c0 - (D - 2 * P)) >> 1;
+            const double a = y[0], b = y[1];
+            const double cc = cos_t[row * P + p], ss = sin_t[row * P + p];
+            y[0] = (float)__dsub_rn(__dmul_rn(a, cc), __dmul_rn(b, ss));
+            y[1] = (float)__dadd_rn(__dmul_rn(a, ss), __dmul_rn(b, cc));
+        }
+        // rope's final store(out) (also over the nope dims: store(store(v)) == store(v))
+        out[row * ld_out + c0] = (u16)chain_rne(y[0]);
+        out[row * ld_out + c0 + 1] = (u16)chain_rne(y[1]);
+    }
+}

@@ -325,6 +325,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["compressor"].pool_overlap(st[4:8], st[4:8], 1, prev_kv=st[0:4], prev_score=st[0:4])
     M["compressor"].pool_overlap(f32(8, 32), f32(8, 32), 2)
     M["compressor"].pool_plain(f32(8, 16), f32(8, 16), 4, 2)
+    f64 = lambda *s: A(np.zeros(s, np.float64))
+    M["compressor"].chain_squares(f32(5, 512)[1:4], pre_store=True)
+    M["compressor"].chain_rms_rope(f32(3, 512), f64(3, 1), u16(512), 1e-6, f32(3, 32), f32(3, 32))
+    M["compressor"].chain_rms_rope(f32(3, 1536), f64(3), u16(1536), 1e-6, out=u16(4, 1536)[1:4])
     for D, mode in ((512, "fp8"), (128, "fp8"), (128, "hadfp4")):
         M["compressor"].norm_rope_sim(f32(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode)
         M["compressor"].norm_rope_sim(u16(2, D), f32(D), 1e-6, f32(10, 32), f32(10, 32), i32(2), mode,

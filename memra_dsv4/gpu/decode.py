@@ -98,7 +98,17 @@ def _cp():
 
 class ChunkBlock:
     """One trunk block over a chunk at positions p0.. against the layer's cache.  Reuses the
-    prefill block's helpers (linear, hc_pre, rope tables, MoE) of memra_dsv4.gpu.model._Block."""
+    prefill block's helpers (linear, hc_pre, rope tables, MoE) of memra_dsv4.gpu.model._Block.
+
+    ``fused`` (class attribute, default True): the attention sub-layer's host-lean form, the
+    same bits as the CuPy chains it replaces (False runs those chains; tests compare the two in
+    one process): the norms (+ RoPE) as ops_glue.rmsnorm_rope_bits, the KV / compressed-entry
+    FP8 and FP4 simulations as quant_sim.cu's in-place kernels on the bf16 bits, the pooling as
+    compressor.cu's pool kernels (the chain's double routine in its candidate order), ape as
+    compress_add_ape, attention's input as the bf16 bits (every GEMM rounds f32 inputs to those
+    same bits), and the chunk's index arrays made once per chunk (Dsv4Gpu.chunk_memo)."""
+
+    fused = True
 
     def __init__(self, model, st, layer: int, ph: str) -> None:
         from memra_dsv4.gpu.model import _Block
@@ -122,7 +132,8 @@ class ChunkBlock:
         with phase(f"{self.ph}/attn"):
             x, post, comb = self._hc_pre(sb, "attn")
             xn = RN.rmsnorm(x, b.w("attn_norm.weight"), eps)
-            a = self.attention(G.to_f32(xn), cache, p0, cap, journal)
+            # fused: the GEMMs take the bits as they are (f32 -> bf16 of a bf16 value is exact)
+            a = self.attention(xn if self.fused else G.to_f32(xn), cache, p0, cap, journal)
             s1 = HC.hc_post(G.bf16_bits(a), sb, post, comb)
         if cap is not None:
             cap.update({"hc_attn.x": G.to_f32(x), "hc_attn.post": post, "hc_attn.comb": comb,
@@ -144,7 +155,8 @@ class ChunkBlock:
         cp = _cp()
         b, cfg = self.b, self.cfg
         fn = b.w(f"hc_{sub}_fn")
-        fn = cp.ascontiguousarray(fn.astype(cp.float32).reshape(fn.shape[0], -1))
+        fn = cp.ascontiguousarray(fn.astype(cp.float32, copy=not self.fused)
+                                  .reshape(fn.shape[0], -1))   # f32 already: no copy needed
         return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                          norm_eps=cfg.rms_norm_eps, n_split=1)
@@ -308,25 +320,58 @@ class ChunkBlock:
         S = x.shape[0]
         a = b.lin(x, f"{sub}.wkv.weight", "f32")
         zg = b.lin(x, f"{sub}.wgate.weight", "f32")
-        pos = cp.arange(p0, p0 + S, dtype=cp.int64)
-        z = (zg + b.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
-        A, Z, nb, b0 = closing_blocks(cs.kv, cs.score, a, z, p0, r)
+        if self.fused:   # z = f32(zg + ape[pos % r]) in place: compress_add_ape's one f32 add
+            pos_d = b.m.chunk_memo(("pos32", p0, S),
+                                   lambda: cp.arange(p0, p0 + S, dtype=cp.int32))
+            z = CM.add_ape(zg, b.w(f"{sub}.ape"), pos_d)
+        else:
+            pos = cp.arange(p0, p0 + S, dtype=cp.int64)
+            z = (zg + b.w(f"{sub}.ape")[pos % r]).astype(cp.float32)
+        if self.fused and p0 % r == 0:   # no pending token: closing_blocks' rows are a / z's own
+            nb, b0 = S // r, p0
+            A, Z = a[:nb * r], z[:nb * r]   # read only below (the pool kernels), like its copies
+        else:
+            A, Z, nb, b0 = closing_blocks(cs.kv, cs.score, a, z, p0, r)
         d = cfg.index_head_dim if indexer else cfg.head_dim
         if nb == 0:
             return cp.zeros((0, d), dtype=cp.float32), a, z
+        kpos = b0 + r * np.arange(nb, dtype=np.int64)
+        cos, sin = b.rope_tables(kpos)
+        if self.fused:
+            return self._entries_fused(A, Z, nb, cs, sub, cos, sin, indexer), a, z
         if cs.overlap:
             pa, pz = cs.prev_rows()
             ac, zc = candidates_with_prev(A, Z, pa, pz)
         else:
             ac, zc = G.compress_candidates(A, Z, r)
         pooled = G.compress_pool(ac, zc)
-        kpos = b0 + r * np.arange(nb, dtype=np.int64)
-        cos, sin = b.rope_tables(kpos)
         c = G.rmsnorm(G.store(pooled), _f64(b.w(f"{sub}.norm.weight")), cfg.rms_norm_eps)
         c = G.rope(c, cos, sin)
         if indexer:
             return G.fp4_sim(G.hadamard(c), 32), a, z
         return G.kv_sim(c, cfg.qk_rope_head_dim), a, z
+
+    def _entries_fused(self, A, Z, nb: int, cs, sub: str, cos, sin, indexer: bool):
+        """compress_chunk's entries (f32 [nb, d], bf16-valued) from the closing rows A / Z, the
+        same bits as the chain (candidates + ops_glue.compress_pool, store, rmsnorm, rope, then
+        kv_sim or hadamard + fp4_sim): the pool kernels run the chain's double routine over the
+        same candidates in the same order (block 0's predecessor = the pending rows 0..r-1, as
+        candidates_with_prev); rmsnorm_rope_bits; quant_sim.cu's block simulations on the bits
+        (every step exact or one RNE: the chain's values on bf16-valued inputs).  The Hadamard
+        stays ops_glue.hadamard (a float64 cupy.matmul: its order is cuBLAS's)."""
+        from memra_dsv4.gpu import ops_glue as G
+        b, cfg = self.b, self.cfg
+        if cs.overlap:
+            pa, pz = cs.prev_rows()
+            pooled = CM.pool_overlap(A, Z, nb, prev_kv=pa, prev_score=pz)
+        else:
+            pooled = CM.pool_plain(A, Z, cs.ratio, nb)
+        cb = G.rmsnorm_rope_bits(pooled, b.w(f"{sub}.norm.weight"), cfg.rms_norm_eps, cos, sin,
+                                 pre_store=True)
+        if indexer:
+            hb = G.bf16_bits(G.hadamard(G.to_f32(cb)))
+            return G.to_f32(QS.fp4_sim(hb))
+        return G.to_f32(QS.kv_fp8_sim(cb, cfg.qk_rope_head_dim))
 
     # ---------------------------------------------------------------------- attention
     def attention(self, x, cache, p0: int, cap, journal=None):
@@ -344,18 +389,37 @@ class ChunkBlock:
         S = x.shape[0]
         W = cfg.sliding_window
         H, hd = cfg.num_attention_heads, cfg.head_dim
+        fused = self.fused
+        memo = b.m.chunk_memo
         pos = p0 + np.arange(S, dtype=np.int64)
         cos, sin = b.rope_tables(pos)
-        ridx = cp.arange(S, dtype=cp.int32)   # kernels: row t of cos / sin is position p0 + t
+        # kernels: row t of cos / sin is position p0 + t
+        ridx = memo(("ridx", S), lambda: cp.arange(S, dtype=cp.int32)) if fused else \
+            cp.arange(S, dtype=cp.int32)
         with phase(f"{self.ph}/attn/q"):
-            qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")), eps)
+            if fused:
+                qr = G.to_f32(G.rmsnorm_rope_bits(b.lin(x, "attn.wq_a.weight"),
+                                                  b.w("attn.q_norm.weight"), eps))
+            else:
+                qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")),
+                               eps)
             qb = G.bf16_bits(b.lin(qr, "attn.wq_b.weight", "f32")).reshape(S, H, hd)
             RN.head_rms(qb, eps, out=qb, rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/kv"):
-            kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")), eps)
-            kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
+            if fused:   # bits: norm + RoPE, then the FP8 simulation in place
+                kvb = G.rmsnorm_rope_bits(b.lin(x, "attn.wkv.weight"),
+                                          b.w("attn.kv_norm.weight"), eps, cos, sin)
+                kv = G.to_f32(QS.kv_fp8_sim(kvb, cfg.qk_rope_head_dim))
+            else:
+                kvb = None
+                kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")),
+                               eps)
+                kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
         h0 = max(0, p0 - W)
-        hist = G.to_f32(cache.ring[cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)])
+
+        def hist_rows():
+            return cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)
+        hist = G.to_f32(cache.ring[memo(("hist", p0, W), hist_rows) if fused else hist_rows()])
         def window_rows():   # window positions as rows of hist ++ kv (the chunk's layers share it)
             w = hidx.window_matrix(S, W, start=p0)
             return cp.asarray(np.where(w >= 0, w - h0, -1).astype(np.int32))
@@ -401,11 +465,16 @@ class ChunkBlock:
             cap.update({"attn.qr": qr, "attn.q": G.to_f32(qb), "attn.kv": kv, "attn.cand": cand,
                         "attn.o": G.to_f32(ob), "attn.out": out})
         # ---- writes, after every read
+        if kvb is None:
+            kvb = G.bf16_bits(kv)   # the fused path has them: kv = to_f32(kvb), exactly
         if journal is not None:   # a verify: what commit needs to roll the writes back
-            journal.record(cache, pos, G.bf16_bits(kv), az,
-                           idx_az if self.kind == "csa" else None)
+            journal.record(cache, pos, kvb, az, idx_az if self.kind == "csa" else None)
         keep = pos[-min(S, W):]
-        cache.ring[cp.asarray(keep % W)] = G.bf16_bits(kv[-len(keep):])
+
+        def ring_rows():
+            return cp.asarray(keep % W)
+        cache.ring[memo(("ring", p0, S, W), ring_rows) if fused else ring_rows()] = \
+            kvb[-len(keep):]
         if self.ratio:
             n0 = p0 // self.ratio
             if new_ent.shape[0]:
@@ -446,7 +515,9 @@ class ChunkBlock:
                 cap.update({"attn.index.scores": cp.zeros((S, 0), cp.float32),
                             "attn.index.sel": sel})
             return sel, new_keys, (ia, iz)
-        n_valid = cp.asarray(((pos + 1) // 4).astype(np.int32))
+        def valid_rows():
+            return cp.asarray(((pos + 1) // 4).astype(np.int32))
+        n_valid = b.m.chunk_memo(("nvalid4", p0, S), valid_rows) if self.fused else valid_rows()
         # The selection reads columns < n_valid[t] only; a capture holds every column, as the
         # oracle's scores do (the valid columns are the same bits either way).
         n_cols = n_valid if cap is None else cp.full((S,), n, dtype=cp.int32)

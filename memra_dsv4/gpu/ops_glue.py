@@ -37,7 +37,8 @@ import numpy as np
 from memra_dsv4.host.quant import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR
 from memra_dsv4.seams import SEAM_GEMM, env_value
 
-__all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "head_rms", "rope",
+__all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "rmsnorm_rope_bits",
+           "head_rms", "rope",
            "hc_pre", "hc_post", "hc_head", "kv_sim", "fp4_sim", "hadamard", "compress_pool",
            "compress_candidates", "topk_desc_rows", "candidates", "sparse_attention",
            "route_learned", "route_weights", "sqrtsoftplus", "swiglu_clamped", "moe_combine",
@@ -215,6 +216,22 @@ def rmsnorm(x, w_f64, eps: float):
     x64 = x.astype(cp.float64)
     r = 1.0 / cp.sqrt(cp.mean(x64 * x64, axis=-1, keepdims=True) + eps)
     return store((w_f64 * (x64 * r)).astype(cp.float32))
+
+
+def rmsnorm_rope_bits(x, w_u16, eps: float, cos=None, sin=None, pre_store: bool = False):
+    """bf16 bits of ``rope(rmsnorm(v, f64(w), eps), cos, sin)`` (no RoPE when cos is None),
+    v = x or store(x) with ``pre_store``: the same bits as those two CuPy chains (which stay the
+    reference) in three launches (ops.compressor.chain_squares, cupy.mean, chain_rms_rope)
+    instead of ~25.  The row statistic is cupy.mean over the same [n, D] float64 squares as
+    rmsnorm's ``mean(x64 * x64)``, so it is the same reduction; x must be 2-D for that reason
+    (the chain's callers pass [rows, D]).  w_u16: the bf16-bit norm weight."""
+    cp = _cp()
+    from memra_dsv4.gpu.ops import compressor as CM
+    x = _as_f32(x)
+    if x.ndim != 2:
+        raise ValueError(f"rmsnorm_rope_bits: x {x.shape}; expected [rows, D]")
+    mean = cp.mean(CM.chain_squares(x, pre_store), axis=-1, keepdims=True)
+    return CM.chain_rms_rope(x, mean, w_u16, eps, cos, sin, pre_store=pre_store)
 
 
 def head_rms(x, eps: float):

@@ -16,6 +16,10 @@ emit(pos, kv, score, ratio, overlap, weight, eps, cos, sin, mode, out)
                                        (emit_gate) + norm_rope_sim(row="entry", rope position
                                        pos + 1 - r) + ops_decode.pending_advance; a no-op unless
                                        (pos + 1) % r == 0.
+
+The chunk routine's rmsnorm (+ RoPE), bit-identical to the CuPy chain of ops_glue (which stays
+the reference): chain_squares(x) -> cupy.mean(., axis=-1) -> chain_rms_rope(x, mean, ...);
+ops_glue.rmsnorm_rope_bits does the three.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ STEM = "compressor"
 KERNELS = ("compress_add_ape", "compress_pool_overlap", "compress_pool_plain",
            "norm_rope_fp8_d512_f32in", "norm_rope_fp8_d512_bf16in", "norm_rope_fp8_d128_f32in",
            "norm_rope_fp8_d128_bf16in", "norm_rope_hadfp4_d128_f32in", "norm_rope_hadfp4_d128_bf16in",
-           "compress_emit_fp8_d512", "compress_emit_fp8_d128", "compress_emit_hadfp4_d128")
+           "compress_emit_fp8_d512", "compress_emit_fp8_d128", "compress_emit_hadfp4_d128",
+           "chain_sq", "chain_rms_rope")
 kernel_loader.register(STEM, KERNELS)
 
 
@@ -191,3 +196,80 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
     kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, weight, np.float64(eps),
                                           cos, sin, i32(R), out, i32(row_stride(out)), i32(out.shape[0])))
     return out
+
+
+def chain_squares(x, pre_store: bool = False, out=None):
+    """f64 [n, D] contiguous: (double)v * (double)v of v = x (f32 [n, D], last axis contiguous) or
+    ops_glue.store(x) with ``pre_store``: the array ops_glue.rmsnorm takes cupy.mean of."""
+    check(x, "chain_squares.x", np.float32, rows_strided=True)
+    n, D = x.shape
+    out = out_array(out, "chain_squares.out", (n, D), np.float64)
+    if n * D:
+        kernel(STEM, "chain_sq")((grid_stride_blocks(n * D),), (256,),
+                                 (x, i32(row_stride(x)), i32(int(pre_store)), out, i32(n), i32(D)))
+    return out
+
+
+def chain_rms_rope(x, mean, weight, eps: float, cos=None, sin=None, pre_store: bool = False,
+                   out=None):
+    """bf16 bits [n, D] of ops_glue.rope(ops_glue.rmsnorm(v, weight, eps), cos, sin) (no RoPE
+    when cos is None), v = x or store(x) with ``pre_store``, given mean = cupy.mean of
+    chain_squares(x, pre_store) over the last axis (f64, n values).  x f32 [n, D] (last axis
+    contiguous); weight [D] bf16 bits; cos/sin f32 [n, P] (row t's angles)."""
+    check(x, "chain_rms_rope.x", np.float32, rows_strided=True)
+    n, D = x.shape
+    assert D % 2 == 0, f"chain_rms_rope: odd width {D}"
+    check(mean, "chain_rms_rope.mean", np.float64)   # [n] or cupy.mean's [n, 1]
+    mean = mean.reshape(-1)
+    check(mean, "chain_rms_rope.mean", np.float64, (n,))
+    check(weight, "chain_rms_rope.weight", np.uint16, (D,))
+    if cos is None:
+        P = 0
+        cos = sin = mean   # not read (P = 0): any device pointer
+    else:
+        P = cos.shape[-1]
+        check(cos, "chain_rms_rope.cos", np.float32, (n, P))
+        check(sin, "chain_rms_rope.sin", np.float32, (n, P))
+        assert 2 * P <= D, f"chain_rms_rope: {2 * P} rope dims > width {D}"
+    if out is None:
+        out = out_array(None, "chain_rms_rope.out", (n, D), np.uint16)
+    check(out, "chain_rms_rope.out", np.uint16, (n, D), rows_strided=True)
+    if n * D:
+        kernel(STEM, "chain_rms_rope")(
+            (grid_stride_blocks(n * D // 2),), (256,),
+            (x, i32(row_stride(x)), i32(int(pre_store)), mean, weight, np.float64(eps), cos, sin,
+             i32(P), out, i32(row_stride(out)), i32(n), i32(D)))
+    return out
+
+
+def twin_chain_rms_rope(x, w_bits, eps: float, cos=None, sin=None, pre_store: bool = False):
+    """NumPy twin of chain_squares -> mean -> chain_rms_rope (bf16 bits [n, D]), a literal
+    transcription of the kernel's per-element steps; the row mean is np.mean's (the GPU path
+    takes cupy.mean's: the chain's).  tests/test_hostlean_cpu.py holds it to the oracle's
+    apply_rope(rmsnorm(.)) bit for bit."""
+    x = np.asarray(x, dtype=np.float32)
+
+    def rne(f):   # ops_glue._RNE on f32 -> bits
+        u = np.ascontiguousarray(f, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    def bits_f32(b):
+        return (b.astype(np.uint32) << 16).view(np.float32)
+
+    v = bits_f32(rne(x)) if pre_store else x
+    v64 = v.astype(np.float64)
+    mean = np.mean(v64 * v64, axis=-1, keepdims=True)
+    r = 1.0 / np.sqrt(mean + eps)
+    w64 = bits_f32(np.asarray(w_bits, dtype=np.uint16)).astype(np.float64)
+    y = bits_f32(rne((w64 * (v64 * r)).astype(np.float32)))
+    if cos is not None:
+        P = np.asarray(cos).shape[-1]
+        D = x.shape[-1]
+        a = y[:, D - 2 * P::2].astype(np.float64)
+        b = y[:, D - 2 * P + 1::2].astype(np.float64)
+        c = np.asarray(cos, dtype=np.float32).astype(np.float64)
+        s = np.asarray(sin, dtype=np.float32).astype(np.float64)
+        y = y.copy()
+        y[:, D - 2 * P::2] = (a * c - b * s).astype(np.float32)
+        y[:, D - 2 * P + 1::2] = (a * s + b * c).astype(np.float32)
+    return rne(y)
