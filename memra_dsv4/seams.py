@@ -141,7 +141,7 @@ SEAM_PREFILL_MOE = Seam(
     "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
     "strided-batched cuBLASLt GEMMs and a SwiGLU launch).")
 SEAM_PREFILL_DISPATCH = Seam(
-    "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "host", ("host", "device"),
+    "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "device", ("host", "device"),
     "Dispatch plan of the routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, "
     "read once per model and printed; the `fp4mma` arm only: `blaslt` always plans on the host): "
     "`host` (the expert ids read back once per layer, the plan built in NumPy and uploaded; the "

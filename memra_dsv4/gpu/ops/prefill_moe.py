@@ -22,7 +22,7 @@ launches over ALL active experts that read the STORED FP4 bytes (kernels_cu/expe
 grouped GEMM": decode to the exact bf16 the dequant kernels write, in registers, then
 mma.sync bf16 -> f32; SwiGLU fused into the gate/up epilogue): no bf16 scratch, no dequant
 launches, no gate/up f32 buffers; the work items (``mma_items``) ride in the same one upload.
-``dispatch="device"`` (fp4mma only; the chunk routine picks it through the seam
+``dispatch="device"`` (fp4mma only; the chunk routine's default through the seam
 MEMRA_DSV4_PREFILL_DISPATCH): no read back and no upload at all.  Four small kernels
 (kernels_cu/moe.cu "dispatch plan", ``dispatch_on_device``; NumPy twin ``device_plan``) build the
 plan from the device ids: per-expert counts, the rank order, each expert's first row, the row of
