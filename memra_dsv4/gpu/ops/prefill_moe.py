@@ -54,6 +54,8 @@ Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
 ``fp4mma_gateup``    hs = swiglu_rows(xs . W1^T, xs . W3^T) per item, W decoded from the FP4 bytes
                      (twin: the float64 products of the exact dequantised weights, f32-class bound)
 ``fp4mma_down``      ys = hs . W2^T per item (f32, unrounded; same twin and bound)
+``dispatch_on_device``  the plan of device ids by kernels_cu/moe.cu moe_plan_* (twin device_plan,
+                     tests/gpu/test_prefill_dispatch_gpu.py: equal table by table)
 """
 
 from __future__ import annotations
