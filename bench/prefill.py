@@ -2,9 +2,11 @@
 
     python -m bench.prefill --model synthetic:flash --devices 0,1 --tokens 1024,8192
     python -m bench.prefill ... --arms moe=fp4mma+pipeline=off,moe=fp4mma+pipeline=on,moe=blaslt
+    python -m bench.prefill ... --arms dispatch=host,dispatch=device
 
 --arms: every token count runs every arm in one process (A/B): settings moe (seam
-MEMRA_DSV4_PREFILL_MOE), pipeline (MEMRA_DSV4_PREFILL_PIPELINE), attn (MEMRA_DSV4_PREFILL_ATTN).
+MEMRA_DSV4_PREFILL_MOE), pipeline (MEMRA_DSV4_PREFILL_PIPELINE), attn (MEMRA_DSV4_PREFILL_ATTN),
+dispatch (MEMRA_DSV4_PREFILL_DISPATCH; the fp4mma arm's plan on the host or the device).
 
 Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
 TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
@@ -48,7 +50,7 @@ def parse_arms(spec: str) -> list[tuple[str, dict]]:
     from bench.harness import arm_label, parse_arms as parse
     from memra_dsv4 import seams
     known = {"moe": seams.SEAM_PREFILL_MOE.allowed, "pipeline": seams.SEAM_PREFILL_PIPELINE.allowed,
-             "attn": seams.SEAM_PREFILL_ATTN.allowed}
+             "attn": seams.SEAM_PREFILL_ATTN.allowed, "dispatch": seams.SEAM_PREFILL_DISPATCH.allowed}
     if not spec.strip():
         return [("", {})]
     try:
@@ -73,9 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--arms", default="",
                     help="comma list of arms, each '+'-joined settings moe=fp4mma|blaslt, "
-                         "pipeline=off|on, attn=mma|simt (the seams MEMRA_DSV4_PREFILL_MOE / "
-                         "_PIPELINE / _ATTN); every token count runs every arm; empty: the "
-                         "model's settings")
+                         "pipeline=off|on, attn=mma|simt, dispatch=host|device (the seams "
+                         "MEMRA_DSV4_PREFILL_MOE / _PIPELINE / _ATTN / _DISPATCH); every token "
+                         "count runs every arm; empty: the model's settings")
     a = ap.parse_args(argv)
     parse_arms(a.arms)  # refuse a bad arm before loading anything
     os.environ.setdefault("MEMRA_DSV4_PROF", "events")
@@ -93,14 +95,17 @@ def main(argv=None) -> int:
     print(f"bf16 GEMM peak (cuBLASLt 8192^3): {peak:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     arm_list = parse_arms(a.arms)
-    base = {"moe": m.prefill_moe, "pipeline": m.prefill_pipeline, "attn": m.prefill_attn}
+    base = {"moe": m.prefill_moe, "pipeline": m.prefill_pipeline, "attn": m.prefill_attn,
+            "dispatch": m.prefill_dispatch}
     arms = {}
     for T, (label, arm) in [(int(t), la) for t in a.tokens.split(",") for la in arm_list]:
         ids = rng.integers(0, m.config.vocab_size, T)
         s = dict(base, **arm)
         m.prefill_moe, m.prefill_pipeline, m.prefill_attn = s["moe"], s["pipeline"], s["attn"]
+        m.prefill_dispatch = s["dispatch"]
         T_label = f"T={T}" + (f" {label}" if label else "")
-        print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']}", flush=True)
+        print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']} "
+              f"dispatch={s['dispatch']}", flush=True)
         for i in range(a.warmup):
             t0 = time.perf_counter()
             m.forward(ids)

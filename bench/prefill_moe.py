@@ -8,6 +8,11 @@ and the stored FP4 bytes they read per layer against the copy bandwidth.  Runs i
 minute.
 
     python -m bench.prefill_moe --tokens 1,1024,8192 --gemm blaslt,fp4mma
+    python -m bench.prefill_moe --tokens 1024,8192 --gemm fp4mma --dispatch host,device
+
+--dispatch: routed_moe(dispatch=) arms of the fp4mma GEMM (the ids live on the device, as in the
+model: "host" reads them back and plans in NumPy, "device" plans with kernels); blaslt always
+plans on the host.  With both, the two outputs are compared bit for bit.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--layers", type=int, default=43)
     ap.add_argument("--gemm", default="blaslt,fp4mma", help="comma list of routed_moe(gemm=) arms")
+    ap.add_argument("--dispatch", default="host", help="comma list of routed_moe(dispatch=) arms (fp4mma)")
     a = ap.parse_args(argv)
     import cupy as cp
     from memra_dsv4.config import preset
@@ -39,9 +45,13 @@ def main(argv=None) -> int:
 
     cfg = preset("flash")
     E, k, D, I = 256, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    arms = [s.strip() for s in a.gemm.split(",") if s.strip()]
-    for arm in arms:
+    gemms = [s.strip() for s in a.gemm.split(",") if s.strip()]
+    disps = [s.strip() for s in a.dispatch.split(",") if s.strip()]
+    for arm in gemms:
         assert arm in PM.GEMMS, f"--gemm {arm!r} not in {PM.GEMMS}"
+    for d in disps:
+        assert d in PM.DISPATCHES, f"--dispatch {d!r} not in {PM.DISPATCHES}"
+    arms = [(gm, d) for gm in gemms for d in (disps if gm == "fp4mma" else ["host"])]
     with cp.cuda.Device(a.device):
         rs = cp.random.RandomState(0)
         experts = {}
@@ -57,14 +67,18 @@ def main(argv=None) -> int:
         for T in [int(t) for t in a.tokens.split(",")]:
             x = cp.asarray(rng.standard_normal((T, D)).astype(np.float32))
             idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int64)
+            idx_d = cp.asarray(idx)
             wts = cp.asarray(rng.random((T, k)).astype(np.float32))
             shared = cp.zeros((T, D), dtype=cp.float32)
             p = PM.dispatch_plan(idx, grp)
             fp4_bytes = p.eids.size * per_expert_bytes
             res = {}
-            for arm in arms:
+            for arm, disp in arms:
+                label = arm if len(disps) == 1 or arm == "blaslt" else f"{arm}/{disp}"
+
                 def call():
-                    return PM.routed_moe(g, x, idx, wts, experts, "mxfp4", cfg.swiglu_limit, shared, gemm=arm)
+                    return PM.routed_moe(g, x, idx_d, wts, experts, "mxfp4", cfg.swiglu_limit, shared,
+                                         gemm=arm, dispatch=disp)
                 t0 = time.perf_counter()
                 out = call()                                   # plans / module load
                 cp.cuda.Device(a.device).synchronize()
@@ -72,12 +86,12 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 ms = _events_ms(call)
                 host = time.perf_counter() - t0
-                res[arm] = (ms, out)
-                print(f"T={T:5d} {arm:7s}: {ms:8.2f} ms/layer GPU (incl. {host * 1e3:7.2f} ms wall), "
+                res[label] = (ms, out)
+                print(f"T={T:5d} {label:13s}: {ms:8.2f} ms/layer GPU (incl. {host * 1e3:7.2f} ms wall), "
                       f"x{a.layers} = {ms * a.layers / 1e3:6.3f} s; {p.eids.size} experts in "
                       f"{len(p.groups)} groups, {p.rows} padded rows for {T * k} picks "
                       f"(first call {warm * 1e3:.0f} ms)", flush=True)
-                if arm == "fp4mma":
+                if arm == "fp4mma" and disp == disps[0]:
                     items_h = PM.mma_items(p)
                     items = cp.asarray(items_h)
                     xs = cp.zeros((p.rows, D), dtype=cp.uint16)
@@ -93,8 +107,14 @@ def main(argv=None) -> int:
                           f"({len(items_h)} items); FP4 bytes {fp4_bytes / 1e9:.2f} GB -> "
                           f"{fp4_bytes / ((gu + dn) * 1e-3) / COPY_BW * 100:5.1f} % of copy bw, "
                           f"{flops / ((gu + dn) * 1e-3) / 1e12:6.1f} TFLOP/s useful", flush=True)
-            if len(res) == 2 and "blaslt" in res and "fp4mma" in res:
-                (mb, ob), (mm, om) = res["blaslt"], res["fp4mma"]
+            if "fp4mma/host" in res and "fp4mma/device" in res:
+                (mh, oh), (md, od) = res["fp4mma/host"], res["fp4mma/device"]
+                same = bool((oh.view(cp.uint32) == od.view(cp.uint32)).all())
+                print(f"          A/B T={T}: device / host dispatch = {md / mh:5.3f} ({mh - md:+.2f} ms/layer), "
+                      f"bitwise equal: {same}", flush=True)
+            fp = "fp4mma" if "fp4mma" in res else "fp4mma/host"
+            if "blaslt" in res and fp in res:
+                (mb, ob), (mm, om) = res["blaslt"], res[fp]
                 ob, om = ob.get().astype(np.float64), om.get().astype(np.float64)
                 rel = np.linalg.norm(om - ob) / max(np.linalg.norm(ob), 1e-30)
                 print(f"          A/B T={T}: fp4mma / blaslt = {mm / mb:5.3f} ({mb - mm:+.2f} ms/layer), "

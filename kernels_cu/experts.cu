@@ -1272,10 +1272,12 @@ moe_combine_sorted(const float* __restrict__ ys, const int* __restrict__ pos, co
 // (mma.sync m16n8k16 bf16 x bf16 -> f32).  Replaces, per group of experts, 3 dequant launches into
 // a bf16 scratch + 3 strided-batched cuBLASLt GEMMs + the SwiGLU launch (prefill_moe.py "fp4mma").
 //
-// Work: items[y] = {expert id e, first row r0 of the tile in xs / hs / ys, rows n (1..64), 0}: one
+// Work: items[y] = {expert id e, first row r0 of the tile in xs / hs / ys, rows n (0..64), 0}: one
 //   expert's (up to) 64 consecutive rows; blockIdx.x = a tile of output rows (gate/up: 16 * WARPS
 //   indices i of both W1 and W3, down: 32 * WARPS rows of W2).  x fastest: the CTAs that share an
 //   item's activation rows (and an expert's weights, its items are adjacent) run together (L2).
+//   An item of n = 0 rows does nothing (its CTAs return before any load): the device-built plan
+//   (moe.cu moe_plan_scan) launches a grid of an upper bound of items and zero-fills the tail.
 // THE ARITHMETIC: out[r, o] = sum_k W[o, k] a[r, k] with W[o, k] the EXACT bf16 the dequant kernels
 //   above write (dequant_mxfp4_bf16: e2m1 * 2^(S-127), every S incl. subnormal / inf / NaN results;
 //   dequant_nvfp4_bf16: bf16(f32(f32(e2m1 * e4m3) * ws2)), same f32 products, RNE; NaN stays NaN,
@@ -1576,6 +1578,7 @@ DEV void fp4mma_body(const u8* __restrict__ pa, const u8* __restrict__ sa, const
     const i64 e = __ldg(items + 4 * blockIdx.y);
     const i64 r0 = __ldg(items + 4 * blockIdx.y + 1);
     const int ntok = __ldg(items + 4 * blockIdx.y + 2);
+    if (ntok <= 0) return;  // an empty item (the device plan's tail past its item count): the whole CTA
     const int ntiles = (ntok + 7) >> 3;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
     const int n0 = blockIdx.x * (GATEUP ? MMA_ROWS / 2 : MMA_ROWS);

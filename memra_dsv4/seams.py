@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -153,6 +153,14 @@ SEAM_PREFILL_MOE = Seam(
     "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order) or "
     "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
     "strided-batched cuBLASLt GEMMs and a SwiGLU launch).")
+SEAM_PREFILL_DISPATCH = Seam(
+    "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "device", ("host", "device"),
+    "Dispatch plan of the routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, "
+    "read once per model and printed; the `fp4mma` arm only: `blaslt` always plans on the host): "
+    "`host` (the expert ids read back once per layer, the plan built in NumPy and uploaded; the "
+    "host waits for the GPU) or `device` (four small kernels build the plan from the device ids "
+    "and the FP4 GEMMs launch over an upper bound of work items: nothing read back; "
+    "bit-identical to `host`).")
 SEAM_PREFILL_PIPELINE = Seam(
     "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on"),
     "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `off` "
@@ -174,8 +182,8 @@ SEAM_REQUIRE_PARITY = Seam(
 
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
-    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_PIPELINE, SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_KERNELS_DIR,
-    SEAM_REQUIRE_PARITY)}
+    SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
+    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

@@ -228,6 +228,11 @@ def test_prefill_bench_arms_parse_and_refuse():
         parse_arms("gemm=fp4mma")
     with pytest.raises(SystemExit, match="pipeline='2'; expected one of off, on"):
         parse_arms("pipeline=2")
+    assert parse_arms("dispatch=host,dispatch=device+moe=fp4mma") == [
+        ("dispatch=host", {"dispatch": "host"}),
+        ("dispatch=device+moe=fp4mma", {"dispatch": "device", "moe": "fp4mma"})]
+    with pytest.raises(SystemExit, match="dispatch='gpu'; expected one of host, device"):
+        parse_arms("dispatch=gpu")
 
 
 def test_decode_bench_kernel_arms(tmp_path):

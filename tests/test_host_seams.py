@@ -154,6 +154,49 @@ def test_prefill_moe_seam(monkeypatch):
     assert blk._moe_gemm(4096, 2048) == "blaslt"
 
 
+def test_prefill_dispatch_seam(monkeypatch, capsys):
+    """MEMRA_DSV4_PREFILL_DISPATCH: host | device; every Dsv4Gpu constructor takes it (argument >
+    environment > default, printed); the fp4mma arm follows it, blaslt always plans on the host."""
+    import inspect
+    from types import SimpleNamespace
+    from memra_dsv4.gpu import model as gm
+    s = seams.SEAMS["prefill_dispatch"]
+    assert (s.env, s.allowed) == ("MEMRA_DSV4_PREFILL_DISPATCH", ("host", "device"))
+    assert s.default in s.allowed
+    monkeypatch.delenv("MEMRA_DSV4_PREFILL_DISPATCH", raising=False)
+    assert seams.resolve("prefill_dispatch") == s.default
+    for v in ("host", "device"):
+        monkeypatch.setenv("MEMRA_DSV4_PREFILL_DISPATCH", v)
+        assert seams.resolve("prefill_dispatch") == v
+        assert gm._resolve_announced("PREFILL_DISPATCH", None, "dispatch") == v
+        src = "default" if v == s.default else "env MEMRA_DSV4_PREFILL_DISPATCH"
+        assert f"dispatch = {v} ({src})" in capsys.readouterr().err
+    assert gm._resolve_announced("PREFILL_DISPATCH", "host", "dispatch") == "host"
+    monkeypatch.setenv("MEMRA_DSV4_PREFILL_DISPATCH", "gpu")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_PREFILL_DISPATCH.*'gpu'.*host, device"):
+        seams.resolve("prefill_dispatch")
+    for fn in (gm.Dsv4Gpu.__init__, gm.Dsv4Gpu.load, gm.Dsv4Gpu.synthetic):
+        p = inspect.signature(fn).parameters
+        assert "prefill_dispatch" in p and p["prefill_dispatch"].default is None, fn.__qualname__
+    blk = gm._Block.__new__(gm._Block)
+    for v in ("host", "device"):
+        blk.m = SimpleNamespace(prefill_dispatch=v)
+        assert blk._moe_dispatch("fp4mma") == v
+        assert blk._moe_dispatch("blaslt") == "host"
+    blk.m = SimpleNamespace()                      # a model without the attribute: the default
+    assert blk._moe_dispatch("fp4mma") == s.default
+
+
+def test_routed_moe_refuses_device_dispatch_for_blaslt():
+    """routed_moe(dispatch="device") is the fp4mma arm's (blaslt sizes its batches on the host);
+    both refusals come before anything touches CuPy or a device."""
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+    assert PM.DISPATCHES == ("host", "device")
+    for gemm, disp, msg in (("blaslt", "device", "needs gemm 'fp4mma'"), ("fp4mma", "gpu", "not in")):
+        with pytest.raises(ValueError, match=msg):
+            PM.routed_moe(None, None, None, None, {}, "mxfp4", 10.0, None, gemm=gemm, dispatch=disp)
+
+
 def test_prefill_pipeline_seam_and_plan(monkeypatch):
     """MEMRA_DSV4_PREFILL_PIPELINE: off (default) | on; the chunk plan: none for one stage or
     short prompts, else 4 chunks of whole 64-token multiples (the last takes the rest)."""

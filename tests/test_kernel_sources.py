@@ -245,6 +245,7 @@ def _fake_cupy():
     fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(ndarray)
     fake.zeros = lambda shape, dtype=float: np.zeros(shape, dtype).view(ndarray)
     fake.empty = lambda shape, dtype=float: np.zeros(shape, dtype).view(ndarray)
+    fake.ascontiguousarray = lambda x, dtype=None: np.ascontiguousarray(x, dtype=dtype).view(ndarray)
     fake.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: 0),
         Device=lambda i=0: types.SimpleNamespace(id=i, attributes={"MultiProcessorCount": 132}))
@@ -393,6 +394,14 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["moe"].swiglu(u16(3, 128), u16(3, 128), 0.0)
     M["moe"].combine(u16(2, 6, 64), i32(2, 6), u16(2, 64))
     M["moe"].combine(u16(2, 6, 64), i32(2, 6))
+    i64 = lambda *s: A(np.zeros(s, np.int64))
+    for T, k, E in ((1, 6, 256), (3000, 6, 256), (5, 2, 1024)):   # the plan kernels (1 or 3 CTAs)
+        n, nseg = T * k, M["moe"].plan_segments(T * k)
+        hist, eb = i32(nseg, E), i32(E)
+        M["moe"].plan_count(i64(T, k), E, hist)
+        M["moe"].plan_scan(hist, E, eb, i32(E), i32(E), i32(7, 4), i32(2))
+        M["moe"].plan_place(i64(T, k), k, E, hist, eb, i32(n), i32(n), i32(n))
+        M["moe"].plan_combine_pos(i64(T, k), i32(n), i32(T, k))
     M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
     M["dense"].dequant_fp8_bf16(u8(3, 40), u8(1, 1), out=u16(3, 40))
     PM = importlib.import_module("memra_dsv4.gpu.ops.prefill_moe")
@@ -402,6 +411,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     PM.gather_rows(f32(4, 64), i32(5), u16(5, 64))
     PM.swiglu_rows(f32(5, 64), f32(5, 64), f32(8), i32(5), 10.0, u16(5, 64))
     PM.combine_sorted(f32(5, 64), i32(2, 4), f32(2, 64))
+    d = PM.dispatch_on_device(i32(3, 6), 256)             # any integer dtype: made int64 first
+    assert d.items.shape == (PM.max_mma_items(18, 256), 4) and d.pos.shape == (3, 6)
     for fmt, blk in (("mxfp4", 32), ("nvfp4", 16)):
         w13 = (u8(2, 128, 128), u8(2, 128, 256 // blk))       # [E, I = 128, D / 2], D = 256
         w2 = (u8(2, 256, 64), u8(2, 256, 128 // blk))         # [E, D, I / 2]
@@ -444,3 +455,17 @@ def test_fp4mma_launch_geometry_matches_the_kernel_macros():
     assert PM.mma_smem_bytes("mxfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 4)
     assert PM.mma_smem_bytes("nvfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 8)
     assert PM.mma_smem_bytes("nvfp4") <= 227 * 1024
+
+
+def test_dispatch_plan_constants_match_moe_cu():
+    """gpu/ops/moe.py sizes the plan kernels' grids, blocks and shared memory from kernels_cu/moe.cu's
+    PLAN_* constants, and the plan's work items are the fp4mma kernels' MMA_BN rows: pinned here."""
+    from memra_dsv4.gpu.ops import moe as MO
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+    with open(os.path.join(KDIR, "moe.cu")) as f:
+        src = f.read()
+    got = {m: int(v) for m, v in re.findall(r"constexpr int (PLAN_(?:SEG|WARPS|MAX_E|BN)) = (\d+);", src)}
+    assert got == {"PLAN_SEG": MO.PLAN_SEG, "PLAN_WARPS": MO.PLAN_WARPS, "PLAN_MAX_E": MO.PLAN_MAX_E,
+                   "PLAN_BN": MO.PLAN_BN}
+    assert MO.PLAN_BN == PM.MMA_BN
+    assert MO.PLAN_WARPS * MO.PLAN_MAX_E * 4 <= 48 * 1024   # count / place: no opt-in smem needed

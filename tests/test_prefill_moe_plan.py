@@ -163,3 +163,171 @@ def test_batched_gemm_key():
             GemmKey(16, 2048, 4096, batch=bad)
     with pytest.raises(ValueError, match="batched"):
         GemmKey(128, 256, 512, "e4m3", "e4m3", "bf16", "blk128x128", "vec128", batch=2)
+
+
+# ------------------------------------------------------------- the plan built on the device
+# gpu.ops.prefill_moe.device_plan is the NumPy twin of kernels_cu/moe.cu's moe_plan_* kernels
+# (tests/gpu/test_prefill_dispatch_gpu.py compares the device's tables with it).  Here: the twin
+# is dispatch_plan without its padding rows (so the device dispatch feeds the fp4mma kernels the
+# same items over the same rows), and a line-by-line Python emulation of the four kernels (their
+# segments, warp-wide matching and rank formulas) produces the twin's tables.
+from memra_dsv4.gpu.ops import moe as MO  # noqa: E402
+from memra_dsv4.gpu.ops.prefill_moe import (compact, device_plan, max_mma_items,  # noqa: E402
+                                            mma_items)
+
+
+def _routing(kind, rng, T, k, E):
+    if kind == "distinct":
+        return _idx(rng, T, k, E, True)
+    if kind == "repeats":                     # hash-routing tables may repeat an id in a row
+        return _idx(rng, T, k, E, False)
+    if kind == "few":                         # most experts empty
+        return rng.integers(0, min(E, 3), (T, k)).astype(np.int64)
+    if kind == "one":                         # every pick on one expert
+        return np.full((T, k), E - 1, np.int64)
+    if kind == "skewed":                      # a hot expert, ties in the counts elsewhere
+        idx = _idx(rng, T, k, E, True)
+        idx[: T // 2, 0] = 7 % E
+        return idx
+    raise AssertionError(kind)
+
+
+_CASES = [(1, 6, 256, "distinct"), (1, 1, 1, "one"), (37, 6, 256, "distinct"),
+          (11, 6, 256, "few"), (700, 1, 16, "one"), (171, 3, 16, "repeats"),
+          (1024, 6, 256, "distinct"), (1500, 6, 256, "skewed"), (3, 6, 1024, "distinct"),
+          (353, 8, 384, "distinct"), (2, 4, 5, "repeats")]
+
+
+@pytest.mark.parametrize("T,k,E,kind", _CASES)
+def test_device_plan_is_dispatch_plan_without_padding(T, k, E, kind):
+    seed = _seed()
+    idx = _routing(kind, np.random.default_rng(seed), T, k, E)
+    d = device_plan(idx, E)
+    ctx = f"(seed {seed}, T {T} k {k} E {E} {kind})"
+    n = T * k
+    assert d.src.shape == d.flat.shape == d.rowof.shape == (n,) and d.pos.shape == (T, k), ctx
+    for group in (1, 5, 21, 300):
+        p = dispatch_plan(idx, group)
+        src, flat, pos, items = compact(p)
+        assert d.n_active == p.eids.size, ctx
+        assert np.array_equal(d.eids[:d.n_active], p.eids) and (d.eids[d.n_active:] == -1).all(), ctx
+        assert np.array_equal(d.counts[:d.n_active], p.counts) and (d.counts[d.n_active:] == 0).all(), ctx
+        assert np.array_equal(d.src, src) and np.array_equal(d.flat, flat), ctx
+        assert np.array_equal(d.pos, pos), ctx
+        assert d.n_items == items.shape[0] and np.array_equal(d.items[:d.n_items], items), ctx
+    assert d.items.shape == (max_mma_items(n, E), 4) and (d.items[d.n_items:] == 0).all(), ctx
+    assert np.array_equal(d.rowof[d.flat], np.arange(n)) and np.array_equal(d.src, d.flat // k), ctx
+    # the combine rows: token t's picks, ascending expert id (stable), as dispatch_plan's pos
+    for t in range(T):
+        assert np.array_equal(d.flat[d.pos[t]] - t * k, np.argsort(idx[t], kind="stable")), ctx
+
+
+def test_compact_is_the_rows_in_order():
+    """compact() keeps dispatch_plan's non-padding rows in their order: every item's rows stay
+    consecutive and of its expert, and the rows of a tile are the same picks."""
+    rng = np.random.default_rng(3)
+    idx = _idx(rng, 300, 6, 40, False)
+    p = dispatch_plan(idx, 7)
+    src, flat, pos, items = compact(p)
+    keep = p.flat >= 0
+    assert np.array_equal(flat, p.flat[keep]) and np.array_equal(src, p.src[keep])
+    for (e, r0, nr, _), (e2, q0, nq, _) in zip(mma_items(p), items):
+        assert (e, nr) == (e2, nq) and np.array_equal(p.flat[r0:r0 + nr], flat[q0:q0 + nq])
+
+
+def test_max_mma_items_bounds_and_is_reached():
+    rng = np.random.default_rng(5)
+    for T, k, E in ((1, 6, 256), (64, 1, 1), (8192, 6, 256), (5, 4, 3), (100, 2, 1000)):
+        n = T * k
+        idx = _idx(rng, T, k, E, k <= E)
+        assert device_plan(idx, E).n_items <= max_mma_items(n, E)
+    # reached: every active expert with (64 q + 1) picks (each wastes 63 rows of its last item)
+    E, per = 10, 65
+    idx = np.repeat(np.arange(E), per).reshape(-1, 1)
+    assert device_plan(idx, E).n_items == max_mma_items(E * per, E) == 2 * E
+    assert max_mma_items(6, 256) == 6 and max_mma_items(49152, 256) == 1020
+
+
+def test_device_plan_refuses():
+    with pytest.raises(ValueError, match="expert id 8 >= E = 8"):
+        device_plan(np.array([[1, 8]]), 8)
+    for bad in (np.zeros((0, 2), np.int64), np.array([[1.0, 2.0]]), np.array([[-1, 2]]), np.array([1, 2])):
+        with pytest.raises(ValueError):
+            device_plan(bad, 16)
+
+
+def _emulate_kernels(idx, E):
+    """kernels_cu/moe.cu's moe_plan_count / _scan / _place / _combine_pos, statement by statement
+    (a warp's 32 lanes as a loop, __match_any_sync as an equality mask)."""
+    T, k = idx.shape
+    f_all = idx.reshape(-1)
+    n = f_all.size
+    nseg = -(-n // MO.PLAN_SEG)
+    hist = np.zeros((nseg, E), np.int64)
+    for seg in range(nseg):                                        # moe_plan_count
+        for f in range(seg * MO.PLAN_SEG, min(n, (seg + 1) * MO.PLAN_SEG)):
+            hist[seg, f_all[f]] += 1
+    cnt = np.zeros(E, np.int64)                                    # moe_plan_scan
+    for tid in range(E):
+        c = 0
+        for s in range(nseg):
+            h = hist[s, tid]
+            hist[s, tid] = c
+            c += h
+        cnt[tid] = c
+    order = np.full(MO.PLAN_MAX_E, -1, np.int64)
+    for tid in range(E):
+        c = cnt[tid]
+        if c > 0:
+            order[sum(1 for j in range(E) if cnt[j] > c or (cnt[j] == c and j < tid))] = tid
+    n_act = int((cnt > 0).sum())
+    mc = np.array([cnt[order[t]] if t < n_act else 0 for t in range(MO.PLAN_MAX_E)])
+    mi = (mc + MO.PLAN_BN - 1) // MO.PLAN_BN
+    row0, item0 = np.cumsum(mc) - mc, np.cumsum(mi) - mi
+    n_items = int(mi.sum())
+    max_items = max_mma_items(n, E)
+    items = np.zeros((max_items, 4), np.int64)
+    ebase = np.where(cnt == 0, -1, 0)
+    for tid in range(n_act):
+        e = order[tid]
+        ebase[e] = row0[tid]
+        for i in range(mi[tid]):
+            if item0[tid] + i < max_items:
+                items[item0[tid] + i] = (e, row0[tid] + MO.PLAN_BN * i, min(MO.PLAN_BN, mc[tid] - MO.PLAN_BN * i), 0)
+    src, flat, rowof = (np.full(n, -7, np.int64) for _ in range(3))
+    for seg in range(nseg):                                        # moe_plan_place
+        ctr = ebase + hist[seg]
+        f1 = min(n, (seg + 1) * MO.PLAN_SEG)
+        for f0 in range(seg * MO.PLAN_SEG, f1, 32):
+            lanes = [(f0 + lane, f_all[f0 + lane] if f0 + lane < f1 else -1) for lane in range(32)]
+            upd = {}
+            for lane, (f, e) in enumerate(lanes):
+                peers = [l2 for l2, (_, e2) in enumerate(lanes) if e2 == e]
+                if f < f1:
+                    p = ctr[e] + sum(1 for l2 in peers if l2 < lane)
+                    src[p], flat[p], rowof[f] = f // k, f, p
+                    if peers[0] == lane:
+                        upd[e] = len(peers)
+            for e, c in upd.items():
+                ctr[e] += c
+    pos = np.zeros((T, k), np.int64)                               # moe_plan_combine_pos
+    for t in range(T):
+        for j in range(k):
+            r = sum(1 for i in range(k) if idx[t, i] < idx[t, j] or (idx[t, i] == idx[t, j] and i < j))
+            pos[t, r] = rowof[t * k + j]
+    eids = np.array([order[t] if t < n_act else -1 for t in range(E)])
+    return dict(eids=eids, counts=mc[:E], ebase=ebase, seg=hist, src=src, flat=flat, rowof=rowof,
+                pos=pos, items=items, n_active=n_act, n_items=n_items)
+
+
+@pytest.mark.parametrize("T,k,E,kind", [(1, 6, 256, "distinct"), (37, 6, 64, "repeats"),
+                                        (700, 1, 16, "one"), (400, 6, 256, "skewed"),
+                                        (2, 4, 5, "few")])
+def test_kernel_emulation_equals_twin(T, k, E, kind):
+    seed = _seed()
+    idx = _routing(kind, np.random.default_rng(seed), T, k, E)
+    got = _emulate_kernels(idx, E)
+    want = device_plan(idx, E)
+    for name, v in got.items():
+        w = getattr(want, name)
+        assert np.array_equal(np.asarray(v), np.asarray(w)), f"seed {seed}: {name} differs ({T}, {k}, {E}, {kind})"

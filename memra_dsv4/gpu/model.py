@@ -20,6 +20,10 @@ API
     ``prefill_moe`` (seam ``MEMRA_DSV4_PREFILL_MOE``, read once and printed): the chunk routine's
     routed experts, ``fp4mma`` (grouped tensor-core GEMM on the stored FP4 bytes) or ``blaslt``
     (dequantise into a bf16 scratch + cuBLASLt); ``self.prefill_moe`` is read per chunk.
+    ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
+    ``fp4mma`` arm builds its dispatch plan, ``host`` (the expert ids read back per layer) or
+    ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` always plans on the host;
+    ``self.prefill_dispatch`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -65,7 +69,8 @@ class Dsv4Gpu:
                  decode_path: str | None = None, pdl: str | None = None,
                  prefill_attn: str | None = None, decode_attn: str | None = None,
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
-                 l2_prefetch: str | None = None, decode_fork: str | None = None) -> None:
+                 l2_prefetch: str | None = None, decode_fork: str | None = None,
+                 prefill_dispatch: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -91,6 +96,8 @@ class Dsv4Gpu:
             "DECODE_ATTN", decode_attn, "device-step sparse attention")
         self.prefill_moe = _resolve_announced(                 # read once, printed
             "PREFILL_MOE", prefill_moe, "prefill routed experts")
+        self.prefill_dispatch = _resolve_announced(            # read once, printed
+            "PREFILL_DISPATCH", prefill_dispatch, "prefill routed-expert dispatch plan")
         self.prefill_pipeline = _resolve_announced(            # read once, printed (gpu.pipeline)
             "PREFILL_PIPELINE", prefill_pipeline, "prefill pipelined over the stages")
         self.l2_prefetch = _resolve_announced(                 # read once, printed (step_device)
@@ -122,8 +129,8 @@ class Dsv4Gpu:
              dense: str | None = None, pdl: str | None = None,
              prefill_attn: str | None = None, decode_attn: str | None = None,
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
-             l2_prefetch: str | None = None,
-             decode_fork: str | None = None) -> "Dsv4Gpu":
+             l2_prefetch: str | None = None, decode_fork: str | None = None,
+             prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -140,7 +147,8 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch, decode_fork=decode_fork)
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork,
+                   prefill_dispatch=prefill_dispatch)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -149,8 +157,8 @@ class Dsv4Gpu:
                   pdl: str | None = None, prefill_attn: str | None = None,
                   decode_attn: str | None = None, prefill_moe: str | None = None,
                   prefill_pipeline: str | None = None,
-                  l2_prefetch: str | None = None,
-             decode_fork: str | None = None) -> "Dsv4Gpu":
+                  l2_prefetch: str | None = None, decode_fork: str | None = None,
+                  prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -167,7 +175,8 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch, decode_fork=decode_fork)
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork,
+                   prefill_dispatch=prefill_dispatch)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:
@@ -435,9 +444,11 @@ class _Block:
 
     # ------------------------------------------------------------------------ MoE
     def routed_experts(self, x, idx, wts, shared):
-        """combine(routed experts) + shared, batched (gpu.ops.prefill_moe.routed_moe): one
-        device->host copy of idx (it sizes the GEMMs), one host->device copy of the dispatch
-        tables, then per group of experts 3 dequants, 3 batched GEMMs and a SwiGLU."""
+        """combine(routed experts) + shared, batched (gpu.ops.prefill_moe.routed_moe) on the
+        device ids ``idx``: the dispatch plan built on the device (``_moe_dispatch`` "device",
+        nothing read back) or on the host (one device->host copy of idx, one host->device copy
+        of the tables), then the fp4mma launches or, per group of experts, 3 dequants, 3 batched
+        GEMMs and a SwiGLU (``_moe_gemm``)."""
         import cupy as cp
         fmt = self.st.expert_fmt[self.lid]
         key = f"{self.p}.ffn.experts"
@@ -452,17 +463,23 @@ class _Block:
                 if ck not in cache:
                     cache[ck] = cp.asarray(self.st.ws2[f"{key}.{w}"].astype(np.float32))
                 ws2[w] = cache[ck]
-        with phase(f"{self.ph}/ffn/moe/dispatch"):     # the one device->host read of the ids
-            idx_h = cp.asnumpy(idx)
-        return routed_moe(self.g, x, idx_h, wts, experts, fmt, self.cfg.swiglu_limit,
-                          shared, ws2=ws2, ph=f"{self.ph}/ffn/moe",
-                          gemm=self._moe_gemm(x.shape[1], experts["w1"][0].shape[1]))
+        gemm = self._moe_gemm(x.shape[1], experts["w1"][0].shape[1])
+        return routed_moe(self.g, x, idx, wts, experts, fmt, self.cfg.swiglu_limit,
+                          shared, ws2=ws2, ph=f"{self.ph}/ffn/moe", gemm=gemm,
+                          dispatch=self._moe_dispatch(gemm))   # brackets dispatch / experts / combine
 
     def _moe_gemm(self, D: int, I: int) -> str:
         """The seam MEMRA_DSV4_PREFILL_MOE; the FP4 tensor-core GEMM tiles K by 128, so a model
         whose hidden or expert width is not a multiple of 128 runs "blaslt"."""
         form = getattr(self.m, "prefill_moe", "fp4mma")
         return form if form != "fp4mma" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
+
+    def _moe_dispatch(self, gemm: str) -> str:
+        """The seam MEMRA_DSV4_PREFILL_DISPATCH for the fp4mma arm; "blaslt" sizes its cuBLASLt
+        batches from the host plan, so it always dispatches on the host."""
+        from memra_dsv4.seams import SEAM_PREFILL_DISPATCH
+        form = getattr(self.m, "prefill_dispatch", SEAM_PREFILL_DISPATCH.default)
+        return form if gemm == "fp4mma" else "host"
 
     def moe(self, x, ids_d, cap):
         import cupy as cp

@@ -2,6 +2,13 @@
 
 swiglu(gate, up, limit, weight)   twin oracle.ops.swiglu_clamped, stored to bf16 (the w2 input)
 combine(routed, idx, shared)      twin oracle.ops.moe_combine (bit-identical)
+
+The prefill MoE's dispatch plan built on the device (kernels_cu/moe.cu "dispatch plan"; the
+composition and its NumPy twin are gpu.ops.prefill_moe.dispatch_on_device / device_plan):
+plan_count(idx, E, hist)                         per-segment pick counts of each expert
+plan_scan(hist, E, ebase, eids, counts, items, meta)  segment prefixes, rank order, rows, items
+plan_place(idx, k, E, hist, ebase, src, flat, rowof)  the row of every pick (stable)
+plan_combine_pos(idx, rowof, pos)                the combine's rows, ascending expert id (stable)
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import check, grid_stride_blocks, i32, kernel, null_or, out_array, row_stride
 
 STEM = "moe"
-KERNELS = ("swiglu_clamped_bf16", "moe_combine_bf16")
+KERNELS = ("swiglu_clamped_bf16", "moe_combine_bf16", "moe_plan_count", "moe_plan_scan",
+           "moe_plan_place", "moe_plan_combine_pos")
 kernel_loader.register(STEM, KERNELS)
 
 
@@ -51,3 +59,80 @@ def combine(routed, idx, shared=None, out=None):
         kernel(STEM, "moe_combine_bf16")((T, (D // 8 + 127) // 128), (128,),
                                          (routed, idx, null_or(shared), out, i32(D), i32(k)))
     return out
+
+
+# ------------------------------------------------------------------ dispatch plan (moe.cu)
+PLAN_SEG = 1024     # picks per warp segment: the PLAN_* constants of kernels_cu/moe.cu
+PLAN_WARPS = 8      # segments per CTA of count / place
+PLAN_MAX_E = 1024   # most experts moe_plan_scan ranks (one thread each)
+PLAN_BN = 64        # rows per fp4mma work item (experts.cu MMA_BN)
+
+
+def plan_segments(n: int) -> int:
+    """Segments of PLAN_SEG picks over n picks (rows of the hist table)."""
+    return -(-int(n) // PLAN_SEG)
+
+
+def _plan_idx(idx, name):
+    check(idx, name, np.int64)
+    assert idx.ndim in (1, 2), f"{name}: idx must be [T, k] or flat, got {idx.shape}"
+    n = int(idx.size)
+    assert 0 < n < (1 << 31) - PLAN_SEG, f"{name}: {n} picks"
+    return n
+
+
+def _plan_grid(n: int) -> int:
+    return max(1, -(-plan_segments(n) // PLAN_WARPS))
+
+
+def plan_count(idx, E: int, hist):
+    """hist[s, e] = picks of expert e among idx.flat[s * PLAN_SEG:(s + 1) * PLAN_SEG]; idx int64
+    expert ids in [0, E) (others trap); hist int32 [plan_segments(n), E]."""
+    n = _plan_idx(idx, "plan_count.idx")
+    assert 1 <= E <= PLAN_MAX_E, f"plan_count: E = {E} (1..{PLAN_MAX_E})"
+    check(hist, "plan_count.hist", np.int32, (plan_segments(n), E))
+    kernel(STEM, "moe_plan_count")((_plan_grid(n),), (32 * PLAN_WARPS,), (idx, i32(n), i32(E), hist),
+                                   shared_mem=PLAN_WARPS * E * 4)
+    return hist
+
+
+def plan_scan(hist, E: int, ebase, eids, counts, items, meta):
+    """One CTA: hist -> its exclusive prefix over segments; counts / eids of the active experts
+    in rank order (count descending, id ascending; tails 0 / -1); ebase[e] = first row of expert e
+    (-1: no picks); items [max_items, 4] = (e, row, rows <= PLAN_BN, 0) per tile of each expert in
+    rank order, zeros after; meta [2] = (n_active, n_items)."""
+    check(hist, "plan_scan.hist", np.int32, (None, E))
+    assert 1 <= E <= PLAN_MAX_E, f"plan_scan: E = {E} (1..{PLAN_MAX_E})"
+    for a, nm in ((ebase, "ebase"), (eids, "eids"), (counts, "counts")):
+        check(a, f"plan_scan.{nm}", np.int32, (E,))
+    check(items, "plan_scan.items", np.int32, (None, 4))
+    check(meta, "plan_scan.meta", np.int32, (2,))
+    kernel(STEM, "moe_plan_scan")((1,), (PLAN_MAX_E,), (hist, i32(hist.shape[0]), i32(E), i32(items.shape[0]),
+                                                          ebase, eids, counts, items, meta))
+    return items
+
+
+def plan_place(idx, k: int, E: int, hist, ebase, src, flat, rowof):
+    """Row p of every pick f (expert e, segment s) = ebase[e] + hist[s, e] (the prefix) + its rank
+    among e's picks of segment s: src[p] = f // k, flat[p] = f, rowof[f] = p."""
+    n = _plan_idx(idx, "plan_place.idx")
+    assert n % int(k) == 0, f"plan_place: {n} picks, k = {k}"
+    check(hist, "plan_place.hist", np.int32, (plan_segments(n), E))
+    check(ebase, "plan_place.ebase", np.int32, (E,))
+    for a, nm in ((src, "src"), (flat, "flat"), (rowof, "rowof")):
+        check(a, f"plan_place.{nm}", np.int32, (n,))
+    kernel(STEM, "moe_plan_place")((_plan_grid(n),), (32 * PLAN_WARPS,),
+                                   (idx, i32(n), i32(k), i32(E), hist, ebase, src, flat, rowof),
+                                   shared_mem=PLAN_WARPS * E * 4)
+    return src
+
+
+def plan_combine_pos(idx, rowof, pos):
+    """pos[t, r] = rowof[t * k + j] for token t's pick j of rank r in (expert id, j) order."""
+    check(idx, "plan_combine_pos.idx", np.int64)
+    T, k = idx.shape
+    check(rowof, "plan_combine_pos.rowof", np.int32, (T * k,))
+    check(pos, "plan_combine_pos.pos", np.int32, (T, k))
+    if T:
+        kernel(STEM, "moe_plan_combine_pos")((-(-T // 256),), (256,), (idx, rowof, i32(T), i32(k), pos))
+    return pos

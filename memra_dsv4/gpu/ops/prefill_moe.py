@@ -3,7 +3,7 @@ strided-batched cuBLASLt GEMMs of gpu.blaslt).
 
 Contract
 --------
-``routed_moe(g, x, idx_h, wts, experts, fmt, limit, shared)`` -> y [T, D] float32 (bf16-valued)
+``routed_moe(g, x, idx, wts, experts, fmt, limit, shared)`` -> y [T, D] float32 (bf16-valued)
     = ops_glue.moe_combine(routed, idx, shared) of the per-expert path it replaces: for every
     pick (t, j) with expert e = idx[t, j]: gate = store(bf16(x_t) . W1_e^T), up likewise with
     W3_e, h = store(swiglu_clamped(gate, up, limit, wts[t, j])), routed[t, j] =
@@ -11,7 +11,7 @@ Contract
     bf16 x bf16 with f32 accumulation.  The kernels around the GEMMs are bit-identical to the
     CuPy ops they replace; the GEMMs are the same products run as cuBLASLt strided batches
     (an algorithm choice may differ from a batch-1 plan: bf16-class, not bitwise, equality).
-Host work per call: ONE device->host copy of idx (the caller's ``idx_h``, it sizes the GEMMs),
+Host work per call (``dispatch="host"``): ONE device->host copy of idx (it sizes the GEMMs),
 ONE host->device copy of the dispatch tables (``dispatch_plan``), and per group of at most
 ``group_size`` experts: 3 dequant launches into a bounded bf16 scratch, 2 batched GEMMs (gate,
 up), 1 SwiGLU launch, 1 batched GEMM (down); then one gather before and one combine after.
@@ -22,6 +22,18 @@ launches over ALL active experts that read the STORED FP4 bytes (kernels_cu/expe
 grouped GEMM": decode to the exact bf16 the dequant kernels write, in registers, then
 mma.sync bf16 -> f32; SwiGLU fused into the gate/up epilogue): no bf16 scratch, no dequant
 launches, no gate/up f32 buffers; the work items (``mma_items``) ride in the same one upload.
+``dispatch="device"`` (fp4mma only; the chunk routine's default through the seam
+MEMRA_DSV4_PREFILL_DISPATCH): no read back and no upload at all.  Four small kernels
+(kernels_cu/moe.cu "dispatch plan", ``dispatch_on_device``; NumPy twin ``device_plan``) build the
+plan from the device ids: per-expert counts, the rank order, each expert's first row, the row of
+every pick, the combine's rows and the fp4mma items; every table and both fp4mma grids are sized
+from T, k and E alone (``max_mma_items``; items past the device's count have 0 rows and their CTAs
+return at once).  The rows are dispatch_plan's without the padding (``compact``): the same experts
+in the same order, each one's picks in pick order, the same items (expert, rows, row count) with
+the rows renumbered.  An fp4mma output row depends only on its own activation row, its expert
+and its item's row count (the n8 tiles a CTA multiplies and the full-tile branch; the k order is
+fixed per chunk), never on where the item's rows sit in memory, so the two dispatches are
+bit-identical (tests/gpu/test_prefill_dispatch_gpu.py).
 
 Layout (``dispatch_plan``, pure NumPy): the active experts, sorted by pick count (descending,
 ties by id) so a group's counts are alike, are cut into groups of ``group``; a group of n
@@ -42,6 +54,8 @@ Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
 ``fp4mma_gateup``    hs = swiglu_rows(xs . W1^T, xs . W3^T) per item, W decoded from the FP4 bytes
                      (twin: the float64 products of the exact dequantised weights, f32-class bound)
 ``fp4mma_down``      ys = hs . W2^T per item (f32, unrounded; same twin and bound)
+``dispatch_on_device``  the plan of device ids by kernels_cu/moe.cu moe_plan_* (twin device_plan,
+                     tests/gpu/test_prefill_dispatch_gpu.py: equal table by table)
 """
 
 from __future__ import annotations
@@ -51,6 +65,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
+from memra_dsv4.gpu.ops import moe as MO
 from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, grid_stride_blocks, i32, kernel
 
 STEM = "experts"
@@ -63,6 +78,7 @@ SCRATCH_BUDGET_BYTES = 1 << 30   # bf16 scratch of one group's W1, W3, W2 (full 
 MAX_GROUP = 32                   # more buys nothing: the batched GEMMs already fill the GPU
 ROW_ALIGN = 16                   # group starts: 16 rows x (D % 8 == 0) x >= 2 B = 256-B aligned
 GEMMS = ("blaslt", "fp4mma")     # routed_moe(gemm=): dequant + cuBLASLt (default) | FP4 tensor-core GEMM
+DISPATCHES = ("host", "device")  # routed_moe(dispatch=): plan on the host (ids read back) | on the device
 
 # fp4mma launch geometry: the FP4MMA_* macro defaults of kernels_cu/experts.cu (keep in step)
 MMA_WARPS = 8                    # warps per CTA, 32 weight rows each
@@ -113,12 +129,7 @@ class DispatchPlan:
 
 def dispatch_plan(idx_h, group: int, bucket=moe_bucket) -> DispatchPlan:
     """The expert-sorted padded layout of the picks ``idx_h`` [T, k] (see the module doc)."""
-    idx = np.asarray(idx_h)
-    if idx.ndim != 2 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
-        raise ValueError(f"dispatch_plan: idx must be a non-empty integer [T, k], got "
-                         f"{idx.dtype} {idx.shape}")
-    if idx.min() < 0:
-        raise ValueError("dispatch_plan: negative expert id")
+    idx = _check_idx(idx_h, "dispatch_plan")
     group = int(group)
     if group < 1:
         raise ValueError(f"dispatch_plan: group = {group} must be >= 1")
@@ -169,6 +180,155 @@ def mma_items(plan: DispatchPlan, bn: int = MMA_BN) -> np.ndarray:
             for t0 in range(0, cnt, bn):
                 rows.append((e, base + t0, min(bn, cnt - t0), 0))
     return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
+
+
+# ------------------------------------------------------------------ the plan on the device
+def max_mma_items(n: int, E: int, bn: int = MMA_BN) -> int:
+    """Most fp4mma work items n picks over E experts can need: sum_e ceil(c_e / bn) <=
+    (n + (bn - 1) * n_active) / bn with n_active <= min(E, n).  The device dispatch sizes its
+    items table and the fp4mma grids with it (no read back of the real count)."""
+    n, E = int(n), int(E)
+    return (n + (bn - 1) * min(E, n)) // bn
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The device-built dispatch plan (kernels_cu/moe.cu "dispatch plan"), as NumPy arrays: the
+    twin's result (device_plan) or the device's copied back (DeviceDispatch.numpy)."""
+    eids: np.ndarray     # int32 [E]: active experts by count desc, id asc; -1 past n_active
+    counts: np.ndarray   # int32 [E]: their pick counts; 0 past n_active
+    ebase: np.ndarray    # int32 [E]: first row of expert e; -1 = no picks
+    seg: np.ndarray      # int32 [nseg, E]: picks of e before segment s (PLAN_SEG picks each)
+    src: np.ndarray      # int32 [n]: token of each row (n = T * k rows, no padding)
+    flat: np.ndarray     # int32 [n]: t * k + j of each row
+    rowof: np.ndarray    # int32 [n]: row of each pick t * k + j
+    pos: np.ndarray      # int32 [T, k]: rows of token t's picks, ascending expert id (stable)
+    items: np.ndarray    # int32 [max_mma_items, 4]: (e, row, rows, 0), zeros past n_items
+    n_active: int
+    n_items: int
+
+
+def _check_idx(idx, who: str) -> np.ndarray:
+    idx = np.asarray(idx)
+    if idx.ndim != 2 or idx.size == 0 or not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(f"{who}: idx must be a non-empty integer [T, k], got "
+                         f"{idx.dtype} {idx.shape}")
+    if idx.min() < 0:
+        raise ValueError(f"{who}: negative expert id")
+    return idx
+
+
+def device_plan(idx_h, E: int) -> DevicePlan:
+    """NumPy twin of the device-built plan of the picks ``idx_h`` [T, k] over ``E`` experts.
+
+    It is ``compact(dispatch_plan(idx_h, group))`` for every group (the padded layout with its
+    padding rows removed: the same experts in the same order, each one's picks in pick order),
+    plus the tables the kernels write on the way (ebase, seg) and the fp4mma items of the compact
+    rows, zero-padded to max_mma_items(T * k, E) entries."""
+    idx = _check_idx(idx_h, "device_plan")
+    E = int(E)
+    if idx.max() >= E:
+        raise ValueError(f"device_plan: expert id {int(idx.max())} >= E = {E}")
+    T, k = idx.shape
+    n = T * k
+    f = idx.reshape(-1).astype(np.int64)
+    cnt = np.bincount(f, minlength=E)
+    active = np.flatnonzero(cnt)
+    order = active[np.lexsort((active, -cnt[active]))]       # count descending, id ascending
+    c = cnt[order]
+    ebase = np.full(E, -1, np.int64)
+    ebase[order] = np.cumsum(c) - c
+    nseg = MO.plan_segments(n)
+    seg = np.zeros((nseg, E), np.int64)
+    for s in range(1, nseg):
+        seg[s] = seg[s - 1] + np.bincount(f[(s - 1) * MO.PLAN_SEG:s * MO.PLAN_SEG], minlength=E)
+    srt = np.argsort(f, kind="stable")                       # by id, then pick order
+    rank = np.empty(n, np.int64)
+    rank[srt] = np.arange(n) - (np.cumsum(cnt) - cnt)[f[srt]]
+    rowof = ebase[f] + rank
+    src = np.empty(n, np.int64)
+    fl = np.empty(n, np.int64)
+    src[rowof] = np.arange(n) // k
+    fl[rowof] = np.arange(n)
+    pos = np.take_along_axis(rowof.reshape(T, k), np.argsort(idx, axis=1, kind="stable"), axis=1)
+    ni = -(-c // MMA_BN)
+    owner = np.repeat(np.arange(order.size), ni)
+    tile = np.arange(owner.size) - np.repeat(np.cumsum(ni) - ni, ni)
+    items = np.zeros((max_mma_items(n, E), 4), np.int64)
+    items[:owner.size, 0] = order[owner]
+    items[:owner.size, 1] = ebase[order[owner]] + MMA_BN * tile
+    items[:owner.size, 2] = np.minimum(MMA_BN, c[owner] - MMA_BN * tile)
+    eids = np.full(E, -1, np.int64)
+    eids[:order.size] = order
+    counts = np.zeros(E, np.int64)
+    counts[:order.size] = c
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)
+    return DevicePlan(eids=i32(eids), counts=i32(counts), ebase=i32(ebase), seg=i32(seg),
+                      src=i32(src), flat=i32(fl), rowof=i32(rowof), pos=i32(pos), items=i32(items),
+                      n_active=int(order.size), n_items=int(owner.size))
+
+
+def compact(plan: DispatchPlan):
+    """dispatch_plan's layout without its padding rows: (src, flat, pos, items) with every padded
+    row renumbered to its rank among the non-padding rows (items: mma_items(plan) renumbered)."""
+    keep = plan.flat >= 0
+    row = np.cumsum(keep) - 1                      # compact row of each non-padding padded row
+    items = mma_items(plan).copy()
+    items[:, 1] = row[items[:, 1]]
+    return (plan.src[keep].astype(np.int32), plan.flat[keep].astype(np.int32),
+            row[plan.pos].astype(np.int32), items.astype(np.int32))
+
+
+@dataclass(frozen=True)
+class DeviceDispatch:
+    """The device-built plan (dispatch_on_device): int32 CuPy views of one allocation."""
+    eids: object
+    counts: object
+    ebase: object
+    seg: object
+    src: object
+    flat: object
+    rowof: object
+    pos: object
+    items: object
+    meta: object    # [2] = (n_active, n_items)
+
+    def numpy(self) -> DevicePlan:
+        """A host copy (tests): synchronises."""
+        meta = self.meta.get()
+        return DevicePlan(eids=self.eids.get(), counts=self.counts.get(), ebase=self.ebase.get(),
+                          seg=self.seg.get(), src=self.src.get(), flat=self.flat.get(),
+                          rowof=self.rowof.get(), pos=self.pos.get(), items=self.items.get(),
+                          n_active=int(meta[0]), n_items=int(meta[1]))
+
+
+def dispatch_on_device(idx, E: int) -> DeviceDispatch:
+    """The plan of the device expert ids ``idx`` [T, k] (any integer dtype; ids in [0, E), others
+    trap) built by 4 launches (kernels_cu/moe.cu moe_plan_*) into one int32 allocation; no host
+    synchronisation, nothing read back; every table is sized from T, k and E alone.  Twin:
+    device_plan."""
+    cp = cupy()
+    idx = cp.ascontiguousarray(idx, dtype=np.int64)
+    assert idx.ndim == 2 and idx.size > 0, f"dispatch_on_device: idx {idx.shape}"
+    T, k = idx.shape
+    n, E = T * k, int(E)
+    nseg, mi = MO.plan_segments(n), max_mma_items(n, E)
+    sizes = {"items": 4 * mi, "meta": 4, "ebase": E, "eids": E, "counts": E, "seg": nseg * E,
+             "src": n, "flat": n, "rowof": n, "pos": n}
+    buf = cp.empty(sum(sizes.values()), dtype=np.int32)
+    v, o = {}, 0
+    for name, size in sizes.items():
+        v[name] = buf[o:o + size]
+        o += size
+    d = DeviceDispatch(eids=v["eids"], counts=v["counts"], ebase=v["ebase"],
+                       seg=v["seg"].reshape(nseg, E), src=v["src"], flat=v["flat"],
+                       rowof=v["rowof"], pos=v["pos"].reshape(T, k),
+                       items=v["items"].reshape(mi, 4), meta=v["meta"][:2])
+    MO.plan_count(idx, E, d.seg)
+    MO.plan_scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta)
+    MO.plan_place(idx, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
+    MO.plan_combine_pos(idx, d.rowof, d.pos)
+    return d
 
 
 def mma_smem_bytes(fmt: str) -> int:
@@ -332,12 +492,17 @@ def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None):
 
 
 # ------------------------------------------------------------------------- orchestration
-def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, *,
-               ws2=None, group: int | None = None, ph: str | None = None, gemm: str = "blaslt"):
+def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
+               ws2=None, group: int | None = None, ph: str | None = None, gemm: str = "blaslt",
+               dispatch: str = "host"):
     """The MoE output y [T, D] f32 (bf16-valued) = combine(routed experts) + shared (module doc).
 
-    g: ops_glue.GemmBackend of the current device; x [T, D] f32 bf16-valued; idx_h [T, k]
-    integer NumPy (the host copy of the routing); wts [T, k] f32 device; experts: {"w1", "w2",
+    g: ops_glue.GemmBackend of the current device; x [T, D] f32 bf16-valued; idx [T, k] integer
+    expert ids, a NumPy array or a CuPy array on the current device; wts [T, k] f32 device;
+    dispatch: "host" (dispatch_plan on a host copy of idx: a device idx is read back, one
+    synchronisation) or "device" (dispatch_on_device: the plan built by kernels from the device
+    idx, a NumPy idx uploaded; nothing read back; gemm "fp4mma" only, bit-identical to "host":
+    the same items over the same rows, renumbered without the padding); experts: {"w1", "w2",
     "w3": (packed [E, out, in/2] u8, scale u8)}; ws2: {"w1", "w2", "w3": f32 [E] device} for
     NVFP4; shared [T, D] f32.  ph: the phase prefix (``.../ffn/moe``) under which the
     dispatch (host plan, the table upload, the gather), the experts (per group: dequant, GEMMs,
@@ -347,20 +512,30 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     FP4 bytes, no scratch (g unused; needs D % 128 == I % 128 == 0).  Same products, same
     roundings around the GEMMs; the f32 summation order differs (bf16 class, not bitwise)."""
     from memra_dsv4.profiling import phase
+    assert gemm in GEMMS, f"routed_moe: gemm {gemm!r} not in {GEMMS}"
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"routed_moe: dispatch {dispatch!r} not in {DISPATCHES}")
+    if dispatch == "device" and gemm != "fp4mma":
+        raise ValueError(f"routed_moe: dispatch 'device' needs gemm 'fp4mma' (gemm {gemm!r} sizes "
+                         f"its cuBLASLt batches on the host: dispatch 'host')")
     cp = cupy()
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, D = x.shape
     I = experts["w1"][0].shape[1]
     assert experts["w1"][0].shape[2] * 2 == D and experts["w2"][0].shape[1:] == (D, I // 2), (
         f"routed_moe: expert shapes {experts['w1'][0].shape} / {experts['w2'][0].shape} vs D = {D}")
-    idx_h = np.asarray(idx_h)
-    k = idx_h.shape[1]
-    assert idx_h.shape[0] == T, f"routed_moe: idx {idx_h.shape} vs x {x.shape}"
+    on_device = isinstance(idx, cp.ndarray)
+    if not on_device:
+        idx = np.asarray(idx)
+    assert idx.ndim == 2 and idx.shape[0] == T, f"routed_moe: idx {idx.shape} vs x {x.shape}"
+    k = idx.shape[1]
     check(wts, "routed_moe.wts", np.float32, (T, k))
-    assert gemm in GEMMS, f"routed_moe: gemm {gemm!r} not in {GEMMS}"
     grp = int(group or group_size(I, D))
     bracket = (lambda leaf: phase(f"{ph}/{leaf}")) if ph else (lambda leaf: _NO_PHASE)
+    if dispatch == "device":
+        return _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket)
     with bracket("dispatch"):
+        idx_h = cp.asnumpy(idx) if on_device else idx   # the one device->host read of the ids
         plan = dispatch_plan(idx_h, grp)
         P, n_act = plan.rows, plan.eids.size
         host_tab = plan.table()
@@ -400,6 +575,31 @@ def routed_moe(g, x, idx_h, wts, experts: dict, fmt: str, limit: float, shared, 
     assert n_act == sum(gr.n for gr in plan.groups)
     with bracket("combine"):
         return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
+
+
+def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket):
+    """routed_moe(gemm="fp4mma", dispatch="device"): the plan by kernels (dispatch_on_device),
+    the gather over the T * k compact rows, both fp4mma launches over max_mma_items items (the
+    empty tail returns at once), the combine; no host synchronisation."""
+    cp = cupy()
+    T, D = x.shape
+    E, I = experts["w1"][0].shape[:2]
+    k = idx.shape[1]
+    n = T * k
+    with bracket("dispatch"):
+        d = dispatch_on_device(idx if isinstance(idx, cp.ndarray) else cp.asarray(idx), E)
+        xs = gather_rows(x, d.src, cp.empty((n, D), dtype=cp.uint16))
+    hs = cp.empty((n, I), dtype=cp.uint16)
+    ys = cp.empty((n, D), dtype=cp.float32)
+    wflat = cp.ascontiguousarray(wts).reshape(-1)
+    with bracket("experts"):
+        fp4mma_gateup(fmt, experts["w1"], experts["w3"], d.items, xs, wflat, d.flat, limit, hs,
+                      None if ws2 is None else (ws2["w1"], ws2["w3"]))
+        fp4mma_down(fmt, experts["w2"], d.items, hs, ys, None if ws2 is None else ws2["w2"])
+    if g is not None and hasattr(g, "flops"):
+        g.flops += 6 * T * k * I * D
+    with bracket("combine"):
+        return combine_sorted(ys, d.pos, cp.ascontiguousarray(shared, dtype=cp.float32))
 
 
 class _NoPhase:
