@@ -404,6 +404,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         PM.fp4mma_gateup(fmt, w13, w13, i32(3, 4), u16(10, 256), f32(12), i32(10), 10.0, u16(10, 128),
                          None if fmt == "mxfp4" else (f32(2), f32(2)))
         PM.fp4mma_down(fmt, w2, i32(3, 4), u16(10, 128), f32(10, 256), None if fmt == "mxfp4" else f32(2))
+        PM.wgmma_gateup(fmt, w13, w13, i32(3, 4), u16(10, 256), f32(12), i32(10), 10.0, u16(10, 128),
+                        None if fmt == "mxfp4" else (f32(2), f32(2)))
+        PM.wgmma_down(fmt, w2, i32(3, 4), u16(10, 128), f32(10, 256), None if fmt == "mxfp4" else f32(2))
+    PM.gather_rows_perm(f32(4, 256), i32(5), u16(5, 256))
     from memra_dsv4.gpu.ops import kernel_names
 
     every = {n for names in kernel_names().values() for n in names}
@@ -440,3 +444,17 @@ def test_fp4mma_launch_geometry_matches_the_kernel_macros():
     assert PM.mma_smem_bytes("mxfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 4)
     assert PM.mma_smem_bytes("nvfp4") == PM.MMA_STAGES * (64 * 128 * 2 + PM.MMA_ROWS * 64 + PM.MMA_ROWS * 8)
     assert PM.mma_smem_bytes("nvfp4") <= 227 * 1024
+
+
+def test_wgmma_launch_geometry_matches_the_kernel():
+    """gpu/ops/prefill_moe.py sizes the wgmma grids, blocks and dynamic shared memory from the tile
+    kernels_cu/experts.cu (namespace wg) compiles in: pinned here, as for fp4mma."""
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        src = f.read()
+    const = {m: int(v) for m, v in re.findall(r"constexpr int (WG_(?:THREADS|ROWS|BN|KC)) = (\d+);", src)}
+    assert const == {"WG_THREADS": PM.WG_THREADS, "WG_ROWS": PM.WG_ROWS, "WG_BN": PM.WG_BN, "WG_KC": PM.WG_KC}
+    assert int(re.search(r"#define WGMMA_SMEM (\d+)", src).group(1)) == PM.WG_SMEM
+    # the token tile of an item is its rows rounded up to 16, one instantiation per tile
+    cases = re.findall(r"case (\d+): WG_CASE\((\d+)\)", src)
+    assert [(int(a), int(b)) for a, b in cases] == [(i, 16 * i) for i in range(1, PM.WG_BN // 16 + 1)]
