@@ -458,3 +458,16 @@ def test_wgmma_launch_geometry_matches_the_kernel():
     # the token tile of an item is its rows rounded up to 16, one instantiation per tile
     cases = re.findall(r"case (\d+): WG_CASE\((\d+)\)", src)
     assert [(int(a), int(b)) for a, b in cases] == [(i, 16 * i) for i in range(1, PM.WG_BN // 16 + 1)]
+
+
+def test_ptxas_log_flags_wgmma_serialisation():
+    """tools/compile_kernels.py fails a kernel whose wgmma ptxas serialised (C7514/C7515)."""
+    tool = _compile_kernels_tool()
+    log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+           "due to non wgmma instructions defining accumulator registers of a wgmma between start and end "
+           "of the pipeline stage in the function 'wgmma_down_nvfp4'\n"
+           "ptxas info    : Compiling entry function 'k2' for 'sm_90a'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    problems = tool.check_ptxas_log(log)
+    assert len(problems) == 1 and problems[0].startswith("wgmma_down_nvfp4: wgmma serialised"), problems
+    assert tool.check_ptxas_log(log.split("\n", 1)[1]) == []
