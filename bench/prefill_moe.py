@@ -3,11 +3,11 @@ full-size Flash experts (256 x MXFP4 w1/w3 [2048, 4096], w2 [4096, 2048], random
 random top-6 routing: GPU time per layer (CUDA events around one call after a warm-up call that
 builds the cuBLASLt plans) and the projection to 43 layers, for each GEMM arm (--gemm: "blaslt" =
 dequant into bf16 scratch + cuBLASLt batches, the default path; "fp4mma" = the FP4 tensor-core
-grouped GEMM on the stored bytes).  For fp4mma also the two kernels alone (gate/up + SwiGLU, down)
-and the stored FP4 bytes they read per layer against the copy bandwidth.  Runs in well under a
-minute.
+grouped GEMM on the stored bytes (mma.sync); "wgmma" = the same on Hopper warpgroup MMA).  For
+fp4mma and wgmma also the two kernels alone (gate/up + SwiGLU, down) and the stored FP4 bytes they
+read per layer against the copy bandwidth.  Runs in well under a minute.
 
-    python -m bench.prefill_moe --tokens 1,1024,8192 --gemm blaslt,fp4mma
+    python -m bench.prefill_moe --tokens 1,1024,8192 --gemm blaslt,fp4mma,wgmma
     python -m bench.prefill_moe --tokens 1024,8192 --gemm fp4mma --dispatch host,device
 
 --dispatch: routed_moe(dispatch=) arms of the fp4mma GEMM (the ids live on the device, as in the
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,1024,8192")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--gemm", default="blaslt,fp4mma", help="comma list of routed_moe(gemm=) arms")
+    ap.add_argument("--gemm", default="blaslt,fp4mma,wgmma", help="comma list of routed_moe(gemm=) arms")
     ap.add_argument("--dispatch", default="host", help="comma list of routed_moe(dispatch=) arms (fp4mma)")
     a = ap.parse_args(argv)
     import cupy as cp
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             fp4_bytes = p.eids.size * per_expert_bytes
             res = {}
             for arm, disp in arms:
-                label = arm if len(disps) == 1 or arm == "blaslt" else f"{arm}/{disp}"
+                label = arm if len(disps) == 1 or arm != "fp4mma" else f"{arm}/{disp}"
 
                 def call():
                     return PM.routed_moe(g, x, idx_d, wts, experts, "mxfp4", cfg.swiglu_limit, shared,
@@ -91,19 +91,21 @@ def main(argv=None) -> int:
                       f"x{a.layers} = {ms * a.layers / 1e3:6.3f} s; {p.eids.size} experts in "
                       f"{len(p.groups)} groups, {p.rows} padded rows for {T * k} picks "
                       f"(first call {warm * 1e3:.0f} ms)", flush=True)
-                if arm == "fp4mma" and disp == disps[0]:
-                    items_h = PM.mma_items(p)
+                if arm in ("fp4mma", "wgmma") and disp == disps[0]:
+                    items_h = PM.mma_items(p) if arm == "fp4mma" else PM.wg_items(p)
+                    gateup, down = ((PM.fp4mma_gateup, PM.fp4mma_down) if arm == "fp4mma" else
+                                    (PM.wgmma_gateup, PM.wgmma_down))
                     items = cp.asarray(items_h)
                     xs = cp.zeros((p.rows, D), dtype=cp.uint16)
                     hs = cp.zeros((p.rows, I), dtype=cp.uint16)
                     ys = cp.empty((p.rows, D), dtype=cp.float32)
                     flat = cp.asarray(np.maximum(p.flat, 0))
                     wf = wts.reshape(-1)
-                    gu = _events_ms(lambda: PM.fp4mma_gateup("mxfp4", experts["w1"], experts["w3"], items, xs,
-                                                                 wf, flat, cfg.swiglu_limit, hs), reps=3)
-                    dn = _events_ms(lambda: PM.fp4mma_down("mxfp4", experts["w2"], items, hs, ys), reps=3)
+                    gu = _events_ms(lambda: gateup("mxfp4", experts["w1"], experts["w3"], items, xs,
+                                                   wf, flat, cfg.swiglu_limit, hs), reps=3)
+                    dn = _events_ms(lambda: down("mxfp4", experts["w2"], items, hs, ys), reps=3)
                     flops = 2 * 3 * T * k * I * D
-                    print(f"          fp4mma kernels: gate/up+SwiGLU {gu:7.3f} ms, down {dn:7.3f} ms "
+                    print(f"          {arm} kernels: gate/up+SwiGLU {gu:7.3f} ms, down {dn:7.3f} ms "
                           f"({len(items_h)} items); FP4 bytes {fp4_bytes / 1e9:.2f} GB -> "
                           f"{fp4_bytes / ((gu + dn) * 1e-3) / COPY_BW * 100:5.1f} % of copy bw, "
                           f"{flops / ((gu + dn) * 1e-3) / 1e12:6.1f} TFLOP/s useful", flush=True)
@@ -113,12 +115,13 @@ def main(argv=None) -> int:
                 print(f"          A/B T={T}: device / host dispatch = {md / mh:5.3f} ({mh - md:+.2f} ms/layer), "
                       f"bitwise equal: {same}", flush=True)
             fp = "fp4mma" if "fp4mma" in res else "fp4mma/host"
-            if "blaslt" in res and fp in res:
-                (mb, ob), (mm, om) = res["blaslt"], res[fp]
-                ob, om = ob.get().astype(np.float64), om.get().astype(np.float64)
-                rel = np.linalg.norm(om - ob) / max(np.linalg.norm(ob), 1e-30)
-                print(f"          A/B T={T}: fp4mma / blaslt = {mm / mb:5.3f} ({mb - mm:+.2f} ms/layer), "
-                      f"relL2(fp4mma, blaslt) = {rel:.2e}", flush=True)
+            for a_, b_ in ((fp, "blaslt"), ("wgmma", "blaslt"), ("wgmma", fp)):
+                if a_ in res and b_ in res:
+                    (mb, ob), (mm, om) = res[b_], res[a_]
+                    ob, om = ob.get().astype(np.float64), om.get().astype(np.float64)
+                    rel = np.linalg.norm(om - ob) / max(np.linalg.norm(ob), 1e-30)
+                    print(f"          A/B T={T}: {a_} / {b_} = {mm / mb:5.3f} ({mb - mm:+.2f} ms/layer), "
+                          f"relL2({a_}, {b_}) = {rel:.2e}", flush=True)
     return 0
 
 

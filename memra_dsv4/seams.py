@@ -147,16 +147,18 @@ SEAM_PREFILL_ATTN = Seam(
     "their own fixed f32 orders) or `simt` (the decode step's CUDA-core kernels). Shorter "
     "chunks always use `simt`.")
 SEAM_PREFILL_MOE = Seam(
-    "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt"),
+    "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt", "wgmma"),
     "Routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, read once per model "
     "and printed): `fp4mma` (one grouped tensor-core GEMM per projection reading the STORED "
-    "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order) or "
+    "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order), "
     "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
-    "strided-batched cuBLASLt GEMMs and a SwiGLU launch).")
+    "strided-batched cuBLASLt GEMMs and a SwiGLU launch) or `wgmma` (opt-in: the `fp4mma` "
+    "contract on Hopper warpgroup MMA, weights decoded into wgmma's register operand, "
+    "activations read from shared memory in a permuted k order, items of up to 128 rows).")
 SEAM_PREFILL_DISPATCH = Seam(
     "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "device", ("host", "device"),
     "Dispatch plan of the routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, "
-    "read once per model and printed; the `fp4mma` arm only: `blaslt` always plans on the host): "
+    "read once per model and printed; the `fp4mma` arm only: `blaslt` and `wgmma` plan on the host): "
     "`host` (the expert ids read back once per layer, the plan built in NumPy and uploaded; the "
     "host waits for the GPU) or `device` (four small kernels build the plan from the device ids "
     "and the FP4 GEMMs launch over an upper bound of work items: nothing read back; "

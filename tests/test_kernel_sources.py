@@ -419,6 +419,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         PM.fp4mma_gateup(fmt, w13, w13, i32(3, 4), u16(10, 256), f32(12), i32(10), 10.0, u16(10, 128),
                          None if fmt == "mxfp4" else (f32(2), f32(2)))
         PM.fp4mma_down(fmt, w2, i32(3, 4), u16(10, 128), f32(10, 256), None if fmt == "mxfp4" else f32(2))
+        PM.wgmma_gateup(fmt, w13, w13, i32(3, 4), u16(10, 256), f32(12), i32(10), 10.0, u16(10, 128),
+                        None if fmt == "mxfp4" else (f32(2), f32(2)))
+        PM.wgmma_down(fmt, w2, i32(3, 4), u16(10, 128), f32(10, 256), None if fmt == "mxfp4" else f32(2))
+    PM.gather_rows_perm(f32(4, 256), i32(5), u16(5, 256))
     from memra_dsv4.gpu.ops import kernel_names
 
     every = {n for names in kernel_names().values() for n in names}
@@ -469,3 +473,30 @@ def test_dispatch_plan_constants_match_moe_cu():
                    "PLAN_BN": MO.PLAN_BN}
     assert MO.PLAN_BN == PM.MMA_BN
     assert MO.PLAN_WARPS * MO.PLAN_MAX_E * 4 <= 48 * 1024   # count / place: no opt-in smem needed
+
+
+def test_wgmma_launch_geometry_matches_the_kernel():
+    """gpu/ops/prefill_moe.py sizes the wgmma grids, blocks and dynamic shared memory from the tile
+    kernels_cu/experts.cu (namespace wg) compiles in: pinned here, as for fp4mma."""
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        src = f.read()
+    const = {m: int(v) for m, v in re.findall(r"constexpr int (WG_(?:THREADS|ROWS|BN|KC)) = (\d+);", src)}
+    assert const == {"WG_THREADS": PM.WG_THREADS, "WG_ROWS": PM.WG_ROWS, "WG_BN": PM.WG_BN, "WG_KC": PM.WG_KC}
+    assert int(re.search(r"#define WGMMA_SMEM (\d+)", src).group(1)) == PM.WG_SMEM
+    # the token tile of an item is its rows rounded up to 16, one instantiation per tile
+    cases = re.findall(r"case (\d+): WG_CASE\((\d+)\)", src)
+    assert [(int(a), int(b)) for a, b in cases] == [(i, 16 * i) for i in range(1, PM.WG_BN // 16 + 1)]
+
+
+def test_ptxas_log_flags_wgmma_serialisation():
+    """tools/compile_kernels.py fails a kernel whose wgmma ptxas serialised (C7514/C7515)."""
+    tool = _compile_kernels_tool()
+    log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+           "due to non wgmma instructions defining accumulator registers of a wgmma between start and end "
+           "of the pipeline stage in the function 'wgmma_down_nvfp4'\n"
+           "ptxas info    : Compiling entry function 'k2' for 'sm_90a'\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    problems = tool.check_ptxas_log(log)
+    assert len(problems) == 1 and problems[0].startswith("wgmma_down_nvfp4: wgmma serialised"), problems
+    assert tool.check_ptxas_log(log.split("\n", 1)[1]) == []

@@ -1,4 +1,5 @@
-"""Compile every kernels_cu/*.cu for sm_90a with nvcc and fail on spills or stack frames.
+"""Compile every kernels_cu/*.cu for sm_90a with nvcc and fail on spills, stack frames or
+wgmma serialisation (ptxas C7514/C7515: "wgmma.mma_async instructions are serialized").
 
 This is the CI half of "kernels are checked without a GPU": ptxas runs on the CPU machine, so
 register pressure regressions (spill stores, local-memory stack frames) fail `make test` before
@@ -19,12 +20,19 @@ import tempfile
 ALLOW_STACK: set[str] = set()
 _FUNC = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+# ptxas C7514 / C7515 (and kin): it could not prove a wgmma pipeline safe and serialised every
+# wgmma of the function (correct, but the tensor cores idle between instructions)
+_WGMMA_SERIAL = re.compile(r"wgmma\.mma_async instructions are serialized.*in the function '([^']+)'")
 
 
 def check_ptxas_log(log: str) -> list[str]:
     """Return one problem line per kernel that spills or uses a stack frame."""
     problems, current = [], "?"
     for line in log.splitlines():
+        m = _WGMMA_SERIAL.search(line)
+        if m:
+            problems.append(f"{m.group(1)}: wgmma serialised by ptxas ({line.split('Potential')[0].split(':')[-1].strip()})")
+            continue
         m = _FUNC.search(line)
         if m:
             current = m.group(1) or m.group(2)

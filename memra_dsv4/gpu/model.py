@@ -18,12 +18,13 @@ API
     attention.sparse_attention_decode), bit-identical; ``self.decode_attn`` may be changed later
     (the device step recaptures its graphs when it differs, as for ``pdl``).
     ``prefill_moe`` (seam ``MEMRA_DSV4_PREFILL_MOE``, read once and printed): the chunk routine's
-    routed experts, ``fp4mma`` (grouped tensor-core GEMM on the stored FP4 bytes) or ``blaslt``
-    (dequantise into a bf16 scratch + cuBLASLt); ``self.prefill_moe`` is read per chunk.
+    routed experts, ``fp4mma`` (grouped tensor-core GEMM on the stored FP4 bytes), ``wgmma``
+    (opt-in: the same on Hopper warpgroup MMA) or ``blaslt`` (dequantise into a bf16 scratch +
+    cuBLASLt); ``self.prefill_moe`` is read per chunk.
     ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
     ``fp4mma`` arm builds its dispatch plan, ``host`` (the expert ids read back per layer) or
-    ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` always plans on the host;
-    ``self.prefill_dispatch`` is read per chunk.
+    ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` and ``wgmma`` always plan
+    on the host; ``self.prefill_dispatch`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
@@ -469,10 +470,10 @@ class _Block:
                           dispatch=self._moe_dispatch(gemm))   # brackets dispatch / experts / combine
 
     def _moe_gemm(self, D: int, I: int) -> str:
-        """The seam MEMRA_DSV4_PREFILL_MOE; the FP4 tensor-core GEMM tiles K by 128, so a model
-        whose hidden or expert width is not a multiple of 128 runs "blaslt"."""
+        """The seam MEMRA_DSV4_PREFILL_MOE; the FP4 tensor-core GEMMs (fp4mma, wgmma) tile K by
+        128, so a model whose hidden or expert width is not a multiple of 128 runs "blaslt"."""
         form = getattr(self.m, "prefill_moe", "fp4mma")
-        return form if form != "fp4mma" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
+        return form if form == "blaslt" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
 
     def _moe_dispatch(self, gemm: str) -> str:
         """The seam MEMRA_DSV4_PREFILL_DISPATCH for the fp4mma arm; "blaslt" sizes its cuBLASLt

@@ -456,3 +456,210 @@ def test_mma_items_cover_every_pick_once():
         cover[r0:r0 + n] += 1
         assert (idx.reshape(-1)[plan.flat[r0:r0 + n]] == e).all(), f"seed {seed}: item rows of another expert"
     assert (cover[plan.src >= 0] == 1).all() and (cover[plan.src < 0] == 0).all(), f"seed {seed}"
+
+
+# ------------------------------------------------------------------ wgmma (FP4 grouped GEMM, Hopper)
+# The fp4mma contract on warpgroup MMA (kernels_cu/experts.cu namespace wg); the activations xs and
+# the gate/up output hs are stored with every 128-column chunk permuted (PM.perm128), so the inputs
+# are permuted with the host twin and the outputs un-permuted before the same comparisons as above:
+# * one-hot rows: decoded weights EXACTLY equal to the dequant kernel's bf16 (every MXFP4 scale
+#   0..252, every finite e4m3 byte, both signs), gate/up: h equal to swiglu_rows of the exact gate/up;
+# * random rows: down within K * 2^-24 * sum_k |x w| of float64 (any f32 order); gate/up against the
+#   float64 twin through bf16(gate), bf16(up) and the clamped SwiGLU: MOE_REL_L2 over the tile and
+#   per row (a bf16 rounding of gate / up may flip by one ulp; a wrong row / index moves O(1));
+# * rows outside the items are never written; item row counts 1, 7, 64, 65, 128, 200 (two items:
+#   PM.wg_items' split), an expert with no rows, clamp on / off, Flash K / N and small shapes.
+_WG_SPLITS = {128: [1, 7, 56, 64], 256: [1, 7, 65, 128, 55]}   # each <= WG_BN; 65 and 128: odd tiles
+
+
+def _wg_onehot_items(E, K, pad):
+    items = []
+    for e in range(E):
+        t0 = 0
+        for n in _WG_SPLITS[K]:
+            items.append((e, e * K + t0, n, 0))
+            t0 += n
+        assert t0 == K
+    return np.asarray(items, np.int32), E * K + pad
+
+
+def test_gather_rows_perm():
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, D, P = 37, 4096, 300
+    x = (rng.standard_normal((T, D)) * 3).astype(np.float32)      # not bf16-valued: RNE matters
+    src = rng.integers(-1, T, P).astype(np.int32)
+    got = PM.gather_rows_perm(cp.asarray(x), cp.asarray(src), cp.empty((P, D), cp.uint16)).get()
+    nat = PM.gather_rows(cp.asarray(x), cp.asarray(src), cp.empty((P, D), cp.uint16)).get()
+    assert np.array_equal(got, PM.perm128(nat)), f"seed {seed}: gather_rows_perm != perm128(gather_rows)"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("K", [128, 256])
+def test_wgmma_down_decodes_exactly(fmt, K):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, N, pad = 3, 300, 16                                  # N: a full and a partial CTA of rows
+    pk, sc, ws2 = _edge_stacked(rng, fmt, E, N, K)
+    w = (cp.asarray(pk), cp.asarray(sc))
+    ws2_d = None if ws2 is None else cp.asarray(ws2)
+    items, P = _wg_onehot_items(E, K, pad)
+    x = np.zeros((P, K), np.uint16)
+    x[np.arange(E * K), np.arange(E * K) % K] = 0x3F80    # row e * K + t = e_t (logical)
+    ys = cp.full((P, N), np.nan, dtype=cp.float32)
+    PM.wgmma_down(fmt, w, cp.asarray(items), cp.asarray(PM.perm128(x)), ys, ws2_d)
+    got = ys.get()
+    want = _scratch(fmt, w, ws2_d, E)                      # [E, N, K]
+    _assert_decoded(got[:E * K].reshape(E, K, N), want.transpose(0, 2, 1), "wgmma_down one-hot", seed,
+                    fmt=fmt, K=K)
+    assert np.isnan(got[E * K:]).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_wgmma_gateup_decodes_exactly(fmt, limit):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, I, D, pad = 2, 256, 256, 16                         # I: two CTAs of indices
+    host = {m: _stacked(rng, fmt, E, I, D) for m in ("w1", "w3")}
+    w = {m: (cp.asarray(h[0]), cp.asarray(h[1])) for m, h in host.items()}
+    ws2 = None if fmt == "mxfp4" else {m: cp.asarray(h[2]) for m, h in host.items()}
+    items, P = _wg_onehot_items(E, D, pad)
+    x = np.zeros((P, D), np.uint16)
+    x[np.arange(E * D), np.arange(E * D) % D] = 0x3F80
+    wts = (rng.random(P) * 0.5).astype(np.float32)
+    flat = np.arange(P, dtype=np.int32)
+    flat[E * D:] = -1
+    hs = cp.full((P, I), 0xABCD, dtype=cp.uint16)
+    PM.wgmma_gateup(fmt, w["w1"], w["w3"], cp.asarray(items), cp.asarray(PM.perm128(x)), cp.asarray(wts),
+                    cp.asarray(flat), limit, hs, None if ws2 is None else (ws2["w1"], ws2["w3"]))
+    got = hs.get()
+    gate = np.zeros((P, I), np.float32)
+    up = np.zeros((P, I), np.float32)
+    W1 = _scratch(fmt, w["w1"], None if ws2 is None else ws2["w1"], E)
+    W3 = _scratch(fmt, w["w3"], None if ws2 is None else ws2["w3"], E)
+    gate[:E * D] = W1.transpose(0, 2, 1).reshape(E * D, I)
+    up[:E * D] = W3.transpose(0, 2, 1).reshape(E * D, I)
+    want = PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat), limit,
+                          cp.empty((P, I), cp.uint16)).get()
+    # values, not bits: -0 weights come out +0 (see test_fp4mma_gateup_decodes_exactly)
+    gv, wv = decode_bf16(PM.unperm128(got[:E * D])), decode_bf16(want[:E * D])
+    assert np.array_equal(gv, wv), (
+        f"seed {seed}: wgmma_gateup one-hot: {int((gv != wv).sum())} h values differ "
+        f"from swiglu_rows of the exact gate / up ({fmt}, limit {limit})")
+    assert (got[E * D:] == 0xABCD).all(), f"seed {seed}: rows outside the items were written"
+
+
+def _wg_random_items(counts, pad=3):
+    """Items of {expert: rows} (0 = an expert with no rows, no item) split as PM.wg_items splits
+    (via a one-expert plan), a gap of ``pad`` rows before every expert; returns (items, P)."""
+    items, rows = [], 0
+    for e, c in counts.items():
+        rows += pad
+        if c:
+            sizes = PM.wg_items(PM.dispatch_plan(np.zeros((c, 1), np.int64), 1))[:, 2]
+            t0 = 0
+            for n in sizes:
+                items.append((e, rows + t0, int(n), 0))
+                t0 += int(n)
+            rows += c
+    return np.asarray(items, np.int32), rows + 5
+
+
+_WG_COUNTS = {0: 1, 3: 200, 1: 7, 5: 0, 4: 64, 2: 65, 6: 128}   # expert 5: no rows
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("N,K", [(4096, 2048), (256, 128), (300, 256)])
+def test_wgmma_down_bound(fmt, N, K):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E = 7
+    pk, sc, ws2 = _stacked(rng, fmt, E, N, K)
+    items, P = _wg_random_items(_WG_COUNTS)
+    x = rand_bf16(rng, (P, K), 1.0, spread=2)
+    ys = cp.full((P, N), np.nan, dtype=cp.float32)
+    PM.wgmma_down(fmt, (cp.asarray(pk), cp.asarray(sc)), cp.asarray(items), cp.asarray(PM.perm128(bits_of(x))),
+                  ys, None if ws2 is None else cp.asarray(ws2))
+    got = ys.get()
+    covered = np.zeros(P, bool)
+    for e, r0, n, _ in items:
+        covered[r0:r0 + n] = True
+        W = _twin_dequant(fmt, pk, sc, ws2, int(e)).astype(np.float64)
+        xb = x[r0:r0 + n].astype(np.float64)
+        want = xb @ W.T
+        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(W).T)
+        err = np.abs(got[r0:r0 + n] - want)
+        assert (err <= bound).all(), (f"seed {seed}: item {(e, r0, n)} err {np.nanmax(err):.3e} beyond the "
+                                      f"f32 bound ({fmt}, N {N}, K {K})")
+    assert np.isnan(got[~covered]).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("I,D", [(2048, 4096), (128, 256)])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_wgmma_gateup_bound(fmt, I, D, limit):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E = 7
+    host = {m: _stacked(rng, fmt, E, I, D) for m in ("w1", "w3")}
+    items, P = _wg_random_items(_WG_COUNTS)
+    # activations sized so that |gate|, |up| reach past the clamp limit 10 on a fraction of elements
+    x = rand_bf16(rng, (P, D), 100.0 / np.sqrt(D), spread=2)
+    wts = (rng.random(P) * 0.5 + 0.25).astype(np.float32)
+    flat = np.arange(P, dtype=np.int32)
+    hs = cp.full((P, I), 0xABCD, dtype=cp.uint16)
+    ws2 = None if fmt == "mxfp4" else (cp.asarray(host["w1"][2]), cp.asarray(host["w3"][2]))
+    PM.wgmma_gateup(fmt, (cp.asarray(host["w1"][0]), cp.asarray(host["w1"][1])),
+                    (cp.asarray(host["w3"][0]), cp.asarray(host["w3"][1])), cp.asarray(items),
+                    cp.asarray(PM.perm128(bits_of(x))), cp.asarray(wts), cp.asarray(flat), limit, hs, ws2)
+    got_bits = hs.get()
+    covered = np.zeros(P, bool)
+    clamped = 0
+    for e, r0, n, _ in items:
+        covered[r0:r0 + n] = True
+        W1 = _twin_dequant(fmt, *host["w1"], int(e)).astype(np.float64)
+        W3 = _twin_dequant(fmt, *host["w3"], int(e)).astype(np.float64)
+        xb = x[r0:r0 + n].astype(np.float64)
+        g64, u64 = xb @ W1.T, xb @ W3.T
+        clamped += int((np.abs(u64) > 10).sum())
+        want = O.BF16.store(O.swiglu_clamped(round_bf16(g64.astype(np.float32)), round_bf16(u64.astype(np.float32)),
+                                             limit, wts[r0:r0 + n]))
+        got = decode_bf16(PM.unperm128(got_bits[r0:r0 + n]))
+        r = _rel(got, want)
+        assert r <= MOE_REL_L2, f"seed {seed}: item {(e, r0, n)} relL2 {r:.2e} ({fmt}, I {I}, limit {limit})"
+        for t in range(n):
+            rt = _rel(got[t], want[t])
+            assert rt <= 8 * MOE_REL_L2, f"seed {seed}: item {(e, r0, n)} row {t} relL2 {rt:.2e}"
+    assert clamped > 0, f"seed {seed}: no |up| beyond the clamp: the test does not exercise it"
+    assert (got_bits[~covered] == 0xABCD).all(), f"seed {seed}: rows outside the items were written"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T,k,E,D,I,group,distinct", [
+    (1, 6, 16, 4096, 2048, None, True),      # decode-sized chunk, full-size matrices: 1 row / expert
+    (64, 6, 16, 4096, 2048, None, True),     # ~24 rows per expert
+    (400, 6, 12, 512, 256, None, True),      # ~200 rows per expert: two items each
+    (40, 2, 8, 256, 128, 3, True),           # tiny, several groups
+    (33, 4, 16, 512, 256, 5, False),         # small, repeated ids (hash tables), empty experts
+])
+def test_routed_moe_wgmma(fmt, T, k, E, D, I, group, distinct):
+    """routed_moe(gemm="wgmma") against gemm="fp4mma" and the float64 oracle, MOE_REL_L2 each (the
+    GEMM sums run in another f32 order; everything around them is the same)."""
+    seed = fresh_seed()
+    x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
+    with cp.cuda.Device(0):
+        g = G.GemmBackend(0, "blaslt")
+        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
+        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
+        got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group,
+                            gemm="wgmma").get()
+        ref = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group,
+                            gemm="fp4mma").get()
+    assert np.array_equal(got, round_bf16(got)), f"seed {seed}: output not bf16-valued"
+    r_ref = _rel(got, ref)
+    assert r_ref <= MOE_REL_L2, f"seed {seed}: wgmma vs fp4mma relL2 {r_ref:.2e}"
+    want = _oracle_moe(fmt, host, x, idx, wts, shared)
+    r = _rel(got, want)
+    assert r <= MOE_REL_L2, f"seed {seed}: wgmma vs float64 oracle relL2 {r:.2e} (fp4mma {_rel(ref, want):.2e})"

@@ -56,6 +56,14 @@ Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
 ``fp4mma_down``      ys = hs . W2^T per item (f32, unrounded; same twin and bound)
 ``dispatch_on_device``  the plan of device ids by kernels_cu/moe.cu moe_plan_* (twin device_plan,
                      tests/gpu/test_prefill_dispatch_gpu.py: equal table by table)
+``gather_rows_perm``  gather_rows with each 128-column chunk stored in the wgmma k order (perm128)
+``wgmma_gateup``     fp4mma_gateup on Hopper warpgroup MMA (items of up to 128 rows); xs and the
+                     output hs are stored permuted per 128-column chunk (perm128)
+``wgmma_down``       fp4mma_down on warpgroup MMA; hs permuted (as wgmma_gateup writes it), ys natural
+``gemm="wgmma"`` (opt-in through MEMRA_DSV4_PREFILL_MOE=wgmma): the fp4mma contract with the two
+GEMMs on wgmma (kernels_cu/experts.cu "FP4 grouped GEMM (wgmma)"): the same exact bf16 weights and
+products, f32 accumulation in another order; xs and hs live in the permuted column order the
+kernels read (internal buffers: the combine reads ys, which is natural).
 """
 
 from __future__ import annotations
@@ -71,13 +79,15 @@ from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, grid_stride_bl
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16_experts", "dequant_nvfp4_bf16_experts", "moe_gather_bf16",
            "moe_swiglu_rows", "moe_combine_sorted",
-           "fp4mma_gateup_mxfp4", "fp4mma_gateup_nvfp4", "fp4mma_down_mxfp4", "fp4mma_down_nvfp4")
+           "fp4mma_gateup_mxfp4", "fp4mma_gateup_nvfp4", "fp4mma_down_mxfp4", "fp4mma_down_nvfp4",
+           "moe_gather_bf16_perm", "wgmma_gateup_mxfp4", "wgmma_gateup_nvfp4", "wgmma_down_mxfp4",
+           "wgmma_down_nvfp4")
 kernel_loader.register(STEM, KERNELS)
 
 SCRATCH_BUDGET_BYTES = 1 << 30   # bf16 scratch of one group's W1, W3, W2 (full Flash: 21 experts)
 MAX_GROUP = 32                   # more buys nothing: the batched GEMMs already fill the GPU
 ROW_ALIGN = 16                   # group starts: 16 rows x (D % 8 == 0) x >= 2 B = 256-B aligned
-GEMMS = ("blaslt", "fp4mma")     # routed_moe(gemm=): dequant + cuBLASLt (default) | FP4 tensor-core GEMM
+GEMMS = ("blaslt", "fp4mma", "wgmma")  # routed_moe(gemm=): dequant + cuBLASLt (default) | FP4 GEMMs
 DISPATCHES = ("host", "device")  # routed_moe(dispatch=): plan on the host (ids read back) | on the device
 
 # fp4mma launch geometry: the FP4MMA_* macro defaults of kernels_cu/experts.cu (keep in step)
@@ -86,6 +96,13 @@ MMA_STAGES = 4                   # cp.async pipeline depth
 MMA_ROWS = 32 * MMA_WARPS        # weight rows per CTA (gate/up: MMA_ROWS / 2 indices of W1 and of W3)
 MMA_BN = 64                      # rows (picks) of one expert per work item
 MMA_KC = 128                     # k per stage; K % MMA_KC == 0
+
+# wgmma launch geometry: kernels_cu/experts.cu namespace wg (keep in step; a CPU test pins it)
+WG_THREADS = 256                 # 2 warpgroups
+WG_ROWS = 256                    # weight rows per CTA (gate/up: WG_ROWS / 2 indices of W1 and of W3)
+WG_BN = 128                      # rows (picks) of one expert per work item, at most
+WG_KC = 128                      # k per stage; K % WG_KC == 0 (gate/up: also I % WG_KC == 0)
+WG_SMEM = 204800                 # the WGMMA_SMEM stage ring; the launch asks 1 KB more (alignment)
 
 
 def moe_bucket(m: int) -> int:
@@ -329,6 +346,45 @@ def dispatch_on_device(idx, E: int) -> DeviceDispatch:
     MO.plan_place(idx, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
     MO.plan_combine_pos(idx, d.rowof, d.pos)
     return d
+def wg_items(plan: DispatchPlan, bn: int = WG_BN) -> np.ndarray:
+    """The wgmma work items of ``plan``: int32 [n, 4] = (expert id, first padded row, rows, 0).
+    An expert with c picks gets m = ceil(c / bn) items of nearly equal size, all but the last a
+    multiple of 16 (the kernels' token tile is the item's rows rounded up to 16: 200 picks run as
+    112 + 88, not 128 + 72), in plan.eids order (an expert's items adjacent)."""
+    rows = []
+    for gr in plan.groups:
+        for j in range(gr.n):
+            s = gr.slot0 + j
+            base, cnt, e = gr.row0 + j * gr.mb, int(plan.counts[s]), int(plan.eids[s])
+            m = -(-cnt // bn)
+            size = min(bn, -(-cnt // (16 * m)) * 16)
+            for t0 in range(0, cnt, size):
+                rows.append((e, base + t0, min(size, cnt - t0), 0))
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
+
+
+def perm128_index(n: int) -> np.ndarray:
+    """Stored position of every logical column of a row of n (n % 128 == 0) columns in the wgmma
+    kernels' k order: in each 128-chunk, logical L = 32 q + 4 t + 2 hi + j sits at 16 t + 8 hi +
+    2 q + j (experts.cu wg_perm: lane quad q owns the contiguous elements of its scale block)."""
+    assert n % 128 == 0, f"perm128: {n} columns, not a multiple of 128"
+    L = np.arange(128)
+    P = 16 * ((L >> 2) & 7) + 8 * ((L >> 1) & 1) + 2 * (L >> 5) + (L & 1)
+    return (np.arange(0, n, 128)[:, None] + P[None, :]).reshape(-1)
+
+
+def perm128(a: np.ndarray) -> np.ndarray:
+    """a with its last axis stored in the wgmma k order: out[..., perm[L]] = a[..., L]."""
+    a = np.asarray(a)
+    out = np.empty_like(a)
+    out[..., perm128_index(a.shape[-1])] = a
+    return out
+
+
+def unperm128(a: np.ndarray) -> np.ndarray:
+    """The inverse of perm128: natural column order back."""
+    a = np.asarray(a)
+    return a[..., perm128_index(a.shape[-1])]
 
 
 def mma_smem_bytes(fmt: str) -> int:
@@ -379,6 +435,21 @@ def gather_rows(x, src, out):
     if P:
         kernel(STEM, "moe_gather_bf16")((grid_stride_blocks(P * D // 8),), (256,),
                                         (x, src, out, np.int64(P), i32(D)))
+    return out
+
+
+def gather_rows_perm(x, src, out):
+    """gather_rows with every 128-column chunk of each row stored in the wgmma k order:
+    out = perm128(gather_rows(x, src)).  D % 128 == 0."""
+    check(x, "gather_rows_perm.x", np.float32)
+    T, D = x.shape
+    assert D % 128 == 0, f"gather_rows_perm: D = {D} must be a multiple of 128"
+    check(src, "gather_rows_perm.src", np.int32)
+    P = int(src.size)
+    check(out, "gather_rows_perm.out", np.uint16, (P, D))
+    if P:
+        kernel(STEM, "moe_gather_bf16_perm")((grid_stride_blocks(P * D // 8),), (256,),
+                                             (x, src, out, np.int64(P), i32(D)))
     return out
 
 
@@ -491,6 +562,73 @@ def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None):
     return ys
 
 
+def _wg_launch(name, grid_x, n_items, args):
+    assert n_items < 65536, f"{name}: {n_items} work items (grid.y limit 65535)"
+    k = kernel(STEM, name)
+    smem = dynamic_smem(k, WG_SMEM + 1024)
+    k((grid_x, n_items), (WG_THREADS,), args, shared_mem=smem)
+
+
+def wgmma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None):
+    """fp4mma_gateup on warpgroup MMA, columns permuted: hs[r0 + t, perm(i)] =
+    bf16(swiglu_clamped(bf16(xs[r0+t] . W1_e[i]), bf16(xs[r0+t] . W3_e[i]), limit, wts[flat[r0+t]]))
+    for every item (e, r0, n, 0) (n <= WG_BN) and t < n, i < I, where xs [P, D] holds each row
+    PERMUTED per 128-chunk (gather_rows_perm / perm128) and perm is perm128's column map; W the exact
+    bf16 dequantisation of the stored FP4; f32 accumulation.  I % 128 == 0 and D % 128 == 0.
+    Rows outside the items untouched; ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4.  items is
+    a device array (not checked here): an item with n outside 1..WG_BN is skipped by the kernels
+    (wg_items never builds one)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"wgmma_gateup: format {fmt!r}"
+    E, I, D = _mma_weights(fmt, w1, "wgmma_gateup.w1")
+    assert _mma_weights(fmt, w3, "wgmma_gateup.w3") == (E, I, D), "wgmma_gateup: w1 / w3 shapes differ"
+    assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
+    assert I % WG_KC == 0, f"wgmma_gateup: I = {I} must be a multiple of {WG_KC} (permuted hs)"
+    check(items, "wgmma_gateup.items", np.int32, (None, 4))
+    check(xs, "wgmma_gateup.xs", np.uint16, (None, D))
+    P = xs.shape[0]
+    check(wts, "wgmma_gateup.wts", np.float32)
+    check(flat, "wgmma_gateup.flat", np.int32, (P,))
+    check(hs, "wgmma_gateup.hs", np.uint16, (P, I))
+    n = int(items.shape[0])
+    if n == 0:
+        return hs
+    ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
+    tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
+    if fmt == "mxfp4":
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss) + tail
+    else:
+        assert ws2 is not None and len(ws2) == 2, "wgmma_gateup: NVFP4 needs ws2 = (w1, w3)"
+        for j, a in enumerate(ws2):
+            check(a, f"wgmma_gateup.ws2[{j}]", np.float32, (E,))
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss, ws2[0], ws2[1]) + tail
+    _wg_launch(f"wgmma_gateup_{fmt}", I // (WG_ROWS // 2), n, args)
+    return hs
+
+
+def wgmma_down(fmt: str, w2, items, hs, ys, ws2=None):
+    """fp4mma_down on warpgroup MMA: ys[r0 + t, o] = hs_nat[r0 + t] . W2_e[o] (f32, not rounded) for
+    every item (e, r0, n, 0) (n <= WG_BN), t < n, o < D, where hs [P, I] holds each row PERMUTED per
+    128-chunk (as wgmma_gateup writes it; hs_nat = unperm128(hs)).  I % 128 == 0, D any.  Rows
+    outside the items untouched; ws2 f32 [E] (NVFP4)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"wgmma_down: format {fmt!r}"
+    E, D, I = _mma_weights(fmt, w2, "wgmma_down.w2")
+    check(items, "wgmma_down.items", np.int32, (None, 4))
+    check(hs, "wgmma_down.hs", np.uint16, (None, I))
+    check(ys, "wgmma_down.ys", np.float32, (hs.shape[0], D))
+    n = int(items.shape[0])
+    if n == 0:
+        return ys
+    ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
+    tail = (items, hs, ys, i32(D), i32(I))
+    if fmt == "mxfp4":
+        args = (w2[0], w2[1], ps, ss) + tail
+    else:
+        check(ws2, "wgmma_down.ws2", np.float32, (E,))
+        args = (w2[0], w2[1], ps, ss, ws2) + tail
+    _wg_launch(f"wgmma_down_{fmt}", -(-D // WG_ROWS), n, args)
+    return ys
+
+
 # ------------------------------------------------------------------------- orchestration
 def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
                ws2=None, group: int | None = None, ph: str | None = None, gemm: str = "blaslt",
@@ -509,8 +647,9 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
     SwiGLU) and the combine are bracketed; None brackets nothing.
     gemm: "blaslt" (default) dequantises each group into the bf16 scratch and runs cuBLASLt
     batches; "fp4mma" runs two launches for all experts (fp4mma_gateup, fp4mma_down) on the stored
-    FP4 bytes, no scratch (g unused; needs D % 128 == I % 128 == 0).  Same products, same
-    roundings around the GEMMs; the f32 summation order differs (bf16 class, not bitwise)."""
+    FP4 bytes, no scratch (g unused; needs D % 128 == I % 128 == 0); "wgmma" likewise with
+    wgmma_gateup / wgmma_down (xs gathered permuted, hs permuted; same conditions).  Same products,
+    same roundings around the GEMMs; the f32 summation order differs (bf16 class, not bitwise)."""
     from memra_dsv4.profiling import phase
     assert gemm in GEMMS, f"routed_moe: gemm {gemm!r} not in {GEMMS}"
     if dispatch not in DISPATCHES:
@@ -539,23 +678,25 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
         plan = dispatch_plan(idx_h, grp)
         P, n_act = plan.rows, plan.eids.size
         host_tab = plan.table()
-        if gemm == "fp4mma":
-            items_h = mma_items(plan)
+        if gemm in ("fp4mma", "wgmma"):
+            items_h = mma_items(plan) if gemm == "fp4mma" else wg_items(plan)
             host_tab = np.concatenate([host_tab, items_h.reshape(-1)])
         tab = cp.asarray(host_tab)                           # the one host->device copy
         src, flat = tab[:P], tab[P:2 * P]
         pos = tab[2 * P:2 * P + T * k].reshape(T, k)
         eids = tab[2 * P + T * k:2 * P + T * k + n_act]
-        xs = gather_rows(x, src, cp.empty((P, D), dtype=cp.uint16))
-    if gemm == "fp4mma":
+        gather = gather_rows_perm if gemm == "wgmma" else gather_rows
+        xs = gather(x, src, cp.empty((P, D), dtype=cp.uint16))
+    if gemm in ("fp4mma", "wgmma"):
         items = tab[2 * P + T * k + n_act:].reshape(-1, 4)
         hs = cp.empty((P, I), dtype=cp.uint16)
         ys = cp.empty((P, D), dtype=cp.float32)
         wflat = cp.ascontiguousarray(wts).reshape(-1)
+        gateup, down = (fp4mma_gateup, fp4mma_down) if gemm == "fp4mma" else (wgmma_gateup, wgmma_down)
         with bracket("experts"):
-            fp4mma_gateup(fmt, experts["w1"], experts["w3"], items, xs, wflat, flat, limit, hs,
-                          None if ws2 is None else (ws2["w1"], ws2["w3"]))
-            fp4mma_down(fmt, experts["w2"], items, hs, ys, None if ws2 is None else ws2["w2"])
+            gateup(fmt, experts["w1"], experts["w3"], items, xs, wflat, flat, limit, hs,
+                   None if ws2 is None else (ws2["w1"], ws2["w3"]))
+            down(fmt, experts["w2"], items, hs, ys, None if ws2 is None else ws2["w2"])
         if g is not None and hasattr(g, "flops"):   # the GEMM flop count benches read: the
             g.flops += 6 * T * k * I * D             # useful products (3 projections per pick)
         with bracket("combine"):
