@@ -185,7 +185,7 @@ class DeviceStep:
         return logits
 
     def fork_form(self) -> str:
-        """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; "off" when the model has none),
+        """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; its default when the model has none),
         validated: "on" captures the attention sub-layer's kv / indexer / compressor launches on
         a side stream beside wq_b (graphs only; the eager step stays one stream)."""
         from memra_dsv4.seams import SEAM_DECODE_FORK
