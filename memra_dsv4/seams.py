@@ -134,12 +134,13 @@ SEAM_L2_PREFETCH = Seam(
     "(cp.async.bulk.prefetch.L2) while its predecessor still runs. A hint: bit-identical outputs "
     "with every value.")
 SEAM_DECODE_FORK = Seam(
-    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "on", ("on", "off"),
+    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "on", ("on", "off", "all"),
     "Graph branches in the `device` decode step (memra_dsv4.gpu.step_device, read once per "
     "model and printed): `on` captures each attention sub-layer's kv norm, indexer and "
     "compressor launches on a side stream beside the wq_b GEMV (fork / join events; the eager "
     "step stays on one stream; measured on 2x H200 at ebde157: 8.30 vs 8.44 ms per token, bf16 "
-    "dense, 1K context), `off` one stream. Bit-identical.")
+    "dense, 1K context), `all` also each MoE's shared expert on the side stream beside the "
+    "router and the routed gate/up, `off` one stream. Bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "

@@ -74,7 +74,7 @@ class DeviceStep:
         # device-hostmath: the same launches except the four islands (gpu.hostmath), eager
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
-        self._forking = False   # True while capturing with the attention fork (_attention)
+        self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -187,7 +187,8 @@ class DeviceStep:
     def fork_form(self) -> str:
         """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; its default when the model has none),
         validated: "on" captures the attention sub-layer's kv / indexer / compressor launches on
-        a side stream beside wq_b (graphs only; the eager step stays one stream)."""
+        a side stream beside wq_b, "all" also the shared expert beside the router and the routed
+        gate/up (graphs only; the eager step stays one stream)."""
         from memra_dsv4.seams import SEAM_DECODE_FORK
         value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
         return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
@@ -241,7 +242,8 @@ class DeviceStep:
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
-        sub-layer's kv / indexer / compressor launches on the stage's side stream (_attention)."""
+        sub-layer's kv / indexer / compressor launches on the stage's side stream (_attention),
+        "all": also the shared expert of each MoE (_moe)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -254,12 +256,12 @@ class DeviceStep:
         phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
         try:
             for S in self.stages:
-                self._forking = fork == "on"
+                self._forking = fork if fork in ("on", "all") else ""
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
         finally:
             phase_set_capturing(was)
-            self._forking = False
+            self._forking = ""
         return out
 
     # ------------------------------------------------------------------ launches
@@ -432,7 +434,7 @@ class DeviceStep:
                     self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
             return sel, K
 
-        if self._forking:
+        if self._forking in ("on", "all"):
             # Captured as two graph branches: wq_b (a bandwidth-bound GEMV) beside the
             # latency-bound kv / indexer / compressor launches; they share no buffer, so the
             # values are those of the one-stream order.  The join makes the attention wait for
@@ -473,34 +475,58 @@ class DeviceStep:
         xn = v["xn"].reshape(1, D)
         logits = v["moe.logits"].reshape(1, E)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
-        # Launch order (bit-identical to any other: the five are independent until the combine):
-        # shared SwiGLU, router, shared w2, routed gate/up, down + combine.  Each dense GEMV
-        # then follows a latency-bound kernel (hc_boundary, the router) that leaves HBM idle,
-        # and asks the L2 for its weights before its PDL wait (seam MEMRA_DSV4_L2_PREFETCH,
-        # decode.cu gemv_*_prefetch) while that kernel runs.
-        sh = v["moe.sh_h"]
-        with phase(f"{mp}/shared"):   # the SwiGLU half (w2 after the router)
-            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
-            DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
-        with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
-            if self.hostmath:   # logits on the device, the selection on the host
-                from memra_dsv4.gpu import hostmath as HM
-                HM.router_island(S.io, cfg, xn, L.w("ffn.gate.weight"), logits=logits, ids=ids,
-                                 weights=wts, bias_h=L.host.get("bias"),
-                                 tid2eid_h=L.host.get("tid2eid"), token=self._tok)
-            else:
-                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"]) if L.hash
-                         else dict(bias=L.w("ffn.gate.bias")))
-                RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor, logits=logits,
-                         scores=v["moe.scores"].reshape(1, E), idx=ids, weights=wts, **route)
-        with phase(f"{mp}/shared"):
-            w, sc = L.lin("ffn.shared_experts.w2")
-            DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
-        h = v["moe.h"]
-        with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
-            EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
-                               L.sp["w3"], I, D, weight=wts.reshape(k), limit=cfg.swiglu_limit,
-                               out=h, x_div=k, ws2_1=L.ws2["w1"], ws2_3=L.ws2["w3"])
+        sh, h = v["moe.sh_h"], v["moe.h"]
+
+        def shared_swiglu():
+            with phase(f"{mp}/shared"):
+                (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+                DK.gemv_bf16_swiglu(w1, w3, xn, sh, cfg.swiglu_limit, scale1=s1, scale3=s3)
+
+        def shared_w2():
+            with phase(f"{mp}/shared"):
+                w, sc = L.lin("ffn.shared_experts.w2")
+                DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
+
+        def router():
+            with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
+                if self.hostmath:   # logits on the device, the selection on the host
+                    from memra_dsv4.gpu import hostmath as HM
+                    HM.router_island(S.io, cfg, xn, L.w("ffn.gate.weight"), logits=logits, ids=ids,
+                                     weights=wts, bias_h=L.host.get("bias"),
+                                     tid2eid_h=L.host.get("tid2eid"), token=self._tok)
+                else:
+                    route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"]) if L.hash
+                             else dict(bias=L.w("ffn.gate.bias")))
+                    RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
+                             logits=logits, scores=v["moe.scores"].reshape(1, E), idx=ids,
+                             weights=wts, **route)
+
+        def gate_up():
+            with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
+                EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
+                                   L.sp["w3"], I, D, weight=wts.reshape(k),
+                                   limit=cfg.swiglu_limit, out=h, x_div=k, ws2_1=L.ws2["w1"],
+                                   ws2_3=L.ws2["w3"])
+
+        # The four are independent until the combine (any order gives the same bits).
+        if self._forking == "all":
+            # Two graph branches: the shared expert (two bandwidth-bound dense GEMVs) beside the
+            # router and the routed gate/up (latency- and issue-bound); they share no buffer, and
+            # the join makes the down + combine wait for both.
+            S.fork.fork()
+            with S.side:
+                shared_swiglu()
+                shared_w2()
+            router()
+            gate_up()
+            S.fork.join()
+        else:
+            # One stream: each dense GEMV follows a latency-bound kernel (hc_boundary, the
+            # router); with MEMRA_DSV4_L2_PREFETCH it asks the L2 for its weights meanwhile.
+            shared_swiglu()
+            router()
+            shared_w2()
+            gate_up()
         with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"].reshape(1, D),
