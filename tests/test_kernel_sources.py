@@ -400,6 +400,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         hist, eb = i32(nseg, E), i32(E)
         M["moe"].plan_count(i64(T, k), E, hist)
         M["moe"].plan_scan(hist, E, eb, i32(E), i32(E), i32(7, 4), i32(2))
+        M["moe"].plan_scan(hist, E, eb, i32(E), i32(E), i32(7, 4), i32(2), wg=True)
         M["moe"].plan_place(i64(T, k), k, E, hist, eb, i32(n), i32(n), i32(n))
         M["moe"].plan_combine_pos(i64(T, k), i32(n), i32(T, k))
     M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
@@ -413,6 +414,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     PM.combine_sorted(f32(5, 64), i32(2, 4), f32(2, 64))
     d = PM.dispatch_on_device(i32(3, 6), 256)             # any integer dtype: made int64 first
     assert d.items.shape == (PM.max_mma_items(18, 256), 4) and d.pos.shape == (3, 6)
+    d = PM.dispatch_on_device(i32(300, 6), 256, "wgmma")  # the wgmma items: bn = WG_BN bound
+    assert d.items.shape == (PM.max_mma_items(1800, 256, PM.WG_BN), 4) and d.pos.shape == (300, 6)
     for fmt, blk in (("mxfp4", 32), ("nvfp4", 16)):
         w13 = (u8(2, 128, 128), u8(2, 128, 256 // blk))       # [E, I = 128, D / 2], D = 256
         w2 = (u8(2, 256, 64), u8(2, 256, 128 // blk))         # [E, D, I / 2]
@@ -468,10 +471,12 @@ def test_dispatch_plan_constants_match_moe_cu():
     from memra_dsv4.gpu.ops import prefill_moe as PM
     with open(os.path.join(KDIR, "moe.cu")) as f:
         src = f.read()
-    got = {m: int(v) for m, v in re.findall(r"constexpr int (PLAN_(?:SEG|WARPS|MAX_E|BN)) = (\d+);", src)}
+    got = {m: int(v) for m, v in re.findall(r"constexpr int (PLAN_(?:SEG|WARPS|MAX_E|BN|WG_BN)) = (\d+);", src)}
     assert got == {"PLAN_SEG": MO.PLAN_SEG, "PLAN_WARPS": MO.PLAN_WARPS, "PLAN_MAX_E": MO.PLAN_MAX_E,
-                   "PLAN_BN": MO.PLAN_BN}
-    assert MO.PLAN_BN == PM.MMA_BN
+                   "PLAN_BN": MO.PLAN_BN, "PLAN_WG_BN": MO.PLAN_WG_BN}
+    assert MO.PLAN_BN == PM.MMA_BN and MO.PLAN_WG_BN == PM.WG_BN
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        assert int(re.search(r"constexpr int WG_BN = (\d+);", f.read()).group(1)) == PM.WG_BN
     assert MO.PLAN_WARPS * MO.PLAN_MAX_E * 4 <= 48 * 1024   # count / place: no opt-in smem needed
 
 
