@@ -8,11 +8,11 @@ fp4mma and wgmma also the two kernels alone (gate/up + SwiGLU, down) and the sto
 read per layer against the copy bandwidth.  Runs in well under a minute.
 
     python -m bench.prefill_moe --tokens 1,1024,8192 --gemm blaslt,fp4mma,wgmma
-    python -m bench.prefill_moe --tokens 1024,8192 --gemm fp4mma --dispatch host,device
+    python -m bench.prefill_moe --tokens 1024,8192 --gemm fp4mma,wgmma --dispatch host,device
 
---dispatch: routed_moe(dispatch=) arms of the fp4mma GEMM (the ids live on the device, as in the
-model: "host" reads them back and plans in NumPy, "device" plans with kernels); blaslt always
-plans on the host.  With both, the two outputs are compared bit for bit.
+--dispatch: routed_moe(dispatch=) arms of the fp4mma and wgmma GEMMs (the ids live on the device,
+as in the model: "host" reads them back and plans in NumPy, "device" plans with kernels); blaslt
+always plans on the host.  With both, the two outputs of each arm are compared bit for bit.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--layers", type=int, default=43)
     ap.add_argument("--gemm", default="blaslt,fp4mma,wgmma", help="comma list of routed_moe(gemm=) arms")
-    ap.add_argument("--dispatch", default="host", help="comma list of routed_moe(dispatch=) arms (fp4mma)")
+    ap.add_argument("--dispatch", default="host",
+                    help="comma list of routed_moe(dispatch=) arms (fp4mma, wgmma)")
     a = ap.parse_args(argv)
     import cupy as cp
     from memra_dsv4.config import preset
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         assert arm in PM.GEMMS, f"--gemm {arm!r} not in {PM.GEMMS}"
     for d in disps:
         assert d in PM.DISPATCHES, f"--dispatch {d!r} not in {PM.DISPATCHES}"
-    arms = [(gm, d) for gm in gemms for d in (disps if gm == "fp4mma" else ["host"])]
+    arms = [(gm, d) for gm in gemms for d in (disps if gm in PM.PLAN_GEMMS else ["host"])]
     with cp.cuda.Device(a.device):
         rs = cp.random.RandomState(0)
         experts = {}
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
             fp4_bytes = p.eids.size * per_expert_bytes
             res = {}
             for arm, disp in arms:
-                label = arm if len(disps) == 1 or arm != "fp4mma" else f"{arm}/{disp}"
+                label = arm if len(disps) == 1 or arm not in PM.PLAN_GEMMS else f"{arm}/{disp}"
 
                 def call():
                     return PM.routed_moe(g, x, idx_d, wts, experts, "mxfp4", cfg.swiglu_limit, shared,
@@ -109,13 +110,15 @@ def main(argv=None) -> int:
                           f"({len(items_h)} items); FP4 bytes {fp4_bytes / 1e9:.2f} GB -> "
                           f"{fp4_bytes / ((gu + dn) * 1e-3) / COPY_BW * 100:5.1f} % of copy bw, "
                           f"{flops / ((gu + dn) * 1e-3) / 1e12:6.1f} TFLOP/s useful", flush=True)
-            if "fp4mma/host" in res and "fp4mma/device" in res:
-                (mh, oh), (md, od) = res["fp4mma/host"], res["fp4mma/device"]
-                same = bool((oh.view(cp.uint32) == od.view(cp.uint32)).all())
-                print(f"          A/B T={T}: device / host dispatch = {md / mh:5.3f} ({mh - md:+.2f} ms/layer), "
-                      f"bitwise equal: {same}", flush=True)
-            fp = "fp4mma" if "fp4mma" in res else "fp4mma/host"
-            for a_, b_ in ((fp, "blaslt"), ("wgmma", "blaslt"), ("wgmma", fp)):
+            for gm in PM.PLAN_GEMMS:
+                if f"{gm}/host" in res and f"{gm}/device" in res:
+                    (mh, oh), (md, od) = res[f"{gm}/host"], res[f"{gm}/device"]
+                    same = bool((oh.view(cp.uint32) == od.view(cp.uint32)).all())
+                    print(f"          A/B T={T} {gm}: device / host dispatch = {md / mh:5.3f} "
+                          f"({mh - md:+.2f} ms/layer), bitwise equal: {same}", flush=True)
+            fp = "fp4mma" if "fp4mma" in res else f"fp4mma/{disps[0]}"
+            wg = "wgmma" if "wgmma" in res else f"wgmma/{disps[0]}"
+            for a_, b_ in dict.fromkeys(((fp, "blaslt"), (wg, "blaslt"), (wg, fp), ("wgmma/device", "fp4mma/device"))):
                 if a_ in res and b_ in res:
                     (mb, ob), (mm, om) = res[b_], res[a_]
                     ob, om = ob.get().astype(np.float64), om.get().astype(np.float64)

@@ -84,10 +84,13 @@ moe_combine_bf16(const u16* __restrict__ routed, const int* __restrict__ idx,
 // the n = T * k rows are exactly the non-padding rows of dispatch_plan, in the same order.
 //   moe_plan_count   hist[s][e] = picks of expert e in segment s (PLAN_SEG picks per warp).
 //   moe_plan_scan    ONE CTA of 1024 threads (one per expert, E <= 1024): hist[s][e] -> its exclusive
-//                    prefix over s; counts, the rank order (eids), row0 of each expert (ebase), the fp4mma
-//                    work items {e, row0 + 64 i, min(64, c - 64 i), 0} in rank order (experts.cu MMA_BN
-//                    rows each), items[n_items .. max_items) = 0 (an item of 0 rows: fp4mma exits at once),
-//                    meta = {n_active, n_items}.
+//                    prefix over s; counts, the rank order (eids), row0 of each expert (ebase), the work
+//                    items {e, row0 + sz i, min(sz, c - sz i), 0}, i < m, in rank order: wg = 0 the fp4mma
+//                    items (sz = PLAN_BN = experts.cu MMA_BN, m = ceil(c / 64)), wg = 1 the wgmma items
+//                    (prefill_moe.wg_items' split: m = ceil(c / 128), sz = min(128, 16 ceil(c / (16 m))):
+//                    all but the last a multiple of 16, the last 1..sz rows; ceil(c / sz) == m since
+//                    sz (m - 1) <= 128 (m - 1) < c), items[n_items .. max_items) = 0 (an item of 0 rows:
+//                    both GEMMs exit at once), meta = {n_active, n_items}.
 //   moe_plan_place   row p of pick f = ebase[e] + hist[s][e] + (picks of e before f in segment s, found by
 //                    __match_any_sync over 32 picks at a time): src[p] = f / k, flat[p] = f, rowof[f] = p.
 //   moe_plan_combine_pos  pos[t][r] = rowof[t * k + j] for the pick j of rank r in (expert id, j) order:
@@ -97,6 +100,7 @@ constexpr int PLAN_SEG = 1024;    // picks per warp segment (count / place)
 constexpr int PLAN_WARPS = 8;     // segments per CTA of count / place (8 * E ints of shared memory)
 constexpr int PLAN_MAX_E = 1024;  // experts: one thread each in moe_plan_scan
 constexpr int PLAN_BN = 64;       // rows per fp4mma work item (experts.cu MMA_BN)
+constexpr int PLAN_WG_BN = 128;   // rows per wgmma work item, at most (experts.cu wg::WG_BN)
 
 // idx [n] int64 expert ids (n = T * k); hist [nseg, E] int32; grid ceil(nseg / WARPS), block 32 * WARPS,
 // dynamic shared memory WARPS * E * 4 bytes.
@@ -121,9 +125,9 @@ moe_plan_count(const long long* __restrict__ idx, int n, int E, int* __restrict_
 
 // hist [nseg, E] (in: counts, out: exclusive prefix over segments); ebase [E] (row0, -1 = no picks);
 // eids [E] (rank order, -1 past n_active); counts [E] (rank order, 0 past n_active); items [max_items, 4];
-// meta [2] = {n_active, n_items}.  grid 1, block PLAN_MAX_E.
+// meta [2] = {n_active, n_items}; wg: 0 = fp4mma items, 1 = wgmma items.  grid 1, block PLAN_MAX_E.
 extern "C" __global__ void __launch_bounds__(PLAN_MAX_E)
-moe_plan_scan(int* __restrict__ hist, int nseg, int E, int max_items, int* __restrict__ ebase,
+moe_plan_scan(int* __restrict__ hist, int nseg, int E, int max_items, int wg, int* __restrict__ ebase,
               int* __restrict__ eids, int* __restrict__ counts, int* __restrict__ items, int* __restrict__ meta) {
     PDL_ENTRY();
     __shared__ int cnt[PLAN_MAX_E];
@@ -152,7 +156,9 @@ moe_plan_scan(int* __restrict__ hist, int nseg, int E, int max_items, int* __res
     }
     const int n_act = __syncthreads_count(c > 0);
     const int mc = tid < n_act ? cnt[order[tid]] : 0;  // count of the expert of rank tid
-    const int mi = (mc + PLAN_BN - 1) / PLAN_BN;       // its work items
+    const int bn = wg ? PLAN_WG_BN : PLAN_BN;
+    const int mi = (mc + bn - 1) / bn;                 // its work items
+    const int sz = (wg && mi > 0) ? min(bn, (mc + 16 * mi - 1) / (16 * mi) * 16) : bn;  // rows per item
     srow[tid] = mc;
     sitem[tid] = mi;
     __syncthreads();
@@ -175,8 +181,8 @@ moe_plan_scan(int* __restrict__ hist, int nseg, int E, int max_items, int* __res
         for (int i = 0; i < mi && item0 + i < max_items; ++i) {
             int* it = items + 4 * (i64)(item0 + i);
             it[0] = e;
-            it[1] = row0 + PLAN_BN * i;
-            it[2] = min(PLAN_BN, mc - PLAN_BN * i);
+            it[1] = row0 + sz * i;
+            it[2] = min(sz, mc - sz * i);
             it[3] = 0;
         }
     }

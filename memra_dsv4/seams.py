@@ -160,11 +160,11 @@ SEAM_PREFILL_MOE = Seam(
 SEAM_PREFILL_DISPATCH = Seam(
     "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "device", ("host", "device"),
     "Dispatch plan of the routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, "
-    "read once per model and printed; the `fp4mma` arm only: `blaslt` and `wgmma` plan on the host): "
+    "read once per model and printed; the `fp4mma` and `wgmma` arms: `blaslt` plans on the host): "
     "`host` (the expert ids read back once per layer, the plan built in NumPy and uploaded; the "
-    "host waits for the GPU) or `device` (four small kernels build the plan from the device ids "
-    "and the FP4 GEMMs launch over an upper bound of work items: nothing read back; "
-    "bit-identical to `host`).")
+    "host waits for the GPU) or `device` (four small kernels build the plan, with the arm's work "
+    "items, from the device ids and the FP4 GEMMs launch over an upper bound of work items: "
+    "nothing read back; bit-identical to `host`).")
 SEAM_PREFILL_PIPELINE = Seam(
     "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on"),
     "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `off` "

@@ -186,9 +186,11 @@ def test_prefill_dispatch_seam(monkeypatch, capsys):
     for v in ("host", "device"):
         blk.m = SimpleNamespace(prefill_dispatch=v)
         assert blk._moe_dispatch("fp4mma") == v
+        assert blk._moe_dispatch("wgmma") == v
         assert blk._moe_dispatch("blaslt") == "host"
     blk.m = SimpleNamespace()                      # a model without the attribute: the default
     assert blk._moe_dispatch("fp4mma") == s.default
+    assert blk._moe_dispatch("wgmma") == s.default
 
 
 def test_routed_moe_refuses_device_dispatch_for_blaslt():

@@ -400,6 +400,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         hist, eb = i32(nseg, E), i32(E)
         M["moe"].plan_count(i64(T, k), E, hist)
         M["moe"].plan_scan(hist, E, eb, i32(E), i32(E), i32(7, 4), i32(2))
+        M["moe"].plan_scan(hist, E, eb, i32(E), i32(E), i32(7, 4), i32(2), wg=True)
         M["moe"].plan_place(i64(T, k), k, E, hist, eb, i32(n), i32(n), i32(n))
         M["moe"].plan_combine_pos(i64(T, k), i32(n), i32(T, k))
     M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
@@ -413,6 +414,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     PM.combine_sorted(f32(5, 64), i32(2, 4), f32(2, 64))
     d = PM.dispatch_on_device(i32(3, 6), 256)             # any integer dtype: made int64 first
     assert d.items.shape == (PM.max_mma_items(18, 256), 4) and d.pos.shape == (3, 6)
+    d = PM.dispatch_on_device(i32(300, 6), 256, "wgmma")  # the wgmma items: bn = WG_BN bound
+    assert d.items.shape == (PM.max_mma_items(1800, 256, PM.WG_BN), 4) and d.pos.shape == (300, 6)
     for fmt, blk in (("mxfp4", 32), ("nvfp4", 16)):
         w13 = (u8(2, 128, 128), u8(2, 128, 256 // blk))       # [E, I = 128, D / 2], D = 256
         w2 = (u8(2, 256, 64), u8(2, 256, 128 // blk))         # [E, D, I / 2]
@@ -468,10 +471,12 @@ def test_dispatch_plan_constants_match_moe_cu():
     from memra_dsv4.gpu.ops import prefill_moe as PM
     with open(os.path.join(KDIR, "moe.cu")) as f:
         src = f.read()
-    got = {m: int(v) for m, v in re.findall(r"constexpr int (PLAN_(?:SEG|WARPS|MAX_E|BN)) = (\d+);", src)}
+    got = {m: int(v) for m, v in re.findall(r"constexpr int (PLAN_(?:SEG|WARPS|MAX_E|BN|WG_BN)) = (\d+);", src)}
     assert got == {"PLAN_SEG": MO.PLAN_SEG, "PLAN_WARPS": MO.PLAN_WARPS, "PLAN_MAX_E": MO.PLAN_MAX_E,
-                   "PLAN_BN": MO.PLAN_BN}
-    assert MO.PLAN_BN == PM.MMA_BN
+                   "PLAN_BN": MO.PLAN_BN, "PLAN_WG_BN": MO.PLAN_WG_BN}
+    assert MO.PLAN_BN == PM.MMA_BN and MO.PLAN_WG_BN == PM.WG_BN
+    with open(os.path.join(KDIR, "experts.cu")) as f:
+        assert int(re.search(r"constexpr int WG_BN = (\d+);", f.read()).group(1)) == PM.WG_BN
     assert MO.PLAN_WARPS * MO.PLAN_MAX_E * 4 <= 48 * 1024   # count / place: no opt-in smem needed
 
 
@@ -500,3 +505,61 @@ def test_ptxas_log_flags_wgmma_serialisation():
     problems = tool.check_ptxas_log(log)
     assert len(problems) == 1 and problems[0].startswith("wgmma_down_nvfp4: wgmma serialised"), problems
     assert tool.check_ptxas_log(log.split("\n", 1)[1]) == []
+
+
+@pytest.mark.parametrize("gemm", ["fp4mma", "wgmma"])
+def test_routed_moe_device_dispatch_launch_sequence(monkeypatch, gemm):
+    """routed_moe(dispatch="device") on fake arrays: the launches (kernel, grid, moe_plan_scan's
+    item mode) of each FP4 arm, every argument list checked against the kernel's signature.  The
+    wgmma arm: the plan with wgmma items (wg = 1), xs gathered permuted, both wgmma GEMMs over
+    max_mma_items(T k, E, WG_BN) items; fp4mma: as before (wg = 0, MMA_BN items).  Nothing is
+    read back: the fake arrays have no .get(), and the only host arrays are the kernels' args."""
+    import numpy as np
+
+    from memra_dsv4.gpu.ops import _common
+    from memra_dsv4.gpu.ops import moe as MO
+    from memra_dsv4.gpu.ops import prefill_moe as PM
+
+    sigs = kernel_signatures()
+    fake = _fake_cupy()
+    for dt in ("float32", "int32", "int64", "uint16"):
+        setattr(fake, dt, getattr(np, dt))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    launched = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+            self.max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            check_kernel_args(self.name, args, sigs)
+            launched.append((self.name, tuple(int(g) for g in grid), args))
+
+    monkeypatch.setattr(_common, "sm_count", lambda: 132)
+    for m in (MO, PM):
+        monkeypatch.setattr(m, "kernel", lambda stem, name: FakeKernel(name))
+    T, k, E, D, I = 300, 6, 256, 512, 256
+    A = fake.asarray
+    ex = {w: (A(np.zeros((E, o, i // 2), np.uint8)), A(np.zeros((E, o, i // 32), np.uint8)))
+          for w, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I)))}
+    y = PM.routed_moe(None, A(np.zeros((T, D), np.float32)), A(np.zeros((T, k), np.int64)),
+                      A(np.zeros((T, k), np.float32)), ex, "mxfp4", 10.0, A(np.zeros((T, D), np.float32)),
+                      gemm=gemm, dispatch="device")
+    assert y.shape == (T, D)
+    wg = gemm == "wgmma"
+    n_items = PM.max_mma_items(T * k, E, PM.WG_BN if wg else PM.MMA_BN)
+    names = [n for n, _, _ in launched]
+    assert names == ["moe_plan_count", "moe_plan_scan", "moe_plan_place", "moe_plan_combine_pos",
+                     "moe_gather_bf16_perm" if wg else "moe_gather_bf16",
+                     f"{gemm}_gateup_mxfp4", f"{gemm}_down_mxfp4", "moe_combine_sorted"], names
+    scan = launched[1][2]
+    assert int(scan[3]) == n_items and int(scan[4]) == (1 if wg else 0)      # max_items, wg
+    items = scan[8]
+    assert items.shape == (n_items, 4)
+    gu, dn = launched[5], launched[6]
+    assert gu[1] == ((I // (PM.WG_ROWS // 2)) if wg else -(-I // (PM.MMA_ROWS // 2)), n_items), gu[1]
+    assert dn[1] == ((-(-D // PM.WG_ROWS)) if wg else -(-D // PM.MMA_ROWS), n_items), dn[1]
+    assert gu[2][6] is items and dn[2][4] is items                            # the plan's items
+    gather = launched[4][2]
+    assert gather[2] is gu[2][7] and gather[2].shape == (T * k, D)            # xs: the gathered rows

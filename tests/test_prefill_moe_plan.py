@@ -172,8 +172,9 @@ def test_batched_gemm_key():
 # same items over the same rows), and a line-by-line Python emulation of the four kernels (their
 # segments, warp-wide matching and rank formulas) produces the twin's tables.
 from memra_dsv4.gpu.ops import moe as MO  # noqa: E402
+from memra_dsv4.gpu.ops import prefill_moe as PM  # noqa: E402
 from memra_dsv4.gpu.ops.prefill_moe import (compact, device_plan, max_mma_items,  # noqa: E402
-                                            mma_items)
+                                            mma_items, wg_items)
 
 
 def _routing(kind, rng, T, k, E):
@@ -198,41 +199,103 @@ _CASES = [(1, 6, 256, "distinct"), (1, 1, 1, "one"), (37, 6, 256, "distinct"),
           (353, 8, 384, "distinct"), (2, 4, 5, "repeats")]
 
 
+@pytest.mark.parametrize("gemm", ["fp4mma", "wgmma"])
 @pytest.mark.parametrize("T,k,E,kind", _CASES)
-def test_device_plan_is_dispatch_plan_without_padding(T, k, E, kind):
+def test_device_plan_is_dispatch_plan_without_padding(T, k, E, kind, gemm):
     seed = _seed()
     idx = _routing(kind, np.random.default_rng(seed), T, k, E)
-    d = device_plan(idx, E)
-    ctx = f"(seed {seed}, T {T} k {k} E {E} {kind})"
+    d = device_plan(idx, E, gemm)
+    ctx = f"(seed {seed}, T {T} k {k} E {E} {kind} {gemm})"
     n = T * k
     assert d.src.shape == d.flat.shape == d.rowof.shape == (n,) and d.pos.shape == (T, k), ctx
     for group in (1, 5, 21, 300):
         p = dispatch_plan(idx, group)
-        src, flat, pos, items = compact(p)
+        src, flat, pos, items = compact(p, gemm)
         assert d.n_active == p.eids.size, ctx
         assert np.array_equal(d.eids[:d.n_active], p.eids) and (d.eids[d.n_active:] == -1).all(), ctx
         assert np.array_equal(d.counts[:d.n_active], p.counts) and (d.counts[d.n_active:] == 0).all(), ctx
         assert np.array_equal(d.src, src) and np.array_equal(d.flat, flat), ctx
         assert np.array_equal(d.pos, pos), ctx
         assert d.n_items == items.shape[0] and np.array_equal(d.items[:d.n_items], items), ctx
-    assert d.items.shape == (max_mma_items(n, E), 4) and (d.items[d.n_items:] == 0).all(), ctx
+    assert d.items.shape == (max_mma_items(n, E, PM.item_rows(gemm)), 4), ctx
+    assert (d.items[d.n_items:] == 0).all(), ctx
     assert np.array_equal(d.rowof[d.flat], np.arange(n)) and np.array_equal(d.src, d.flat // k), ctx
     # the combine rows: token t's picks, ascending expert id (stable), as dispatch_plan's pos
     for t in range(T):
         assert np.array_equal(d.flat[d.pos[t]] - t * k, np.argsort(idx[t], kind="stable")), ctx
 
 
-def test_compact_is_the_rows_in_order():
+@pytest.mark.parametrize("gemm,host_items", [("fp4mma", mma_items), ("wgmma", wg_items)])
+def test_compact_is_the_rows_in_order(gemm, host_items):
     """compact() keeps dispatch_plan's non-padding rows in their order: every item's rows stay
     consecutive and of its expert, and the rows of a tile are the same picks."""
     rng = np.random.default_rng(3)
     idx = _idx(rng, 300, 6, 40, False)
+    idx[:150, 0] = 5                                     # one expert past WG_BN picks
     p = dispatch_plan(idx, 7)
-    src, flat, pos, items = compact(p)
+    src, flat, pos, items = compact(p, gemm)
     keep = p.flat >= 0
     assert np.array_equal(flat, p.flat[keep]) and np.array_equal(src, p.src[keep])
-    for (e, r0, nr, _), (e2, q0, nq, _) in zip(mma_items(p), items):
+    hi = host_items(p)
+    assert hi.shape == items.shape and hi.shape[0] > p.eids.size
+    for (e, r0, nr, _), (e2, q0, nq, _) in zip(hi, items):
         assert (e, nr) == (e2, nq) and np.array_equal(p.flat[r0:r0 + nr], flat[q0:q0 + nq])
+
+
+def _check_wg_items(d, idx, ctx):
+    """The wgmma kernels' contract on the device plan's items: every row in exactly one item,
+    1..WG_BN rows of one expert each, an expert's items adjacent, ceil(c / WG_BN) of them, all
+    but its last a multiple of 16 and the last no larger than the first (the token tile NB is
+    the rows rounded up to 16, at most WG_BN), the tail all zeros (0 rows: the CTA exits)."""
+    n = idx.size
+    it = d.items[:d.n_items]
+    cover = np.zeros(n, np.int64)
+    by_e: dict = {}
+    last = -1
+    for e, r0, nr, z in it:
+        assert z == 0 and 1 <= nr <= PM.WG_BN and 0 <= r0 and r0 + nr <= n, ctx
+        assert -(-nr // 16) * 16 <= PM.WG_BN, ctx
+        cover[r0:r0 + nr] += 1
+        assert (idx.reshape(-1)[d.flat[r0:r0 + nr]] == e).all(), ctx
+        assert e == last or e not in by_e, f"{ctx}: expert {e}'s items not adjacent"
+        by_e.setdefault(int(e), []).append(int(nr))
+        last = e
+    assert (cover == 1).all(), f"{ctx}: rows covered {np.bincount(cover)} times"
+    for e, ns in by_e.items():
+        c = int((idx == e).sum())
+        assert sum(ns) == c and len(ns) == -(-c // PM.WG_BN), (ctx, e, c, ns)
+        assert all(v % 16 == 0 for v in ns[:-1]) and ns[-1] <= ns[0], (ctx, e, c, ns)
+    assert (d.items[d.n_items:] == 0).all(), ctx
+
+
+@pytest.mark.parametrize("T,k,E,kind", _CASES)
+def test_device_plan_wgmma_items_meet_the_kernel_contract(T, k, E, kind):
+    seed = _seed()
+    idx = _routing(kind, np.random.default_rng(seed), T, k, E)
+    d = device_plan(idx, E, "wgmma")
+    _check_wg_items(d, idx, f"(seed {seed}, T {T} k {k} E {E} {kind})")
+    # the same rows, experts, segments and combine rows as the fp4mma plan: only the items differ
+    f = device_plan(idx, E, "fp4mma")
+    for name in ("eids", "counts", "ebase", "seg", "src", "flat", "rowof", "pos", "n_active"):
+        assert np.array_equal(np.asarray(getattr(d, name)), np.asarray(getattr(f, name))), name
+
+
+def test_wgmma_item_split_for_every_count():
+    """One expert with c picks, c = 1..2100 (up to 17 items): the twin's split is wg_items' split
+    (ceil(c / WG_BN) items; the kernel's formula m = ceil(c / 128), sz = min(128, 16 ceil(c / 16 m))
+    never leaves an item of <= 0 rows), and the examples of the wgmma branch hold."""
+    for c in range(1, 2101):
+        idx = np.zeros((c, 1), np.int64)
+        d = device_plan(idx, 1, "wgmma")
+        want = wg_items(dispatch_plan(idx, 1))
+        assert d.n_items == want.shape[0] == -(-c // 128), c
+        assert np.array_equal(d.items[:d.n_items], want), c
+        m = -(-c // 128)
+        sz = min(128, -(-c // (16 * m)) * 16)
+        assert -(-c // sz) == m and c - sz * (m - 1) >= 1, c
+    for c, want in {192: [96, 96], 200: [112, 88], 129: [80, 49], 128: [128], 7: [7],
+                    1024: [128] * 8, 1025: [128] * 8 + [1]}.items():
+        assert device_plan(np.zeros((c, 1), np.int64), 1, "wgmma").items[:, 2].tolist() == want, c
 
 
 def test_max_mma_items_bounds_and_is_reached():
@@ -246,19 +309,32 @@ def test_max_mma_items_bounds_and_is_reached():
     idx = np.repeat(np.arange(E), per).reshape(-1, 1)
     assert device_plan(idx, E).n_items == max_mma_items(E * per, E) == 2 * E
     assert max_mma_items(6, 256) == 6 and max_mma_items(49152, 256) == 1020
+    # wgmma: items of up to WG_BN rows, the bound with bn = WG_BN, reached at 128 q + 1 picks
+    for T, k, E in ((1, 6, 256), (64, 1, 1), (8192, 6, 256), (5, 4, 3), (100, 2, 1000)):
+        idx = _idx(rng, T, k, E, k <= E)
+        assert device_plan(idx, E, "wgmma").n_items <= max_mma_items(T * k, E, PM.WG_BN)
+    idx = np.repeat(np.arange(E), 129).reshape(-1, 1)
+    assert device_plan(idx, E, "wgmma").n_items == max_mma_items(E * 129, E, PM.WG_BN) == 2 * E
+    assert max_mma_items(49152, 256, PM.WG_BN) == 638
+    assert PM.item_rows("fp4mma") == PM.MMA_BN and PM.item_rows("wgmma") == PM.WG_BN
 
 
 def test_device_plan_refuses():
     with pytest.raises(ValueError, match="expert id 8 >= E = 8"):
         device_plan(np.array([[1, 8]]), 8)
+    with pytest.raises(ValueError, match="gemm 'blaslt'"):
+        device_plan(np.array([[1, 2]]), 8, "blaslt")
+    with pytest.raises(ValueError, match="gemm 'blaslt'"):
+        compact(dispatch_plan(np.array([[1, 2]]), 4), "blaslt")
     for bad in (np.zeros((0, 2), np.int64), np.array([[1.0, 2.0]]), np.array([[-1, 2]]), np.array([1, 2])):
         with pytest.raises(ValueError):
             device_plan(bad, 16)
 
 
-def _emulate_kernels(idx, E):
+def _emulate_kernels(idx, E, wg=0):
     """kernels_cu/moe.cu's moe_plan_count / _scan / _place / _combine_pos, statement by statement
-    (a warp's 32 lanes as a loop, __match_any_sync as an equality mask)."""
+    (a warp's 32 lanes as a loop, __match_any_sync as an equality mask); wg: moe_plan_scan's
+    item mode (0 fp4mma, 1 wgmma)."""
     T, k = idx.shape
     f_all = idx.reshape(-1)
     n = f_all.size
@@ -282,10 +358,13 @@ def _emulate_kernels(idx, E):
             order[sum(1 for j in range(E) if cnt[j] > c or (cnt[j] == c and j < tid))] = tid
     n_act = int((cnt > 0).sum())
     mc = np.array([cnt[order[t]] if t < n_act else 0 for t in range(MO.PLAN_MAX_E)])
-    mi = (mc + MO.PLAN_BN - 1) // MO.PLAN_BN
+    bn = MO.PLAN_WG_BN if wg else MO.PLAN_BN
+    mi = (mc + bn - 1) // bn
+    sz = np.array([min(bn, (mc[t] + 16 * mi[t] - 1) // (16 * mi[t]) * 16) if (wg and mi[t] > 0) else bn
+                   for t in range(MO.PLAN_MAX_E)])
     row0, item0 = np.cumsum(mc) - mc, np.cumsum(mi) - mi
     n_items = int(mi.sum())
-    max_items = max_mma_items(n, E)
+    max_items = max_mma_items(n, E, bn)
     items = np.zeros((max_items, 4), np.int64)
     ebase = np.where(cnt == 0, -1, 0)
     for tid in range(n_act):
@@ -293,7 +372,7 @@ def _emulate_kernels(idx, E):
         ebase[e] = row0[tid]
         for i in range(mi[tid]):
             if item0[tid] + i < max_items:
-                items[item0[tid] + i] = (e, row0[tid] + MO.PLAN_BN * i, min(MO.PLAN_BN, mc[tid] - MO.PLAN_BN * i), 0)
+                items[item0[tid] + i] = (e, row0[tid] + sz[tid] * i, min(sz[tid], mc[tid] - sz[tid] * i), 0)
     src, flat, rowof = (np.full(n, -7, np.int64) for _ in range(3))
     for seg in range(nseg):                                        # moe_plan_place
         ctr = ebase + hist[seg]
@@ -320,14 +399,16 @@ def _emulate_kernels(idx, E):
                 pos=pos, items=items, n_active=n_act, n_items=n_items)
 
 
+@pytest.mark.parametrize("gemm", ["fp4mma", "wgmma"])
 @pytest.mark.parametrize("T,k,E,kind", [(1, 6, 256, "distinct"), (37, 6, 64, "repeats"),
                                         (700, 1, 16, "one"), (400, 6, 256, "skewed"),
-                                        (2, 4, 5, "few")])
-def test_kernel_emulation_equals_twin(T, k, E, kind):
+                                        (2, 4, 5, "few"), (300, 1, 3, "few")])
+def test_kernel_emulation_equals_twin(T, k, E, kind, gemm):
     seed = _seed()
     idx = _routing(kind, np.random.default_rng(seed), T, k, E)
-    got = _emulate_kernels(idx, E)
-    want = device_plan(idx, E)
+    got = _emulate_kernels(idx, E, wg=int(gemm == "wgmma"))
+    want = device_plan(idx, E, gemm)
     for name, v in got.items():
         w = getattr(want, name)
-        assert np.array_equal(np.asarray(v), np.asarray(w)), f"seed {seed}: {name} differs ({T}, {k}, {E}, {kind})"
+        assert np.array_equal(np.asarray(v), np.asarray(w)), (
+            f"seed {seed}: {name} differs ({T}, {k}, {E}, {kind}, {gemm})")

@@ -22,8 +22,8 @@ API
     (opt-in: the same on Hopper warpgroup MMA) or ``blaslt`` (dequantise into a bf16 scratch +
     cuBLASLt); ``self.prefill_moe`` is read per chunk.
     ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
-    ``fp4mma`` arm builds its dispatch plan, ``host`` (the expert ids read back per layer) or
-    ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` and ``wgmma`` always plan
+    ``fp4mma`` and ``wgmma`` arms build their dispatch plan, ``host`` (the expert ids read back
+    per layer) or ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` always plans
     on the host; ``self.prefill_dispatch`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
@@ -476,11 +476,12 @@ class _Block:
         return form if form == "blaslt" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
 
     def _moe_dispatch(self, gemm: str) -> str:
-        """The seam MEMRA_DSV4_PREFILL_DISPATCH for the fp4mma arm; "blaslt" sizes its cuBLASLt
-        batches from the host plan, so it always dispatches on the host."""
+        """The seam MEMRA_DSV4_PREFILL_DISPATCH for the FP4 tensor-core arms (fp4mma, wgmma: the
+        device plan builds either arm's items); "blaslt" sizes its cuBLASLt batches from the host
+        plan, so it always dispatches on the host."""
         from memra_dsv4.seams import SEAM_PREFILL_DISPATCH
         form = getattr(self.m, "prefill_dispatch", SEAM_PREFILL_DISPATCH.default)
-        return form if gemm == "fp4mma" else "host"
+        return form if gemm in ("fp4mma", "wgmma") else "host"
 
     def moe(self, x, ids_d, cap):
         import cupy as cp

@@ -6,7 +6,8 @@ combine(routed, idx, shared)      twin oracle.ops.moe_combine (bit-identical)
 The prefill MoE's dispatch plan built on the device (kernels_cu/moe.cu "dispatch plan"; the
 composition and its NumPy twin are gpu.ops.prefill_moe.dispatch_on_device / device_plan):
 plan_count(idx, E, hist)                         per-segment pick counts of each expert
-plan_scan(hist, E, ebase, eids, counts, items, meta)  segment prefixes, rank order, rows, items
+plan_scan(hist, E, ebase, eids, counts, items, meta, wg)  segment prefixes, rank order, rows,
+                                                 items (fp4mma's, or wgmma's with wg=True)
 plan_place(idx, k, E, hist, ebase, src, flat, rowof)  the row of every pick (stable)
 plan_combine_pos(idx, rowof, pos)                the combine's rows, ascending expert id (stable)
 """
@@ -66,6 +67,7 @@ PLAN_SEG = 1024     # picks per warp segment: the PLAN_* constants of kernels_cu
 PLAN_WARPS = 8      # segments per CTA of count / place
 PLAN_MAX_E = 1024   # most experts moe_plan_scan ranks (one thread each)
 PLAN_BN = 64        # rows per fp4mma work item (experts.cu MMA_BN)
+PLAN_WG_BN = 128    # rows per wgmma work item, at most (experts.cu wg::WG_BN)
 
 
 def plan_segments(n: int) -> int:
@@ -96,11 +98,13 @@ def plan_count(idx, E: int, hist):
     return hist
 
 
-def plan_scan(hist, E: int, ebase, eids, counts, items, meta):
+def plan_scan(hist, E: int, ebase, eids, counts, items, meta, wg: bool = False):
     """One CTA: hist -> its exclusive prefix over segments; counts / eids of the active experts
     in rank order (count descending, id ascending; tails 0 / -1); ebase[e] = first row of expert e
-    (-1: no picks); items [max_items, 4] = (e, row, rows <= PLAN_BN, 0) per tile of each expert in
-    rank order, zeros after; meta [2] = (n_active, n_items)."""
+    (-1: no picks); items [max_items, 4] = (e, row, rows, 0) per tile of each expert in rank order,
+    zeros after: wg False the fp4mma tiles of PLAN_BN rows (the last one ragged), wg True the wgmma
+    items (prefill_moe.wg_items' split: ceil(c / PLAN_WG_BN) items of up to PLAN_WG_BN rows, all
+    but the last a multiple of 16); meta [2] = (n_active, n_items)."""
     check(hist, "plan_scan.hist", np.int32, (None, E))
     assert 1 <= E <= PLAN_MAX_E, f"plan_scan: E = {E} (1..{PLAN_MAX_E})"
     for a, nm in ((ebase, "ebase"), (eids, "eids"), (counts, "counts")):
@@ -108,7 +112,7 @@ def plan_scan(hist, E: int, ebase, eids, counts, items, meta):
     check(items, "plan_scan.items", np.int32, (None, 4))
     check(meta, "plan_scan.meta", np.int32, (2,))
     kernel(STEM, "moe_plan_scan")((1,), (PLAN_MAX_E,), (hist, i32(hist.shape[0]), i32(E), i32(items.shape[0]),
-                                                          ebase, eids, counts, items, meta))
+                                                          i32(1 if wg else 0), ebase, eids, counts, items, meta))
     return items
 
 

@@ -22,18 +22,23 @@ launches over ALL active experts that read the STORED FP4 bytes (kernels_cu/expe
 grouped GEMM": decode to the exact bf16 the dequant kernels write, in registers, then
 mma.sync bf16 -> f32; SwiGLU fused into the gate/up epilogue): no bf16 scratch, no dequant
 launches, no gate/up f32 buffers; the work items (``mma_items``) ride in the same one upload.
-``dispatch="device"`` (fp4mma only; the chunk routine's default through the seam
+``dispatch="device"`` (gemm "fp4mma" or "wgmma"; the chunk routine's default through the seam
 MEMRA_DSV4_PREFILL_DISPATCH): no read back and no upload at all.  Four small kernels
 (kernels_cu/moe.cu "dispatch plan", ``dispatch_on_device``; NumPy twin ``device_plan``) build the
 plan from the device ids: per-expert counts, the rank order, each expert's first row, the row of
-every pick, the combine's rows and the fp4mma items; every table and both fp4mma grids are sized
-from T, k and E alone (``max_mma_items``; items past the device's count have 0 rows and their CTAs
-return at once).  The rows are dispatch_plan's without the padding (``compact``): the same experts
-in the same order, each one's picks in pick order, the same items (expert, rows, row count) with
-the rows renumbered.  An fp4mma output row depends only on its own activation row, its expert
-and its item's row count (the n8 tiles a CTA multiplies and the full-tile branch; the k order is
-fixed per chunk), never on where the item's rows sit in memory, so the two dispatches are
-bit-identical (tests/gpu/test_prefill_dispatch_gpu.py).
+every pick, the combine's rows and the GEMM's work items (fp4mma: ``mma_items``' tiles of
+MMA_BN rows; wgmma: ``wg_items``' split into items of up to WG_BN rows); every table and both
+GEMM grids are sized from T, k and E alone (``max_mma_items`` with the arm's item rows; items
+past the device's count have 0 rows and their CTAs return at once).  The rows are
+dispatch_plan's without the padding (``compact``): the same experts in the same order, each
+one's picks in pick order, the same items (expert, rows, row count) with the rows renumbered.
+An fp4mma output row depends only on its own activation row, its expert and its item's row count
+(the n8 tiles a CTA multiplies and the full-tile branch; the k order is fixed per chunk), never
+on where the item's rows sit in memory; a wgmma output row likewise (its token tile NB is the
+item's row count rounded up to 16; r0 only offsets the row addresses, rows past the item are
+zero-filled B columns that no output of another row reads; the k order is fixed per chunk), so
+the two dispatches are bit-identical arm by arm (tests/gpu/test_prefill_dispatch_gpu.py).  The
+wgmma arm gathers xs permuted (gather_rows_perm) over the compact rows as over the padded ones.
 
 Layout (``dispatch_plan``, pure NumPy): the active experts, sorted by pick count (descending,
 ties by id) so a group's counts are alike, are cut into groups of ``group``; a group of n
@@ -55,7 +60,8 @@ Kernels (each with its NumPy twin in tests/gpu/test_prefill_moe_gpu.py):
                      (twin: the float64 products of the exact dequantised weights, f32-class bound)
 ``fp4mma_down``      ys = hs . W2^T per item (f32, unrounded; same twin and bound)
 ``dispatch_on_device``  the plan of device ids by kernels_cu/moe.cu moe_plan_* (twin device_plan,
-                     tests/gpu/test_prefill_dispatch_gpu.py: equal table by table)
+                     tests/gpu/test_prefill_dispatch_gpu.py: equal table by table), with the
+                     fp4mma or the wgmma work items
 ``gather_rows_perm``  gather_rows with each 128-column chunk stored in the wgmma k order (perm128)
 ``wgmma_gateup``     fp4mma_gateup on Hopper warpgroup MMA (items of up to 128 rows); xs and the
                      output hs are stored permuted per 128-column chunk (perm128)
@@ -201,11 +207,22 @@ def mma_items(plan: DispatchPlan, bn: int = MMA_BN) -> np.ndarray:
 
 # ------------------------------------------------------------------ the plan on the device
 def max_mma_items(n: int, E: int, bn: int = MMA_BN) -> int:
-    """Most fp4mma work items n picks over E experts can need: sum_e ceil(c_e / bn) <=
-    (n + (bn - 1) * n_active) / bn with n_active <= min(E, n).  The device dispatch sizes its
-    items table and the fp4mma grids with it (no read back of the real count)."""
+    """Most work items of at most ``bn`` rows n picks over E experts can need: sum_e
+    ceil(c_e / bn) <= (n + (bn - 1) * n_active) / bn with n_active <= min(E, n).  The device
+    dispatch sizes its items table and the GEMM grids with it (no read back of the real count):
+    bn = MMA_BN for fp4mma, WG_BN for wgmma (wg_items makes ceil(c / WG_BN) items per expert)."""
     n, E = int(n), int(E)
     return (n + (bn - 1) * min(E, n)) // bn
+
+
+PLAN_GEMMS = ("fp4mma", "wgmma")  # the GEMM arms the device dispatch builds items for
+
+
+def item_rows(gemm: str) -> int:
+    """Rows of one work item of the GEMM arm ``gemm`` (at most): MMA_BN (fp4mma), WG_BN (wgmma)."""
+    if gemm not in PLAN_GEMMS:
+        raise ValueError(f"item_rows: gemm {gemm!r} not in {PLAN_GEMMS}")
+    return MMA_BN if gemm == "fp4mma" else WG_BN
 
 
 @dataclass(frozen=True)
@@ -220,7 +237,7 @@ class DevicePlan:
     flat: np.ndarray     # int32 [n]: t * k + j of each row
     rowof: np.ndarray    # int32 [n]: row of each pick t * k + j
     pos: np.ndarray      # int32 [T, k]: rows of token t's picks, ascending expert id (stable)
-    items: np.ndarray    # int32 [max_mma_items, 4]: (e, row, rows, 0), zeros past n_items
+    items: np.ndarray    # int32 [max_mma_items(n, E, item_rows(gemm)), 4]: (e, row, rows, 0), zeros past n_items
     n_active: int
     n_items: int
 
@@ -235,13 +252,15 @@ def _check_idx(idx, who: str) -> np.ndarray:
     return idx
 
 
-def device_plan(idx_h, E: int) -> DevicePlan:
+def device_plan(idx_h, E: int, gemm: str = "fp4mma") -> DevicePlan:
     """NumPy twin of the device-built plan of the picks ``idx_h`` [T, k] over ``E`` experts.
 
-    It is ``compact(dispatch_plan(idx_h, group))`` for every group (the padded layout with its
-    padding rows removed: the same experts in the same order, each one's picks in pick order),
-    plus the tables the kernels write on the way (ebase, seg) and the fp4mma items of the compact
-    rows, zero-padded to max_mma_items(T * k, E) entries."""
+    It is ``compact(dispatch_plan(idx_h, group), gemm)`` for every group (the padded layout with
+    its padding rows removed: the same experts in the same order, each one's picks in pick order),
+    plus the tables the kernels write on the way (ebase, seg) and the work items of the arm
+    ``gemm`` over the compact rows (fp4mma: mma_items' tiles; wgmma: wg_items' split),
+    zero-padded to max_mma_items(T * k, E, item_rows(gemm)) entries."""
+    bn = item_rows(gemm)
     idx = _check_idx(idx_h, "device_plan")
     E = int(E)
     if idx.max() >= E:
@@ -268,13 +287,14 @@ def device_plan(idx_h, E: int) -> DevicePlan:
     src[rowof] = np.arange(n) // k
     fl[rowof] = np.arange(n)
     pos = np.take_along_axis(rowof.reshape(T, k), np.argsort(idx, axis=1, kind="stable"), axis=1)
-    ni = -(-c // MMA_BN)
+    ni = -(-c // bn)                                         # items per expert (c >= 1)
+    sz = np.full(c.size, bn, np.int64) if gemm == "fp4mma" else np.minimum(bn, -(-c // (16 * ni)) * 16)
     owner = np.repeat(np.arange(order.size), ni)
     tile = np.arange(owner.size) - np.repeat(np.cumsum(ni) - ni, ni)
-    items = np.zeros((max_mma_items(n, E), 4), np.int64)
+    items = np.zeros((max_mma_items(n, E, bn), 4), np.int64)
     items[:owner.size, 0] = order[owner]
-    items[:owner.size, 1] = ebase[order[owner]] + MMA_BN * tile
-    items[:owner.size, 2] = np.minimum(MMA_BN, c[owner] - MMA_BN * tile)
+    items[:owner.size, 1] = ebase[order[owner]] + sz[owner] * tile
+    items[:owner.size, 2] = np.minimum(sz[owner], c[owner] - sz[owner] * tile)
     eids = np.full(E, -1, np.int64)
     eids[:order.size] = order
     counts = np.zeros(E, np.int64)
@@ -285,12 +305,14 @@ def device_plan(idx_h, E: int) -> DevicePlan:
                       n_active=int(order.size), n_items=int(owner.size))
 
 
-def compact(plan: DispatchPlan):
+def compact(plan: DispatchPlan, gemm: str = "fp4mma"):
     """dispatch_plan's layout without its padding rows: (src, flat, pos, items) with every padded
-    row renumbered to its rank among the non-padding rows (items: mma_items(plan) renumbered)."""
+    row renumbered to its rank among the non-padding rows (items: the arm's items of the host
+    dispatch renumbered: mma_items(plan) for fp4mma, wg_items(plan) for wgmma)."""
+    item_rows(gemm)
     keep = plan.flat >= 0
     row = np.cumsum(keep) - 1                      # compact row of each non-padding padded row
-    items = mma_items(plan).copy()
+    items = (mma_items(plan) if gemm == "fp4mma" else wg_items(plan)).copy()
     items[:, 1] = row[items[:, 1]]
     return (plan.src[keep].astype(np.int32), plan.flat[keep].astype(np.int32),
             row[plan.pos].astype(np.int32), items.astype(np.int32))
@@ -319,17 +341,19 @@ class DeviceDispatch:
                           n_active=int(meta[0]), n_items=int(meta[1]))
 
 
-def dispatch_on_device(idx, E: int) -> DeviceDispatch:
+def dispatch_on_device(idx, E: int, gemm: str = "fp4mma") -> DeviceDispatch:
     """The plan of the device expert ids ``idx`` [T, k] (any integer dtype; ids in [0, E), others
     trap) built by 4 launches (kernels_cu/moe.cu moe_plan_*) into one int32 allocation; no host
-    synchronisation, nothing read back; every table is sized from T, k and E alone.  Twin:
-    device_plan."""
+    synchronisation, nothing read back; every table is sized from T, k and E alone; the items are
+    the GEMM arm ``gemm``'s (fp4mma | wgmma; max_mma_items(T * k, E, item_rows(gemm)) rows).
+    Twin: device_plan(idx, E, gemm)."""
+    bn = item_rows(gemm)
     cp = cupy()
     idx = cp.ascontiguousarray(idx, dtype=np.int64)
     assert idx.ndim == 2 and idx.size > 0, f"dispatch_on_device: idx {idx.shape}"
     T, k = idx.shape
     n, E = T * k, int(E)
-    nseg, mi = MO.plan_segments(n), max_mma_items(n, E)
+    nseg, mi = MO.plan_segments(n), max_mma_items(n, E, bn)
     sizes = {"items": 4 * mi, "meta": 4, "ebase": E, "eids": E, "counts": E, "seg": nseg * E,
              "src": n, "flat": n, "rowof": n, "pos": n}
     buf = cp.empty(sum(sizes.values()), dtype=np.int32)
@@ -342,10 +366,12 @@ def dispatch_on_device(idx, E: int) -> DeviceDispatch:
                        rowof=v["rowof"], pos=v["pos"].reshape(T, k),
                        items=v["items"].reshape(mi, 4), meta=v["meta"][:2])
     MO.plan_count(idx, E, d.seg)
-    MO.plan_scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta)
+    MO.plan_scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta, wg=gemm == "wgmma")
     MO.plan_place(idx, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
     MO.plan_combine_pos(idx, d.rowof, d.pos)
     return d
+
+
 def wg_items(plan: DispatchPlan, bn: int = WG_BN) -> np.ndarray:
     """The wgmma work items of ``plan``: int32 [n, 4] = (expert id, first padded row, rows, 0).
     An expert with c picks gets m = ceil(c / bn) items of nearly equal size, all but the last a
@@ -639,8 +665,9 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
     expert ids, a NumPy array or a CuPy array on the current device; wts [T, k] f32 device;
     dispatch: "host" (dispatch_plan on a host copy of idx: a device idx is read back, one
     synchronisation) or "device" (dispatch_on_device: the plan built by kernels from the device
-    idx, a NumPy idx uploaded; nothing read back; gemm "fp4mma" only, bit-identical to "host":
-    the same items over the same rows, renumbered without the padding); experts: {"w1", "w2",
+    idx, a NumPy idx uploaded; nothing read back; gemm "fp4mma" or "wgmma", bit-identical to
+    "host" of the same gemm: the same items over the same rows, renumbered without the padding);
+    experts: {"w1", "w2",
     "w3": (packed [E, out, in/2] u8, scale u8)}; ws2: {"w1", "w2", "w3": f32 [E] device} for
     NVFP4; shared [T, D] f32.  ph: the phase prefix (``.../ffn/moe``) under which the
     dispatch (host plan, the table upload, the gather), the experts (per group: dequant, GEMMs,
@@ -654,9 +681,9 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
     assert gemm in GEMMS, f"routed_moe: gemm {gemm!r} not in {GEMMS}"
     if dispatch not in DISPATCHES:
         raise ValueError(f"routed_moe: dispatch {dispatch!r} not in {DISPATCHES}")
-    if dispatch == "device" and gemm != "fp4mma":
-        raise ValueError(f"routed_moe: dispatch 'device' needs gemm 'fp4mma' (gemm {gemm!r} sizes "
-                         f"its cuBLASLt batches on the host: dispatch 'host')")
+    if dispatch == "device" and gemm not in PLAN_GEMMS:
+        raise ValueError(f"routed_moe: dispatch 'device' needs gemm 'fp4mma' or 'wgmma' (gemm "
+                         f"{gemm!r} sizes its cuBLASLt batches on the host: dispatch 'host')")
     cp = cupy()
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, D = x.shape
@@ -672,7 +699,7 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
     grp = int(group or group_size(I, D))
     bracket = (lambda leaf: phase(f"{ph}/{leaf}")) if ph else (lambda leaf: _NO_PHASE)
     if dispatch == "device":
-        return _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket)
+        return _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket, gemm)
     with bracket("dispatch"):
         idx_h = cp.asnumpy(idx) if on_device else idx   # the one device->host read of the ids
         plan = dispatch_plan(idx_h, grp)
@@ -718,25 +745,28 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
         return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
 
 
-def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket):
-    """routed_moe(gemm="fp4mma", dispatch="device"): the plan by kernels (dispatch_on_device),
-    the gather over the T * k compact rows, both fp4mma launches over max_mma_items items (the
-    empty tail returns at once), the combine; no host synchronisation."""
+def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket, gemm):
+    """routed_moe(gemm="fp4mma" | "wgmma", dispatch="device"): the plan by kernels
+    (dispatch_on_device, the arm's items), the gather over the T * k compact rows (wgmma: stored
+    permuted, gather_rows_perm), both GEMM launches over max_mma_items(T * k, E, item_rows(gemm))
+    items (the empty tail returns at once), the combine; no host synchronisation."""
     cp = cupy()
     T, D = x.shape
     E, I = experts["w1"][0].shape[:2]
     k = idx.shape[1]
     n = T * k
+    wg = gemm == "wgmma"
     with bracket("dispatch"):
-        d = dispatch_on_device(idx if isinstance(idx, cp.ndarray) else cp.asarray(idx), E)
-        xs = gather_rows(x, d.src, cp.empty((n, D), dtype=cp.uint16))
+        d = dispatch_on_device(idx if isinstance(idx, cp.ndarray) else cp.asarray(idx), E, gemm)
+        xs = (gather_rows_perm if wg else gather_rows)(x, d.src, cp.empty((n, D), dtype=cp.uint16))
     hs = cp.empty((n, I), dtype=cp.uint16)
     ys = cp.empty((n, D), dtype=cp.float32)
     wflat = cp.ascontiguousarray(wts).reshape(-1)
+    gateup, down = (wgmma_gateup, wgmma_down) if wg else (fp4mma_gateup, fp4mma_down)
     with bracket("experts"):
-        fp4mma_gateup(fmt, experts["w1"], experts["w3"], d.items, xs, wflat, d.flat, limit, hs,
-                      None if ws2 is None else (ws2["w1"], ws2["w3"]))
-        fp4mma_down(fmt, experts["w2"], d.items, hs, ys, None if ws2 is None else ws2["w2"])
+        gateup(fmt, experts["w1"], experts["w3"], d.items, xs, wflat, d.flat, limit, hs,
+               None if ws2 is None else (ws2["w1"], ws2["w3"]))
+        down(fmt, experts["w2"], d.items, hs, ys, None if ws2 is None else ws2["w2"])
     if g is not None and hasattr(g, "flops"):
         g.flops += 6 * T * k * I * D
     with bracket("combine"):
