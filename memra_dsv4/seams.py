@@ -149,14 +149,15 @@ SEAM_PREFILL_ATTN = Seam(
     "their own fixed f32 orders) or `simt` (the decode step's CUDA-core kernels). Shorter "
     "chunks always use `simt`.")
 SEAM_PREFILL_MOE = Seam(
-    "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt", "wgmma"),
+    "prefill_moe", "MEMRA_DSV4_PREFILL_MOE", "wgmma", ("wgmma", "fp4mma", "blaslt"),
     "Routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, read once per model "
-    "and printed): `fp4mma` (one grouped tensor-core GEMM per projection reading the STORED "
-    "FP4 bytes, SwiGLU in its epilogue; exact products, f32 accumulation in its own order), "
+    "and printed): `wgmma` (one grouped GEMM per projection on Hopper warpgroup MMA reading the "
+    "STORED FP4 bytes: weights decoded into wgmma's register operand, activations from shared "
+    "memory in a permuted k order, items of up to 128 rows, SwiGLU in the epilogue; exact "
+    "products, f32 accumulation; measured on 2x H200 at fc6c8d3: 8K tokens 1.54 vs 1.62 s), "
+    "`fp4mma` (the same contract on mma.sync, 64-row items; bit-identical to `wgmma`) or "
     "`blaslt` (each group of experts dequantised exactly into a bf16 scratch, then "
-    "strided-batched cuBLASLt GEMMs and a SwiGLU launch) or `wgmma` (opt-in: the `fp4mma` "
-    "contract on Hopper warpgroup MMA, weights decoded into wgmma's register operand, "
-    "activations read from shared memory in a permuted k order, items of up to 128 rows).")
+    "strided-batched cuBLASLt GEMMs and a SwiGLU launch; another f32 summation order).")
 SEAM_PREFILL_DISPATCH = Seam(
     "prefill_dispatch", "MEMRA_DSV4_PREFILL_DISPATCH", "device", ("host", "device"),
     "Dispatch plan of the routed experts of GPU prefill chunks (memra_dsv4.gpu.ops.prefill_moe, "

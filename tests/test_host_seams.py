@@ -130,20 +130,20 @@ def test_dsv4gpu_takes_decode_attn_everywhere():
 
 
 def test_prefill_moe_seam(monkeypatch):
-    """MEMRA_DSV4_PREFILL_MOE: fp4mma (default) | blaslt | wgmma; every Dsv4Gpu constructor takes
+    """MEMRA_DSV4_PREFILL_MOE: wgmma (default) | fp4mma | blaslt; every Dsv4Gpu constructor takes
     it; the chunk routine falls back to blaslt when a width is not a multiple of 128 (the FP4
     GEMMs' K tile)."""
     import inspect
     from types import SimpleNamespace
     from memra_dsv4.gpu import model as gm
     s = seams.SEAMS["prefill_moe"]
-    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_MOE", "fp4mma", ("fp4mma", "blaslt", "wgmma"))
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_MOE", "wgmma", ("wgmma", "fp4mma", "blaslt"))
     monkeypatch.delenv("MEMRA_DSV4_PREFILL_MOE", raising=False)
-    assert seams.resolve("prefill_moe") == "fp4mma"
+    assert seams.resolve("prefill_moe") == "wgmma"
     monkeypatch.setenv("MEMRA_DSV4_PREFILL_MOE", "blaslt")
     assert seams.resolve("prefill_moe") == "blaslt"
     monkeypatch.setenv("MEMRA_DSV4_PREFILL_MOE", "cutlass")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_PREFILL_MOE.*'cutlass'.*fp4mma, blaslt, wgmma"):
+    with pytest.raises(ValueError, match="MEMRA_DSV4_PREFILL_MOE.*'cutlass'.*wgmma, fp4mma, blaslt"):
         seams.resolve("prefill_moe")
     for fn in (gm.Dsv4Gpu.__init__, gm.Dsv4Gpu.load, gm.Dsv4Gpu.synthetic):
         assert "prefill_moe" in inspect.signature(fn).parameters, fn.__qualname__

@@ -18,8 +18,8 @@ API
     attention.sparse_attention_decode), bit-identical; ``self.decode_attn`` may be changed later
     (the device step recaptures its graphs when it differs, as for ``pdl``).
     ``prefill_moe`` (seam ``MEMRA_DSV4_PREFILL_MOE``, read once and printed): the chunk routine's
-    routed experts, ``fp4mma`` (grouped tensor-core GEMM on the stored FP4 bytes), ``wgmma``
-    (opt-in: the same on Hopper warpgroup MMA) or ``blaslt`` (dequantise into a bf16 scratch +
+    routed experts, ``wgmma`` (default: grouped GEMM on Hopper warpgroup MMA reading the stored
+    FP4 bytes), ``fp4mma`` (the same on mma.sync; bit-identical to ``wgmma``) or ``blaslt`` (dequantise into a bf16 scratch +
     cuBLASLt); ``self.prefill_moe`` is read per chunk.
     ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
     ``fp4mma`` and ``wgmma`` arms build their dispatch plan, ``host`` (the expert ids read back
@@ -472,7 +472,8 @@ class _Block:
     def _moe_gemm(self, D: int, I: int) -> str:
         """The seam MEMRA_DSV4_PREFILL_MOE; the FP4 tensor-core GEMMs (fp4mma, wgmma) tile K by
         128, so a model whose hidden or expert width is not a multiple of 128 runs "blaslt"."""
-        form = getattr(self.m, "prefill_moe", "fp4mma")
+        from memra_dsv4.seams import SEAM_PREFILL_MOE
+        form = getattr(self.m, "prefill_moe", SEAM_PREFILL_MOE.default)
         return form if form == "blaslt" or (D % 128 == 0 and I % 128 == 0) else "blaslt"
 
     def _moe_dispatch(self, gemm: str) -> str:

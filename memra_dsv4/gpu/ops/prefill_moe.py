@@ -16,7 +16,7 @@ ONE host->device copy of the dispatch tables (``dispatch_plan``), and per group 
 ``group_size`` experts: 3 dequant launches into a bounded bf16 scratch, 2 batched GEMMs (gate,
 up), 1 SwiGLU launch, 1 batched GEMM (down); then one gather before and one combine after.
 No per-expert host round trip, no per-expert allocation.
-``gemm="fp4mma"`` (the chunk routine's default through the seam MEMRA_DSV4_PREFILL_MOE;
+``gemm="fp4mma"`` (selectable through the seam MEMRA_DSV4_PREFILL_MOE, whose default is "wgmma";
 routed_moe's own default stays "blaslt", described above): the same contract with the GEMMs run by two
 launches over ALL active experts that read the STORED FP4 bytes (kernels_cu/experts.cu "FP4
 grouped GEMM": decode to the exact bf16 the dequant kernels write, in registers, then
