@@ -1440,6 +1440,36 @@ DEV void cp_async_ca_sa(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(valid ? N : 0));
 }
 
+// The decode tables of a thread's 4 weight rows (rows[i] of the stage's scale block ss; gate/up:
+// rows 2, 3 are W3's) before word w of their 16-byte granules: NVFP4 at w = 0 and 2 (a granule
+// spans two e4m3 scales), MXFP4 at w = 0 (one e8m0), with the exact tables when some product is
+// not a normal bf16.  Other words keep the tables.  Both grouped GEMMs' chunk loops.
+template <bool GATEUP, bool NV>
+DEV void row_tables(const unsigned char* ss, const int (&rows)[4], int q, int w, float s2a, float s2b,
+                    u32 (&tb)[4][4]) {
+    if (!(w == 0 || (NV && w == 2))) return;
+    if (NV) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            nv_table(ss[rows[i] * 8 + 2 * q + (w >> 1)], GATEUP && i >= 2 ? s2b : s2a, tb[i]);
+    } else {
+        u32 S[4];
+        bool odd = false;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            S[i] = ss[rows[i] * 4 + q];
+            odd |= S[i] - 2u > 250u;
+        }
+        if (__builtin_expect(odd, 0)) {  // some product is not a normal bf16 (never in real weights)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mx_table_exact(S[i], tb[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mx_table_fast(S[i], tb[i]);
+        }
+    }
+}
+
 // This thread's share of every stage's copies, resolved once per CTA (sources at chunk 0, stage
 // offsets): MMA_WPT weight granules (granule tid + THREADS u: row / 4, 16 B part % 4), one scale
 // row, XPT activation granules; invalid rows / tokens are zero-filled, tokens past the last
@@ -1528,28 +1558,7 @@ DEV void fp4mma_chunk(const unsigned char* st, const int (&wrow)[4], const int (
     u32 tb[4][4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-        if (w == 0 || (NV && w == 2)) {
-            if (NV) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    nv_table(ss[wrow[i] * 8 + 2 * q + (w >> 1)], GATEUP && i >= 2 ? s2b : s2a, tb[i]);
-            } else {
-                u32 S[4];
-                bool odd = false;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    S[i] = ss[wrow[i] * 4 + q];
-                    odd |= S[i] - 2u > 250u;
-                }
-                if (__builtin_expect(odd, 0)) {  // some product is not a normal bf16 (never in real weights)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) mx_table_exact(S[i], tb[i]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) mx_table_fast(S[i], tb[i]);
-                }
-            }
-        }
+        row_tables<GATEUP, NV>(ss, wrow, q, w, s2a, s2b, tb);
         u32 a[4][4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) decode8(word_of(wv[i], w), tb[i], a[i]);
@@ -2002,12 +2011,12 @@ DEV void wgmma_body(unsigned char* smem, const u8* __restrict__ pa, const u8* __
     pin(acc[0]);
     pin(acc[1]);
 
-    // this thread's 4 weight rows: [mt][hh] -> rho = 128 wg + 64 mt + 16 wl + 8 hh + g
-    int wrow[2][2];
+    // this thread's 4 weight rows: [2 mt + hh] -> rho = 128 wg + 64 mt + 16 wl + 8 hh + g
+    int wrow[4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) wrow[mt][hh] = 128 * wg + 64 * mt + 16 * wl + 8 * hh + g;
+        for (int hh = 0; hh < 2; ++hh) wrow[2 * mt + hh] = 128 * wg + 64 * mt + 16 * wl + 8 * hh + g;
 
     for (int c = 0; c < nchunks; ++c) {
         cp_async_wait<L::LOOK - 1>();  // stage c landed (this thread's copies)
@@ -2028,43 +2037,13 @@ DEV void wgmma_body(unsigned char* smem, const u8* __restrict__ pa, const u8* __
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int rho = wrow[mt][hh];
+                const int rho = wrow[2 * mt + hh];
                 wv[mt][hh] = lds128(ws + rho * 64 + 16 * (q ^ ((rho >> 1) & 3)));
             }
-        u32 tb[2][2][4];
+        u32 tb[4][4];
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-            if (w == 0 || (NV && w == 2)) {
-                if (NV) {
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh)
-                            nv_table(ss[wrow[mt][hh] * 8 + 2 * q + (w >> 1)], GATEUP && mt == 1 ? s2b : s2a,
-                                     tb[mt][hh]);
-                } else {
-                    u32 S[2][2];
-                    bool odd = false;
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            S[mt][hh] = ss[wrow[mt][hh] * 4 + q];
-                            odd |= S[mt][hh] - 2u > 250u;
-                        }
-                    if (__builtin_expect(odd, 0)) {  // some product is not a normal bf16 (never in real weights)
-#pragma unroll
-                        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                            for (int hh = 0; hh < 2; ++hh) mx_table_exact(S[mt][hh], tb[mt][hh]);
-                    } else {
-#pragma unroll
-                        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                            for (int hh = 0; hh < 2; ++hh) mx_table_fast(S[mt][hh], tb[mt][hh]);
-                    }
-                }
-            }
+            row_tables<GATEUP, NV>(ss, wrow, q, w, s2a, s2b, tb);
             wg_wait<1>();  // the group two back (whose A registers these replace) is complete
             u32 a[2][2][4];
 #pragma unroll
@@ -2073,7 +2052,7 @@ DEV void wgmma_body(unsigned char* smem, const u8* __restrict__ pa, const u8* __
                 for (int hh = 0; hh < 2; ++hh) {
                     u32 word = word_of(wv[mt][hh], w);
                     pin(word);  // the decode stays below the wait: at most two A register sets live
-                    decode8(word, tb[mt][hh], a[mt][hh]);
+                    decode8(word, tb[2 * mt + hh], a[mt][hh]);
                 }
             wg_fence();
 #pragma unroll
