@@ -532,6 +532,49 @@ def _mma_launch(name, fmt, grid_x, n_items, args):
     k((grid_x, n_items), (32 * MMA_WARPS,), args, shared_mem=smem)
 
 
+def _gateup_args(who: str, fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2):
+    """The checked launch arguments of a grouped gate/up kernel (fp4mma_gateup, wgmma_gateup: one
+    argument contract): (args, n_items, I)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"{who}: format {fmt!r}"
+    E, I, D = _mma_weights(fmt, w1, f"{who}.w1")
+    assert _mma_weights(fmt, w3, f"{who}.w3") == (E, I, D), f"{who}: w1 / w3 shapes differ"
+    assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
+    check(items, f"{who}.items", np.int32, (None, 4))
+    check(xs, f"{who}.xs", np.uint16, (None, D))
+    P = xs.shape[0]
+    check(wts, f"{who}.wts", np.float32)
+    check(flat, f"{who}.flat", np.int32, (P,))
+    check(hs, f"{who}.hs", np.uint16, (P, I))
+    ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
+    tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
+    if fmt == "mxfp4":
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss) + tail
+    else:
+        assert ws2 is not None and len(ws2) == 2, f"{who}: NVFP4 needs ws2 = (w1, w3)"
+        for j, a in enumerate(ws2):
+            check(a, f"{who}.ws2[{j}]", np.float32, (E,))
+        args = (w1[0], w1[1], w3[0], w3[1], ps, ss, ws2[0], ws2[1]) + tail
+    return args, int(items.shape[0]), I
+
+
+def _down_args(who: str, fmt: str, w2, items, hs, ys, ws2):
+    """The checked launch arguments of a grouped down kernel (fp4mma_down, wgmma_down: one
+    argument contract): (args, n_items, D)."""
+    assert fmt in ("mxfp4", "nvfp4"), f"{who}: format {fmt!r}"
+    E, D, I = _mma_weights(fmt, w2, f"{who}.w2")
+    check(items, f"{who}.items", np.int32, (None, 4))
+    check(hs, f"{who}.hs", np.uint16, (None, I))
+    check(ys, f"{who}.ys", np.float32, (hs.shape[0], D))
+    ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
+    tail = (items, hs, ys, i32(D), i32(I))
+    if fmt == "mxfp4":
+        args = (w2[0], w2[1], ps, ss) + tail
+    else:
+        check(ws2, f"{who}.ws2", np.float32, (E,))
+        args = (w2[0], w2[1], ps, ss, ws2) + tail
+    return args, int(items.shape[0]), D
+
+
 def fp4mma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None):
     """hs[r0 + t, i] = bf16(swiglu_clamped(bf16(xs[r0+t] . W1_e[i]), bf16(xs[r0+t] . W3_e[i]),
     limit, wts[flat[r0+t]])) for every item (e, r0, n, 0) of ``items`` [n_items, 4] int32 and
@@ -539,29 +582,9 @@ def fp4mma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=
     f32 accumulation (kernels_cu/experts.cu "FP4 grouped GEMM").  w1, w3: (packed [E, I, D/2],
     scale) stacked; xs [P, D] bf16 (uint16); wts [T*k] f32; flat [P] int32; hs [P, I] uint16
     (rows outside the items untouched); ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4."""
-    assert fmt in ("mxfp4", "nvfp4"), f"fp4mma_gateup: format {fmt!r}"
-    E, I, D = _mma_weights(fmt, w1, "fp4mma_gateup.w1")
-    assert _mma_weights(fmt, w3, "fp4mma_gateup.w3") == (E, I, D), "fp4mma_gateup: w1 / w3 shapes differ"
-    assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
-    check(items, "fp4mma_gateup.items", np.int32, (None, 4))
-    check(xs, "fp4mma_gateup.xs", np.uint16, (None, D))
-    P = xs.shape[0]
-    check(wts, "fp4mma_gateup.wts", np.float32)
-    check(flat, "fp4mma_gateup.flat", np.int32, (P,))
-    check(hs, "fp4mma_gateup.hs", np.uint16, (P, I))
-    n = int(items.shape[0])
-    if n == 0:
-        return hs
-    ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
-    tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
-    if fmt == "mxfp4":
-        args = (w1[0], w1[1], w3[0], w3[1], ps, ss) + tail
-    else:
-        assert ws2 is not None and len(ws2) == 2, "fp4mma_gateup: NVFP4 needs ws2 = (w1, w3)"
-        for j, a in enumerate(ws2):
-            check(a, f"fp4mma_gateup.ws2[{j}]", np.float32, (E,))
-        args = (w1[0], w1[1], w3[0], w3[1], ps, ss, ws2[0], ws2[1]) + tail
-    _mma_launch(f"fp4mma_gateup_{fmt}", fmt, -(-I // (MMA_ROWS // 2)), n, args)
+    args, n, I = _gateup_args("fp4mma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2)
+    if n:
+        _mma_launch(f"fp4mma_gateup_{fmt}", fmt, -(-I // (MMA_ROWS // 2)), n, args)
     return hs
 
 
@@ -569,22 +592,9 @@ def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None):
     """ys[r0 + t, o] = hs[r0 + t] . W2_e[o] (f32 accumulation of the exact products, not rounded)
     for every item (e, r0, n, 0) and t < n, o < D.  w2: (packed [E, D, I/2], scale) stacked;
     hs [P, I] uint16; ys [P, D] f32 (rows outside the items untouched); ws2 f32 [E] (NVFP4)."""
-    assert fmt in ("mxfp4", "nvfp4"), f"fp4mma_down: format {fmt!r}"
-    E, D, I = _mma_weights(fmt, w2, "fp4mma_down.w2")
-    check(items, "fp4mma_down.items", np.int32, (None, 4))
-    check(hs, "fp4mma_down.hs", np.uint16, (None, I))
-    check(ys, "fp4mma_down.ys", np.float32, (hs.shape[0], D))
-    n = int(items.shape[0])
-    if n == 0:
-        return ys
-    ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
-    tail = (items, hs, ys, i32(D), i32(I))
-    if fmt == "mxfp4":
-        args = (w2[0], w2[1], ps, ss) + tail
-    else:
-        check(ws2, "fp4mma_down.ws2", np.float32, (E,))
-        args = (w2[0], w2[1], ps, ss, ws2) + tail
-    _mma_launch(f"fp4mma_down_{fmt}", fmt, -(-D // MMA_ROWS), n, args)
+    args, n, D = _down_args("fp4mma_down", fmt, w2, items, hs, ys, ws2)
+    if n:
+        _mma_launch(f"fp4mma_down_{fmt}", fmt, -(-D // MMA_ROWS), n, args)
     return ys
 
 
@@ -604,30 +614,10 @@ def wgmma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=N
     Rows outside the items untouched; ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4.  items is
     a device array (not checked here): an item with n outside 1..WG_BN is skipped by the kernels
     (wg_items never builds one)."""
-    assert fmt in ("mxfp4", "nvfp4"), f"wgmma_gateup: format {fmt!r}"
-    E, I, D = _mma_weights(fmt, w1, "wgmma_gateup.w1")
-    assert _mma_weights(fmt, w3, "wgmma_gateup.w3") == (E, I, D), "wgmma_gateup: w1 / w3 shapes differ"
-    assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
+    args, n, I = _gateup_args("wgmma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2)
     assert I % WG_KC == 0, f"wgmma_gateup: I = {I} must be a multiple of {WG_KC} (permuted hs)"
-    check(items, "wgmma_gateup.items", np.int32, (None, 4))
-    check(xs, "wgmma_gateup.xs", np.uint16, (None, D))
-    P = xs.shape[0]
-    check(wts, "wgmma_gateup.wts", np.float32)
-    check(flat, "wgmma_gateup.flat", np.int32, (P,))
-    check(hs, "wgmma_gateup.hs", np.uint16, (P, I))
-    n = int(items.shape[0])
-    if n == 0:
-        return hs
-    ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
-    tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
-    if fmt == "mxfp4":
-        args = (w1[0], w1[1], w3[0], w3[1], ps, ss) + tail
-    else:
-        assert ws2 is not None and len(ws2) == 2, "wgmma_gateup: NVFP4 needs ws2 = (w1, w3)"
-        for j, a in enumerate(ws2):
-            check(a, f"wgmma_gateup.ws2[{j}]", np.float32, (E,))
-        args = (w1[0], w1[1], w3[0], w3[1], ps, ss, ws2[0], ws2[1]) + tail
-    _wg_launch(f"wgmma_gateup_{fmt}", I // (WG_ROWS // 2), n, args)
+    if n:
+        _wg_launch(f"wgmma_gateup_{fmt}", I // (WG_ROWS // 2), n, args)
     return hs
 
 
@@ -636,22 +626,9 @@ def wgmma_down(fmt: str, w2, items, hs, ys, ws2=None):
     every item (e, r0, n, 0) (n <= WG_BN), t < n, o < D, where hs [P, I] holds each row PERMUTED per
     128-chunk (as wgmma_gateup writes it; hs_nat = unperm128(hs)).  I % 128 == 0, D any.  Rows
     outside the items untouched; ws2 f32 [E] (NVFP4)."""
-    assert fmt in ("mxfp4", "nvfp4"), f"wgmma_down: format {fmt!r}"
-    E, D, I = _mma_weights(fmt, w2, "wgmma_down.w2")
-    check(items, "wgmma_down.items", np.int32, (None, 4))
-    check(hs, "wgmma_down.hs", np.uint16, (None, I))
-    check(ys, "wgmma_down.ys", np.float32, (hs.shape[0], D))
-    n = int(items.shape[0])
-    if n == 0:
-        return ys
-    ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
-    tail = (items, hs, ys, i32(D), i32(I))
-    if fmt == "mxfp4":
-        args = (w2[0], w2[1], ps, ss) + tail
-    else:
-        check(ws2, "wgmma_down.ws2", np.float32, (E,))
-        args = (w2[0], w2[1], ps, ss, ws2) + tail
-    _wg_launch(f"wgmma_down_{fmt}", -(-D // WG_ROWS), n, args)
+    args, n, D = _down_args("wgmma_down", fmt, w2, items, hs, ys, ws2)
+    if n:
+        _wg_launch(f"wgmma_down_{fmt}", -(-D // WG_ROWS), n, args)
     return ys
 
 
