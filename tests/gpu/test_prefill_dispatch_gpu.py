@@ -183,9 +183,9 @@ def _capture_case():
     return seed, cp.asarray(x), cp.asarray(idx), cp.asarray(wts), cp.asarray(shared), ex
 
 
-def test_device_dispatch_captures_into_a_graph():
-    """A synchronising call inside a stream capture fails it, so a capture that succeeds is a
-    routed MoE that never waits for the GPU; its replay equals the eager result bit for bit."""
+def _assert_graph_replay_equals_eager(gemm: str):
+    """The device dispatch of ``gemm`` captured into a CUDA graph: the capture succeeds and its
+    replay equals the eager result bit for bit (shared by the fp4mma and wgmma tests)."""
     from memra_dsv4.gpu import graphs
     with cp.cuda.Device(0):
         seed, x, idx, wts, shared, ex = _capture_case()
@@ -193,7 +193,7 @@ def test_device_dispatch_captures_into_a_graph():
         held = {}
 
         def run():
-            held["y"] = PM.routed_moe(None, x, idx, wts, ex, "mxfp4", 10.0, shared, gemm="fp4mma",
+            held["y"] = PM.routed_moe(None, x, idx, wts, ex, "mxfp4", 10.0, shared, gemm=gemm,
                                       dispatch="device")
         with stream:
             run()                                   # kernels built, pool blocks on this stream
@@ -203,7 +203,13 @@ def test_device_dispatch_captures_into_a_graph():
         held["y"].fill(np.nan)
         graphs.replay(graph, stream)
         stream.synchronize()
-        assert _same(held["y"].get(), eager), f"seed {seed}: graph replay differs from eager"
+        assert _same(held["y"].get(), eager), f"seed {seed}: {gemm}: graph replay differs from eager"
+
+
+def test_device_dispatch_captures_into_a_graph():
+    """A synchronising call inside a stream capture fails it, so a capture that succeeds is a
+    routed MoE that never waits for the GPU; its replay equals the eager result bit for bit."""
+    _assert_graph_replay_equals_eager("fp4mma")
 
 
 def test_host_dispatch_cannot_be_captured():

@@ -25,8 +25,8 @@ cp = pytest.importorskip("cupy")
 
 from memra_dsv4.gpu.ops import prefill_moe as PM  # noqa: E402
 from memra_dsv4.gpu.ops.testing import fresh_seed, rng_for  # noqa: E402
-from test_prefill_dispatch_gpu import (_capture_case, _Counter, _device_experts, _model,  # noqa: E402
-                                       _routing, _same)
+from test_prefill_dispatch_gpu import (_assert_graph_replay_equals_eager, _Counter,  # noqa: E402
+                                       _device_experts, _model, _routing, _same)
 from test_prefill_moe_gpu import MOE_REL_L2, _case, _oracle_moe, _rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -117,24 +117,7 @@ def test_wgmma_device_dispatch_captures_into_a_graph():
     """A synchronising call inside a stream capture fails it (tests/gpu/test_prefill_dispatch_gpu.py
     test_host_dispatch_cannot_be_captured is the negative control), so a capture that succeeds is a
     routed MoE that never waits for the GPU; its replay equals the eager result bit for bit."""
-    from memra_dsv4.gpu import graphs
-    with cp.cuda.Device(0):
-        seed, x, idx, wts, shared, ex = _capture_case()
-        stream = cp.cuda.Stream(non_blocking=True)
-        held = {}
-
-        def run():
-            held["y"] = PM.routed_moe(None, x, idx, wts, ex, "mxfp4", 10.0, shared, gemm="wgmma",
-                                      dispatch="device")
-        with stream:
-            run()                                   # kernels built, pool blocks on this stream
-        stream.synchronize()
-        eager = held["y"].get()
-        graph = graphs.capture(stream, run)
-        held["y"].fill(np.nan)
-        graphs.replay(graph, stream)
-        stream.synchronize()
-        assert _same(held["y"].get(), eager), f"seed {seed}: graph replay differs from eager"
+    _assert_graph_replay_equals_eager("wgmma")
 
 
 # ------------------------------------------------------------------------------- a model

@@ -280,13 +280,13 @@ def test_store_helpers_one_pass(shape):
 _ITEM_SPLITS = {128: [1, 7, 64, 56], 256: [1, 8, 9, 64, 46, 64, 64]}   # 1 row, partial and full n8 tiles
 
 
-def _onehot_items(E, K, pad):
-    """Work items covering, per expert e, rows e * K + t (t < K) in the sizes _ITEM_SPLITS[K];
-    ``pad`` spare rows at the end belong to no item."""
+def _onehot_items(E, K, pad, splits=None):
+    """Work items covering, per expert e, rows e * K + t (t < K) in the sizes ``splits[K]``
+    (default _ITEM_SPLITS, the fp4mma tiles); ``pad`` spare rows at the end belong to no item."""
     items = []
     for e in range(E):
         t0 = 0
-        for n in _ITEM_SPLITS[K]:
+        for n in (_ITEM_SPLITS if splits is None else splits)[K]:
             items.append((e, e * K + t0, n, 0))
             t0 += n
         assert t0 == K
@@ -340,6 +340,20 @@ def test_fp4mma_down_decodes_exactly(fmt):
     assert np.isnan(got[E * K:]).all(), f"seed {seed}: rows outside the items were written"
 
 
+def _onehot_gateup_want(fmt, w, ws2, E, D, wts, flat, limit):
+    """The h rows of a one-hot gate/up (row e * D + t = e_t): swiglu_rows of the exact gate / up
+    W[e][:, t] (the dequant kernels' bf16), zeros past E * D; [P, I] uint16."""
+    P, I = flat.shape[0], w["w1"][0].shape[1]
+    gate = np.zeros((P, I), np.float32)
+    up = np.zeros((P, I), np.float32)
+    W1 = _scratch(fmt, w["w1"], None if ws2 is None else ws2["w1"], E)
+    W3 = _scratch(fmt, w["w3"], None if ws2 is None else ws2["w3"], E)
+    gate[:E * D] = W1.transpose(0, 2, 1).reshape(E * D, I)
+    up[:E * D] = W3.transpose(0, 2, 1).reshape(E * D, I)
+    return PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat), limit,
+                          cp.empty((P, I), cp.uint16)).get()
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("limit", [10.0, 0.0])
 def test_fp4mma_gateup_decodes_exactly(fmt, limit):
@@ -360,14 +374,7 @@ def test_fp4mma_gateup_decodes_exactly(fmt, limit):
                      cp.asarray(flat), limit, hs, None if ws2 is None else (ws2["w1"], ws2["w3"]))
     got = hs.get()
     # the exact gate / up of row e * D + t: W[e][:, t]; then swiglu_rows, the same device function
-    gate = np.zeros((P, I), np.float32)
-    up = np.zeros((P, I), np.float32)
-    W1 = _scratch(fmt, w["w1"], None if ws2 is None else ws2["w1"], E)
-    W3 = _scratch(fmt, w["w3"], None if ws2 is None else ws2["w3"], E)
-    gate[:E * D] = W1.transpose(0, 2, 1).reshape(E * D, I)
-    up[:E * D] = W3.transpose(0, 2, 1).reshape(E * D, I)
-    want = PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat), limit,
-                          cp.empty((P, I), cp.uint16)).get()
+    want = _onehot_gateup_want(fmt, w, ws2, E, D, wts, flat, limit)
     # Compared as values: the MMA sums the one product w * 1 with the other columns' zeros from a
     # +0 accumulator, so a stored -0 weight comes out as +0 (IEEE -0 + +0 = +0), while the twin
     # feeds the weight itself to swiglu_rows (seen on the H200: only 0x0000 vs 0x8000 differed).
@@ -376,6 +383,24 @@ def test_fp4mma_gateup_decodes_exactly(fmt, limit):
         f"seed {seed}: fp4mma_gateup one-hot: {int((gv != wv).sum())} h values differ "
         f"from swiglu_rows of the exact gate / up ({fmt}, limit {limit})")
     assert (got[E * D:] == 0xABCD).all(), f"seed {seed}: rows outside the items were written"
+
+
+def _assert_down_within_f32_bound(got, x, items, fmt, pk, sc, ws2, seed):
+    """A grouped down GEMM's ys (got [P, N], NaN-initialised) against float64 x @ W_e^T per item:
+    |err| <= K 2^-24 (|x| @ |W|^T) (f32 accumulation of exact products); rows of no item untouched."""
+    P, K = x.shape
+    N = got.shape[1]
+    covered = np.zeros(P, bool)
+    for e, r0, n, _ in items:
+        covered[r0:r0 + n] = True
+        W = _twin_dequant(fmt, pk, sc, ws2, int(e)).astype(np.float64)
+        xb = x[r0:r0 + n].astype(np.float64)
+        want = xb @ W.T
+        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(W).T)
+        err = np.abs(got[r0:r0 + n] - want)
+        assert (err <= bound).all(), (f"seed {seed}: item {(e, r0, n)} err {np.nanmax(err):.3e} beyond the "
+                                      f"f32 bound ({fmt}, N {N}, K {K})")
+    assert np.isnan(got[~covered]).all(), f"seed {seed}: rows outside the items were written"
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -399,18 +424,7 @@ def test_fp4mma_down_bound(fmt, N, K):
     ys = cp.full((P, N), np.nan, dtype=cp.float32)
     PM.fp4mma_down(fmt, (cp.asarray(pk), cp.asarray(sc)), cp.asarray(items), cp.asarray(bits_of(x)), ys,
                    None if ws2 is None else cp.asarray(ws2))
-    got = ys.get()
-    covered = np.zeros(P, bool)
-    for e, r0, n, _ in items:
-        covered[r0:r0 + n] = True
-        W = _twin_dequant(fmt, pk, sc, ws2, int(e)).astype(np.float64)
-        xb = x[r0:r0 + n].astype(np.float64)
-        want = xb @ W.T
-        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(W).T)
-        err = np.abs(got[r0:r0 + n] - want)
-        assert (err <= bound).all(), (f"seed {seed}: item {(e, r0, n)} err {np.nanmax(err):.3e} beyond the "
-                                      f"f32 bound ({fmt}, N {N}, K {K})")
-    assert np.isnan(got[~covered]).all(), f"seed {seed}: rows outside the items were written"
+    _assert_down_within_f32_bound(ys.get(), x, items, fmt, pk, sc, ws2, seed)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -472,16 +486,6 @@ def test_mma_items_cover_every_pick_once():
 _WG_SPLITS = {128: [1, 7, 56, 64], 256: [1, 7, 65, 128, 55]}   # each <= WG_BN; 65 and 128: odd tiles
 
 
-def _wg_onehot_items(E, K, pad):
-    items = []
-    for e in range(E):
-        t0 = 0
-        for n in _WG_SPLITS[K]:
-            items.append((e, e * K + t0, n, 0))
-            t0 += n
-        assert t0 == K
-    return np.asarray(items, np.int32), E * K + pad
-
 
 def test_gather_rows_perm():
     seed = fresh_seed()
@@ -503,7 +507,7 @@ def test_wgmma_down_decodes_exactly(fmt, K):
     pk, sc, ws2 = _edge_stacked(rng, fmt, E, N, K)
     w = (cp.asarray(pk), cp.asarray(sc))
     ws2_d = None if ws2 is None else cp.asarray(ws2)
-    items, P = _wg_onehot_items(E, K, pad)
+    items, P = _onehot_items(E, K, pad, _WG_SPLITS)
     x = np.zeros((P, K), np.uint16)
     x[np.arange(E * K), np.arange(E * K) % K] = 0x3F80    # row e * K + t = e_t (logical)
     ys = cp.full((P, N), np.nan, dtype=cp.float32)
@@ -524,7 +528,7 @@ def test_wgmma_gateup_decodes_exactly(fmt, limit):
     host = {m: _stacked(rng, fmt, E, I, D) for m in ("w1", "w3")}
     w = {m: (cp.asarray(h[0]), cp.asarray(h[1])) for m, h in host.items()}
     ws2 = None if fmt == "mxfp4" else {m: cp.asarray(h[2]) for m, h in host.items()}
-    items, P = _wg_onehot_items(E, D, pad)
+    items, P = _onehot_items(E, D, pad, _WG_SPLITS)
     x = np.zeros((P, D), np.uint16)
     x[np.arange(E * D), np.arange(E * D) % D] = 0x3F80
     wts = (rng.random(P) * 0.5).astype(np.float32)
@@ -534,14 +538,7 @@ def test_wgmma_gateup_decodes_exactly(fmt, limit):
     PM.wgmma_gateup(fmt, w["w1"], w["w3"], cp.asarray(items), cp.asarray(PM.perm128(x)), cp.asarray(wts),
                     cp.asarray(flat), limit, hs, None if ws2 is None else (ws2["w1"], ws2["w3"]))
     got = hs.get()
-    gate = np.zeros((P, I), np.float32)
-    up = np.zeros((P, I), np.float32)
-    W1 = _scratch(fmt, w["w1"], None if ws2 is None else ws2["w1"], E)
-    W3 = _scratch(fmt, w["w3"], None if ws2 is None else ws2["w3"], E)
-    gate[:E * D] = W1.transpose(0, 2, 1).reshape(E * D, I)
-    up[:E * D] = W3.transpose(0, 2, 1).reshape(E * D, I)
-    want = PM.swiglu_rows(cp.asarray(gate), cp.asarray(up), cp.asarray(wts), cp.asarray(flat), limit,
-                          cp.empty((P, I), cp.uint16)).get()
+    want = _onehot_gateup_want(fmt, w, ws2, E, D, wts, flat, limit)
     # values, not bits: -0 weights come out +0 (see test_fp4mma_gateup_decodes_exactly)
     gv, wv = decode_bf16(PM.unperm128(got[:E * D])), decode_bf16(want[:E * D])
     assert np.array_equal(gv, wv), (
@@ -581,18 +578,7 @@ def test_wgmma_down_bound(fmt, N, K):
     ys = cp.full((P, N), np.nan, dtype=cp.float32)
     PM.wgmma_down(fmt, (cp.asarray(pk), cp.asarray(sc)), cp.asarray(items), cp.asarray(PM.perm128(bits_of(x))),
                   ys, None if ws2 is None else cp.asarray(ws2))
-    got = ys.get()
-    covered = np.zeros(P, bool)
-    for e, r0, n, _ in items:
-        covered[r0:r0 + n] = True
-        W = _twin_dequant(fmt, pk, sc, ws2, int(e)).astype(np.float64)
-        xb = x[r0:r0 + n].astype(np.float64)
-        want = xb @ W.T
-        bound = K * 2.0 ** -24 * (np.abs(xb) @ np.abs(W).T)
-        err = np.abs(got[r0:r0 + n] - want)
-        assert (err <= bound).all(), (f"seed {seed}: item {(e, r0, n)} err {np.nanmax(err):.3e} beyond the "
-                                      f"f32 bound ({fmt}, N {N}, K {K})")
-    assert np.isnan(got[~covered]).all(), f"seed {seed}: rows outside the items were written"
+    _assert_down_within_f32_bound(ys.get(), x, items, fmt, pk, sc, ws2, seed)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
