@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.test_kernel_sources import KDIR, _fake_cupy, check_kernel_args, declared_kernels, kernel_signatures
+from tests.test_kernel_sources import (KDIR, _fake_cupy, declared_kernels, kernel_signatures,
+                                      registered_fake_kernels)
 
 
 @pytest.fixture
@@ -22,30 +23,18 @@ def fake_launch(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from memra_dsv4.gpu import ops_decode as DK
 
-    sigs = kernel_signatures()
     launched = []
 
-    class FakeKernel:
-        def __init__(self, name):
-            self.name = name
-            self.max_dynamic_shared_size_bytes = 0
+    def launch_ok(name, grid, block, shared_mem):
+        assert shared_mem <= 227 * 1024
+        assert tuple(block) == (128,)
 
-        def __call__(self, grid, block, args, shared_mem=0):
-            check_kernel_args(self.name, args, sigs)
-            assert shared_mem <= 227 * 1024
-            assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem
-            assert tuple(block) == (128,)
-            launched.append((self.name, tuple(grid), args, shared_mem))
+    def record(name, grid, block, args, shared_mem):
+        launched.append((name, tuple(grid), args, shared_mem))
 
-    cache = {}
-
-    def fake_kernel(stem, name):
-        from memra_dsv4.gpu.kernel_loader import registered
-
-        assert name in registered()[stem], f"{stem}.{name} not registered"
-        return cache.setdefault(name, FakeKernel(name))
-
-    monkeypatch.setattr(DK, "kernel", fake_kernel)
+    monkeypatch.setattr(DK, "kernel", registered_fake_kernels(kernel_signatures(), record, launch_ok))
+    from memra_dsv4.gpu.ops import _common
+    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
     monkeypatch.setattr(DK, "sm_count", lambda: 132)
     monkeypatch.delenv(DK.GEMV_VARIANT_ENV, raising=False)
     return fake, DK, launched

@@ -252,6 +252,39 @@ def _fake_cupy():
     return fake
 
 
+
+class FakeKernel:
+    """A RawKernel stand-in for the CPU wrapper tests: every launch's arguments are checked against
+    the kernel's .cu signature (check_kernel_args), then ``check(name, grid, block, shared_mem)``
+    (the caller's launch checks, if any), then dynamic shared memory past 48 KB must have been
+    raised on the kernel first; ``record(name, grid, block, args, shared_mem)`` keeps the launch."""
+
+    def __init__(self, name, sigs, record, check=None):
+        self.name, self.sigs, self.record, self.check = name, sigs, record, check
+        self.max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        check_kernel_args(self.name, args, self.sigs)
+        if self.check is not None:
+            self.check(self.name, grid, block, shared_mem)
+        assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem, (
+            f"{self.name}: {shared_mem} B dynamic smem without raising the limit")
+        self.record(self.name, grid, block, args, shared_mem)
+
+
+def registered_fake_kernels(sigs, record, check=None):
+    """A ``kernel(stem, name)`` stand-in: registered kernels only (asserted), one FakeKernel per
+    name (so a raised shared-memory limit sticks, as on the loader's cached kernels)."""
+    cache = {}
+
+    def fake_kernel(stem, name):
+        from memra_dsv4.gpu.kernel_loader import registered
+
+        assert name in registered()[stem], f"{stem}.{name} not registered"
+        return cache.setdefault(name, FakeKernel(name, sigs, record, check))
+
+    return fake_kernel
+
 def test_wrappers_marshal_kernel_signatures(monkeypatch):
     import numpy as np
 
@@ -263,25 +296,11 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     launched = []
 
-    class FakeKernel:
-        def __init__(self, name):
-            self.name = name
-            self.max_dynamic_shared_size_bytes = 0
+    def launch_ok(name, grid, block, shared_mem):
+        assert all(int(g) >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, f"{name}: launch {grid} {block}"
 
-        def __call__(self, grid, block, args, shared_mem=0):
-            check_kernel_args(self.name, args, sigs)
-            assert all(int(g) >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, f"{self.name}: launch {grid} {block}"
-            assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem, (
-                f"{self.name}: {shared_mem} B dynamic smem without raising the limit")
-            launched.append(self.name)
-
-    cache = {}
-
-    def fake_kernel(stem, name):
-        from memra_dsv4.gpu.kernel_loader import registered
-
-        assert name in registered()[stem], f"{stem}.{name} not registered"
-        return cache.setdefault(name, FakeKernel(name))
+    fake_kernel = registered_fake_kernels(sigs, lambda name, *_: launched.append(name), launch_ok)
+    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
 
     mods = {f: importlib.import_module(f"memra_dsv4.gpu.ops.{f}") for f in FAMILIES}
     monkeypatch.setattr(_common, "sm_count", lambda: 132)
@@ -527,18 +546,14 @@ def test_routed_moe_device_dispatch_launch_sequence(monkeypatch, gemm):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     launched = []
 
-    class FakeKernel:
-        def __init__(self, name):
-            self.name = name
-            self.max_dynamic_shared_size_bytes = 0
-
-        def __call__(self, grid, block, args, shared_mem=0):
-            check_kernel_args(self.name, args, sigs)
-            launched.append((self.name, tuple(int(g) for g in grid), args))
+    def record(name, grid, block, args, shared_mem):
+        launched.append((name, tuple(int(g) for g in grid), args))
 
     monkeypatch.setattr(_common, "sm_count", lambda: 132)
+    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
+    cache = {}
     for m in (MO, PM):
-        monkeypatch.setattr(m, "kernel", lambda stem, name: FakeKernel(name))
+        monkeypatch.setattr(m, "kernel", lambda stem, name: cache.setdefault(name, FakeKernel(name, sigs, record)))
     T, k, E, D, I = 300, 6, 256, 512, 256
     A = fake.asarray
     ex = {w: (A(np.zeros((E, o, i // 2), np.uint8)), A(np.zeros((E, o, i // 32), np.uint8)))
