@@ -24,18 +24,7 @@ import pytest
 
 from memra_dsv4.formats import dequant_mxfp4
 from memra_dsv4.gpu.ops import prefill_moe as PM
-
-
-def prmt(a: int, b: int, sel: int) -> int:
-    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for n in range(4):
-        nib = (sel >> (4 * n)) & 0xF
-        v = src[nib & 7]
-        if nib & 8:
-            v = 0xFF if v & 0x80 else 0x00
-        out |= v << (8 * n)
-    return out
+from tests.test_fp4_mma_layout import prmt   # the PRMT byte-permute model both layouts decode with
 
 
 M32 = 0xFFFFFFFF
