@@ -362,24 +362,31 @@ def test_device_hostmath_bytewise_equals_legacy_two_stages():
     assert len(m.stages) == 2
 
 
+def _graph_equals_eager_then_allocations(path: str):
+    """tiny on ``path``: 5 steps with graph=False and 5 with graph=True from equal states give the
+    same logits; returns (model, the allocation count of 5 more graph=True steps)."""
+    from memra_dsv4.gpu.arena import count_allocations
+    from memra_dsv4.gpu.step import device_step
+    ck, m = _model("tiny", (0,), path)
+    ids = _ids(ck.config, 30, seed=13)
+    _, s_eager = m.prefill(ids[:20])
+    _, s_graph = m.prefill(ids[:20], m.new_state())
+    eager = [device_step(m, s_eager, t, graph=False) for t in ids[20:25]]
+    graph = [device_step(m, s_graph, t, graph=True) for t in ids[20:25]]
+    for i, (x, y) in enumerate(zip(eager, graph)):
+        assert np.array_equal(x, y), f"{path} step {i}: graph=True vs False max |diff| {np.abs(x - y).max()}"
+    with count_allocations() as c:
+        for t in ids[25:30]:
+            device_step(m, s_graph, t, graph=True)
+    return m, c
+
+
 def test_device_hostmath_eager_and_allocates_nothing():
     """device-hostmath runs eagerly whatever graph= says (same bytes), and after its first
     step (pinned island buffers made on first use) allocates nothing on the device."""
     _need_device_step()
-    from memra_dsv4.gpu.arena import count_allocations
-    from memra_dsv4.gpu.step import device_step
-    ck, m = _model("tiny", (0,), "device-hostmath")
-    ids = _ids(ck.config, 30, seed=13)
-    _, s_a = m.prefill(ids[:20])
-    _, s_b = m.prefill(ids[:20], m.new_state())
-    a = [device_step(m, s_a, t, graph=False) for t in ids[20:25]]
-    b = [device_step(m, s_b, t, graph=True) for t in ids[20:25]]
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert np.array_equal(x, y), f"step {i}: graph=True vs False max |diff| {np.abs(x - y).max()}"
+    m, c = _graph_equals_eager_then_allocations("device-hostmath")
     assert not m._step._graphs, "device-hostmath captured a graph"
-    with count_allocations() as c:
-        for t in ids[25:30]:
-            device_step(m, s_b, t, graph=True)
     assert c.total == 0, f"{c} allocations in 5 device-hostmath steps"
 
 
@@ -396,17 +403,5 @@ def test_device_within_bounds_of_legacy(L):
 
 def test_graph_replay_equals_eager_and_allocates_nothing():
     _need_device_step()
-    from memra_dsv4.gpu.arena import count_allocations
-    from memra_dsv4.gpu.step import device_step
-    ck, m = _model("tiny", (0,), "device")
-    ids = _ids(ck.config, 30, seed=13)
-    _, s_eager = m.prefill(ids[:20])
-    _, s_graph = m.prefill(ids[:20], m.new_state())
-    eager = [device_step(m, s_eager, t, graph=False) for t in ids[20:25]]
-    graph = [device_step(m, s_graph, t, graph=True) for t in ids[20:25]]
-    for i, (x, y) in enumerate(zip(eager, graph)):
-        assert np.array_equal(x, y), f"step {i}: graph vs eager max |diff| {np.abs(x - y).max()}"
-    with count_allocations() as c:
-        for t in ids[25:30]:
-            device_step(m, s_graph, t, graph=True)
+    _, c = _graph_equals_eager_then_allocations("device")
     assert c.total == 0, f"{c} allocations in 5 graph steps"
