@@ -29,7 +29,7 @@ cp = pytest.importorskip("cupy")
 
 from memra_dsv4.gpu.ops import prefill_moe as PM  # noqa: E402
 from memra_dsv4.gpu.ops.testing import fresh_seed, rng_for  # noqa: E402
-from test_prefill_moe_gpu import MOE_REL_L2, _case, _oracle_moe, _rel  # noqa: E402
+from test_prefill_moe_gpu import MOE_REL_L2, _case, _experts_on_device, _oracle_moe, _rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +94,15 @@ def _device_experts(seed, fmt, E, D, I):
     return ex, (ws2 or None)
 
 
+def _flash_inputs(rng, T, k, D):
+    """Device (x [T, D] bf16-valued, routing weights [T, k], shared-expert output [T, D]) of the
+    Flash-shape dispatch tests, drawn from ``rng`` in this order."""
+    x = cp.asarray(np.round(rng.standard_normal((T, D)) * 64).astype(np.float32) / 64)
+    wts = cp.asarray((rng.random((T, k)) * 0.5).astype(np.float32))
+    shared = cp.asarray((rng.standard_normal((T, D)) * 1e-3).astype(np.float32))
+    return x, wts, shared
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_routed_moe_device_dispatch_bitwise_at_flash_shape(fmt):
     """1K tokens, 256 full-size experts, top-6 (distinct, as the learned router) and a hash-style
@@ -103,9 +112,7 @@ def test_routed_moe_device_dispatch_bitwise_at_flash_shape(fmt):
     T, k, E, D, I = 1024, 6, 256, 4096, 2048
     with cp.cuda.Device(0):
         ex, ws2 = _device_experts(seed, fmt, E, D, I)
-        x = cp.asarray(np.round(rng.standard_normal((T, D)) * 64).astype(np.float32) / 64)
-        wts = cp.asarray((rng.random((T, k)) * 0.5).astype(np.float32))
-        shared = cp.asarray((rng.standard_normal((T, D)) * 1e-3).astype(np.float32))
+        x, wts, shared = _flash_inputs(rng, T, k, D)
         for kind in ("distinct", "repeats"):
             idx = cp.asarray(_routing(kind, rng, T, k, E))
             outs = {d: PM.routed_moe(None, x, idx, wts, ex, fmt, 10.0, shared, ws2=ws2, gemm="fp4mma",
@@ -129,8 +136,7 @@ def test_routed_moe_device_dispatch_bitwise_and_oracle(fmt, T, k, E, D, I, kind)
     x, _, wts, shared, host = _case(seed, fmt, T, k, E, D, I, True)
     idx = _routing(kind, rng_for(seed + 1), T, k, E)
     with cp.cuda.Device(0):
-        ex = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
-        ws2 = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        ex, ws2 = _experts_on_device(host, fmt)
         xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
         got = {}
         for d in ("host", "device"):
@@ -179,7 +185,7 @@ def test_fp4mma_empty_items_write_nothing(fmt):
 def _capture_case():
     seed = fresh_seed()
     x, idx, wts, shared, host = _case(seed, "mxfp4", 300, 6, 32, 512, 256, True)
-    ex = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
+    ex, _ = _experts_on_device(host, "mxfp4")
     return seed, cp.asarray(x), cp.asarray(idx), cp.asarray(wts), cp.asarray(shared), ex
 
 

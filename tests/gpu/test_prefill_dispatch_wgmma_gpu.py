@@ -26,8 +26,8 @@ cp = pytest.importorskip("cupy")
 from memra_dsv4.gpu.ops import prefill_moe as PM  # noqa: E402
 from memra_dsv4.gpu.ops.testing import fresh_seed, rng_for  # noqa: E402
 from test_prefill_dispatch_gpu import (_assert_graph_replay_equals_eager, _Counter,  # noqa: E402
-                                       _device_experts, _model, _routing, _same)
-from test_prefill_moe_gpu import MOE_REL_L2, _case, _oracle_moe, _rel  # noqa: E402
+                                       _device_experts, _flash_inputs, _model, _routing, _same)
+from test_prefill_moe_gpu import MOE_REL_L2, _case, _experts_on_device, _oracle_moe, _rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -80,9 +80,7 @@ def test_routed_moe_wgmma_device_dispatch_bitwise_at_flash_shape(fmt):
     T, k, E, D, I = 1024, 6, 256, 4096, 2048
     with cp.cuda.Device(0):
         ex, ws2 = _device_experts(seed, fmt, E, D, I)
-        x = cp.asarray(np.round(rng.standard_normal((T, D)) * 64).astype(np.float32) / 64)
-        wts = cp.asarray((rng.random((T, k)) * 0.5).astype(np.float32))
-        shared = cp.asarray((rng.standard_normal((T, D)) * 1e-3).astype(np.float32))
+        x, wts, shared = _flash_inputs(rng, T, k, D)
         for kind in ("distinct", "repeats"):
             idx = cp.asarray(_routing(kind, rng, T, k, E))
             _assert_three(_three(x, idx, wts, ex, fmt, shared, ws2), f"seed {seed} {fmt} {kind}")
@@ -99,8 +97,7 @@ def test_routed_moe_wgmma_device_dispatch_bitwise_and_oracle(fmt, T, k, E, D, I,
     x, _, wts, shared, host = _case(seed, fmt, T, k, E, D, I, True)
     idx = _routing(kind, rng_for(seed + 1), T, k, E)
     with cp.cuda.Device(0):
-        ex = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
-        ws2 = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        ex, ws2 = _experts_on_device(host, fmt)
         xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
         outs = _three(xd, cp.asarray(idx), wd, ex, fmt, sd, ws2)
         numpy_ids = PM.routed_moe(None, xd, idx, wd, ex, fmt, 10.0, sd, ws2=ws2, gemm="wgmma",

@@ -192,6 +192,12 @@ def _case(seed, fmt, T, k, E, D, I, distinct):
     return x, idx, wts, shared, host
 
 
+def _experts_on_device(host, fmt):
+    """_case's host experts on the current device: ({w: (packed, scale)}, {w: ws2} or None)."""
+    experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
+    return experts, (None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()})
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("T,k,E,D,I,group,distinct", [
     (1, 6, 16, 4096, 2048, None, True),      # decode-sized chunk, full-size matrices
@@ -204,8 +210,7 @@ def test_routed_moe(fmt, T, k, E, D, I, group, distinct):
     x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
     with cp.cuda.Device(0):
         g = G.GemmBackend(0, "blaslt")
-        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
-        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        experts, ws2_d = _experts_on_device(host, fmt)
         ws2_h = None if fmt == "mxfp4" else {w: h[2] for w, h in host.items()}
         xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
         got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group).get()
@@ -443,8 +448,7 @@ def test_routed_moe_fp4mma(fmt, T, k, E, D, I, group, distinct):
     x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
     with cp.cuda.Device(0):
         g = G.GemmBackend(0, "blaslt")
-        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
-        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        experts, ws2_d = _experts_on_device(host, fmt)
         xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
         got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group,
                             gemm="fp4mma").get()
@@ -636,8 +640,7 @@ def test_routed_moe_wgmma(fmt, T, k, E, D, I, group, distinct):
     x, idx, wts, shared, host = _case(seed, fmt, T, k, E, D, I, distinct)
     with cp.cuda.Device(0):
         g = G.GemmBackend(0, "blaslt")
-        experts = {w: (cp.asarray(h[0]), cp.asarray(h[1])) for w, h in host.items()}
-        ws2_d = None if fmt == "mxfp4" else {w: cp.asarray(h[2]) for w, h in host.items()}
+        experts, ws2_d = _experts_on_device(host, fmt)
         xd, wd, sd = cp.asarray(x), cp.asarray(wts), cp.asarray(shared)
         got = PM.routed_moe(g, xd, idx, wd, experts, fmt, 10.0, sd, ws2=ws2_d, group=group,
                             gemm="wgmma").get()
