@@ -165,6 +165,20 @@ namespace {
 #endif
 constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 
+#ifndef FP4_ALU_EVEN
+// 1: the even elements are decoded on the ALU too (the odd elements' bit placement, see dot8),
+// every x is staged times 2^14 and there is no table: no LDS for weights at all, the shared-
+// memory pipe carries only the x reads (the limiter of the default kernels, Nsight L1/TEX ~75 %)
+// at the price of more ALU work and 4 more f16->f32 converts (HADD2.F32) per 8 weights.
+// nvdisasm, gemv_mxfp4_gateup_k4 per chunk step (4 rows x 4 words): L1 wavefronts of LDS 96 -> 32
+// (64 table LDS gone, the 8 x LDS.128 stay), issued ~661 -> ~692. Not timed yet. Needs FP4_ALU_ODD.
+#define FP4_ALU_EVEN 0
+#endif
+#if FP4_ALU_EVEN && defined(FP4_ALU_ODD) && !FP4_ALU_ODD  // FP4_ALU_ODD defaults to 1 below
+#error "FP4_ALU_EVEN=1 needs FP4_ALU_ODD=1"
+#endif
+
+#if !FP4_ALU_EVEN
 // e2m1 decode table, one per CTA: 16 words on 16 banks, so a warp's 32 lookups are one
 // conflict-free wavefront. 256-byte aligned: the low byte of its shared address is 0, so
 // "table address + 4 * nibble" is a byte insert (one PRMT / LOP3 per element, no add).
@@ -176,6 +190,9 @@ DEV float lds_f32(u32 a) {  // volatile: stays after the barrier that publishes 
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
     return v;
 }
+#else
+DEV u32 lut_base() { return 0u; }  // no table: dot8 ignores b
+#endif
 
 #ifndef FP4_ALU_ODD
 #define FP4_ALU_ODD 1  // 1: odd elements decoded on the ALU (f16 bit placement), 0: all through the table
@@ -186,6 +203,8 @@ constexpr float FP4_ODD_X_SCALE = FP4_ALU_ODD ? 16384.0f : 1.0f;
 // an odd element's x as the FMA chain uses it: times 2^14 with FP4_ALU_ODD (exact for |x| < 2^114;
 // a subnormal x flushes to zero here as the table path's FFMA.FTZ flushes it), else unchanged
 DEV float odd_x(float x) { return FP4_ALU_ODD ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
+// an even element's x: times 2^14 only with FP4_ALU_EVEN (then like odd_x), else unchanged
+DEV float even_x(float x) { return FP4_ALU_EVEN ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
 
 // f16x2 bit pattern -> two f32 (exact, f16 subnormals included: no .ftz on the cvt)
 DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
@@ -204,8 +223,31 @@ DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
 // pair), converted to f32 exactly; their x were staged times 2^14 (FP4_ODD_X_SCALE), so every
 // product, hence every FMA of the chain, is the same real number as with the table: same bits.
 DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
+#if FP4_ALU_EVEN
+    // all eight on the ALU: the same placement for the even nibbles, bits 0-3 / 16-19 (elements
+    // 0, 4) and 8-11 / 24-27 (2, 6): magnitude to bits 11..9 and sign to bit 15 of each half.
+    // One shift pair per f16x2; each half's masks keep the other nibbles (and the bits shifted
+    // across the half boundary) out, so the 32-bit shifts serve both halves.
+    (void)b;
+    const u32 h04 = ((w << 9) & 0x0e000e00u) | ((w << 12) & 0x80008000u);
+    const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
+    const u32 h26 = ((w << 1) & 0x0e000e00u) | ((w << 4) & 0x80008000u);
+    const u32 h37 = ((w >> 3) & 0x0e000e00u) | (w & 0x80008000u);
+    float w0, w4, w1, w5, w2, w6, w3, w7;
+    f16x2_to_f32(h04, w0, w4);
+    f16x2_to_f32(h15, w1, w5);
+    f16x2_to_f32(h26, w2, w6);
+    f16x2_to_f32(h37, w3, w7);
+    p = __fmaf_rn(w0, xf[0], p);  // element order, as the table paths
+    p = __fmaf_rn(w1, xf[1], p);
+    p = __fmaf_rn(w2, xf[2], p);
+    p = __fmaf_rn(w3, xf[3], p);
+    p = __fmaf_rn(w4, xf[4], p);
+    p = __fmaf_rn(w5, xf[5], p);
+    p = __fmaf_rn(w6, xf[6], p);
+    p = __fmaf_rn(w7, xf[7], p);
+#elif FP4_ALU_ODD
     const u32 t = (w << 2) & 0x3c3c3c3cu;
-#if FP4_ALU_ODD
     const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
     const u32 h37 = ((w >> 3) & 0x0e000e00u) | (w & 0x80008000u);
     float w1, w5, w3, w7;
@@ -220,6 +262,7 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
     p = __fmaf_rn(w7, xf[7], p);
 #else
+    const u32 t = (w << 2) & 0x3c3c3c3cu;
     const u32 u = (w >> 2) & 0x3c3c3c3cu;
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7650u)), xf[0], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7650u)), xf[1], p);
@@ -263,6 +306,10 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
             xf[4] = hi.x; xf[5] = hi.y; xf[6] = hi.z; xf[7] = hi.w;
         } else {
             unpack8(static_cast<const uint4*>(xq)[32 * j], xf);
+            xf[0] = even_x(xf[0]);  // FP4_ALU_EVEN: the even weights too (dot8)
+            xf[2] = even_x(xf[2]);
+            xf[4] = even_x(xf[4]);
+            xf[6] = even_x(xf[6]);
             xf[1] = odd_x(xf[1]);  // the odd elements' weights are decoded times 2^-14 (dot8)
             xf[3] = odd_x(xf[3]);
             xf[5] = odd_x(xf[5]);
@@ -367,7 +414,9 @@ DEV void fp4_stream(P& pl) {
 }
 
 DEV void init_lut() {
+#if !FP4_ALU_EVEN
     if (threadIdx.x < 16) fp4_lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
+#endif
 }
 
 // x row (K bf16) -> shared memory, lane-interleaved so that the 32 lanes of a warp read 32
@@ -402,8 +451,10 @@ DEV void stage_rows(void* xs, const u16* xr, i64 ld, int nrows, int nq) {
             const int l = w & 31, j = (w >> 5) & 3, i = w >> 7;
             if (XF) {
                 float4* x4 = static_cast<float4*>(xs) + r * HW + (8 * i + 2 * j) * 32 + l;
-                x4[0] = make_float4(bf16lo(v[n].x), odd_x(bf16hi(v[n].x)), bf16lo(v[n].y), odd_x(bf16hi(v[n].y)));
-                x4[32] = make_float4(bf16lo(v[n].z), odd_x(bf16hi(v[n].z)), bf16lo(v[n].w), odd_x(bf16hi(v[n].w)));
+                x4[0] = make_float4(even_x(bf16lo(v[n].x)), odd_x(bf16hi(v[n].x)), even_x(bf16lo(v[n].y)),
+                                    odd_x(bf16hi(v[n].y)));
+                x4[32] = make_float4(even_x(bf16lo(v[n].z)), odd_x(bf16hi(v[n].z)), even_x(bf16lo(v[n].w)),
+                                     odd_x(bf16hi(v[n].w)));
             } else {
                 static_cast<uint4*>(xs)[r * HW + w] = v[n];
             }

@@ -93,9 +93,11 @@ def test_every_declared_kernel_has_a_wrapper():
         assert not unused, f"{stem}.cu declares kernels no wrapper launches: {sorted(unused)}"
 
 
-def _nvcc_one(nvcc: str, src: str, tmp: str) -> tuple[str, int, str]:
-    out = os.path.join(tmp, os.path.basename(src) + ".cubin")
-    cmd = [nvcc, "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", "-Xptxas", "-v", "-I", KDIR, "-o", out, src]
+def _nvcc_one(nvcc: str, src: str, tmp: str, defines: dict | None = None) -> tuple[str, int, str]:
+    tag = "".join(f".{k}={v}" for k, v in sorted((defines or {}).items()))
+    out = os.path.join(tmp, os.path.basename(src) + tag + ".cubin")
+    cmd = [nvcc, "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", "-Xptxas", "-v", "-I", KDIR, "-o", out]
+    cmd += [f"-D{k}={v}" for k, v in sorted((defines or {}).items())] + [src]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     return src, proc.returncode, proc.stdout + proc.stderr
 
@@ -121,6 +123,37 @@ def test_nvcc_sm90a_no_spills_no_stack(tmp_path):
         if entries != declared:
             failures.append(f"{name}: compiled entries {sorted(entries)} != declared {sorted(declared)}")
     assert not failures, "\n".join(failures)
+
+
+# Tuning-macro builds of experts.cu that tests and tools/bench_gemv.py --fp4-variants load
+# (ops.experts.variant_kernels) and that are candidates for a default: they must compile under the
+# same rules (no spills, no stack, the declared entries).  ~50 s of nvcc each on a 2-core box.
+EXPERTS_VARIANT_BUILDS = [{"FP4_ALU_EVEN": 1}]
+
+
+@pytest.mark.parametrize("defines", EXPERTS_VARIANT_BUILDS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_nvcc_sm90a_experts_variant_builds(tmp_path, defines):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set NVCC or put it on PATH)")
+    src = os.path.join(KDIR, "experts.cu")
+    _, rc, log = _nvcc_one(nvcc, src, str(tmp_path), defines)
+    assert rc == 0, f"experts.cu {defines}: nvcc exit {rc}\n{log}"
+    problems = _compile_kernels_tool().check_ptxas_log(log)
+    assert not problems, f"experts.cu {defines}: " + "; ".join(problems)
+    entries = set(re.findall(r"Compiling entry function '([^']+)'", log))
+    assert entries == declared_kernels(src), f"experts.cu {defines}: compiled entries {sorted(entries)}"
+
+
+def test_fp4_alu_even_requires_alu_odd(tmp_path):
+    """FP4_ALU_EVEN=1 stages every x times 2^14, so a table-only odd half would be wrong: #error."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set NVCC or put it on PATH)")
+    cmd = [nvcc, "-arch=sm_90a", "-std=c++17", "-E", "-I", KDIR, "-DFP4_ALU_EVEN=1", "-DFP4_ALU_ODD=0",
+           "-o", os.devnull, os.path.join(KDIR, "experts.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and "FP4_ALU_EVEN=1 needs FP4_ALU_ODD=1" in proc.stdout + proc.stderr
 
 
 def _find_nvrtc():

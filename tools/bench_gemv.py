@@ -22,7 +22,11 @@ For the lead, on a fresh box (< 60 s):
 --fp4-variants also times the two fused FP4 expert kernels built with other values of the
 tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithmetic, same
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
-down_combine's previous prefetch depth (now 4), for an old/new comparison in one run.
+down_combine's previous prefetch depth (now 4), for an old/new comparison in one run;
+FP4_ALU_EVEN=1 decodes every e2m1 weight on the ALU (no table LDS: the shared-memory pipe that
+limits the default kernels carries only x).  Each variant's output bytes are first checked
+against the default build's on the same inputs (a "MISMATCH" line and exit status 1 if any
+differ: do not select that build).
 
 --fp4-mma adds the tensor-core kernels of the two fused FP4 expert GEMVs (ops.experts impl="mma",
 gemv_*_mma in experts.cu) right after the CUDA-core rows, same inputs, and the same kernels built
@@ -255,6 +259,7 @@ def _suggest(meta, times, path) -> None:
 
 def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
     from memra_dsv4.profiling.launches import record_launches, time_launches
+    mismatches = []   # FP4 variant builds whose bytes differ from the default build's
 
     def report(name, nbytes, recs):
         us = sum(time_launches(recs, reps=a.reps, flush_bytes=256 << 20))
@@ -280,10 +285,20 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         # "previous": the table-only decode at the old down ring depth (x staging is the new
         # batched one); "FP4_DN_DEPTH=2" isolates the ring depth (its gate/up row repeats the
         # default build: a noise estimate)
+        # the same bits are the premise of every row here: each variant's output (the wrapper's
+        # return value) is compared byte for byte with the default build's, same inputs
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
-                               ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2})]:
+                               ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
+                               ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_dense:n_simt]:
+                want = fn().copy()
+                with EX.kernels_from(look):
+                    got = fn().copy()
+                if not (got.view(want.dtype) == want).all():
+                    bad = int((got != want).sum())
+                    mismatches.append(f"{name.split(' ')[0]} [{label}]: {bad} of {want.size} outputs differ")
+                    print(f"!!! MISMATCH: {mismatches[-1]}")
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if a.fp4_mma and n_simt is not None:
@@ -293,7 +308,9 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
             for name, nbytes, fn in cases[n_simt:]:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
-    return 0
+    if mismatches:
+        print(f"!!! {len(mismatches)} FP4 variant build(s) differ from the default's bytes: do not select them")
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":

@@ -223,25 +223,27 @@ def _random_stack(rng, E, O_, K_in, fmt):
     return pg, sg, (K.stacked_pointer_table(pg), K.stacked_pointer_table(sg), ws2)
 
 
-def _wide_bf16(rng, shape):
+def _wide_bf16(rng, shape, huge: bool = False):
     """bf16 bits over 2^-30 .. 2^30 (|x| < 2^114, the FP4_ALU_ODD premise) with zeros, -0 and
-    bf16 subnormals mixed in."""
+    bf16 subnormals mixed in; huge: also ~1 % of magnitudes 2^100 .. 2^113 (the top of the
+    premise: x * 2^14 just below the f32 overflow)."""
     x = rand_bf16(rng, shape, 1.0, spread=30)
     r = rng.random(shape)
     x[r < 0.02] = 0.0
     x[(r >= 0.02) & (r < 0.04)] = -0.0
     x[(r >= 0.04) & (r < 0.06)] = np.float32(2.0 ** -130)              # bf16 subnormal
+    if huge:
+        big = (r >= 0.06) & (r < 0.07)
+        x[big] = (np.sign(rng.standard_normal(int(big.sum())))
+                  * np.exp2(rng.integers(100, 114, int(big.sum())))).astype(np.float32)
     return cp.asarray(bits_of(x))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
-def test_alu_odd_decode_same_bits_as_table(fmt, case):
-    """The default build decodes the odd elements of every 8 on the ALU (f16 bit placement,
-    e2m1 * 2^-14) against x staged times 2^14 (FP4_ALU_ODD=1); the table-only build
-    (FP4_ALU_ODD=0, the previous kernels) reads every weight from the e2m1 table.  Every product,
-    hence every FMA of the chain, is the same real number, so all three FP4 GEMVs must agree bit
-    for bit (|x| < 2^114).  Cases: Flash shapes (K 4096 / 2048: KPL 4 / 2, x staged as f32);
+def _same_bits_across_builds(fmt, case, defines, label, huge=False):
+    """The three FP4 GEMVs (gate/up, down_combine, plain gemv of w1 and w2) of the default build
+    against the variant_kernels(defines) build, same inputs: every output byte equal (NaN ==
+    NaN), and a good share of nonzero outputs so that the comparison is not vacuous.  Cases:
+    flash (gate/up K = 4096, O = 2048; down K = 2048, O = 4096: KPL 4 / 2, x staged as f32, k = 6);
     wide_down (down K = 4096: h staged as bf16, the unpack path); odd (K = 288, O = 160: KPL 1,
     partial warps)."""
     seed = fresh_seed()
@@ -253,9 +255,9 @@ def test_alu_odd_decode_same_bits_as_table(fmt, case):
     flat = cp.asarray(ids.reshape(-1).copy())
     keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)] + [_random_stack(rng, E, D, I, fmt)]
     (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
-    x = _wide_bf16(rng, (T, D))
+    x = _wide_bf16(rng, (T, D), huge)
     wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
-    h = _wide_bf16(rng, (T * k, I))
+    h = _wide_bf16(rng, (T * k, I), huge)
     shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
 
     def run():
@@ -267,11 +269,11 @@ def test_alu_odd_decode_same_bits_as_table(fmt, case):
         return hh, y, g, g2
 
     got = run()
-    with K.kernels_from(K.variant_kernels({"FP4_ALU_ODD": 0})):
+    with K.kernels_from(K.variant_kernels(defines)):
         want = run()
     for name, a, b in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got, want):
         same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
-        assert bool(same.all()), (f"{name}: FP4_ALU_ODD build != table build at "
+        assert bool(same.all()), (f"{name}: default build != {label} build at "
                                   f"{int((~same).sum())} of {a.size} {describe(seed, fmt=fmt, case=case)}")
     # the comparison is not vacuous: a good share of nonzero outputs in every kernel (the wide-
     # range x and the SwiGLU leave ~46 % of gate/up's bf16 outputs at +-0 on the H200, one of
@@ -279,6 +281,27 @@ def test_alu_odd_decode_same_bits_as_table(fmt, case):
     for name, a in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got):
         nz = int(((a & 0x7FFF) != 0).sum())
         assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, case=case)}"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
+def test_alu_odd_decode_same_bits_as_table(fmt, case):
+    """The default build decodes the odd elements of every 8 on the ALU (f16 bit placement,
+    e2m1 * 2^-14) against x staged times 2^14 (FP4_ALU_ODD=1); the table-only build
+    (FP4_ALU_ODD=0, the previous kernels) reads every weight from the e2m1 table.  Every product,
+    hence every FMA of the chain, is the same real number, so all three FP4 GEMVs must agree bit
+    for bit (|x| < 2^114)."""
+    _same_bits_across_builds(fmt, case, {"FP4_ALU_ODD": 0}, "FP4_ALU_ODD=0 (table)")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
+def test_alu_even_decode_same_bits_as_default(fmt, case):
+    """FP4_ALU_EVEN=1 decodes the even elements on the ALU too (no table; every x staged times
+    2^14, also in the bf16 unpack path of wide_down): the same real products as the default
+    build's table + ALU split (tests/test_fp4_alu_decode.py), so the same bits, here with x and
+    h reaching 2^113 as well."""
+    _same_bits_across_builds(fmt, case, {"FP4_ALU_EVEN": 1}, "FP4_ALU_EVEN=1", huge=True)
 
 
 # ---------------------------------------------------------------- tensor-core variant (impl="mma")
