@@ -442,7 +442,9 @@ class ChunkBlock:
             rows.append(new_ent)
             if cap is not None:   # every entry visible to the chunk (cached ++ new)
                 cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
-        cand = G.candidates(win, comp_sel, offset)
+        # comp_sel rows ascending, -1 padded at the end (the indexer's order="index" top-k, or
+        # hidx.hca_matrix): the candidates without the sort, the same values
+        cand = G.candidates(win, comp_sel, offset, ascending=True)
         with phase(f"{self.ph}/attn/sparse_attention"):
             # long chunks: the tensor-core kernel (another fixed f32 dot order, same bf16-class
             # bound); short ones (verify drafts) keep the SIMT kernel of the device step
@@ -491,8 +493,9 @@ class ChunkBlock:
         """(selection [S, w] int32 entry ids, the chunk's new keys, (a, z) of the indexer
         compressor); scores over (cached keys ++ new keys) with the device step's kernels:
         q = fp4_sim(hadamard(rope(.))) (quant_sim.cu), scores (indexer.cu: 'simt', the decode's
-        dot order, or 'mma' for chunks >= 64 tokens under prefill_attn = "mma") and top-k (score
-        order, ties -> lower index; -1 padded)."""
+        dot order, or 'mma' for chunks >= 64 tokens under prefill_attn = "mma") and top-k (the
+        top by score, ties -> lower index, written in ascending index order, -1 padded: the
+        candidates' order; the capture ``attn.index.sel`` keeps the score order)."""
         cp = _cp()
         from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
@@ -530,9 +533,13 @@ class ChunkBlock:
         for s0 in range(0, S, _GRID_Y_ROWS):   # the scores kernel puts the rows on grid.y
             r = slice(s0, min(S, s0 + _GRID_Y_ROWS))
             IX.scores(qI[r], wb[r], keys, n_cols[r], out=scores[r], impl=impl)
-        sel = IX.topk(scores, n_valid, cfg.index_topk)
-        if cap is not None:
-            cap.update({"attn.index.scores": G.to_f32(scores), "attn.index.sel": sel})
+        # ascending index order, -1 padded: the canonical compressed segment of the candidate
+        # matrix as it is (G.candidates(ascending=True): no sort, no host synchronisation); the
+        # same set as the score-order selection (one selection code, indexer_topk)
+        sel = IX.topk(scores, n_valid, cfg.index_topk, order="index")
+        if cap is not None:   # the capture keeps the oracle's score order
+            cap.update({"attn.index.scores": G.to_f32(scores),
+                        "attn.index.sel": IX.topk(scores, n_valid, cfg.index_topk)})
         return sel, new_keys, (ia, iz)
 
 
@@ -676,8 +683,9 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
             logits_h, out_state = lg, hs
         if si + 1 < len(model.stages):
             streams = model._boundary(streams, si, ph)
-    for d in model.devs:
-        d.compute.synchronize()
+    for d in model.devs:   # the chunk routine's one wait for the GPUs (the head's readback
+        d.compute.synchronize()   # aside): the layers and the boundary copies only enqueue
+    model._boundary_release()
     state.pos = p0 + S
     return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
                       captures_top=top, numerics=model.numerics)

@@ -319,25 +319,44 @@ class Dsv4Gpu:
 
     def _boundary(self, streams, si: int, ph: str = "prefill"):
         """Move the streams to the next stage's device: exactly one boundary_copy, bracketed
-        as ``{ph}/boundary_copy`` (ph: the chunk's phase prefix, prefill / decode / verify)."""
+        as ``{ph}/boundary_copy`` (ph: the chunk's phase prefix, prefill / decode / verify).
+
+        No host synchronisation, stream order only: dst is allocated from the destination
+        compute stream's pool arena, an event there (after any earlier work on that arena's
+        memory) is waited on by the source compute stream, the copy runs on the source compute
+        stream (after the producer; the bounce path's host->device half on the destination
+        stream, ordered by runtime.boundary_copy's own events), and the destination compute
+        stream waits on an event recorded after it.  Memory-pool safety: CuPy's pool is per
+        device and per stream; the source array came from the source compute stream's arena,
+        so a later allocation reusing its memory is ordered after the copy on that same stream;
+        it is also kept referenced (``_boundary_keep``) until the chunk routine has synchronised
+        at its end, as gpu.pipeline does.  The bracket's events are recorded on the source
+        compute stream: its GPU time is the wait for the destination's earlier work plus the copy
+        (peer) or its device->host half (bounce)."""
         cp = self._cp
         from memra_dsv4.gpu import runtime
 
         src_dev = self.devs[self.stages[si].device]
-        dst_id = self.stages[si + 1].device
-        with phase(f"{ph}/boundary_copy"):
-            with cp.cuda.Device(dst_id):
+        dst_dev = self.devs[self.stages[si + 1].device]
+        with cp.cuda.Device(src_dev.id), src_dev.compute, phase(f"{ph}/boundary_copy"):
+            with cp.cuda.Device(dst_dev.id), dst_dev.compute:
                 dst = cp.empty(streams.shape, dtype=streams.dtype)
-                cp.cuda.Device(dst_id).synchronize()  # dst allocated before the copy reads it
-            with cp.cuda.Device(src_dev.id):
-                path = runtime.boundary_copy(dst, streams, streams.nbytes, src_dev.compute,
-                                             dst_stream=self.devs[dst_id].compute
-                                             if self.force_bounce else None,
-                                             force_bounce=self.force_bounce)
-                src_dev.compute.synchronize()
-            self.devs[dst_id].compute.synchronize()
+                allocated = cp.cuda.Event(disable_timing=True)
+                allocated.record(dst_dev.compute)
+            src_dev.compute.wait_event(allocated)
+            path = runtime.boundary_copy(dst, streams, streams.nbytes, src_dev.compute,
+                                         dst_stream=dst_dev.compute if self.force_bounce else None,
+                                         force_bounce=self.force_bounce)
+            copied = cp.cuda.Event(disable_timing=True)
+            copied.record(src_dev.compute)
+            dst_dev.compute.wait_event(copied)
+        self.__dict__.setdefault("_boundary_keep", []).append(streams)
         self.boundary_paths.append(path)
         return dst
+
+    def _boundary_release(self) -> None:
+        """Drop the boundary sources kept by ``_boundary`` (call after the devices synchronised)."""
+        self.__dict__.get("_boundary_keep", []).clear()
 
     def _head(self, st, streams, all_rows: bool = False):
         """(logits f32 [vocab] of the last position, or [S, vocab] with ``all_rows``, hc_head
@@ -491,22 +510,65 @@ class _Block:
         k = cfg.num_experts_per_tok
         with phase(f"{self.ph}/ffn/moe/router"):
             logits = self.lin(x, "ffn.gate.weight", "f32")
-            scores = G.sqrtsoftplus(logits)
-            if cfg.is_hash_layer(self.lid):
-                idx = self.w("ffn.gate.tid2eid")[ids_d].astype(cp.int64)
-            else:
-                idx = G.route_learned(scores, self.w("ffn.gate.bias"), k)
-            wts = G.route_weights(scores, idx, cfg.routed_scaling_factor)
+            idx, wts, scores = self.route(logits, ids_d, want_scores=cap is not None)
         with phase(f"{self.ph}/ffn/moe/shared"):
             gate = self.lin(x, "ffn.shared_experts.w1.weight")
             up = self.lin(x, "ffn.shared_experts.w3.weight")
             h = G.swiglu_clamped(gate, up, cfg.swiglu_limit)
             shared = self.lin(G.store(h), "ffn.shared_experts.w2.weight")
         y = self.routed_experts(x, idx, wts, shared)  # brackets dispatch / experts / combine
-        if cap is not None:
-            cap.update({"moe.scores": scores, "moe.idx": idx, "moe.weights": wts,
+        if cap is not None:   # moe.idx as the oracle's int64 (the values are the device ids)
+            cap.update({"moe.scores": scores, "moe.idx": idx.astype(cp.int64), "moe.weights": wts,
                         "moe.shared": shared, "moe.out": y})
+        assert idx.shape[1] == k
         return y
+
+    def route(self, logits, ids_d, want_scores: bool = False):
+        """(idx [T, k] device ids in pick order, weights f32 [T, k], scores f32 [T, E] or None)
+        of the router logits f32 [T, E]: host.routing.route on the device.
+
+        ``prefill_router`` (class attribute, default "kernel"): gpu.ops.router.select, one
+        launch, no host synchronisation (idx int32); "cupy": the CuPy chain of ops_glue
+        (sqrtsoftplus, route_learned = a cupy.sort, which synchronises the host; idx int64).
+        The two pick the same ids and weights from the same scores (the same f32 add of the
+        bias, the same (score desc, id asc) order, the same f32 pick-order sum, IEEE divide and
+        multiply); the scores themselves may differ by an f32 ulp or two: the kernel evaluates
+        exp / log1p in double and rounds to f32 at the oracle's points, CuPy calls expf /
+        log1pf.  The kernel serves E <= 512, k <= 16 (every preset); beyond, the chain."""
+        import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
+        from memra_dsv4.gpu.ops import router as RT
+        cfg = self.cfg
+        k, E = cfg.num_experts_per_tok, logits.shape[1]
+        hashed = cfg.is_hash_layer(self.lid)
+        if self.prefill_router == "kernel" and E <= max(RT._SELECT) and k <= RT.KMAX:
+            logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+            if hashed:
+                route = dict(tid2eid=self._tid2eid32(),
+                             token_ids=cp.ascontiguousarray(ids_d, dtype=cp.int32))
+            else:
+                route = dict(bias=cp.ascontiguousarray(self.w("ffn.gate.bias"), dtype=cp.float32))
+            return RT.select(logits, k, cfg.routed_scaling_factor, want_scores=want_scores,
+                             **route)
+        scores = G.sqrtsoftplus(logits)
+        if hashed:
+            idx = self.w("ffn.gate.tid2eid")[ids_d].astype(cp.int64)
+        else:
+            idx = G.route_learned(scores, self.w("ffn.gate.bias"), k)
+        return idx, G.route_weights(scores, idx, cfg.routed_scaling_factor), scores
+
+    prefill_router = "kernel"
+
+    def _tid2eid32(self):
+        """The layer's tid2eid as int32 [V, k] on this device (router.select's table), converted
+        once per model (the checkpoint's int64 holds expert ids < E)."""
+        import cupy as cp
+        cache = self.m.__dict__.setdefault("_tid2eid32", {})
+        ck = (self.st.device, self.lid)
+        t = cache.get(ck)
+        if t is None:
+            t = cache[ck] = cp.ascontiguousarray(self.w("ffn.gate.tid2eid").astype(cp.int32))
+        return t
 
 
 def _resolve_pdl(explicit: str | None) -> str:

@@ -7,8 +7,13 @@ Contract
     with one stage or when S < 2 * MIN_CHUNK; else 4 chunks (whole multiples of 64 tokens; the
     last takes the rest) of at least MIN_CHUNK tokens each.  4 chunks over 2 stages keep both
     GPUs busy for 4 of the 5 chunk-times: time ~ 5/4 of one stage's whole-prompt time instead
-    of 2x; more chunks would cut the fill/drain further but add per-chunk host round trips
-    (the MoE's one id readback per layer) and smaller GEMMs.
+    of 2x; more chunks would cut the fill/drain further but make smaller GEMMs (and, with the
+    MoE's "host" dispatch or the "blaslt" arm, one id readback per layer and chunk).  The
+    layers enqueue without host synchronisation (device router selection, index-ordered
+    indexer top-k, device MoE dispatch), so a stage thread runs ahead of its GPU; what still
+    waits per chunk: the last stage's logits readback (every chunk with ``all_logits``, else
+    the last) and the queue hand-off.  ``N_CHUNKS`` / ``MIN_CHUNK`` are module constants a
+    bench may set (read at each call).
 ``run_chunk_pipelined(model, state, ids, chunks, all_logits=False, ph="prefill") -> ForwardOut``
     The same result, BIT FOR BIT, as running the chunks one after another through the chunk
     routine (``run_chunk`` of chunk 0, then of chunk 1, ... on the same state): each stage runs
