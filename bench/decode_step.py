@@ -15,7 +15,11 @@ captures its own graphs, so ``path=device+attn=split,path=device+attn=fused`` is
 process); ``l2pf=off|8|16|32|64|128`` (seam MEMRA_DSV4_L2_PREFETCH: MB of each dense GEMV's
 weights asked of the L2 before its PDL wait; a constant the kernels read when they run, so the
 arms share graphs; bit-identical); ``fork=off|on`` (seam MEMRA_DSV4_DECODE_FORK: the attention's
-kv / indexer / compressor launches on a side graph branch beside wq_b; bit-identical).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
+kv / indexer / compressor launches on a side graph branch beside wq_b; bit-identical);
+``hcsplit=off|on`` (seam MEMRA_DSV4_HC_SPLIT: each sub-layer boundary as hc_boundary_pre +
+hc_boundary_sinkhorn, the Sinkhorn on a side graph branch beside the sub-layer; bit-identical;
+each arm captures its own graphs, so ``path=device+hcsplit=off,path=device+hcsplit=on`` is an
+A/B in one process).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
 ``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL); the arm sets both variables before each of
@@ -98,6 +102,7 @@ def _arm_settings() -> dict:
     from memra_dsv4 import seams
     return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN,
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
+            "hcsplit": seams.SEAM_HC_SPLIT,
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
             "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL")}
 
@@ -140,7 +145,7 @@ def check_arms(spec: str) -> list[dict]:
 class _ArmState:
     def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
                  pdl: str | None = None, attn: str | None = None, kernel_env: dict | None = None,
-                 l2pf: str | None = None, fork: str | None = None):
+                 l2pf: str | None = None, fork: str | None = None, hcsplit: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.kernel_env = dict(kernel_env or {})   # env var -> value set before each step
         self._apply_env()
@@ -149,6 +154,7 @@ class _ArmState:
         self.attn = attn or getattr(m, "decode_attn", "split")  # decode attention form (device)
         self.l2pf = l2pf or getattr(m, "l2_prefetch", "off")     # GEMV L2 prefetch budget (device)
         self.fork = fork or getattr(m, "decode_fork", "on")     # attention graph branches (device)
+        self.hcsplit = hcsplit or getattr(m, "hc_split", "off")  # hc boundary split (device)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
         else:
@@ -166,7 +172,7 @@ class _ArmState:
     def step(self) -> None:
         self._apply_env()
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
-        self.m.l2_prefetch, self.m.decode_fork = self.l2pf, self.fork
+        self.m.l2_prefetch, self.m.decode_fork, self.m.hc_split = self.l2pf, self.fork, self.hcsplit
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
@@ -174,7 +180,7 @@ class _ArmState:
         phase brackets record events (a device-path graph replay has no per-phase brackets)."""
         self._apply_env()
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
-        self.m.l2_prefetch, self.m.decode_fork = self.l2pf, self.fork
+        self.m.l2_prefetch, self.m.decode_fork, self.m.hc_split = self.l2pf, self.fork, self.hcsplit
         if self.path == "device":
             from memra_dsv4.gpu.step import device_step
             logits = device_step(self.m, self.state, self.tok, graph=False)
@@ -192,6 +198,7 @@ def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
     def one():
         st._apply_env()
         st.m.decode_path, st.m.pdl, st.m.decode_attn = st.path, st.pdl, st.attn
+        st.m.l2_prefetch, st.m.decode_fork, st.m.hc_split = st.l2pf, st.fork, st.hcsplit
         st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
     recs = record_launches(one, ("step_device.py",))
     times = time_launches(recs, reps=reps, flush_bytes=flush_bytes)
@@ -251,7 +258,7 @@ def main(argv=None) -> int:
     for s in arms_spec:
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
-                       _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"))
+                       _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"), s.get("hcsplit"))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -289,7 +296,7 @@ def main(argv=None) -> int:
             "kernel_env": states[arm.name].kernel_env,
             "resolved": {"path": states[arm.name].path, "pdl": states[arm.name].pdl,
                          "attn": states[arm.name].attn, "l2pf": states[arm.name].l2pf,
-                         "fork": states[arm.name].fork},
+                         "fork": states[arm.name].fork, "hcsplit": states[arm.name].hcsplit},
             "ratio_to_first": summ["median"] / base,
             "bytes_per_step": own_b, "native_bytes_per_step": nat_b,
             "achieved_frac_of_copy_bw": frac,

@@ -757,3 +757,104 @@ hc_boundary_poll(const u16* __restrict__ f, const u16* __restrict__ R, const flo
     cp_async_wait<0>();  // thread vt reads only the chunks its own cp.async brought
     bnd_wsum_norm(pre_r, sst, wst, x_out, xn_out, red, D, norm_eps);
 }
+
+// ------------------------------------------------------------------------- the split boundary
+// hc_boundary in two launches (ops.hc.hc_boundary_pre + hc_boundary_sinkhorn; the device step's
+// seam MEMRA_DSV4_HC_SPLIT), so the f32 Sinkhorn can leave the critical path: the comb matrix and
+// the post weights of boundary b are read only by the hc_post of boundary b + 1 (fused into its
+// phase A, or the stage's last stand-alone hc_post), never by the sub-layer that follows
+// boundary b.  Together the two write the same bytes as hc_boundary in every output:
+//
+// hc_boundary_pre (critical: the sub-layer's input): hc_boundary's code with warp 0's split_lanes
+//   removed: phase A (bnd_phase_a: hc_post with post_in / comb_in -> out, the mixes partials),
+//   the last CTA's segment sums -> mixes[0..23] (all 24: the Sinkhorn kernel reads them), then
+//   warps 4..7: pre (pre_value, thread vt < 4 also writes pre_out: hc_boundary's warp 0 wrote
+//   the same pre_value bits from split_lanes), the weighted sum and the rmsnorm (bnd_wsum_norm)
+//   -> x, xn.  It writes no post / comb: post_in / comb_in are pure inputs here.
+// hc_boundary_sinkhorn (off the critical path): one warp runs hc_boundary's split_lanes on the 24
+//   mixes the critical kernel stored (the same f32 values hc_boundary kept in shared memory, the
+//   same f32 operations in the same order) -> post_out, comb_out (pre is not rewritten).
+//   Grid 1, block 32.  Reads nothing the critical kernel of the NEXT boundary writes before the
+//   caller's ordering (the device step joins the branch before that kernel; see
+//   step_device._hc_pre).
+extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
+hc_boundary_pre(const u16* __restrict__ f, const u16* __restrict__ R, const float* __restrict__ post_in,
+                const float* __restrict__ comb_in, u16* out, const float* __restrict__ fn,
+                const float* __restrict__ scale, const float* __restrict__ base,
+                const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
+                u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) { PDL_ENTRY();
+    extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
+    __shared__ double tot[BND_ROWS + 1];
+    __shared__ float mix_s[BND_ROWS];
+    __shared__ float pre_s[HC];
+    __shared__ double red[4];
+    __shared__ int is_last;
+    __shared__ __align__(16) u16 seg_s[MIX_SEG];  // this CTA's segment of the new streams
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D, nseg = n / MIX_SEG;
+    const int sg = blockIdx.x;
+    // ---- phase A: hc_boundary's
+    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
+    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    // ---- phase B: the last CTA (hc_boundary's, without the Sinkhorn warp)
+    __threadfence();
+    const int nc = D >> 3;
+    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
+    double* part = bnd_smem;                                          // [nseg][32] ws partials
+    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
+    u16* wst = sst + HC * D;                                          // [D] the norm weight
+    for (int i = threadIdx.x; i < nseg * 16; i += BND_THREADS) cp_async16(part + 2 * i, ws + 2 * i, true);
+    cp_async_commit();
+    if (wid >= 4) {
+        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs
+        for (int c = vt; c < nc; c += 128) {
+#pragma unroll
+            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
+            cp_async16(wst + 8 * c, norm_w + 8 * c, true);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // the partials landed; S and the weight may still be in flight
+    } else {
+        cp_async_wait<0>();
+    }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    __syncthreads();
+    if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
+        const int t = threadIdx.x;
+        const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
+        double a = part[slot];
+        for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
+        tot[t] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x < BND_ROWS) {
+        const double rs = 1.0 / sqrt(tot[BND_ROWS] / (double)n + norm_eps);
+        const float m = __double2float_rn(__dmul_rn(tot[threadIdx.x], rs));
+        mix_s[threadIdx.x] = m;
+        mixes[threadIdx.x] = m;
+    }
+    __syncthreads();
+    if (wid < 4) return;
+    if (vt < HC) {
+        const float p = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
+        pre_s[vt] = p;
+        pre_out[vt] = p;
+    }
+    cp_async_wait<0>();
+    bar_upper_half();
+    bnd_wsum_norm(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
+}
+
+// mixes [24] (hc_boundary_pre's), scale [3], base [24] -> post_out [4], comb_out [16].
+// grid 1, block 32.
+extern "C" __global__ void __launch_bounds__(32)
+hc_boundary_sinkhorn(const float* __restrict__ mixes, const float* __restrict__ scale,
+                     const float* __restrict__ base, float* __restrict__ post_out,
+                     float* __restrict__ comb_out, int iters, float hc_eps) { PDL_ENTRY();
+    split_lanes(mixes, scale, base, iters, hc_eps, threadIdx.x, nullptr, nullptr, post_out, comb_out);
+}

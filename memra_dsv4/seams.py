@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_KERNELS_DIR",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -141,6 +141,14 @@ SEAM_DECODE_FORK = Seam(
     "step stays on one stream; measured on 2x H200 at ebde157: 8.30 vs 8.44 ms per token, bf16 "
     "dense, 1K context), `all` also each MoE's shared expert on the side stream beside the "
     "router and the routed gate/up, `off` one stream. Bit-identical.")
+SEAM_HC_SPLIT = Seam(
+    "hc_split", "MEMRA_DSV4_HC_SPLIT", "off", ("off", "on"),
+    "Sub-layer boundaries of the `device` decode step (memra_dsv4.gpu.step_device, read once per "
+    "model and printed): `off` (each boundary in one launch, hc.cu hc_boundary) or `on` (two "
+    "launches: hc_boundary_pre, the sub-layer's input, then hc_boundary_sinkhorn, the post "
+    "weights and Sinkhorn comb matrix only the next boundary reads; in a graph the Sinkhorn is "
+    "captured on a side stream beside the sub-layer and joined before the next boundary, the "
+    "eager step stays on one stream). Bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -188,7 +196,7 @@ SEAM_REQUIRE_PARITY = Seam(
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
-    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

@@ -1,6 +1,10 @@
 """Time one decode sub-layer boundary: every hc_boundary implementation (ops.hc.BOUNDARY_IMPLS:
 "lastcta" = the default kernel, "poll" = hc_boundary_poll) against the unfused chain
-hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, all replayed from CUDA graphs.
+hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, all replayed from CUDA graphs; with
+--split also the split boundary (seam MEMRA_DSV4_HC_SPLIT): "split" = hc_boundary_pre +
+hc_boundary_sinkhorn on one stream (byte-checked), and "split pre only" = hc_boundary_pre alone
+(post / comb never updated, so not byte-checked): the critical path the device step keeps when
+its Sinkhorn runs on a side graph branch.
 
 Two forms, as DeviceStep._block launches them: "post" (the previous sub-layer's hc_post fused in,
 streams ping-pong, post / comb in place: every boundary but a stage's first) and "first" (no
@@ -11,7 +15,7 @@ per boundary (graph time / boundaries, launch gaps included; no PDL) and checks 
 leaves the same bytes as the unfused one after one replay from the same start: any difference
 prints MISMATCH and the exit status is 1.
 
-    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50] [--impls lastcta,poll]
+    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50] [--impls lastcta,poll] [--split]
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def main() -> int:
     ap.add_argument("--boundaries", type=int, default=48)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--impls", default=",".join(HC.BOUNDARY_IMPLS))
+    ap.add_argument("--split", action="store_true",
+                    help="also time hc_boundary_pre (+ hc_boundary_sinkhorn)")
     a = ap.parse_args()
     D, NB = a.dim, a.boundaries
     impls = [i for i in a.impls.split(",") if i]
@@ -73,6 +79,21 @@ def main() -> int:
                     cur, oth = oth, cur
         return run
 
+    def split(B, form, sinkhorn: bool):
+        def run():
+            cur, oth = B["a"], B["b"]
+            for k in range(NB):
+                kw = (dict(f=fs[k], out=oth, post_in=B["post"], comb_in=B["comb"]) if form == "post"
+                      else {})
+                HC.hc_boundary_pre(cur, fns[k], scale, base, ws[k], hc_eps=eps, norm_eps=eps,
+                                   xn=B["xn"], x=B["x"], pre=B["pre"], mixes=B["mixes"], **kw)
+                if sinkhorn:
+                    HC.hc_boundary_sinkhorn(B["mixes"], scale, base, iters=iters, hc_eps=eps,
+                                            post=B["post"], comb=B["comb"])
+                if form == "post":
+                    cur, oth = oth, cur
+        return run
+
     def unfused(B, form):
         def run():
             cur, oth = B["a"], B["b"]
@@ -90,8 +111,17 @@ def main() -> int:
     ok = True
     for form in ("post", "first"):
         arms = [("unfused (4 launches)", None)] + [(f"hc_boundary {i}", i) for i in impls]
+        if a.split:
+            arms += [("split", "split"), ("split pre only", "pre")]
         B = {name: bufs() for name, _ in arms}
-        fn_of = {name: (unfused(B[name], form) if i is None else fused(B[name], i, form)) for name, i in arms}
+
+        def make(name, i):
+            if i is None:
+                return unfused(B[name], form)
+            if i in ("split", "pre"):
+                return split(B[name], form, i == "split")
+            return fused(B[name], i, form)
+        fn_of = {name: make(name, i) for name, i in arms}
         with s:
             for name, _ in arms:  # load kernels, size workspaces / slots before any capture
                 fn_of[name]()
@@ -104,6 +134,8 @@ def main() -> int:
         s.synchronize()
         ref = arms[0][0]
         for name, _ in arms[1:]:
+            if name == "split pre only":   # post / comb never updated: other bytes by design
+                continue
             bad = [k for k in KEYS if not bool(cp.array_equal(B[name][k].view(cp.uint8), B[ref][k].view(cp.uint8)))]
             if bad:
                 ok = False
@@ -123,7 +155,7 @@ def main() -> int:
             print(f"form={form:5s} {name:22s} {us:7.2f} us / boundary  (D={D}, {NB} boundaries x {a.reps} replays)")
         if "hc_boundary lastcta" in res:
             for name, us in res.items():
-                if name.startswith("hc_boundary ") and name != "hc_boundary lastcta":
+                if name != "hc_boundary lastcta" and not name.startswith("unfused"):
                     d = res["hc_boundary lastcta"] - us
                     print(f"form={form:5s} {name} saves {d:.2f} us / boundary vs lastcta "
                           f"(x 86 boundaries ~ {86 * d / 1e3:.3f} ms/step)")

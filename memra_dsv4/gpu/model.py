@@ -71,6 +71,7 @@ class Dsv4Gpu:
                  prefill_attn: str | None = None, decode_attn: str | None = None,
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
                  l2_prefetch: str | None = None, decode_fork: str | None = None,
+                 hc_split: str | None = None,
                  prefill_dispatch: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
@@ -105,6 +106,8 @@ class Dsv4Gpu:
             "L2_PREFETCH", l2_prefetch, "device-step L2 prefetch of dense GEMV weights (MB)")
         self.decode_fork = _resolve_announced(                 # read once, printed (step_device)
             "DECODE_FORK", decode_fork, "device-step attention graph branches")
+        self.hc_split = _resolve_announced(                    # read once, printed (step_device)
+            "HC_SPLIT", hc_split, "device-step hc boundary split (Sinkhorn on a side branch)")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -131,6 +134,7 @@ class Dsv4Gpu:
              prefill_attn: str | None = None, decode_attn: str | None = None,
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
              l2_prefetch: str | None = None, decode_fork: str | None = None,
+             hc_split: str | None = None,
              prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
@@ -148,7 +152,7 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch, decode_fork=decode_fork,
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    prefill_dispatch=prefill_dispatch)
 
     @classmethod
@@ -159,6 +163,7 @@ class Dsv4Gpu:
                   decode_attn: str | None = None, prefill_moe: str | None = None,
                   prefill_pipeline: str | None = None,
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
+                  hc_split: str | None = None,
                   prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
@@ -176,7 +181,7 @@ class Dsv4Gpu:
         _print_bytes(stages)
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
-                   l2_prefetch=l2_prefetch, decode_fork=decode_fork,
+                   l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    prefill_dispatch=prefill_dispatch)
 
     # ------------------------------------------------------------------ API

@@ -31,14 +31,18 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
   shared expert via gemv_bf16_swiglu (w1, w3 and the clamped SwiGLU in one launch) + w2 GEMV;
+* with ``model.hc_split`` "on" (seam MEMRA_DSV4_HC_SPLIT) each boundary is two launches instead
+  (hc.cu hc_boundary_pre: the sub-layer's input; hc_boundary_sinkhorn: post / comb, read only by
+  the next boundary), the Sinkhorn captured on a side stream beside the sub-layer (_hc_pre);
 * hc_post ping-pong (fused into the next boundary; alone after a stage's last layer), hc_head +
   final norm + head GEMV on the last stage;
 * stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
 stepped with graph=True; cached per state (the cache addresses belong to the state) together
-with the (pdl, decode_attn) they were captured with: stepping the state after either of
-``model.pdl`` / ``model.decode_attn`` changed recaptures.
+with the (pdl, decode_attn, decode_fork, hc_split) they were captured with: stepping the state
+after any of ``model.pdl`` / ``model.decode_attn`` / ``model.decode_fork`` / ``model.hc_split``
+changed recaptures.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class DeviceStep:
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
+        self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
+        self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -94,6 +100,11 @@ class DeviceStep:
                 # and its fork / join events, made before any capture
                 S.side = cp.cuda.Stream(non_blocking=True)
                 S.fork = graphs.Fork(S.stream, S.side)
+                # the hc Sinkhorn branch (seam MEMRA_DSV4_HC_SPLIT, graphs only): its own side
+                # stream, so it never queues behind the attention fork's launches
+                S.hc_side = cp.cuda.Stream(non_blocking=True)
+                S.hc_fork = graphs.Fork(S.stream, S.hc_side)
+                S.hc_pending = False   # a Sinkhorn branch forked and not yet joined (_hc_pre)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
                     from memra_dsv4.gpu.hostmath import HostIO
@@ -152,12 +163,14 @@ class DeviceStep:
         if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
             graph, pdl_on = False, False
             self._tok, self._pos = int(token), pos
+        hc_split = self.hc_split_form() == "on" and not self.hostmath
         if graph:
             fork = self.fork_form()
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                    or gs[4] != fork):
-                gs = (state, self._capture(state, pdl_on, attn, fork), pdl_on, attn, fork)
+                    or gs[4] != fork or gs[5] != hc_split):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split), pdl_on, attn, fork,
+                      hc_split)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -170,13 +183,17 @@ class DeviceStep:
                         S.event.record(S.stream)
         else:
             from memra_dsv4.gpu.pdl import pdl_launches
-            for S in self.stages:
-                with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
-                    if S.si > 0:
-                        S.stream.wait_event(self.stages[S.si - 1].event)
-                    self._enqueue(S, state, attn)
-                    if S.si + 1 < len(self.stages):
-                        S.event.record(S.stream)
+            self._hc_split, self._hc_branch = hc_split, False   # eager: one stream, same order
+            try:
+                for S in self.stages:
+                    with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
+                        if S.si > 0:
+                            S.stream.wait_event(self.stages[S.si - 1].event)
+                        self._enqueue(S, state, attn)
+                        if S.si + 1 < len(self.stages):
+                            S.event.record(S.stream)
+            finally:
+                self._hc_split = False
         last = self.stages[-1]
         last.stream.synchronize()
         with cp.cuda.Device(last.dev):
@@ -192,6 +209,14 @@ class DeviceStep:
         from memra_dsv4.seams import SEAM_DECODE_FORK
         value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
         return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
+
+    def hc_split_form(self) -> str:
+        """``model.hc_split`` (seam MEMRA_DSV4_HC_SPLIT; its default when the model has none),
+        validated: "on" runs each sub-layer boundary as hc_boundary_pre + hc_boundary_sinkhorn,
+        the Sinkhorn on a side graph branch (graphs; the eager step keeps one stream)."""
+        from memra_dsv4.seams import SEAM_HC_SPLIT
+        value = getattr(self.m, "hc_split", None) or SEAM_HC_SPLIT.default
+        return SEAM_HC_SPLIT.check(value, f"model.hc_split (env {SEAM_HC_SPLIT.env})")
 
     def attn_form(self) -> str:
         """The decode attention form of the next step: ``model.decode_attn`` (seam
@@ -238,12 +263,14 @@ class DeviceStep:
         return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
-    def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off"):
+    def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
+                 hc_split: bool = False):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
         sub-layer's kv / indexer / compressor launches on the stage's side stream (_attention),
-        "all": also the shared expert of each MoE (_moe)."""
+        "all": also the shared expert of each MoE (_moe); ``hc_split``: each boundary's
+        Sinkhorn launch on the stage's hc side stream (_hc_pre)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -257,11 +284,14 @@ class DeviceStep:
         try:
             for S in self.stages:
                 self._forking = fork if fork in ("on", "all") else ""
+                self._hc_split = self._hc_branch = bool(hc_split)
+                S.hc_pending = False
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
         finally:
             phase_set_capturing(was)
             self._forking = ""
+            self._hc_split = self._hc_branch = False
         return out
 
     # ------------------------------------------------------------------ launches
@@ -283,6 +313,7 @@ class DeviceStep:
             for L in S.layers:
                 with phase(f"{sp}/block"):
                     cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid], attn)
+            assert not S.hc_pending, "device step: an hc Sinkhorn branch left unjoined"
             if st.has_head:
                 with phase(f"{sp}/head"):
                     y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
@@ -307,7 +338,25 @@ class DeviceStep:
         """The boundary into sub-layer ``sub`` ("attn" / "ffn") in one launch (hc.hc_boundary):
         with f (the previous sub-layer's output) first that sub-layer's hc_post (streams -> out,
         post / comb read and then replaced in place), then hc_pre of the result (x, pre, post,
-        comb) and the sub-layer's input norm (xn)."""
+        comb) and the sub-layer's input norm (xn).
+
+        Split (seam MEMRA_DSV4_HC_SPLIT "on"): two launches with hc_boundary's bytes,
+          C_b = hc_boundary_pre   reads  streams, f, hc.post / hc.comb (boundary b-1's), fn, ...
+                                  writes out, dev.mix (all 24), hc.pre, x, xn (+ the hc split ws)
+          K_b = hc_boundary_sinkhorn  reads dev.mix, scale, base;  writes hc.post, hc.comb
+        In a graph K_b is captured on S.hc_side: fork (an event recorded on S.stream right after
+        C_b) -> K_b -> join (an event on S.hc_side that S.stream waits on) placed right before the
+        next reader of hc.post / hc.comb: C_{b+1} here, or the stage's last stand-alone hc_post
+        (_block; _hc_join).  The sub-layer after C_b runs on S.stream beside K_b; it touches none
+        of dev.mix / hc.post / hc.comb (and K_b none of its buffers, nor the hc split workspace).
+        Why single buffers suffice (no double buffering): every access to the three is ordered,
+          hc.post / hc.comb: C_b's reads (b-1's values) -> K_b's writes: the fork edge follows
+            C_b, and K_b's griddepcontrol.wait (PDL_ENTRY, its first statement) returns only once
+            C_b has completed, so even a programmatic fork edge cannot let K_b write them while
+            C_b still reads; K_b's writes -> C_{b+1}'s (or the last hc_post's) reads: the join;
+          dev.mix: C_b writes -> K_b reads (fork), K_b reads -> C_{b+1} writes (join).
+        hc.pre (C_b only) has no reader in the step.  Eager: K_b right after C_b on S.stream (the
+        same launches and values, one stream)."""
         from memra_dsv4.gpu.ops import hc as HC
         cfg, v = self.cfg, S.v
         D = cfg.hidden_size
@@ -323,11 +372,41 @@ class DeviceStep:
                          pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
                          comb=v["hc.comb"].reshape(1, 4, 4))
             return
+        if self._hc_split:
+            post, comb = v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4)
+            self._hc_join(S)   # K_{b-1} wrote post / comb: C_b reads them
+            kw = dict(f=f, out=out, post_in=post, comb_in=comb) if f is not None else {}
+            HC.hc_boundary_pre(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
+                               L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), hc_eps=cfg.hc_eps,
+                               norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D),
+                               x=v["x"].reshape(1, D), pre=v["hc.pre"].reshape(1, -1),
+                               mixes=v["dev.mix"], **kw)
+
+            def sinkhorn():
+                HC.hc_boundary_sinkhorn(v["dev.mix"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
+                                        iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, post=post,
+                                        comb=comb)
+            if self._hc_branch:
+                S.hc_fork.fork()
+                with S.hc_side:
+                    sinkhorn()
+                S.hc_pending = True
+            else:
+                sinkhorn()
+            return
         HC.hc_boundary(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
                        L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                        norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D), x=v["x"].reshape(1, D),
                        pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
                        comb=v["hc.comb"].reshape(1, 4, 4), mixes=v["dev.mix"], f=f, out=out)
+
+    @staticmethod
+    def _hc_join(S) -> None:
+        """Join the pending hc Sinkhorn branch (if any) into S.stream: before the next reader of
+        hc.post / hc.comb (_hc_pre's docstring)."""
+        if S.hc_pending:
+            S.hc_fork.join()
+            S.hc_pending = False
 
     def _block(self, S, L, cur, oth, cache, table, attn: str = "split"):
         """One layer.  The hc_post that closes a sub-layer is fused into the next boundary's
@@ -353,6 +432,7 @@ class DeviceStep:
             cur, oth = oth, cur
             self._moe(S, L)
             if L is S.layers[-1]:
+                self._hc_join(S)   # the split's last Sinkhorn wrote post / comb
                 HC.hc_post(v["ffn.out"].reshape(1, D), cur, post, comb, out=oth)
                 cur, oth = oth, cur
         return cur, oth

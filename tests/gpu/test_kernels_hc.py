@@ -18,6 +18,10 @@ Against the twins (oracle hc_post / hc_pre / rmsnorm) it inherits the unfused bo
 Every hc_boundary implementation (ops.hc.BOUNDARY_IMPLS: "lastcta", "poll") is held byte for byte
 to the default one on fresh inputs (both sub-layer kinds, with and without the hc_post half, in
 place and not, a graph replay), and its counters / slots are zero after every launch.
+The split boundary (hc_boundary_pre + hc_boundary_sinkhorn, seam MEMRA_DSV4_HC_SPLIT) is held byte
+for byte to hc_boundary the same way: one boundary (post / comb untouched by the critical kernel),
+a chain of boundaries carrying post / comb in place, and that chain captured with the Sinkhorn on
+a forked side stream (with and without PDL) and replayed with new inputs.
 """
 
 from __future__ import annotations
@@ -478,3 +482,202 @@ def test_hc_boundary_impl_graph_replay(impl):
         got = dict(streams=out, **{k: bufs[k] for k in ("mixes", "x", "pre", "post", "comb", "xn")})
         want = dict(streams=rout, **{k: ref[k] for k in ("mixes", "x", "pre", "post", "comb", "xn")})
         _assert_same_bytes(got, want, seed, impl=impl, rep=rep)
+
+
+# ------------------------------------------------------------------------- split boundary
+def _split(g, with_post: bool, in_place: bool):
+    """hc_boundary_pre then hc_boundary_sinkhorn on _fused's buffers (poisoned outputs; in place:
+    post / comb hold the previous boundary's values, read by the first kernel, rewritten by the
+    second).  Also checks that the critical kernel leaves post / comb alone."""
+    D = g["X"].shape[2]
+    o = dict(x=_poisoned((1, D), np.uint16), xn=_poisoned((1, D), np.uint16),
+             pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32))
+    if in_place:
+        o["post"], o["comb"] = g["post"].copy(), g["comb"].copy()
+    else:
+        o["post"], o["comb"] = _poisoned((1, 4), np.float32), _poisoned((1, 4, 4), np.float32)
+    out = _poisoned((1, 4, D), np.uint16) if with_post else None
+    pin, cin = (o["post"], o["comb"]) if in_place else (g["post"], g["comb"])
+    kw = dict(f=g["f"], out=out, post_in=pin, comb_in=cin) if with_post else {}
+    post0, comb0 = o["post"].copy(), o["comb"].copy()
+    S = K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
+                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], mixes=o["mixes"], **kw)
+    assert S is (out if with_post else g["X"])
+    for k, before in (("post", post0), ("comb", comb0)):
+        assert cp.asnumpy(o[k]).tobytes() == cp.asnumpy(before).tobytes(), f"hc_boundary_pre wrote {k}"
+    K.hc_boundary_sinkhorn(o["mixes"], g["scale"], g["base"], iters=ITERS, hc_eps=HC_EPS,
+                           post=o["post"], comb=o["comb"])
+    o["streams"] = S
+    return o
+
+
+@pytest.mark.parametrize("D,with_post,in_place,wide", [
+    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash: both kinds
+    (4096, True, True, True), (4096, False, False, True),                              # wide range
+    (7168, True, True, False), (256, True, True, False), (256, False, False, False),  # Pro, tiny
+    (192, True, False, True), (128, True, False, False), (128, False, False, False),  # straddling segments
+    (64, True, True, False), (64, False, False, False),                               # one CTA
+])
+def test_hc_boundary_split_bitwise(D, with_post, in_place, wide):
+    """hc_boundary_pre + hc_boundary_sinkhorn == hc_boundary byte for byte in every output (and
+    == the unfused chain); the ticket counter is zero after each launch."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    for rep in range(3):
+        g = _dev(_boundary_case(rng, D, wide))
+        want = _fused(g, with_post, in_place, impl="lastcta")
+        got = _split(g, with_post, in_place)
+        cp.cuda.Device().synchronize()
+        _counters_zero("lastcta")
+        _assert_same_bytes(got, want, seed, split=True, D=D, with_post=with_post, in_place=in_place,
+                           wide=wide, rep=rep)
+        if rep == 0 and D == 4096:
+            _assert_same_bytes(got, _unfused(g, with_post), seed, split=True, D=D, vs="unfused")
+
+
+def _chain_inputs(rng, D, n):
+    g = _dev(_boundary_case(rng, D, wide=True))
+    params = [_dev(_boundary_case(rng, D, wide=bool(k % 2))) for k in range(n)]
+    fs = [cp.asarray(bits_of(rand_bf16(rng, (1, D), 1.0, spread=4))) for _ in params]
+    return g, params, fs
+
+
+def _chain_bufs(D, n):
+    """The step's sharing: one mixes / pre / post / comb for every boundary (as the arena's
+    dev.mix, hc.pre, hc.post, hc.comb); x / xn per boundary so each can be checked."""
+    return dict(a=cp.empty((1, 4, D), np.uint16), b=cp.empty((1, 4, D), np.uint16),
+                mixes=cp.empty((1, 24), np.float32), pre=cp.empty((1, 4), np.float32),
+                post=cp.empty((1, 4), np.float32), comb=cp.empty((1, 4, 4), np.float32),
+                x=[cp.empty((1, D), np.uint16) for _ in range(n)],
+                xn=[cp.empty((1, D), np.uint16) for _ in range(n)])
+
+
+def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None):
+    """DeviceStep._block's flow: boundary 0 without hc_post, then with the previous sub-layer's
+    output f (streams ping-pong a/b; post / comb carried in place).  split: hc_boundary_pre, then
+    hc_boundary_sinkhorn, on ``side`` after ``fork.fork()`` when given, joined before the next
+    boundary and at the end.  snap(k, streams): called after boundary k (eager runs only)."""
+    a, b = B["a"], B["b"]
+    a[...] = X0
+    pending = False
+    for k, (p, f) in enumerate(zip(params, fs)):
+        kw = dict(f=f, out=b) if k else {}
+        if not split:
+            K.hc_boundary(a, p["fn"], p["scale"], p["base"], p["w"], iters=ITERS, hc_eps=HC_EPS,
+                          norm_eps=NORM_EPS, xn=B["xn"][k], x=B["x"][k], pre=B["pre"], post=B["post"],
+                          comb=B["comb"], mixes=B["mixes"], impl="lastcta", **kw)
+        else:
+            if pending:
+                fork.join()
+                pending = False
+            if k:
+                kw.update(post_in=B["post"], comb_in=B["comb"])
+            K.hc_boundary_pre(a, p["fn"], p["scale"], p["base"], p["w"], hc_eps=HC_EPS,
+                              norm_eps=NORM_EPS, xn=B["xn"][k], x=B["x"][k], pre=B["pre"],
+                              mixes=B["mixes"], **kw)
+            sk = lambda p=p: K.hc_boundary_sinkhorn(B["mixes"], p["scale"], p["base"], iters=ITERS,
+                                                    hc_eps=HC_EPS, post=B["post"], comb=B["comb"])
+            if fork is not None:
+                fork.fork()
+                with side:
+                    sk()
+                pending = True
+            else:
+                sk()
+        if k:
+            a, b = b, a
+        if snap is not None:
+            snap(k, a)
+    if pending:
+        fork.join()
+    return a
+
+
+def _chain_state(B, S, k=None):
+    ks = range(len(B["x"])) if k is None else [k]
+    return dict(streams=S.copy(), mixes=B["mixes"].copy(), pre=B["pre"].copy(), post=B["post"].copy(),
+                comb=B["comb"].copy(), x=cp.concatenate([B["x"][i] for i in ks]),
+                xn=cp.concatenate([B["xn"][i] for i in ks]))
+
+
+def test_hc_boundary_split_chain():
+    """Seven boundaries as DeviceStep._block runs them: the split chain == the hc_boundary chain
+    byte for byte after every boundary (post / comb carried through the Sinkhorn kernel)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D, n = 4096, 7
+    g, params, fs = _chain_inputs(rng, D, n)
+    runs = {}
+    for split in (False, True):
+        B = _chain_bufs(D, n)
+        seq = []
+        _run_chain(g["X"], params, fs, B, split,
+                   snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
+        cp.cuda.Device().synchronize()
+        _counters_zero("lastcta")
+        runs[split] = seq
+    for k, (got, want) in enumerate(zip(runs[True], runs[False])):
+        _assert_same_bytes(got, want, seed, split=True, boundary=k)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_hc_boundary_split_forked_graph(pdl):
+    """The split chain captured with each Sinkhorn on a side stream (graphs.Fork: fork after the
+    critical kernel, join before the next one and at the end), PDL launches or plain, replayed
+    with new streams / sub-layer outputs written into the captured buffers: every replay equals
+    the eager hc_boundary chain on the same inputs (final streams, mixes, pre, post, comb and
+    every boundary's x / xn); no allocation in a replay."""
+    from memra_dsv4.gpu import graphs
+    from memra_dsv4.gpu.arena import count_allocations
+    from memra_dsv4.gpu.pdl import pdl_launches
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D, n = 4096, 6
+    g, params, fs = _chain_inputs(rng, D, n)
+    X0 = g["X"]
+    B, R = _chain_bufs(D, n), _chain_bufs(D, n)
+    _run_chain(X0, params, fs, B, True)   # loads the kernels before the capture
+    cp.cuda.Device().synchronize()
+    s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    fork = graphs.Fork(s, side)
+    final = {}
+
+    def body():
+        with pdl_launches(pdl):
+            final["S"] = _run_chain(X0, params, fs, B, True, fork=fork, side=side)
+    graph = graphs.capture(s, body)
+    for rep in range(3):
+        X0[...] = cp.asarray(bits_of(rand_bf16(rng, (1, 4, D), 1.0, spread=4)))
+        for f in fs:
+            f[...] = cp.asarray(bits_of(rand_bf16(rng, (1, D), 1.0, spread=4)))
+        for buf in (B["mixes"], B["pre"], B["post"], B["comb"]):
+            buf.fill(np.nan)
+        cp.cuda.Device().synchronize()
+        RS = _run_chain(X0, params, fs, R, False)
+        cp.cuda.Device().synchronize()
+        with count_allocations() as n_alloc:
+            graphs.replay(graph, s)
+            s.synchronize()
+        assert n_alloc.total == 0, f"{n_alloc} allocations in a replay"
+        _counters_zero("lastcta")
+        _assert_same_bytes(_chain_state(B, final["S"]), _chain_state(R, RS), seed, split=True,
+                           graph=True, pdl=pdl, rep=rep)
+
+
+def test_hc_boundary_split_refusals():
+    rng = rng_for(2)
+    D = 256
+    g = _dev(_boundary_case(rng, D))
+    kw = dict(hc_eps=HC_EPS, norm_eps=NORM_EPS, xn=cp.empty((1, D), np.uint16),
+              x=cp.empty((1, D), np.uint16), pre=cp.empty((1, 4), np.float32),
+              mixes=cp.empty((1, 24), np.float32))
+    with pytest.raises(AssertionError, match="needs post_in / comb_in"):
+        K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], f=g["f"], **kw)
+    with pytest.raises(AssertionError, match="out must not alias"):
+        K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], f=g["f"], out=g["X"],
+                          post_in=g["post"], comb_in=g["comb"], **kw)
+    with pytest.raises(AssertionError, match="belong to the hc_post half"):
+        K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], post_in=g["post"], **kw)
+    with pytest.raises(AssertionError, match="hc_boundary_sinkhorn.comb"):
+        K.hc_boundary_sinkhorn(kw["mixes"], g["scale"], g["base"], iters=ITERS, hc_eps=HC_EPS,
+                               post=g["post"], comb=g["comb"].reshape(1, 16))

@@ -9,6 +9,11 @@ hc_post(f, residual, post, comb)                 twin oracle.ops.hc_post (bit-id
 hc_boundary(streams, fn, scale, base, norm_w, ...)  one decode token's sub-layer boundary in one
     launch: [hc_post of the previous sub-layer] -> hc_pre -> rmsnorm; twin oracle.ops.hc_post ->
     hc_pre -> rmsnorm, and bit-identical to the unfused kernels hc_post -> hc_pre -> rmsnorm
+hc_boundary_pre(...) + hc_boundary_sinkhorn(...)  hc_boundary in two launches, the same bytes in
+    every output: the critical one (hc_post with the previous boundary's post / comb, mixes, pre,
+    weighted sum, rmsnorm -> x, xn) and the Sinkhorn one (post, comb from the stored mixes: read
+    only by the next boundary's hc_post), which the device step may run on a side graph branch
+    beside the sub-layer (seam MEMRA_DSV4_HC_SPLIT)
 
 Streams are [T, hc, D] bf16 (uint16) with hc = 4.
 
@@ -37,7 +42,7 @@ from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, i32, kernel, 
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
-           "hc_post", "hc_boundary", "hc_boundary_poll")
+           "hc_post", "hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_sinkhorn")
 kernel_loader.register(STEM, KERNELS)
 
 HC = 4
@@ -205,6 +210,26 @@ def hc_post(f, residual, post, comb, out=None):
     return out
 
 
+def _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, who: str):
+    """The shape / dtype / alignment checks hc_boundary and hc_boundary_pre share; returns D."""
+    T, D = _streams(streams, f"{who}.streams")
+    assert T == 1, f"{who}: one token (decode), got T = {T}"
+    n = HC * D
+    rows = (2 + HC) * HC
+    assert n % SEG == 0 and n // SEG <= 128, f"{who}: hc*D = {n} (need a multiple of 256, <= 32768)"
+    check(fn, f"{who}.fn", np.float32, (rows, n))
+    check(scale, f"{who}.scale", np.float32, (3,))
+    check(base, f"{who}.base", np.float32, (rows,))
+    check(norm_weight, f"{who}.norm_weight", np.uint16, (D,))
+    check(x, f"{who}.x", np.uint16, (1, D))
+    check(xn, f"{who}.xn", np.uint16, (1, D))
+    check(pre, f"{who}.pre", np.float32, (1, HC))
+    check(mixes, f"{who}.mixes", np.float32, (1, rows))
+    for a, name in ((streams, "streams"), (norm_weight, "norm_weight"), (x, "x"), (xn, "xn")):
+        assert a.data.ptr % 16 == 0, f"{who}.{name}: 16-byte loads need a 16-byte aligned base"
+    return D
+
+
 def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: float,
                 norm_eps: float, xn, x, pre, post, comb, mixes, f=None, out=None, post_in=None,
                 comb_in=None, impl: str | None = None):
@@ -222,23 +247,10 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     comb [1, 4, 4]; mixes [1, 24].  Uses the per-device split workspace (not concurrently on two
     streams of one device).  Returns the streams the norm was taken from (out or streams).
     impl: "lastcta" / "poll" (None: boundary_impl(), see the module docstring); same bytes."""
-    T, D = _streams(streams, "hc_boundary.streams")
-    assert T == 1, f"hc_boundary: one token (decode), got T = {T}"
+    D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary")
     n = HC * D
-    rows = (2 + HC) * HC
-    assert n % SEG == 0 and n // SEG <= 128, f"hc_boundary: hc*D = {n} (need a multiple of 256, <= 32768)"
-    check(fn, "hc_boundary.fn", np.float32, (rows, n))
-    check(scale, "hc_boundary.scale", np.float32, (3,))
-    check(base, "hc_boundary.base", np.float32, (rows,))
-    check(norm_weight, "hc_boundary.norm_weight", np.uint16, (D,))
-    check(x, "hc_boundary.x", np.uint16, (1, D))
-    check(xn, "hc_boundary.xn", np.uint16, (1, D))
-    check(pre, "hc_boundary.pre", np.float32, (1, HC))
     check(post, "hc_boundary.post", np.float32, (1, HC))
     check(comb, "hc_boundary.comb", np.float32, (1, HC, HC))
-    check(mixes, "hc_boundary.mixes", np.float32, (1, rows))
-    for a, name in ((streams, "streams"), (norm_weight, "norm_weight"), (x, "x"), (xn, "xn")):
-        assert a.data.ptr % 16 == 0, f"hc_boundary.{name}: 16-byte loads need a 16-byte aligned base"
     if f is not None:
         check(f, "hc_boundary.f", np.uint16, (1, D))
         out = out_array(out, "hc_boundary.out", (1, HC, D), np.uint16)
@@ -271,5 +283,62 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     return src
 
 
+def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, norm_eps: float, xn,
+                    x, pre, mixes, f=None, out=None, post_in=None, comb_in=None):
+    """hc_boundary's critical half, one launch (kernels_cu/hc.cu hc_boundary_pre):
+
+        f given:   out = hc_post(f, streams, post_in, comb_in); S = out
+        f None:    S = streams
+        mixes (all 24), pre, x = bf16(sum_i pre_i S_i), xn = rmsnorm(x, norm_weight, norm_eps)
+
+    byte for byte hc_boundary's outputs of the same names; post / comb are left to
+    hc_boundary_sinkhorn(mixes, ...).  post_in [1, 4] / comb_in [1, 4, 4] are required with f
+    (pure inputs: this kernel writes neither).  Uses the per-device split workspace (not
+    concurrently on two streams of one device).  Returns S (out or streams)."""
+    D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary_pre")
+    if f is not None:
+        check(f, "hc_boundary_pre.f", np.uint16, (1, D))
+        out = out_array(out, "hc_boundary_pre.out", (1, HC, D), np.uint16)
+        assert post_in is not None and comb_in is not None, (
+            "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
+        check(post_in, "hc_boundary_pre.post_in", np.float32, (1, HC))
+        check(comb_in, "hc_boundary_pre.comb_in", np.float32, (1, HC, HC))
+        assert out.data.ptr != streams.data.ptr, "hc_boundary_pre: out must not alias streams"
+        assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, "hc_boundary_pre: f / out not 16-byte aligned"
+        src = out
+    else:
+        assert out is None and post_in is None and comb_in is None, (
+            "hc_boundary_pre: out / post_in / comb_in belong to the hc_post half (f given)")
+        src = streams
+    nseg = HC * D // SEG
+    k = kernel(STEM, "hc_boundary_pre")
+    ws, cnt = split_workspace(1, nseg)
+    smem = 14 * D  # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D)
+    dynamic_smem(k, smem + 1024)
+    null = np.uint64(0)
+    k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
+                        null if f is None else comb_in, null if f is None else out, fn, scale, base,
+                        norm_weight, mixes, pre, x, xn, i32(D), np.float32(hc_eps),
+                        np.float64(norm_eps), ws, cnt), shared_mem=smem)
+    return src
+
+
+def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post, comb):
+    """hc_boundary's split of post / comb (Sinkhorn) from the 24 mixes hc_boundary_pre stored,
+    one warp (kernels_cu/hc.cu hc_boundary_sinkhorn): byte for byte hc_boundary's post / comb.
+    mixes [1, 24], scale [3], base [24] f32 -> post [1, 4], comb [1, 4, 4] f32."""
+    rows = (2 + HC) * HC
+    check(mixes, "hc_boundary_sinkhorn.mixes", np.float32, (1, rows))
+    check(scale, "hc_boundary_sinkhorn.scale", np.float32, (3,))
+    check(base, "hc_boundary_sinkhorn.base", np.float32, (rows,))
+    check(post, "hc_boundary_sinkhorn.post", np.float32, (1, HC))
+    check(comb, "hc_boundary_sinkhorn.comb", np.float32, (1, HC, HC))
+    assert mixes.data.ptr not in (post.data.ptr, comb.data.ptr), (
+        "hc_boundary_sinkhorn: post / comb must not alias mixes")
+    kernel(STEM, "hc_boundary_sinkhorn")((1,), (32,), (mixes, scale, base, post, comb, i32(iters),
+                                                       np.float32(hc_eps)))
+    return post, comb
+
+
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
-           "hc_boundary", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS"]
+           "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS"]
