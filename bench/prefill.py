@@ -6,7 +6,8 @@
 
 --arms: every token count runs every arm in one process (A/B): settings moe (seam
 MEMRA_DSV4_PREFILL_MOE), pipeline (MEMRA_DSV4_PREFILL_PIPELINE), attn (MEMRA_DSV4_PREFILL_ATTN),
-dispatch (MEMRA_DSV4_PREFILL_DISPATCH; the fp4mma arm's plan on the host or the device).
+dispatch (MEMRA_DSV4_PREFILL_DISPATCH; the fp4mma arm's plan on the host or the device), chunks
+(gpu.pipeline.N_CHUNKS: how many chunks pipeline=on cuts the prompt into; 2, 4 or 8).
 
 Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
 TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
@@ -43,6 +44,11 @@ def bf16_peak_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+# pipeline=on chunk counts an arm may set (gpu.pipeline.N_CHUNKS; the pipeline still keeps each
+# chunk >= gpu.pipeline.MIN_CHUNK tokens, so 8 chunks need >= 8K tokens)
+CHUNK_COUNTS = ("2", "4", "8")
+
+
 def parse_arms(spec: str) -> list[tuple[str, dict]]:
     """'moe=fp4mma+pipeline=on,moe=blaslt' -> [(label, settings)] (bench.harness.parse_arms and
     arm_label); empty -> [("", {})].  Unknown keys or values are refused before anything loads:
@@ -50,7 +56,8 @@ def parse_arms(spec: str) -> list[tuple[str, dict]]:
     from bench.harness import arm_label, parse_arms as parse
     from memra_dsv4 import seams
     known = {"moe": seams.SEAM_PREFILL_MOE.allowed, "pipeline": seams.SEAM_PREFILL_PIPELINE.allowed,
-             "attn": seams.SEAM_PREFILL_ATTN.allowed, "dispatch": seams.SEAM_PREFILL_DISPATCH.allowed}
+             "attn": seams.SEAM_PREFILL_ATTN.allowed, "dispatch": seams.SEAM_PREFILL_DISPATCH.allowed,
+             "chunks": CHUNK_COUNTS}
     if not spec.strip():
         return [("", {})]
     try:
@@ -76,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="",
                     help="comma list of arms, each '+'-joined settings moe=fp4mma|blaslt, "
                          "pipeline=off|on, attn=mma|simt, dispatch=host|device (the seams "
-                         "MEMRA_DSV4_PREFILL_MOE / _PIPELINE / _ATTN / _DISPATCH); every token "
+                         "MEMRA_DSV4_PREFILL_MOE / _PIPELINE / _ATTN / _DISPATCH), chunks=2|4|8 "
+                         "(gpu.pipeline.N_CHUNKS of pipeline=on); every token "
                          "count runs every arm; empty: the model's settings")
     a = ap.parse_args(argv)
     parse_arms(a.arms)  # refuse a bad arm before loading anything
@@ -95,17 +103,19 @@ def main(argv=None) -> int:
     print(f"bf16 GEMM peak (cuBLASLt 8192^3): {peak:.0f} TFLOP/s")
     rng = np.random.default_rng(0)
     arm_list = parse_arms(a.arms)
+    from memra_dsv4.gpu import pipeline as PL
     base = {"moe": m.prefill_moe, "pipeline": m.prefill_pipeline, "attn": m.prefill_attn,
-            "dispatch": m.prefill_dispatch}
+            "dispatch": m.prefill_dispatch, "chunks": str(PL.N_CHUNKS)}
     arms = {}
     for T, (label, arm) in [(int(t), la) for t in a.tokens.split(",") for la in arm_list]:
         ids = rng.integers(0, m.config.vocab_size, T)
         s = dict(base, **arm)
         m.prefill_moe, m.prefill_pipeline, m.prefill_attn = s["moe"], s["pipeline"], s["attn"]
         m.prefill_dispatch = s["dispatch"]
+        PL.N_CHUNKS = int(s["chunks"])   # read by gpu.pipeline.pipeline_chunks at each forward
         T_label = f"T={T}" + (f" {label}" if label else "")
         print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']} "
-              f"dispatch={s['dispatch']}", flush=True)
+              f"dispatch={s['dispatch']} chunks={s['chunks']}", flush=True)
         for i in range(a.warmup):
             t0 = time.perf_counter()
             m.forward(ids)

@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only-fp4", action="store_true", help="time only the FP4 expert kernels")
     ap.add_argument("--fp4-variants", action="store_true",
                     help="also time the FP4 expert kernels under other experts.cu tuning macros")
+    ap.add_argument("--fp4-variant", action="append", default=None, metavar="LABEL",
+                    help="with --fp4-variants: time only the variant builds whose label contains "
+                         "LABEL (repeatable), e.g. FP4_ALU_EVEN (each build is one NVRTC compile)")
     ap.add_argument("--fp4-mma", action="store_true",
                     help="also time the tensor-core FP4 expert kernels (impl='mma') and their variants")
     ap.add_argument("--suggest", metavar="FILE", default=None,
@@ -290,6 +293,8 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
                                ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1})]:
+            if a.fp4_variant and not any(f in label for f in a.fp4_variant):
+                continue
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_dense:n_simt]:
                 want = fn().copy()
