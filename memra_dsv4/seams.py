@@ -142,7 +142,7 @@ SEAM_DECODE_FORK = Seam(
     "dense, 1K context), `all` also each MoE's shared expert on the side stream beside the "
     "router and the routed gate/up, `off` one stream. Bit-identical.")
 SEAM_HC_SPLIT = Seam(
-    "hc_split", "MEMRA_DSV4_HC_SPLIT", "off", ("off", "on"),
+    "hc_split", "MEMRA_DSV4_HC_SPLIT", "on", ("off", "on"),
     "Sub-layer boundaries of the `device` decode step (memra_dsv4.gpu.step_device, read once per "
     "model and printed): `off` (each boundary in one launch, hc.cu hc_boundary) or `on` (two "
     "launches: hc_boundary_pre, the sub-layer's input, then hc_boundary_sinkhorn, the post "

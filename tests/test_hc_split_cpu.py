@@ -16,16 +16,16 @@ import pytest
 def test_hc_split_seam_and_step_form():
     from memra_dsv4.gpu.step_device import DeviceStep
     from memra_dsv4.seams import SEAM_HC_SPLIT, SEAMS, resolve
-    assert SEAMS["hc_split"] is SEAM_HC_SPLIT and SEAM_HC_SPLIT.default == "off"
+    assert SEAMS["hc_split"] is SEAM_HC_SPLIT and SEAM_HC_SPLIT.default == "on"
     assert resolve(SEAM_HC_SPLIT, "on") == "on"
     with pytest.raises(ValueError, match="allowed: off, on"):
         resolve(SEAM_HC_SPLIT, "yes")
     ds = object.__new__(DeviceStep)       # no GPU: only the form's resolution
-    for value, want in (("on", "on"), ("off", "off"), (None, "off")):
+    for value, want in (("on", "on"), ("off", "off"), (None, "on")):
         ds.m = SimpleNamespace(hc_split=value)
         assert ds.hc_split_form() == want
     ds.m = SimpleNamespace()
-    assert ds.hc_split_form() == "off"
+    assert ds.hc_split_form() == "on"
     ds.m = SimpleNamespace(hc_split="both")
     with pytest.raises(ValueError, match=r"model.hc_split \(env MEMRA_DSV4_HC_SPLIT\).*off, on"):
         ds.hc_split_form()

@@ -205,7 +205,7 @@ def _tiny_one_gpu():
     return _TINY["m"], _TINY["ids"]
 
 
-def _stage_layers(m, ids, router):
+def _stage_layers(m, ids, router, wait_s=None):
     """run_stage of stage 0 (embedding + layers, no head) on a fresh state at p0 = 0, after a
     warm run_chunk of the same ids (kernels built, GEMM plans and the chunk's tables made)."""
     from memra_dsv4.gpu.decode import run_chunk, run_stage
@@ -221,7 +221,7 @@ def _stage_layers(m, ids, router):
         dev = m.devs[m.stages[0].device]
         ok = _enqueued_while_held(
             lambda: run_stage(m, 0, st2, ids, 0, None, ph="prefill", head=False),
-            [dev.compute], ENQUEUE_S if router == "kernel" else CONTROL_S)
+            [dev.compute], wait_s or (ENQUEUE_S if router == "kernel" else CONTROL_S))
     finally:
         _Block.prefill_router = prev
     return ok
@@ -234,10 +234,20 @@ def test_stage_layers_make_no_host_sync():
         "synchronisation remains inside the layers")
 
 
-def test_gate_detects_the_cupy_sort():
-    """Negative control: the CuPy router chain (cupy.sort) must block behind the gate."""
+def test_gate_detects_a_host_sync(monkeypatch):
+    """Negative control: one stream synchronisation inside the layers (injected into the
+    candidate build, which every attention layer calls) must block behind the gate.  (The first
+    control, the CuPy router chain with cupy.sort, did NOT block on the tiny model on the H200 at
+    36bc886: cupy.sort is not a reliable synchronisation, so it cannot be the control.)"""
+    from memra_dsv4.gpu import ops_glue as G
     m, ids = _tiny_one_gpu()
-    assert not _stage_layers(m, ids, "cupy"), "the gate did not detect cupy.sort's synchronisation"
+    real = G.candidates
+
+    def syncing(*a, **k):
+        cp.cuda.get_current_stream().synchronize()
+        return real(*a, **k)
+    monkeypatch.setattr(G, "candidates", syncing)
+    assert not _stage_layers(m, ids, "kernel", CONTROL_S), "the gate did not detect a stream synchronize"
 
 
 def test_boundary_makes_no_host_sync_and_copies():
