@@ -46,8 +46,13 @@ def spinner(ns: int):
 
 
 def reference_us(fn, n: int = 20) -> float:
-    """Median GPU µs of fn() by cupyx.profiler.benchmark on the current stream."""
-    return float(np.median(benchmark(fn, n_repeat=n, n_warmup=3).gpu_times[0])) * 1e6
+    """Fastest GPU µs of fn() by cupyx.profiler.benchmark on the current stream.  The minimum,
+    not the median, on both sides of every comparison here: when other processes share the GPU
+    (the suite runs as parallel pytest processes) the driver time-slices the contexts and any
+    one sample can be inflated by the other context's slice (at 3041abd / d654ca8 the median of
+    the 50 µs spinner's reference read 67-71 µs while the phase brackets read 54 µs); the
+    fastest sample of each side is the spin itself plus launch overhead."""
+    return float(np.min(benchmark(fn, n_repeat=n, n_warmup=3).gpu_times[0])) * 1e6
 
 
 def close(measured_us: float, ref_us: float) -> bool:
@@ -81,7 +86,7 @@ def test_phase_event_time_matches_benchmark(stream):
             spin()
     times = phase_collect()["spin"]
     assert len(times) == 20
-    assert close(float(np.median(times)), ref), (np.median(times), ref)
+    assert close(float(np.min(times)), ref), (np.min(times), ref)
 
 
 def test_nested_phases_add_up(stream):
@@ -94,7 +99,7 @@ def test_nested_phases_add_up(stream):
                 a()
             with phase("outer/b"):
                 b()
-    t = {name: float(np.median(v)) for name, v in phase_collect().items()}
+    t = {name: float(np.min(v)) for name, v in phase_collect().items()}
     assert close(t["outer/a"], ref_a) and close(t["outer/b"], ref_b), (t, ref_a, ref_b)
     assert close(t["outer"], t["outer/a"] + t["outer/b"]), t
 
