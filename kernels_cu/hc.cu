@@ -471,21 +471,16 @@ DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16
                                          h[6] | (h[7] << 16)));
     }
 }
-}  // namespace
-
-// f [D] bf16 or null; R [4, D] bf16; post_in [4], comb_in [4, 4] f32 (read only when f != null);
-// out [4, D] bf16 (f != null); fn [24, 4D] f32; scale [3]; base [24]; norm_w [D] bf16;
-// mixes [24], pre_out [4], post_out [4], comb_out [16] f32; x_out, xn_out [D] bf16;
-// ws double [n/256 * 32]; counter int [1], zero before the first launch (left zero).
-// n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared 14 D bytes.
-// (min 1 CTA/SM: lets ptxas keep all of phase A's loads in flight at once; the grid is n/256 CTAs)
-extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
-hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
-            const float* comb_in, u16* out, const float* __restrict__ fn,
-            const float* __restrict__ scale, const float* __restrict__ base,
-            const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
-            float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
-            double norm_eps, double* ws, int* counter) { PDL_ENTRY();
+// The last-CTA boundary of hc_boundary (SINKHORN) and hc_boundary_pre (!SINKHORN: no Sinkhorn
+// warp; warps 4..7 write pre_out, the same pre_value bits split_lanes writes; post_out / comb_out
+// / iters unused).  One body, so the split kernel stays hc_boundary minus warp 0 by construction.
+template <bool SINKHORN>
+DEV void bnd_lastcta(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                     const float* comb_in, u16* out, const float* __restrict__ fn,
+                     const float* __restrict__ scale, const float* __restrict__ base,
+                     const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
+                     float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
+                     double norm_eps, double* ws, int* counter) {
     extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
     __shared__ double tot[BND_ROWS + 1];
     __shared__ float mix_s[BND_ROWS];
@@ -546,17 +541,39 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
         mixes[threadIdx.x] = m;
     }
     __syncthreads();
-    if (wid == 0) {  // Sinkhorn on its own warp: comb / post are for the next hc_post only
+    if (SINKHORN && wid == 0) {  // Sinkhorn on its own warp: comb / post are for the next hc_post only
         split_lanes(mix_s, scale, base, iters, hc_eps, lane, nullptr, pre_out, post_out, comb_out);
         return;
     }
     if (wid < 4) return;
     // warps 4..7: pre, x = bf16(sum_i pre_i S_i), then rmsnorm_row<u16> with thread vt's chunks
     // (each thread reads only the chunks its own cp.async brought: its wait suffices for them)
-    if (vt < HC) pre_s[vt] = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
+    if (vt < HC) {
+        const float p = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
+        pre_s[vt] = p;
+        if (!SINKHORN) pre_out[vt] = p;  // with the Sinkhorn warp, its split_lanes wrote pre_out
+    }
     cp_async_wait<0>();
     bar_upper_half();
     bnd_wsum_norm(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
+}
+}  // namespace
+
+// f [D] bf16 or null; R [4, D] bf16; post_in [4], comb_in [4, 4] f32 (read only when f != null);
+// out [4, D] bf16 (f != null); fn [24, 4D] f32; scale [3]; base [24]; norm_w [D] bf16;
+// mixes [24], pre_out [4], post_out [4], comb_out [16] f32; x_out, xn_out [D] bf16;
+// ws double [n/256 * 32]; counter int [1], zero before the first launch (left zero).
+// n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared 14 D bytes.
+// (min 1 CTA/SM: lets ptxas keep all of phase A's loads in flight at once; the grid is n/256 CTAs)
+extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
+hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+            const float* comb_in, u16* out, const float* __restrict__ fn,
+            const float* __restrict__ scale, const float* __restrict__ base,
+            const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
+            float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
+            double norm_eps, double* ws, int* counter) { PDL_ENTRY();
+    bnd_lastcta<true>(f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, post_out,
+                      comb_out, x_out, xn_out, D, iters, hc_eps, norm_eps, ws, counter);
 }
 
 // ------------------------------------------------------------------------- hc_boundary_poll
@@ -765,8 +782,8 @@ hc_boundary_poll(const u16* __restrict__ f, const u16* __restrict__ R, const flo
 // phase A, or the stage's last stand-alone hc_post), never by the sub-layer that follows
 // boundary b.  Together the two write the same bytes as hc_boundary in every output:
 //
-// hc_boundary_pre (critical: the sub-layer's input): hc_boundary's code with warp 0's split_lanes
-//   removed: phase A (bnd_phase_a: hc_post with post_in / comb_in -> out, the mixes partials),
+// hc_boundary_pre (critical: the sub-layer's input): hc_boundary's body (bnd_lastcta<false>)
+//   without warp 0's split_lanes: phase A (bnd_phase_a: hc_post with post_in / comb_in -> out, the mixes partials),
 //   the last CTA's segment sums -> mixes[0..23] (all 24: the Sinkhorn kernel reads them), then
 //   warps 4..7: pre (pre_value, thread vt < 4 also writes pre_out: hc_boundary's warp 0 wrote
 //   the same pre_value bits from split_lanes), the weighted sum and the rmsnorm (bnd_wsum_norm)
@@ -783,71 +800,8 @@ hc_boundary_pre(const u16* __restrict__ f, const u16* __restrict__ R, const floa
                 const float* __restrict__ scale, const float* __restrict__ base,
                 const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
                 u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) { PDL_ENTRY();
-    extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
-    __shared__ double tot[BND_ROWS + 1];
-    __shared__ float mix_s[BND_ROWS];
-    __shared__ float pre_s[HC];
-    __shared__ double red[4];
-    __shared__ int is_last;
-    __shared__ __align__(16) u16 seg_s[MIX_SEG];  // this CTA's segment of the new streams
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int n = HC * D, nseg = n / MIX_SEG;
-    const int sg = blockIdx.x;
-    // ---- phase A: hc_boundary's
-    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
-    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    // ---- phase B: the last CTA (hc_boundary's, without the Sinkhorn warp)
-    __threadfence();
-    const int nc = D >> 3;
-    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
-    double* part = bnd_smem;                                          // [nseg][32] ws partials
-    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
-    u16* wst = sst + HC * D;                                          // [D] the norm weight
-    for (int i = threadIdx.x; i < nseg * 16; i += BND_THREADS) cp_async16(part + 2 * i, ws + 2 * i, true);
-    cp_async_commit();
-    if (wid >= 4) {
-        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs
-        for (int c = vt; c < nc; c += 128) {
-#pragma unroll
-            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
-            cp_async16(wst + 8 * c, norm_w + 8 * c, true);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();  // the partials landed; S and the weight may still be in flight
-    } else {
-        cp_async_wait<0>();
-    }
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-    __syncthreads();
-    if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
-        const int t = threadIdx.x;
-        const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
-        double a = part[slot];
-        for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
-        tot[t] = a;
-    }
-    __syncthreads();
-    if (threadIdx.x < BND_ROWS) {
-        const double rs = 1.0 / sqrt(tot[BND_ROWS] / (double)n + norm_eps);
-        const float m = __double2float_rn(__dmul_rn(tot[threadIdx.x], rs));
-        mix_s[threadIdx.x] = m;
-        mixes[threadIdx.x] = m;
-    }
-    __syncthreads();
-    if (wid < 4) return;
-    if (vt < HC) {
-        const float p = pre_value(mix_s[vt], scale[0], base[vt], hc_eps);
-        pre_s[vt] = p;
-        pre_out[vt] = p;
-    }
-    cp_async_wait<0>();
-    bar_upper_half();
-    bnd_wsum_norm(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
+    bnd_lastcta<false>(f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, nullptr,
+                       nullptr, x_out, xn_out, D, 0, hc_eps, norm_eps, ws, counter);
 }
 
 // mixes [24] (hc_boundary_pre's), scale [3], base [24] -> post_out [4], comb_out [16].
