@@ -230,6 +230,24 @@ def _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, wh
     return D
 
 
+def _boundary_post_half(streams, D: int, f, out, post_in, comb_in, who: str):
+    """The hc_post half's checks hc_boundary and hc_boundary_pre share: with f, f [1, D], out
+    [1, 4, D] (made when None; not aliasing streams), post_in [1, 4], comb_in [1, 4, 4], f / out
+    16-byte aligned; without f, none of out / post_in / comb_in.  Returns (out, the streams the
+    pre half reads: out or streams)."""
+    if f is None:
+        assert out is None and post_in is None and comb_in is None, (
+            f"{who}: out / post_in / comb_in belong to the hc_post half (f given)")
+        return out, streams
+    check(f, f"{who}.f", np.uint16, (1, D))
+    out = out_array(out, f"{who}.out", (1, HC, D), np.uint16)
+    check(post_in, f"{who}.post_in", np.float32, (1, HC))
+    check(comb_in, f"{who}.comb_in", np.float32, (1, HC, HC))
+    assert out.data.ptr != streams.data.ptr, f"{who}: out must not alias streams"
+    assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, f"{who}: f / out not 16-byte aligned"
+    return out, out
+
+
 def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: float,
                 norm_eps: float, xn, x, pre, post, comb, mixes, f=None, out=None, post_in=None,
                 comb_in=None, impl: str | None = None):
@@ -252,19 +270,9 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     check(post, "hc_boundary.post", np.float32, (1, HC))
     check(comb, "hc_boundary.comb", np.float32, (1, HC, HC))
     if f is not None:
-        check(f, "hc_boundary.f", np.uint16, (1, D))
-        out = out_array(out, "hc_boundary.out", (1, HC, D), np.uint16)
         post_in = post if post_in is None else post_in
         comb_in = comb if comb_in is None else comb_in
-        check(post_in, "hc_boundary.post_in", np.float32, (1, HC))
-        check(comb_in, "hc_boundary.comb_in", np.float32, (1, HC, HC))
-        assert out.data.ptr != streams.data.ptr, "hc_boundary: out must not alias streams"
-        assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, "hc_boundary: f / out not 16-byte aligned"
-        src = out
-    else:
-        assert out is None and post_in is None and comb_in is None, (
-            "hc_boundary: out / post_in / comb_in belong to the hc_post half (f given)")
-        src = streams
+    out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary")
     nseg = n // SEG
     name = boundary_impl(impl)
     if name == "poll":
@@ -296,20 +304,9 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
     (pure inputs: this kernel writes neither).  Uses the per-device split workspace (not
     concurrently on two streams of one device).  Returns S (out or streams)."""
     D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary_pre")
-    if f is not None:
-        check(f, "hc_boundary_pre.f", np.uint16, (1, D))
-        out = out_array(out, "hc_boundary_pre.out", (1, HC, D), np.uint16)
-        assert post_in is not None and comb_in is not None, (
-            "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
-        check(post_in, "hc_boundary_pre.post_in", np.float32, (1, HC))
-        check(comb_in, "hc_boundary_pre.comb_in", np.float32, (1, HC, HC))
-        assert out.data.ptr != streams.data.ptr, "hc_boundary_pre: out must not alias streams"
-        assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, "hc_boundary_pre: f / out not 16-byte aligned"
-        src = out
-    else:
-        assert out is None and post_in is None and comb_in is None, (
-            "hc_boundary_pre: out / post_in / comb_in belong to the hc_post half (f given)")
-        src = streams
+    assert f is None or (post_in is not None and comb_in is not None), (
+        "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
+    out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary_pre")
     nseg = HC * D // SEG
     k = kernel(STEM, "hc_boundary_pre")
     ws, cnt = split_workspace(1, nseg)
