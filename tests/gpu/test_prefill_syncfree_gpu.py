@@ -10,7 +10,7 @@
   the score-order top-k + the sorting candidates() bit for bit; likewise the HCA matrix.
 * no host synchronisation: with the compute stream held by a gate kernel (spinning on a pinned
   host flag), the host must enqueue a whole stage's layers (tiny) and a boundary copy (2 GPUs)
-  before the gate opens.  Negative control: the CuPy router chain (cupy.sort) blocks.
+  before the gate opens.  Negative control: a stream synchronize injected into the layers blocks.
 """
 from __future__ import annotations
 
@@ -205,31 +205,25 @@ def _tiny_one_gpu():
     return _TINY["m"], _TINY["ids"]
 
 
-def _stage_layers(m, ids, router, wait_s=None):
+def _stage_layers(m, ids, wait_s: float = ENQUEUE_S):
     """run_stage of stage 0 (embedding + layers, no head) on a fresh state at p0 = 0, after a
-    warm run_chunk of the same ids (kernels built, GEMM plans and the chunk's tables made)."""
+    warm run_chunk of the same ids (kernels built, GEMM plans and the chunk's tables made);
+    True when it finished enqueuing within wait_s while the compute stream was held."""
     from memra_dsv4.gpu.decode import run_chunk, run_stage
-    from memra_dsv4.gpu.model import _Block
-    prev = _Block.prefill_router
-    _Block.prefill_router = router
-    try:
-        st = m.new_state()
-        st.reset()
-        run_chunk(m, st, ids, ph="prefill")          # warm; leaves the chunk memo filled
-        st2 = m.new_state()
-        st2.reset()
-        dev = m.devs[m.stages[0].device]
-        ok = _enqueued_while_held(
-            lambda: run_stage(m, 0, st2, ids, 0, None, ph="prefill", head=False),
-            [dev.compute], wait_s or (ENQUEUE_S if router == "kernel" else CONTROL_S))
-    finally:
-        _Block.prefill_router = prev
-    return ok
+    st = m.new_state()
+    st.reset()
+    run_chunk(m, st, ids, ph="prefill")          # warm; leaves the chunk memo filled
+    st2 = m.new_state()
+    st2.reset()
+    dev = m.devs[m.stages[0].device]
+    return _enqueued_while_held(
+        lambda: run_stage(m, 0, st2, ids, 0, None, ph="prefill", head=False),
+        [dev.compute], wait_s)
 
 
 def test_stage_layers_make_no_host_sync():
     m, ids = _tiny_one_gpu()
-    assert _stage_layers(m, ids, "kernel"), (
+    assert _stage_layers(m, ids), (
         "run_stage's layers did not finish enqueuing while the GPU was held: a host "
         "synchronisation remains inside the layers")
 
@@ -247,7 +241,7 @@ def test_gate_detects_a_host_sync(monkeypatch):
         cp.cuda.get_current_stream().synchronize()
         return real(*a, **k)
     monkeypatch.setattr(G, "candidates", syncing)
-    assert not _stage_layers(m, ids, "kernel", CONTROL_S), "the gate did not detect a stream synchronize"
+    assert not _stage_layers(m, ids, CONTROL_S), "the gate did not detect a stream synchronize"
 
 
 def test_boundary_makes_no_host_sync_and_copies():
