@@ -452,30 +452,26 @@ def dequant_experts(fmt: str, packed, scale, eids, out, ws2=None):
 def gather_rows(x, src, out):
     """out[p] = bf16 bits of x[src[p]] (RNE), zeros where src[p] < 0.  x [T, D] f32, src [P]
     int32, out [P, D] uint16."""
-    check(x, "gather_rows.x", np.float32)
-    T, D = x.shape
-    assert D % 8 == 0, f"gather_rows: D = {D} must be a multiple of 8"
-    check(src, "gather_rows.src", np.int32)
-    P = int(src.size)
-    check(out, "gather_rows.out", np.uint16, (P, D))
-    if P:
-        kernel(STEM, "moe_gather_bf16")((grid_stride_blocks(P * D // 8),), (256,),
-                                        (x, src, out, np.int64(P), i32(D)))
-    return out
+    return _gather(x, src, out, "gather_rows", "moe_gather_bf16", 8)
 
 
 def gather_rows_perm(x, src, out):
     """gather_rows with every 128-column chunk of each row stored in the wgmma k order:
     out = perm128(gather_rows(x, src)).  D % 128 == 0."""
-    check(x, "gather_rows_perm.x", np.float32)
+    return _gather(x, src, out, "gather_rows_perm", "moe_gather_bf16_perm", 128)
+
+
+def _gather(x, src, out, who: str, kname: str, d_mult: int):
+    """The checks and launch the two gathers share (8 columns per thread; D % d_mult == 0)."""
+    check(x, f"{who}.x", np.float32)
     T, D = x.shape
-    assert D % 128 == 0, f"gather_rows_perm: D = {D} must be a multiple of 128"
-    check(src, "gather_rows_perm.src", np.int32)
+    assert D % d_mult == 0, f"{who}: D = {D} must be a multiple of {d_mult}"
+    check(src, f"{who}.src", np.int32)
     P = int(src.size)
-    check(out, "gather_rows_perm.out", np.uint16, (P, D))
+    check(out, f"{who}.out", np.uint16, (P, D))
     if P:
-        kernel(STEM, "moe_gather_bf16_perm")((grid_stride_blocks(P * D // 8),), (256,),
-                                             (x, src, out, np.int64(P), i32(D)))
+        kernel(STEM, kname)((grid_stride_blocks(P * D // 8),), (256,),
+                            (x, src, out, np.int64(P), i32(D)))
     return out
 
 
