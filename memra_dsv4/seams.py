@@ -175,12 +175,14 @@ SEAM_PREFILL_DISPATCH = Seam(
     "items, from the device ids and the FP4 GEMMs launch over an upper bound of work items: "
     "nothing read back; bit-identical to `host`).")
 SEAM_PREFILL_PIPELINE = Seam(
-    "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on"),
+    "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on", "coop"),
     "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `off` "
-    "(the whole prompt as one chunk: one boundary copy per stage boundary) or `on` (prompts of "
+    "(the whole prompt as one chunk: one boundary copy per stage boundary), `on` (prompts of "
     ">= 2048 tokens cut into 4 chunks that flow through the stages with one host thread per "
     "stage, so the stages overlap; bit-identical to running those chunks one after another, "
-    "bf16-class against the whole-prompt chunk; needs peer access, else `off`).")
+    "bf16-class against the whole-prompt chunk; needs peer access, else `off`) or `coop` (the "
+    "same chunks and bits as `on` from one host thread that interleaves the stages layer by "
+    "layer: no GIL contention between stage threads).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")

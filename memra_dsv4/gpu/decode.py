@@ -595,6 +595,115 @@ def _head_one(model, st, streams, io, msl: int):
     return logits
 
 
+class _Step:
+    """One step of ``stage_steps``: the stage's device and compute stream current, and - when
+    ``bracket`` is a name - that phase around the step (entered in this order, left in reverse)."""
+
+    __slots__ = ("_dev", "_stream", "_bracket", "_ctx")
+
+    def __init__(self, device: int, stream, bracket: str | None) -> None:
+        self._dev, self._stream, self._bracket = device, stream, bracket
+
+    def __enter__(self) -> None:
+        cp = _cp()
+        ctx = [cp.cuda.Device(self._dev), self._stream]
+        if self._bracket is not None:
+            ctx.append(phase(self._bracket))
+        done = []
+        try:
+            for c in ctx:
+                c.__enter__()
+                done.append(c)
+        except BaseException:
+            for c in reversed(done):
+                c.__exit__(None, None, None)
+            raise
+        self._ctx = done
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        err = None
+        for c in reversed(self._ctx):
+            try:
+                c.__exit__(exc_type, exc, tb)
+            except BaseException as e:  # noqa: BLE001 - leave every context, then raise
+                err = err or e
+        self._ctx = None
+        if err is not None:
+            raise err
+        return False
+
+
+def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str,
+                head: bool, all_logits: bool = False, caps=None, top=None, journal=None,
+                one: bool = False, step_bracket: bool = False, readback: bool = True):
+    """``run_stage``'s body as a generator of steps: it yields after the embedding (the ids'
+    upload on a stage without it) and after every layer; the head (when asked) is the last step,
+    and the generator returns (streams, logits, hc state of the last row) as run_stage does.
+    Each step makes the stage's device and compute stream current itself and every phase bracket
+    opens and closes inside one step, so nothing is held open across a yield: another stage's
+    steps may run in between (gpu.pipeline.run_chunk_coop).  ``step_bracket``: bracket every
+    step as ``{ph}/stage{si}`` (the coop schedule's stand-in for run_stage's one outer bracket,
+    which cannot span another stage's steps).  ``readback=False``: return the logits and the
+    hc state as device arrays (no host wait; the caller reads them back) instead of NumPy."""
+    cp = _cp()
+    from memra_dsv4.gpu.model import _f32
+    cfg = model.config
+    st = model.stages[si]
+    dev = model.devs[st.device]
+    sp = f"{ph}/stage{si}"
+    step = _Step(st.device, dev.compute, sp if step_bracket else None)
+    capture = caps is not None
+    logits_h = out_state = None
+    S = ids.shape[0]
+    with step:
+        ids_d = cp.asarray(ids)
+        if st.has_embed:
+            with phase(f"{sp}/embed"):
+                e = _f32(st["embed.weight"][ids_d])
+                streams = cp.ascontiguousarray(
+                    cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
+                if capture:
+                    top["embed"] = cp.asnumpy(e)
+        if one:
+            from memra_dsv4.gpu.step_device import stage_views
+            views = stage_views(model, st, state.max_seq_len)[0]
+            io = _legacy_io(model, st.device, dev.compute)
+    yield
+    for li, layer in enumerate(st.layers):
+        with step:
+            c = {} if capture else None
+            with phase(f"{sp}/block"):
+                blk = ChunkBlock(model, st, layer, f"{sp}/block")
+                if one:
+                    streams = blk.forward_one(streams, state.cache(layer), p0, views[li],
+                                              io, int(ids[0]))
+                else:
+                    streams = blk.forward(
+                        streams, ids_d, state.cache(layer), p0, c,
+                        None if journal is None else journal.layer(layer))
+            if capture and not one:
+                caps.append({k: cp.asnumpy(v) for k, v in c.items()})
+        yield
+    if st.has_head and head:
+        with step:
+            with phase(f"{sp}/head"):
+                # hc_head and the norm are per row: without all_logits or captures
+                # only the last row is needed (same bits for it)
+                rows = streams if (all_logits or capture) else streams[-1:]
+                if one:
+                    logits = _head_one(model, st, rows, io, state.max_seq_len)
+                else:
+                    logits, y, yn = model._head(st, rows, all_rows=all_logits)
+            if readback:
+                logits_h = cp.asnumpy(logits)
+                out_state = cp.asnumpy(streams[-1])
+            else:
+                logits_h, out_state = logits, streams[-1]
+            if capture:
+                top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
+    return streams, logits_h, out_state
+
+
 def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str, head: bool,
               all_logits: bool = False, caps=None, top=None, journal=None, one: bool = False):
     """Stage ``si``'s part of a chunk at positions p0..: the embedding (first stage), its layers,
@@ -602,57 +711,22 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
     bracketed ``{ph}/stage{si}/...``.  ``streams``: the stage's input (already on its device;
     None for the first stage).  Returns (streams, logits NumPy or None, hc state of the last row
     or None).  ``caps`` (list) / ``top`` (dict) collect captures; ``journal`` as run_chunk;
-    ``one``: the legacy one-token dispatch (``one_token_dispatch``).  The one per-stage body of run_chunk and of gpu.pipeline.run_chunk_pipelined."""
+    ``one``: the legacy one-token dispatch (``one_token_dispatch``).  The one per-stage body of
+    run_chunk and of gpu.pipeline's run_chunk_pipelined (threads) and run_chunk_coop (one thread
+    interleaving the stages' ``stage_steps``): this drives ``stage_steps`` to its end inside one
+    ``{ph}/stage{si}`` bracket."""
     cp = _cp()
-    from memra_dsv4.gpu.model import _f32
-    cfg = model.config
     st = model.stages[si]
     dev = model.devs[st.device]
-    sp = f"{ph}/stage{si}"
-    capture = caps is not None
-    logits_h = out_state = None
-    S = ids.shape[0]
+    steps = stage_steps(model, si, state, ids, p0, streams, ph=ph, head=head,
+                        all_logits=all_logits, caps=caps, top=top, journal=journal, one=one)
     with cp.cuda.Device(st.device), dev.compute:
-        with phase(sp):
-            ids_d = cp.asarray(ids)
-            if st.has_embed:
-                with phase(f"{sp}/embed"):
-                    e = _f32(st["embed.weight"][ids_d])
-                    streams = cp.ascontiguousarray(
-                        cp.broadcast_to(e[:, None, :], (S, cfg.hc_mult, cfg.hidden_size)))
-                    if capture:
-                        top["embed"] = cp.asnumpy(e)
-            if one:
-                from memra_dsv4.gpu.step_device import stage_views
-                views = stage_views(model, st, state.max_seq_len)[0]
-                io = _legacy_io(model, st.device, dev.compute)
-            for li, layer in enumerate(st.layers):
-                c = {} if capture else None
-                with phase(f"{sp}/block"):
-                    blk = ChunkBlock(model, st, layer, f"{sp}/block")
-                    if one:
-                        streams = blk.forward_one(streams, state.cache(layer), p0, views[li],
-                                                  io, int(ids[0]))
-                        continue
-                    streams = blk.forward(
-                        streams, ids_d, state.cache(layer), p0, c,
-                        None if journal is None else journal.layer(layer))
-                if capture:
-                    caps.append({k: cp.asnumpy(v) for k, v in c.items()})
-            if st.has_head and head:
-                with phase(f"{sp}/head"):
-                    # hc_head and the norm are per row: without all_logits or captures
-                    # only the last row is needed (same bits for it)
-                    rows = streams if (all_logits or capture) else streams[-1:]
-                    if one:
-                        logits = _head_one(model, st, rows, io, state.max_seq_len)
-                    else:
-                        logits, y, yn = model._head(st, rows, all_rows=all_logits)
-                logits_h = cp.asnumpy(logits)
-                out_state = cp.asnumpy(streams[-1])
-                if capture:
-                    top.update({"hc_head": cp.asnumpy(y), "final_norm": cp.asnumpy(yn)})
-    return streams, logits_h, out_state
+        with phase(f"{ph}/stage{si}"):
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
 
 
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,

@@ -201,8 +201,7 @@ class Dsv4Gpu:
         state.reset()
         chunks = None if capture else self._pipeline_plan(ids.shape[0])
         if chunks:
-            from memra_dsv4.gpu.pipeline import run_chunk_pipelined
-            return run_chunk_pipelined(self, state, ids, chunks, ph="prefill")
+            return self._pipeline_runner()(self, state, ids, chunks, ph="prefill")
         return run_chunk(self, state, ids, capture=capture, ph="prefill")
 
     def chunk_memo(self, key, make):
@@ -223,10 +222,16 @@ class Dsv4Gpu:
     def _pipeline_plan(self, S: int):
         """Chunk lengths of a pipelined prefill of S tokens (gpu.pipeline), or None: the seam
         MEMRA_DSV4_PREFILL_PIPELINE is off, one stage, no peer access, or too short a prompt."""
-        if getattr(self, "prefill_pipeline", "off") != "on":
+        if getattr(self, "prefill_pipeline", "off") not in ("on", "coop"):
             return None
         from memra_dsv4.gpu.pipeline import pipeline_chunks, pipeline_supported
         return pipeline_chunks(S, len(self.stages)) if pipeline_supported(self) else None
+
+    def _pipeline_runner(self):
+        """The pipelined prefill routine of the seam's value: ``run_chunk_coop`` (one host
+        thread) for ``coop``, ``run_chunk_pipelined`` (a thread per stage) for ``on``."""
+        from memra_dsv4.gpu import pipeline as PL
+        return PL.run_chunk_coop if self.prefill_pipeline == "coop" else PL.run_chunk_pipelined
 
     # ------------------------------------------------------------------ decode
     def new_state(self, max_seq_len: int | None = None):
@@ -263,9 +268,8 @@ class Dsv4Gpu:
         chunks = self._pipeline_plan(ids.shape[0])
         with phase("prefill_state"):
             if chunks:
-                from memra_dsv4.gpu.pipeline import run_chunk_pipelined
-                logits = run_chunk_pipelined(self, state, ids, chunks, all_logits=all_logits,
-                                             ph="prefill_state").logits
+                logits = self._pipeline_runner()(self, state, ids, chunks, all_logits=all_logits,
+                                                 ph="prefill_state").logits
             else:
                 logits = forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state")
         return logits, state

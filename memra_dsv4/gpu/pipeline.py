@@ -32,6 +32,33 @@ forward).  The source arrays stay referenced until the end of the forward, so th
 memory pool never hands them out while a copy may still read them.  Without peer access
 between two stages the caller runs the plain routine (``pipeline_supported``).  An exception in
 any stage thread stops the others at their next chunk and is re-raised in the caller.
+
+``coop_schedule(n_stages, n_chunks, start) -> list[list]``
+    The cooperative schedule, pure Python: ``start(s, j)`` returns stage s's step iterator of
+    chunk j (a generator: each ``next`` is one step, its return value the chunk's result).
+    Stage s starts chunk j only once its chunk j - 1 is done and stage s - 1 has done (enqueued)
+    chunk j; then the stages take one step each in turn (0, 1, ..., 0, 1, ...; a stage with
+    nothing startable is skipped).  A step that raises stops everything at once: the other
+    started iterators are closed (no further step runs) and the error reaches the caller.
+    Returns results[s][j].
+``run_chunk_coop(model, state, ids, chunks, all_logits=False, ph="prefill") -> ForwardOut``
+    Seam value ``coop``: the result of ``run_chunk_pipelined`` (and so of the chunks one after
+    another), BIT FOR BIT, from ONE host thread.  Each (stage, chunk) is a generator over
+    ``decode.stage_steps`` (run_stage's body, cut after the embedding and after every layer;
+    each step makes the stage's device / compute stream current itself and closes every bracket
+    it opens) driven by ``coop_schedule``: while the GPU of stage s + 1 runs chunk j, the one
+    host thread enqueues stage s's chunk j + 1 layer by layer in between stage s + 1's layers.
+    There is no GIL contention between stage threads (the threaded ``on`` measured slower with
+    more chunks: two threads switching the GIL on ~6 ms of Python per layer and chunk), and
+    the host work is the plain sum of the steps.  A stage's first step of chunk j (s > 0): its
+    compute stream waits on the event stage s - 1 recorded after chunk j and one peer copy
+    pulls the streams (``{ph}/boundary_copy``), as the threaded version does.  Brackets: no
+    ``{ph}/stage{si}`` bracket spans a chunk (it could not: another stage's steps run in
+    between, and NVTX ranges / the event brackets' open stack are per host thread); every step
+    is bracketed ``{ph}/stage{si}`` instead (the report keeps its tree; that phase's calls count
+    steps, its total is the sum of the steps' GPU spans).  The head reads nothing back until the
+    end (one synchronisation of every device, then the logits / hc state copies), so with
+    ``all_logits`` the chunks' device logits live until then.  Not for captures or journals.
 """
 
 from __future__ import annotations
@@ -43,7 +70,8 @@ import numpy as np
 
 from memra_dsv4.profiling import phase
 
-__all__ = ["MIN_CHUNK", "N_CHUNKS", "pipeline_chunks", "pipeline_supported", "run_chunk_pipelined"]
+__all__ = ["MIN_CHUNK", "N_CHUNKS", "coop_schedule", "pipeline_chunks", "pipeline_supported",
+           "run_chunk_coop", "run_chunk_pipelined"]
 
 MIN_CHUNK = 1024   # tokens: below this a chunk's GEMMs and host round trips dominate
 N_CHUNKS = 4
@@ -151,4 +179,106 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
     state.pos = p0 + int(ids.shape[0])
     logits = np.concatenate(out["logits"], axis=0) if all_logits else out["logits"][-1]
     return ForwardOut(logits=logits, hc_state=out["hc_state"], streams=None, captures=None,
+                      captures_top=None, numerics=model.numerics)
+
+
+def coop_schedule(n_stages: int, n_chunks: int, start) -> list[list]:
+    """Run every (stage, chunk) step iterator round-robin from this thread (module doc)."""
+    n_stages, n_chunks = int(n_stages), int(n_chunks)
+    done = [0] * n_stages                   # chunks each stage has finished (enqueued)
+    active: list = [None] * n_stages        # the stage's running iterator, or None
+    results: list[list] = [[None] * n_chunks for _ in range(n_stages)]
+    try:
+        while done[-1] < n_chunks:
+            progressed = False
+            for s in range(n_stages):
+                it = active[s]
+                if it is None:
+                    j = done[s]
+                    if j == n_chunks or (s > 0 and done[s - 1] <= j):
+                        continue
+                    it = active[s] = start(s, j)
+                try:
+                    next(it)
+                except StopIteration as fin:
+                    results[s][done[s]] = fin.value
+                    done[s] += 1
+                    active[s] = None
+                progressed = True
+            assert progressed, done   # stage 0 can always progress: a bug if not
+    except BaseException:
+        for it in active:
+            if it is not None and hasattr(it, "close"):
+                it.close()
+        raise
+    return results
+
+
+def run_chunk_coop(model, state, ids: np.ndarray, chunks: list[int], *,
+                   all_logits: bool = False, ph: str = "prefill"):
+    import cupy as cp
+    from memra_dsv4.gpu import runtime
+    from memra_dsv4.gpu.decode import stage_steps
+    from memra_dsv4.oracle.model import ForwardOut
+
+    n_st = len(model.stages)
+    assert n_st >= 2 and sum(chunks) == ids.shape[0], (n_st, chunks, ids.shape)
+    p0 = state.pos
+    offs = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+    last = len(chunks) - 1
+    handoff = [[None] * len(chunks) for _ in range(n_st)]   # [s][j]: (streams, ready event)
+    keep: list = []                                          # producer arrays a copy may read
+    out: dict = {"logits": []}                               # device arrays until the end
+    paths: list[str] = []
+    model.boundary_paths = paths
+    model.clear_chunk_memo()   # keys carry the positions: the chunks' tables coexist
+
+    def chunk_steps(si: int, j: int):
+        st = model.stages[si]
+        dev = model.devs[st.device]
+        a, b = int(offs[j]), int(offs[j + 1])
+        streams = None
+        if si > 0:
+            src, ready = handoff[si - 1][j]
+            handoff[si - 1][j] = None
+            with cp.cuda.Device(st.device), dev.compute, phase(f"{ph}/boundary_copy"):
+                dev.compute.wait_event(ready)
+                streams = cp.empty(src.shape, dtype=src.dtype)
+                paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
+            yield
+        head = all_logits or j == last
+        streams, logits, hc_state = yield from stage_steps(
+            model, si, state, ids[a:b], p0 + a, streams, ph=ph, head=head,
+            all_logits=all_logits, step_bracket=True, readback=False)
+        if st.has_head and head:
+            out["logits"].append(logits)
+            if j == last:
+                out["hc_state"] = hc_state
+        if si + 1 < n_st:
+            with cp.cuda.Device(st.device):
+                ready = cp.cuda.Event(disable_timing=True)
+                ready.record(dev.compute)
+            keep.append(streams)
+            handoff[si][j] = (streams, ready)
+
+    try:
+        coop_schedule(n_st, len(chunks), chunk_steps)
+    except BaseException:
+        # let the devices finish what was enqueued before the kept sources are let go
+        for d in model.devs:
+            try:
+                d.compute.synchronize()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+        raise
+    for d in model.devs:
+        d.compute.synchronize()
+    keep.clear()
+    state.pos = p0 + int(ids.shape[0])
+    last_st = model.stages[-1]
+    with cp.cuda.Device(last_st.device), model.devs[last_st.device].compute:
+        rows = [cp.asnumpy(x) for x in out["logits"]]
+        hc_state = cp.asnumpy(out["hc_state"])
+    logits = np.concatenate(rows, axis=0) if all_logits else rows[-1]
+    return ForwardOut(logits=logits, hc_state=hc_state, streams=None, captures=None,
                       captures_top=None, numerics=model.numerics)

@@ -1,11 +1,13 @@
 """Pipelined prefill over 2 stages (memra_dsv4.gpu.pipeline) on two GPUs.
 
-* run_chunk_pipelined == the same chunks run one after another through the chunk routine, bit
-  for bit: logits (every row), hc state and every cache of the DecodeState (tiny and small,
-  chunk lengths that cross the window, a CSA emit and an HCA emit);
-* the seam: with prefill_pipeline="on" forward / prefill take the pipelined route for a long
-  enough prompt (one boundary copy per chunk), and decode continues from that state;
-* an exception in a stage thread reaches the caller (no hang), and the model still works.
+* run_chunk_pipelined (``on``: a host thread per stage) and run_chunk_coop (``coop``: one host
+  thread interleaving the stages) == the same chunks run one after another through the chunk
+  routine, bit for bit: logits (every row), hc state and every cache of the DecodeState (tiny
+  and small, chunk lengths that cross the window, a CSA emit and an HCA emit);
+* ``coop`` == ``on`` bit for bit (logits, hc state, caches);
+* the seam: with prefill_pipeline="on" / "coop" forward / prefill take the pipelined route for a
+  long enough prompt (one boundary copy per chunk), and decode continues from that state;
+* an exception in a stage (thread) reaches the caller (no hang), and the model still works.
 """
 from __future__ import annotations
 
@@ -46,18 +48,30 @@ def _sequential(m, ids, chunks):
     return np.concatenate(rows), out.hc_state, st
 
 
+def _runner(mode):
+    from memra_dsv4.gpu import pipeline as PL
+    return {"on": PL.run_chunk_pipelined, "coop": PL.run_chunk_coop}[mode]
+
+
+def _run(m, mode, ids, chunks):
+    st = m.new_state()
+    st.reset()
+    out = _runner(mode)(m, st, np.asarray(ids, np.int32), chunks, all_logits=True)
+    assert st.pos == sum(chunks)
+    return out, st
+
+
+@pytest.mark.parametrize("mode", ["on", "coop"])
 @pytest.mark.parametrize("name,chunks", [("tiny", [64, 100, 136]), ("tiny", [5, 3, 17, 1]),
                                          ("small", [96, 64, 140])])
-def test_pipelined_equals_sequential_chunks_bitwise(name, chunks):
-    from memra_dsv4.gpu.pipeline import pipeline_supported, run_chunk_pipelined
+def test_pipelined_equals_sequential_chunks_bitwise(name, chunks, mode):
+    from memra_dsv4.gpu.pipeline import pipeline_supported
     ck, m = _two_stage(name)
     if not pipeline_supported(m):
         pytest.skip("no peer access between the two GPUs")
     ids = _ids(ck.config, sum(chunks), seed=5)
     want_logits, want_hc, want_st = _sequential(m, ids, chunks)
-    st = m.new_state()
-    st.reset()
-    out = run_chunk_pipelined(m, st, np.asarray(ids, np.int32), chunks, all_logits=True)
+    out, st = _run(m, mode, ids, chunks)
     assert m.boundary_paths == ["peer"] * len(chunks), m.boundary_paths
     assert out.logits.shape == want_logits.shape
     assert np.array_equal(out.logits, want_logits), (
@@ -69,7 +83,35 @@ def test_pipelined_equals_sequential_chunks_bitwise(name, chunks):
     assert not bad, f"state differs in {bad[:8]}"
 
 
-def test_seam_routes_forward_and_prefill(monkeypatch):
+@pytest.mark.parametrize("name,chunks", [("tiny", [64, 100, 136]), ("small", [96, 64, 140]),
+                                         ("small", [64, 64, 64, 64, 44])])
+def test_coop_equals_threaded_bitwise(name, chunks):
+    from memra_dsv4.gpu.pipeline import pipeline_supported
+    ck, m = _two_stage(name)
+    if not pipeline_supported(m):
+        pytest.skip("no peer access between the two GPUs")
+    ids = _ids(ck.config, sum(chunks), seed=11)
+    on, st_on = _run(m, "on", ids, chunks)
+    coop, st_coop = _run(m, "coop", ids, chunks)
+    assert len(m.boundary_paths) == len(chunks)
+    assert coop.logits.shape == on.logits.shape == (sum(chunks), ck.config.vocab_size)
+    assert np.array_equal(coop.logits, on.logits)
+    assert np.array_equal(coop.hc_state, on.hc_state)
+    a, b = st_coop.snapshot(), st_on.snapshot()
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not bad, f"state differs in {bad[:8]}"
+    # without all_logits: the last row only, the same bits
+    st = m.new_state()
+    st.reset()
+    from memra_dsv4.gpu.pipeline import run_chunk_coop
+    last = run_chunk_coop(m, st, np.asarray(ids, np.int32), chunks)
+    assert last.logits.shape == (ck.config.vocab_size,)
+    assert np.array_equal(last.logits, on.logits[-1])
+
+
+@pytest.mark.parametrize("mode", ["on", "coop"])
+def test_seam_routes_forward_and_prefill(monkeypatch, mode):
     from memra_dsv4.gpu import pipeline as PL
     ck, m = _two_stage("tiny")
     if not PL.pipeline_supported(m):
@@ -83,8 +125,17 @@ def test_seam_routes_forward_and_prefill(monkeypatch):
         m.prefill_pipeline = "off"
         plain = m.forward(ids)
         assert len(m.boundary_paths) == 1
-        m.prefill_pipeline = "on"
+        m.prefill_pipeline = mode
+        called = []
+        real = PL.run_chunk_coop if mode == "coop" else PL.run_chunk_pipelined
+
+        def spy(*a, **k):
+            called.append(mode)
+            return real(*a, **k)
+
+        monkeypatch.setattr(PL, "run_chunk_coop" if mode == "coop" else "run_chunk_pipelined", spy)
         piped = m.forward(ids)
+        assert called == [mode]
         assert len(m.boundary_paths) == len(chunks)
         want_logits, _, _ = _sequential(m, ids, chunks)
         assert np.array_equal(piped.logits, want_logits[-1])
@@ -93,6 +144,7 @@ def test_seam_routes_forward_and_prefill(monkeypatch):
         assert rel < 0.5, rel
         # prefill + decode continue from the pipelined state, as from the sequential one
         logits, st = m.prefill(ids)
+        assert called == [mode, mode]
         assert np.array_equal(logits, want_logits[-1])
         nxt = int(np.argmax(logits))
         _, _, seq_st = _sequential(m, ids, chunks)
@@ -101,9 +153,10 @@ def test_seam_routes_forward_and_prefill(monkeypatch):
         m.prefill_pipeline = keep
 
 
-def test_stage_error_reaches_the_caller(monkeypatch):
+@pytest.mark.parametrize("mode", ["on", "coop"])
+def test_stage_error_reaches_the_caller(monkeypatch, mode):
     from memra_dsv4.gpu import decode as D
-    from memra_dsv4.gpu.pipeline import pipeline_supported, run_chunk_pipelined
+    from memra_dsv4.gpu.pipeline import pipeline_supported
     ck, m = _two_stage("tiny")
     if not pipeline_supported(m):
         pytest.skip("no peer access between the two GPUs")
@@ -120,6 +173,6 @@ def test_stage_error_reaches_the_caller(monkeypatch):
     st = m.new_state()
     st.reset()
     with pytest.raises(RuntimeError, match="injected stage-1 failure"):
-        run_chunk_pipelined(m, st, ids, [30, 30, 30])
+        _runner(mode)(m, st, ids, [30, 30, 30])
     monkeypatch.setattr(D.ChunkBlock, "forward", real)
     assert int(np.argmax(m.forward(ids[:10]).logits)) >= 0   # still usable
