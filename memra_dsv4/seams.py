@@ -134,13 +134,15 @@ SEAM_L2_PREFETCH = Seam(
     "(cp.async.bulk.prefetch.L2) while its predecessor still runs. A hint: bit-identical outputs "
     "with every value.")
 SEAM_DECODE_FORK = Seam(
-    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "on", ("on", "off", "all"),
+    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "on", ("on", "off", "all", "single"),
     "Graph branches in the `device` decode step (memra_dsv4.gpu.step_device, read once per "
-    "model and printed): `on` captures each attention sub-layer's kv norm, indexer and "
-    "compressor launches on a side stream beside the wq_b GEMV (fork / join events; the eager "
-    "step stays on one stream; measured on 2x H200 at ebde157: 8.30 vs 8.44 ms per token, bf16 "
-    "dense, 1K context), `all` also each MoE's shared expert on the side stream beside the "
-    "router and the routed gate/up, `off` one stream. Bit-identical.")
+    "model and printed): `on` captures each attention sub-layer's kv norm + compressor launches "
+    "on a side stream and (CSA layers) the indexer + candidate list on a second one, beside the "
+    "wq_b GEMV (fork / join events; the eager step stays on one stream); `single` the former "
+    "`on` (one side branch for kv, indexer and compressor, candidates after the join; measured "
+    "on 2x H200 at ebde157: 8.30 vs 8.44 ms per token for `off`, bf16 dense, 1K context), kept "
+    "for A/B; `all` = `on` plus each MoE's shared expert on the side stream beside the router "
+    "and the routed gate/up; `off` one stream. Bit-identical.")
 SEAM_HC_SPLIT = Seam(
     "hc_split", "MEMRA_DSV4_HC_SPLIT", "on", ("off", "on"),
     "Sub-layer boundaries of the `device` decode step (memra_dsv4.gpu.step_device, read once per "
@@ -175,14 +177,15 @@ SEAM_PREFILL_DISPATCH = Seam(
     "items, from the device ids and the FP4 GEMMs launch over an upper bound of work items: "
     "nothing read back; bit-identical to `host`).")
 SEAM_PREFILL_PIPELINE = Seam(
-    "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on", "coop"),
-    "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `off` "
-    "(the whole prompt as one chunk: one boundary copy per stage boundary), `on` (prompts of "
-    ">= 2048 tokens cut into 4 chunks that flow through the stages with one host thread per "
-    "stage, so the stages overlap; bit-identical to running those chunks one after another, "
-    "bf16-class against the whole-prompt chunk; needs peer access, else `off`) or `coop` (the "
-    "same chunks and bits as `on` from one host thread that interleaves the stages layer by "
-    "layer: no GIL contention between stage threads).")
+    "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "coop", ("off", "on", "coop"),
+    "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `coop` "
+    "(prompts of >= 2048 tokens cut into up to gpu.pipeline.N_CHUNKS chunks of >= 1024 tokens "
+    "that flow through the stages from one host thread interleaving the stages layer by layer, "
+    "so the stages overlap; bit-identical to running those chunks one after another, bf16-class "
+    "against the whole-prompt chunk; needs peer access, else the whole prompt as one chunk; "
+    "measured on 2x H200 at 939a250, 8K tokens: 1,004 ms at 4 chunks vs 1,430 ms `off`), `on` "
+    "(the same chunks and bits with one host thread per stage: GIL-bound, 1,127 ms at 2 chunks) "
+    "or `off` (the whole prompt as one chunk: one boundary copy per stage boundary).")
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")

@@ -204,12 +204,12 @@ def test_routed_moe_refuses_device_dispatch_for_blaslt():
 
 
 def test_prefill_pipeline_seam_and_plan(monkeypatch):
-    """MEMRA_DSV4_PREFILL_PIPELINE: off (default) | on | coop; the chunk plan: none for one stage or
+    """MEMRA_DSV4_PREFILL_PIPELINE: off | on | coop (default); the chunk plan: none for one stage or
     short prompts, else 4 chunks of whole 64-token multiples (the last takes the rest)."""
     from types import SimpleNamespace
     from memra_dsv4.gpu import pipeline as PL
     s = seams.SEAMS["prefill_pipeline"]
-    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_PIPELINE", "off", ("off", "on", "coop"))
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_PIPELINE", "coop", ("off", "on", "coop"))
     monkeypatch.setenv("MEMRA_DSV4_PREFILL_PIPELINE", "yes")
     with pytest.raises(ValueError, match="MEMRA_DSV4_PREFILL_PIPELINE.*'yes'.*off, on, coop"):
         seams.resolve("prefill_pipeline")

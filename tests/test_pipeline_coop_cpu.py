@@ -129,11 +129,13 @@ def test_schedule_error_in_start_propagates():
 
 
 # ------------------------------------------------------------------------------ the seam
-def test_seam_allows_coop_default_off(monkeypatch):
+def test_seam_allows_coop_default_coop(monkeypatch):
     s = seams.SEAMS["prefill_pipeline"]
-    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_PIPELINE", "off",
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_PREFILL_PIPELINE", "coop",
                                              ("off", "on", "coop"))
     monkeypatch.delenv("MEMRA_DSV4_PREFILL_PIPELINE", raising=False)
+    assert seams.resolve("prefill_pipeline") == "coop"
+    monkeypatch.setenv("MEMRA_DSV4_PREFILL_PIPELINE", "off")
     assert seams.resolve("prefill_pipeline") == "off"
     monkeypatch.setenv("MEMRA_DSV4_PREFILL_PIPELINE", "coop")
     assert seams.resolve("prefill_pipeline") == "coop"

@@ -100,6 +100,9 @@ class DeviceStep:
                 # and its fork / join events, made before any capture
                 S.side = cp.cuda.Stream(non_blocking=True)
                 S.fork = graphs.Fork(S.stream, S.side)
+                # CSA layers: the indexer + candidates on a second side stream (_attention)
+                S.side2 = cp.cuda.Stream(non_blocking=True)
+                S.fork3 = graphs.Fork(S.stream, S.side, S.side2)
                 # the hc Sinkhorn branch (seam MEMRA_DSV4_HC_SPLIT, graphs only): its own side
                 # stream, so it never queues behind the attention fork's launches
                 S.hc_side = cp.cuda.Stream(non_blocking=True)
@@ -203,9 +206,11 @@ class DeviceStep:
 
     def fork_form(self) -> str:
         """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; its default when the model has none),
-        validated: "on" captures the attention sub-layer's kv / indexer / compressor launches on
-        a side stream beside wq_b, "all" also the shared expert beside the router and the routed
-        gate/up (graphs only; the eager step stays one stream)."""
+        validated: "on" captures the attention sub-layer's kv / compressor launches on a side
+        stream and (CSA) the indexer + candidates on a second one, beside wq_b; "single" the
+        former "on" (one side branch, candidates after the join; for A/B); "all" = "on" plus the
+        shared expert beside the router and the routed gate/up (graphs only; the eager step
+        stays one stream)."""
         from memra_dsv4.seams import SEAM_DECODE_FORK
         value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
         return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
@@ -268,8 +273,9 @@ class DeviceStep:
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
-        sub-layer's kv / indexer / compressor launches on the stage's side stream (_attention),
-        "all": also the shared expert of each MoE (_moe); ``hc_split``: each boundary's
+        sub-layer's kv / compressor launches on the stage's side stream and the indexer +
+        candidates on its second side stream (_attention), "single": all of them on the side
+        stream, "all": "on" plus the shared expert of each MoE (_moe); ``hc_split``: each boundary's
         Sinkhorn launch on the stage's hc side stream (_hc_pre)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
@@ -283,7 +289,7 @@ class DeviceStep:
         phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
         try:
             for S in self.stages:
-                self._forking = fork if fork in ("on", "all") else ""
+                self._forking = fork if fork in ("on", "all", "single") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
                 S.hc_pending = False
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
@@ -497,45 +503,79 @@ class DeviceStep:
                 DK.gemv_bf16(w, qr, q, scale=sc)
                 RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
 
-        def kv_path():   # reads xn's projections (multi) and the normed qr (indexer), not q
+        csa = bool(L.ratio) and L.kind == "csa"
+        if csa:
+            K = W + min(cfg.index_topk, cache.idx_keys.shape[0])   # = W + sel.size (_indexer)
+        else:
+            K = W + (cache.comp.shape[0] if L.ratio else 0)
+        cand = v["attn.cand"][:K]
+
+        def kv_path():   # reads xn's projections (multi), not q: the ring row and the compressor
             kvraw = v["dev.kvraw"].reshape(1, hd)
             with phase(f"{ap}/kv"):  # norm + RoPE + FP8 sim straight into ring row pos % W
                 CM.norm_rope_sim(kvraw, L.f32["attn.kv_norm.weight"], eps, L.cos, L.sin, pos,
                                  "fp8", out=cache.ring, emit_gate=(pos, W), row="ring")
-            sel, K = None, W
             if L.ratio:
-                if L.kind == "csa":
-                    with phase(f"{ap}/indexer"):
-                        sel = self._indexer(S, L, cache)
-                    K = W + sel.size
-                else:
-                    K = W + cache.comp.shape[0]
                 with phase(f"{ap}/compressor"):
                     self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
-            return sel, K
 
-        if self._forking in ("on", "all"):
-            # Captured as two graph branches: wq_b (a bandwidth-bound GEMV) beside the
-            # latency-bound kv / indexer / compressor launches; they share no buffer, so the
-            # values are those of the one-stream order.  The join makes the attention wait for
-            # both.
+        def sel_path(cands: bool = True):  # the indexer (CSA; reads the normed qr and xn's
+            sel = None                     # projections) and the candidate list (split form;
+            if csa:                        # it needs only pos and sel)
+                with phase(f"{ap}/indexer"):
+                    sel = self._indexer(S, L, cache)
+                assert K == W + sel.size, f"candidate width {K} != {W} + {sel.size}"
+            if cands and attn != "fused":
+                with phase(f"{ap}/sparse_attention"):
+                    DK.build_cand(pos, cand, W, L.ratio, sel)
+            return sel
+
+        if self._forking == "single":   # the former layout (seam value kept for A/B)
             S.fork.fork()
             with S.side:
-                sel, K = kv_path()
+                kv_path()
+                sel = sel_path(cands=False)
             q_path()
             S.fork.join()
+            if attn != "fused":
+                with phase(f"{ap}/sparse_attention"):
+                    DK.build_cand(pos, cand, W, L.ratio, sel)
+        elif self._forking in ("on", "all"):
+            # Captured as graph branches beside wq_b (a bandwidth-bound GEMV; q path on
+            # S.stream): the latency-bound kv ring + compressor launches on S.side and the
+            # indexer + build_cand on S.side2 (CSA layers; else the candidates follow the kv
+            # launches on S.side).  Until the seventh session the kv, indexer and compressor launches were
+            # one side branch, longer than the q path on CSA layers (~26 vs ~20 us of kernels);
+            # build_cand ran after the join.  The branches share no buffer (kv: dev.kvraw ->
+            # ring, comp_state -> comp; indexer: qr, idx.w, idx_state -> idx_keys, idx.q,
+            # dev.idx_scores, idx.sel -> attn.cand; q: qr -> attn.q), so the values are those of
+            # the one-stream order.  The join makes the attention wait for all of them.
+            if csa:
+                S.fork3.fork()
+                with S.side:
+                    kv_path()
+                with S.side2:
+                    sel = sel_path()
+                q_path()
+                S.fork3.join()
+            else:
+                S.fork.fork()
+                with S.side:
+                    kv_path()
+                    sel = sel_path()
+                q_path()
+                S.fork.join()
         else:
             q_path()
-            sel, K = kv_path()
+            kv_path()
+            sel = sel_path()
         o = v["attn.o"].reshape(1, H, hd)
         sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
         with phase(f"{ap}/sparse_attention"):
             if attn == "fused":  # build_cand + split + combine in one launch
                 AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
                                            out=o, workspace=v["dev.attn_ws"], inverse_rope=rope)
-            else:                # "split": build_cand, then the split kernel + combine
-                cand = v["attn.cand"][:K]
-                DK.build_cand(pos, cand, W, L.ratio, sel)
+            else:                # "split": the split kernel + combine over cand (sel_path)
                 AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
                                     n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope)
         with phase(f"{ap}/output"):
