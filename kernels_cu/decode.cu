@@ -17,7 +17,8 @@
 //                 below), incl. the compressor's pending-row write + ape (what pending_write +
 //                 add_ape do).
 // gemv_bf16_swiglu_p{1,2}: shared-expert gate/up GEMVs + clamped SwiGLU in one launch (P
-//                 outputs, 2P rows, per warp).
+//                 outputs, 2P rows, per warp).  Variants _p1t2 / _p2t2, _multi_r1t2 / _r4t2: bf16
+//                 rows two trips at once (same bits).
 // Variants of the three (same bits, speed only; picked by ops_decode's selection, the defaults
 //                 above unchanged): gemv_bf16_r{1,2}t2, gemv_fp8_r1t4 / r2t2 / r2t4 (more warps,
 //                 more trips of loads at once) and the TMA bulk streaming kernels
@@ -414,7 +415,7 @@ DEV void gemv_multi_prefetch(const GemvSeg* __restrict__ segs, int nseg, int K) 
     if (r0 < n) l2_prefetch_rows(g.w, r0, min(R, n - r0), (u64)K * (g.scale != nullptr ? 1 : 2));
 }
 
-template <int R, int T8>
+template <int R, int T8, int TB = 1>
 DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x,
                          int K, const int* __restrict__ pos) {
     static_assert(128 % R == 0, "R must divide the 128-row scale block");
@@ -438,7 +439,7 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
 #pragma unroll
         for (int j = 0; j < R; ++j) wr[j] = w_row<false>(g.w, min(r0 + j, n - 1), K);
         const u8* sr[1] = {nullptr};
-        warp_rows_dot<false, R, 1>(wr, sr, x, K, lane, acc);
+        warp_rows_dot<false, R, 1, TB>(wr, sr, x, K, lane, acc);
     }
     if (lane != 0) return;
     store_seg_rows<R>(g, n, r0, pos, acc);
@@ -457,7 +458,7 @@ DEV void gemv_swiglu_prefetch(const void* W1, const void* W3, bool fp8, int O, i
     l2_prefetch_rows(W3, o0, min(P, O - (int)o0), rowb);
 }
 
-template <int P, int T8>
+template <int P, int T8, int TB = 1>
 DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1,
                           const void* __restrict__ W3, const u8* __restrict__ S3, int ld_s,
                           const u16* __restrict__ x, u16* __restrict__ h, int O, int K,
@@ -483,7 +484,7 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
             wr[P + j] = w_row<false>(W3, min(o0 + j, O - 1), K);
         }
         const u8* sr[2] = {nullptr, nullptr};
-        warp_rows_dot<false, 2 * P, 2>(wr, sr, x, K, lane, acc);
+        warp_rows_dot<false, 2 * P, 2, TB>(wr, sr, x, K, lane, acc);
     }
     if (lane != 0) return;
 #pragma unroll
@@ -498,29 +499,36 @@ DEV void gemv_swiglu_rows(const void* __restrict__ W1, const u8* __restrict__ S1
 // R rows per warp, FP8 projections T8 trips at once; grid = ceil(segs[nseg].warp0 / GEMV_WARPS)
 // CTAs of GEMV_THREADS.  (The device step's tables have ~1000 warps of 4 rows, all resident at
 // 8 warps per SM, so the 3-CTA bound that T8 = 2 needs costs no occupancy there.)
-#define GEMV_MULTI_KERNEL(NAME, R, T8, MINB)                                                       \
+#define GEMV_MULTI_KERNEL(NAME, R, T8, TB, MINB)                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
          const int* __restrict__ pos) {                                                             \
         PDL_ENTRY_PREFETCH(gemv_multi_prefetch<R>(segs, nseg, K));                                 \
-        gemv_multi_rows<R, T8>(segs, nseg, x, K, pos);                                             \
+        gemv_multi_rows<R, T8, TB>(segs, nseg, x, K, pos);                                         \
     }
-GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, GEMV_MINB)
-GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 3)
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r1, 1, 1, 1, GEMV_MINB)
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 1, 3)
+// Variants (same bits; bf16 rows TB trips at once): the step's multi table has ~1040 warps of
+// 4 rows, i.e. ~8 warps per SM, so its bytes in flight per SM are set by the warps' own depth.
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r4t2, 4, 2, 2, 2)   // 2 trips of 4 bf16 rows: 254 registers
+GEMV_MULTI_KERNEL(gemv_bf16_multi_r1t2, 1, 2, 2, GEMV_MINB)
 
 // h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no routing weight): the bits of
 // gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.  W1, W3 both bf16 or both fp8 (S1, S3);
 // P outputs per warp, FP8 T8 trips at once (2048 outputs: 1024 warps at P = 2, all resident).
-#define GEMV_SWIGLU_KERNEL(NAME, P, T8, MINB)                                                      \
+#define GEMV_SWIGLU_KERNEL(NAME, P, T8, TB, MINB)                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W1, const u8* __restrict__ S1, const void* __restrict__ W3,      \
          const u8* __restrict__ S3, int ld_s, const u16* __restrict__ x, u16* __restrict__ h,      \
          int O, int K, double limit) {                                                              \
         PDL_ENTRY_PREFETCH(gemv_swiglu_prefetch<P>(W1, W3, S1 != nullptr, O, K));                  \
-        gemv_swiglu_rows<P, T8>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                          \
+        gemv_swiglu_rows<P, T8, TB>(W1, S1, W3, S3, ld_s, x, h, O, K, limit);                      \
     }
-GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, GEMV_MINB)
-GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 3)
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1, 1, 1, 1, GEMV_MINB)
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 1, 3)
+// Variants (same bits; bf16 rows TB trips at once): 2048 outputs at P = 2 are ~8 warps per SM.
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1t2, 1, 2, 2, GEMV_MINB)   // 2 rows x 2 trips, 16 warps / SM
+GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2t2, 2, 2, 2, 2)           // 4 rows x 2 trips: 254 registers
 
 // ------------------------------------------------ dense GEMV variants: TMA bulk-copy streaming
 // gemv_{bf16,fp8}_bulk_r{R}s{S}, gemv_bf16_multi_bulk_r{R}s{S}, gemv_bf16_swiglu_bulk_p{P}s{S}:

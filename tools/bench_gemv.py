@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                 tabs = {R: DK.GemvTable(segs, 4096, rows_per_warp=R) for R in DK.MULTI_ROWS}
 
                 def call_multi(vn, tabs=tabs):
-                    R = 4 if vn == "default" else int(vn.split("_r")[1].split("s")[0])
+                    R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
                     DK.gemv_bf16_multi(tabs[R], xm, pos, variant=vn)
                 add_variants("multi", form == "fp8", f"gemv_bf16_multi {form} attn group [4160x4096]",
                              (2 if form == "bf16" else 1) * tabs[4].rows * 4096, call_multi,

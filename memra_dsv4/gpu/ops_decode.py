@@ -45,6 +45,9 @@ GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)),     # (R, T) i
                  True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (1, 4), (2, 2), (2, 4))}
 MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
+# (R | P, bf16 trips at once) instantiated: gemv_bf16_multi_r{R}[t{T}], gemv_bf16_swiglu_p{P}[t{T}]
+MULTI_VARIANTS = ((1, 1), (4, 1), (1, 2), (4, 2))
+SWIGLU_VARIANTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # TMA bulk streaming kernels (decode.cu gb_stream): (R | P, stages S, launch-bounds min CTAs)
 GEMV_BULK = {False: ((1, 4, 4), (2, 4, 3), (4, 3, 2)),   # gemv_bf16_bulk_r{R}s{S}
              True: ((1, 8, 4), (2, 4, 4), (4, 4, 3))}    # gemv_fp8_bulk_r{R}s{S}
@@ -107,7 +110,8 @@ def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
 
 
 GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
-    tuple(f"gemv_bf16_multi_r{r}" for r in MULTI_ROWS) + tuple(f"gemv_bf16_swiglu_p{p}" for p in SWIGLU_OUTS) + \
+    tuple(f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") for r, t in MULTI_VARIANTS) + \
+    tuple(f"gemv_bf16_swiglu_p{p}" + (f"t{t}" if t > 1 else "") for p, t in SWIGLU_VARIANTS) + \
     tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
     tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK)
@@ -122,10 +126,10 @@ def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
         reg = [f"r{r}t{t}" for r, t in GEMV_VARIANTS[fp8] if not (new_only and (r, t) in old)]
         return ("default", *reg, *(f"bulk_r{r}s{st}" for r, st, _ in GEMV_BULK[fp8]))
     if op == "multi":
-        return ("default", *(() if new_only else ("r1", "r4")),
+        return ("default", *(() if new_only else ("r1", "r4")), "r1t2", "r4t2",
                 *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK))
     if op == "swiglu":
-        return ("default", *(() if new_only else ("p1", "p2")),
+        return ("default", *(() if new_only else ("p1", "p2")), "p1t2", "p2t2",
                 *(f"bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK))
     raise ValueError(f"gemv op {op!r}: plain, multi or swiglu")
 
@@ -193,7 +197,8 @@ KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending
                           "pending_advance", "build_cand")
 kernel_loader.register(STEM, KERNELS)
 
-__all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "gemv_default_variant",
+__all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
+           "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
@@ -353,18 +358,22 @@ def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None):
     explicit = variant is not None
     if variant is None:
         variant = gemv_selected("multi", table.fp8, table.cls)
+    T = 1
     if variant is not None and variant != "default":
         bulk, R, S = _parse_variant(variant, "r")
-        ok = R == table.R and (not bulk or (any(r == R and st == S for r, st, _ in MULTI_BULK)
-                                            and _bulk_ok(table.K, table.fp8)))
+        ok = R == table.R and (any(r == R and st == S for r, st, _ in MULTI_BULK)
+                               and _bulk_ok(table.K, table.fp8) if bulk
+                               else (R, S) in MULTI_VARIANTS)
         assert ok or not explicit, f"gemv_bf16_multi: variant {variant!r} not available (table R {table.R}, K {table.K})"
         if ok and bulk:
             minb = next(m for r, st, m in MULTI_BULK if r == R and st == S)
             _bulk_launch(f"gemv_bf16_multi_bulk_r{R}s{S}", table.warps, R, S, 2048, minb,
                          (table.table, i32(table.nseg), x, i32(table.K), pos))
             return
-    kernel(STEM, f"gemv_bf16_multi_r{table.R}")(_gemv_grid(table.warps), (32 * GEMV_WARPS,),
-                                                (table.table, i32(table.nseg), x, i32(table.K), pos))
+        if ok:
+            T = S   # the register kernel's bf16 trips (FP8 rows keep the kernel's own depth)
+    kernel(STEM, f"gemv_bf16_multi_r{table.R}" + (f"t{T}" if T > 1 else ""))(
+        _gemv_grid(table.warps), (32 * GEMV_WARPS,), (table.table, i32(table.nseg), x, i32(table.K), pos))
 
 
 def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
@@ -382,12 +391,13 @@ def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
     assert x.size == K and h.size == O and K % 8 == 0, f"gemv_bf16_swiglu: x {x.size}, h {h.size}"
     fp8 = bool(w1.dtype == np.uint8)
     explicit = variant is not None
+    T = 1
     if variant is None and outs_per_warp is None:
         variant = gemv_selected("swiglu", fp8, gemv_shape_class(2 * O, K))
     if variant is not None and variant != "default":
         bulk, P, S = _parse_variant(variant, "p")
         ok = (any(p == P and st == S for p, st, _ in SWIGLU_BULK) and _bulk_ok(K, fp8)) if bulk \
-            else P in SWIGLU_OUTS
+            else (P, S) in SWIGLU_VARIANTS
         assert ok or not explicit, f"gemv_bf16_swiglu: variant {variant!r} not available (K {K})"
         if ok and bulk:
             minb = next(m for p, st, m in SWIGLU_BULK if p == P and st == S)
@@ -395,13 +405,14 @@ def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,
                          (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
             return
         if ok:
-            outs_per_warp = P
+            outs_per_warp, T = P, S
     if outs_per_warp is None:
         outs_per_warp = 2
     assert outs_per_warp in SWIGLU_OUTS, f"gemv_bf16_swiglu: outs_per_warp {outs_per_warp} not in {SWIGLU_OUTS}"
     P = int(outs_per_warp)
-    kernel(STEM, f"gemv_bf16_swiglu_p{P}")(_gemv_grid(-(-O // P)), (32 * GEMV_WARPS,),
-                                           (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
+    kernel(STEM, f"gemv_bf16_swiglu_p{P}" + (f"t{T}" if T > 1 else ""))(
+        _gemv_grid(-(-O // P)), (32 * GEMV_WARPS,),
+        (a1, s1, a3, s3, ld, x, h, i32(O), i32(K), np.float64(limit)))
 
 
 def embed_gather(tok, embed, streams):

@@ -65,6 +65,7 @@ class _Stage:
 class DeviceStep:
     def __init__(self, model, max_seq_len: int) -> None:
         import cupy as cp
+        import cupyx
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.arena import Arena
         from memra_dsv4.gpu.step import step_ws_plan
@@ -78,6 +79,7 @@ class DeviceStep:
         # device-hostmath: the same launches except the four islands (gpu.hostmath), eager
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
+        self._logits_host = None   # pinned [vocab] f32 of the readback (made on first use)
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
         self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
@@ -94,7 +96,10 @@ class DeviceStep:
                 if 4 not in S.ratios and len(S.ratios) < 4:
                     S.ratios = S.ratios + [4]
                 assert len(S.ratios) <= 4, f"stage {si}: ratios {S.ratios} (at most 4)"
-                S.host = np.zeros(2, np.int32)
+                # token / position for the step's two 4-byte uploads: pinned, so memcpyAsync
+                # enqueues without a staging copy (rewritten only after the previous step's
+                # final synchronize, when its uploads have run)
+                S.host = cupyx.zeros_pinned(2, np.int32)
                 S.event = cp.cuda.Event(disable_timing=True)
                 # the attention fork (seam MEMRA_DSV4_DECODE_FORK, graphs only): a side stream
                 # and its fork / join events, made before any capture
@@ -145,6 +150,7 @@ class DeviceStep:
     # ------------------------------------------------------------------ the step
     def step(self, state, token: int, graph: bool = True):
         import cupy as cp
+        import cupyx
         rt = cp.cuda.runtime
         if state.max_seq_len != self.msl:
             raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
@@ -198,9 +204,17 @@ class DeviceStep:
             finally:
                 self._hc_split = False
         last = self.stages[-1]
-        last.stream.synchronize()
+        # the token readback (the step's one host wait): D2H on the last stage's stream into a
+        # pinned buffer (no driver staging of a pageable destination), then a host copy, since
+        # the buffer is rewritten by the next step and the caller keeps the returned array
+        src = last.v["head.logits"]
+        if self._logits_host is None or self._logits_host.size != src.size:
+            self._logits_host = cupyx.empty_pinned(src.shape, src.dtype)
         with cp.cuda.Device(last.dev):
-            logits = cp.asnumpy(last.v["head.logits"])
+            rt.memcpyAsync(self._logits_host.ctypes.data, src.data.ptr, src.nbytes,
+                           rt.memcpyDeviceToHost, last.stream.ptr)
+        last.stream.synchronize()
+        logits = self._logits_host.copy()
         state.pos = pos + 1
         return logits
 
