@@ -107,6 +107,7 @@ def test_every_variant_launches(fake_launch):
 def test_selection_order_and_fallback(fake_launch, monkeypatch):
     fake, DK, launched = fake_launch
     A = fake.asarray
+    monkeypatch.setattr(DK, "GEMV_SELECT", {})   # the mechanism on an empty table (shipped pick: below)
     assert DK.gemv_selected("plain", True, "large") is None           # nothing selected: defaults
     monkeypatch.setitem(DK.GEMV_SELECT, "plain.fp8", "bulk_r4s4")
     monkeypatch.setitem(DK.GEMV_SELECT, "plain.fp8.small", "r2t4")
@@ -132,3 +133,35 @@ def test_selection_order_and_fallback(fake_launch, monkeypatch):
         DK.gemv_selected("plain", True, "large")
     with pytest.raises(ValueError, match="gemv variant"):
         DK._parse_variant("bulk_q4", "r")
+
+
+def test_shipped_pick_launches(fake_launch, monkeypatch):
+    """GEMV_SELECT as shipped (the 57a2c0d measurement): which kernel each step GEMV launches
+    when nothing overrides it; the fp8 multi table and fp8 large GEMVs keep the defaults."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    monkeypatch.delenv(DK.GEMV_VARIANT_ENV, raising=False)
+    cases = [((1024, 4096), np.uint16, "gemv_bf16_r1t2"),      # wq_a: small bf16
+             ((32768, 1024), np.uint16, "gemv_bf16_r2t2"),     # wq_b: large bf16
+             ((1024, 4096), np.uint8, "gemv_fp8_r2t2"),        # small fp8
+             ((32768, 1024), np.uint8, "gemv_fp8_r8")]         # large fp8: default (K < 2048)
+    for (O, K), dt, name in cases:
+        w = A(np.zeros((O, K), dt))
+        kw = {"scale": A(np.zeros((-(-O // 128), -(-K // 128)), np.uint8))} if dt == np.uint8 else {}
+        DK.gemv_bf16(w, A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)), **kw)
+        assert launched[-1][0] == name, (O, K, dt, launched[-1][0])
+    K = 4096
+    tab = DK.GemvTable([(A(np.zeros((o, K), np.uint16)), A(np.zeros(o, np.float32))) for o in (1024, 512)], K)
+    assert tab.R == 1
+    DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)))
+    assert launched[-1][0] == "gemv_bf16_multi_r1t2"
+    tab8 = DK.GemvTable([((A(np.zeros((256, K), np.uint8)), A(np.zeros((2, 32), np.uint8))),
+                          A(np.zeros(256, np.uint16)))], K)
+    assert tab8.R == 4
+    DK.gemv_bf16_multi(tab8, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)))
+    assert launched[-1][0] == "gemv_bf16_multi_r4"
+    for dt, kw in ((np.uint16, {}), (np.uint8, {"scale1": A(np.zeros((16, 32), np.uint8)),
+                                               "scale3": A(np.zeros((16, 32), np.uint8))})):
+        w = A(np.zeros((2048, K), dt))
+        DK.gemv_bf16_swiglu(w, w, A(np.zeros(K, np.uint16)), A(np.zeros(2048, np.uint16)), 10.0, **kw)
+        assert launched[-1][0] == "gemv_bf16_swiglu_p1t2"

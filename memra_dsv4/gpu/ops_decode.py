@@ -12,7 +12,9 @@ for FP8 rows, K <= 8192).  Measured on the H200 (6089d42, ``tools/bench_gemv.py 
 --variants``, L2 flushed): every variant bit-identical to the default; the bulk kernels slower
 on every shape (wq_b bf16 24.3 vs 19.9 us, fp8 19.4 vs 13.4 us), the register variants 0.5-2 us
 faster on the small shapes only, and no change of the whole step (8.49 vs 8.50 ms), so the
-defaults stay.  Which one a launch uses:
+defaults stayed.  At 57a2c0d, with the bf16 two-trip multi / swiglu kernels added, the pick of
+``--suggest`` took the step from 8.18 to 7.94 ms (bf16 dense) and 7.20 to 7.01 ms (fp8) in one
+process; it is GEMV_SELECT below.  Which one a launch uses:
 
 * an explicit ``variant=`` argument (asserted eligible), else
 * ``MEMRA_DSV4_GEMV_VARIANT`` (bench / A-B runs only; read at every call): comma-separated
@@ -54,7 +56,12 @@ GEMV_BULK = {False: ((1, 4, 4), (2, 4, 3), (4, 3, 2)),   # gemv_bf16_bulk_r{R}s{
 MULTI_BULK = ((1, 8, 4), (4, 3, 2))                      # gemv_bf16_multi_bulk_r{R}s{S}
 SWIGLU_BULK = ((1, 4, 3), (2, 3, 2))                     # gemv_bf16_swiglu_bulk_p{P}s{S}
 # The lead's pick after a GPU measurement: {"op[.form[.cls]]": variant}; empty = the defaults.
-GEMV_SELECT: dict = {}
+# 57a2c0d on 2x H200 (bench/results/2026-11-30-nvidia-h200-57a2c0d-gemv.log: tools/bench_gemv.py
+# --dense-only --variants --suggest, L2 flushed; every variant bit-identical), then the step A/B
+# in one process (bench.decode_step --arms path=device+gemv=base,path=device+gemv=pick, 1K, 60
+# steps): bf16 dense 8.18 -> 7.94 ms, fp8 dense 7.20 -> 7.01 ms per token.
+GEMV_SELECT: dict = {"multi.bf16": "r1t2", "plain.bf16.large": "r2t2", "plain.bf16.small": "r1t2",
+                     "plain.fp8.small": "r2t2", "swiglu.bf16": "p1t2", "swiglu.fp8": "p1t2"}
 GEMV_VARIANT_ENV = "MEMRA_DSV4_GEMV_VARIANT"
 _SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small" (<= 16 MB bf16)
 
