@@ -1,12 +1,14 @@
 """Where the host time of a GPU prefill goes (cProfile of one warm forward).
 
-    python3 tools/profile_prefill_host.py --tokens 8192 --devices 0,1 [--top 40]
+    python3 tools/profile_prefill_host.py --tokens 8192 --devices 0,1 [--top 40] [--reps 3]
 
 The 8K prefill of synthetic Flash spends GPU-idle time between phases (bench.prefill at 6089d42:
 the attention phases' brackets sum to ~60 % of the attention time): the host enqueues slower
 than the GPUs run.  This loads the model, runs one warm-up forward, then one forward under
 cProfile, and prints the functions by own time and by cumulative time, plus the wall time of
 the profiled forward (cProfile itself adds overhead: read the shares, not the absolute times).
+``--reps N`` times N plain forwards first (each printed, then their median): the number to
+compare before / after a host-side change, when the host is what bounds the forward.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=1, help="plain forwards timed before profiling")
     a = ap.parse_args(argv)
     from memra_dsv4.gpu.model import Dsv4Gpu
     devices = tuple(int(d) for d in a.devices.split(","))
@@ -33,9 +36,14 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m.forward(ids)
     print(f"warm-up forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    t0 = time.perf_counter()
-    m.forward(ids)
-    print(f"plain forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    plain = []
+    for _ in range(max(1, a.reps)):
+        t0 = time.perf_counter()
+        m.forward(ids)
+        plain.append((time.perf_counter() - t0) * 1e3)
+        print(f"plain forward: {plain[-1]:.0f} ms")
+    if len(plain) > 1:
+        print(f"plain forward median of {len(plain)}: {float(np.median(plain)):.1f} ms")
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

@@ -28,12 +28,20 @@ Contract
   struct.  Build every plan at warmup, before capture: heuristics are host work and the first
   one in a process costs ~100 ms.  Plans sharing a workspace must run on one stream (their
   uses of it are ordered by that stream); give each concurrently used stream its own BlasLt.
+  ``BlasLt.plan_bf16_f32(m, n, k)`` is ``plan(GemmKey(m, n, k, "bf16", "bf16", "f32"))`` (the
+  linears of ops_glue.GemmBackend) memoised on the three ints: a hit skips the key's
+  construction, validation and dataclass hashing (~10 us of host time per linear, 855 linears
+  a 1K prefill forward); a miss builds the key, so an invalid shape raises its ValueError as
+  before; ``close`` empties it with the plans.
 * ``GemmPlan.run(w_ptr, x_ptr, y_ptr, stream, a_scale_ptr=None, b_scale_ptr=None)`` is the
   hot path: raw device pointers, alpha = 1 and beta = 0 as host fp32 arrays kept alive by the
   plan (pointer mode host), the plan's device must be current.  FP8 plans set the two scale
   pointers on the descriptor before each call (different layers, same plan).  It is
   capturable into a CUDA graph together with RawKernels (verified).  ``run_arrays`` is the
-  checked entry: it asserts shapes, dtypes, contiguity and device before calling ``run``.
+  checked entry: it asserts shapes, dtypes, contiguity and device before calling ``run``
+  (the checks' table is made once per plan, ``operand_specs``; an array's device is read as
+  ``arr.data.device_id``, which is what CuPy's ``arr.device.id`` returns, without making a
+  Device object).
 * Enum values come from nvmath's enums at runtime (``MatmulDescAttribute``,
   ``MatmulMatrixScale``, ``cublas.ComputeType``, ``nvmath.CudaDataType``...); attribute
   buffers take the dtype ``get_*_attribute_dtype`` reports.  CuPy and nvmath are imported
@@ -43,14 +51,16 @@ Contract
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = ["GemmKey", "GemmPlan", "BlasLt", "BlasLtError", "SUPPORTED", "DTYPE_ITEMSIZE",
-           "m_buckets", "bucket_for", "DEFAULT_WORKSPACE_BYTES", "SCALE_BLOCK"]
+           "m_buckets", "bucket_for", "DEFAULT_WORKSPACE_BYTES", "SCALE_BLOCK", "operand_specs"]
 
 DTYPE_ITEMSIZE = {"bf16": 2, "f32": 4, "e4m3": 1}
+STORAGE = {"bf16": np.dtype(np.uint16), "f32": np.dtype(np.float32), "e4m3": np.dtype(np.uint8)}
 SCALE_MODES = ("none", "blk128x128", "vec128")
 EPILOGUES = ("none",)
 SCALE_BLOCK = 128
@@ -199,11 +209,32 @@ class GemmKey:
         return 2 * self.batch * self.m * self.n * self.k
 
 
+def operand_specs(key: GemmKey) -> tuple:
+    """run_arrays' checks of (W, X, Y): (label, shape, storage dtype, logical dtype, exact) each.
+    W must be exactly [N, K]; X and Y may have spare rows beyond M (bucket padding).  Batched:
+    every operand exactly [batch, rows, cols] (the strides are fixed in the plan)."""
+    specs = [("w", key.w_shape, key.a_dtype, True),
+             ("x", key.x_shape, key.b_dtype, False),
+             ("y", key.y_shape, key.d_dtype, False)]
+    if key.batch > 1:
+        specs = [(label, (key.batch,) + shape, dt, True) for label, shape, dt, _ in specs]
+    return tuple((label, shape, STORAGE[dt], dt, exact) for label, shape, dt, exact in specs)
+
+
 # ------------------------------------------------------------------------ GPU side
 def _lt():
     from nvmath.bindings import cublasLt
 
     return cublasLt
+
+
+def _current_device() -> int:
+    """cupy.cuda.runtime.getDevice(), with CuPy taken from sys.modules (an import statement per
+    GEMM costs ~0.4 us of host time)."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        import cupy as cp
+    return cp.cuda.runtime.getDevice()
 
 
 def _cuda_dtype(logical: str) -> int:
@@ -240,11 +271,20 @@ class BlasLt:
             self.handle = lt.create()
         self.version = int(lt.get_version())
         self._plans: dict[GemmKey, GemmPlan] = {}
+        self._bf16_f32: dict[tuple[int, int, int], GemmPlan] = {}   # plan_bf16_f32's memo
 
     def plan(self, key: GemmKey) -> "GemmPlan":
         p = self._plans.get(key)
         if p is None:
             p = self._plans[key] = GemmPlan(key, self)
+        return p
+
+    def plan_bf16_f32(self, m: int, n: int, k: int) -> "GemmPlan":
+        """``plan(GemmKey(m, n, k, "bf16", "bf16", "f32"))``, memoised on (m, n, k) (module doc):
+        the same plan object ``plan`` caches for that key."""
+        p = self._bf16_f32.get((m, n, k))
+        if p is None:
+            p = self._bf16_f32[(m, n, k)] = self.plan(GemmKey(m, n, k, "bf16", "bf16", "f32"))
         return p
 
     def build_all(self, keys) -> list["GemmPlan"]:
@@ -258,6 +298,7 @@ class BlasLt:
         for p in self._plans.values():
             p.close()
         self._plans.clear()
+        self._bf16_f32.clear()   # its plans were closed just above
         if getattr(self, "handle", None):
             _lt().destroy(self.handle)
             self.handle = 0
@@ -280,6 +321,7 @@ class GemmPlan:
 
         lt = _lt()
         self.key = key
+        self._specs = operand_specs(key)   # run_arrays' checks, made once
         self._ctx = lt_ctx   # keeps the handle and the workspace alive as long as the plan
         self.device_id = lt_ctx.device_id
         self.handle = lt_ctx.handle
@@ -412,45 +454,38 @@ class GemmPlan:
                      getattr(stream, "ptr", stream))
 
     def run_arrays(self, w, x, y, stream, a_scale=None, b_scale=None) -> None:
-        """``run`` with every operand checked: shapes, storage dtypes, contiguity, device."""
-        import cupy
-
+        """``run`` with every operand checked: shapes, storage dtypes, contiguity, device
+        (``operand_specs``; the same checks and messages as the loop over a fresh table)."""
         key = self.key
-        storage = {"bf16": np.uint16, "f32": np.float32, "e4m3": np.uint8}
-        # W must be exactly [N, K]; X and Y may have spare rows beyond M (bucket padding).
-        # Batched: every operand exactly [batch, rows, cols] (the strides are fixed in the plan).
-        checks = [("w", w, key.w_shape, key.a_dtype, True),
-                  ("x", x, key.x_shape, key.b_dtype, False),
-                  ("y", y, key.y_shape, key.d_dtype, False)]
-        if key.batch > 1:
-            checks = [(label, arr, (key.batch,) + shape, dt, True)
-                      for label, arr, shape, dt, _ in checks]
-        for label, arr, shape, dt, exact in checks:
-            ok_shape = arr.shape == shape if exact else (
-                arr.ndim == 2 and arr.shape[1] == shape[1] and arr.shape[0] >= shape[0])
+        dev = self.device_id
+        for (label, shape, storage, dt, exact), arr in zip(self._specs, (w, x, y)):
+            ashape = arr.shape
+            ok_shape = ashape == shape if exact else (
+                len(ashape) == 2 and ashape[1] == shape[1] and ashape[0] >= shape[0])
             if not ok_shape:
-                raise BlasLtError(f"{key.label}: {label} has shape {arr.shape}, expected "
+                raise BlasLtError(f"{key.label}: {label} has shape {ashape}, expected "
                                   f"{'' if exact else '>= '}{shape}")
-            if arr.dtype != storage[dt]:
+            if arr.dtype != storage:
                 raise BlasLtError(f"{key.label}: {label} stored as {arr.dtype}, expected "
-                                  f"{np.dtype(storage[dt])} ({dt})")
+                                  f"{storage} ({dt})")
             if not arr.flags.c_contiguous:
                 raise BlasLtError(f"{key.label}: {label} is not C-contiguous")
-            if arr.device.id != self.device_id:
-                raise BlasLtError(f"{key.label}: {label} is on device {arr.device.id}, plan on "
-                                  f"{self.device_id}")
-        if cupy.cuda.runtime.getDevice() != self.device_id:
-            raise BlasLtError(f"{key.label}: current device is {cupy.cuda.runtime.getDevice()}, "
-                              f"plan was built for {self.device_id}")
+            if arr.data.device_id != dev:   # = arr.device.id, without a Device object
+                raise BlasLtError(f"{key.label}: {label} is on device {arr.data.device_id}, plan "
+                                  f"on {dev}")
+        current = _current_device()
+        if current != dev:
+            raise BlasLtError(f"{key.label}: current device is {current}, "
+                              f"plan was built for {dev}")
         a_ptr = b_ptr = None
         if key.block_scaled:
             for label, arr, shape in (("a_scale", a_scale, key.a_scale_shape),
                                       ("b_scale", b_scale, key.b_scale_shape)):
                 if arr is None or arr.shape != shape or arr.dtype != np.float32 \
-                        or not arr.flags.c_contiguous or arr.device.id != self.device_id:
+                        or not arr.flags.c_contiguous or arr.data.device_id != dev:
                     got = None if arr is None else (arr.shape, str(arr.dtype))
                     raise BlasLtError(f"{key.label}: {label} must be contiguous float32 {shape} on "
-                                      f"device {self.device_id}, got {got}")
+                                      f"device {dev}, got {got}")
             a_ptr, b_ptr = a_scale.data.ptr, b_scale.data.ptr
         elif a_scale is not None or b_scale is not None:
             raise BlasLtError(f"{key.label}: scales given to an unscaled plan")

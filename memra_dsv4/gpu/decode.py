@@ -42,6 +42,10 @@ import numpy as np
 # The kernel modules the chunk routine launches register their kernels at import: imported here
 # so every name is registered before any module is built (no mid-run rebuild of a stem).
 from memra_dsv4.gpu import ops_decode as DK
+# ops_glue once here, not by an import statement in every per-layer method (no CuPy at import)
+from memra_dsv4.gpu import ops_glue as G
+from memra_dsv4.gpu.ops._common import contiguous
+from memra_dsv4.gpu.ops._common import cupy as _cupy
 from memra_dsv4.gpu.ops import attention as AT
 from memra_dsv4.gpu.ops import compressor as CM
 from memra_dsv4.gpu.ops import experts as EX
@@ -92,8 +96,13 @@ def _env_set() -> bool:
 
 
 def _cp():
-    import cupy
-    return cupy
+    return _cupy()   # sys.modules' cupy: no import statement per call (~0.4 us)
+
+
+def _f64(u16):
+    """model._f64, imported when called (only the unfused reference chains use it)."""
+    from memra_dsv4.gpu.model import _f64 as f64
+    return f64(u16)
 
 
 class ChunkBlock:
@@ -125,7 +134,6 @@ class ChunkBlock:
         Inside, the streams travel as bf16 bits through the hc kernels (kernels_cu/hc.cu, the
         device step's: hc_pre = mixes + Sinkhorn split + weighted sum, hc_post) and the norms
         through rmsnorm.cu: one pass each instead of the float64 CuPy islands of ops_glue."""
-        from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
         sb = G.bf16_bits(streams)   # exact: the streams are bf16-valued
@@ -155,8 +163,8 @@ class ChunkBlock:
         cp = _cp()
         b, cfg = self.b, self.cfg
         fn = b.w(f"hc_{sub}_fn")
-        fn = cp.ascontiguousarray(fn.astype(cp.float32, copy=not self.fused)
-                                  .reshape(fn.shape[0], -1))   # f32 already: no copy needed
+        fn = contiguous(fn.astype(cp.float32, copy=not self.fused)
+                        .reshape(fn.shape[0], -1))   # f32 already: no copy needed
         return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                          norm_eps=cfg.rms_norm_eps, n_split=1)
@@ -169,7 +177,6 @@ class ChunkBlock:
         order is DeviceStep._block's; hc_post runs alone (the step's hostmath branch does the
         same instead of its fused boundary)."""
         cp = _cp()
-        from memra_dsv4.gpu import ops_glue as G
         cfg = self.cfg
         D, hc = cfg.hidden_size, cfg.hc_mult
         sb = cp.ascontiguousarray(G.bf16_bits(streams)).reshape(1, hc, D)
@@ -312,8 +319,6 @@ class ChunkBlock:
         """(entries [nb, d] f32 bf16-valued, a, z) for positions p0..p0+S-1 given the pending
         rows ``cs`` (not modified); the twin of oracle.model._Layer.compress."""
         cp = _cp()
-        from memra_dsv4.gpu import ops_glue as G
-        from memra_dsv4.gpu.model import _f64
         b, cfg = self.b, self.cfg
         sub = "attn.indexer.compressor" if indexer else "attn.compressor"
         r = cs.ratio
@@ -359,7 +364,6 @@ class ChunkBlock:
         candidates_with_prev); rmsnorm_rope_bits; quant_sim.cu's block simulations on the bits
         (every step exact or one RNE: the chain's values on bf16-valued inputs).  The Hadamard
         stays ops_glue.hadamard (a float64 cupy.matmul: its order is cuBLAS's)."""
-        from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
         if cs.overlap:
             pa, pz = cs.prev_rows()
@@ -382,8 +386,6 @@ class ChunkBlock:
         (quant_sim.cu, indexer.cu).  Same roundings as the CuPy twins of ops_glue; the
         attention and index-score dots accumulate in f32 in the kernels' order (bf16 class)."""
         cp = _cp()
-        from memra_dsv4.gpu import ops_glue as G
-        from memra_dsv4.gpu.model import _f64
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
         S = x.shape[0]
@@ -449,8 +451,8 @@ class ChunkBlock:
             # long chunks: the tensor-core kernel (another fixed f32 dot order, same bf16-class
             # bound); short ones (verify drafts) keep the SIMT kernel of the device step
             sa_args = (qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
-                       cp.ascontiguousarray(cand, dtype=cp.int32),
-                       cp.ascontiguousarray(b.w("attn.attn_sink"), dtype=cp.float32), hd ** -0.5)
+                       contiguous(cand, dtype=cp.int32),
+                       contiguous(b.w("attn.attn_sink"), dtype=cp.float32), hd ** -0.5)
             if self.attn_kernel == "mma" and AT.mma_supported(S, H, hd):
                 ob = AT.sparse_attention_mma(*sa_args, inverse_rope=(ridx, cos, sin))
             else:
@@ -497,7 +499,6 @@ class ChunkBlock:
         top by score, ties -> lower index, written in ascending index order, -1 padded: the
         candidates' order; the capture ``attn.index.sel`` keeps the score order)."""
         cp = _cp()
-        from memra_dsv4.gpu import ops_glue as G
         b, cfg = self.b, self.cfg
         S = x.shape[0]
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
@@ -580,7 +581,6 @@ def _head_one(model, st, streams, io, msl: int):
     (hostmath.head_island), rmsnorm, head GEMV.  streams [1, hc, D] f32 -> logits f32 [vocab]."""
     cp = _cp()
     from memra_dsv4.gpu import hostmath as HM
-    from memra_dsv4.gpu import ops_glue as G
     from memra_dsv4.gpu.step_device import stage_views
     cfg = model.config
     D, hc = cfg.hidden_size, cfg.hc_mult

@@ -16,6 +16,13 @@ Contract
   loses per-kernel attributes); inside ``gpu.pdl.pdl_launches(True)`` it returns the
   kernel's cached ``PdlKernel`` wrapper instead (programmatic dependent launch).  A stem whose registered names grew after warmup is rebuilt
   on the next ``get``/``warm_all`` (announced at debug).
+* ``lookup(device_id, stem, name)`` is ``get_loader(device_id).get(stem, name)`` memoised per
+  (device, stem, name, PDL context on/off) in one process-wide dict: the op wrappers' path
+  (``gpu.ops._common.kernel``, ~1,400 lookups a 1K prefill forward), a hit being one dict
+  lookup.  It returns what ``get`` returns at that moment: the memo is emptied whenever a
+  module is built or rebuilt (``get`` then hands out the new module's kernels) and whenever a
+  loader is made, and it is bypassed (neither read nor filled) while ``KernelLoader.get`` is
+  replaced (``profiling.launches.record_launches`` wraps every lookup).
 * NVRTC options: ``-std=c++17 -arch=sm_90a -I<kernels_dir> -DMEMRA_DSV4_HEADERS=<hash>``.
     - ``-arch=sm_90a`` defines ``__CUDA_ARCH_FEAT_SM90_ALL`` (wgmma, setmaxnreg).  CuPy appends
       its own ``-arch=sm_90`` after ours; measured on CuPy 14.2 / H200, ours takes effect.
@@ -43,10 +50,10 @@ import re
 import sys
 import time
 
-from memra_dsv4.gpu import REPO_ROOT, default_cache_dir
+from memra_dsv4.gpu import REPO_ROOT, default_cache_dir, pdl
 from memra_dsv4.seams import SEAM_KERNELS_DIR, env_value
 
-__all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader",
+__all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader", "lookup",
            "nvrtc_options", "header_fingerprint", "configure_cache_dir", "KERNELS_DIR",
            "BASE_OPTIONS"]
 
@@ -186,6 +193,7 @@ class KernelLoader:
         self._modules[stem] = (names, module)
         for n, k in kernels.items():
             self._kernels[(stem, n)] = k
+        _LOOKUP.clear()   # get() now returns this module's kernels for the stem's names
         if _debug():
             print(f"memra_dsv4: {stem}.cu ready on device {self.device_id} in {ms:.1f} ms "
                   f"({len(names)} kernels)", file=sys.stderr)
@@ -204,7 +212,6 @@ class KernelLoader:
 
     def get(self, stem: str, name: str):
         """The RawKernel ``name`` of ``kernels_cu/<stem>.cu`` (cached, built at warmup)."""
-        from memra_dsv4.gpu import pdl
         if pdl.pdl_active():   # the device step's launches (gpu/pdl.py): same kernel, PDL launch
             w = self._pdl.get((stem, name))
             if w is None:
@@ -227,6 +234,9 @@ class KernelLoader:
 
 
 _LOADERS: dict[int, KernelLoader] = {}
+_GET = KernelLoader.get   # lookup() memoises only while KernelLoader.get is this function
+# (device, stem, name, PDL context) -> what get_loader(device).get(stem, name) returned
+_LOOKUP: dict[tuple, object] = {}
 
 
 def get_loader(device_id: int) -> KernelLoader:
@@ -234,4 +244,17 @@ def get_loader(device_id: int) -> KernelLoader:
     loader = _LOADERS.get(int(device_id))
     if loader is None:
         loader = _LOADERS[int(device_id)] = KernelLoader(device_id)
+        _LOOKUP.clear()
     return loader
+
+
+def lookup(device_id: int, stem: str, name: str):
+    """``get_loader(device_id).get(stem, name)``, memoised (module doc): the same object, a hit
+    costing one dict lookup instead of the loader's ~6 calls and an import statement."""
+    key = (device_id, stem, name, pdl.pdl_active())
+    k = _LOOKUP.get(key)
+    if k is None or KernelLoader.get is not _GET:
+        k = get_loader(device_id).get(stem, name)
+        if KernelLoader.get is _GET:   # a replaced get (launch recording) is asked every time
+            _LOOKUP[key] = k
+    return k

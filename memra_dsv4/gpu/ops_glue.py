@@ -45,11 +45,26 @@ __all__ = ["GemmBackend", "to_f32", "bf16_bits", "store", "rmsnorm", "rmsnorm_ro
            "dequant_fp4_bf16", "sort_key_desc"]
 
 _GEMM_MODE = env_value(SEAM_GEMM)  # validated against the seam registry (blaslt / cupy)
+_MODULES = sys.modules
 
 
 def _cp():
-    import cupy
-    return cupy
+    # sys.modules directly: an import statement costs ~0.4 us and this runs ~5,000 times a 1K
+    # prefill forward (tests replace this function, or put a stand-in in sys.modules)
+    cp = _MODULES.get("cupy")
+    if cp is None:
+        import cupy as cp
+    return cp
+
+
+def _on_device(x):
+    """cupy.asarray(x): x itself when it is a CuPy array on the current device (what asarray
+    returns for it: CuPy's _array_from_cupy_ndarray, same dtype, copy=None), without the ~2 us
+    of that call; anything else (host data, another device's array) goes through asarray."""
+    cp = _cp()
+    if isinstance(x, cp.ndarray) and x.data.device_id == cp.cuda.runtime.getDevice():
+        return x
+    return cp.asarray(x)
 
 
 # ------------------------------------------------------------------------- bf16 helpers
@@ -80,7 +95,7 @@ def _ew(name: str):
 def to_f32(u16):
     """bf16 bit patterns (uint16) -> float32, exact."""
     cp = _cp()
-    u16 = cp.asarray(u16)
+    u16 = _on_device(u16)
     if u16.dtype != cp.uint16:   # the historical formula for other integer storage
         return (u16.astype(cp.uint32) << 16).view(cp.float32)
     return _ew("to_f32")(u16)
@@ -89,7 +104,7 @@ def to_f32(u16):
 def _as_f32(x):
     """float32 view/copy of x (float64 and others: one RN cast first, as astype)."""
     cp = _cp()
-    x = cp.asarray(x)   # host inputs are uploaded, as cp.ascontiguousarray did
+    x = _on_device(x)   # host inputs are uploaded, as cp.ascontiguousarray did
     return x if x.dtype == cp.float32 else x.astype(cp.float32)
 
 
@@ -109,8 +124,9 @@ class GemmBackend:
     """Y[M, N] = X[M, K] . W[N, K]^T with bf16 X (float32 bf16-valued) and bf16-bit W.
 
     One per device.  cuBLASLt bf16 x bf16 -> f32 plans are built on first use of a shape and
-    cached (BlasLt caches by GemmKey).  FP8-stored weights go through ``dense_bf16`` (the
-    device's reused bf16 scratch) and then the same plan."""
+    cached (BlasLt caches by GemmKey; ``mm`` asks ``BlasLt.plan_bf16_f32(M, N, K)``, the same
+    plan without a key per call).  FP8-stored weights go through ``dense_bf16`` (the device's
+    reused bf16 scratch) and then the same plan."""
 
     def __init__(self, device_id: int, mode: str | None = None) -> None:
         cp = _cp()
@@ -153,7 +169,8 @@ class GemmBackend:
             raise ValueError(f"gemm: weight dtype {w_u16.dtype}; expected uint16 bf16 bits (an "
                              f"FP8 uint8 weight needs its scale=)")
         xb = x if x.dtype == cp.uint16 else bf16_bits(x)
-        xb = cp.ascontiguousarray(xb)
+        if not xb.flags.c_contiguous:   # ascontiguousarray returns a contiguous 2-D xb itself
+            xb = cp.ascontiguousarray(xb)
         M, K = xb.shape
         N, K2 = w_u16.shape
         if K != K2:
@@ -161,11 +178,11 @@ class GemmBackend:
         self.flops += 2 * M * N * K
         if self.mode == "cupy":
             return cp.matmul(to_f32(xb), to_f32(w_u16).T)
-        from memra_dsv4.gpu.blaslt import GemmKey
-
         y = cp.empty((M, N), dtype=cp.float32)
-        plan = self.lt.plan(GemmKey(M, N, K, "bf16", "bf16", "f32"))
-        plan.run_arrays(cp.ascontiguousarray(w_u16), xb, y, cp.cuda.get_current_stream())
+        plan = self.lt.plan_bf16_f32(M, N, K)   # = lt.plan(GemmKey(M, N, K, bf16, bf16, f32))
+        if not w_u16.flags.c_contiguous:   # stored weights are; ascontiguousarray returns them
+            w_u16 = cp.ascontiguousarray(w_u16)
+        plan.run_arrays(w_u16, xb, y, cp.cuda.get_current_stream())
         return y
 
     def mm_batched(self, x_u16, w_u16, y):
@@ -204,9 +221,12 @@ class GemmBackend:
 def linear(g: GemmBackend, x, w_u16, out: str = "bf16", scale=None):
     """oracle ops.linear for kinds fp8/fp4/bf16 (out='bf16': stored) and f32 (out='f32').
     ``scale``: the e8m0 block scale of an FP8-stored weight (uint8 w), else None."""
-    lead = x.shape[:-1]
-    y = g.mm(x.reshape(-1, x.shape[-1]), w_u16, scale)
-    y = y.reshape(*lead, w_u16.shape[0])
+    if x.ndim == 2:   # the reshapes below would be same-shape views (~2 us each): skipped
+        y = g.mm(x, w_u16, scale)
+    else:
+        lead = x.shape[:-1]
+        y = g.mm(x.reshape(-1, x.shape[-1]), w_u16, scale)
+        y = y.reshape(*lead, w_u16.shape[0])
     return store(y) if out == "bf16" else y
 
 

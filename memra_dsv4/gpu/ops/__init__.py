@@ -8,7 +8,8 @@ Contract
   that every name in every ``KERNELS`` exists as an ``extern "C" __global__`` in
   ``kernels_cu/<STEM>.cu``.
 * Kernels come from the process-wide ``kernel_loader.get_loader(device)`` (compiled once,
-  cached RawKernels); launches go to the current CuPy stream.
+  cached RawKernels; ``_common.kernel`` asks through ``kernel_loader.lookup``, its memo);
+  launches go to the current CuPy stream.
 * Every op takes CuPy arrays in the storage convention of the arena (bf16 = uint16 bits,
   FP8/FP4/e8m0 = uint8, int32 indices) and optional ``out=`` arrays.  With ``out=`` given a
   wrapper allocates nothing; it asserts shapes, dtypes and contiguity, and passes integer

@@ -80,7 +80,8 @@ import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops import moe as MO
-from memra_dsv4.gpu.ops._common import check, cupy, dynamic_smem, grid_stride_blocks, i32, kernel
+from memra_dsv4.gpu.ops._common import (check, contiguous, cupy, dynamic_smem, grid_stride_blocks,
+                                        i32, kernel)
 
 STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16_experts", "dequant_nvfp4_bf16_experts", "moe_gather_bf16",
@@ -658,7 +659,7 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
         raise ValueError(f"routed_moe: dispatch 'device' needs gemm 'fp4mma' or 'wgmma' (gemm "
                          f"{gemm!r} sizes its cuBLASLt batches on the host: dispatch 'host')")
     cp = cupy()
-    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    x = contiguous(x, dtype=cp.float32)
     T, D = x.shape
     I = experts["w1"][0].shape[1]
     assert experts["w1"][0].shape[2] * 2 == D and experts["w2"][0].shape[1:] == (D, I // 2), (
@@ -691,7 +692,7 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
         items = tab[2 * P + T * k + n_act:].reshape(-1, 4)
         hs = cp.empty((P, I), dtype=cp.uint16)
         ys = cp.empty((P, D), dtype=cp.float32)
-        wflat = cp.ascontiguousarray(wts).reshape(-1)
+        wflat = contiguous(wts).reshape(-1)
         gateup, down = (fp4mma_gateup, fp4mma_down) if gemm == "fp4mma" else (wgmma_gateup, wgmma_down)
         with bracket("experts"):
             gateup(fmt, experts["w1"], experts["w3"], items, xs, wflat, flat, limit, hs,
@@ -700,7 +701,7 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
         if g is not None and hasattr(g, "flops"):   # the GEMM flop count benches read: the
             g.flops += 6 * T * k * I * D             # useful products (3 projections per pick)
         with bracket("combine"):
-            return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
+            return combine_sorted(ys, pos, contiguous(shared, dtype=cp.float32))
     hs = cp.empty((P, I), dtype=cp.uint16)
     ys = cp.empty((P, D), dtype=cp.float32)
     gmax = max(gr.n * gr.mb for gr in plan.groups)
@@ -709,13 +710,13 @@ def routed_moe(g, x, idx, wts, experts: dict, fmt: str, limit: float, shared, *,
     nmax = max(gr.n for gr in plan.groups)
     scratch = {w: cp.empty((nmax,) + (experts[w][0].shape[1], 2 * experts[w][0].shape[2]),
                            dtype=cp.uint16) for w in ("w1", "w3", "w2")}
-    wflat = cp.ascontiguousarray(wts).reshape(-1)
+    wflat = contiguous(wts).reshape(-1)
     with bracket("experts"):
         _run_groups(g, plan, eids, experts, fmt, ws2, scratch, xs, gate, up, hs, ys, wflat, flat,
                     limit)
     assert n_act == sum(gr.n for gr in plan.groups)
     with bracket("combine"):
-        return combine_sorted(ys, pos, cp.ascontiguousarray(shared, dtype=cp.float32))
+        return combine_sorted(ys, pos, contiguous(shared, dtype=cp.float32))
 
 
 def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket, gemm):
@@ -734,7 +735,7 @@ def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket
         xs = (gather_rows_perm if wg else gather_rows)(x, d.src, cp.empty((n, D), dtype=cp.uint16))
     hs = cp.empty((n, I), dtype=cp.uint16)
     ys = cp.empty((n, D), dtype=cp.float32)
-    wflat = cp.ascontiguousarray(wts).reshape(-1)
+    wflat = contiguous(wts).reshape(-1)
     gateup, down = (wgmma_gateup, wgmma_down) if wg else (fp4mma_gateup, fp4mma_down)
     with bracket("experts"):
         gateup(fmt, experts["w1"], experts["w3"], d.items, xs, wflat, d.flat, limit, hs,
@@ -743,7 +744,7 @@ def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket
     if g is not None and hasattr(g, "flops"):
         g.flops += 6 * T * k * I * D
     with bracket("combine"):
-        return combine_sorted(ys, d.pos, cp.ascontiguousarray(shared, dtype=cp.float32))
+        return combine_sorted(ys, d.pos, contiguous(shared, dtype=cp.float32))
 
 
 class _NoPhase:
