@@ -8,7 +8,7 @@
 --arms: every token count runs every arm in one process (A/B): settings moe (seam
 MEMRA_DSV4_PREFILL_MOE), pipeline (MEMRA_DSV4_PREFILL_PIPELINE), attn (MEMRA_DSV4_PREFILL_ATTN),
 dispatch (MEMRA_DSV4_PREFILL_DISPATCH; the fp4mma arm's plan on the host or the device), chunks
-(gpu.pipeline.N_CHUNKS: how many chunks pipeline=on / coop cuts the prompt into; 2, 3, 4, 6 or 8).
+(gpu.pipeline.N_CHUNKS: how many chunks pipeline=on / coop cuts the prompt into; 2, 3, 4, 5, 6 or 8).
 
 Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
 TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
@@ -47,7 +47,7 @@ def bf16_peak_tflops(device: int, n: int = 8192, iters: int = 20) -> float:
 
 # pipeline=on / coop chunk counts an arm may set (gpu.pipeline.N_CHUNKS; the pipeline still keeps each
 # chunk >= gpu.pipeline.MIN_CHUNK tokens, so 8 chunks need >= 8K tokens)
-CHUNK_COUNTS = ("2", "3", "4", "6", "8")
+CHUNK_COUNTS = ("2", "3", "4", "5", "6", "8")
 
 
 def parse_arms(spec: str) -> list[tuple[str, dict]]:
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="",
                     help="comma list of arms, each '+'-joined settings moe=fp4mma|blaslt, "
                          "pipeline=off|on|coop, attn=mma|simt, dispatch=host|device (the seams "
-                         "MEMRA_DSV4_PREFILL_MOE / _PIPELINE / _ATTN / _DISPATCH), chunks=2|3|4|6|8 "
+                         "MEMRA_DSV4_PREFILL_MOE / _PIPELINE / _ATTN / _DISPATCH), chunks=2|3|4|5|6|8 "
                          "(gpu.pipeline.N_CHUNKS of pipeline=on|coop); every token "
                          "count runs every arm; empty: the model's settings")
     a = ap.parse_args(argv)
