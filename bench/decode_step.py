@@ -153,7 +153,7 @@ class _ArmState:
         self.pdl = pdl or getattr(m, "pdl", "off")   # the arm's PDL setting (device path only)
         self.attn = attn or getattr(m, "decode_attn", "split")  # decode attention form (device)
         self.l2pf = l2pf or getattr(m, "l2_prefetch", "off")     # GEMV L2 prefetch budget (device)
-        self.fork = fork or getattr(m, "decode_fork", "on")     # attention graph branches (device)
+        self.fork = fork or getattr(m, "decode_fork", "all")     # attention graph branches (device)
         self.hcsplit = hcsplit or getattr(m, "hc_split", "off")  # hc boundary split (device)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
