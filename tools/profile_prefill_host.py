@@ -9,6 +9,9 @@ cProfile, and prints the functions by own time and by cumulative time, plus the 
 the profiled forward (cProfile itself adds overhead: read the shares, not the absolute times).
 ``--reps N`` times N plain forwards first (each printed, then their median): the number to
 compare before / after a host-side change, when the host is what bounds the forward.
+``--pipeline off|on|coop`` and ``--chunks N`` set the model's prefill pipeline and
+gpu.pipeline.N_CHUNKS (default: the seam's value and the module's 4), e.g. to see where the one
+host thread of ``coop`` waits at 5 chunks.
 """
 from __future__ import annotations
 
@@ -28,10 +31,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--reps", type=int, default=1, help="plain forwards timed before profiling")
+    ap.add_argument("--pipeline", choices=("off", "on", "coop"), default=None,
+                    help="the model's prefill pipeline (default: MEMRA_DSV4_PREFILL_PIPELINE)")
+    ap.add_argument("--chunks", type=int, default=None, help="gpu.pipeline.N_CHUNKS")
     a = ap.parse_args(argv)
+    from memra_dsv4.gpu import pipeline as PL
     from memra_dsv4.gpu.model import Dsv4Gpu
+    if a.chunks is not None:
+        if a.chunks < 2:
+            ap.error(f"--chunks {a.chunks}: at least 2")
+        PL.N_CHUNKS = a.chunks
     devices = tuple(int(d) for d in a.devices.split(","))
     m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=devices, seed=0)
+    if a.pipeline is not None:
+        m.prefill_pipeline = a.pipeline
+    print(f"prefill pipeline {m.prefill_pipeline}, chunks {m._pipeline_plan(a.tokens)}")
     ids = np.random.default_rng(0).integers(0, m.config.vocab_size, a.tokens)
     t0 = time.perf_counter()
     m.forward(ids)
