@@ -12,8 +12,14 @@ dispatch (MEMRA_DSV4_PREFILL_DISPATCH; the fp4mma arm's plan on the host or the 
 
 Per token count: median wall time of --iters forwards (after --warmup), tokens/s, achieved
 TFLOP/s (GEMM flops counted by the GEMM backend per forward) against the bf16 GEMM peak
-measured in the same run (an 8192^3 cuBLASLt bf16 GEMM), and the phase breakdown (set
-MEMRA_DSV4_PROF=events for GPU phase times).  JSON + PNG via bench.harness.write_results.
+measured in the same run (an 8192^3 cuBLASLt bf16 GEMM), and the phase breakdown of
+--phase-iters further forwards in events mode.  The timed forwards run with the profiling mode
+of MEMRA_DSV4_PROF when it is set (e.g. nvtx under nsys) and with profiling off otherwise: every
+bracket of events mode records two CUDA events from the host, and a host-bound forward (the
+pipelined prefill from one host thread) shows that as time.  (Until the seventh session the
+timed forwards ran in events mode: at fb5d3ac the coop pipeline at 5 chunks measured 1.29 s here
+and 1.02 s uninstrumented in tools/profile_prefill_host.py.)  JSON + PNG via
+bench.harness.write_results.
 """
 from __future__ import annotations
 
@@ -74,6 +80,42 @@ def parse_arms(spec: str) -> list[tuple[str, dict]]:
     return [(arm_label(s), s) for s in arms]
 
 
+def time_forwards(m, ids, label: str, iters: int, warmup: int, phase_iters: int,
+                  timed_mode: str = "off", phase_clock=None):
+    """``warmup`` then ``iters`` timed forwards of ``ids`` with profiling in ``timed_mode`` (wall
+    time each, printed as they finish: a time-boxed run still says how far it got), then
+    ``phase_iters`` forwards in events mode for the phase report.  Returns (timed ms samples,
+    GEMM flops per timed forward, the report's rows; [] without phase forwards); profiling is
+    left in ``timed_mode``.  ``phase_clock``: the events mode's time source (tests pass
+    profiling.FakeClock; None: CUDA events)."""
+    from memra_dsv4.profiling import build_report, phase_collect, phase_reset, prof_configure
+    prof_configure(timed_mode)
+    for i in range(warmup):
+        t0 = time.perf_counter()
+        m.forward(ids)
+        print(f"{label}: warm-up forward {i}: {(time.perf_counter() - t0) * 1e3:.0f} ms", flush=True)
+    for g in m.gemm.values():
+        g.flops = 0
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        m.forward(ids)
+        samples.append((time.perf_counter() - t0) * 1e3)
+        print(f"{label}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
+    flops = sum(g.flops for g in m.gemm.values()) / iters
+    rows = []
+    if phase_iters:
+        prof_configure("events", clock=phase_clock)
+        try:
+            phase_reset()
+            for _ in range(phase_iters):
+                m.forward(ids)
+            rows = build_report(phase_collect(), 0.0, phase_iters)
+        finally:
+            prof_configure(timed_mode)
+    return samples, flops, rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="synthetic:flash")
@@ -81,6 +123,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1024,8192")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--phase-iters", type=int, default=1,
+                    help="forwards in events mode after the timed ones, for the phase report "
+                         "(0: none)")
     ap.add_argument("--arms", default="",
                     help="comma list of arms, each '+'-joined settings moe=fp4mma|blaslt, "
                          "pipeline=off|on|coop, attn=mma|simt, dispatch=host|device (the seams "
@@ -89,10 +134,15 @@ def main(argv=None) -> int:
                          "count runs every arm; empty: the model's settings")
     a = ap.parse_args(argv)
     parse_arms(a.arms)  # refuse a bad arm before loading anything
-    os.environ.setdefault("MEMRA_DSV4_PROF", "events")
+    if a.iters < 1 or a.warmup < 0 or a.phase_iters < 0:
+        raise SystemExit(f"--iters {a.iters} (>= 1), --warmup {a.warmup}, --phase-iters "
+                         f"{a.phase_iters} (>= 0)")
     from bench.harness import phase_breakdown, summarize, write_results
     from memra_dsv4.gpu.model import Dsv4Gpu
-    from memra_dsv4.profiling import build_report, phase_collect, phase_reset
+    from memra_dsv4.profiling import prof_configure
+
+    timed_mode = os.environ.get("MEMRA_DSV4_PROF", "").strip().lower() or "off"
+    prof_configure(timed_mode)   # validated here, before anything loads
 
     devices = tuple(int(d) for d in a.devices.split(","))
     if not a.model.startswith("synthetic:"):
@@ -117,27 +167,13 @@ def main(argv=None) -> int:
         T_label = f"T={T}" + (f" {label}" if label else "")
         print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']} "
               f"dispatch={s['dispatch']} chunks={s['chunks']}", flush=True)
-        for i in range(a.warmup):
-            t0 = time.perf_counter()
-            m.forward(ids)
-            print(f"{T_label}: warm-up forward {i}: {(time.perf_counter() - t0) * 1e3:.0f} ms",
-                  flush=True)  # progress: a time-boxed run still says how far it got
-        phase_reset()
-        for g in m.gemm.values():
-            g.flops = 0
-        samples = []
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            m.forward(ids)
-            samples.append((time.perf_counter() - t0) * 1e3)
-            print(f"{T_label}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
-        flops = sum(g.flops for g in m.gemm.values()) / a.iters
-        rows = build_report(phase_collect(), 0.0, a.iters)
+        samples, flops, rows = time_forwards(m, ids, T_label, a.iters, a.warmup, a.phase_iters,
+                                             timed_mode)
         med = float(np.median(samples))
         tflops = flops / (med * 1e-3) / 1e12
         print(f"{T_label}: median {med:.1f} ms, {T / med * 1e3:.0f} tok/s, GEMM {tflops:.1f} TFLOP/s "
               f"({100 * tflops / peak:.1f}% of peak)")
-        arms[T_label] = {"settings": {"tokens": str(T), **s},
+        arms[T_label] = {"settings": {"tokens": str(T), **s, "timed_profiling": timed_mode},
                           "summary": summarize(samples, tokens_per_step=T),
                           "phases_us": phase_breakdown(rows, depth=0),
                           "tokens_per_s": T / med * 1e3, "gemm_tflops": tflops,
@@ -147,7 +183,9 @@ def main(argv=None) -> int:
                 print(f"  {'  ' * r.depth}{r.label:28s} {r.per_step_us / 1e3:9.2f} ms/step "
                       f"{100 * r.share:5.1f}%")
     js, png = write_results({"config": {"model": a.model, "devices": list(devices),
-                                        "iters": a.iters, "warmup": a.warmup},
+                                        "iters": a.iters, "warmup": a.warmup,
+                                        "phase_iters": a.phase_iters,
+                                        "timed_profiling": timed_mode},
                              "arms": arms})
     print(f"results: {js} {png}")
     return 0

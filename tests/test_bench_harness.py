@@ -248,3 +248,48 @@ def test_decode_bench_kernel_arms(tmp_path):
         _kernel_env(arms[0], None)
     with pytest.raises(SystemExit, match="hc='fast'; expected one of lastcta, poll"):
         check_arms("path=device+hc=fast")
+
+
+def test_prefill_bench_times_uninstrumented_and_reports_from_separate_forwards(capsys):
+    """bench.prefill.time_forwards: warm-up and timed forwards run in the timed profiling mode
+    (off unless MEMRA_DSV4_PROF says otherwise), the phase report comes from the extra forwards
+    in events mode only, the GEMM flops are those of the timed forwards, and profiling is left
+    in the timed mode (also when a phase forward raises)."""
+    from types import SimpleNamespace
+
+    from bench.prefill import time_forwards
+    from memra_dsv4.profiling import FakeClock, phase, prof_configure, prof_mode
+
+    class FakeModel:
+        def __init__(self):
+            self.modes = []
+            self.gemm = {0: SimpleNamespace(flops=0)}
+            self.fail = False
+
+        def forward(self, ids):
+            self.modes.append(prof_mode())
+            self.gemm[0].flops += 10
+            with phase("prefill/stage0"):
+                pass
+            if self.fail and prof_mode() == "events":
+                raise RuntimeError("phase forward failed")
+
+    m = FakeModel()
+    try:
+        samples, flops, rows = time_forwards(m, [1, 2], "T=2", iters=3, warmup=2, phase_iters=2,
+                                             phase_clock=FakeClock())
+        assert m.modes == ["off"] * 5 + ["events"] * 2
+        assert len(samples) == 3 and flops == 10
+        assert [r.name for r in rows] == ["prefill/stage0"] and rows[0].calls == 2
+        assert prof_mode() == "off"
+        m.modes.clear()
+        _, _, rows = time_forwards(m, [1], "T=1", iters=1, warmup=0, phase_iters=0)
+        assert m.modes == ["off"] and rows == []
+        m.fail = True
+        with pytest.raises(RuntimeError, match="phase forward failed"):
+            time_forwards(m, [1], "T=1", iters=1, warmup=0, phase_iters=1, phase_clock=FakeClock())
+        assert prof_mode() == "off"
+    finally:
+        prof_configure("off")
+    out = capsys.readouterr().out
+    assert "T=2: warm-up forward 1" in out and "T=2: forward 3" in out
