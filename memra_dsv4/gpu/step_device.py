@@ -646,7 +646,10 @@ class DeviceStep:
         if self._forking == "all":
             # Two graph branches: the shared expert (two bandwidth-bound dense GEMVs) beside the
             # router and the routed gate/up (latency- and issue-bound); they share no buffer, and
-            # the join makes the down + combine wait for both.
+            # the join makes the down + combine wait for both.  The default since 50ac732: with
+            # the 128-register swiglu p1t2 it paid (fb5d3ac, bf16 7.87 -> 7.55 ms per token);
+            # with the 168-register p2 it had bought nothing (fc6c8d3), the routed gate/up
+            # holding the register file.
             S.fork.fork()
             with S.side:
                 shared_swiglu()
