@@ -103,6 +103,27 @@ def pipeline_supported(model) -> bool:
                for a, b in zip(devs, devs[1:]))
 
 
+def _ready_event(dev):
+    """An event recorded on ``dev``'s compute stream (its device current): what the next stage
+    waits on before it copies this stage's streams."""
+    import cupy as cp
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record(dev.compute)
+    return ev
+
+
+def _receive(dev, src, ready, paths: list):
+    """The receiving stage's half of a boundary, on ``dev``'s compute stream (its device and
+    stream current): wait for ``ready``, then copy ``src`` into a new array (peer copy or host
+    bounce, runtime.boundary_copy; the path goes to ``paths``).  Returns the copy."""
+    import cupy as cp
+    from memra_dsv4.gpu import runtime
+    dev.compute.wait_event(ready)
+    streams = cp.empty(src.shape, dtype=src.dtype)
+    paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
+    return streams
+
+
 class _Stop(Exception):
     """An upstream stage failed; this stage stops (the upstream error is the one re-raised)."""
 
@@ -110,7 +131,6 @@ class _Stop(Exception):
 def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
                         all_logits: bool = False, ph: str = "prefill"):
     import cupy as cp
-    from memra_dsv4.gpu import runtime
     from memra_dsv4.gpu.decode import run_stage
     from memra_dsv4.oracle.model import ForwardOut
 
@@ -141,11 +161,8 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
                         item = inbox[si].get()
                         if item is None:
                             raise _Stop()
-                        src, ready = item
                         with phase(f"{ph}/boundary_copy"):
-                            dev.compute.wait_event(ready)
-                            streams = cp.empty(src.shape, dtype=src.dtype)
-                            paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
+                            streams = _receive(dev, *item, paths)
                     head = all_logits or j == last
                     streams, logits, hc_state = run_stage(model, si, state, ids[a:b], p0 + a, streams,
                                                           ph=ph, head=head, all_logits=all_logits)
@@ -154,10 +171,8 @@ def run_chunk_pipelined(model, state, ids: np.ndarray, chunks: list[int], *,
                         if j == last:
                             out["hc_state"] = hc_state
                     if si + 1 < n_st:
-                        ready = cp.cuda.Event(disable_timing=True)
-                        ready.record(dev.compute)
                         keep.append(streams)
-                        inbox[si + 1].put((streams, ready))
+                        inbox[si + 1].put((streams, _ready_event(dev)))
                 dev.compute.synchronize()
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             if not isinstance(e, _Stop):
@@ -217,7 +232,6 @@ def coop_schedule(n_stages: int, n_chunks: int, start) -> list[list]:
 def run_chunk_coop(model, state, ids: np.ndarray, chunks: list[int], *,
                    all_logits: bool = False, ph: str = "prefill"):
     import cupy as cp
-    from memra_dsv4.gpu import runtime
     from memra_dsv4.gpu.decode import stage_steps
     from memra_dsv4.oracle.model import ForwardOut
 
@@ -242,9 +256,7 @@ def run_chunk_coop(model, state, ids: np.ndarray, chunks: list[int], *,
             src, ready = handoff[si - 1][j]
             handoff[si - 1][j] = None
             with cp.cuda.Device(st.device), dev.compute, phase(f"{ph}/boundary_copy"):
-                dev.compute.wait_event(ready)
-                streams = cp.empty(src.shape, dtype=src.dtype)
-                paths.append(runtime.boundary_copy(streams, src, src.nbytes, dev.compute))
+                streams = _receive(dev, src, ready, paths)
             yield
         head = all_logits or j == last
         streams, logits, hc_state = yield from stage_steps(
@@ -256,8 +268,7 @@ def run_chunk_coop(model, state, ids: np.ndarray, chunks: list[int], *,
                 out["hc_state"] = hc_state
         if si + 1 < n_st:
             with cp.cuda.Device(st.device):
-                ready = cp.cuda.Event(disable_timing=True)
-                ready.record(dev.compute)
+                ready = _ready_event(dev)
             keep.append(streams)
             handoff[si][j] = (streams, ready)
 
