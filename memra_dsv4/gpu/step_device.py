@@ -519,10 +519,15 @@ class DeviceStep:
 
         csa = bool(L.ratio) and L.kind == "csa"
         if csa:
-            K = W + min(cfg.index_topk, cache.idx_keys.shape[0])   # = W + sel.size (_indexer)
+            K = W + v["idx.sel"].size   # _indexer's selection buffer (step.step_ws_plan's sel_w)
         else:
             K = W + (cache.comp.shape[0] if L.ratio else 0)
         cand = v["attn.cand"][:K]
+
+        def build_cands(sel):   # the split form's candidate list: pos and sel only
+            if attn != "fused":
+                with phase(f"{ap}/sparse_attention"):
+                    DK.build_cand(pos, cand, W, L.ratio, sel)
 
         def kv_path():   # reads xn's projections (multi), not q: the ring row and the compressor
             kvraw = v["dev.kvraw"].reshape(1, hd)
@@ -539,9 +544,8 @@ class DeviceStep:
                 with phase(f"{ap}/indexer"):
                     sel = self._indexer(S, L, cache)
                 assert K == W + sel.size, f"candidate width {K} != {W} + {sel.size}"
-            if cands and attn != "fused":
-                with phase(f"{ap}/sparse_attention"):
-                    DK.build_cand(pos, cand, W, L.ratio, sel)
+            if cands:
+                build_cands(sel)
             return sel
 
         if self._forking == "single":   # the former layout (seam value kept for A/B)
@@ -551,9 +555,7 @@ class DeviceStep:
                 sel = sel_path(cands=False)
             q_path()
             S.fork.join()
-            if attn != "fused":
-                with phase(f"{ap}/sparse_attention"):
-                    DK.build_cand(pos, cand, W, L.ratio, sel)
+            build_cands(sel)
         elif self._forking in ("on", "all"):
             # Captured as graph branches beside wq_b (a bandwidth-bound GEMV; q path on
             # S.stream): the latency-bound kv ring + compressor launches on S.side and the
