@@ -44,14 +44,10 @@ def poison(mb: int, streams=()) -> None:
     import cupy as cp
     if mb <= 0:
         return
-    for s in (None, *streams):
-        if s is None:
+    for s in (cp.cuda.Stream.null, *streams):
+        with s:
             a = cp.empty(mb << 20, cp.uint8)
             a.fill(0xFF)
-        else:
-            with s:
-                a = cp.empty(mb << 20, cp.uint8)
-                a.fill(0xFF)
         cp.cuda.Device().synchronize()
         del a
 
