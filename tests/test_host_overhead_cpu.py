@@ -313,6 +313,9 @@ def fake_gemm(monkeypatch):
         return _dev(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16))
     monkeypatch.setitem(G._EW, "bits", bits)
     monkeypatch.setitem(G._EW, "store", lambda a: _dev(np.array(a, np.float32)))
+    # contiguous float32 inputs take the raw kernels of gpu.ops.convert: the same stand-ins
+    monkeypatch.setattr(G._CV, "f32_to_bf16_bits", bits)
+    monkeypatch.setattr(G._CV, "f32_store_bf16", G._EW["store"])
     return G, g, fake, runs, plans
 
 

@@ -463,6 +463,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         M["moe"].plan_combine_pos(i64(T, k), i32(n), i32(T, k))
     M["dense"].dequant_fp8_bf16(u8(130, 256), u8(2, 2))
     M["dense"].dequant_fp8_bf16(u8(3, 40), u8(1, 1), out=u16(3, 40))
+    for n in (1, 5, 4096):
+        M["convert"].f32_to_bf16_bits(f32(n))
+        M["convert"].f32_store_bf16(f32(n))
+        M["convert"].bf16_to_f32(u16(n))
     PM = importlib.import_module("memra_dsv4.gpu.ops.prefill_moe")
     monkeypatch.setattr(PM, "kernel", fake_kernel)
     PM.dequant_experts("mxfp4", u8(3, 16, 32), u8(3, 16, 2), i32(2), u16(2, 16, 64))

@@ -24,6 +24,10 @@ Contract
   device, grown on demand) and run the same bf16 GEMM, so the result equals the bf16 arm's bit
   for bit.  The scratch is reused by the next dequant: ``GemmBackend.dense_bf16`` returns a view
   that is valid until then (stream order makes an already enqueued GEMM on it safe).
+* ``to_f32`` / ``bf16_bits`` / ``store`` launch kernels_cu/convert.cu (gpu.ops.convert) for a
+  C-contiguous, non-empty, at least 1-d CuPy input of their own dtype (uint16, resp. float32) and
+  a CuPy ElementwiseKernel otherwise; both run the same integer RNE formula (``_RNE``), so the
+  outputs are the same bits either way (the raw kernel only saves host time per call).
 These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
 one by one (same signatures, same tests).
 """
@@ -34,6 +38,7 @@ import sys
 
 import numpy as np
 
+from memra_dsv4.gpu.ops import convert as _CV   # registers kernels_cu/convert.cu; no CuPy import
 from memra_dsv4.host.quant import ACT_AMAX_FLOOR, FP4_AMAX_FLOOR
 from memra_dsv4.seams import SEAM_GEMM, env_value
 
@@ -71,6 +76,15 @@ def _on_device(x):
 # One elementwise kernel each (one read, one write): the activations of a long prefill are
 # GiB-sized ([8192, 64, 512] f32 = 1 GiB), and the CuPy expressions these replace made five
 # or six full-size temporaries per call.  Same integer formula, so the same bits.
+#
+# The common input (a C-contiguous, non-empty, at least 1-d CuPy array of the kernel's own dtype)
+# goes to the RawKernels of kernels_cu/convert.cu (gpu.ops.convert) instead: the same formula
+# (_RNE, integers only), so the same bits for every input pattern, at a fraction of the host
+# cost (an ElementwiseKernel call is ~15 us of CuPy's machinery: 3542 store + 3201 bf16_bits +
+# 1701 to_f32 calls = ~130 ms of the host thread in an 8K prefill forward,
+# bench/results/2026-11-30-nvidia-h200-2624ca0-prof5.log).  Everything else (strided views,
+# other dtypes - float64 included, cast by _as_f32 - 0-d and empty arrays) keeps the
+# ElementwiseKernel path and its outputs.
 _EW: dict = {}
 _RNE = "unsigned int u = __float_as_uint(x); unsigned int b = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;"
 
@@ -98,6 +112,8 @@ def to_f32(u16):
     u16 = _on_device(u16)
     if u16.dtype != cp.uint16:   # the historical formula for other integer storage
         return (u16.astype(cp.uint32) << 16).view(cp.float32)
+    if u16.ndim and u16.size and u16.flags.c_contiguous:   # the raw kernel (see above)
+        return _CV.bf16_to_f32(u16)
     return _ew("to_f32")(u16)
 
 
@@ -111,11 +127,17 @@ def _as_f32(x):
 def bf16_bits(x):
     """float32 -> bf16 bits, RNE (u += 0x7FFF + ((u >> 16) & 1)), as host.quant.round_bf16
     (float64 inputs are rounded to float32 first)."""
+    x = _on_device(x)
+    if x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
+        return _CV.f32_to_bf16_bits(x)   # the raw kernel (see above)
     return _ew("bits")(_as_f32(x))
 
 
 def store(x):
     """A bf16-kept tensor: RNE to bf16, held as float32 (float64 inputs go through float32)."""
+    x = _on_device(x)
+    if x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
+        return _CV.f32_store_bf16(x)     # the raw kernel (see above)
     return _ew("store")(_as_f32(x))
 
 

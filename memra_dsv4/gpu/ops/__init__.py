@@ -21,7 +21,7 @@ Contract
 from __future__ import annotations
 
 FAMILIES = ("rmsnorm", "rope", "quant_sim", "hc", "compressor", "indexer", "attention",
-            "router", "experts", "moe", "dense")
+            "router", "experts", "moe", "dense", "convert")
 # Wrapper modules whose kernels live in a family's .cu file (prefill_moe: experts.cu).
 EXTRA_WRAPPERS = ("prefill_moe",)
 
