@@ -55,6 +55,11 @@
 //     the issue count stays ~535 and the LDS wavefronts drop to ~96 (nvdisasm, gateup_k4): the
 //     step becomes issue bound. An f32 bit trick would meet f32 subnormals (-ftz), which f16
 //     arithmetic does not flush.
+//     Opt-in decode macros (default 0, same bits, tests/gpu/test_kernels_experts.py): FP4_ALU_EVEN
+//     (all eight elements by the f16 placement, no table: measured slower, more instructions) and
+//     FP4_PRMT (the same f16x2 words built from byte-gathered f16 high bytes: 27 instead of 29
+//     instructions per 8 weights in the default's main loop; not yet timed). See dot8 and
+//     docs/decode_perf.md "FP4 GEMV instruction budget".
 //   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
 //     rounding, SwiGLU in double) run lane-parallel.
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
@@ -178,7 +183,27 @@ constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 #error "FP4_ALU_EVEN=1 needs FP4_ALU_ODD=1"
 #endif
 
-#if !FP4_ALU_EVEN
+#ifndef FP4_PRMT
+// 1: every e2m1 element decoded on the ALU like FP4_ALU_EVEN=1 (the same f16x2 words, so the same
+// f32 weights, the same x staged times 2^14, no table), but the f16x2 words are built with fewer
+// instructions: the four odd elements' f16 high bytes are gathered into one word by a single
+// shift + mask + merge (sign bit 7 of each byte is already in place, the magnitude moves down 3),
+// the four even ones' into another (shifts 1 and 4), and each f16x2 is then one byte permute
+// (PRMT with a zero word: bytes 0 and 2 -> high bytes of the two halves) or one mask. nvdisasm,
+// gemv_mxfp4_gateup_k4 main loop: 29 -> 27 instructions per 8 weights (decode + FFMA), see
+// docs/decode_perf.md "FP4 GEMV instruction budget". Not run on a GPU yet. Needs FP4_ALU_ODD=1.
+#define FP4_PRMT 0
+#endif
+#if FP4_PRMT && FP4_ALU_EVEN
+#error "FP4_PRMT=1 and FP4_ALU_EVEN=1 are alternatives: pick one"
+#endif
+#if FP4_PRMT && defined(FP4_ALU_ODD) && !FP4_ALU_ODD
+#error "FP4_PRMT=1 needs FP4_ALU_ODD=1"
+#endif
+// the even elements are decoded on the ALU (and their x staged times 2^14): no table
+#define FP4_EVEN_ON_ALU (FP4_ALU_EVEN || FP4_PRMT)
+
+#if !FP4_EVEN_ON_ALU
 // e2m1 decode table, one per CTA: 16 words on 16 banks, so a warp's 32 lookups are one
 // conflict-free wavefront. 256-byte aligned: the low byte of its shared address is 0, so
 // "table address + 4 * nibble" is a byte insert (one PRMT / LOP3 per element, no add).
@@ -203,8 +228,8 @@ constexpr float FP4_ODD_X_SCALE = FP4_ALU_ODD ? 16384.0f : 1.0f;
 // an odd element's x as the FMA chain uses it: times 2^14 with FP4_ALU_ODD (exact for |x| < 2^114;
 // a subnormal x flushes to zero here as the table path's FFMA.FTZ flushes it), else unchanged
 DEV float odd_x(float x) { return FP4_ALU_ODD ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
-// an even element's x: times 2^14 only with FP4_ALU_EVEN (then like odd_x), else unchanged
-DEV float even_x(float x) { return FP4_ALU_EVEN ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
+// an even element's x: times 2^14 only with FP4_ALU_EVEN or FP4_PRMT (then like odd_x), else unchanged
+DEV float even_x(float x) { return FP4_EVEN_ON_ALU ? __fmul_rn(x, FP4_ODD_X_SCALE) : x; }
 
 // f16x2 bit pattern -> two f32 (exact, f16 subnormals included: no .ftz on the cvt)
 DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
@@ -239,6 +264,36 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     f16x2_to_f32(h26, w2, w6);
     f16x2_to_f32(h37, w3, w7);
     p = __fmaf_rn(w0, xf[0], p);  // element order, as the table paths
+    p = __fmaf_rn(w1, xf[1], p);
+    p = __fmaf_rn(w2, xf[2], p);
+    p = __fmaf_rn(w3, xf[3], p);
+    p = __fmaf_rn(w4, xf[4], p);
+    p = __fmaf_rn(w5, xf[5], p);
+    p = __fmaf_rn(w6, xf[6], p);
+    p = __fmaf_rn(w7, xf[7], p);
+#elif FP4_PRMT
+    // The f16 of e2m1 * 2^-14 (the placement above) has all its bits in the half's high byte:
+    // sign at bit 7, magnitude e1 e0 m at bits 3..1. Byte k of qo is that byte for element 2k + 1
+    // (the high nibble of byte k of w: magnitude bits 6..4 -> 3..1, the sign already at bit 7),
+    // byte k of qe for element 2k (low nibble: magnitude 2..0 -> 3..1, sign 3 -> 7). An f16x2 of
+    // elements (2k, 2k + 4) has those bytes at bits 15..8 and 31..24 and zeros elsewhere: for
+    // k = 1 that is q & 0xff00ff00, for k = 0 one byte permute of q with a zero word (selector
+    // nibbles, byte 0 first: 4 = zero, 0 = q byte 0, 4, 2 = q byte 2). The four words equal
+    // FP4_ALU_EVEN's h04 h15 h26 h37 bit for bit (tests/test_fp4_alu_decode.py), so the weights,
+    // products and FMA chain are the same; only the instruction count differs.
+    (void)b;
+    const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
+    const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
+    const u32 h04 = __byte_perm(qe, 0u, 0x2404u);
+    const u32 h15 = __byte_perm(qo, 0u, 0x2404u);
+    const u32 h26 = qe & 0xff00ff00u;
+    const u32 h37 = qo & 0xff00ff00u;
+    float w0, w4, w1, w5, w2, w6, w3, w7;
+    f16x2_to_f32(h04, w0, w4);
+    f16x2_to_f32(h15, w1, w5);
+    f16x2_to_f32(h26, w2, w6);
+    f16x2_to_f32(h37, w3, w7);
+    p = __fmaf_rn(w0, xf[0], p);  // element order, as every path
     p = __fmaf_rn(w1, xf[1], p);
     p = __fmaf_rn(w2, xf[2], p);
     p = __fmaf_rn(w3, xf[3], p);
@@ -306,7 +361,7 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
             xf[4] = hi.x; xf[5] = hi.y; xf[6] = hi.z; xf[7] = hi.w;
         } else {
             unpack8(static_cast<const uint4*>(xq)[32 * j], xf);
-            xf[0] = even_x(xf[0]);  // FP4_ALU_EVEN: the even weights too (dot8)
+            xf[0] = even_x(xf[0]);  // FP4_ALU_EVEN / FP4_PRMT: the even weights too (dot8)
             xf[2] = even_x(xf[2]);
             xf[4] = even_x(xf[4]);
             xf[6] = even_x(xf[6]);
@@ -414,7 +469,7 @@ DEV void fp4_stream(P& pl) {
 }
 
 DEV void init_lut() {
-#if !FP4_ALU_EVEN
+#if !FP4_EVEN_ON_ALU
     if (threadIdx.x < 16) fp4_lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
 #endif
 }

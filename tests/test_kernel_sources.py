@@ -128,7 +128,7 @@ def test_nvcc_sm90a_no_spills_no_stack(tmp_path):
 # Tuning-macro builds of experts.cu that tests and tools/bench_gemv.py --fp4-variants load
 # (ops.experts.variant_kernels) and that are candidates for a default: they must compile under the
 # same rules (no spills, no stack, the declared entries).  ~50 s of nvcc each on a 2-core box.
-EXPERTS_VARIANT_BUILDS = [{"FP4_ALU_EVEN": 1}]
+EXPERTS_VARIANT_BUILDS = [{"FP4_ALU_EVEN": 1}, {"FP4_PRMT": 1}]
 
 
 @pytest.mark.parametrize("defines", EXPERTS_VARIANT_BUILDS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
@@ -154,6 +154,21 @@ def test_fp4_alu_even_requires_alu_odd(tmp_path):
            "-o", os.devnull, os.path.join(KDIR, "experts.cu")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode != 0 and "FP4_ALU_EVEN=1 needs FP4_ALU_ODD=1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("defines,message", [
+    ({"FP4_PRMT": 1, "FP4_ALU_ODD": 0}, "FP4_PRMT=1 needs FP4_ALU_ODD=1"),
+    ({"FP4_PRMT": 1, "FP4_ALU_EVEN": 1}, "FP4_PRMT=1 and FP4_ALU_EVEN=1 are alternatives"),
+])
+def test_fp4_prmt_conflicting_macros(defines, message):
+    """FP4_PRMT=1 stages every x times 2^14 (as FP4_ALU_EVEN=1, its alternative): #error otherwise."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set NVCC or put it on PATH)")
+    cmd = [nvcc, "-arch=sm_90a", "-std=c++17", "-E", "-I", KDIR, *(f"-D{k}={v}" for k, v in defines.items()),
+           "-o", os.devnull, os.path.join(KDIR, "experts.cu")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr
 
 
 def _find_nvrtc():

@@ -24,7 +24,10 @@ tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithm
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
 down_combine's previous prefetch depth (now 4), for an old/new comparison in one run;
 FP4_ALU_EVEN=1 decodes every e2m1 weight on the ALU (no table LDS: the shared-memory pipe that
-limits the default kernels carries only x).  Each variant's output bytes are first checked
+limits the default kernels carries only x); FP4_PRMT=1 is the same all-ALU decode with fewer
+instructions per weight (byte-gathered f16 high bytes, one PRMT / mask per f16x2):
+    python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant FP4_PRMT
+Each variant's output bytes are first checked
 against the default build's on the same inputs (a "MISMATCH" line and exit status 1 if any
 differ: do not select that build).
 
@@ -292,7 +295,8 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         # return value) is compared byte for byte with the default build's, same inputs
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
-                               ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1})]:
+                               ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1}),
+                               ("FP4_PRMT=1", {"FP4_PRMT": 1})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
             look = EX.variant_kernels(defines)

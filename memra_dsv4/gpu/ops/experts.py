@@ -250,7 +250,7 @@ _VARIANTS: dict = {}   # (device, defines) -> lookup
 
 def variant_kernels(defines: dict):
     """kernels_cu/experts.cu built with extra ``-D NAME=value`` tuning macros (FP4_ALU_ODD,
-    FP4_ALU_EVEN, FP4_DEPTH, FP4_DN_DEPTH, ...), for tests and benchmarks: returns a
+    FP4_ALU_EVEN, FP4_PRMT, FP4_DEPTH, FP4_DN_DEPTH, ...), for tests and benchmarks: returns a
     ``kernel(stem, name)`` lookup to pass to `kernels_from`.  Not for the decode path (no disk-cache bookkeeping)."""
     cp = cupy()
     key = (device_id(), tuple(sorted((k, int(v)) for k, v in defines.items())))
