@@ -11,7 +11,9 @@ the profiled forward (cProfile itself adds overhead: read the shares, not the ab
 compare before / after a host-side change, when the host is what bounds the forward.
 ``--pipeline off|on|coop`` and ``--chunks N`` set the model's prefill pipeline and
 gpu.pipeline.N_CHUNKS (default: the seam's value and the module's 4), e.g. to see where the one
-host thread of ``coop`` waits at 5 chunks.
+host thread of ``coop`` waits at 5 chunks.  ``--convert ab`` times the plain forwards alternately
+with ops_glue's raw-kernel bf16 conversions and with its ElementwiseKernels (RAW_CONVERT; same
+bytes) and prints both medians; ``raw`` / ``ew`` pin one route for the whole run.
 """
 from __future__ import annotations
 
@@ -34,7 +36,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline", choices=("off", "on", "coop"), default=None,
                     help="the model's prefill pipeline (default: MEMRA_DSV4_PREFILL_PIPELINE)")
     ap.add_argument("--chunks", type=int, default=None, help="gpu.pipeline.N_CHUNKS")
+    ap.add_argument("--convert", choices=("raw", "ew", "ab"), default="raw",
+                    help="ops_glue bf16 conversions: raw kernels, ElementwiseKernels, or both alternately")
     a = ap.parse_args(argv)
+    from memra_dsv4.gpu import ops_glue
     from memra_dsv4.gpu import pipeline as PL
     from memra_dsv4.gpu.model import Dsv4Gpu
     if a.chunks is not None:
@@ -50,14 +55,20 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m.forward(ids)
     print(f"warm-up forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    plain = []
+    routes = {"raw": ("raw",), "ew": ("ew",), "ab": ("ew", "raw")}[a.convert]
+    plain = {r: [] for r in routes}
     for _ in range(max(1, a.reps)):
-        t0 = time.perf_counter()
-        m.forward(ids)
-        plain.append((time.perf_counter() - t0) * 1e3)
-        print(f"plain forward: {plain[-1]:.0f} ms")
-    if len(plain) > 1:
-        print(f"plain forward median of {len(plain)}: {float(np.median(plain)):.1f} ms")
+        for r in routes:
+            ops_glue.RAW_CONVERT = r == "raw"
+            t0 = time.perf_counter()
+            m.forward(ids)
+            plain[r].append((time.perf_counter() - t0) * 1e3)
+            print(f"plain forward ({r} conversions): {plain[r][-1]:.0f} ms")
+    for r in routes:
+        if len(plain[r]) > 1:
+            print(f"plain forward ({r} conversions) median of {len(plain[r])}: "
+                  f"{float(np.median(plain[r])):.1f} ms")
+    ops_glue.RAW_CONVERT = a.convert != "ew"
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

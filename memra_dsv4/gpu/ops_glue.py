@@ -85,6 +85,9 @@ def _on_device(x):
 # bench/results/2026-11-30-nvidia-h200-2624ca0-prof5.log).  Everything else (strided views,
 # other dtypes - float64 included, cast by _as_f32 - 0-d and empty arrays) keeps the
 # ElementwiseKernel path and its outputs.
+# RAW_CONVERT False sends every input to the ElementwiseKernels (tools/profile_prefill_host.py
+# --convert ab times the two routes in one process; the bytes are the same either way).
+RAW_CONVERT = True
 _EW: dict = {}
 _RNE = "unsigned int u = __float_as_uint(x); unsigned int b = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;"
 
@@ -112,7 +115,7 @@ def to_f32(u16):
     u16 = _on_device(u16)
     if u16.dtype != cp.uint16:   # the historical formula for other integer storage
         return (u16.astype(cp.uint32) << 16).view(cp.float32)
-    if u16.ndim and u16.size and u16.flags.c_contiguous:   # the raw kernel (see above)
+    if RAW_CONVERT and u16.ndim and u16.size and u16.flags.c_contiguous:   # the raw kernel (see above)
         return _CV.bf16_to_f32(u16)
     return _ew("to_f32")(u16)
 
@@ -128,7 +131,7 @@ def bf16_bits(x):
     """float32 -> bf16 bits, RNE (u += 0x7FFF + ((u >> 16) & 1)), as host.quant.round_bf16
     (float64 inputs are rounded to float32 first)."""
     x = _on_device(x)
-    if x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
+    if RAW_CONVERT and x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
         return _CV.f32_to_bf16_bits(x)   # the raw kernel (see above)
     return _ew("bits")(_as_f32(x))
 
@@ -136,7 +139,7 @@ def bf16_bits(x):
 def store(x):
     """A bf16-kept tensor: RNE to bf16, held as float32 (float64 inputs go through float32)."""
     x = _on_device(x)
-    if x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
+    if RAW_CONVERT and x.dtype == _cp().float32 and x.ndim and x.size and x.flags.c_contiguous:
         return _CV.f32_store_bf16(x)     # the raw kernel (see above)
     return _ew("store")(_as_f32(x))
 
