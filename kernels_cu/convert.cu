@@ -7,9 +7,9 @@
 //
 // Contract, per element i < n (x, h, y contiguous, any n >= 0, any alignment):
 //   u = the 32 bits of x[i];  b = (u + 0x7FFF + ((u >> 16) & 1)) >> 16   (u32 arithmetic, wrapping)
-//   f32_to_bf16_bits: y[i] (u16)  = b                       == ElementwiseKernel memra_f32_to_bf16
-//   f32_store_bf16:   y[i] (f32)  = bits b << 16            == memra_f32_store_bf16
-//   bf16_to_f32:      y[i] (f32)  = bits (u32)h[i] << 16    == memra_bf16_to_f32
+//   cvt_f32_to_bf16_bits: y[i] (u16)  = b                       == ElementwiseKernel memra_f32_to_bf16
+//   cvt_f32_store_bf16:   y[i] (f32)  = bits b << 16            == memra_f32_store_bf16
+//   cvt_bf16_to_f32:      y[i] (f32)  = bits (u32)h[i] << 16    == memra_bf16_to_f32
 // This is ops_glue._RNE verbatim, on integers only: no float instruction runs, so the output is
 // the same for every input bit pattern as the ElementwiseKernels' (NaN payloads, +-Inf, +-0,
 // subnormals whatever -ftz says, RNE ties, max finite; a NaN whose rounding carries out of 32 bits
@@ -30,7 +30,7 @@ DEV u32 rne_bf16(u32 u) { return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; }
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256)
-f32_to_bf16_bits(const u32* __restrict__ x, u16* __restrict__ y, long long n) {
+cvt_f32_to_bf16_bits(const u32* __restrict__ x, u16* __restrict__ y, long long n) {
     PDL_ENTRY();
     const i64 groups = n >> 2;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -52,7 +52,7 @@ f32_to_bf16_bits(const u32* __restrict__ x, u16* __restrict__ y, long long n) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-f32_store_bf16(const u32* __restrict__ x, u32* __restrict__ y, long long n) {
+cvt_f32_store_bf16(const u32* __restrict__ x, u32* __restrict__ y, long long n) {
     PDL_ENTRY();
     const i64 groups = n >> 2;
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -76,7 +76,7 @@ f32_store_bf16(const u32* __restrict__ x, u32* __restrict__ y, long long n) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-bf16_to_f32(const u16* __restrict__ h, u32* __restrict__ y, long long n) {
+cvt_bf16_to_f32(const u16* __restrict__ h, u32* __restrict__ y, long long n) {
     PDL_ENTRY();
     const i64 groups = n >> 2;
     const i64 stride = (i64)gridDim.x * blockDim.x;

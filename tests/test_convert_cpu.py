@@ -55,11 +55,11 @@ def _rne(x32):
 
 def _formula(name, x):
     x = np.asarray(x)
-    if name in ("memra_f32_to_bf16", "f32_to_bf16_bits"):
+    if name in ("memra_f32_to_bf16", "cvt_f32_to_bf16_bits"):
         return _rne(x)
-    if name in ("memra_f32_store_bf16", "f32_store_bf16"):
+    if name in ("memra_f32_store_bf16", "cvt_f32_store_bf16"):
         return (_rne(x).astype(np.uint32) << 16).view(np.float32)
-    assert name in ("memra_bf16_to_f32", "bf16_to_f32")
+    assert name in ("memra_bf16_to_f32", "cvt_bf16_to_f32")
     return (x.astype(np.uint32) << 16).view(np.float32)
 
 
@@ -117,7 +117,7 @@ def _f32(shape, seed=0):
 
 
 @pytest.mark.parametrize("shape", [(1,), (3,), (4,), (5,), (1023,), (7, 33), (2, 3, 512), ((1 << 20) + 3,)])
-@pytest.mark.parametrize("fn,kname", [("bf16_bits", "f32_to_bf16_bits"), ("store", "f32_store_bf16")])
+@pytest.mark.parametrize("fn,kname", [("bf16_bits", "cvt_f32_to_bf16_bits"), ("store", "cvt_f32_store_bf16")])
 def test_contiguous_f32_takes_the_raw_kernel(fake, shape, fn, kname):
     x = _dev(_f32(shape))
     y = getattr(G, fn)(x)
@@ -135,7 +135,7 @@ def test_contiguous_f32_takes_the_raw_kernel(fake, shape, fn, kname):
 def test_contiguous_u16_takes_the_raw_kernel(fake, shape):
     h = _dev(np.arange(int(np.prod(shape)), dtype=np.uint64).astype(np.uint16).reshape(shape))
     y = G.to_f32(h)
-    assert [c[:2] for c in fake.calls] == [("raw", "bf16_to_f32")]
+    assert [c[:2] for c in fake.calls] == [("raw", "cvt_bf16_to_f32")]
     _, _, grid, block, (a, b, n) = fake.calls[0]
     assert a is h and b is y and type(n) is np.int64 and int(n) == h.size and block == (256,)
     assert y.shape == h.shape and y.dtype == np.float32
@@ -144,7 +144,7 @@ def test_contiguous_u16_takes_the_raw_kernel(fake, shape):
 
 def test_host_input_is_uploaded_then_raw(fake):
     y = G.store(_f32((4, 8)))   # a NumPy array: cupy.asarray, then the contiguous path
-    assert [c[:2] for c in fake.calls] == [("raw", "f32_store_bf16")] and y.shape == (4, 8)
+    assert [c[:2] for c in fake.calls] == [("raw", "cvt_f32_store_bf16")] and y.shape == (4, 8)
 
 
 @pytest.mark.parametrize("case", ["strided", "float64", "empty", "zero_d", "transposed"])
@@ -203,8 +203,8 @@ def test_source_uses_the_elementwise_formula():
     assert f"return {expr};" in src
     bodies = _kernel_bodies(src)
     assert set(bodies) == set(CV.KERNELS)
-    assert "rne_bf16(" in bodies["f32_to_bf16_bits"] and "rne_bf16(" in bodies["f32_store_bf16"]
-    assert "rne_bf16(" not in bodies["bf16_to_f32"] and "<< 16" in bodies["bf16_to_f32"]
+    assert "rne_bf16(" in bodies["cvt_f32_to_bf16_bits"] and "rne_bf16(" in bodies["cvt_f32_store_bf16"]
+    assert "rne_bf16(" not in bodies["cvt_bf16_to_f32"] and "<< 16" in bodies["cvt_bf16_to_f32"]
     assert CV.THREADS == 256 and CV.PER_THREAD == 4
     # no float arithmetic on the values: the kernels see u32 / u16 pointers only
     assert "float" not in src.split("#include")[1]

@@ -25,7 +25,9 @@ from memra_dsv4.gpu import kernel_loader
 from memra_dsv4.gpu.ops._common import cupy, kernel, sm_count
 
 STEM = "convert"
-KERNELS = ("f32_to_bf16_bits", "f32_store_bf16", "bf16_to_f32")
+# kernel names carry a cvt_ prefix: NVRTC resolves name expressions in the whole translation
+# unit, and common.cuh already has DEV bf16_to_f32 (an overload makes the lookup ambiguous)
+KERNELS = ("cvt_f32_to_bf16_bits", "cvt_f32_store_bf16", "cvt_bf16_to_f32")
 kernel_loader.register(STEM, KERNELS)
 
 THREADS = 256        # the kernels' __launch_bounds__
@@ -57,14 +59,14 @@ def _launch(name: str, x, dtype):
 
 def f32_to_bf16_bits(x):
     """float32 (contiguous, non-empty) -> uint16 bf16 bits, RNE; same shape."""
-    return _launch("f32_to_bf16_bits", x, np.uint16)
+    return _launch("cvt_f32_to_bf16_bits", x, np.uint16)
 
 
 def f32_store_bf16(x):
     """float32 (contiguous, non-empty) -> float32 rounded to bf16 (RNE); same shape."""
-    return _launch("f32_store_bf16", x, np.float32)
+    return _launch("cvt_f32_store_bf16", x, np.float32)
 
 
 def bf16_to_f32(h):
     """uint16 bf16 bits (contiguous, non-empty) -> float32, exact; same shape."""
-    return _launch("bf16_to_f32", h, np.float32)
+    return _launch("cvt_bf16_to_f32", h, np.float32)
