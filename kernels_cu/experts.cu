@@ -55,11 +55,13 @@
 //     the issue count stays ~535 and the LDS wavefronts drop to ~96 (nvdisasm, gateup_k4): the
 //     step becomes issue bound. An f32 bit trick would meet f32 subnormals (-ftz), which f16
 //     arithmetic does not flush.
-//     Opt-in decode macros (default 0, same bits, tests/gpu/test_kernels_experts.py): FP4_ALU_EVEN
-//     (all eight elements by the f16 placement, no table: measured slower, more instructions) and
-//     FP4_PRMT (the same f16x2 words built from byte-gathered f16 high bytes: 27 instead of 29
-//     instructions per 8 weights in the default's main loop; not yet timed). See dot8 and
-//     docs/decode_perf.md "FP4 GEMV instruction budget".
+//     The default decode is FP4_PRMT=1 (since 5937ee9's A/B): all eight elements by the f16
+//     placement, the f16x2 words built from byte-gathered f16 high bytes, no table: 27 instead of
+//     29 instructions per 8 weights, gate/up 28.27 -> 27.04 us, down 18.51 -> 17.84 us for 6
+//     Flash experts (tools/bench_gemv.py, H200). The alternatives, same bits
+//     (tests/gpu/test_kernels_experts.py): FP4_PRMT=0 (even elements through the table, the
+//     previous default), FP4_ALU_EVEN=1 (the plain placement: slower), FP4_ALU_ODD=0 (all table).
+//     See dot8 and docs/decode_perf.md "FP4 GEMV instruction budget".
 //   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
 //     rounding, SwiGLU in double) run lane-parallel.
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
@@ -184,15 +186,22 @@ constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 #endif
 
 #ifndef FP4_PRMT
-// 1: every e2m1 element decoded on the ALU like FP4_ALU_EVEN=1 (the same f16x2 words, so the same
-// f32 weights, the same x staged times 2^14, no table), but the f16x2 words are built with fewer
-// instructions: the four odd elements' f16 high bytes are gathered into one word by a single
-// shift + mask + merge (sign bit 7 of each byte is already in place, the magnitude moves down 3),
-// the four even ones' into another (shifts 1 and 4), and each f16x2 is then one byte permute
-// (PRMT with a zero word: bytes 0 and 2 -> high bytes of the two halves) or one mask. nvdisasm,
-// gemv_mxfp4_gateup_k4 main loop: 29 -> 27 instructions per 8 weights (decode + FFMA), see
-// docs/decode_perf.md "FP4 GEMV instruction budget". Not run on a GPU yet. Needs FP4_ALU_ODD=1.
+// 1 (the default): every e2m1 element decoded on the ALU like FP4_ALU_EVEN=1 (the same f16x2
+// words, so the same f32 weights, the same x staged times 2^14, no table), but the f16x2 words
+// are built with fewer instructions: the four odd elements' f16 high bytes are gathered into one
+// word by a single shift + mask + merge (sign bit 7 of each byte is already in place, the
+// magnitude moves down 3), the four even ones' into another (shifts 1 and 4), and each f16x2 is
+// then one byte permute (PRMT with a zero word: bytes 0 and 2 -> high bytes of the two halves) or
+// one mask. nvdisasm, gemv_mxfp4_gateup_k4 main loop: 29 -> 27 instructions per 8 weights
+// (decode + FFMA). Measured (H200, 5937ee9, tools/bench_gemv.py --fp4-variants, L2 flushed, 6
+// Flash experts): gate/up 28.27 -> 27.04 us, down 18.51 -> 17.84 us; bit-identical to the table
+// build (12 GPU tests). A build that names FP4_ALU_EVEN=1 or FP4_ALU_ODD=0 gets FP4_PRMT=0 unless
+// it names FP4_PRMT too. Needs FP4_ALU_ODD=1.
+#if FP4_ALU_EVEN || (defined(FP4_ALU_ODD) && !FP4_ALU_ODD)
 #define FP4_PRMT 0
+#else
+#define FP4_PRMT 1
+#endif
 #endif
 #if FP4_PRMT && FP4_ALU_EVEN
 #error "FP4_PRMT=1 and FP4_ALU_EVEN=1 are alternatives: pick one"

@@ -24,8 +24,9 @@ tuning macros of kernels_cu/experts.cu (ops.experts.variant_kernels; same arithm
 bits): FP4_ALU_ODD=0 is the table-only e2m1 decode of the previous kernels and FP4_DN_DEPTH=2
 down_combine's previous prefetch depth (now 4), for an old/new comparison in one run;
 FP4_ALU_EVEN=1 decodes every e2m1 weight on the ALU (no table LDS: the shared-memory pipe that
-limits the default kernels carries only x); FP4_PRMT=1 is the same all-ALU decode with fewer
-instructions per weight (byte-gathered f16 high bytes, one PRMT / mask per f16x2):
+limited the table kernels carries only x); the default build is FP4_PRMT=1, the same all-ALU
+decode with fewer instructions per weight (byte-gathered f16 high bytes, one PRMT / mask per
+f16x2), and FP4_PRMT=0 the previous default (even elements through the table), for old / new:
     python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant FP4_PRMT
 Each variant's output bytes are first checked
 against the default build's on the same inputs (a "MISMATCH" line and exit status 1 if any
@@ -296,7 +297,7 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
                                ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1}),
-                               ("FP4_PRMT=1", {"FP4_PRMT": 1})]:
+                               ("FP4_PRMT=0 (table even: the previous default)", {"FP4_PRMT": 0})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
             look = EX.variant_kernels(defines)

@@ -306,13 +306,13 @@ def test_alu_even_decode_same_bits_as_default(fmt, case):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
-def test_prmt_decode_same_bits_as_default(fmt, case):
-    """FP4_PRMT=1 builds FP4_ALU_EVEN's f16x2 words with fewer instructions (byte-gathered f16
-    high bytes + one byte permute / mask per word; tests/test_fp4_alu_decode.py and
-    tests/test_fp4_prmt_decode.py check the words on the CPU): every x staged times 2^14, no
-    table, the same products in the same FMA order, so the same bits as the default build, with
-    x and h reaching 2^113."""
-    _same_bits_across_builds(fmt, case, {"FP4_PRMT": 1}, "FP4_PRMT=1", huge=True)
+def test_prmt_decode_same_bits_as_table_build(fmt, case):
+    """The default build's FP4_PRMT=1 builds FP4_ALU_EVEN's f16x2 words with fewer instructions
+    (byte-gathered f16 high bytes + one byte permute / mask per word; tests/test_fp4_alu_decode.py
+    and tests/test_fp4_prmt_decode.py check the words on the CPU): every x staged times 2^14, no
+    table, the same products in the same FMA order, so the same bits as the FP4_PRMT=0 build (the
+    even elements through the table: the previous default), with x and h reaching 2^113."""
+    _same_bits_across_builds(fmt, case, {"FP4_PRMT": 0}, "FP4_PRMT=0 (table)", huge=True)
 
 
 # ---------------------------------------------------------------- tensor-core variant (impl="mma")
