@@ -14,6 +14,10 @@ gpu.pipeline.N_CHUNKS (default: the seam's value and the module's 4), e.g. to se
 host thread of ``coop`` waits at 5 chunks.  ``--convert ab`` times the plain forwards alternately
 with ops_glue's raw-kernel bf16 conversions and with its ElementwiseKernels (RAW_CONVERT; same
 bytes) and prints both medians; ``raw`` / ``ew`` pin one route for the whole run.
+``--gc-ab`` alternates the plain forwards between Python's garbage collector enabled and disabled
+(gc.disable() around the forward) and prints, per forward, the gen-2 collections it ran, each
+device's CuPy pool size and the device's free memory: whether a slow forward is a collector pause
+or the memory pool growing / shrinking (a cudaFree synchronises the device).
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=None, help="gpu.pipeline.N_CHUNKS")
     ap.add_argument("--convert", choices=("raw", "ew", "ab"), default="raw",
                     help="ops_glue bf16 conversions: raw kernels, ElementwiseKernels, or both alternately")
+    ap.add_argument("--gc-ab", action="store_true",
+                    help="alternate forwards with the garbage collector on / off, with pool sizes")
     a = ap.parse_args(argv)
     from memra_dsv4.gpu import ops_glue
     from memra_dsv4.gpu import pipeline as PL
@@ -55,6 +61,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m.forward(ids)
     print(f"warm-up forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    if a.gc_ab:
+        _gc_ab(m, ids, devices, max(1, a.reps))
     routes = {"raw": ("raw",), "ew": ("ew",), "ab": ("ew", "raw")}[a.convert]
     plain = {r: [] for r in routes}
     for _ in range(max(1, a.reps)):
@@ -81,6 +89,39 @@ def main(argv=None) -> int:
         print(f"==== by {key}")
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:12000])
     return 0
+
+
+def _gc_ab(m, ids, devices, reps) -> None:
+    import gc
+
+    import cupy as cp
+    times = {"gc on": [], "gc off": []}
+
+    def pools():
+        out = []
+        for d in devices:
+            with cp.cuda.Device(d):
+                free, _ = cp.cuda.runtime.memGetInfo()
+                out.append(f"dev{d} pool {cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB "
+                           f"free {free / 2**30:.2f} GiB")
+        return ", ".join(out)
+
+    for _ in range(reps):
+        for mode in ("gc on", "gc off"):
+            g2 = gc.get_stats()[2]["collections"]
+            if mode == "gc off":
+                gc.disable()
+            t0 = time.perf_counter()
+            try:
+                m.forward(ids)
+            finally:
+                gc.enable()
+            ms = (time.perf_counter() - t0) * 1e3
+            times[mode].append(ms)
+            print(f"forward ({mode}): {ms:.0f} ms, gen-2 collections {gc.get_stats()[2]['collections'] - g2}; "
+                  f"{pools()}", flush=True)
+    for mode, v in times.items():
+        print(f"forward ({mode}) median of {len(v)}: {float(np.median(v)):.1f} ms")
 
 
 if __name__ == "__main__":
