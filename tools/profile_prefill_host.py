@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=1, help="plain forwards timed before profiling")
     ap.add_argument("--pipeline", choices=("off", "on", "coop"), default=None,
                     help="the model's prefill pipeline (default: MEMRA_DSV4_PREFILL_PIPELINE)")
-    ap.add_argument("--chunks", type=int, default=None, help="gpu.pipeline.N_CHUNKS")
+    ap.add_argument("--chunks", default=None,
+                    help="gpu.pipeline.N_CHUNKS; a comma list (e.g. 3,4) alternates the counts "
+                         "forward by forward in the plain forwards (interleaved A/B)")
     ap.add_argument("--convert", choices=("raw", "ew", "ab"), default="raw",
                     help="ops_glue bf16 conversions: raw kernels, ElementwiseKernels, or both alternately")
     ap.add_argument("--gc-ab", action="store_true",
@@ -48,10 +50,15 @@ def main(argv=None) -> int:
     from memra_dsv4.gpu import ops_glue
     from memra_dsv4.gpu import pipeline as PL
     from memra_dsv4.gpu.model import Dsv4Gpu
+    chunk_counts = [None]
     if a.chunks is not None:
-        if a.chunks < 2:
-            ap.error(f"--chunks {a.chunks}: at least 2")
-        PL.N_CHUNKS = a.chunks
+        try:
+            chunk_counts = [int(c) for c in a.chunks.split(",")]
+        except ValueError:
+            ap.error(f"--chunks {a.chunks!r}: expected N or N,M,...")
+        if min(chunk_counts) < 2 or len(set(chunk_counts)) != len(chunk_counts):
+            ap.error(f"--chunks {a.chunks}: each at least 2, no repeats")
+        PL.N_CHUNKS = chunk_counts[0]
     devices = tuple(int(d) for d in a.devices.split(","))
     m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=devices, seed=0)
     if a.pipeline is not None:
@@ -64,19 +71,29 @@ def main(argv=None) -> int:
     if a.gc_ab:
         _gc_ab(m, ids, devices, max(1, a.reps))
     routes = {"raw": ("raw",), "ew": ("ew",), "ab": ("ew", "raw")}[a.convert]
-    plain = {r: [] for r in routes}
+    arms = [(r, c) for c in chunk_counts for r in routes]   # interleaved, forward by forward
+    plain = {arm: [] for arm in arms}
+
+    def label(arm):
+        r, c = arm
+        return f"{r} conversions" + (f", {c} chunks" if c is not None else "")
+
     for _ in range(max(1, a.reps)):
-        for r in routes:
-            ops_glue.RAW_CONVERT = r == "raw"
+        for arm in arms:
+            ops_glue.RAW_CONVERT = arm[0] == "raw"
+            if arm[1] is not None:
+                PL.N_CHUNKS = arm[1]
             t0 = time.perf_counter()
             m.forward(ids)
-            plain[r].append((time.perf_counter() - t0) * 1e3)
-            print(f"plain forward ({r} conversions): {plain[r][-1]:.0f} ms")
-    for r in routes:
-        if len(plain[r]) > 1:
-            print(f"plain forward ({r} conversions) median of {len(plain[r])}: "
-                  f"{float(np.median(plain[r])):.1f} ms")
+            plain[arm].append((time.perf_counter() - t0) * 1e3)
+            print(f"plain forward ({label(arm)}): {plain[arm][-1]:.0f} ms")
+    for arm in arms:
+        if len(plain[arm]) > 1:
+            print(f"plain forward ({label(arm)}) median of {len(plain[arm])}: "
+                  f"{float(np.median(plain[arm])):.1f} ms")
     ops_glue.RAW_CONVERT = a.convert != "ew"
+    if chunk_counts[0] is not None:
+        PL.N_CHUNKS = chunk_counts[0]
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
