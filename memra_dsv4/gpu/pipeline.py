@@ -4,11 +4,14 @@ Contract
 --------
 ``pipeline_chunks(S, n_stages) -> list[int] | None``
     The chunk lengths a prompt of S tokens is cut into: ``None`` (run the plain chunk routine)
-    with one stage or when S < 2 * MIN_CHUNK; else 4 chunks (whole multiples of 64 tokens; the
-    last takes the rest) of at least MIN_CHUNK tokens each.  4 chunks over 2 stages keep both
-    GPUs busy for 4 of the 5 chunk-times: time ~ 5/4 of one stage's whole-prompt time instead
-    of 2x; more chunks would cut the fill/drain further but make smaller GEMMs (and, with the
-    MoE's "host" dispatch or the "blaslt" arm, one id readback per layer and chunk).  The
+    with one stage or when S < 2 * MIN_CHUNK; else N_CHUNKS = 3 chunks (whole multiples of 64
+    tokens; the last takes the rest) of at least MIN_CHUNK tokens each.  3 chunks over 2 stages
+    keep both GPUs busy for 3 of the 4 chunk-times: time ~ 4/3 of one stage's whole-prompt time
+    instead of 2x.  More chunks cut the fill / drain further but multiply the host's per-layer
+    work, and ``coop``'s one host thread is then what bounds the forward: 8K Flash on 2x H200 at
+    fcf8e57, interleaved forward by forward (tools/profile_prefill_host.py --chunks 3,4,5):
+    3 chunks 936-938 ms every time (GPU-bound), 4 chunks 903-1117 ms (median 929: the host's
+    speed comes in streaks on that machine), 5 chunks median 1042 ms.  The
     layers enqueue without host synchronisation (device router selection, index-ordered
     indexer top-k, device MoE dispatch), so a stage thread runs ahead of its GPU; what still
     waits per chunk: the last stage's logits readback (every chunk with ``all_logits``, else
@@ -74,7 +77,7 @@ __all__ = ["MIN_CHUNK", "N_CHUNKS", "coop_schedule", "pipeline_chunks", "pipelin
            "run_chunk_coop", "run_chunk_pipelined"]
 
 MIN_CHUNK = 1024   # tokens: below this a chunk's GEMMs and host round trips dominate
-N_CHUNKS = 4
+N_CHUNKS = 3   # see the contract above: the steadiest 8K time measured (4 is faster only on a fast host)
 
 
 def pipeline_chunks(S: int, n_stages: int) -> list[int] | None:
