@@ -205,7 +205,8 @@ def test_routed_moe_refuses_device_dispatch_for_blaslt():
 
 def test_prefill_pipeline_seam_and_plan(monkeypatch):
     """MEMRA_DSV4_PREFILL_PIPELINE: off | on | coop (default); the chunk plan: none for one stage or
-    short prompts, else 4 chunks of whole 64-token multiples (the last takes the rest)."""
+    short prompts, else N_CHUNKS (3 by default) chunks of whole 64-token multiples (the last takes
+    the rest); a bench may set N_CHUNKS (read at each call)."""
     from types import SimpleNamespace
     from memra_dsv4.gpu import pipeline as PL
     s = seams.SEAMS["prefill_pipeline"]
@@ -215,10 +216,15 @@ def test_prefill_pipeline_seam_and_plan(monkeypatch):
         seams.resolve("prefill_pipeline")
     assert PL.pipeline_chunks(8192, 1) is None
     assert PL.pipeline_chunks(2047, 2) is None
-    assert PL.pipeline_chunks(8192, 2) == [2048] * 4
+    assert PL.N_CHUNKS == 3
+    assert PL.pipeline_chunks(8192, 2) == [2752, 2752, 2688]
     assert PL.pipeline_chunks(2048, 2) == [1024, 1024]
     assert PL.pipeline_chunks(3000, 2) == [1536, 1464]
+    assert PL.pipeline_chunks(5000, 2) == [1728, 1728, 1544]
+    monkeypatch.setattr(PL, "N_CHUNKS", 4)
+    assert PL.pipeline_chunks(8192, 2) == [2048] * 4
     assert PL.pipeline_chunks(5000, 2) == [1280, 1280, 1280, 1160]
+    monkeypatch.setattr(PL, "N_CHUNKS", 3)
     for S in range(2048, 20000, 37):
         ch = PL.pipeline_chunks(S, 3)
         assert sum(ch) == S and 2 <= len(ch) <= PL.N_CHUNKS and all(c % 64 == 0 for c in ch[:-1])
