@@ -117,7 +117,8 @@ def test_seam_routes_forward_and_prefill(monkeypatch, mode):
     if not PL.pipeline_supported(m):
         pytest.skip("no peer access between the two GPUs")
     monkeypatch.setattr(PL, "MIN_CHUNK", 32)
-    ids = _ids(ck.config, 200, seed=9)
+    # 64 (N_CHUNKS - 1) + 8 tokens: N_CHUNKS chunks, the last of 8 (200 tokens at N_CHUNKS = 4)
+    ids = _ids(ck.config, 64 * (PL.N_CHUNKS - 1) + 8, seed=9)
     chunks = PL.pipeline_chunks(len(ids), 2)
     assert chunks and len(chunks) == PL.N_CHUNKS
     keep = m.prefill_pipeline
