@@ -180,11 +180,12 @@ SEAM_PREFILL_DISPATCH = Seam(
 SEAM_PREFILL_PIPELINE = Seam(
     "prefill_pipeline", "MEMRA_DSV4_PREFILL_PIPELINE", "coop", ("off", "on", "coop"),
     "Prefill over 2+ stages (memra_dsv4.gpu.pipeline, read once per model and printed): `coop` "
-    "(prompts of >= 2048 tokens cut into up to gpu.pipeline.N_CHUNKS chunks of >= 1024 tokens "
+    "(prompts of >= 2048 tokens cut into up to gpu.pipeline.N_CHUNKS (3) chunks of >= 1024 tokens "
     "that flow through the stages from one host thread interleaving the stages layer by layer, "
     "so the stages overlap; bit-identical to running those chunks one after another, bf16-class "
     "against the whole-prompt chunk; needs peer access, else the whole prompt as one chunk; "
-    "measured on 2x H200 at 939a250, 8K tokens: 1,004 ms at 4 chunks vs 1,430 ms `off`), `on` "
+    "measured on 2x H200 at fcf8e57, 8K tokens, uninstrumented: 936-938 ms at 3 chunks, 903-1,117 "
+    "ms at 4 (host-bound), vs 1,291 ms `off`), `on` "
     "(the same chunks and bits with one host thread per stage: GIL-bound, 1,127 ms at 2 chunks) "
     "or `off` (the whole prompt as one chunk: one boundary copy per stage boundary).")
 SEAM_KERNELS_DIR = Seam(
