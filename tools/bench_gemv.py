@@ -297,7 +297,11 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
                                ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1}),
-                               ("FP4_PRMT=0 (table even: the previous default)", {"FP4_PRMT": 0})]:
+                               ("FP4_PRMT=0 (table even: the previous default)", {"FP4_PRMT": 0}),
+                               # schedule-only candidates (no spills; bits checked as every row):
+                               # down over 4 rows (x reuse), gate/up over 1 row pair at depth 4
+                               ("FP4_DN_R=4 FP4_DN_DEPTH=2", {"FP4_DN_R": 4, "FP4_DN_DEPTH": 2}),
+                               ("FP4_GU_R=1 FP4_DEPTH=4", {"FP4_GU_R": 1, "FP4_DEPTH": 4})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
             look = EX.variant_kernels(defines)

@@ -315,6 +315,19 @@ def test_prmt_decode_same_bits_as_table_build(fmt, case):
     _same_bits_across_builds(fmt, case, {"FP4_PRMT": 0}, "FP4_PRMT=0 (table)", huge=True)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "odd"])
+@pytest.mark.parametrize("defines", [{"FP4_DN_R": 4, "FP4_DN_DEPTH": 2}, {"FP4_GU_R": 1, "FP4_DEPTH": 4}],
+                         ids=["dn_r4_d2", "gu_r1_d4"])
+def test_row_and_depth_tunables_same_bits(fmt, case, defines):
+    """The rows per warp group and the ring depth are schedule only (experts.cu: "the arithmetic
+    does not depend on them"): builds with down_combine at 4 rows / depth 2 (x reuse over 4 rows,
+    the gate/up kernel's ring size) and gate/up at 1 row pair / depth 4 (more loads in flight per
+    row) give the default build's bytes.  Both compile without spills (nvcc -Xptxas -v); they are
+    the candidates tools/bench_gemv.py --fp4-variants times."""
+    _same_bits_across_builds(fmt, case, defines, " ".join(f"{k}={v}" for k, v in defines.items()))
+
+
 # ---------------------------------------------------------------- tensor-core variant (impl="mma")
 # Bound of gemv_*_mma against the twin's float64 sum (see the "tensor-core FP4 GEMVs" header in
 # kernels_cu/experts.cu): the weights are exact in f16 and every product is exact; the tensor core
