@@ -65,7 +65,8 @@ try:
           "devices", rt.getDeviceCount())
     n = rt.getDeviceCount()
     for a in range(n):
-        print(f"  peer from {a}:", [rt.deviceCanAccessPeer(a, b) for b in range(n) if b != a])
+        # the devices a can reach by peer access (ids, not flags: "[1]" read as a flag list was ambiguous)
+        print(f"  peer access from {a} to:", [b for b in range(n) if b != a and rt.deviceCanAccessPeer(a, b)])
 except Exception as e:
     print("cupy runtime query failed:", e)
 try:
