@@ -27,7 +27,9 @@ Contract
 * ``to_f32`` / ``bf16_bits`` / ``store`` launch kernels_cu/convert.cu (gpu.ops.convert) for a
   C-contiguous, non-empty, at least 1-d CuPy input of their own dtype (uint16, resp. float32) and
   a CuPy ElementwiseKernel otherwise; both run the same integer RNE formula (``_RNE``), so the
-  outputs are the same bits either way (the raw kernel only saves host time per call).
+  outputs are the same bits either way (the raw kernel only saves host time per call).  The
+  module flag ``RAW_CONVERT = False`` sends every input to the ElementwiseKernels (an A/B switch
+  for tools/profile_prefill_host.py --convert; not a seam: the bytes do not change).
 These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
 one by one (same signatures, same tests).
 """
