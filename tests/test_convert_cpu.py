@@ -228,3 +228,15 @@ def test_wrapper_host_cost_smoke(fake, capsys):
     assert not [c for c in fake.calls if c[0] == "ew"]
     with capsys.disabled():
         print(f"\n[convert] ops_glue.store fast path, Python side with fakes: {dt:.2f} us/call")
+
+
+@pytest.mark.parametrize("fn,ew", [("bf16_bits", "memra_f32_to_bf16"), ("store", "memra_f32_store_bf16"),
+                                   ("to_f32", "memra_bf16_to_f32")])
+def test_raw_convert_off_routes_to_the_elementwise_kernels(fake, monkeypatch, fn, ew):
+    """ops_glue.RAW_CONVERT = False (the A/B switch of tools/profile_prefill_host.py --convert):
+    the same contiguous input goes to the ElementwiseKernel, with the same bytes out."""
+    x = _dev(_f32((7, 33)) if fn != "to_f32" else np.arange(231, dtype=np.uint16).reshape(7, 33))
+    monkeypatch.setattr(G, "RAW_CONVERT", False)
+    y = getattr(G, fn)(x)
+    assert [c[:2] for c in fake.calls] == [("ew", ew)], fake.calls
+    assert np.array_equal(np.asarray(y).view(np.uint8), _formula(ew, x).view(np.uint8))
