@@ -80,14 +80,28 @@ def parse_arms(spec: str) -> list[tuple[str, dict]]:
     return [(arm_label(s), s) for s in arms]
 
 
+def host_probe_ms(n: int = 20000) -> float:
+    """Wall ms of a fixed pure-Python workload (dict updates): a gauge of the host thread's speed
+    at that moment.  The coop prefill is host-bound, and on a shared machine the CPU's speed
+    comes in streaks (docs/prefill_perf.md, eighth session): a forward's time read beside the
+    probe taken just before it says whether a slow forward was a slow host."""
+    t0 = time.perf_counter()
+    d: dict = {}
+    for i in range(n):
+        k = i & 255
+        d[k] = d.get(k, 0) + i
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_forwards(m, ids, label: str, iters: int, warmup: int, phase_iters: int,
-                  timed_mode: str = "off", phase_clock=None):
+                  timed_mode: str = "off", phase_clock=None, probes: list | None = None):
     """``warmup`` then ``iters`` timed forwards of ``ids`` with profiling in ``timed_mode`` (wall
     time each, printed as they finish: a time-boxed run still says how far it got), then
     ``phase_iters`` forwards in events mode for the phase report.  Returns (timed ms samples,
     GEMM flops per timed forward, the report's rows; [] without phase forwards); profiling is
     left in ``timed_mode``.  ``phase_clock``: the events mode's time source (tests pass
-    profiling.FakeClock; None: CUDA events)."""
+    profiling.FakeClock; None: CUDA events).  ``probes``: a list that receives host_probe_ms()
+    taken right before each timed forward (outside its timing; printed beside it)."""
     from memra_dsv4.profiling import build_report, phase_collect, phase_reset, prof_configure
     prof_configure(timed_mode)
     for i in range(warmup):
@@ -98,10 +112,13 @@ def time_forwards(m, ids, label: str, iters: int, warmup: int, phase_iters: int,
         g.flops = 0
     samples = []
     for _ in range(iters):
+        probe = host_probe_ms()
+        if probes is not None:
+            probes.append(probe)
         t0 = time.perf_counter()
         m.forward(ids)
         samples.append((time.perf_counter() - t0) * 1e3)
-        print(f"{label}: forward {len(samples)}: {samples[-1]:.0f} ms", flush=True)
+        print(f"{label}: forward {len(samples)}: {samples[-1]:.0f} ms (host probe {probe:.2f} ms)", flush=True)
     flops = sum(g.flops for g in m.gemm.values()) / iters
     rows = []
     if phase_iters:
@@ -167,8 +184,9 @@ def main(argv=None) -> int:
         T_label = f"T={T}" + (f" {label}" if label else "")
         print(f"== {T_label}: moe={s['moe']} pipeline={s['pipeline']} attn={s['attn']} "
               f"dispatch={s['dispatch']} chunks={s['chunks']}", flush=True)
+        probes: list = []
         samples, flops, rows = time_forwards(m, ids, T_label, a.iters, a.warmup, a.phase_iters,
-                                             timed_mode)
+                                             timed_mode, probes=probes)
         med = float(np.median(samples))
         tflops = flops / (med * 1e-3) / 1e12
         print(f"{T_label}: median {med:.1f} ms, {T / med * 1e3:.0f} tok/s, GEMM {tflops:.1f} TFLOP/s "
@@ -177,7 +195,8 @@ def main(argv=None) -> int:
                           "summary": summarize(samples, tokens_per_step=T),
                           "phases_us": phase_breakdown(rows, depth=0),
                           "tokens_per_s": T / med * 1e3, "gemm_tflops": tflops,
-                          "gemm_flops": flops, "peak_bf16_tflops": peak}
+                          "gemm_flops": flops, "peak_bf16_tflops": peak,
+                          "host_probe_ms": probes}
         for r in rows:
             if r.depth <= 3:
                 print(f"  {'  ' * r.depth}{r.label:28s} {r.per_step_us / 1e3:9.2f} ms/step "

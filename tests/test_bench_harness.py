@@ -293,3 +293,28 @@ def test_prefill_bench_times_uninstrumented_and_reports_from_separate_forwards(c
         prof_configure("off")
     out = capsys.readouterr().out
     assert "T=2: warm-up forward 1" in out and "T=2: forward 3" in out
+    assert "(host probe " in out
+
+
+def test_prefill_bench_host_probe_one_per_timed_forward(monkeypatch):
+    """time_forwards(probes=[...]) takes bench.prefill.host_probe_ms right before each timed
+    forward (none before warm-up or phase forwards), so a slow forward can be read against the
+    host's speed just before it; host_probe_ms itself is a positive wall time."""
+    from types import SimpleNamespace
+
+    import bench.prefill as BP
+    from memra_dsv4.profiling import FakeClock, prof_configure
+
+    order = []
+    monkeypatch.setattr(BP, "host_probe_ms", lambda: order.append("probe") or 1.5)
+    m = SimpleNamespace(gemm={}, forward=lambda ids: order.append("forward"))
+    probes: list = []
+    try:
+        BP.time_forwards(m, [1], "T=1", iters=3, warmup=2, phase_iters=1, phase_clock=FakeClock(),
+                         probes=probes)
+    finally:
+        prof_configure("off")
+    assert probes == [1.5] * 3
+    assert order == ["forward"] * 2 + ["probe", "forward"] * 3 + ["forward"]
+    monkeypatch.undo()
+    assert BP.host_probe_ms(2000) > 0.0
