@@ -323,8 +323,9 @@ def test_row_and_depth_tunables_same_bits(fmt, case, defines):
     """The rows per warp group and the ring depth are schedule only (experts.cu: "the arithmetic
     does not depend on them"): builds with down_combine at 4 rows / depth 2 (x reuse over 4 rows,
     the gate/up kernel's ring size) and gate/up at 1 row pair / depth 4 (more loads in flight per
-    row) give the default build's bytes.  Both compile without spills (nvcc -Xptxas -v); they are
-    the candidates tools/bench_gemv.py --fp4-variants times."""
+    row) give the default build's bytes (the wrappers launch the R = 2 grids: the warps share the
+    row groups round-robin, whatever their count).  Both compile without spills (nvcc -Xptxas
+    -v); the gate/up one is a tools/bench_gemv.py --fp4-variants row."""
     _same_bits_across_builds(fmt, case, defines, " ".join(f"{k}={v}" for k, v in defines.items()))
 
 
