@@ -14,8 +14,8 @@ gpu.pipeline.N_CHUNKS (default: the seam's value and the module's 4), e.g. to se
 host thread of ``coop`` waits at 5 chunks.  ``--convert ab`` times the plain forwards alternately
 with ops_glue's raw-kernel bf16 conversions and with its ElementwiseKernels (RAW_CONVERT; same
 bytes) and prints both medians; ``raw`` / ``ew`` pin one route for the whole run.
-``--gc-ab`` alternates the plain forwards between Python's garbage collector enabled and disabled
-(gc.disable() around the forward) and prints, per forward, the gen-2 collections it ran, each
+``--gc-ab`` adds the collector as one more interleaved dimension of the plain forwards (enabled,
+and disabled around the forward) and prints, per forward, the gen-2 collections it ran, each
 device's CuPy pool size and the device's free memory: whether a slow forward is a collector pause
 or the memory pool growing / shrinking (a cudaFree synchronises the device).
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -68,25 +69,34 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m.forward(ids)
     print(f"warm-up forward: {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    if a.gc_ab:
-        _gc_ab(m, ids, devices, max(1, a.reps))
     routes = {"raw": ("raw",), "ew": ("ew",), "ab": ("ew", "raw")}[a.convert]
-    arms = [(r, c) for c in chunk_counts for r in routes]   # interleaved, forward by forward
+    gcs = (True, False) if a.gc_ab else (True,)
+    # every combination, interleaved forward by forward: (conversions, chunk count, collector on)
+    arms = [(r, c, g) for c in chunk_counts for r in routes for g in gcs]
     plain = {arm: [] for arm in arms}
 
     def label(arm):
-        r, c = arm
-        return f"{r} conversions" + (f", {c} chunks" if c is not None else "")
+        r, c, g = arm
+        return (f"{r} conversions" + (f", {c} chunks" if c is not None else "")
+                + ("" if not a.gc_ab else ", gc on" if g else ", gc off"))
 
     for _ in range(max(1, a.reps)):
         for arm in arms:
             ops_glue.RAW_CONVERT = arm[0] == "raw"
             if arm[1] is not None:
                 PL.N_CHUNKS = arm[1]
+            g2 = gc.get_stats()[2]["collections"]
+            if not arm[2]:
+                gc.disable()
             t0 = time.perf_counter()
-            m.forward(ids)
+            try:
+                m.forward(ids)
+            finally:
+                gc.enable()
             plain[arm].append((time.perf_counter() - t0) * 1e3)
-            print(f"plain forward ({label(arm)}): {plain[arm][-1]:.0f} ms")
+            extra = "" if not a.gc_ab else (
+                f", gen-2 collections {gc.get_stats()[2]['collections'] - g2}; {_pools(devices)}")
+            print(f"plain forward ({label(arm)}): {plain[arm][-1]:.0f} ms{extra}", flush=True)
     for arm in arms:
         if len(plain[arm]) > 1:
             print(f"plain forward ({label(arm)}) median of {len(plain[arm])}: "
@@ -108,37 +118,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _gc_ab(m, ids, devices, reps) -> None:
-    import gc
-
+def _pools(devices) -> str:
+    """Each device's CuPy pool size and free memory (a pool that grows or shrinks between
+    forwards means cudaMalloc / cudaFree inside them; a cudaFree synchronises the device)."""
     import cupy as cp
-    times = {"gc on": [], "gc off": []}
-
-    def pools():
-        out = []
-        for d in devices:
-            with cp.cuda.Device(d):
-                free, _ = cp.cuda.runtime.memGetInfo()
-                out.append(f"dev{d} pool {cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB "
-                           f"free {free / 2**30:.2f} GiB")
-        return ", ".join(out)
-
-    for _ in range(reps):
-        for mode in ("gc on", "gc off"):
-            g2 = gc.get_stats()[2]["collections"]
-            if mode == "gc off":
-                gc.disable()
-            t0 = time.perf_counter()
-            try:
-                m.forward(ids)
-            finally:
-                gc.enable()
-            ms = (time.perf_counter() - t0) * 1e3
-            times[mode].append(ms)
-            print(f"forward ({mode}): {ms:.0f} ms, gen-2 collections {gc.get_stats()[2]['collections'] - g2}; "
-                  f"{pools()}", flush=True)
-    for mode, v in times.items():
-        print(f"forward ({mode}) median of {len(v)}: {float(np.median(v)):.1f} ms")
+    out = []
+    for d in devices:
+        with cp.cuda.Device(d):
+            free, _ = cp.cuda.runtime.memGetInfo()
+            out.append(f"dev{d} pool {cp.get_default_memory_pool().total_bytes() / 2**30:.2f} GiB "
+                       f"free {free / 2**30:.2f} GiB")
+    return ", ".join(out)
 
 
 if __name__ == "__main__":
