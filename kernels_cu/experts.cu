@@ -247,6 +247,27 @@ DEV void f16x2_to_f32(u32 h, float& lo, float& hi) {
         : "=f"(lo), "=f"(hi) : "r"(h));
 }
 
+// p continued by the eight products of the f16x2 words h04 h15 h26 h37 (the halves of word hij
+// are elements i and j; each half an exact f16, converted to f32 exactly) with xf, in element
+// order as every dot8 path: the common tail of the all-ALU decodes (FP4_ALU_EVEN, FP4_PRMT),
+// which differ only in how they build the words.
+DEV float dot8_words(u32 h04, u32 h15, u32 h26, u32 h37, const float (&xf)[8], float p) {
+    float w0, w4, w1, w5, w2, w6, w3, w7;
+    f16x2_to_f32(h04, w0, w4);
+    f16x2_to_f32(h15, w1, w5);
+    f16x2_to_f32(h26, w2, w6);
+    f16x2_to_f32(h37, w3, w7);
+    p = __fmaf_rn(w0, xf[0], p);
+    p = __fmaf_rn(w1, xf[1], p);
+    p = __fmaf_rn(w2, xf[2], p);
+    p = __fmaf_rn(w3, xf[3], p);
+    p = __fmaf_rn(w4, xf[4], p);
+    p = __fmaf_rn(w5, xf[5], p);
+    p = __fmaf_rn(w6, xf[6], p);
+    p = __fmaf_rn(w7, xf[7], p);
+    return p;
+}
+
 // p continued by sum_{e<8} e2m1(nibble e of w) * xf[e], in element order (f32 FMA chain).
 // Even elements: table lookup; t = 4 * the low nibbles of the four bytes, each lookup address is
 // one byte of t placed into the table base b (PRMT), then LDS. The table alone made the kernels
@@ -267,19 +288,7 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
     const u32 h26 = ((w << 1) & 0x0e000e00u) | ((w << 4) & 0x80008000u);
     const u32 h37 = ((w >> 3) & 0x0e000e00u) | (w & 0x80008000u);
-    float w0, w4, w1, w5, w2, w6, w3, w7;
-    f16x2_to_f32(h04, w0, w4);
-    f16x2_to_f32(h15, w1, w5);
-    f16x2_to_f32(h26, w2, w6);
-    f16x2_to_f32(h37, w3, w7);
-    p = __fmaf_rn(w0, xf[0], p);  // element order, as the table paths
-    p = __fmaf_rn(w1, xf[1], p);
-    p = __fmaf_rn(w2, xf[2], p);
-    p = __fmaf_rn(w3, xf[3], p);
-    p = __fmaf_rn(w4, xf[4], p);
-    p = __fmaf_rn(w5, xf[5], p);
-    p = __fmaf_rn(w6, xf[6], p);
-    p = __fmaf_rn(w7, xf[7], p);
+    p = dot8_words(h04, h15, h26, h37, xf, p);
 #elif FP4_PRMT
     // The f16 of e2m1 * 2^-14 (the placement above) has all its bits in the half's high byte:
     // sign at bit 7, magnitude e1 e0 m at bits 3..1. Byte k of qo is that byte for element 2k + 1
@@ -297,19 +306,7 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     const u32 h15 = __byte_perm(qo, 0u, 0x2404u);
     const u32 h26 = qe & 0xff00ff00u;
     const u32 h37 = qo & 0xff00ff00u;
-    float w0, w4, w1, w5, w2, w6, w3, w7;
-    f16x2_to_f32(h04, w0, w4);
-    f16x2_to_f32(h15, w1, w5);
-    f16x2_to_f32(h26, w2, w6);
-    f16x2_to_f32(h37, w3, w7);
-    p = __fmaf_rn(w0, xf[0], p);  // element order, as every path
-    p = __fmaf_rn(w1, xf[1], p);
-    p = __fmaf_rn(w2, xf[2], p);
-    p = __fmaf_rn(w3, xf[3], p);
-    p = __fmaf_rn(w4, xf[4], p);
-    p = __fmaf_rn(w5, xf[5], p);
-    p = __fmaf_rn(w6, xf[6], p);
-    p = __fmaf_rn(w7, xf[7], p);
+    p = dot8_words(h04, h15, h26, h37, xf, p);
 #elif FP4_ALU_ODD
     const u32 t = (w << 2) & 0x3c3c3c3cu;
     const u32 h15 = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);

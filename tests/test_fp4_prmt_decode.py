@@ -16,26 +16,16 @@ h26 / h37 = q & 0xff00ff00.  Checked here on the expressions as they stand in th
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
-import pytest
 
 from memra_dsv4.formats import E2M1_VALUES
+from test_fp4_alu_decode import SRC, _dot8_block  # tests/ on sys.path (pytest's prepend mode)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(ROOT, "kernels_cu", "experts.cu")
 M32 = 0xFFFFFFFF
 
 
-def _dot8_block(cond: str) -> str:
-    src = open(SRC, encoding="utf-8").read()
-    body = src[src.index("DEV float dot8("):]
-    body = body[:body.index("\n}\n")]
-    start = body.index(cond)
-    end = min(i for i in (body.find("#elif", start + 1), body.find("#else", start + 1)) if i > 0)
-    return body[start:end]
 
 
 def byte_perm(x: int, y: int, s: int) -> int:
@@ -79,8 +69,16 @@ def test_branch_has_the_four_words_and_no_table():
     assert {"h04", "h15", "h26", "h37"} <= set(exprs), exprs
     block = _dot8_block("#elif FP4_PRMT")
     assert "lds_f32" not in block
-    # FMA chain in element order 0..7, each weight with its own x
-    fmas = re.findall(r"p = __fmaf_rn\(w(\d), xf\[(\d)\], p\);", block)
+    # the words go to dot8_words in the order of their first elements (0, 1, 2, 3)
+    assert "p = dot8_words(h04, h15, h26, h37, xf, p);" in block
+    # whose FMA chain is in element order 0..7, each weight with its own x, the weight of element
+    # i the half of the word that holds it (h04 -> w0 low, w4 high, ...)
+    src = open(SRC, encoding="utf-8").read()
+    body = src[src.index("DEV float dot8_words("):]
+    body = body[:body.index("\n}\n")]
+    assert re.findall(r"f16x2_to_f32\(h(\d)(\d), w(\d), w(\d)\);", body) == [
+        ("0", "4", "0", "4"), ("1", "5", "1", "5"), ("2", "6", "2", "6"), ("3", "7", "3", "7")]
+    fmas = re.findall(r"p = __fmaf_rn\(w(\d), xf\[(\d)\], p\);", body)
     assert fmas == [(str(i), str(i)) for i in range(8)], fmas
 
 
