@@ -30,7 +30,6 @@ import zlib
 from collections import Counter
 
 import numpy as np
-import pytest
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "block_host_ops_golden.json")
 CHUNKS = (72, 70, 5, 61)      # mma + simt sizes; p0 = 0, 72, 142, 147: aligned and not, for r 4, 16
@@ -262,12 +261,12 @@ def _install_stubs(monkeypatch):
     def inplace(name):
         def f(x, *a, out=None, **k):
             s = _rec(name, x, a, sorted(k.items()))
-            x[...] = _fill(x.shape, np.uint16, s)
+            np.copyto(x, _fill(x.shape, np.uint16, s))   # not a host op: the kernel
             return x
         return f
 
     def add_ape(z, ape, pos):
-        z[...] = _fill(z.shape, np.float32, _rec("add_ape", z, ape, pos))
+        np.copyto(z, _fill(z.shape, np.float32, _rec("add_ape", z, ape, pos)))
         return z
 
     def pool_overlap(kv, score, n, out=None, prev_kv=None, prev_score=None, **k):
@@ -292,7 +291,7 @@ def _install_stubs(monkeypatch):
         return f
 
     def scores(q, w, keys, n_valid, out=None, *, w_scale=1.0, impl="simt"):
-        out[...] = _fill(out.shape, np.uint16, _rec("ix.scores", q, w, keys, n_valid, w_scale, impl))
+        np.copyto(out, _fill(out.shape, np.uint16, _rec("ix.scores", q, w, keys, n_valid, w_scale, impl)))
         return out
 
     def topk(scores_, n_valid, k, out=None, offset=0, order="score", width=None):
@@ -344,7 +343,7 @@ class _Lt:
 
     def run(self, w, xb, y, stream):
         COUNT["gemm"] += 1
-        y[...] = _fill(y.shape, np.float32, _rec("gemm", w, xb))
+        np.copyto(y, _fill(y.shape, np.float32, _rec("gemm", w, xb)))
 
 
 # ------------------------------------------------------------------------------- the run
@@ -375,9 +374,10 @@ def _model(cfg):
     return m, st
 
 
-def _run(monkeypatch):
+def _run(monkeypatch, capture: bool = False):
     """Every layer of the tiny preset over CHUNKS, as stage_steps runs them (the streams as the
-    layers hand them on); returns (per-layer-pass counts, the log, the final digests)."""
+    layers hand them on); returns (per-layer-pass counts, the log, the final digests: with
+    ``capture`` those of every layer's captures too)."""
     from memra_dsv4.config import preset
     from memra_dsv4.gpu import decode as D
     from memra_dsv4.gpu import model as M
@@ -393,7 +393,7 @@ def _run(monkeypatch):
     COUNT.clear()
     LOG.clear()
     per_layer = {L: Counter() for L in caches}
-    outs = []
+    outs, caps = [], []
     p0 = 0
     for ci, S in enumerate(CHUNKS):
         model.clear_chunk_memo()
@@ -403,13 +403,18 @@ def _run(monkeypatch):
         for L in caches:
             before = Counter(COUNT)
             blk = D.ChunkBlock(model, st, L, "prefill/stage0/block")
-            streams = _forward(blk, streams, ids_d, caches[L], p0)
+            cap = {} if capture else None
+            streams = _forward(blk, streams, ids_d, caches[L], p0, cap)
+            if capture:
+                caps.append({k: _digest(np.asarray(v)) for k, v in sorted(cap.items())})
             d = Counter(COUNT)
             d.subtract(before)
             per_layer[L] += d
         outs.append(_digest(_as_f32(streams)))
         p0 += S
     final = {"out": outs}
+    if capture:
+        final["caps"] = caps
     for L, c in caches.items():
         final[f"{L}.kv"] = _digest(c.kv)
         for nm in ("idx_keys",):
@@ -426,20 +431,39 @@ def _as_f32(streams):
     return _to_f32(streams) if streams.dtype == np.uint16 else streams
 
 
-def _forward(blk, streams, ids_d, cache, p0):
+def _forward(blk, streams, ids_d, cache, p0, cap=None):
     """ChunkBlock.forward as stage_steps calls it (bf16 bits handed on between layers where
     forward offers it)."""
     import inspect
     if "bits_out" in inspect.signature(blk.forward).parameters:
-        return blk.forward(streams, ids_d, cache, p0, None, None, bits_out=True)
-    return blk.forward(streams, ids_d, cache, p0, None, None)
+        return blk.forward(streams, ids_d, cache, p0, cap, None, bits_out=True)
+    return blk.forward(streams, ids_d, cache, p0, cap, None)
 
 
-# Host operations per layer pass (summed over the tiny preset's 4 layers and the 4 chunks,
-# i.e. 16 layer passes) of the code before branch hostlean2 (tools/...: this harness on
-# 27cd438), for the record; _AFTER: the ceilings this branch pins.
-_BEFORE = None
-_AFTER = None
+# Host operations of the tiny preset's 4 layers over CHUNKS (16 layer passes; layer 0 window,
+# 1 and 3 CSA, 2 HCA): the code before branch hostlean2 (27cd438), for the record, and the
+# ceilings this branch pins (each convert launch is also a cupy.empty in gpu.ops.convert).
+_BEFORE = {"convert": 524, "concatenate": 52, "ascontiguousarray": 42, "take": 16,
+           "scatter": 16, "asarray": 53}
+_BEFORE_CONVERT_PER_LAYER = {0: 100, 1: 156, 2: 112, 3: 156}
+_AFTER = {"convert": 188, "concatenate": 49, "ascontiguousarray": 26, "take": 0, "scatter": 0,
+          "asarray": 45}
+_AFTER_CONVERT_PER_LAYER = {0: 40, 1: 56, 2: 36, 3: 56}
+
+
+def test_host_ops_per_layer_pass(monkeypatch):
+    """The conversion launches (and the other host operations counted) of a chunk pass stay at
+    or below the pinned counts, which the code before hostlean2 exceeds."""
+    per_layer, _, _ = _run(monkeypatch)
+    tot = Counter()
+    for c in per_layer.values():
+        tot += c
+    for k, ceiling in _AFTER.items():
+        assert tot[k] <= ceiling, f"{k}: {tot[k]} host operations > {ceiling}"
+    for L, ceiling in _AFTER_CONVERT_PER_LAYER.items():
+        assert per_layer[L]["convert"] <= ceiling, (L, per_layer[L]["convert"])
+    assert tot["convert"] < _BEFORE["convert"] // 2   # the point of the branch
+    assert tot["gemm"] == 216 and tot["kernel"] == 656   # the same GEMMs and kernels
 
 
 def test_print_counts(monkeypatch, capsys):
@@ -454,5 +478,36 @@ def test_print_counts(monkeypatch, capsys):
         print("total", dict(sorted(tot.items())))
     if os.environ.get("MEMRA_WRITE_GOLDEN"):
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+        _, cap_log, cap_final = _run(monkeypatch, capture=True)
         with open(GOLDEN, "w") as f:
-            json.dump({"log": log, "final": final}, f)
+            json.dump({"log": log, "final": final, "cap_log": cap_log, "cap_final": cap_final}, f)
+
+
+def test_kernels_get_the_same_bytes(monkeypatch):
+    """Every kernel stub's digests, in order, and the caches / outputs equal the golden ones
+    recorded on the code before branch hostlean2."""
+    _, log, final = _run(monkeypatch)
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    log = json.loads(json.dumps(log))
+    final = json.loads(json.dumps(final))
+    for i, (got, want) in enumerate(zip(log, golden["log"])):
+        assert got == want, f"kernel call {i}: {got} != golden {want}"
+    assert len(log) == len(golden["log"])
+    assert final == golden["final"]
+
+
+def test_captures_get_the_same_bytes(monkeypatch):
+    """With captures (the parity tests' path): the same kernel arguments and every capture's
+    bytes equal the golden ones."""
+    _, log, final = _run(monkeypatch, capture=True)
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    log = json.loads(json.dumps(log))
+    final = json.loads(json.dumps(final))
+    for i, (got, want) in enumerate(zip(log, golden["cap_log"])):
+        assert got == want, f"kernel call {i}: {got} != golden {want}"
+    assert len(log) == len(golden["cap_log"])
+    for L, (got, want) in enumerate(zip(final.pop("caps"), golden["cap_final"]["caps"])):
+        assert got == want, f"layer pass {L}: captures differ"
+    assert final == {k: v for k, v in golden["cap_final"].items() if k != "caps"}

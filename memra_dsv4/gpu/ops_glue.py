@@ -435,8 +435,10 @@ def fp4_sim(x, block: int = 32):
 _HAD: dict = {}
 
 
-def hadamard(x):
-    """ops.hadamard: store(x @ H_n * n^-1/2), float64 (exact for bf16 inputs in practice)."""
+def hadamard(x, bits: bool = False):
+    """ops.hadamard: store(x @ H_n * n^-1/2), float64 (exact for bf16 inputs in practice).
+    ``bits``: the bf16 bits of that (uint16) instead, bf16_bits(y) = bf16_bits(store(y)): one
+    conversion launch where the caller wants bits."""
     cp = _cp()
     n = x.shape[-1]
     dev = cp.cuda.runtime.getDevice()
@@ -445,7 +447,8 @@ def hadamard(x):
         from memra_dsv4.oracle.ops import hadamard_matrix
         H = _HAD[(n, dev)] = cp.asarray(hadamard_matrix(n) * (n ** -0.5))
     y = cp.matmul(x.reshape(-1, n).astype(cp.float64), H)
-    return store(y.reshape(x.shape).astype(cp.float32))
+    y = y.reshape(x.shape).astype(cp.float32)
+    return bf16_bits(y) if bits else store(y)
 
 
 # ------------------------------------------------------------------------- compressor
