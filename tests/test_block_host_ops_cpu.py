@@ -17,7 +17,14 @@ recording stub:
   instead of a stored f32) records the same digest, and anything else does not.
 
 The stubs' outputs are hashes of what they digest (integer arithmetic only: the same on every
-machine), so a difference anywhere upstream shows in every later digest.
+machine), so a difference anywhere upstream shows in every later digest.  ops_glue.swiglu_clamped
+is one stub here (its fused kernel against its CuPy chain: tests/gpu/test_hostlean2_gpu.py).
+
+The golden file was written by this harness on the code before the branch, in a directory of
+its own (the repository's own memra_dsv4 would shadow it): ``git archive 27cd438 memra_dsv4
+tests/conftest.py pyproject.toml | tar -x -C /tmp/base``, this file copied to /tmp/base/tests,
+then in /tmp/base ``MEMRA_WRITE_GOLDEN=1 PYTHONPATH=/tmp/base pytest
+tests/test_block_host_ops_cpu.py -k print`` (writes /tmp/base/tests/data/...).
 """
 
 from __future__ import annotations
@@ -327,6 +334,10 @@ def _install_stubs(monkeypatch):
             (D.IX, "scores", scores), (D.IX, "topk", topk), (M.RT, "select", select),
             (M, "routed_moe", routed_moe)]:
         monkeypatch.setattr(mod, name, fn)
+
+    def swiglu(gate, up, limit, weight=None):   # one kernel (the chain's 12 CuPy calls before)
+        return _fill(gate.shape, np.float32, _rec("swiglu_clamped", gate, up, limit, weight))
+    monkeypatch.setattr(G, "swiglu_clamped", swiglu)
 
     def cos_sin(inv, positions, dtype):
         # host RoPE tables: hashes of the positions (np.cos, and the float64 inverse frequencies
