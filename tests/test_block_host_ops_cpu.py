@@ -455,10 +455,10 @@ def _forward(blk, streams, ids_d, cache, p0, cap=None):
 # 1 and 3 CSA, 2 HCA): the code before branch hostlean2 (27cd438), for the record, and the
 # ceilings this branch pins (each convert launch is also a cupy.empty in gpu.ops.convert).
 _BEFORE = {"convert": 524, "concatenate": 52, "ascontiguousarray": 42, "take": 16,
-           "scatter": 16, "asarray": 53}
+           "scatter": 16, "asarray": 53, "astype": 148}
 _BEFORE_CONVERT_PER_LAYER = {0: 100, 1: 156, 2: 112, 3: 156}
 _AFTER = {"convert": 188, "concatenate": 49, "ascontiguousarray": 26, "take": 0, "scatter": 0,
-          "asarray": 45}
+          "asarray": 45, "astype": 124}   # asarray: 44 once hadamard's matrix is cached
 _AFTER_CONVERT_PER_LAYER = {0: 40, 1: 56, 2: 36, 3: 56}
 
 

@@ -172,8 +172,15 @@ class ChunkBlock:
         cp = _cp()
         b, cfg = self.b, self.cfg
         fn = b.w(f"hc_{sub}_fn")
-        fn = contiguous(fn.astype(cp.float32, copy=not self.fused)
-                        .reshape(fn.shape[0], -1))   # f32 already: no copy needed
+        if self.fused:   # the weight's 2-D f32 view, made once per model (3 CuPy calls a pass)
+            views = b.m.__dict__.setdefault("_hc_fn_2d", {})
+            hit = views.get(id(fn))
+            if hit is None or hit[0] is not fn:   # keyed by the very array (kept alive here)
+                hit = views[id(fn)] = (fn, contiguous(fn.astype(cp.float32, copy=False)
+                                                      .reshape(fn.shape[0], -1)))
+            fn = hit[1]
+        else:
+            fn = contiguous(fn.astype(cp.float32).reshape(fn.shape[0], -1))
         return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                          norm_eps=cfg.rms_norm_eps, n_split=1)
@@ -352,8 +359,7 @@ class ChunkBlock:
         d = cfg.index_head_dim if indexer else cfg.head_dim
         if nb == 0:
             return cp.zeros((0, d), dtype=cp.uint16), a, z
-        kpos = b0 + r * np.arange(nb, dtype=np.int64)
-        cos, sin = b.rope_tables(kpos)
+        cos, sin = b.rope_range(b0, nb, r)   # the entries' positions b0 + r * k
         if self.fused:
             return self._entries_fused(A, Z, nb, cs, sub, cos, sin, indexer), a, z
         if cs.overlap:
@@ -418,7 +424,7 @@ class ChunkBlock:
         fused = self.fused
         memo = b.m.chunk_memo
         pos = p0 + np.arange(S, dtype=np.int64)
-        cos, sin = b.rope_tables(pos)
+        cos, sin = b.rope_range(p0, S)
         # kernels: row t of cos / sin is position p0 + t
         ridx = memo(("ridx", S), lambda: cp.arange(S, dtype=cp.int32)) if fused else \
             cp.arange(S, dtype=cp.int32)

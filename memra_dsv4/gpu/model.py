@@ -465,6 +465,15 @@ class _Block:
             return cp.asarray(c), cp.asarray(s)
         return self.m.chunk_memo(("rope", inv.tobytes(), positions.tobytes()), make)
 
+    def rope_range(self, start: int, n: int, step: int = 1):
+        """rope_tables(start + step * arange(n)): the same tables, memoised by (start, n, step)
+        instead of by the positions' bytes (the chunk pass's positions are ranges: hashing
+        ~22 KB of int64 per call for the key is host time for nothing)."""
+        inv = layer_inv_freq(self.cfg, self.lid)
+        return self.m.chunk_memo(
+            ("rope_range", inv.tobytes(), int(start), int(n), int(step)),
+            lambda: self.rope_tables(int(start) + int(step) * np.arange(int(n), dtype=np.int64)))
+
     def hc_pre(self, streams, sub: str):
         cp = _cupy()
         cfg = self.cfg
