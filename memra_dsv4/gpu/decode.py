@@ -115,7 +115,10 @@ class ChunkBlock:
     FP8 and FP4 simulations as quant_sim.cu's in-place kernels on the bf16 bits, the pooling as
     compressor.cu's pool kernels (the chain's double routine in its candidate order), ape as
     compress_add_ape, attention's input as the bf16 bits (every GEMM rounds f32 inputs to those
-    same bits), and the chunk's index arrays made once per chunk (Dsv4Gpu.chunk_memo)."""
+    same bits), and the chunk's index arrays made once per chunk (Dsv4Gpu.chunk_memo).  Wherever
+    the next op rounds to bf16 bits anyway, the fused form hands it the bits (or the unrounded
+    f32 to a kernel that rounds on load) instead of an f32 copy (attention's doc lists them);
+    the streams pass between layers as bits (``forward``'s ``bits_out``)."""
 
     fused = True
 

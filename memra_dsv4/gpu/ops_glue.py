@@ -28,6 +28,9 @@ Contract
   C-contiguous, non-empty, at least 1-d CuPy input of their own dtype (uint16, resp. float32) and
   a CuPy ElementwiseKernel otherwise; both run the same integer RNE formula (``_RNE``), so the
   outputs are the same bits either way (the raw kernel only saves host time per call).
+* ``swiglu_clamped`` on float32 CuPy gate / up with limit > 0 and no weight is one
+  ElementwiseKernel whose steps are the CuPy ufuncs' expressions (the same bytes as the CuPy
+  chain, ``swiglu_clamped_chain``, which every other call takes).
 These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
 one by one (same signatures, same tests).
 """
