@@ -348,29 +348,47 @@ def dispatch_on_device(idx, E: int, gemm: str = "fp4mma") -> DeviceDispatch:
     synchronisation, nothing read back; every table is sized from T, k and E alone; the items are
     the GEMM arm ``gemm``'s (fp4mma | wgmma; max_mma_items(T * k, E, item_rows(gemm)) rows).
     Twin: device_plan(idx, E, gemm)."""
-    bn = item_rows(gemm)
     cp = cupy()
-    idx = cp.ascontiguousarray(idx, dtype=np.int64)
+    idx = contiguous(idx, dtype=np.int64)   # an int32 idx (the router's) is converted here
     assert idx.ndim == 2 and idx.size > 0, f"dispatch_on_device: idx {idx.shape}"
     T, k = idx.shape
-    n, E = T * k, int(E)
-    nseg, mi = MO.plan_segments(n), max_mma_items(n, E, bn)
-    sizes = {"items": 4 * mi, "meta": 4, "ebase": E, "eids": E, "counts": E, "seg": nseg * E,
-             "src": n, "flat": n, "rowof": n, "pos": n}
-    buf = cp.empty(sum(sizes.values()), dtype=np.int32)
-    v, o = {}, 0
-    for name, size in sizes.items():
-        v[name] = buf[o:o + size]
-        o += size
-    d = DeviceDispatch(eids=v["eids"], counts=v["counts"], ebase=v["ebase"],
-                       seg=v["seg"].reshape(nseg, E), src=v["src"], flat=v["flat"],
-                       rowof=v["rowof"], pos=v["pos"].reshape(T, k),
-                       items=v["items"].reshape(mi, 4), meta=v["meta"][:2])
-    MO.plan_count(idx, E, d.seg)
-    MO.plan_scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta, wg=gemm == "wgmma")
-    MO.plan_place(idx, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
-    MO.plan_combine_pos(idx, d.rowof, d.pos)
+    E = int(E)
+    key = (T, k, E, gemm)
+    lay = _PLAN_LAYOUT.get(key)
+    if lay is None:
+        lay = _PLAN_LAYOUT[key] = _plan_layout(T, k, E, gemm)
+    total, (o_it, o_me, o_eb, o_ei, o_co, o_sg, o_sr, o_fl, o_ro, o_po, o_end), nseg, mi = lay
+    buf = cp.empty(total, dtype=np.int32)
+    d = DeviceDispatch(eids=buf[o_ei:o_co], counts=buf[o_co:o_sg], ebase=buf[o_eb:o_ei],
+                       seg=buf[o_sg:o_sr].reshape(nseg, E), src=buf[o_sr:o_fl],
+                       flat=buf[o_fl:o_ro], rowof=buf[o_ro:o_po],
+                       pos=buf[o_po:o_end].reshape(T, k), items=buf[o_it:o_me].reshape(mi, 4),
+                       meta=buf[o_me:o_me + 2])
+    MO.plan_launches(idx, T, k, E, d, gemm == "wgmma")
     return d
+
+
+# (T, k, E, gemm) -> _plan_layout(T, k, E, gemm): dispatch_on_device's table offsets, worked out
+# (and the plan kernels' size limits asserted) once per shape
+_PLAN_LAYOUT: dict = {}
+
+
+def _plan_layout(T: int, k: int, E: int, gemm: str):
+    """(total int32 elements, the 11 offsets of items, meta, ebase, eids, counts, seg, src,
+    flat, rowof, pos and the end, nseg, max items) of dispatch_on_device's one allocation: the
+    tables in that order, each sized from T, k and E alone (its views have exactly the shapes
+    moe.plan_count / _scan / _place / _combine_pos check)."""
+    bn = item_rows(gemm)
+    n = T * k
+    assert 0 < n < (1 << 31) - MO.PLAN_SEG, f"dispatch_on_device: {n} picks"
+    assert 1 <= E <= MO.PLAN_MAX_E, f"dispatch_on_device: E = {E} (1..{MO.PLAN_MAX_E})"
+    nseg, mi = MO.plan_segments(n), max_mma_items(n, E, bn)
+    offs, o = [], 0
+    for size in (4 * mi, 4, E, E, E, nseg * E, n, n, n, n):
+        offs.append(o)
+        o += size
+    offs.append(o)
+    return o, tuple(offs), nseg, mi
 
 
 def wg_items(plan: DispatchPlan, bn: int = WG_BN) -> np.ndarray:
