@@ -519,18 +519,19 @@ def candidates(window_mat, comp_mat, offset: int, ascending: bool = False):
     """indices.candidate_matrix on the device (comp_mat rows: entry ids, -1 = none).
     ``ascending``: the caller guarantees every comp_mat row is its entry ids ascending, then its
     -1 padding (the indexer's top-k with order="index", hidx.hca_matrix); the sort is then the
-    identity and is skipped (cupy.sort synchronises the host), the same matrix."""
+    identity and is skipped (cupy.sort synchronises the host), the same matrix.  The window
+    matrix (int32 from the chunk memo) is not copied before the concatenate copies it."""
     cp = _cp()
     if comp_mat is None or comp_mat.shape[-1] == 0:
         return window_mat.copy()
     if ascending:
         c = cp.where(comp_mat >= 0, comp_mat.astype(cp.int64) + offset, -1).astype(cp.int32)
-        return cp.concatenate([window_mat.astype(cp.int32), c], axis=-1)
+        return cp.concatenate([window_mat.astype(cp.int32, copy=False), c], axis=-1)
     c = comp_mat.astype(cp.int64)
     big = cp.iinfo(cp.int64).max
     c = cp.sort(cp.where(c >= 0, c, big), axis=-1)
     c = cp.where(c == big, -1, c + offset).astype(cp.int32)
-    return cp.concatenate([window_mat.astype(cp.int32), c], axis=-1)
+    return cp.concatenate([window_mat.astype(cp.int32, copy=False), c], axis=-1)
 
 
 # ------------------------------------------------------------------- sparse attention
