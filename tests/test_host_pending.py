@@ -49,3 +49,50 @@ def test_layout_current_previous_and_empty_rows(ratio):
     if ratio == 4:                                        # previous complete block = block 1
         assert np.array_equal(kv[:ratio], a[ratio:2 * ratio])
         assert np.array_equal(sc[:ratio], z[ratio:2 * ratio])
+
+
+def _advance_concat(kv, score, a, z, p0, ratio):
+    """advance_pending as written before branch hostlean2's slice form: A / Z = the current
+    block's pending rows ++ the chunk's rows (two concatenates), then the rows written from them
+    (the reference the slice form must reproduce byte for byte)."""
+    r, o, rem0 = ratio, cur_offset(ratio), p0 % ratio
+    A = np.concatenate([kv[o:o + rem0], a.astype(kv.dtype, copy=False)], axis=0)
+    Z = np.concatenate([score[o:o + rem0], z.astype(score.dtype, copy=False)], axis=0)
+    nb = A.shape[0] // r
+    if ratio == 4 and nb > 0:
+        kv[:r] = A[(nb - 1) * r:nb * r]
+        score[:r] = Z[(nb - 1) * r:nb * r]
+    rem = A.shape[0] - nb * r
+    kv[o:o + rem] = A[nb * r:]
+    score[o:o + rem] = Z[nb * r:]
+    kv[o + rem:o + r] = 0
+    score[o + rem:o + r] = -np.inf
+
+
+@pytest.mark.parametrize("ratio", [4, 16, 128])
+@pytest.mark.parametrize("in_dtype", [np.float32, np.float64])
+def test_slice_form_equals_the_concatenate_form(ratio, in_dtype):
+    """Every chunk size 0 .. 2r + 3 from every pending count, from states holding arbitrary
+    bytes (not only the canonical (0, -inf) tails) and from canonical ones: the same state
+    bytes as the concatenate form (f64 inputs cast to the f32 state alike)."""
+    rng = np.random.default_rng(ratio)
+    coff = 2 if ratio == 4 else 1
+    C = coff * 4
+    for canonical in (True, False):
+        for rem0 in range(ratio):
+            for S in list(range(0, 2 * ratio + 4)) + [5 * ratio + 1]:
+                p0 = 3 * ratio + rem0
+                if canonical:
+                    kv, sc = _fresh(ratio, 4)
+                    pre = rng.standard_normal((p0, C))
+                    advance_pending(kv, sc, pre.astype(np.float32), -pre.astype(np.float32), 0, ratio)
+                else:
+                    kv = rng.standard_normal((coff * ratio, C)).astype(np.float32)
+                    sc = rng.standard_normal((coff * ratio, C)).astype(np.float32)
+                kv2, sc2 = kv.copy(), sc.copy()
+                a = rng.standard_normal((S, C)).astype(in_dtype)
+                z = rng.standard_normal((S, C)).astype(in_dtype)
+                advance_pending(kv, sc, a, z, p0, ratio)
+                _advance_concat(kv2, sc2, a, z, p0, ratio)
+                assert kv.tobytes() == kv2.tobytes() and sc.tobytes() == sc2.tobytes(), (
+                    ratio, rem0, S, canonical)

@@ -193,11 +193,12 @@ def fake_stage(monkeypatch):
     fake.asnumpy = lambda a: np.array(a)
     fake.ascontiguousarray = np.ascontiguousarray
     fake.broadcast_to = np.broadcast_to
+    fake.uint16 = np.uint16
     fake.cuda = types.SimpleNamespace(Device=lambda d: _Ctx(f"dev{d}", held))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(M, "_f32", lambda x: np.asarray(x, np.float32))
 
-    def fwd(self, streams, ids_d, cache, p0, c=None, journal=None):
+    def fwd(self, streams, ids_d, cache, p0, c=None, journal=None, bits_out=False):
         calls.append(("layer", self.layer, tuple(held)))
         return streams + 1.0
 

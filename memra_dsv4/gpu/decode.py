@@ -115,7 +115,10 @@ class ChunkBlock:
     FP8 and FP4 simulations as quant_sim.cu's in-place kernels on the bf16 bits, the pooling as
     compressor.cu's pool kernels (the chain's double routine in its candidate order), ape as
     compress_add_ape, attention's input as the bf16 bits (every GEMM rounds f32 inputs to those
-    same bits), and the chunk's index arrays made once per chunk (Dsv4Gpu.chunk_memo)."""
+    same bits), and the chunk's index arrays made once per chunk (Dsv4Gpu.chunk_memo).  Wherever
+    the next op rounds to bf16 bits anyway, the fused form hands it the bits (or the unrounded
+    f32 to a kernel that rounds on load) instead of an f32 copy (attention's doc lists them);
+    the streams pass between layers as bits (``forward``'s ``bits_out``)."""
 
     fused = True
 
@@ -129,32 +132,41 @@ class ChunkBlock:
         self.kind = self.b.kind
 
     # ------------------------------------------------------------------------ block
-    def forward(self, streams, ids_d, cache, p0: int, cap=None, journal=None):
-        """streams [S, hc, D] float32 (bf16-valued) -> the block's output streams, same form.
+    def forward(self, streams, ids_d, cache, p0: int, cap=None, journal=None, *,
+                bits_out: bool = False):
+        """streams [S, hc, D] float32 (bf16-valued), or their bf16 bits (uint16) -> the block's
+        output streams: float32 (bf16-valued), or with ``bits_out`` their bf16 bits (uint16;
+        stage_steps hands them on to the next layer as they are: to_f32 there and bf16_bits
+        here would give back the same bits, two conversion launches per layer for nothing).
         Inside, the streams travel as bf16 bits through the hc kernels (kernels_cu/hc.cu, the
         device step's: hc_pre = mixes + Sinkhorn split + weighted sum, hc_post) and the norms
         through rmsnorm.cu: one pass each instead of the float64 CuPy islands of ops_glue."""
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
-        sb = G.bf16_bits(streams)   # exact: the streams are bf16-valued
+        # exact: the streams are bf16-valued (bits already when the previous layer handed bits)
+        sb = streams if streams.dtype == _cp().uint16 else G.bf16_bits(streams)
         with phase(f"{self.ph}/attn"):
             x, post, comb = self._hc_pre(sb, "attn")
             xn = RN.rmsnorm(x, b.w("attn_norm.weight"), eps)
-            # fused: the GEMMs take the bits as they are (f32 -> bf16 of a bf16 value is exact)
+            # fused: the GEMMs take the bits as they are (f32 -> bf16 of a bf16 value is exact),
+            # and attention returns its output's bits (the fused path's own bf16_bits)
             a = self.attention(xn if self.fused else G.to_f32(xn), cache, p0, cap, journal)
-            s1 = HC.hc_post(G.bf16_bits(a), sb, post, comb)
+            s1 = HC.hc_post(a if self.fused else G.bf16_bits(a), sb, post, comb)
         if cap is not None:
             cap.update({"hc_attn.x": G.to_f32(x), "hc_attn.post": post, "hc_attn.comb": comb,
                         "attn_norm": G.to_f32(xn), "attn.streams": G.to_f32(s1)})
         with phase(f"{self.ph}/ffn"):
             x, post, comb = self._hc_pre(s1, "ffn")
             xn = RN.rmsnorm(x, b.w("ffn_norm.weight"), eps)
-            f = b.moe(G.to_f32(xn), ids_d, cap)
-            s2 = G.to_f32(HC.hc_post(G.bf16_bits(f), s1, post, comb))
+            # fused: the shared / router GEMMs take xn's bits (= bf16_bits(to_f32(xn)), exact);
+            # the routed experts gather the f32 rows
+            f = b.moe(G.to_f32(xn), ids_d, cap, xb=xn if self.fused else None)
+            s2b = HC.hc_post(G.bf16_bits(f), s1, post, comb)
+        s2 = None if bits_out and cap is None else G.to_f32(s2b)
         if cap is not None:
             cap.update({"hc_ffn.x": G.to_f32(x), "hc_ffn.post": post, "hc_ffn.comb": comb,
                         "ffn_norm": G.to_f32(xn), "block.out": s2})
-        return s2
+        return s2b if bits_out else s2
 
     def _hc_pre(self, sb, sub: str):
         """(x [S, D] bf16 bits, post [S, hc] f32, comb [S, hc, hc] f32) of the bf16 streams
@@ -163,8 +175,15 @@ class ChunkBlock:
         cp = _cp()
         b, cfg = self.b, self.cfg
         fn = b.w(f"hc_{sub}_fn")
-        fn = contiguous(fn.astype(cp.float32, copy=not self.fused)
-                        .reshape(fn.shape[0], -1))   # f32 already: no copy needed
+        if self.fused:   # the weight's 2-D f32 view, made once per model (3 CuPy calls a pass)
+            views = b.m.__dict__.setdefault("_hc_fn_2d", {})
+            hit = views.get(id(fn))
+            if hit is None or hit[0] is not fn:   # keyed by the very array (kept alive here)
+                hit = views[id(fn)] = (fn, contiguous(fn.astype(cp.float32, copy=False)
+                                                      .reshape(fn.shape[0], -1)))
+            fn = hit[1]
+        else:
+            fn = contiguous(fn.astype(cp.float32).reshape(fn.shape[0], -1))
         return HC.hc_pre(sb, fn, b.w(f"hc_{sub}_scale"), b.w(f"hc_{sub}_base"),
                          iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                          norm_eps=cfg.rms_norm_eps, n_split=1)
@@ -316,8 +335,11 @@ class ChunkBlock:
 
     # --------------------------------------------------------------------- compressor
     def compress_chunk(self, x, cs, p0: int, indexer: bool):
-        """(entries [nb, d] f32 bf16-valued, a, z) for positions p0..p0+S-1 given the pending
-        rows ``cs`` (not modified); the twin of oracle.model._Layer.compress."""
+        """(entries [nb, d] as bf16 bits (uint16), a, z) for positions p0..p0+S-1 given the
+        pending rows ``cs`` (not modified); the twin of oracle.model._Layer.compress.  The
+        entries are bits because every consumer wants bits (the caches, the attention rows, the
+        indexer keys): the fused path's kernels make them, and to_f32 + bf16_bits would give
+        the same bits back."""
         cp = _cp()
         b, cfg = self.b, self.cfg
         sub = "attn.indexer.compressor" if indexer else "attn.compressor"
@@ -339,9 +361,8 @@ class ChunkBlock:
             A, Z, nb, b0 = closing_blocks(cs.kv, cs.score, a, z, p0, r)
         d = cfg.index_head_dim if indexer else cfg.head_dim
         if nb == 0:
-            return cp.zeros((0, d), dtype=cp.float32), a, z
-        kpos = b0 + r * np.arange(nb, dtype=np.int64)
-        cos, sin = b.rope_tables(kpos)
+            return cp.zeros((0, d), dtype=cp.uint16), a, z
+        cos, sin = b.rope_range(b0, nb, r)   # the entries' positions b0 + r * k
         if self.fused:
             return self._entries_fused(A, Z, nb, cs, sub, cos, sin, indexer), a, z
         if cs.overlap:
@@ -352,12 +373,12 @@ class ChunkBlock:
         pooled = G.compress_pool(ac, zc)
         c = G.rmsnorm(G.store(pooled), _f64(b.w(f"{sub}.norm.weight")), cfg.rms_norm_eps)
         c = G.rope(c, cos, sin)
-        if indexer:
-            return G.fp4_sim(G.hadamard(c), 32), a, z
-        return G.kv_sim(c, cfg.qk_rope_head_dim), a, z
+        if indexer:   # the reference chain: f32, then its (exact) bits
+            return G.bf16_bits(G.fp4_sim(G.hadamard(c), 32)), a, z
+        return G.bf16_bits(G.kv_sim(c, cfg.qk_rope_head_dim)), a, z
 
     def _entries_fused(self, A, Z, nb: int, cs, sub: str, cos, sin, indexer: bool):
-        """compress_chunk's entries (f32 [nb, d], bf16-valued) from the closing rows A / Z, the
+        """compress_chunk's entries (bf16 bits [nb, d]) from the closing rows A / Z, the
         same bits as the chain (candidates + ops_glue.compress_pool, store, rmsnorm, rope, then
         kv_sim or hadamard + fp4_sim): the pool kernels run the chain's double routine over the
         same candidates in the same order (block 0's predecessor = the pending rows 0..r-1, as
@@ -372,10 +393,9 @@ class ChunkBlock:
             pooled = CM.pool_plain(A, Z, cs.ratio, nb)
         cb = G.rmsnorm_rope_bits(pooled, b.w(f"{sub}.norm.weight"), cfg.rms_norm_eps, cos, sin,
                                  pre_store=True)
-        if indexer:
-            hb = G.bf16_bits(G.hadamard(G.to_f32(cb)))
-            return G.to_f32(QS.fp4_sim(hb))
-        return G.to_f32(QS.kv_fp8_sim(cb, cfg.qk_rope_head_dim))
+        if indexer:   # hadamard's bits straight (bf16_bits(store(y)) = bf16_bits(y))
+            return QS.fp4_sim(G.hadamard(G.to_f32(cb), bits=True))
+        return QS.kv_fp8_sim(cb, cfg.qk_rope_head_dim)
 
     # ---------------------------------------------------------------------- attention
     def attention(self, x, cache, p0: int, cap, journal=None):
@@ -384,7 +404,20 @@ class ChunkBlock:
         (rmsnorm.cu), the sparse attention with the inverse RoPE in its epilogue
         (attention.cu), the indexer's RoPE + Hadamard + FP4 simulation, scores and top-k
         (quant_sim.cu, indexer.cu).  Same roundings as the CuPy twins of ops_glue; the
-        attention and index-score dots accumulate in f32 in the kernels' order (bf16 class)."""
+        attention and index-score dots accumulate in f32 in the kernels' order (bf16 class).
+
+        Returns the sub-layer's output [S, D]: its bf16 bits on the fused path (what hc_post
+        takes), float32 (bf16-valued) on the reference chains (``fused`` False).  The fused
+        path hands every kernel the bytes the chains' form did, with fewer host operations:
+        the q / kv projections reach rmsnorm_rope_bits unrounded with ``pre_store`` (its
+        kernels round on load with the RNE the stored linear's launch would apply); q_a's
+        normed output stays bits for the q and indexer GEMMs (which take bits as they are);
+        the attended rows are concatenated in the bits they are kept in (ring slices, the
+        chunk's simulated kv, the cached and the new compressed entries) instead of f32 copies
+        rounded back; the wo_a groups are read from one transposed copy and their unrounded
+        outputs rounded to bits once (bf16_bits(store(y)) = bf16_bits(y)); the ring is read and
+        written as slices (at most two each) instead of index arrays; a layer without an
+        indexer takes the chunk's candidate matrix made once per chunk."""
         cp = _cp()
         b, cfg = self.b, self.cfg
         eps = cfg.rms_norm_eps
@@ -394,14 +427,14 @@ class ChunkBlock:
         fused = self.fused
         memo = b.m.chunk_memo
         pos = p0 + np.arange(S, dtype=np.int64)
-        cos, sin = b.rope_tables(pos)
+        cos, sin = b.rope_range(p0, S)
         # kernels: row t of cos / sin is position p0 + t
         ridx = memo(("ridx", S), lambda: cp.arange(S, dtype=cp.int32)) if fused else \
             cp.arange(S, dtype=cp.int32)
         with phase(f"{self.ph}/attn/q"):
-            if fused:
-                qr = G.to_f32(G.rmsnorm_rope_bits(b.lin(x, "attn.wq_a.weight"),
-                                                  b.w("attn.q_norm.weight"), eps))
+            if fused:   # qr: bf16 bits (every GEMM below rounds an f32 input to these bits)
+                qr = G.rmsnorm_rope_bits(b.lin(x, "attn.wq_a.weight", "f32"),
+                                         b.w("attn.q_norm.weight"), eps, pre_store=True)
             else:
                 qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")),
                                eps)
@@ -409,25 +442,28 @@ class ChunkBlock:
             RN.head_rms(qb, eps, out=qb, rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/kv"):
             if fused:   # bits: norm + RoPE, then the FP8 simulation in place
-                kvb = G.rmsnorm_rope_bits(b.lin(x, "attn.wkv.weight"),
-                                          b.w("attn.kv_norm.weight"), eps, cos, sin)
-                kv = G.to_f32(QS.kv_fp8_sim(kvb, cfg.qk_rope_head_dim))
+                kvb = G.rmsnorm_rope_bits(b.lin(x, "attn.wkv.weight", "f32"),
+                                          b.w("attn.kv_norm.weight"), eps, cos, sin,
+                                          pre_store=True)
+                kvb = QS.kv_fp8_sim(kvb, cfg.qk_rope_head_dim)
+                kv = None   # the f32 form only for a capture (below)
             else:
                 kvb = None
                 kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")),
                                eps)
                 kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
         h0 = max(0, p0 - W)
+        if fused:   # bits rows: the ring's history rows as slices (chronological), the chunk's
+            rows = _ring_views(cache.ring, h0, p0 - h0, W) + [kvb]
+        else:
+            hist = G.to_f32(cache.ring[cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)])
+            rows = [hist, kv]
 
-        def hist_rows():
-            return cp.asarray(np.arange(h0, p0, dtype=np.int64) % W)
-        hist = G.to_f32(cache.ring[memo(("hist", p0, W), hist_rows) if fused else hist_rows()])
         def window_rows():   # window positions as rows of hist ++ kv (the chunk's layers share it)
             w = hidx.window_matrix(S, W, start=p0)
             return cp.asarray(np.where(w >= 0, w - h0, -1).astype(np.int32))
         win = b.m.chunk_memo(("window", S, W, p0), window_rows)
-        rows = [hist, kv]
-        offset = hist.shape[0] + S
+        offset = (p0 - h0) + S
         comp_sel = new_ent = new_keys = az = idx_az = None
         if self.ratio:
             if self.kind == "csa":
@@ -440,18 +476,28 @@ class ChunkBlock:
             with phase(f"{self.ph}/attn/compressor"):
                 new_ent, ca, cz = self.compress_chunk(x, cache.comp_state, p0, indexer=False)
             az = (ca, cz)
-            rows.append(G.to_f32(cache.comp[:p0 // self.ratio]))
-            rows.append(new_ent)
+            cached = cache.comp[:p0 // self.ratio]
+            rows += [cached, new_ent] if fused else [G.to_f32(cached), G.to_f32(new_ent)]
             if cap is not None:   # every entry visible to the chunk (cached ++ new)
-                cap["attn.comp"] = cp.concatenate(rows[2:], axis=0)
+                cap["attn.comp"] = G.to_f32(cp.concatenate([cached, new_ent], axis=0))
+
         # comp_sel rows ascending, -1 padded at the end (the indexer's order="index" top-k, or
         # hidx.hca_matrix): the candidates without the sort, the same values
-        cand = G.candidates(win, comp_sel, offset, ascending=True)
+        def cand_matrix():
+            return contiguous(G.candidates(win, comp_sel, offset, ascending=True), dtype=cp.int32)
+        if fused and self.kind != "csa":   # no indexer: every such layer of the chunk has it
+            cand = memo(("cand", S, W, p0, self.ratio), cand_matrix)
+        else:
+            cand = cand_matrix()
         with phase(f"{self.ph}/attn/sparse_attention"):
+            if fused:   # the stored bits themselves (empty pieces dropped: nothing to copy)
+                rows = [r for r in rows if r.shape[0]]
+                kv_rows = rows[0] if len(rows) == 1 else cp.concatenate(rows, axis=0)
+            else:
+                kv_rows = G.bf16_bits(cp.concatenate(rows, axis=0))
             # long chunks: the tensor-core kernel (another fixed f32 dot order, same bf16-class
             # bound); short ones (verify drafts) keep the SIMT kernel of the device step
-            sa_args = (qb, G.bf16_bits(cp.concatenate(rows, axis=0)),
-                       contiguous(cand, dtype=cp.int32),
+            sa_args = (qb, kv_rows, cand,
                        contiguous(b.w("attn.attn_sink"), dtype=cp.float32), hd ** -0.5)
             if self.attn_kernel == "mma" and AT.mma_supported(S, H, hd):
                 ob = AT.sparse_attention_mma(*sa_args, inverse_rope=(ridx, cos, sin))
@@ -459,41 +505,54 @@ class ChunkBlock:
                 ob = AT.sparse_attention(*sa_args, n_split=None, inverse_rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/output"):
             Gn = cfg.o_groups
-            og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are
             wa = b.w_bf16("attn.wo_a.weight")   # FP8-stored: the scratch, used right here
             R = wa.shape[0] // Gn
-            u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
-                                         wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
-            out = b.lin(u, "attn.wo_b.weight")
+            if fused:
+                # one transposed copy [Gn, S, H*hd/Gn]: og[g] holds the bytes of
+                # ascontiguousarray(ob[:, g]) (bf16 bits, which the GEMMs take as they are);
+                # the group outputs unrounded, rounded to bits once: bf16_bits(concat(y_g)) =
+                # concat(bf16_bits(store(y_g))), the bits wo_b's GEMM took of the stored u
+                og = cp.ascontiguousarray(ob.reshape(S, Gn, -1).transpose(1, 0, 2))
+                u = G.bf16_bits(cp.concatenate([G.linear(b.g, og[g], wa[g * R:(g + 1) * R], "f32")
+                                                for g in range(Gn)], axis=1))
+                out = G.bf16_bits(b.lin(u, "attn.wo_b.weight", "f32"))   # = bits(stored out)
+            else:
+                og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are
+                u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
+                                             wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
+                out = b.lin(u, "attn.wo_b.weight")
         if cap is not None:
-            cap.update({"attn.qr": qr, "attn.q": G.to_f32(qb), "attn.kv": kv, "attn.cand": cand,
-                        "attn.o": G.to_f32(ob), "attn.out": out})
+            cap.update({"attn.qr": G.to_f32(qr) if fused else qr, "attn.q": G.to_f32(qb),
+                        "attn.kv": G.to_f32(kvb) if fused else kv, "attn.cand": cand,
+                        "attn.o": G.to_f32(ob), "attn.out": G.to_f32(out) if fused else out})
         # ---- writes, after every read
         if kvb is None:
             kvb = G.bf16_bits(kv)   # the fused path has them: kv = to_f32(kvb), exactly
         if journal is not None:   # a verify: what commit needs to roll the writes back
             journal.record(cache, pos, kvb, az, idx_az if self.kind == "csa" else None)
-        keep = pos[-min(S, W):]
-
-        def ring_rows():
-            return cp.asarray(keep % W)
-        cache.ring[memo(("ring", p0, S, W), ring_rows) if fused else ring_rows()] = \
-            kvb[-len(keep):]
+        m = min(S, W)   # the last m positions' rows: ring rows (p0 + S - m + i) % W
+        if fused:       # as slices of the ring (the same rows as the index array below)
+            at = S - m
+            for dst in _ring_views(cache.ring, p0 + S - m, m, W):
+                dst[...] = kvb[at:at + dst.shape[0]]
+                at += dst.shape[0]
+        else:
+            cache.ring[cp.asarray(pos[-m:] % W)] = kvb[-m:]
         if self.ratio:
             n0 = p0 // self.ratio
             if new_ent.shape[0]:
-                cache.comp[n0:n0 + new_ent.shape[0]] = G.bf16_bits(new_ent)
+                cache.comp[n0:n0 + new_ent.shape[0]] = new_ent
             cache.comp_state.advance(*az, p0)
         if self.kind == "csa":
             n0 = p0 // 4
             if new_keys.shape[0]:
-                cache.idx_keys[n0:n0 + new_keys.shape[0]] = G.bf16_bits(new_keys)
+                cache.idx_keys[n0:n0 + new_keys.shape[0]] = new_keys
             cache.idx_state.advance(*idx_az, p0)
         return out
 
     def indexer(self, x, qr, cos, sin, ridx, cache, p0: int, pos, cap):
-        """(selection [S, w] int32 entry ids, the chunk's new keys, (a, z) of the indexer
-        compressor); scores over (cached keys ++ new keys) with the device step's kernels:
+        """(selection [S, w] int32 entry ids, the chunk's new keys (bf16 bits), (a, z) of the
+        indexer compressor); ``qr``: q_a's normed output, bf16 bits (fused) or f32; scores over (cached keys ++ new keys) with the device step's kernels:
         q = fp4_sim(hadamard(rope(.))) (quant_sim.cu), scores (indexer.cu: 'simt', the decode's
         dot order, or 'mma' for chunks >= 64 tokens under prefill_attn = "mma") and top-k (the
         top by score, ties -> lower index, written in ascending index order, -1 padded: the
@@ -503,15 +562,18 @@ class ChunkBlock:
         S = x.shape[0]
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         assert dI == 128, f"indexer: head dim {dI}; the kernels are written for 128"
-        new_keys, ia, iz = self.compress_chunk(x, cache.idx_state, p0, indexer=True)
-        keys = cp.concatenate([cache.idx_keys[:p0 // 4], G.bf16_bits(new_keys)], axis=0)
+        new_keys, ia, iz = self.compress_chunk(x, cache.idx_state, p0, indexer=True)   # bits
+        n_cached = p0 // 4   # no cached key (the first chunk): the new keys are all of them
+        keys = new_keys if n_cached == 0 else \
+            cp.concatenate([cache.idx_keys[:n_cached], new_keys], axis=0)
         qI = G.bf16_bits(b.lin(qr, "attn.indexer.wq_b.weight", "f32")).reshape(S, nI, dI)
         QS.rope_hadamard128_fp4(qI, ridx, cos, sin, out=qI)
         wts = b.lin(x, "attn.indexer.weights_proj.weight")
-        wts = G.store(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
+        # the stored product's bits (w_scale 1 below): bf16_bits(store(v)) = bf16_bits(v)
+        wb = G.bf16_bits(wts * cp.float32(dI ** -0.5 * nI ** -0.5))
         n = keys.shape[0]
         if cap is not None:
-            cap.update({"attn.index.q": G.to_f32(qI), "attn.index.weights": wts,
+            cap.update({"attn.index.q": G.to_f32(qI), "attn.index.weights": G.to_f32(wb),
                         "attn.index.keys": G.to_f32(keys)})
         if n == 0:  # no complete block yet: nothing to select
             sel = cp.full((S, 0), -1, dtype=cp.int32)
@@ -525,7 +587,6 @@ class ChunkBlock:
         # The selection reads columns < n_valid[t] only; a capture holds every column, as the
         # oracle's scores do (the valid columns are the same bits either way).
         n_cols = n_valid if cap is None else cp.full((S,), n, dtype=cp.int32)
-        wb = G.bf16_bits(wts)   # w_scale 1 below: wts is already the stored product
         # the seam MEMRA_DSV4_PREFILL_ATTN: "mma" puts the q.K dots of chunks >= MMA_MIN_T on
         # tensor cores too (products exact, another f32 order: a near-tie choice may differ
         # from the decode's "simt" scores, as the attention's sums do)
@@ -542,6 +603,20 @@ class ChunkBlock:
             cap.update({"attn.index.scores": G.to_f32(scores),
                         "attn.index.sel": IX.topk(scores, n_valid, cfg.index_topk)})
         return sel, new_keys, (ia, iz)
+
+
+def _ring_views(ring, t0: int, n: int, W: int) -> list:
+    """The ring rows of positions t0..t0+n-1 (0 <= n <= W), chronological, as at most two slices
+    of ``ring`` (row t % W): the rows ring[(t0 + arange(n)) % W] selects, without an index array
+    (a gather / scatter launch each, and their host cost)."""
+    if n <= 0:
+        return []
+    s = t0 % W
+    first = min(n, W - s)
+    views = [ring[s:s + first]]
+    if n > first:
+        views.append(ring[:n - first])
+    return views
 
 
 def candidates_with_prev(A, Z, prev_a, prev_z):
@@ -644,7 +719,10 @@ def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph:
     steps may run in between (gpu.pipeline.run_chunk_coop).  ``step_bracket``: bracket every
     step as ``{ph}/stage{si}`` (the coop schedule's stand-in for run_stage's one outer bracket,
     which cannot span another stage's steps).  ``readback=False``: return the logits and the
-    hc state as device arrays (no host wait; the caller reads them back) instead of NumPy."""
+    hc state as device arrays (no host wait; the caller reads them back) instead of NumPy.
+    Between its layers the streams pass as bf16 bits (ChunkBlock.forward's ``bits_out``: the
+    same bits the next layer would round the float32 form to); after the last layer they are
+    float32 (bf16-valued) again, the stage's output form."""
     cp = _cp()
     from memra_dsv4.gpu.model import _f32
     cfg = model.config
@@ -677,10 +755,12 @@ def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph:
                 if one:
                     streams = blk.forward_one(streams, state.cache(layer), p0, views[li],
                                               io, int(ids[0]))
-                else:
+                else:   # bits between the layers (ChunkBlock.forward: bits_out)
                     streams = blk.forward(
                         streams, ids_d, state.cache(layer), p0, c,
-                        None if journal is None else journal.layer(layer))
+                        None if journal is None else journal.layer(layer), bits_out=True)
+                    if li + 1 == len(st.layers) and streams.dtype == cp.uint16:
+                        streams = G.to_f32(streams)   # the stage's output: float32, as before
             if capture and not one:
                 caps.append({k: cp.asnumpy(v) for k, v in c.items()})
         yield

@@ -465,6 +465,15 @@ class _Block:
             return cp.asarray(c), cp.asarray(s)
         return self.m.chunk_memo(("rope", inv.tobytes(), positions.tobytes()), make)
 
+    def rope_range(self, start: int, n: int, step: int = 1):
+        """rope_tables(start + step * arange(n)): the same tables, memoised by (start, n, step)
+        instead of by the positions' bytes (the chunk pass's positions are ranges: hashing
+        ~22 KB of int64 per call for the key is host time for nothing)."""
+        inv = layer_inv_freq(self.cfg, self.lid)
+        return self.m.chunk_memo(
+            ("rope_range", inv.tobytes(), int(start), int(n), int(step)),
+            lambda: self.rope_tables(int(start) + int(step) * np.arange(int(n), dtype=np.int64)))
+
     def hc_pre(self, streams, sub: str):
         cp = _cupy()
         cfg = self.cfg
@@ -511,18 +520,25 @@ class _Block:
         form = getattr(self.m, "prefill_dispatch", SEAM_PREFILL_DISPATCH.default)
         return form if gemm in ("fp4mma", "wgmma") else "host"
 
-    def moe(self, x, ids_d, cap):
+    def moe(self, x, ids_d, cap, xb=None):
+        """The MoE output [T, D] f32 (bf16-valued) of x [T, D] f32 (bf16-valued).  ``xb``: x's
+        bf16 bits when the caller has them (gpu.decode.ChunkBlock): the router and shared
+        GEMMs take them as they are instead of rounding x again (bf16_bits(x) = xb, exactly;
+        three conversion launches saved); the routed experts gather the f32 rows either way."""
         cp = _cupy()
         cfg = self.cfg
         k = cfg.num_experts_per_tok
+        xg = x if xb is None else xb
         with phase(f"{self.ph}/ffn/moe/router"):
-            logits = self.lin(x, "ffn.gate.weight", "f32")
+            logits = self.lin(xg, "ffn.gate.weight", "f32")
             idx, wts, scores = self.route(logits, ids_d, want_scores=cap is not None)
         with phase(f"{self.ph}/ffn/moe/shared"):
-            gate = self.lin(x, "ffn.shared_experts.w1.weight")
-            up = self.lin(x, "ffn.shared_experts.w3.weight")
+            gate = self.lin(xg, "ffn.shared_experts.w1.weight")
+            up = self.lin(xg, "ffn.shared_experts.w3.weight")
             h = G.swiglu_clamped(gate, up, cfg.swiglu_limit)
-            shared = self.lin(G.store(h), "ffn.shared_experts.w2.weight")
+            # the GEMM rounds h to bf16 bits itself: bf16_bits(store(h)) = bf16_bits(h), so the
+            # oracle's store(h) before w2 is that rounding (one conversion launch saved)
+            shared = self.lin(h, "ffn.shared_experts.w2.weight")
         y = self.routed_experts(x, idx, wts, shared)  # brackets dispatch / experts / combine
         if cap is not None:   # moe.idx as the oracle's int64 (the values are the device ids)
             cap.update({"moe.scores": scores, "moe.idx": idx.astype(cp.int64), "moe.weights": wts,

@@ -30,6 +30,9 @@ Contract
   outputs are the same bits either way (the raw kernel only saves host time per call).  The
   module flag ``RAW_CONVERT = False`` sends every input to the ElementwiseKernels (an A/B switch
   for tools/profile_prefill_host.py --convert; not a seam: the bytes do not change).
+* ``swiglu_clamped`` on float32 CuPy gate / up with limit > 0 and no weight is one
+  ElementwiseKernel whose steps are the CuPy ufuncs' expressions (the same bytes as the CuPy
+  chain, ``swiglu_clamped_chain``, which every other call takes).
 These are orchestration-level building blocks; the fused kernels of kernels_cu/ replace them
 one by one (same signatures, same tests).
 """
@@ -437,8 +440,10 @@ def fp4_sim(x, block: int = 32):
 _HAD: dict = {}
 
 
-def hadamard(x):
-    """ops.hadamard: store(x @ H_n * n^-1/2), float64 (exact for bf16 inputs in practice)."""
+def hadamard(x, bits: bool = False):
+    """ops.hadamard: store(x @ H_n * n^-1/2), float64 (exact for bf16 inputs in practice).
+    ``bits``: the bf16 bits of that (uint16) instead, bf16_bits(y) = bf16_bits(store(y)): one
+    conversion launch where the caller wants bits."""
     cp = _cp()
     n = x.shape[-1]
     dev = cp.cuda.runtime.getDevice()
@@ -447,7 +452,8 @@ def hadamard(x):
         from memra_dsv4.oracle.ops import hadamard_matrix
         H = _HAD[(n, dev)] = cp.asarray(hadamard_matrix(n) * (n ** -0.5))
     y = cp.matmul(x.reshape(-1, n).astype(cp.float64), H)
-    return store(y.reshape(x.shape).astype(cp.float32))
+    y = y.reshape(x.shape).astype(cp.float32)
+    return bf16_bits(y) if bits else store(y)
 
 
 # ------------------------------------------------------------------------- compressor
@@ -515,18 +521,19 @@ def candidates(window_mat, comp_mat, offset: int, ascending: bool = False):
     """indices.candidate_matrix on the device (comp_mat rows: entry ids, -1 = none).
     ``ascending``: the caller guarantees every comp_mat row is its entry ids ascending, then its
     -1 padding (the indexer's top-k with order="index", hidx.hca_matrix); the sort is then the
-    identity and is skipped (cupy.sort synchronises the host), the same matrix."""
+    identity and is skipped (cupy.sort synchronises the host), the same matrix.  The window
+    matrix (int32 from the chunk memo) is not copied before the concatenate copies it."""
     cp = _cp()
     if comp_mat is None or comp_mat.shape[-1] == 0:
         return window_mat.copy()
     if ascending:
         c = cp.where(comp_mat >= 0, comp_mat.astype(cp.int64) + offset, -1).astype(cp.int32)
-        return cp.concatenate([window_mat.astype(cp.int32), c], axis=-1)
+        return cp.concatenate([window_mat.astype(cp.int32, copy=False), c], axis=-1)
     c = comp_mat.astype(cp.int64)
     big = cp.iinfo(cp.int64).max
     c = cp.sort(cp.where(c >= 0, c, big), axis=-1)
     c = cp.where(c == big, -1, c + offset).astype(cp.int32)
-    return cp.concatenate([window_mat.astype(cp.int32), c], axis=-1)
+    return cp.concatenate([window_mat.astype(cp.int32, copy=False), c], axis=-1)
 
 
 # ------------------------------------------------------------------- sparse attention
@@ -577,8 +584,56 @@ def route_learned(scores, bias, k: int):
     return (keys & cp.uint64(0xFFFFFFFF)).astype(cp.int64)
 
 
+# swiglu_clamped's common call (the shared expert of the prefill MoE: float32 CuPy gate / up,
+# limit > 0, no routing weight) as ONE ElementwiseKernel instead of the chain's 12 CuPy calls
+# (astype x4, clip, minimum, negative, exp, add, true_divide, multiply, astype: ~0.3 ms of host
+# time per layer pass, bench/results/2026-11-30-nvidia-h200-43f08ca-prof.log).  Each step is the
+# CuPy 14 ufunc's expression on the same operand types: clip = cupy_clip's 'ddd->d' line,
+# minimum = cupy_minimum's NaN-propagating float line (with its preamble's NAN), exp / divide in
+# double, the two casts to float and the float product.  The compiler cannot fuse across the
+# former kernel boundaries: the add after exp is __dadd_rn (never contracted into an FMA with
+# exp's last multiply), the division is IEEE (div.rn.f64, as true_divide's), the product has no
+# add to contract with.  Both kernels are compiled by CuPy with the same options (the casts and
+# the float product see the same -ftz setting).  tests/gpu/test_hostlean2_gpu.py compares the
+# two byte for byte; SWIGLU_FUSED False runs the chain (swiglu_clamped_chain) everywhere.
+SWIGLU_FUSED = True
+_SWIGLU_PREAMBLE = "#ifndef NAN\n#define NAN __int_as_float(0x7fffffff)\n#endif\n"
+_SWIGLU_CODE = """
+double g = (double)gate;
+double u = (double)up;
+u = lo > hi ? hi : (u < lo ? lo : (u > hi ? hi : u));
+g = (isnan(g) | isnan(hi)) ? (double)(NAN) : (double)(min(g, hi));
+double e = exp(-g);
+double q = g / __dadd_rn(1.0, e);
+float qf = (float)q;
+float uf = (float)u;
+h = qf * uf;
+"""
+
+
+def _swiglu_kernel():
+    k = _EW.get("swiglu")
+    if k is None:
+        k = _EW["swiglu"] = _cp().ElementwiseKernel(
+            "float32 gate, float32 up, float64 lo, float64 hi", "float32 h", _SWIGLU_CODE,
+            "memra_swiglu_clamped", preamble=_SWIGLU_PREAMBLE)
+    return k
+
+
 def swiglu_clamped(gate, up, limit: float, weight=None):
-    """ops.swiglu_clamped: float64 math, float32 island output (times the routing weight)."""
+    """ops.swiglu_clamped: float64 math, float32 island output (times the routing weight).
+    float32 CuPy gate / up with limit > 0 and no weight: one fused kernel, the chain's bytes
+    (see above); anything else: swiglu_clamped_chain."""
+    cp = _cp()
+    if (SWIGLU_FUSED and weight is None and limit > 0 and isinstance(gate, cp.ndarray)
+            and gate.dtype == cp.float32 and isinstance(up, cp.ndarray)
+            and up.dtype == cp.float32 and gate.shape == up.shape):
+        return _swiglu_kernel()(gate, up, np.float64(-limit), np.float64(limit))
+    return swiglu_clamped_chain(gate, up, limit, weight)
+
+
+def swiglu_clamped_chain(gate, up, limit: float, weight=None):
+    """swiglu_clamped as CuPy calls (the reference of the fused kernel)."""
     cp = _cp()
     g = gate.astype(cp.float64)
     u = up.astype(cp.float64)

@@ -54,15 +54,35 @@ def closing_blocks(kv, score, a, z, p0: int, ratio: int):
 
 
 def advance_pending(kv, score, a, z, p0: int, ratio: int) -> None:
+    # The state keeps the tail of A = (the current block's pending rows ++ the chunk's rows), of
+    # length n = p0 % r + S: its last rem = n % r rows (the current block), preceded for ratio 4
+    # by the last complete block when the chunk closes one.  Those rows are contiguous in A and
+    # land on contiguous state rows [dst, o + rem), so they are written as (at most) two slice
+    # copies per array, no concatenate: A's pending part (state rows [o + s, o + rem0), only when
+    # s < rem0: the identity when nothing closes, else rows [4, 4 + rem0) onto [0, rem0),
+    # disjoint) first, then the chunk's part; the rows after them (0, -inf).  The same bytes as
+    # writing A[s:] row by row; a / z cast to the state's dtype (only the rows kept).
     r, o = ratio, cur_offset(ratio)
-    # concatenate copies, so the rows below can be overwritten while A/Z are read
-    A, Z = _chunk_rows(kv, score, a, z, p0, ratio)
-    nb = A.shape[0] // r
+    rem0 = p0 % r
+    n = rem0 + a.shape[0]
+    nb, rem = divmod(n, r)
     if ratio == 4 and nb > 0:
-        kv[:r] = A[(nb - 1) * r:nb * r]
-        score[:r] = Z[(nb - 1) * r:nb * r]
-    rem = A.shape[0] - nb * r
-    kv[o:o + rem] = A[nb * r:]
-    score[o:o + rem] = Z[nb * r:]
+        s, dst = (nb - 1) * r, 0   # the last complete block, then the current block's rows
+    else:
+        s, dst = nb * r, o         # the current block's rows
+    if s < rem0:                   # A's rows [s, rem0): pending rows (read before any write)
+        if dst != o + s:
+            kv[dst:dst + rem0 - s] = kv[o + s:o + rem0]
+            score[dst:dst + rem0 - s] = score[o + s:o + rem0]
+        dst += rem0 - s
+        s = rem0
+    if dst < o + rem:              # A's rows [s, n): chunk rows s - rem0 ..
+        av, zv = a[s - rem0:], z[s - rem0:]
+        if av.dtype != kv.dtype:
+            av = av.astype(kv.dtype)
+        if zv.dtype != score.dtype:
+            zv = zv.astype(score.dtype)
+        kv[dst:o + rem] = av
+        score[dst:o + rem] = zv
     kv[o + rem:o + r] = 0
     score[o + rem:o + r] = -np.inf

@@ -220,8 +220,8 @@ def chain_rms_rope(x, mean, weight, eps: float, cos=None, sin=None, pre_store: b
     n, D = x.shape
     assert D % 2 == 0, f"chain_rms_rope: odd width {D}"
     check(mean, "chain_rms_rope.mean", np.float64)   # [n] or cupy.mean's [n, 1]
-    mean = mean.reshape(-1)
-    check(mean, "chain_rms_rope.mean", np.float64, (n,))
+    mean = mean.reshape(-1)   # a contiguous float64 view: only its shape is left to check
+    assert mean.shape == (n,), f"chain_rms_rope.mean: shape {mean.shape}, expected {(n,)}"
     check(weight, "chain_rms_rope.weight", np.uint16, (D,))
     if cos is None:
         P = 0
@@ -231,9 +231,10 @@ def chain_rms_rope(x, mean, weight, eps: float, cos=None, sin=None, pre_store: b
         check(cos, "chain_rms_rope.cos", np.float32, (n, P))
         check(sin, "chain_rms_rope.sin", np.float32, (n, P))
         assert 2 * P <= D, f"chain_rms_rope: {2 * P} rope dims > width {D}"
-    if out is None:
+    if out is None:   # made here: not checked again
         out = out_array(None, "chain_rms_rope.out", (n, D), np.uint16)
-    check(out, "chain_rms_rope.out", np.uint16, (n, D), rows_strided=True)
+    else:
+        check(out, "chain_rms_rope.out", np.uint16, (n, D), rows_strided=True)
     if n * D:
         kernel(STEM, "chain_rms_rope")(
             (grid_stride_blocks(n * D // 2),), (256,),

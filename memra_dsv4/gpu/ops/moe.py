@@ -93,9 +93,14 @@ def plan_count(idx, E: int, hist):
     n = _plan_idx(idx, "plan_count.idx")
     assert 1 <= E <= PLAN_MAX_E, f"plan_count: E = {E} (1..{PLAN_MAX_E})"
     check(hist, "plan_count.hist", np.int32, (plan_segments(n), E))
+    _count(idx, n, E, hist)
+    return hist
+
+
+def _count(idx, n: int, E: int, hist):
+    """plan_count's launch (arguments checked by the caller)."""
     kernel(STEM, "moe_plan_count")((_plan_grid(n),), (32 * PLAN_WARPS,), (idx, i32(n), i32(E), hist),
                                    shared_mem=PLAN_WARPS * E * 4)
-    return hist
 
 
 def plan_scan(hist, E: int, ebase, eids, counts, items, meta, wg: bool = False):
@@ -111,9 +116,14 @@ def plan_scan(hist, E: int, ebase, eids, counts, items, meta, wg: bool = False):
         check(a, f"plan_scan.{nm}", np.int32, (E,))
     check(items, "plan_scan.items", np.int32, (None, 4))
     check(meta, "plan_scan.meta", np.int32, (2,))
+    _scan(hist, E, ebase, eids, counts, items, meta, wg)
+    return items
+
+
+def _scan(hist, E: int, ebase, eids, counts, items, meta, wg: bool):
+    """plan_scan's launch (arguments checked by the caller)."""
     kernel(STEM, "moe_plan_scan")((1,), (PLAN_MAX_E,), (hist, i32(hist.shape[0]), i32(E), i32(items.shape[0]),
                                                           i32(1 if wg else 0), ebase, eids, counts, items, meta))
-    return items
 
 
 def plan_place(idx, k: int, E: int, hist, ebase, src, flat, rowof):
@@ -125,10 +135,15 @@ def plan_place(idx, k: int, E: int, hist, ebase, src, flat, rowof):
     check(ebase, "plan_place.ebase", np.int32, (E,))
     for a, nm in ((src, "src"), (flat, "flat"), (rowof, "rowof")):
         check(a, f"plan_place.{nm}", np.int32, (n,))
+    _place(idx, n, k, E, hist, ebase, src, flat, rowof)
+    return src
+
+
+def _place(idx, n: int, k: int, E: int, hist, ebase, src, flat, rowof):
+    """plan_place's launch (arguments checked by the caller)."""
     kernel(STEM, "moe_plan_place")((_plan_grid(n),), (32 * PLAN_WARPS,),
                                    (idx, i32(n), i32(k), i32(E), hist, ebase, src, flat, rowof),
                                    shared_mem=PLAN_WARPS * E * 4)
-    return src
 
 
 def plan_combine_pos(idx, rowof, pos):
@@ -138,5 +153,22 @@ def plan_combine_pos(idx, rowof, pos):
     check(rowof, "plan_combine_pos.rowof", np.int32, (T * k,))
     check(pos, "plan_combine_pos.pos", np.int32, (T, k))
     if T:
-        kernel(STEM, "moe_plan_combine_pos")((-(-T // 256),), (256,), (idx, rowof, i32(T), i32(k), pos))
+        _combine_pos(idx, rowof, T, k, pos)
     return pos
+
+
+def _combine_pos(idx, rowof, T: int, k: int, pos):
+    """plan_combine_pos's launch (T > 0; arguments checked by the caller)."""
+    kernel(STEM, "moe_plan_combine_pos")((-(-T // 256),), (256,), (idx, rowof, i32(T), i32(k), pos))
+
+
+def plan_launches(idx, T: int, k: int, E: int, d, wg: bool) -> None:
+    """plan_count, plan_scan, plan_place, plan_combine_pos of ``idx`` (int64 [T, k], C-contiguous,
+    T * k > 0 picks) into the tables of ``d`` (prefill_moe.DeviceDispatch: the int32 views that
+    prefill_moe.dispatch_on_device cut to exactly the shapes those four check), without the
+    four wrappers' 15 argument checks: the same launches with the same arguments."""
+    n = T * k
+    _count(idx, n, E, d.seg)
+    _scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta, wg)
+    _place(idx, n, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
+    _combine_pos(idx, d.rowof, T, k, d.pos)

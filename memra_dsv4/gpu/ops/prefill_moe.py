@@ -348,29 +348,47 @@ def dispatch_on_device(idx, E: int, gemm: str = "fp4mma") -> DeviceDispatch:
     synchronisation, nothing read back; every table is sized from T, k and E alone; the items are
     the GEMM arm ``gemm``'s (fp4mma | wgmma; max_mma_items(T * k, E, item_rows(gemm)) rows).
     Twin: device_plan(idx, E, gemm)."""
-    bn = item_rows(gemm)
     cp = cupy()
-    idx = cp.ascontiguousarray(idx, dtype=np.int64)
+    idx = contiguous(idx, dtype=np.int64)   # an int32 idx (the router's) is converted here
     assert idx.ndim == 2 and idx.size > 0, f"dispatch_on_device: idx {idx.shape}"
     T, k = idx.shape
-    n, E = T * k, int(E)
-    nseg, mi = MO.plan_segments(n), max_mma_items(n, E, bn)
-    sizes = {"items": 4 * mi, "meta": 4, "ebase": E, "eids": E, "counts": E, "seg": nseg * E,
-             "src": n, "flat": n, "rowof": n, "pos": n}
-    buf = cp.empty(sum(sizes.values()), dtype=np.int32)
-    v, o = {}, 0
-    for name, size in sizes.items():
-        v[name] = buf[o:o + size]
-        o += size
-    d = DeviceDispatch(eids=v["eids"], counts=v["counts"], ebase=v["ebase"],
-                       seg=v["seg"].reshape(nseg, E), src=v["src"], flat=v["flat"],
-                       rowof=v["rowof"], pos=v["pos"].reshape(T, k),
-                       items=v["items"].reshape(mi, 4), meta=v["meta"][:2])
-    MO.plan_count(idx, E, d.seg)
-    MO.plan_scan(d.seg, E, d.ebase, d.eids, d.counts, d.items, d.meta, wg=gemm == "wgmma")
-    MO.plan_place(idx, k, E, d.seg, d.ebase, d.src, d.flat, d.rowof)
-    MO.plan_combine_pos(idx, d.rowof, d.pos)
+    E = int(E)
+    key = (T, k, E, gemm)
+    lay = _PLAN_LAYOUT.get(key)
+    if lay is None:
+        lay = _PLAN_LAYOUT[key] = _plan_layout(T, k, E, gemm)
+    total, (o_it, o_me, o_eb, o_ei, o_co, o_sg, o_sr, o_fl, o_ro, o_po, o_end), nseg, mi = lay
+    buf = cp.empty(total, dtype=np.int32)
+    d = DeviceDispatch(eids=buf[o_ei:o_co], counts=buf[o_co:o_sg], ebase=buf[o_eb:o_ei],
+                       seg=buf[o_sg:o_sr].reshape(nseg, E), src=buf[o_sr:o_fl],
+                       flat=buf[o_fl:o_ro], rowof=buf[o_ro:o_po],
+                       pos=buf[o_po:o_end].reshape(T, k), items=buf[o_it:o_me].reshape(mi, 4),
+                       meta=buf[o_me:o_me + 2])
+    MO.plan_launches(idx, T, k, E, d, gemm == "wgmma")
     return d
+
+
+# (T, k, E, gemm) -> _plan_layout(T, k, E, gemm): dispatch_on_device's table offsets, worked out
+# (and the plan kernels' size limits asserted) once per shape
+_PLAN_LAYOUT: dict = {}
+
+
+def _plan_layout(T: int, k: int, E: int, gemm: str):
+    """(total int32 elements, the 11 offsets of items, meta, ebase, eids, counts, seg, src,
+    flat, rowof, pos and the end, nseg, max items) of dispatch_on_device's one allocation: the
+    tables in that order, each sized from T, k and E alone (its views have exactly the shapes
+    moe.plan_count / _scan / _place / _combine_pos check)."""
+    bn = item_rows(gemm)
+    n = T * k
+    assert 0 < n < (1 << 31) - MO.PLAN_SEG, f"dispatch_on_device: {n} picks"
+    assert 1 <= E <= MO.PLAN_MAX_E, f"dispatch_on_device: E = {E} (1..{MO.PLAN_MAX_E})"
+    nseg, mi = MO.plan_segments(n), max_mma_items(n, E, bn)
+    offs, o = [], 0
+    for size in (4 * mi, 4, E, E, E, nseg * E, n, n, n, n):
+        offs.append(o)
+        o += size
+    offs.append(o)
+    return o, tuple(offs), nseg, mi
 
 
 def wg_items(plan: DispatchPlan, bn: int = WG_BN) -> np.ndarray:
@@ -450,26 +468,30 @@ def dequant_experts(fmt: str, packed, scale, eids, out, ws2=None):
     return out
 
 
-def gather_rows(x, src, out):
+def gather_rows(x, src, out, *, checked: bool = True):
     """out[p] = bf16 bits of x[src[p]] (RNE), zeros where src[p] < 0.  x [T, D] f32, src [P]
-    int32, out [P, D] uint16."""
-    return _gather(x, src, out, "gather_rows", "moe_gather_bf16", 8)
+    int32, out [P, D] uint16.  checked False: the caller vouches for the three arrays (the
+    routed_moe device path, which made them); the launch is the same."""
+    return _gather(x, src, out, "gather_rows", "moe_gather_bf16", 8, checked)
 
 
-def gather_rows_perm(x, src, out):
+def gather_rows_perm(x, src, out, *, checked: bool = True):
     """gather_rows with every 128-column chunk of each row stored in the wgmma k order:
     out = perm128(gather_rows(x, src)).  D % 128 == 0."""
-    return _gather(x, src, out, "gather_rows_perm", "moe_gather_bf16_perm", 128)
+    return _gather(x, src, out, "gather_rows_perm", "moe_gather_bf16_perm", 128, checked)
 
 
-def _gather(x, src, out, who: str, kname: str, d_mult: int):
+def _gather(x, src, out, who: str, kname: str, d_mult: int, checked: bool = True):
     """The checks and launch the two gathers share (8 columns per thread; D % d_mult == 0)."""
-    check(x, f"{who}.x", np.float32)
+    if checked:
+        check(x, f"{who}.x", np.float32)
     T, D = x.shape
     assert D % d_mult == 0, f"{who}: D = {D} must be a multiple of {d_mult}"
-    check(src, f"{who}.src", np.int32)
+    if checked:
+        check(src, f"{who}.src", np.int32)
     P = int(src.size)
-    check(out, f"{who}.out", np.uint16, (P, D))
+    if checked:
+        check(out, f"{who}.out", np.uint16, (P, D))
     if P:
         kernel(STEM, kname)((grid_stride_blocks(P * D // 8),), (256,),
                             (x, src, out, np.int64(P), i32(D)))
@@ -493,18 +515,23 @@ def swiglu_rows(gate, up, wts, flat, limit: float, out):
     return out
 
 
-def combine_sorted(ys, pos, shared, out=None):
+def combine_sorted(ys, pos, shared, out=None, *, checked: bool = True):
     """out[t] = bf16((0 + sum_j bf16(ys[pos[t, j]])) + shared[t]) in f32.  ys [P, D] f32,
-    pos [T, k] int32 (picks in ascending expert id), shared [T, D] f32 -> out [T, D] f32."""
-    check(ys, "combine_sorted.ys", np.float32)
+    pos [T, k] int32 (picks in ascending expert id), shared [T, D] f32 -> out [T, D] f32.
+    checked False: ys, pos and out (when given) are the caller's own (routed_moe's device
+    path); shared is checked either way."""
+    if checked:
+        check(ys, "combine_sorted.ys", np.float32)
     D = ys.shape[1]
     assert D % 8 == 0, f"combine_sorted: D = {D} must be a multiple of 8"
-    check(pos, "combine_sorted.pos", np.int32)
+    if checked:
+        check(pos, "combine_sorted.pos", np.int32)
     T, k = pos.shape
     check(shared, "combine_sorted.shared", np.float32, (T, D))
     if out is None:
         out = cupy().empty((T, D), dtype=np.float32)
-    check(out, "combine_sorted.out", np.float32, (T, D))
+    elif checked:
+        check(out, "combine_sorted.out", np.float32, (T, D))
     if T:
         kernel(STEM, "moe_combine_sorted")((T, (D // 8 + 127) // 128), (128,),
                                            (ys, pos, shared, out, i32(k), i32(D)))
@@ -529,19 +556,22 @@ def _mma_launch(name, fmt, grid_x, n_items, args):
     k((grid_x, n_items), (32 * MMA_WARPS,), args, shared_mem=smem)
 
 
-def _gateup_args(who: str, fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2):
+def _gateup_args(who: str, fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2,
+                 checked: bool = True):
     """The checked launch arguments of a grouped gate/up kernel (fp4mma_gateup, wgmma_gateup: one
-    argument contract): (args, n_items, I)."""
+    argument contract): (args, n_items, I).  checked False: the weights (and ws2) are checked,
+    items / xs / wts / flat / hs are the caller's own (routed_moe's device path made them)."""
     assert fmt in ("mxfp4", "nvfp4"), f"{who}: format {fmt!r}"
     E, I, D = _mma_weights(fmt, w1, f"{who}.w1")
     assert _mma_weights(fmt, w3, f"{who}.w3") == (E, I, D), f"{who}: w1 / w3 shapes differ"
     assert w1[0].strides == w3[0].strides and w1[1].strides == w3[1].strides
-    check(items, f"{who}.items", np.int32, (None, 4))
-    check(xs, f"{who}.xs", np.uint16, (None, D))
-    P = xs.shape[0]
-    check(wts, f"{who}.wts", np.float32)
-    check(flat, f"{who}.flat", np.int32, (P,))
-    check(hs, f"{who}.hs", np.uint16, (P, I))
+    if checked:
+        check(items, f"{who}.items", np.int32, (None, 4))
+        check(xs, f"{who}.xs", np.uint16, (None, D))
+        P = xs.shape[0]
+        check(wts, f"{who}.wts", np.float32)
+        check(flat, f"{who}.flat", np.int32, (P,))
+        check(hs, f"{who}.hs", np.uint16, (P, I))
     ps, ss = np.int64(w1[0].strides[0]), np.int64(w1[1].strides[0])
     tail = (items, xs, wts, flat, hs, i32(I), i32(D), np.float64(limit))
     if fmt == "mxfp4":
@@ -554,14 +584,16 @@ def _gateup_args(who: str, fmt: str, w1, w3, items, xs, wts, flat, limit: float,
     return args, int(items.shape[0]), I
 
 
-def _down_args(who: str, fmt: str, w2, items, hs, ys, ws2):
+def _down_args(who: str, fmt: str, w2, items, hs, ys, ws2, checked: bool = True):
     """The checked launch arguments of a grouped down kernel (fp4mma_down, wgmma_down: one
-    argument contract): (args, n_items, D)."""
+    argument contract): (args, n_items, D).  checked False: items / hs / ys are the caller's
+    own (the weights and ws2 checked either way)."""
     assert fmt in ("mxfp4", "nvfp4"), f"{who}: format {fmt!r}"
     E, D, I = _mma_weights(fmt, w2, f"{who}.w2")
-    check(items, f"{who}.items", np.int32, (None, 4))
-    check(hs, f"{who}.hs", np.uint16, (None, I))
-    check(ys, f"{who}.ys", np.float32, (hs.shape[0], D))
+    if checked:
+        check(items, f"{who}.items", np.int32, (None, 4))
+        check(hs, f"{who}.hs", np.uint16, (None, I))
+        check(ys, f"{who}.ys", np.float32, (hs.shape[0], D))
     ps, ss = np.int64(w2[0].strides[0]), np.int64(w2[1].strides[0])
     tail = (items, hs, ys, i32(D), i32(I))
     if fmt == "mxfp4":
@@ -572,24 +604,26 @@ def _down_args(who: str, fmt: str, w2, items, hs, ys, ws2):
     return args, int(items.shape[0]), D
 
 
-def fp4mma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None):
+def fp4mma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None, *,
+                  checked: bool = True):
     """hs[r0 + t, i] = bf16(swiglu_clamped(bf16(xs[r0+t] . W1_e[i]), bf16(xs[r0+t] . W3_e[i]),
     limit, wts[flat[r0+t]])) for every item (e, r0, n, 0) of ``items`` [n_items, 4] int32 and
     t < n, i < I; W = the exact bf16 dequantisation of the stored FP4 (never materialised);
     f32 accumulation (kernels_cu/experts.cu "FP4 grouped GEMM").  w1, w3: (packed [E, I, D/2],
     scale) stacked; xs [P, D] bf16 (uint16); wts [T*k] f32; flat [P] int32; hs [P, I] uint16
     (rows outside the items untouched); ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4."""
-    args, n, I = _gateup_args("fp4mma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2)
+    args, n, I = _gateup_args("fp4mma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2,
+                              checked)
     if n:
         _mma_launch(f"fp4mma_gateup_{fmt}", fmt, -(-I // (MMA_ROWS // 2)), n, args)
     return hs
 
 
-def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None):
+def fp4mma_down(fmt: str, w2, items, hs, ys, ws2=None, *, checked: bool = True):
     """ys[r0 + t, o] = hs[r0 + t] . W2_e[o] (f32 accumulation of the exact products, not rounded)
     for every item (e, r0, n, 0) and t < n, o < D.  w2: (packed [E, D, I/2], scale) stacked;
     hs [P, I] uint16; ys [P, D] f32 (rows outside the items untouched); ws2 f32 [E] (NVFP4)."""
-    args, n, D = _down_args("fp4mma_down", fmt, w2, items, hs, ys, ws2)
+    args, n, D = _down_args("fp4mma_down", fmt, w2, items, hs, ys, ws2, checked)
     if n:
         _mma_launch(f"fp4mma_down_{fmt}", fmt, -(-D // MMA_ROWS), n, args)
     return ys
@@ -602,7 +636,8 @@ def _wg_launch(name, grid_x, n_items, args):
     k((grid_x, n_items), (WG_THREADS,), args, shared_mem=smem)
 
 
-def wgmma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None):
+def wgmma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=None, *,
+                 checked: bool = True):
     """fp4mma_gateup on warpgroup MMA, columns permuted: hs[r0 + t, perm(i)] =
     bf16(swiglu_clamped(bf16(xs[r0+t] . W1_e[i]), bf16(xs[r0+t] . W3_e[i]), limit, wts[flat[r0+t]]))
     for every item (e, r0, n, 0) (n <= WG_BN) and t < n, i < I, where xs [P, D] holds each row
@@ -611,19 +646,20 @@ def wgmma_gateup(fmt: str, w1, w3, items, xs, wts, flat, limit: float, hs, ws2=N
     Rows outside the items untouched; ws2 = (ws2_w1, ws2_w3) f32 [E] device for NVFP4.  items is
     a device array (not checked here): an item with n outside 1..WG_BN is skipped by the kernels
     (wg_items never builds one)."""
-    args, n, I = _gateup_args("wgmma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2)
+    args, n, I = _gateup_args("wgmma_gateup", fmt, w1, w3, items, xs, wts, flat, limit, hs, ws2,
+                              checked)
     assert I % WG_KC == 0, f"wgmma_gateup: I = {I} must be a multiple of {WG_KC} (permuted hs)"
     if n:
         _wg_launch(f"wgmma_gateup_{fmt}", I // (WG_ROWS // 2), n, args)
     return hs
 
 
-def wgmma_down(fmt: str, w2, items, hs, ys, ws2=None):
+def wgmma_down(fmt: str, w2, items, hs, ys, ws2=None, *, checked: bool = True):
     """fp4mma_down on warpgroup MMA: ys[r0 + t, o] = hs_nat[r0 + t] . W2_e[o] (f32, not rounded) for
     every item (e, r0, n, 0) (n <= WG_BN), t < n, o < D, where hs [P, I] holds each row PERMUTED per
     128-chunk (as wgmma_gateup writes it; hs_nat = unperm128(hs)).  I % 128 == 0, D any.  Rows
     outside the items untouched; ws2 f32 [E] (NVFP4)."""
-    args, n, D = _down_args("wgmma_down", fmt, w2, items, hs, ys, ws2)
+    args, n, D = _down_args("wgmma_down", fmt, w2, items, hs, ys, ws2, checked)
     if n:
         _wg_launch(f"wgmma_down_{fmt}", -(-D // WG_ROWS), n, args)
     return ys
@@ -732,19 +768,24 @@ def _routed_moe_device(g, x, idx, wts, experts, fmt, limit, shared, ws2, bracket
     wg = gemm == "wgmma"
     with bracket("dispatch"):
         d = dispatch_on_device(idx if isinstance(idx, cp.ndarray) else cp.asarray(idx), E, gemm)
-        xs = (gather_rows_perm if wg else gather_rows)(x, d.src, cp.empty((n, D), dtype=cp.uint16))
+        # checked=False below: every array those wrappers would check is made here (xs, hs, ys,
+        # the plan's views, wflat: routed_moe checked wts) or checked by routed_moe (x: a
+        # contiguous f32 [T, D], D the experts'); the weights, ws2 and shared are still checked
+        xs = (gather_rows_perm if wg else gather_rows)(x, d.src, cp.empty((n, D), dtype=cp.uint16),
+                                                       checked=False)
     hs = cp.empty((n, I), dtype=cp.uint16)
     ys = cp.empty((n, D), dtype=cp.float32)
     wflat = contiguous(wts).reshape(-1)
     gateup, down = (wgmma_gateup, wgmma_down) if wg else (fp4mma_gateup, fp4mma_down)
     with bracket("experts"):
         gateup(fmt, experts["w1"], experts["w3"], d.items, xs, wflat, d.flat, limit, hs,
-               None if ws2 is None else (ws2["w1"], ws2["w3"]))
-        down(fmt, experts["w2"], d.items, hs, ys, None if ws2 is None else ws2["w2"])
+               None if ws2 is None else (ws2["w1"], ws2["w3"]), checked=False)
+        down(fmt, experts["w2"], d.items, hs, ys, None if ws2 is None else ws2["w2"],
+             checked=False)
     if g is not None and hasattr(g, "flops"):
         g.flops += 6 * T * k * I * D
     with bracket("combine"):
-        return combine_sorted(ys, d.pos, contiguous(shared, dtype=cp.float32))
+        return combine_sorted(ys, d.pos, contiguous(shared, dtype=cp.float32), checked=False)
 
 
 class _NoPhase:
