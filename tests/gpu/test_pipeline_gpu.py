@@ -165,10 +165,10 @@ def test_stage_error_reaches_the_caller(monkeypatch, mode):
     real = D.ChunkBlock.forward
     stage1_layers = set(m.stages[1].layers)
 
-    def boom(self, streams, ids_d, cache, p0, c=None, journal=None):
-        if self.b.lid in stage1_layers and p0 > 0:
+    def boom(self, streams, ids_d, cache, p0, *args, **kwargs):   # forward's signature, whatever
+        if self.b.lid in stage1_layers and p0 > 0:                  # keywords it grows (bits_out)
             raise RuntimeError("injected stage-1 failure")
-        return real(self, streams, ids_d, cache, p0, c, journal)
+        return real(self, streams, ids_d, cache, p0, *args, **kwargs)
 
     monkeypatch.setattr(D.ChunkBlock, "forward", boom)
     st = m.new_state()
