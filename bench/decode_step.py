@@ -16,7 +16,7 @@ process); ``l2pf=off|8|16|32|64|128`` (seam MEMRA_DSV4_L2_PREFETCH: MB of each d
 weights asked of the L2 before its PDL wait; a constant the kernels read when they run, so the
 arms share graphs; bit-identical); ``fork=off|on|single|all`` (seam MEMRA_DSV4_DECODE_FORK: the
 attention's kv / compressor and indexer launches on side graph branches beside wq_b; bit-identical);
-``hcsplit=off|on|ride`` (seam MEMRA_DSV4_HC_SPLIT: each sub-layer boundary as hc_boundary_pre +
+``hcsplit=off|on`` (seam MEMRA_DSV4_HC_SPLIT: each sub-layer boundary as hc_boundary_pre +
 hc_boundary_sinkhorn, the Sinkhorn on a side graph branch beside the sub-layer; bit-identical;
 each arm captures its own graphs, so ``path=device+hcsplit=off,path=device+hcsplit=on`` is an
 A/B in one process).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:

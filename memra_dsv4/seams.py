@@ -145,16 +145,13 @@ SEAM_DECODE_FORK = Seam(
     "`single` the former `on` (one side branch for kv, indexer and compressor, candidates after "
     "the join), kept for A/B; `off` one stream. Bit-identical.")
 SEAM_HC_SPLIT = Seam(
-    "hc_split", "MEMRA_DSV4_HC_SPLIT", "on", ("off", "on", "ride"),
+    "hc_split", "MEMRA_DSV4_HC_SPLIT", "on", ("off", "on"),
     "Sub-layer boundaries of the `device` decode step (memra_dsv4.gpu.step_device, read once per "
     "model and printed): `off` (each boundary in one launch, hc.cu hc_boundary) or `on` (two "
     "launches: hc_boundary_pre, the sub-layer's input, then hc_boundary_sinkhorn, the post "
     "weights and Sinkhorn comb matrix only the next boundary reads; in a graph the Sinkhorn is "
     "captured on a side stream beside the sub-layer and joined before the next boundary, the "
-    "eager step stays on one stream) or `ride` (the same two launches, the Sinkhorn captured at "
-    "the end of the sub-layer's existing side branch (the attention fork's kv branch; the MoE's "
-    "shared-expert branch with fork `all`) instead of a fork / join of its own; a sub-layer "
-    "without a side branch forks as `on`). Bit-identical.")
+    "eager step stays on one stream). Bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "

@@ -83,7 +83,6 @@ class DeviceStep:
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
         self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
-        self._hc_ride = False    # ... or at the end of the sub-layer's side branch ("ride")
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -114,7 +113,6 @@ class DeviceStep:
                 S.hc_side = cp.cuda.Stream(non_blocking=True)
                 S.hc_fork = graphs.Fork(S.stream, S.hc_side)
                 S.hc_pending = False   # a Sinkhorn branch forked and not yet joined (_hc_pre)
-                S.hc_rider = None      # "ride": the Sinkhorn launch the next side branch ends with
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
                     from memra_dsv4.gpu.hostmath import HostIO
@@ -174,16 +172,14 @@ class DeviceStep:
         if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
             graph, pdl_on = False, False
             self._tok, self._pos = int(token), pos
-        hc_form = self.hc_split_form()
-        hc_split = hc_form in ("on", "ride") and not self.hostmath
-        hc_ride = hc_split and hc_form == "ride"
+        hc_split = self.hc_split_form() == "on" and not self.hostmath
         if graph:
             fork = self.fork_form()
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                    or gs[4] != fork or gs[5] != hc_split or gs[6] != hc_ride):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, hc_ride), pdl_on,
-                      attn, fork, hc_split, hc_ride)
+                    or gs[4] != fork or gs[5] != hc_split):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split), pdl_on, attn, fork,
+                      hc_split)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -236,8 +232,7 @@ class DeviceStep:
     def hc_split_form(self) -> str:
         """``model.hc_split`` (seam MEMRA_DSV4_HC_SPLIT; its default when the model has none),
         validated: "on" runs each sub-layer boundary as hc_boundary_pre + hc_boundary_sinkhorn,
-        the Sinkhorn on a side graph branch (graphs; the eager step keeps one stream); "ride" the
-        same launches, the Sinkhorn at the end of the sub-layer's own side branch (_hc_pre)."""
+        the Sinkhorn on a side graph branch (graphs; the eager step keeps one stream)."""
         from memra_dsv4.seams import SEAM_HC_SPLIT
         value = getattr(self.m, "hc_split", None) or SEAM_HC_SPLIT.default
         return SEAM_HC_SPLIT.check(value, f"model.hc_split (env {SEAM_HC_SPLIT.env})")
@@ -288,15 +283,14 @@ class DeviceStep:
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
-                 hc_split: bool = False, hc_ride: bool = False):
+                 hc_split: bool = False):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
         sub-layer's kv / compressor launches on the stage's side stream and the indexer +
         candidates on its second side stream (_attention), "single": all of them on the side
         stream, "all": "on" plus the shared expert of each MoE (_moe); ``hc_split``: each boundary's
-        Sinkhorn launch on the stage's hc side stream (_hc_pre); with ``hc_ride`` at the end of the
-        sub-layer's side branch where it has one."""
+        Sinkhorn launch on the stage's hc side stream (_hc_pre)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -311,14 +305,13 @@ class DeviceStep:
             for S in self.stages:
                 self._forking = fork if fork in ("on", "all", "single") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
-                self._hc_ride = bool(hc_split and hc_ride)
-                S.hc_pending, S.hc_rider = False, None
+                S.hc_pending = False
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
         finally:
             phase_set_capturing(was)
             self._forking = ""
-            self._hc_split = self._hc_branch = self._hc_ride = False
+            self._hc_split = self._hc_branch = False
         return out
 
     # ------------------------------------------------------------------ launches
@@ -341,7 +334,6 @@ class DeviceStep:
                 with phase(f"{sp}/block"):
                     cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid], attn)
             assert not S.hc_pending, "device step: an hc Sinkhorn branch left unjoined"
-            assert S.hc_rider is None, "device step: an hc Sinkhorn left without a branch to ride"
             if st.has_head:
                 with phase(f"{sp}/head"):
                     y, yn = v["head.y"].reshape(1, D), v["head.yn"].reshape(1, D)
@@ -384,16 +376,7 @@ class DeviceStep:
             C_b still reads; K_b's writes -> C_{b+1}'s (or the last hc_post's) reads: the join;
           dev.mix: C_b writes -> K_b reads (fork), K_b reads -> C_{b+1} writes (join).
         hc.pre (C_b only) has no reader in the step.  Eager: K_b right after C_b on S.stream (the
-        same launches and values, one stream).
-
-        "ride" (seam value): no fork / join of K_b's own where the sub-layer forks anyway.  K_b is
-        kept in S.hc_rider and launched last on the sub-layer's side branch (_ride): the attention
-        fork's S.side (after the kv ring + compressor launches) or, with fork "all", the MoE's
-        shared-expert branch.  That branch's fork is recorded on S.stream after C_b (the
-        attention forks after the multi GEMV and the q norm, the MoE right after C_b) and its join
-        precedes the sparse attention / the down + combine, i.e. every later boundary: the same
-        three orderings as above, with the sub-layer's own edges.  A sub-layer without a side
-        branch (attention fork off; the MoE unless fork "all") forks K_b as "on" does."""
+        same launches and values, one stream)."""
         from memra_dsv4.gpu.ops import hc as HC
         cfg, v = self.cfg, S.v
         D = cfg.hidden_size
@@ -423,10 +406,7 @@ class DeviceStep:
                 HC.hc_boundary_sinkhorn(v["dev.mix"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
                                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, post=post,
                                         comb=comb)
-            if self._hc_branch and self._hc_ride and self._side_branch(sub):
-                assert S.hc_rider is None, "device step: two hc Sinkhorns waiting for one branch"
-                S.hc_rider = sinkhorn
-            elif self._hc_branch:
+            if self._hc_branch:
                 S.hc_fork.fork()
                 with S.hc_side:
                     sinkhorn()
@@ -439,19 +419,6 @@ class DeviceStep:
                        norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D), x=v["x"].reshape(1, D),
                        pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
                        comb=v["hc.comb"].reshape(1, 4, 4), mixes=v["dev.mix"], f=f, out=out)
-
-    def _side_branch(self, sub: str) -> bool:
-        """Whether sub-layer ``sub`` ("attn" / "ffn") is captured with a side branch (_attention:
-        every fork form; _moe: "all")."""
-        return self._forking in ("on", "all", "single") if sub == "attn" else self._forking == "all"
-
-    @staticmethod
-    def _ride(S) -> None:
-        """Launch the waiting hc Sinkhorn (seam value "ride", _hc_pre) on the current stream: the
-        last launch of a sub-layer's side branch, inside its fork / join."""
-        if S.hc_rider is not None:
-            rider, S.hc_rider = S.hc_rider, None
-            rider()
 
     @staticmethod
     def _hc_join(S) -> None:
@@ -586,7 +553,6 @@ class DeviceStep:
             with S.side:
                 kv_path()
                 sel = sel_path(cands=False)
-                self._ride(S)
             q_path()
             S.fork.join()
             build_cands(sel)
@@ -604,7 +570,6 @@ class DeviceStep:
                 S.fork3.fork()
                 with S.side:
                     kv_path()
-                    self._ride(S)
                 with S.side2:
                     sel = sel_path()
                 q_path()
@@ -614,7 +579,6 @@ class DeviceStep:
                 with S.side:
                     kv_path()
                     sel = sel_path()
-                    self._ride(S)
                 q_path()
                 S.fork.join()
         else:
@@ -692,7 +656,6 @@ class DeviceStep:
             with S.side:
                 shared_swiglu()
                 shared_w2()
-                self._ride(S)
             router()
             gate_up()
             S.fork.join()
