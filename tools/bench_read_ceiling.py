@@ -17,6 +17,8 @@ atomicXor per warp, and the tool checks it against NumPy's XOR of the same words
 U in {2, 4, 8, 16}, CTAs of 256 threads at 1 / 2 / 4 / 8 per SM, plain ``ld.global.nc``
 (``__ldg``) or ``ld.global.nc.L1::no_allocate`` (common.cuh's streaming load).  Prints µs, GB/s
 and the fraction of the copy bandwidth measured in the same run, per size, best variant marked.
+``span_u{4,8,16}``: the dense GEMV's access pattern instead (each warp one contiguous span of
+2 / 4 / 8 KB at a time, spans grid-strided over the warps; sizes that are a multiple of the span).
 """
 from __future__ import annotations
 
@@ -51,6 +53,28 @@ extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* __restrict__
     _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o); \
     if ((threadIdx.x & 31) == 0) atomicXor(out, acc);                                        \
 }
+// The GEMV's pattern: warp w reads spans of U * 512 contiguous bytes (lane l: words l + 32 u, all
+// U loads in flight), spans w, w + nwarps, ... (the dense GEMV's warp reads R rows of K bf16 =
+// R * 2K bytes at a time: 4 KB for wq_b at R = 2).
+#define SPAN_KERNEL(NAME, U, LD)                                                              \
+extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* __restrict__ p, long long n, \
+                                                       u32* __restrict__ out) {               \
+    const int lane = threadIdx.x & 31;                                                       \
+    const long long nw = (long long)gridDim.x * (blockDim.x >> 5);                           \
+    const long long nspan = n / (32 * U);                                                    \
+    u32 acc = 0u;                                                                            \
+    for (long long w = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < nspan; w += nw) { \
+        const uint4* q = p + w * (32 * U) + lane;                                            \
+        uint4 v[U];                                                                          \
+        _Pragma("unroll") for (int u = 0; u < U; ++u) v[u] = LD(q + 32 * u);                 \
+        _Pragma("unroll") for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w; \
+    }                                                                                        \
+    _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o); \
+    if (lane == 0) atomicXor(out, acc);                                                      \
+}
+SPAN_KERNEL(span_u4, 4, ld_once)
+SPAN_KERNEL(span_u8, 8, ld_once)
+SPAN_KERNEL(span_u16, 16, ld_once)
 READ_KERNEL(read_u2, 2, ld_plain)
 READ_KERNEL(read_u4, 4, ld_plain)
 READ_KERNEL(read_u8, 8, ld_plain)
@@ -61,7 +85,8 @@ READ_KERNEL(read_once_u8, 8, ld_once)
 READ_KERNEL(read_once_u16, 16, ld_once)
 """
 KERNELS = ("read_u2", "read_u4", "read_u8", "read_u16",
-           "read_once_u2", "read_once_u4", "read_once_u8", "read_once_u16")
+           "read_once_u2", "read_once_u4", "read_once_u8", "read_once_u16",
+           "span_u4", "span_u8", "span_u16")
 
 
 def main(argv=None) -> int:
