@@ -23,7 +23,8 @@
 //                 above unchanged): gemv_bf16_r{1,2}t2, gemv_fp8_r1t4 / r2t2 / r2t4 (more warps,
 //                 more trips of loads at once) and the TMA bulk streaming kernels
 //                 gemv_{bf16,fp8}_bulk_r*s*, gemv_bf16_multi_bulk_r*s*, gemv_bf16_swiglu_bulk_p*s*
-//                 (gb_stream below).
+//                 (gb_stream below), and the persistent register-ring gemv_bf16_ps_r*d*
+//                 (gemv_ps_rows: bf16, K % 1024 == 0).
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
@@ -357,6 +358,99 @@ GEMV_ROWS_KERNEL(gemv_bf16_r2t2, false, 2, 2, 3)
 GEMV_ROWS_KERNEL(gemv_fp8_r1t4, true, 1, 4, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r2t2, true, 2, 2, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r2t4, true, 2, 4, 3)
+
+// ---------------------------------------------- persistent register-ring bf16 GEMV (variant)
+// gemv_bf16_ps_r{R}d{D}: the same rows, the same bits (THE ORDER: trip t of a row group feeds
+// chunks lane + 128 t + 32 u into partial u, t ascending, then the partials in index order and
+// the butterfly), a different schedule.  The r*t* kernels give each warp R rows and retire it:
+// a warp's loads go out once, then it waits, computes and exits, and the SM refills from a new
+// CTA, so the bytes in flight per SM dip between warps.  Here a persistent grid (the wrapper
+// launches at most the warps resident at once) walks row groups g = w, w + nw, ... as one stream
+// of trips; the loads of trip i + D are issued into the ring slot trip i has just used, so D
+// trips (D R 2 KB per warp) stay in flight while the warp computes.  bf16 only, K % 1024 == 0
+// (every lane has whole trips: no tail chunks), rows_per_group % R == 0 (a group's rows share x).
+// x chunks are read at compute time through L1 (shared by every warp of the SM).
+template <int R, int D>
+DEV void gemv_ps_rows(const u16* __restrict__ W, const u16* __restrict__ x, void* __restrict__ y,
+                      int O, int K, int rpg, int out_bf16) {
+    const int lane = threadIdx.x & 31;
+    const int nw = (int)gridDim.x * GEMV_WARPS, w = gemv_warp_id();
+    const int ng = (O + R - 1) / R, ntr = K >> 10;
+    const int n = (w < ng ? (ng - 1 - w) / nw + 1 : 0) * ntr;  // this warp's trips
+    uint4 raw[D][R][GEMV_UNROLL];
+    int ig = w, it = 0;  // issue side: group and trip of the next trip to load
+    auto issue = [&](uint4 (&dst)[R][GEMV_UNROLL]) {
+        const i64 o0 = (i64)ig * R;
+        const i64 col = (i64)(lane + 128 * it) * 8;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const u16* row = W + min(o0 + r, (i64)O - 1) * K + col;
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) dst[r][u] = ldg_stream16(row + 256 * u);
+        }
+        if (++it == ntr) { it = 0; ig += nw; }
+    };
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+        if (d < n) issue(raw[d]);
+    int cg = w, ct = 0;  // compute side
+    float acc[R][GEMV_UNROLL];
+    for (int i0 = 0; i0 < n; i0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            if (i0 + d >= n) break;  // warp-uniform
+            if (ct == 0) {
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+            }
+            const i64 o0 = (i64)cg * R;
+            const u16* xv = x + (rpg > 0 ? (o0 / rpg) * K : (i64)0) + (i64)(lane + 128 * ct) * 8;
+            uint4 xr[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + 256 * u);
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                float b[8];
+                unpack8(xr[u], b);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float a[8];
+                    unpack8(raw[d][r][u], a);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][u] = __fmaf_rn(a[e], b[e], acc[r][u]);
+                }
+            }
+            if (i0 + d + D < n) issue(raw[d]);
+            if (++ct == ntr) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float v = acc[r][0];
+#pragma unroll
+                    for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
+                    v = warp_sum(v);
+                    if (lane == 0 && o0 + r < O) store_out(y, o0 + r, v, out_bf16);
+                }
+                ct = 0;
+                cg += nw;
+            }
+        }
+    }
+}
+
+// W bf16 bits [O, K]; S / ld_s unused (the r*t* kernels' signature, so one wrapper serves both).
+#define GEMV_PS_KERNEL(NAME, R, D, MINB)                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                    \
+        PDL_ENTRY();                                                                               \
+        gemv_ps_rows<R, D>(reinterpret_cast<const u16*>(W), x, y, O, K, rows_per_group, out_bf16);  \
+    }
+GEMV_PS_KERNEL(gemv_bf16_ps_r1d4, 1, 4, GEMV_MINB)
+GEMV_PS_KERNEL(gemv_bf16_ps_r2d2, 2, 2, GEMV_MINB)
+GEMV_PS_KERNEL(gemv_bf16_ps_r2d3, 2, 3, 3)
+GEMV_PS_KERNEL(gemv_bf16_ps_r4d2, 4, 2, 2)
 
 // Several projections of the same x in one launch (e.g. every [*, D] projection of the normed
 // hidden state).  segs[s]: rows [row0, segs[s + 1].row0) of the launch are rows [0, n_s) of W_s,

@@ -57,10 +57,23 @@ def test_every_variant_launches(fake_launch):
             kw = dict(scale=A(np.zeros((-(-O // 128), -(-K // 128)), np.uint8))) if fp8 else {}
             for vn in DK.gemv_variant_names("plain", fp8, new_only=False):
                 launched.clear()
+                ps = DK.parse_ps(vn)
+                if ps is not None and not DK.ps_ok(*ps, fp8, K, O // g if g > 1 else 0):
+                    assert K % 1024, f"{vn} refused [{O}x{K}] groups {g}"
+                    with pytest.raises(AssertionError, match="not available"):
+                        DK.gemv_bf16(w, A(np.zeros(g * K, np.uint16)), A(np.zeros(O, np.float32)),
+                                     groups=g, variant=vn, **kw)
+                    assert not launched
+                    continue
                 DK.gemv_bf16(w, A(np.zeros(g * K, np.uint16)), A(np.zeros(O, np.float32)), groups=g,
                              variant=vn, **kw)
                 (name, grid, args, smem), = launched
-                if vn == "default":
+                if ps is not None:   # a persistent grid: min(groups, resident warps) warps
+                    assert not fp8 and name == f"gemv_bf16_{vn}"
+                    minb = next(m for r, d, m in DK.GEMV_PS if (r, d) == ps)
+                    nw = min(-(-O // ps[0]), 132 * 4 * minb)
+                    assert grid == (-(-nw // 4),), f"{name}: grid {grid}, expected {nw} warps"
+                elif vn == "default":
                     R, T = DK.gemv_default_variant(fp8, K)
                     assert name == DK._gemv_kernel_name(fp8, R, T)
                 elif vn.startswith("bulk_"):

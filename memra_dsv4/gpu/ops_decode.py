@@ -6,9 +6,10 @@ np.int32; positions are read on the device from ``pos`` (int32 [1]).
 Dense GEMV variants.  Every dense GEMV (gemv_bf16 plain, gemv_bf16_multi, gemv_bf16_swiglu) has
 several kernels that return the same bits (decode.cu THE ORDER) and differ in speed only:
 register kernels ``r{R}t{T}`` (plain; R rows per warp, T trips of loads at once), ``r{R}``
-(multi), ``p{P}`` (swiglu), and the TMA bulk-copy streaming kernels ``bulk_r{R}s{S}`` /
+(multi), ``p{P}`` (swiglu), the TMA bulk-copy streaming kernels ``bulk_r{R}s{S}`` /
 ``bulk_p{P}s{S}`` (a persistent grid, an S-stage shared-memory ring per warp; K % 16 == 0 and,
-for FP8 rows, K <= 8192).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
+for FP8 rows, K <= 8192), and the persistent register-ring kernels ``ps_r{R}d{D}`` (plain bf16,
+K % 1024 == 0: each warp walks row groups with D trips of loads in flight; ninth session).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
 --variants``, L2 flushed): every variant bit-identical to the default; the bulk kernels slower
 on every shape (wq_b bf16 24.3 vs 19.9 us, fp8 19.4 vs 13.4 us), the register variants 0.5-2 us
 faster on the small shapes only, and no change of the whole step (8.49 vs 8.50 ms), so the
@@ -55,6 +56,9 @@ GEMV_BULK = {False: ((1, 4, 4), (2, 4, 3), (4, 3, 2)),   # gemv_bf16_bulk_r{R}s{
              True: ((1, 8, 4), (2, 4, 4), (4, 4, 3))}    # gemv_fp8_bulk_r{R}s{S}
 MULTI_BULK = ((1, 8, 4), (4, 3, 2))                      # gemv_bf16_multi_bulk_r{R}s{S}
 SWIGLU_BULK = ((1, 4, 3), (2, 3, 2))                     # gemv_bf16_swiglu_bulk_p{P}s{S}
+# Persistent register-ring bf16 kernels (decode.cu gemv_ps_rows): (R, ring depth D, launch-bounds
+# min CTAs); plain bf16 GEMVs with K % 1024 == 0 only (variant name ps_r{R}d{D})
+GEMV_PS = ((1, 4, 4), (2, 2, 4), (2, 3, 3), (4, 2, 2))        # gemv_bf16_ps_r{R}d{D}
 # The lead's pick after a GPU measurement: {"op[.form[.cls]]": variant}; empty = the defaults.
 # 57a2c0d on 2x H200 (bench/results/2026-11-30-nvidia-h200-57a2c0d-gemv.log: tools/bench_gemv.py
 # --dense-only --variants --suggest, L2 flushed; every variant bit-identical), then the step A/B
@@ -121,7 +125,8 @@ GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t 
     tuple(f"gemv_bf16_swiglu_p{p}" + (f"t{t}" if t > 1 else "") for p, t in SWIGLU_VARIANTS) + \
     tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
-    tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK)
+    tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK) + \
+    tuple(f"gemv_bf16_ps_r{r}d{d}" for r, d, _ in GEMV_PS)
 
 
 def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
@@ -131,7 +136,8 @@ def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
     if op == "plain":
         old = {False: ((1, 1), (2, 1), (4, 1)), True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}[fp8]
         reg = [f"r{r}t{t}" for r, t in GEMV_VARIANTS[fp8] if not (new_only and (r, t) in old)]
-        return ("default", *reg, *(f"bulk_r{r}s{st}" for r, st, _ in GEMV_BULK[fp8]))
+        return ("default", *reg, *(f"bulk_r{r}s{st}" for r, st, _ in GEMV_BULK[fp8]),
+                *(() if fp8 else (f"ps_r{r}d{d}" for r, d, _ in GEMV_PS)))
     if op == "multi":
         return ("default", *(() if new_only else ("r1", "r4")), "r1t2", "r4t2",
                 *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK))
@@ -198,6 +204,22 @@ def _parse_variant(v: str, letter: str):
         raise ValueError(f"gemv variant {v!r}: expected {letter}N[tT] or bulk_{letter}NsS") from None
 
 
+def parse_ps(v: str):
+    """'ps_r2d3' -> (2, 3); None if v is not a persistent-ring variant name."""
+    if not v.startswith("ps_r"):
+        return None
+    a, sep, b = v[4:].partition("d")
+    if not (sep and a.isdigit() and b.isdigit()):
+        raise ValueError(f"gemv variant {v!r}: expected ps_rNdD")
+    return int(a), int(b)
+
+
+def ps_ok(R: int, D: int, fp8: bool, K: int, rpg: int) -> bool:
+    """Whether gemv_bf16_ps_r{R}d{D} exists and can take the launch (bf16, K % 1024, R | rpg)."""
+    return (not fp8 and any(r == R and d == D for r, d, _ in GEMV_PS) and K % 1024 == 0
+            and rpg % R == 0)
+
+
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
@@ -258,6 +280,19 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     explicit = variant is not None
     if variant is None and rows_per_warp is None and trips is None:
         variant = gemv_selected("plain", fp8, gemv_shape_class(O, K))
+    ps = parse_ps(variant) if variant is not None else None
+    if ps is not None:
+        R, D = ps
+        ok = ps_ok(R, D, fp8, K, rpg)
+        assert ok or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
+        if ok:   # a persistent grid: at most the warps resident at once (launch bounds' minimum)
+            minb = next(m for r, d, m in GEMV_PS if r == R and d == D)
+            nw = max(1, min(-(-O // R), sm_count() * GEMV_WARPS * minb))
+            kernel(STEM, f"gemv_bf16_ps_r{R}d{D}")(
+                _gemv_grid(nw), (32 * GEMV_WARPS,),
+                (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
+            return out
+        variant = None
     if variant is not None and variant != "default":
         bulk, R, T = _parse_variant(variant, "r")
         if bulk:

@@ -1,7 +1,7 @@
 """Every dense GEMV variant of kernels_cu/decode.cu (ops_decode.gemv_variant_names: the register
-kernels with more trips in flight, gemv_*_r1t2 / r2t2 / r1t4 / r2t4, and the TMA bulk streaming
-kernels gemv_*_bulk_*, gemv_bf16_multi_bulk_*, gemv_bf16_swiglu_bulk_*) against the default
-kernel, byte for byte.
+kernels with more trips in flight, gemv_*_r1t2 / r2t2 / r1t4 / r2t4, the TMA bulk streaming
+kernels gemv_*_bulk_*, gemv_bf16_multi_bulk_*, gemv_bf16_swiglu_bulk_*, and the persistent
+register-ring kernels gemv_bf16_ps_r*d*) against the default kernel, byte for byte.
 
 Bound: bit-identical (the variants move bytes differently and give rows to warps differently,
 never change a row's FMA order: decode.cu THE ORDER).  Inputs: random bf16 x, FP8 weights over
@@ -47,6 +47,8 @@ def _fp8(rng, O, K):
 def _eligible_plain(vn, fp8, K, rpg):
     if vn == "default":
         return True
+    if DK.parse_ps(vn) is not None:   # persistent ring: bf16, K % 1024 == 0, R | rows per group
+        return DK.ps_ok(*DK.parse_ps(vn), fp8, K, rpg)
     bulk, R, _ = DK._parse_variant(vn, "r")
     if rpg % R:
         return False
@@ -55,7 +57,8 @@ def _eligible_plain(vn, fp8, K, rpg):
 
 @pytest.mark.parametrize("O,K,groups", [(1000, 4096, 1), (300, 1040, 1), (37, 2064, 1), (100, 1824, 1),
                                         (8192, 4096, 8), (21, 272, 3), (130, 8192, 1), (64, 8320, 1),
-                                        (45, 1032, 1), (4096, 1024, 1), (7, 16, 1)])
+                                        (45, 1032, 1), (4096, 1024, 1), (7, 16, 1),
+                                        (32768, 1024, 1), (4096, 8192, 1)])
 @pytest.mark.parametrize("out_dtype", [np.float32, np.uint16])
 def test_plain_variants_bit_identical(O, K, groups, out_dtype):
     seed = fresh_seed()
