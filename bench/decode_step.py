@@ -22,9 +22,8 @@ each arm captures its own graphs, so ``path=device+hcsplit=off,path=device+hcspl
 A/B in one process).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
-``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL) and ``hcpre=lastcta|fast|fast0``
-(MEMRA_DSV4_HC_PRE_IMPL: hc_boundary_pre's kernel when hcsplit is on; bit-identical); the arm
-sets these variables before each of its steps, so its graphs are captured with its kernels.  A setting an arm leaves out is the
+``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL); the arm sets both variables before each of
+its steps, so its graphs are captured with its kernels.  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
@@ -105,8 +104,7 @@ def _arm_settings() -> dict:
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT,
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
-            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
-            "hcpre": SimpleNamespace(allowed=("lastcta", "fast", "fast0"), env="MEMRA_DSV4_HC_PRE_IMPL")}
+            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL")}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -122,8 +120,6 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_GEMV_VARIANT"] = val
     if "hc" in s:
         env["MEMRA_DSV4_HC_BOUNDARY_IMPL"] = s["hc"]
-    if "hcpre" in s:
-        env["MEMRA_DSV4_HC_PRE_IMPL"] = s["hcpre"]
     return env
 
 

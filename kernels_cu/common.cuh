@@ -41,14 +41,6 @@ typedef long long i64;
 // weights: decode.cu gemv_*_prefetch); it loads and stores nothing, so it cannot observe or race
 // with the predecessor.  tools/pdl_entry.py accepts it as the opening statement.
 #define PDL_ENTRY_PREFETCH(...) do { __VA_ARGS__; PDL_ENTRY(); } while (0)
-// The second exception: PDL_ENTRY_PRELOAD(stmts) runs stmts first, in the kernel's own scope
-// (no do / while: the registers they declare and fill stay visible after the wait), and stmts
-// may only LOAD memory no kernel of the step writes (weights uploaded once at model load: hc.cu
-// hc_boundary_pre_fast's fn rows) or issue PDL_ENTRY_PREFETCH's hints.  A load of such memory
-// cannot observe the predecessor (it writes none of it), so it may be in flight while the
-// predecessor runs; every read of an activation, and every store, stays after the wait.
-// tools/pdl_entry.py accepts it as the opening statement.
-#define PDL_ENTRY_PRELOAD(...) __VA_ARGS__; PDL_ENTRY()
 
 namespace memra {
 

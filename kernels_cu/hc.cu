@@ -346,35 +346,27 @@ static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CT
 DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// Phase A's fn rows of thread (warp w, lane l) in CTA sg: rows 3w..3w+2, elements
-// 256 sg + 8l .. +7 (f32), the HBM stream of the boundary.  A weight no kernel of the step
-// writes, so hc_boundary_pre_fast loads it before its PDL wait (PDL_ENTRY_PRELOAD).
-DEV void bnd_load_fn(const float* __restrict__ fn, int D, float4* wa, float4* wb) {
+// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
+// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
+DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                       const float* comb_in, u16* out, const float* __restrict__ fn,
+                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int n = HC * D;
-    const int e0 = blockIdx.x * MIX_SEG + 8 * lane;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
+    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
 #pragma unroll
     for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
         const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
         wa[q] = __ldg(wp);
         wb[q] = __ldg(wp + 1);
     }
-}
-// L2 prefetch of the norm weight for the tail CTA (a hint: loads nothing), spread over the grid
-DEV void bnd_prefetch_w(const u16* __restrict__ norm_w, int D) {
-    const int nlines = (2 * D + 127) / 128;
-    for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
-        prefetch_l2(norm_w + 64 * li);
-}
-
-// Phase A after the fn rows are in registers (wa / wb: bnd_load_fn's): writes out (f given),
-// returns lane l < 4 of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
-DEV double bnd_phase_a_rows(const float4* wa, const float4* wb, const u16* __restrict__ f,
-                            const u16* __restrict__ R, const float* post_in, const float* comb_in,
-                            u16* out, int D, u16* seg_s) {
-    const int lane = threadIdx.x & 31;
-    const int sg = blockIdx.x;
-    const int e0 = sg * MIX_SEG + 8 * lane;
+    {
+        const int nlines = (2 * D + 127) / 128;
+        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
+            prefetch_l2(norm_w + 64 * li);
+    }
     float xf[8];
     if (f != nullptr) {
         // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
@@ -423,17 +415,6 @@ DEV double bnd_phase_a_rows(const float4* wa, const float4* wb, const u16* __res
     rs_stage<2>(v, lane);
     rs_stage<1>(v, lane);  // lane l now holds value l & 3
     return v[0];
-}
-
-// hc_boundary's / hc_boundary_poll's phase A for CTA sg (fn rows requested first, then the norm
-// weight's L2 prefetch, then the streams: the instruction order these kernels always had).
-DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
-                       const float* comb_in, u16* out, const float* __restrict__ fn,
-                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
-    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
-    bnd_load_fn(fn, D, wa, wb);
-    bnd_prefetch_w(norm_w, D);
-    return bnd_phase_a_rows(wa, wb, f, R, post_in, comb_in, out, D, seg_s);
 }
 
 // The last CTA's x = bf16(sum_i pre_i S_i) and rmsnorm_row<u16> (xn) by warps 4..7 over thread
@@ -831,253 +812,3 @@ hc_boundary_sinkhorn(const float* __restrict__ mixes, const float* __restrict__ 
                      float* __restrict__ comb_out, int iters, float hc_eps) { PDL_ENTRY();
     split_lanes(mixes, scale, base, iters, hc_eps, threadIdx.x, nullptr, nullptr, post_out, comb_out);
 }
-
-// ------------------------------------------------------------------------- hc_boundary_pre_fast
-// hc_boundary_pre with a shorter serial chain (ops.hc PRE_IMPL "fast"); the same bytes in every
-// output (out, mixes, pre, x, xn) and in the split workspace's partials: every value is made by
-// the same f32 / f64 expression in the same order as hc_boundary_pre (bnd_lastcta<false>).
-//
-// Latency budget of hc_boundary_pre (one launch, Flash D = 4096: grid 64 CTAs x 256 threads),
-// the serial chain after griddepcontrol.wait:
-//   A1  fn rows (24 KB per CTA, HBM in the step: 86 fn of 1.5 MB do not stay in L2) together with
-//       f / R / post_in / comb_in (L2): one DRAM round trip
-//   A2  hc_post (5 f32 -> f64 conversions per element), smem exchange, __syncthreads, the 4
-//       8-long double FMA chains, the 5-stage shuffle tree
-//   H   ws store; __threadfence by all 256 threads (waits for out / ws to be acknowledged: an L2
-//       round trip); __syncthreads; atomicAdd (an L2 round trip); __syncthreads; the last CTA's
-//       second __threadfence
-//   B1  cp.async of the 64 x 32 partials, S (32 KB) and the weight: an L2 round trip
-//   B2  25 chains of 63 dependent double adds (one warp), __syncthreads, 1 / sqrt (double),
-//       __syncthreads, pre (f32 sigmoid), named barrier
-//   B3  weighted sum + RMSNorm on ONE SM by 4 warps: per element 4 + 1 f32 -> f64 conversions
-//       (S, x for the squares), 1 f64 -> f32 (x), then x and the weight again (2) and xn (1):
-//       9 conversions at 16 per clock per SM = 36 K / 16 ~ 2.3 K clocks, the largest single item;
-//       a 32-long double FMA chain per thread, warp_sum, barrier, 1 / sqrt
-// What this kernel changes (nothing that touches a value's expression or its order):
-//   A1  the fn rows (bnd_load_fn) and the norm weight's L2 prefetch are issued BEFORE the PDL wait
-//       (PDL_ENTRY_PRELOAD: fn is a weight no kernel of the step writes), so under PDL they are
-//       in flight while the predecessor runs; after the wait only the L2 round trip of f / R /
-//       post_in / comb_in is left.  The registers and the arithmetic are bnd_phase_a's.
-//   H   the cooperative-groups grid-barrier handoff: __syncthreads (orders every thread's out / ws
-//       stores before thread 0), then thread 0 alone: __threadfence + atomicAdd, and in the last
-//       CTA __threadfence (acquire) before the __syncthreads that releases the tail.  256
-//       membar.gl per CTA and the last CTA's 256 second fences become one each.
-//   B1/B2 warps 0..3 alone load the partials (and wait only for them); warp 0 lanes 0..3 make the
-//       chains of rows 0..3 and of the squares (each lane its row and its own copy of the squares
-//       chain, interleaved: the same adds in the same order as the lastcta tail's threads t and
-//       24), mixes[0..3] and pre, hand pre to warps 4..7 through shared memory and a named
-//       barrier (bar.arrive: warp 0 never waits); warp 1 lanes 0..19 make rows 4..23 -> mixes.
-//       No block-wide barrier after the handoff.
-//   B3  warps 4..7 (the lastcta tail's warps, the same chunk partition, so the same squares chain,
-//       warp_sum and 4-partial order): while warp 0 runs the chains they wait for their own S /
-//       weight chunks and convert the weight of their first BND_KEEP chunks to double; the
-//       weighted sum keeps x of those chunks as double in registers, so the norm pass converts
-//       neither x nor the weight again (chunks past BND_KEEP, D > 4096, take the lastcta path:
-//       x through shared memory).  Conversions on the tail's critical path per element: 9 -> 7.
-// The counter / partial layout / dynamic shared memory (14 D bytes) are hc_boundary_pre's, and the
-// counter is left zero.  Grid (n / 256), block 256.
-namespace {
-// chunks per tail thread kept as double in registers: 4 (hc_boundary_pre_fast; D <= 4096: all of
-// them; 194 registers) or 0 (hc_boundary_pre_fast0: every chunk on the lastcta path, fewer
-// registers, so under PDL its CTAs fit beside more of the predecessor's)
-
-DEV void bar_sync_id(int id, int count) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory"); }
-DEV void bar_arrive_id(int id, int count) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory"); }
-
-// the lastcta tail's chain of row `slot` and of the squares (slot 3), interleaved: each is
-// part[slot] + part[32 + slot] + ... in segment order, as bnd_lastcta / bnd_chain
-DEV void bnd_chain2(const double* part, int slot, int nseg, double& row, double& sq) {
-    double a = part[slot], q = part[3];
-#pragma unroll 8
-    for (int s = 1; s < nseg; ++s) {
-        a = __dadd_rn(a, part[s * 32 + slot]);
-        q = __dadd_rn(q, part[s * 32 + 3]);
-    }
-    row = a;
-    sq = q;
-}
-
-template <int BND_KEEP>
-DEV void bnd_pre_fast_body(const float4* wa, const float4* wb, const u16* __restrict__ f,
-                           const u16* __restrict__ R, const float* __restrict__ post_in,
-                           const float* __restrict__ comb_in, u16* out,
-                           const float* __restrict__ scale, const float* __restrict__ base,
-                           const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
-                           u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) {
-    extern __shared__ double bnd_smem[];  // last CTA: partials [nseg][32], S [4][D], weight [D]
-    __shared__ float pre_s[HC];
-    __shared__ double red[4];
-    __shared__ int is_last;
-    __shared__ __align__(16) u16 seg_s[MIX_SEG];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int n = HC * D, nseg = n / MIX_SEG;
-    const int sg = blockIdx.x;
-    // ---- phase A: bnd_phase_a's arithmetic on the preloaded fn rows
-    const double val = bnd_phase_a_rows(wa, wb, f, R, post_in, comb_in, out, D, seg_s);
-    if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;
-    // ---- handoff (cooperative groups' grid barrier arrive): the barrier orders every thread's
-    // out / ws stores before thread 0's fence (cumulative at gpu scope), the ticket follows it
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const int last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-        if (last) __threadfence();  // acquire: the other CTAs' out / ws, before the tail reads them
-        is_last = last;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    // ---- the last CTA
-    const int nc = D >> 3;
-    const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
-    double* part = bnd_smem;                                          // [nseg][32] ws partials
-    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);          // [4][D] S; row 0 then x
-    u16* wst = sst + HC * D;                                          // [D] the norm weight
-    if (wid < 4) {
-        for (int i = threadIdx.x; i < nseg * 16; i += 128) cp_async16(part + 2 * i, ws + 2 * i, true);
-        cp_async_commit();
-        if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-        cp_async_wait<0>();
-        bar_sync_id(2, 128);  // warps 0..3: every partial landed (each thread waited for its own)
-        if (wid == 0) {  // rows 0..3 -> mixes[0..3], pre (lanes 0..3), then pre to warps 4..7
-            if (lane < HC) {
-                double row, sq;
-                bnd_chain2(part, 4 * (lane / 3) + lane % 3, nseg, row, sq);
-                const float m = bnd_mix(row, sq, n, norm_eps);
-                const float p = pre_value(m, scale[0], base[lane], hc_eps);
-                mixes[lane] = m;
-                pre_out[lane] = p;
-                pre_s[lane] = p;
-            }
-            bar_arrive_id(1, 160);  // pre_s to warps 4..7 (bar.arrive orders the smem stores)
-        } else if (wid == 1 && lane < BND_ROWS - HC) {  // rows 4..23 -> mixes[4..23]
-            const int t = HC + lane;
-            double row, sq;
-            bnd_chain2(part, 4 * (t / 3) + t % 3, nseg, row, sq);
-            mixes[t] = bnd_mix(row, sq, n, norm_eps);
-        }
-        return;
-    }
-    // warps 4..7: the lastcta tail's chunks (c = vt + 128 k), S and the weight by cp.async
-    {
-        const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs (acquired)
-        for (int c = vt; c < nc; c += 128) {
-#pragma unroll
-            for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
-            cp_async16(wst + 8 * c, norm_w + 8 * c, true);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();  // thread vt reads only the chunks its own cp.async brought
-    }
-    // the weight of the first BND_KEEP chunks as double while warp 0 runs the chains
-    constexpr int KA = BND_KEEP > 0 ? BND_KEEP : 1;  // array extent (KEEP 0: unused)
-    double wd[KA][8];
-#pragma unroll
-    for (int k = 0; k < BND_KEEP; ++k) {
-        const int c = vt + 128 * k;
-        float wv[8];
-        if (c < nc) unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) wd[k][e] = c < nc ? (double)wv[e] : 0.0;
-    }
-    bar_sync_id(1, 160);  // warp 0's pre_s
-    float pre_r[HC];
-#pragma unroll
-    for (int i = 0; i < HC; ++i) pre_r[i] = pre_s[i];
-    // bnd_wsum_norm's arithmetic: x = bf16(sum_i pre_i S_i) (double, i ascending), the squares
-    // chain over the thread's chunks in ascending c, warp_sum, the 4 warp partials in order
-    double xd[KA][8];
-    double ss = 0.0;
-    auto wsum_chunk = [&](int c, u32* h) {
-        double acc[8];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float xi[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
-            const double p = pre_r[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double prod = __dmul_rn(p, (double)xi[e]);
-                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(acc[e]);
-        stg16(x_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                        h[6] | (h[7] << 16)));
-    };
-#pragma unroll
-    for (int k = 0; k < BND_KEEP; ++k) {
-        const int c = vt + 128 * k;
-        if (c < nc) {
-            u32 h[8];
-            wsum_chunk(c, h);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                xd[k][e] = bf16_to_f32(h[e]);
-                ss = __fma_rn(xd[k][e], xd[k][e], ss);
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xd[k][e] = 0.0;
-        }
-    }
-    for (int c = vt + 128 * BND_KEEP; c < nc; c += 128) {  // D > 4096: bnd_wsum_norm's own path
-        u32 h[8];
-        wsum_chunk(c, h);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const double xv = bf16_to_f32(h[e]);
-            ss = __fma_rn(xv, xv, ss);
-        }
-        *reinterpret_cast<uint4*>(sst + 8 * c) =
-            make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-    }
-    ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
-    if (lane == 0) red[wid - 4] = ss;
-    bar_sync_id(3, 128);
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
-    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
-    auto store_xn = [&](int c, const double* xv, const double* wv) {
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn(wv[e], __dmul_rn(xv[e], r)));
-        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                         h[6] | (h[7] << 16)));
-    };
-#pragma unroll
-    for (int k = 0; k < BND_KEEP; ++k) {
-        const int c = vt + 128 * k;
-        if (c < nc) store_xn(c, xd[k], wd[k]);
-    }
-    for (int c = vt + 128 * BND_KEEP; c < nc; c += 128) {
-        float xf[8], wf[8];
-        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xf);
-        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wf);
-        double xv[8], wv[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            xv[e] = xf[e];
-            wv[e] = wf[e];
-        }
-        store_xn(c, xv, wv);
-    }
-}
-}  // namespace
-
-// hc_boundary_pre's arguments; grid (n / 256), block 256, dynamic shared 14 D bytes.
-#define HC_BOUNDARY_PRE_FAST(NAME, KEEP)                                                                  \
-    extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)                                          \
-    NAME(const u16* __restrict__ f, const u16* __restrict__ R, const float* __restrict__ post_in,          \
-         const float* __restrict__ comb_in, u16* out, const float* __restrict__ fn,                       \
-         const float* __restrict__ scale, const float* __restrict__ base, const u16* __restrict__ norm_w, \
-         float* mixes, float* pre_out, u16* x_out, u16* xn_out, int D, float hc_eps, double norm_eps,     \
-         double* ws, int* counter) {                                                                      \
-        PDL_ENTRY_PRELOAD(float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];                            \
-                          bnd_load_fn(fn, D, wa, wb); bnd_prefetch_w(norm_w, D));                          \
-        bnd_pre_fast_body<KEEP>(wa, wb, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, \
-                                x_out, xn_out, D, hc_eps, norm_eps, ws, counter);                          \
-    }
-HC_BOUNDARY_PRE_FAST(hc_boundary_pre_fast, 4)
-HC_BOUNDARY_PRE_FAST(hc_boundary_pre_fast0, 0)

@@ -122,27 +122,3 @@ def test_block_order_one_launch(monkeypatch):
     log = _block_log(monkeypatch, split=False, branch=False, n_layers=1)
     assert log == [("boundary", "main"), ("attention", "main"), ("boundary", "main"), ("moe", "main"),
                    ("hc_post", "main")]
-
-
-def test_hc_pre_impl_resolution_and_bench_arm(monkeypatch):
-    """hc_boundary_pre's kernel choice (ops.hc.pre_impl): the call's impl, else
-    $MEMRA_DSV4_HC_PRE_IMPL read at the call, else PRE_IMPL ("lastcta"); every impl names a
-    registered kernel; the decode bench's hcpre= arm sets the variable (bytes: the GPU tests)."""
-    from bench.decode_step import _kernel_env, check_arms
-    from memra_dsv4.gpu import kernel_loader
-    from memra_dsv4.gpu.ops import hc as HC
-    assert HC.PRE_IMPL == "lastcta" and set(HC.PRE_IMPLS) == {"lastcta", "fast", "fast0"}
-    monkeypatch.delenv(HC.PRE_IMPL_ENV, raising=False)
-    assert HC.pre_impl() == "lastcta" and HC.pre_impl("fast") == "fast"
-    monkeypatch.setenv(HC.PRE_IMPL_ENV, "fast0")
-    assert HC.pre_impl() == "fast0" and HC.pre_impl("lastcta") == "lastcta"
-    monkeypatch.setenv(HC.PRE_IMPL_ENV, "quick")
-    with pytest.raises(AssertionError, match="not in"):
-        HC.pre_impl()
-    names = set(kernel_loader.registered()[HC.STEM])
-    assert {HC._PRE_KERNEL[i] for i in HC.PRE_IMPLS} <= names
-    arms = check_arms("path=device+hcpre=lastcta,path=device+hcpre=fast")
-    assert [_kernel_env(s, None) for s in arms] == [{"MEMRA_DSV4_HC_PRE_IMPL": "lastcta"},
-                                                    {"MEMRA_DSV4_HC_PRE_IMPL": "fast"}]
-    with pytest.raises(SystemExit, match="hcpre='quick'"):
-        check_arms("path=device+hcpre=quick")

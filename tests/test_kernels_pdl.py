@@ -45,12 +45,10 @@ def test_rule_checker_finds_and_fixes_plain_templated_and_macro_kernels():
         'extern "C" __global__ void ok(float* y) {\n    /* why */ PDL_ENTRY();\n    y[0] = 0;\n}\n'
         'extern "C" __global__ void pf(const float* w, float* y) {\n'
         '    PDL_ENTRY_PREFETCH(hint(w));\n    y[0] = 0;\n}\n'
-        'extern "C" __global__ void pl(const float* w, float* y) {\n'
-        '    PDL_ENTRY_PRELOAD(float a = w[0]);\n    y[0] = a;\n}\n'
         'extern "C" __global__ void late(float* y) {\n    y[0] = 0; PDL_ENTRY_PREFETCH(hint(y));\n}\n'
         '__global__ void declared_only(float* y);\n')
     names = [n for n, _ in pdl_entry.violations(src)]
-    assert names == ["plain", "templ", "NAME", "late"], names   # pf / pl: the prefetch / preload forms open them
+    assert names == ["plain", "templ", "NAME", "late"], names   # pf: the prefetch form opens it
     fixed = pdl_entry.fix(src)
     assert pdl_entry.violations(fixed) == []
     assert fixed.count("PDL_ENTRY();") == 5

@@ -4,22 +4,18 @@ hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, all replayed from CUDA 
 --split also the split boundary (seam MEMRA_DSV4_HC_SPLIT): "split" = hc_boundary_pre +
 hc_boundary_sinkhorn on one stream (byte-checked), and "split pre only" = hc_boundary_pre alone
 (post / comb never updated, so not byte-checked): the critical path the device step keeps when
-its Sinkhorn runs on a side graph branch.  Both split arms run once per hc_boundary_pre kernel
-(--pre-impls, ops.hc.PRE_IMPLS: "lastcta" = hc_boundary_pre, "fast" / "fast0" =
-hc_boundary_pre_fast / _fast0); every "split pre only" arm must leave the bytes of the lastcta one.
+its Sinkhorn runs on a side graph branch.
 
 Two forms, as DeviceStep._block launches them: "post" (the previous sub-layer's hc_post fused in,
 streams ping-pong, post / comb in place: every boundary but a stage's first) and "first" (no
 hc_post: the first attn boundary of a stage).  Each graph runs --boundaries boundaries back to
 back, every boundary with its own fn (f32 [24, 4D], 1.5 MB at D = 4096) and norm weight, so fn
 streams from HBM as in the decode step (48 x 1.5 MB = 72 MB > the 50 MB L2).  Prints microseconds
-per boundary (graph time / boundaries, launch gaps included; PDL launches with --pdl, as the
-device step: the fast kernel's fn preload only overlaps a predecessor under PDL) and checks that every graph
+per boundary (graph time / boundaries, launch gaps included; no PDL) and checks that every graph
 leaves the same bytes as the unfused one after one replay from the same start: any difference
 prints MISMATCH and the exit status is 1.
 
-    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50] [--impls lastcta,poll]
-        [--split [--pre-impls lastcta,fast,fast0]] [--pdl]
+    python tools/bench_hc_boundary.py [--dim 4096] [--boundaries 48] [--reps 50] [--impls lastcta,poll] [--split]
 """
 
 from __future__ import annotations
@@ -44,13 +40,7 @@ def main() -> int:
     ap.add_argument("--impls", default=",".join(HC.BOUNDARY_IMPLS))
     ap.add_argument("--split", action="store_true",
                     help="also time hc_boundary_pre (+ hc_boundary_sinkhorn)")
-    ap.add_argument("--pre-impls", default=",".join(HC.PRE_IMPLS),
-                    help="hc_boundary_pre kernels of the split arms (ops.hc.PRE_IMPLS)")
-    ap.add_argument("--pdl", action="store_true", help="capture with PDL launches (gpu/pdl.py)")
     a = ap.parse_args()
-    from memra_dsv4.gpu.pdl import pdl_launches
-    pre_impls = [i for i in a.pre_impls.split(",") if i]
-    assert pre_impls and pre_impls[0] == "lastcta", "--pre-impls: lastcta first (the byte reference)"
     D, NB = a.dim, a.boundaries
     impls = [i for i in a.impls.split(",") if i]
     t0 = time.time()
@@ -89,15 +79,14 @@ def main() -> int:
                     cur, oth = oth, cur
         return run
 
-    def split(B, form, sinkhorn: bool, pre_impl: str):
+    def split(B, form, sinkhorn: bool):
         def run():
             cur, oth = B["a"], B["b"]
             for k in range(NB):
                 kw = (dict(f=fs[k], out=oth, post_in=B["post"], comb_in=B["comb"]) if form == "post"
                       else {})
                 HC.hc_boundary_pre(cur, fns[k], scale, base, ws[k], hc_eps=eps, norm_eps=eps,
-                                   xn=B["xn"], x=B["x"], pre=B["pre"], mixes=B["mixes"], impl=pre_impl,
-                                   **kw)
+                                   xn=B["xn"], x=B["x"], pre=B["pre"], mixes=B["mixes"], **kw)
                 if sinkhorn:
                     HC.hc_boundary_sinkhorn(B["mixes"], scale, base, iters=iters, hc_eps=eps,
                                             post=B["post"], comb=B["comb"])
@@ -123,23 +112,16 @@ def main() -> int:
     for form in ("post", "first"):
         arms = [("unfused (4 launches)", None)] + [(f"hc_boundary {i}", i) for i in impls]
         if a.split:
-            arms += [(f"split {p}", ("split", p)) for p in pre_impls]
-            arms += [(f"split pre only {p}", ("pre", p)) for p in pre_impls]
+            arms += [("split", "split"), ("split pre only", "pre")]
         B = {name: bufs() for name, _ in arms}
 
         def make(name, i):
             if i is None:
                 return unfused(B[name], form)
-            if isinstance(i, tuple):
-                return split(B[name], form, i[0] == "split", i[1])
+            if i in ("split", "pre"):
+                return split(B[name], form, i == "split")
             return fused(B[name], i, form)
-
-        def with_pdl(fn):
-            def run():
-                with pdl_launches(a.pdl):
-                    fn()
-            return run
-        fn_of = {name: with_pdl(make(name, i)) for name, i in arms}
+        fn_of = {name: make(name, i) for name, i in arms}
         with s:
             for name, _ in arms:  # load kernels, size workspaces / slots before any capture
                 fn_of[name]()
@@ -152,13 +134,7 @@ def main() -> int:
         s.synchronize()
         ref = arms[0][0]
         for name, _ in arms[1:]:
-            if name.startswith("split pre only"):   # post / comb never updated: other bytes by design,
-                pre_ref = "split pre only lastcta"   # but each kernel's the same as the lastcta one's
-                bad = [k for k in KEYS if name != pre_ref and not bool(
-                    cp.array_equal(B[name][k].view(cp.uint8), B[pre_ref][k].view(cp.uint8)))]
-                if bad:
-                    ok = False
-                    print(f"*** MISMATCH *** form={form} {name} != {pre_ref} in {bad}")
+            if name == "split pre only":   # post / comb never updated: other bytes by design
                 continue
             bad = [k for k in KEYS if not bool(cp.array_equal(B[name][k].view(cp.uint8), B[ref][k].view(cp.uint8)))]
             if bad:
@@ -176,20 +152,12 @@ def main() -> int:
             ev[1].synchronize()
             res[name] = cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3 / (a.reps * NB)
         for name, us in res.items():
-            print(f"form={form:5s} {name:28s} {us:7.2f} us / boundary  (D={D}, {NB} boundaries x {a.reps} "
-                  f"replays, pdl={'on' if a.pdl else 'off'})")
+            print(f"form={form:5s} {name:22s} {us:7.2f} us / boundary  (D={D}, {NB} boundaries x {a.reps} replays)")
         if "hc_boundary lastcta" in res:
             for name, us in res.items():
                 if name != "hc_boundary lastcta" and not name.startswith("unfused"):
                     d = res["hc_boundary lastcta"] - us
                     print(f"form={form:5s} {name} saves {d:.2f} us / boundary vs lastcta "
-                          f"(x 86 boundaries ~ {86 * d / 1e3:.3f} ms/step)")
-        for p in pre_impls[1:]:
-            for kind in ("split", "split pre only"):
-                r, v = f"{kind} lastcta", f"{kind} {p}"
-                if r in res and v in res:
-                    d = res[r] - res[v]
-                    print(f"form={form:5s} {v} saves {d:.2f} us / boundary vs {r} "
                           f"(x 86 boundaries ~ {86 * d / 1e3:.3f} ms/step)")
     print(f"all graphs == unfused bytes after one replay: {ok}   ({time.time() - t0:.1f} s)")
     if not ok:

@@ -22,10 +22,6 @@ The split boundary (hc_boundary_pre + hc_boundary_sinkhorn, seam MEMRA_DSV4_HC_S
 for byte to hc_boundary the same way: one boundary (post / comb untouched by the critical kernel),
 a chain of boundaries carrying post / comb in place, and that chain captured with the Sinkhorn on
 a forked side stream (with and without PDL) and replayed with new inputs.
-Every hc_boundary_pre implementation (ops.hc.PRE_IMPLS: "lastcta", "fast", "fast0") is held byte
-for byte to the lastcta one in every output and in the split workspace's partials (the same 13
-shapes), in a seven-boundary chain picked through $MEMRA_DSV4_HC_PRE_IMPL, in the forked graph
-with PDL on and off, and against the twins with the unfused bounds.
 """
 
 from __future__ import annotations
@@ -489,12 +485,10 @@ def test_hc_boundary_impl_graph_replay(impl):
 
 
 # ------------------------------------------------------------------------- split boundary
-def _split(g, with_post: bool, in_place: bool, impl=None):
-    """hc_boundary_pre (``impl``: ops.hc.PRE_IMPLS, None the default) then hc_boundary_sinkhorn
-    on _fused's buffers (poisoned outputs; in place: post / comb hold the previous boundary's
-    values, read by the first kernel, rewritten by the second).  Also checks that the critical
-    kernel leaves post / comb alone; o["ws"] is a copy of the split workspace's partials (nseg x
-    32 doubles) right after it."""
+def _split(g, with_post: bool, in_place: bool):
+    """hc_boundary_pre then hc_boundary_sinkhorn on _fused's buffers (poisoned outputs; in place:
+    post / comb hold the previous boundary's values, read by the first kernel, rewritten by the
+    second).  Also checks that the critical kernel leaves post / comb alone."""
     D = g["X"].shape[2]
     o = dict(x=_poisoned((1, D), np.uint16), xn=_poisoned((1, D), np.uint16),
              pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32))
@@ -507,11 +501,8 @@ def _split(g, with_post: bool, in_place: bool, impl=None):
     kw = dict(f=g["f"], out=out, post_in=pin, comb_in=cin) if with_post else {}
     post0, comb0 = o["post"].copy(), o["comb"].copy()
     S = K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
-                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], mixes=o["mixes"],
-                          impl=impl, **kw)
+                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], mixes=o["mixes"], **kw)
     assert S is (out if with_post else g["X"])
-    nseg = 4 * D // K.SEG
-    o["ws"] = K.split_workspace(1, nseg)[0][:nseg * 32].copy()
     for k, before in (("post", post0), ("comb", comb0)):
         assert cp.asnumpy(o[k]).tobytes() == cp.asnumpy(before).tobytes(), f"hc_boundary_pre wrote {k}"
     K.hc_boundary_sinkhorn(o["mixes"], g["scale"], g["base"], iters=ITERS, hc_eps=HC_EPS,
@@ -561,12 +552,11 @@ def _chain_bufs(D, n):
                 xn=[cp.empty((1, D), np.uint16) for _ in range(n)])
 
 
-def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None, impl=None):
+def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None):
     """DeviceStep._block's flow: boundary 0 without hc_post, then with the previous sub-layer's
     output f (streams ping-pong a/b; post / comb carried in place).  split: hc_boundary_pre, then
     hc_boundary_sinkhorn, on ``side`` after ``fork.fork()`` when given, joined before the next
-    boundary and at the end; impl: hc_boundary_pre's (ops.hc.PRE_IMPLS, None the default).
-    snap(k, streams): called after boundary k (eager runs only)."""
+    boundary and at the end.  snap(k, streams): called after boundary k (eager runs only)."""
     a, b = B["a"], B["b"]
     a[...] = X0
     pending = False
@@ -584,7 +574,7 @@ def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None, 
                 kw.update(post_in=B["post"], comb_in=B["comb"])
             K.hc_boundary_pre(a, p["fn"], p["scale"], p["base"], p["w"], hc_eps=HC_EPS,
                               norm_eps=NORM_EPS, xn=B["xn"][k], x=B["x"][k], pre=B["pre"],
-                              mixes=B["mixes"], impl=impl, **kw)
+                              mixes=B["mixes"], **kw)
             sk = lambda p=p: K.hc_boundary_sinkhorn(B["mixes"], p["scale"], p["base"], iters=ITERS,
                                                     hc_eps=HC_EPS, post=B["post"], comb=B["comb"])
             if fork is not None:
@@ -630,15 +620,13 @@ def test_hc_boundary_split_chain():
         _assert_same_bytes(got, want, seed, split=True, boundary=k)
 
 
-@pytest.mark.parametrize("impl", K.PRE_IMPLS)
 @pytest.mark.parametrize("pdl", [False, True])
-def test_hc_boundary_split_forked_graph(pdl, impl):
+def test_hc_boundary_split_forked_graph(pdl):
     """The split chain captured with each Sinkhorn on a side stream (graphs.Fork: fork after the
     critical kernel, join before the next one and at the end), PDL launches or plain, replayed
     with new streams / sub-layer outputs written into the captured buffers: every replay equals
     the eager hc_boundary chain on the same inputs (final streams, mixes, pre, post, comb and
-    every boundary's x / xn); no allocation in a replay.  Every hc_boundary_pre kernel
-    (ops.hc.PRE_IMPLS: "fast" loads its fn rows before the PDL wait, so PDL on is its case)."""
+    every boundary's x / xn); no allocation in a replay."""
     from memra_dsv4.gpu import graphs
     from memra_dsv4.gpu.arena import count_allocations
     from memra_dsv4.gpu.pdl import pdl_launches
@@ -648,7 +636,7 @@ def test_hc_boundary_split_forked_graph(pdl, impl):
     g, params, fs = _chain_inputs(rng, D, n)
     X0 = g["X"]
     B, R = _chain_bufs(D, n), _chain_bufs(D, n)
-    _run_chain(X0, params, fs, B, True, impl=impl)   # loads the kernels before the capture
+    _run_chain(X0, params, fs, B, True)   # loads the kernels before the capture
     cp.cuda.Device().synchronize()
     s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     fork = graphs.Fork(s, side)
@@ -656,7 +644,7 @@ def test_hc_boundary_split_forked_graph(pdl, impl):
 
     def body():
         with pdl_launches(pdl):
-            final["S"] = _run_chain(X0, params, fs, B, True, fork=fork, side=side, impl=impl)
+            final["S"] = _run_chain(X0, params, fs, B, True, fork=fork, side=side)
     graph = graphs.capture(s, body)
     for rep in range(3):
         X0[...] = cp.asarray(bits_of(rand_bf16(rng, (1, 4, D), 1.0, spread=4)))
@@ -673,7 +661,7 @@ def test_hc_boundary_split_forked_graph(pdl, impl):
         assert n_alloc.total == 0, f"{n_alloc} allocations in a replay"
         _counters_zero("lastcta")
         _assert_same_bytes(_chain_state(B, final["S"]), _chain_state(R, RS), seed, split=True,
-                           graph=True, pdl=pdl, rep=rep, impl=impl)
+                           graph=True, pdl=pdl, rep=rep)
 
 
 def test_hc_boundary_split_refusals():
@@ -693,95 +681,3 @@ def test_hc_boundary_split_refusals():
     with pytest.raises(AssertionError, match="hc_boundary_sinkhorn.comb"):
         K.hc_boundary_sinkhorn(kw["mixes"], g["scale"], g["base"], iters=ITERS, hc_eps=HC_EPS,
                                post=g["post"], comb=g["comb"].reshape(1, 16))
-
-
-# ------------------------------------------------------------------------- hc_boundary_pre variants
-_PRE_VARIANTS = [i for i in K.PRE_IMPLS if i != "lastcta"]
-
-
-def _assert_same_ws(got, want, seed, **ctx):
-    a, b = cp.asnumpy(got).view(np.uint64), cp.asnumpy(want).view(np.uint64)
-    bad = np.flatnonzero(a != b)
-    assert bad.size == 0, (f"hc_boundary_pre split-workspace partials differ at {bad.size}/{a.size} "
-                           f"doubles, first {bad[:4].tolist()} [seed={seed}, {ctx}]")
-
-
-@pytest.mark.parametrize("impl", _PRE_VARIANTS)
-@pytest.mark.parametrize("D,with_post,in_place,wide", [
-    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash: both kinds
-    (4096, True, True, True), (4096, False, False, True),                              # wide range
-    (7168, True, True, False), (256, True, True, False), (256, False, False, False),  # Pro, tiny
-    (192, True, False, True), (128, True, False, False), (128, False, False, False),  # straddling segments
-    (64, True, True, False), (64, False, False, False),                               # one CTA
-])
-def test_hc_boundary_pre_impl_bitwise(impl, D, with_post, in_place, wide):
-    """Every hc_boundary_pre variant (+ the Sinkhorn) == the lastcta hc_boundary_pre (+ the
-    Sinkhorn) byte for byte in every output AND in the split workspace's partials, seeds fresh
-    per repetition (the counter is left zero: a stale ticket would stall or skip the tail); at
-    Flash width also == hc_boundary and the unfused chain."""
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    for rep in range(3):
-        g = _dev(_boundary_case(rng, D, wide))
-        want = _split(g, with_post, in_place, impl="lastcta")
-        got = _split(g, with_post, in_place, impl=impl)
-        cp.cuda.Device().synchronize()
-        _counters_zero("lastcta")
-        ctx = dict(impl=impl, D=D, with_post=with_post, in_place=in_place, wide=wide, rep=rep)
-        _assert_same_bytes(got, want, seed, **ctx)
-        _assert_same_ws(got["ws"], want["ws"], seed, **ctx)
-        if rep == 0 and D == 4096:
-            _assert_same_bytes(got, _fused(g, with_post, in_place, impl="lastcta"), seed, vs="hc_boundary", **ctx)
-            _assert_same_bytes(got, _unfused(g, with_post), seed, vs="unfused", **ctx)
-
-
-@pytest.mark.parametrize("impl", _PRE_VARIANTS)
-def test_hc_boundary_pre_impl_env_and_chain(impl, monkeypatch):
-    """The variant picked through $MEMRA_DSV4_HC_PRE_IMPL (read at call time), in seven
-    boundaries as DeviceStep._block runs them (first without hc_post; post / comb carried through
-    the Sinkhorn kernel in place; ping-pong streams): == the lastcta split chain and == the
-    hc_boundary chain after every boundary."""
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    D, n = 4096, 7
-    g, params, fs = _chain_inputs(rng, D, n)
-    runs = {}
-    for name, split in (("boundary", False), ("lastcta", True), (impl, True)):
-        if split:
-            monkeypatch.setenv(K.PRE_IMPL_ENV, name)
-            assert K.pre_impl() == name
-        B = _chain_bufs(D, n)
-        seq = []
-        _run_chain(g["X"], params, fs, B, split,
-                   snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
-        cp.cuda.Device().synchronize()
-        _counters_zero("lastcta")
-        runs[name] = seq
-    for ref in ("lastcta", "boundary"):
-        for k, (got, want) in enumerate(zip(runs[impl], runs[ref])):
-            _assert_same_bytes(got, want, seed, impl=impl, vs=ref, boundary=k)
-
-
-@pytest.mark.parametrize("impl", _PRE_VARIANTS)
-@pytest.mark.parametrize("D", [4096, 256])
-def test_hc_boundary_pre_impl_vs_twin(impl, D):
-    """The variant against the twins (oracle hc_post -> hc_pre -> rmsnorm) with the unfused
-    kernels' bounds: streams and x | pre exact, mixes / pre / post / comb within the split
-    bounds, xn | x within rmsnorm's."""
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    c = _boundary_case(rng, D)
-    got = _split(_dev(c), True, True, impl=impl)
-    new = O.hc_post(c["f"], c["X"], c["post"], c["comb"])
-    assert_bf16(got["streams"].get(), new, "hc_boundary_pre streams", seed, max_ulp=WSUM_MAX_ULP, D=D)
-    _, want_mixes = O._hc_mixes(new, c["fn"], NORM_EPS, O.BF16)
-    assert_f32(got["mixes"].get(), want_mixes, "hc_boundary_pre mixes", seed, max_ulp=MIXES_MAX_ULP, D=D)
-    wpre, wpost, wcomb = hc_split(got["mixes"].get(), c["scale"], c["base"], 4, ITERS, HC_EPS)
-    assert_f32(got["pre"].get(), wpre, "hc_boundary_pre pre", seed, max_ulp=SPLIT_MAX_ULP, D=D)
-    assert_f32(got["post"].get(), wpost, "hc_boundary_pre post", seed, max_ulp=SPLIT_MAX_ULP, D=D)
-    assert_f32(got["comb"].get(), wcomb, "hc_boundary_pre comb", seed, max_ulp=COMB_MAX_ULP, D=D)
-    assert_bf16(got["x"].get(), O.BF16.store(O._weighted_streams(new, got["pre"].get())),
-                "hc_boundary_pre x | pre", seed, max_ulp=WSUM_MAX_ULP, D=D)
-    xv = decode_bf16(got["x"].get())
-    assert_bf16(got["xn"].get(), O.rmsnorm(xv, c["w"], NORM_EPS), "hc_boundary_pre xn | x", seed,
-                max_ulp=RMS_MAX_ULP, max_frac=RMS_MAX_FRAC, D=D)

@@ -28,20 +28,6 @@ hc_boundary implementations (the same bytes in every output; BOUNDARY_IMPLS):
                vs 9.02 us per boundary: the handoff was not the tail, so "lastcta" stays.
 The module switch BOUNDARY_IMPL picks one; the environment variable MEMRA_DSV4_HC_BOUNDARY_IMPL,
 read at every call, overrides it (benches / tests); hc_boundary(impl=...) overrides both.
-
-hc_boundary_pre implementations (the same bytes in every output and in the split workspace's
-partials; PRE_IMPLS):
-    "lastcta"  kernels_cu/hc.cu hc_boundary_pre (bnd_lastcta without the Sinkhorn warp).  The
-               default.
-    "fast"     hc_boundary_pre_fast: the fn rows loaded before the PDL wait (PDL_ENTRY_PRELOAD),
-               one-thread fence + ticket, no block-wide barrier in the tail (warp 0: rows 0..3 ->
-               pre, warp 1: rows 4..23, warps 4..7: weighted sum + rmsnorm with x and the weight
-               kept as double in registers: two f32 -> f64 conversions fewer per element on the
-               tail SM).  194 registers.
-    "fast0"    the same without the registers kept (72 registers: under PDL its CTAs fit beside
-               more of a predecessor's).
-The module switch PRE_IMPL picks one; $MEMRA_DSV4_HC_PRE_IMPL, read at every call (so at graph
-capture), overrides it; hc_boundary_pre(impl=...) overrides both.
 """
 
 from __future__ import annotations
@@ -56,8 +42,7 @@ from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, i32, kernel, 
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
-           "hc_post", "hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_sinkhorn",
-           "hc_boundary_pre_fast", "hc_boundary_pre_fast0")
+           "hc_post", "hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_sinkhorn")
 kernel_loader.register(STEM, KERNELS)
 
 HC = 4
@@ -65,10 +50,6 @@ HC = 4
 BOUNDARY_IMPLS = ("lastcta", "poll")
 BOUNDARY_IMPL = "lastcta"
 BOUNDARY_IMPL_ENV = "MEMRA_DSV4_HC_BOUNDARY_IMPL"
-PRE_IMPLS = ("lastcta", "fast", "fast0")
-PRE_IMPL = "lastcta"
-PRE_IMPL_ENV = "MEMRA_DSV4_HC_PRE_IMPL"
-_PRE_KERNEL = {"lastcta": "hc_boundary_pre", "fast": "hc_boundary_pre_fast", "fast0": "hc_boundary_pre_fast0"}
 _BND_SLOTS: dict = {}       # device -> int32 [2 * 128 * 32] (u64 slots of hc_boundary_poll)
 _BND_SLOT_WORDS = 2 * 128 * 32
 
@@ -78,14 +59,6 @@ def boundary_impl(impl: str | None = None) -> str:
     (read now), else BOUNDARY_IMPL."""
     name = impl or os.environ.get(BOUNDARY_IMPL_ENV) or BOUNDARY_IMPL
     assert name in BOUNDARY_IMPLS, f"hc_boundary: impl {name!r} not in {BOUNDARY_IMPLS}"
-    return name
-
-
-def pre_impl(impl: str | None = None) -> str:
-    """The hc_boundary_pre implementation a call uses: ``impl``, else $MEMRA_DSV4_HC_PRE_IMPL
-    (read now), else PRE_IMPL."""
-    name = impl or os.environ.get(PRE_IMPL_ENV) or PRE_IMPL
-    assert name in PRE_IMPLS, f"hc_boundary_pre: impl {name!r} not in {PRE_IMPLS}"
     return name
 
 
@@ -319,7 +292,7 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
 
 
 def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, norm_eps: float, xn,
-                    x, pre, mixes, f=None, out=None, post_in=None, comb_in=None, impl: str | None = None):
+                    x, pre, mixes, f=None, out=None, post_in=None, comb_in=None):
     """hc_boundary's critical half, one launch (kernels_cu/hc.cu hc_boundary_pre):
 
         f given:   out = hc_post(f, streams, post_in, comb_in); S = out
@@ -329,14 +302,13 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
     byte for byte hc_boundary's outputs of the same names; post / comb are left to
     hc_boundary_sinkhorn(mixes, ...).  post_in [1, 4] / comb_in [1, 4, 4] are required with f
     (pure inputs: this kernel writes neither).  Uses the per-device split workspace (not
-    concurrently on two streams of one device).  Returns S (out or streams).
-    impl: "lastcta" / "fast" / "fast0" (None: pre_impl(), see the module docstring); same bytes."""
+    concurrently on two streams of one device).  Returns S (out or streams)."""
     D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary_pre")
     assert f is None or (post_in is not None and comb_in is not None), (
         "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
     out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary_pre")
     nseg = HC * D // SEG
-    k = kernel(STEM, _PRE_KERNEL[pre_impl(impl)])
+    k = kernel(STEM, "hc_boundary_pre")
     ws, cnt = split_workspace(1, nseg)
     smem = 14 * D  # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D)
     dynamic_smem(k, smem + 1024)
@@ -366,4 +338,4 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
-           "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS", "pre_impl", "PRE_IMPLS"]
+           "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS"]
