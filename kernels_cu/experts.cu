@@ -66,6 +66,9 @@
 //     rounding, SwiGLU in double) run lane-parallel.
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
 //     first weight loads) and walks them in ascending expert id for its R rows.
+//   * Full-shape fast paths (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f; ops/experts.py picks
+//     them for the Flash shapes): the same row arithmetic without the bookkeeping the general
+//     shapes need (load predicates, zero fills, runtime row strides); see "full-shape fast paths".
 #include "common.cuh"
 
 using namespace memra;
@@ -474,6 +477,164 @@ DEV void fp4_stream(P& pl) {
     }
 }
 
+// ------------------------------------------------------------------ full-shape fast paths
+// gemv_*_gateup_k4_f and gemv_*_down_combine_k2_f: the Flash shapes the decode step always
+// launches (gate/up K = 4096, down K = 2048: nq = 32 KPL, every lane owns KPL chunks; O a
+// multiple of R: every row of every group exists; down: k even, so a loop trip of 2 picks never
+// passes the end of the stream). ops/experts.py picks them only for such shapes. THE SAME ROW
+// ARITHMETIC as fp4_stream: the same chunk_dots per (chunk, rows) in the same order (qok = true:
+// every lane folds), the same warp_sum / round / epilogue through the same plan's finish (gate/
+// up) or the same expressions (down); only the bookkeeping differs: no per-load predicates or
+// zero fills (fetch), one base pointer per matrix with the rows and chunks at immediate offsets
+// (K is a compile-time constant: row stride 512 KPL bytes, scale row stride (NV ? 64 : 32) KPL),
+// advanced by a per-warp constant per group instead of recomputed from (g, O, K), and a loop of
+// whole groups (gate/up) or whole pick pairs (down) instead of a step loop with a runtime end
+// test. Same bits by construction; tests/gpu/test_kernels_experts.py (full_path) compares them.
+
+// the loads of chunk lane + 32 i of R consecutive rows of each of M matrices: pw[m] / ps[m] point
+// at this lane's chunk 0 / scale byte of the first row; no predicates (every row and chunk exists)
+template <int KPL, int M, int R, bool NV>
+DEV void fetch_full(uint4 (&w)[M * R], u32 (&s)[M * R][NV ? 2 : 1], const u8* const (&pw)[M],
+                    const u8* const (&ps)[M], int i) {
+    constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+            w[m * R + rr] = ldg16(pw[m] + rr * HK + 512 * i);
+            if (NV) {
+                s[m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 64 * i);
+                s[m * R + rr][NV ? 1 : 0] = (u32)__ldg(ps[m] + rr * NS + 64 * i + 1);
+            } else {
+                s[m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 32 * i);
+            }
+        }
+    }
+}
+
+// gate/up over whole row groups (KPL chunk steps each); ring of DEPTH steps as fp4_stream (the
+// steps past a group's end prefetch the next group's first chunks, if it has one)
+template <int KPL, int DEPTH, bool NV, class P>
+DEV void fp4_stream_gateup_full(P& pl) {
+    constexpr int R = P::RG, NRM = 2 * R, NSC = NV ? 2 : 1;
+    constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
+    static_assert(DEPTH <= KPL && KPL % DEPTH == 0, "full path: DEPTH divides KPL");
+    const int lane = threadIdx.x & 31;
+    const int ng = pl.ngroups;
+    const u32 b = lut_base();
+    const i64 o0 = pl.row0(0, R);
+    const u8* pw[2] = {pl.w1 + o0 * HK + 16 * lane, pl.w3 + o0 * HK + 16 * lane};
+    const u8* ps[2] = {pl.s1 + o0 * NS + NSC * lane, pl.s3 + o0 * NS + NSC * lane};
+    const i64 gw = (i64)pl.NW * R * HK, gs = (i64)pl.NW * R * NS;  // bytes from one group to the next
+    uint4 rw[DEPTH][NRM];
+    u32 rs[DEPTH][NRM][NSC];
+    if (ng > 0) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) fetch_full<KPL, 2, R, NV>(rw[d], rs[d], pw, ps, d);
+    }
+    pl.stage();  // x to shared memory (+ __syncthreads) while the first loads are in flight
+    const char* xq = static_cast<const char*>(pl.xs) + 16 * lane;
+    for (int g = 0; g < ng; ++g) {
+        float acc[NRM];
+#pragma unroll
+        for (int m = 0; m < NRM; ++m) acc[m] = 0.0f;
+        const bool next = g + 1 < ng;  // warp-uniform
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) {
+            const int d = i % DEPTH;
+            chunk_dots<NRM, NV, true>(rw[d], rs[d], xq + 16 * 256 * i, b, true, acc);
+            if (i + DEPTH < KPL) {
+                fetch_full<KPL, 2, R, NV>(rw[d], rs[d], pw, ps, i + DEPTH);
+            } else {
+                if (i + DEPTH == KPL) {
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        pw[m] += gw;
+                        ps[m] += gs;
+                    }
+                }
+                if (next) fetch_full<KPL, 2, R, NV>(rw[d], rs[d], pw, ps, i + DEPTH - KPL);
+            }
+        }
+        pl.finish(g, acc);
+    }
+}
+
+// down_combine over (row group, pick) in the order of fp4_stream (row group major, picks in
+// ascending expert id), two picks (2 KPL steps) per loop trip (k even); the fetch side and the
+// compute side each track their pick rank and row-group offset incrementally (no g / k, g % k)
+template <int KPL, int DEPTH, bool NV, class P>
+DEV void fp4_stream_down_full(P& pl) {
+    constexpr int R = P::RG, NSC = NV ? 2 : 1;
+    constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
+    constexpr int U = 2 * KPL;  // steps per trip: two picks
+    static_assert(DEPTH <= U && U % DEPTH == 0, "full path: DEPTH divides 2 KPL");
+    const int lane = threadIdx.x & 31;
+    const int k = pl.k;
+    const int S = pl.ngroups * KPL;  // pl.ngroups = row groups x k
+    const u32 b = lut_base();
+    const i64 gw = (i64)pl.NW * R * HK, gs = (i64)pl.NW * R * NS;
+    // fetch side: rank fr of the pick being loaded, this lane's offsets into its row group
+    i64 fow = pl.row0(0, R) * (i64)HK + 16 * lane, fos = pl.row0(0, R) * (i64)NS + NSC * lane;
+    int fr = 0;
+    const u8* pw[1];
+    const u8* ps[1];
+    bool fa = false;
+    auto pick = [&](int r) {  // the fetch side's pointers for rank r of its row group
+        fa = __shfl_sync(0xffffffffu, pl.r_id, r) >= 0;
+        pw[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_w, r)) + fow;
+        ps[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_s, r)) + fos;
+    };
+    uint4 rw[DEPTH][R];
+    u32 rs[DEPTH][R][NSC];
+    if (S > 0) pick(0);
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+        const int i = d % KPL;
+        if (d > 0 && i == 0) {  // the next pick (DEPTH <= 2 KPL <= k KPL: same row group)
+            ++fr;
+            pick(fr);
+        }
+        if (d < S && fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, i);
+    }
+    pl.stage();  // the token's h rows to shared memory (+ __syncthreads)
+    int cr = 0, rg = 0;  // compute side: rank, row group (of this warp)
+    float acc[R];
+    for (int s0 = 0; s0 < S; s0 += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = u % KPL, d = u % DEPTH;
+            if (i == 0) {
+                pl.begin_rank(cr);
+#pragma unroll
+                for (int m = 0; m < R; ++m) acc[m] = 0.0f;
+            }
+            if (pl.active)  // warp-uniform
+                chunk_dots<R, NV, P::XF>(rw[d], rs[d], static_cast<const char*>(pl.xs) + 16 * ((P::XF ? 256 : 128) * i + lane), b,
+                                         true, acc);
+            if (s0 + u + DEPTH < S) {
+                const int ip = (u + DEPTH) % KPL;
+                if (ip == 0) {  // the fetch side moves to its next pick
+                    if (++fr == k) {
+                        fr = 0;
+                        fow += gw;
+                        fos += gs;
+                    }
+                    pick(fr);
+                }
+                if (fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, ip);
+            }
+            if (i == KPL - 1) {
+                pl.finish_rank(cr, [rg] { return rg; }, acc);
+                if (++cr == k) {
+                    cr = 0;
+                    ++rg;
+                }
+            }
+        }
+    }
+}
+
 DEV void init_lut() {
 #if !FP4_EVEN_ON_ALU
     if (threadIdx.x < 16) fp4_lut[threadIdx.x] = e2m1_to_f32(threadIdx.x);
@@ -636,6 +797,7 @@ DEV void gemv_fp4_body(const u16* __restrict__ x, int x_div, const int* __restri
 // weight of slot s; warp group = R rows of both matrices (ring rows 0..R-1: W1, R..2R-1: W3).
 template <int KPL, int R, bool NV>
 struct GateUpPlan : PlanBase {
+    static constexpr int RG = R;  // rows per group (of each matrix)
     const u8 *w1, *w3, *s1, *s3;
     float a2, u2, ws;
     bool weighted;
@@ -668,7 +830,7 @@ struct GateUpPlan : PlanBase {
     }
 };
 
-template <int KPL, bool NV>
+template <int KPL, bool NV, bool FULL>
 DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
                               const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr,
                               const float* __restrict__ ws2_1, const u64* __restrict__ w3ptr,
@@ -698,7 +860,10 @@ DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* _
     pl.limit = limit;
     pl.xs = xs;
     pl.xrow = x + (slot / x_div) * (i64)K;
-    fp4_stream<KPL, 2 * R, FP4_DEPTH, NV, true>(pl);
+    if constexpr (FULL)
+        fp4_stream_gateup_full<KPL, FP4_DEPTH, NV>(pl);
+    else
+        fp4_stream<KPL, 2 * R, FP4_DEPTH, NV, true>(pl);
 }
 
 // Fused down GEMV + MoE combine: for token t with picks j = 0..k-1 (slot t*k + j, expert
@@ -712,6 +877,7 @@ template <int KPL, int R, bool NV>
 struct DownPlan : PlanBase {
     static constexpr bool XF = KPL <= 2;
     static constexpr int HW = staged_words<KPL, XF>();  // 16-byte words per staged h row
+    static constexpr int RG = R;                         // rows per group
     int k;
     int r_id, r_order;   // this lane's rank r = lane: expert id, pick index
     u64 r_w, r_s;        // and its weight / scale bases
@@ -736,8 +902,13 @@ struct DownPlan : PlanBase {
             group_rows<R, R, NV>(r, 0, reinterpret_cast<const u8*>(w), reinterpret_cast<const u8*>(sc),
                                  row0(g / k, R), O, half_k, nsc);
     }
-    DEV void begin(int g) {
-        const int rank = g % k;
+    DEV void begin(int g) { begin_rank(g % k); }
+    DEV void finish(int g, float (&acc)[R]) {
+        finish_rank(g % k, [&] { return g / k; }, acc);
+    }
+    // the pick of rank `rank` starts / ends (its row group of this warp: rg_of(), evaluated only
+    // after the last pick, as the general path's g / k was)
+    DEV void begin_rank(int rank) {
         active = __shfl_sync(0xffffffffu, r_id, rank) >= 0;
         xs = hs + __shfl_sync(0xffffffffu, r_order, rank) * HW;
         s2 = NV ? __shfl_sync(0xffffffffu, r_ws2, rank) : 1.0f;
@@ -746,13 +917,13 @@ struct DownPlan : PlanBase {
             for (int rr = 0; rr < R; ++rr) comb[rr] = 0.0f;
         }
     }
-    DEV void finish(int g, float (&acc)[R]) {
-        const int rank = g % k;
+    template <class RG_OF>
+    DEV void finish_rank(int rank, RG_OF rg_of, float (&acc)[R]) {
 #pragma unroll
         for (int rr = 0; rr < R; ++rr)  // an empty pick contributes the zero row of gemv()
             comb[rr] = __fadd_rn(comb[rr], active ? round_bf16(row_total<NV>(acc[rr], s2)) : 0.0f);
         if (rank == k - 1) {
-            const int rg = g / k, o0 = row0(rg, R), nrg = ngroups / k;
+            const int rg = rg_of(), o0 = row0(rg, R), nrg = ngroups / k;
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) {
                 const int n = rg * R + rr;
@@ -771,7 +942,7 @@ struct DownPlan : PlanBase {
     }
 };
 
-template <int KPL, bool NV>
+template <int KPL, bool NV, bool FULL>
 DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
                                     const u64* __restrict__ wptr, const u64* __restrict__ sptr,
                                     const float* __restrict__ ws2, const u16* __restrict__ shared,
@@ -811,7 +982,10 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.ht = h + t * k * (i64)K;
     pl.sh = shared != nullptr ? shared + t * O : nullptr;
     pl.yr = y + t * ld_y;
-    fp4_stream<KPL, R, FP4_DN_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
+    if constexpr (FULL)
+        fp4_stream_down_full<KPL, FP4_DN_DEPTH, NV>(pl);
+    else
+        fp4_stream<KPL, R, FP4_DN_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
 }
 
 }  // namespace
@@ -838,41 +1012,47 @@ GEMV_FP4(gemv_nvfp4_k4, 4, true)
 // Fused MoE first half. x: [n_x, K] bf16 (slot s reads row s / x_div); expert_ids [S];
 // w1ptr/s1ptr/ws2_1 and w3ptr/s3ptr/ws2_3: gate and up tables as in gemv_*; weight: [S] f32
 // routing weights or null; limit <= 0: no clamp; h: [S, ld_h] bf16. grid (nx, S), block 256.
-#define GEMV_FP4_GATEUP(NAME, KPL, NV)                                                             \
+#define GEMV_FP4_GATEUP(NAME, KPL, NV, FULL)                                                       \
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
          const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
          const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { PDL_ENTRY(); \
-        gemv_fp4_gateup_body<KPL, NV>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3,  \
+        gemv_fp4_gateup_body<KPL, NV, FULL>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3,  \
                                       weight, limit, h, ld_h, O, K);                              \
     }
 
-GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k1, 1, false)
-GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k2, 2, false)
-GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k4, 4, false)
-GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k1, 1, true)
-GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k2, 2, true)
-GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true)
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k1, 1, false, false)
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k2, 2, false, false)
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k4, 4, false, false)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k1, 1, true, false)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k2, 2, true, false)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true, false)
+// the full-shape fast paths (K = 4096, O % FP4_GU_R == 0; see fp4_stream_gateup_full): same bits
+GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k4_f, 4, false, true)
+GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4_f, 4, true, true)
 
 // Fused MoE second half. h: [T*k, K] bf16 (pick j of token t at row t*k + j, routing weight
 // already applied); expert_ids [T, k] int32 (k <= 16); wptr/sptr/ws2: down tables; shared: [T, O]
 // bf16 or null; y: [T, ld_y] bf16. grid (nx, T), block 256, dynamic shared memory for the
 // token's h rows: k * KPL * 4096 bytes (KPL <= 2, staged as f32) or k * KPL * 2048 (KPL = 4, bf16).
-#define GEMV_FP4_DOWN(NAME, KPL, NV)                                                               \
+#define GEMV_FP4_DOWN(NAME, KPL, NV, FULL)                                                         \
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
          const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
          const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) { PDL_ENTRY();            \
-        gemv_fp4_down_combine_body<KPL, NV>(h, expert_ids, k, wptr, sptr, ws2, shared, y, ld_y, O, K); \
+        gemv_fp4_down_combine_body<KPL, NV, FULL>(h, expert_ids, k, wptr, sptr, ws2, shared, y, ld_y, O, K); \
     }
 
-GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k1, 1, false)
-GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2, 2, false)
-GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k4, 4, false)
-GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true)
-GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true)
-GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true)
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k1, 1, false, false)
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2, 2, false, false)
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k4, 4, false, false)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true, false)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true, false)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true, false)
+// the full-shape fast paths (K = 2048, O % FP4_DN_R == 0, k even; see fp4_stream_down_full): same bits
+GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2_f, 2, false, true)
+GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2_f, 2, true, true)
 
 // ==================================================================== tensor-core FP4 GEMVs (opt-in)
 // gemv_{mx,nv}fp4_mma, gemv_{mx,nv}fp4_gateup_mma, gemv_{mx,nv}fp4_down_combine_mma: the same

@@ -446,14 +446,16 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["experts"].dequant_mxfp4(u8(4, 32), u8(4, 2))
     M["experts"].dequant_nvfp4(u8(4, 32), u8(4, 4), 0.5)
     tab = A(np.zeros(4, np.uint64))
-    for K in (256, 2048, 4096):
-        M["experts"].gemv_fp4("mxfp4", u16(1, K), i32(6), tab, tab, 64, K, x_div=6)
-        M["experts"].gemv_fp4("nvfp4", u16(6, K), i32(6), tab, tab, 64, K, ws2=f32(4))
-        for fmt, w2 in (("mxfp4", {}), ("nvfp4", {"ws2_1": f32(4), "ws2_3": f32(4)})):
-            M["experts"].gemv_fp4_gateup(fmt, u16(1, K), i32(6), tab, tab, tab, tab, 64, K, weight=f32(6),
-                                         x_div=6, **w2)
-            M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
-                                               **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
+    # K = 2048 / 4096: the full-shape fast kernels (_f) and, with the switch off, the general ones
+    for K, full in ((256, True), (2048, True), (4096, True), (2048, False), (4096, False)):
+        with M["experts"].full_path(full):
+            M["experts"].gemv_fp4("mxfp4", u16(1, K), i32(6), tab, tab, 64, K, x_div=6)
+            M["experts"].gemv_fp4("nvfp4", u16(6, K), i32(6), tab, tab, 64, K, ws2=f32(4))
+            for fmt, w2 in (("mxfp4", {}), ("nvfp4", {"ws2_1": f32(4), "ws2_3": f32(4)})):
+                M["experts"].gemv_fp4_gateup(fmt, u16(1, K), i32(6), tab, tab, tab, tab, 64, K, weight=f32(6),
+                                             x_div=6, **w2)
+                M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
+                                                   **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
     for K in (256, 2048, 4096):  # the tensor-core variant (k = 16 at K = 4096: > 48 KB of shared memory)
         for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):
             M["experts"].gemv_fp4(fmt, u16(1, K), i32(6), tab, tab, 72, K, x_div=6, impl="mma", **nv)

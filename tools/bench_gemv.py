@@ -28,6 +28,11 @@ limited the table kernels carries only x); the default build is FP4_PRMT=1, the 
 decode with fewer instructions per weight (byte-gathered f16 high bytes, one PRMT / mask per
 f16x2), and FP4_PRMT=0 the previous default (even elements through the table), for old / new:
     python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant FP4_PRMT
+The default rows launch the full-shape fast kernels (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f:
+the Flash shapes qualify, ops.experts.gateup_full / down_full); the row labelled "general" is the
+same build with ops.experts.full_path(False) (the general _k4 / _k2 kernels), for fast / general
+in one run:
+    python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant general --reps 20
 Each variant's output bytes are first checked
 against the default build's on the same inputs (a "MISMATCH" line and exit status 1 if any
 differ: do not select that build).
@@ -294,7 +299,9 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         # default build: a noise estimate)
         # the same bits are the premise of every row here: each variant's output (the wrapper's
         # return value) is compared byte for byte with the default build's, same inputs
-        for label, defines in [("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
+        # defines None: the default build with the full-shape fast kernels switched off
+        for label, defines in [("general: FP4 full path off (the _k4 / _k2 kernels)", None),
+                               ("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
                                ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1}),
                                ("FP4_PRMT=0 (table even: the previous default)", {"FP4_PRMT": 0}),
@@ -307,16 +314,21 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                                ("FP4_GU_R=1 FP4_DEPTH=4", {"FP4_GU_R": 1, "FP4_DEPTH": 4})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
-            look = EX.variant_kernels(defines)
+            look = EX.variant_kernels(defines) if defines is not None else None
             for name, nbytes, fn in cases[n_dense:n_simt]:
                 want = fn().copy()
-                with EX.kernels_from(look):
-                    got = fn().copy()
+                if look is None:   # the default build's general kernels: recorded under the switch
+                    with EX.full_path(False):
+                        got = fn().copy()
+                        recs = record_launches(fn, ("bench_gemv.py",))
+                else:              # the variant build's kernel of each recorded (default) launch's name
+                    with EX.kernels_from(look):
+                        got = fn().copy()
+                    recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 if not (got.view(want.dtype) == want).all():
                     bad = int((got != want).sum())
                     mismatches.append(f"{name.split(' ')[0]} [{label}]: {bad} of {want.size} outputs differ")
                     print(f"!!! MISMATCH: {mismatches[-1]}")
-                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if a.fp4_mma and n_simt is not None:
         for label, defines in [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}),

@@ -329,6 +329,74 @@ def test_row_and_depth_tunables_same_bits(fmt, case, defines):
     _same_bits_across_builds(fmt, case, defines, " ".join(f"{k}={v}" for k, v in defines.items()))
 
 
+# ---------------------------------------------------------------- full-shape fast paths
+# ids per token (E = 8 experts): distinct, repeated (pairs and a token of one expert six times:
+# the stable ascending-id order with ties), empty picks (-1, also two in one token), k = 2 over
+# 4 tokens and k = 8 with repeats; T > 1 also gives each warp several row groups (fewer CTAs per
+# token), which walks the fast paths' per-warp pointer advance.
+_FULL_IDS = {
+    "distinct": [[5, 0, 3, 7, 1, 6]],
+    "repeated": [[2, 2, 5, 5, 1, 1], [4, 4, 4, 4, 4, 4], [7, 0, 7, 3, 0, 3]],
+    "empty": [[3, -1, 6, 1, 0, 2], [-1, 4, 4, -1, 7, 5]],
+    "k2": [[1, 6], [6, 1], [3, 3], [-1, 2]],
+    "k8": [[7, 6, 5, 4, 3, 3, 1, 0]],
+}
+
+
+def _recording(names):
+    """A kernel lookup that records the names the wrappers ask for, then the default build's."""
+    base = K.kernel
+
+    def look(stem, name):
+        names.append(name)
+        return base(stem, name)
+    return look
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("ids_case", sorted(_FULL_IDS))
+def test_full_path_same_bits_as_general(fmt, ids_case):
+    """The full-shape kernels (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f: the Flash shapes,
+    gate/up 2048 x 4096, down 4096 x 2048) against the general _k4 / _k2 kernels of the same build
+    (ops.experts.full_path(False)), same inputs: every output byte equal (NaN == NaN), with wide-
+    range x / h up to 2^113, random scales (MXFP4 e8m0 0 and 255 included, NVFP4 every finite
+    e4m3), and the wrappers must have launched the _f kernels on one side and not on the other."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    ids = np.array(_FULL_IDS[ids_case], np.int32)
+    T, k = ids.shape
+    I, D, E = 2048, 4096, 8
+    assert K.gateup_full(I, D) and K.down_full(D, I, k)
+    flat = cp.asarray(ids.reshape(-1).copy())
+    keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)] + [_random_stack(rng, E, D, I, fmt)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3), (w2p, w2s, ws2) = (t[2] for t in keep)
+    x = _wide_bf16(rng, (T, D), huge=True)
+    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
+    h = _wide_bf16(rng, (T * k, I), huge=True)
+    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+
+    def run(full):
+        names = []
+        with K.full_path(full), K.kernels_from(_recording(names)):
+            hh = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                                   ws2_1=ws1, ws2_3=ws3)
+            y = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
+            y2 = K.gemv_fp4_down_combine(fmt, hh, cp.asarray(ids), w2p, w2s, D, I, shared=None, ws2=ws2)
+        cp.cuda.Device().synchronize()
+        return (hh, y, y2), names
+
+    got, fast_names = run(True)
+    want, gen_names = run(False)
+    assert fast_names == [f"gemv_{fmt}_gateup_k4_f"] + [f"gemv_{fmt}_down_combine_k2_f"] * 2, fast_names
+    assert gen_names == [f"gemv_{fmt}_gateup_k4"] + [f"gemv_{fmt}_down_combine_k2"] * 2, gen_names
+    for name, a, b in zip(("gateup", "down_combine(h)", "down_combine(gateup)"), got, want):
+        same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
+        assert bool(same.all()), (f"{name}: full path != general at {int((~same).sum())} of {a.size} "
+                                  f"{describe(seed, fmt=fmt, ids=ids_case)}")
+        nz = int(((a & 0x7FFF) != 0).sum())
+        assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"
+
+
 # ---------------------------------------------------------------- tensor-core variant (impl="mma")
 # Bound of gemv_*_mma against the twin's float64 sum (see the "tensor-core FP4 GEMVs" header in
 # kernels_cu/experts.cu): the weights are exact in f16 and every product is exact; the tensor core

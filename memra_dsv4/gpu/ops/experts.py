@@ -20,6 +20,14 @@ impl="simt" | "mma" (default DEFAULT_IMPL = "simt") picks the kernels of the thr
             tests/gpu/test_kernels_experts.py (mma_bound).  Measured on the H200 (715d477):
             not faster than "simt" (gate/up 31.0 vs 28.0 us, down 18.0 vs 18.3 us).
 
+Full-shape fast paths (FULL_PATH, default on): where the shapes are the ones the Flash decode
+step always launches, the wrappers launch gemv_{fmt}_gateup_k4_f (K = 4096, O % 2 == 0) and
+gemv_{fmt}_down_combine_k2_f (K = 2048, O % 2 == 0, k even) instead of the general _k4 / _k2
+kernels: the same row arithmetic without the generality's bookkeeping (no per-load predicates,
+compile-time row strides; kernels_cu/experts.cu "full-shape fast paths"), so the same bytes
+(tests/gpu/test_kernels_experts.py full_path).  `with full_path(False): ...` forces the general
+kernels (tests, tools/bench_gemv.py's A/B); gateup_full / down_full say whether a shape qualifies.
+
 Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
 values of its tuning macros (the arithmetic does not depend on them), and
 `with kernels_from(variant): ...` routes the wrappers above to that build.
@@ -39,7 +47,8 @@ STEM = "experts"
 KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     f"gemv_{fmt}{kind}_k{kpl}" for kind in ("", "_gateup", "_down_combine")
     for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4)) + tuple(
-    f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4"))
+    f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4")) + tuple(
+    f"gemv_{fmt}{kind}_f" for kind in ("_gateup_k4", "_down_combine_k2") for fmt in ("mxfp4", "nvfp4"))
 kernel_loader.register(STEM, KERNELS)
 
 IMPLS = ("simt", "mma")
@@ -83,6 +92,34 @@ GEMV_ROWS_PER_GROUP = 4
 GATEUP_ROWS_PER_GROUP = 2
 DOWN_ROWS_PER_GROUP = 2
 _STATIC_SMEM_SLACK = 1024   # static shared memory of the down kernels (the e2m1 table) is below this
+
+# the full-shape fast kernels (see the module docstring); a switch for tests and tools only
+FULL_PATH = True
+GATEUP_FULL_K = 4096        # gemv_*_gateup_k4_f: nq = 128 = 32 * KPL (every lane owns 4 chunks)
+DOWN_FULL_K = 2048          # gemv_*_down_combine_k2_f: nq = 64 = 32 * KPL
+
+
+def gateup_full(O: int, K: int) -> bool:
+    """gemv_fp4_gateup launches the full-shape kernel for (O, K): K = 4096 and whole row groups."""
+    return FULL_PATH and K == GATEUP_FULL_K and O % GATEUP_ROWS_PER_GROUP == 0
+
+
+def down_full(O: int, K: int, k: int) -> bool:
+    """gemv_fp4_down_combine launches the full-shape kernel for (O, K, k): K = 2048, whole row
+    groups and an even pick count (its loop takes two picks per trip)."""
+    return FULL_PATH and K == DOWN_FULL_K and O % DOWN_ROWS_PER_GROUP == 0 and k >= 2 and k % 2 == 0
+
+
+@contextlib.contextmanager
+def full_path(enabled: bool):
+    """Inside the block the wrappers use the full-shape kernels only if ``enabled`` (tests, A/B)."""
+    global FULL_PATH
+    saved = FULL_PATH
+    FULL_PATH = bool(enabled)
+    try:
+        yield
+    finally:
+        FULL_PATH = saved
 
 
 def _fp4_grid_x(O: int, rows_per_group: int, n_rows_of_ctas: int) -> int:
@@ -204,7 +241,8 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
                     (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight),
                      np.float64(limit), out, i32(row_stride(out)), i32(O), i32(K)))
     elif S and O:
-        kernel(STEM, f"gemv_{fmt}_gateup_k{_kpl(K)}")(
+        name = f"gemv_{fmt}_gateup_k4_f" if gateup_full(O, K) else f"gemv_{fmt}_gateup_k{_kpl(K)}"
+        kernel(STEM, name)(
             (_fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S), S), (256,),
             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
              out, i32(row_stride(out)), i32(O), i32(K)))
@@ -235,7 +273,7 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
                      i32(O), i32(K)))
     elif T and O:
         kpl = _kpl(K)
-        kern = kernel(STEM, f"gemv_{fmt}_down_combine_k{kpl}")
+        kern = kernel(STEM, f"gemv_{fmt}_down_combine_k2_f" if down_full(O, K, k) else f"gemv_{fmt}_down_combine_k{kpl}")
         smem = k * kpl * (4096 if kpl <= 2 else 2048)   # the token's k rows of h (f32 | bf16) in shared memory
         if smem + _STATIC_SMEM_SLACK > 48 * 1024:
             dynamic_smem(kern, max(smem, 48 * 1024 + 1))

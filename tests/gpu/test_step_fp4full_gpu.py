@@ -1,0 +1,66 @@
+"""The decode step at full Flash layer shapes with the full-shape fast FP4 expert kernels
+(ops.experts FULL_PATH: gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f) against the same step with
+the general _k4 / _k2 kernels (ops.experts.full_path(False)): logits and every cache byte equal.
+
+The tiny / small configs of the other step tests have expert shapes the fast kernels do not take
+(K = 256 / 512), so only a Flash-shaped layer exercises them inside the step: flash-layers:1
+(one full-size layer, hash routing, k = 6 of 256 experts; no drafter), a 5-token prefill, then
+6 decode steps on three states: general eager, full-path eager, full-path graph.  The first full-
+path eager step must launch the _f kernels and the general one must not.  Host cost: the
+checkpoint is ~5 GB of NumPy arrays (synth_arrays, all cores: ~10-20 s per format on a 16-core
+host) and as much device memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "nvfp4"])
+def test_step_full_path_bit_identical_flash_layer(experts):
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+
+    ck = _ckpt("flash-layers:1", experts, drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
+    cfg = ck.config
+    assert EX.gateup_full(cfg.moe_intermediate_size, cfg.hidden_size)
+    assert EX.down_full(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(7).integers(2, cfg.vocab_size, prompt + steps).tolist()
+    arms = ("general", "full_eager", "full_graph")
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+
+    def step(a, t):
+        with EX.full_path(a != "general"):
+            return device_step(m, states[a], t, graph=a == "full_graph")
+
+    for i, t in enumerate(ids[prompt:]):
+        got = {}
+        for a in arms:
+            if i == 0 and a != "full_graph":
+                out = []
+                recs = record_launches(lambda: out.append(step(a, int(t))), ("step_device.py",))
+                got[a] = out[0]
+                names = {r.kernel.split(".", 1)[1] for r in recs if r.kernel.startswith("experts.")}
+                fast = {f"gemv_{experts}_gateup_k4_f", f"gemv_{experts}_down_combine_k2_f"}
+                if a == "general":
+                    assert not names & fast and f"gemv_{experts}_gateup_k4" in names, sorted(names)
+                else:
+                    assert fast <= names, sorted(names)
+            else:
+                got[a] = step(a, int(t))
+        for a in arms[1:]:
+            assert np.array_equal(got[a].view(np.uint32), got["general"].view(np.uint32)), \
+                f"{experts}: step {i}: logits of {a} differ from the general kernels'"
+    ref = states["general"].snapshot()
+    for a in arms[1:]:
+        sa = states[a].snapshot()
+        diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+        assert not diff, f"{experts}: caches of {a} differ from the general kernels': {diff}"

@@ -1,0 +1,149 @@
+"""The full-shape fast FP4 kernels (kernels_cu/experts.cu "full-shape fast paths") without a GPU.
+
+* Selection: ops.experts launches gemv_{fmt}_gateup_k4_f exactly for K = 4096 with whole row
+  groups, gemv_{fmt}_down_combine_k2_f exactly for K = 2048, whole row groups and an even k >= 2,
+  and the general _k* kernels otherwise or inside `full_path(False)` (fake CuPy, fake kernels:
+  the launches are checked against the .cu signatures).
+* Same arithmetic by construction (the source): the fast streams call the same chunk_dots (every
+  lane folds: qok = true, which the general path also has on these shapes: lane + 32 i < nq for
+  every lane) and end each group through the same plan epilogue as fp4_stream (gate/up: finish;
+  down: finish_rank / begin_rank, which DownPlan's finish / begin delegate to); the four _f
+  kernels are the GEMV_FP4_GATEUP / GEMV_FP4_DOWN macros with FULL = true, and no other is.
+The bytes are the GPU test's: tests/gpu/test_kernels_experts.py -k full_path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_kernel_sources import KDIR, _fake_cupy, kernel_signatures, registered_fake_kernels
+
+SRC = open(os.path.join(KDIR, "experts.cu"), encoding="utf-8").read()
+FULL = {"gemv_mxfp4_gateup_k4_f", "gemv_nvfp4_gateup_k4_f", "gemv_mxfp4_down_combine_k2_f",
+        "gemv_nvfp4_down_combine_k2_f"}
+
+
+@pytest.fixture
+def fake_ex(monkeypatch):
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu.ops import _common
+    from memra_dsv4.gpu.ops import experts as EX
+
+    launched = []
+    monkeypatch.setattr(EX, "kernel", registered_fake_kernels(kernel_signatures(), lambda n, *a: launched.append(n)))
+    monkeypatch.setattr(_common, "_SMEM_SET", set())
+    monkeypatch.setattr(EX, "sm_count", lambda: 132)
+    return fake, EX, launched
+
+
+def _gateup(fake, EX, fmt, O, K, S=6, x_div=6):
+    A, z = fake.asarray, np.zeros
+    tab = A(z(8, np.uint64))
+    ws2 = A(z(8, np.float32)) if fmt == "nvfp4" else None
+    EX.gemv_fp4_gateup(fmt, A(z((1, K), np.uint16)), A(z(S, np.int32)), tab, tab, tab, tab, O, K,
+                       weight=A(z(S, np.float32)), x_div=x_div, ws2_1=ws2, ws2_3=ws2)
+
+
+def _down(fake, EX, fmt, O, K, k, T=1):
+    A, z = fake.asarray, np.zeros
+    tab = A(z(8, np.uint64))
+    ws2 = A(z(8, np.float32)) if fmt == "nvfp4" else None
+    EX.gemv_fp4_down_combine(fmt, A(z((T * k, K), np.uint16)), A(z((T, k), np.int32)), tab, tab, O, K,
+                             shared=A(z((T, O), np.uint16)), ws2=ws2)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gateup_selection(fake_ex, fmt):
+    fake, EX, launched = fake_ex
+    for O, K, want in [(2048, 4096, "_k4_f"), (2050, 4096, "_k4_f"), (2047, 4096, "_k4"), (2048, 4064, "_k4"),
+                       (2048, 2048, "_k2"), (256, 256, "_k1")]:
+        launched.clear()
+        _gateup(fake, EX, fmt, O, K)
+        assert launched == [f"gemv_{fmt}_gateup{want}"], (O, K, launched)
+        assert EX.gateup_full(O, K) == want.endswith("_f")
+    with EX.full_path(False):
+        launched.clear()
+        _gateup(fake, EX, fmt, 2048, 4096)
+        assert launched == [f"gemv_{fmt}_gateup_k4"]
+        assert not EX.gateup_full(2048, 4096)
+    assert EX.FULL_PATH and EX.gateup_full(2048, 4096)   # restored
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_down_selection(fake_ex, fmt):
+    fake, EX, launched = fake_ex
+    for O, K, k, want in [(4096, 2048, 6, "_k2_f"), (4096, 2048, 2, "_k2_f"), (4096, 2048, 8, "_k2_f"),
+                          (4096, 2048, 5, "_k2"), (4096, 2048, 1, "_k2"), (4095, 2048, 6, "_k2"),
+                          (4096, 4096, 6, "_k4"), (4096, 1024, 6, "_k1"), (512, 2016, 6, "_k2")]:
+        for T in (1, 3):
+            launched.clear()
+            _down(fake, EX, fmt, O, K, k, T)
+            assert launched == [f"gemv_{fmt}_down_combine{want}"], (O, K, k, T, launched)
+        assert EX.down_full(O, K, k) == want.endswith("_f")
+    with EX.full_path(False):
+        launched.clear()
+        _down(fake, EX, fmt, 4096, 2048, 6)
+        assert launched == [f"gemv_{fmt}_down_combine_k2"]
+
+
+def test_flash_step_shapes_take_the_full_path(fake_ex):
+    """The decode step's calls (step_device / decode: gate/up (O, K) = (I, D), down (D, I), k
+    picks) at the Flash config qualify."""
+    from memra_dsv4.config import preset
+
+    c = preset("flash")
+    _, EX, _ = fake_ex
+    assert EX.gateup_full(c.moe_intermediate_size, c.hidden_size)
+    assert EX.down_full(c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok)
+
+
+def test_full_kernels_registered_and_declared_by_the_macros():
+    import importlib
+
+    from memra_dsv4.gpu.kernel_loader import registered
+
+    importlib.import_module("memra_dsv4.gpu.ops.experts")   # registers the stem
+
+    assert FULL <= set(registered()["experts"])
+    got = set()
+    for macro in ("GEMV_FP4_GATEUP", "GEMV_FP4_DOWN"):
+        for name, kpl, nv, full in re.findall(rf"^{macro}\((\w+), (\d), (true|false), (true|false)\)", SRC, re.M):
+            assert (full == "true") == name.endswith("_f"), name
+            assert nv == ("true" if name.startswith("gemv_nvfp4") else "false"), name
+            if full == "true":
+                got.add(name)
+                assert kpl == ("4" if "gateup" in name else "2"), name
+    assert got == FULL
+
+
+def _body(name: str) -> str:
+    i = SRC.index(f"DEV void {name}(")
+    j = SRC.index("\n}\n", i)
+    return SRC[i:j]
+
+
+def test_fast_streams_keep_the_row_arithmetic():
+    gu, dn, gen = _body("fp4_stream_gateup_full"), _body("fp4_stream_down_full"), _body("fp4_stream")
+    # the one chunk routine, every lane folding (the general path's qok on these shapes)
+    assert re.search(r"chunk_dots<NRM, NV, XF>\(rw\[d\], rs\[d\], .*lane \+ 32 \* i < nq, acc\)", gen, re.S)
+    assert re.search(r"chunk_dots<NRM, NV, true>\(rw\[d\], rs\[d\], xq \+ 16 \* 256 \* i, b, true, acc\)", gu)
+    assert re.search(r"chunk_dots<R, NV, P::XF>\(rw\[d\], rs\[d\], .*\(\(P::XF \? 256 : 128\) \* i \+ lane\), b,\s*true, acc\)",
+                     dn, re.S)
+    # acc from zero per group / pick, chunks in order, the plan's epilogue at the group's end
+    assert "acc[m] = 0.0f" in gu and "acc[m] = 0.0f" in dn
+    assert "pl.finish(g, acc);" in gu and "pl.finish_rank(cr, [rg] { return rg; }, acc);" in dn and "pl.begin_rank(cr);" in dn
+    assert "DEV void begin(int g) { begin_rank(g % k); }" in SRC
+    assert re.search(r"DEV void finish\(int g, float \(&acc\)\[R\]\) \{\s*finish_rank\(g % k, \[&\] \{ return g / k; \}, acc\);", SRC)
+    # the loads: the rows' bytes at the general path's offsets (row o at o * K/2, chunk q at 16 q;
+    # scale bytes at o * K/32 (NVFP4 K/16) + q (2 q)), here with K = 1024 KPL
+    fetch = _body("fetch_full")
+    assert "constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;" in fetch
+    assert "ldg16(pw[m] + rr * HK + 512 * i)" in fetch
+    assert "__ldg(ps[m] + rr * NS + 64 * i)" in fetch and "__ldg(ps[m] + rr * NS + 64 * i + 1)" in fetch
+    assert "__ldg(ps[m] + rr * NS + 32 * i)" in fetch
