@@ -22,8 +22,10 @@ each arm captures its own graphs, so ``path=device+hcsplit=off,path=device+hcspl
 A/B in one process).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
-``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL); the arm sets both variables before each of
-its steps, so its graphs are captured with its kernels.  A setting an arm leaves out is the
+``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL) and ``fp4full=on|off`` (MEMRA_DSV4_FP4_FULL: the
+full-shape FP4 expert kernels or the general ones, ops.experts); the arm sets these variables
+before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
+every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
@@ -104,7 +106,8 @@ def _arm_settings() -> dict:
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT,
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
-            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL")}
+            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
+            "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL")}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -120,6 +123,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_GEMV_VARIANT"] = val
     if "hc" in s:
         env["MEMRA_DSV4_HC_BOUNDARY_IMPL"] = s["hc"]
+    if "fp4full" in s:   # ops.experts: the full-shape FP4 kernels (on) or the general ones (off)
+        env["MEMRA_DSV4_FP4_FULL"] = "1" if s["fp4full"] == "on" else "0"
     return env
 
 

@@ -148,6 +148,34 @@ def test_selection_order_and_fallback(fake_launch, monkeypatch):
         DK._parse_variant("bulk_q4", "r")
 
 
+def test_site_key_and_ps_fallback(fake_launch, monkeypatch):
+    """A launch's site ("out": wo_a / wo_b in the step) is the most specific key; a ps_r*d* pick
+    runs the persistent kernel where it can (bf16, K % 1024 == 0) and falls back otherwise."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.out=ps_r2d2")
+    assert DK.gemv_selected("plain", False, "large", "out") == "ps_r2d2"
+    assert DK.gemv_selected("plain", False, "large") == DK.GEMV_SELECT.get("plain.bf16.large")
+    assert "plain.fp8.large" not in DK.GEMV_SELECT
+    assert DK.gemv_selected("plain", True, "large", "out") is None      # the bf16 key only
+    O, K = 4096, 8192                                                   # wo_b
+    DK.gemv_bf16(A(np.zeros((O, K), np.uint16)), A(np.zeros(K, np.uint16)), A(np.zeros(O, np.uint16)),
+                 site="out")
+    (name, grid, _, _), = launched[-1:]
+    assert name == "gemv_bf16_ps_r2d2" and grid == (min(O // 2, 132 * 4 * 4) // 4,)
+    DK.gemv_bf16(A(np.zeros((O, K), np.uint16)), A(np.zeros(K, np.uint16)), A(np.zeros(O, np.uint16)))
+    assert launched[-1][0] != "gemv_bf16_ps_r2d2"                       # no site: the class pick
+    O, K = 256, 1032                                                    # K % 1024: not eligible
+    DK.gemv_bf16(A(np.zeros((O, K), np.uint16)), A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)),
+                 site="out")
+    assert launched[-1][0] == "gemv_bf16_r4"                            # fell back to the default
+    with pytest.raises(AssertionError, match="not available"):
+        DK.gemv_bf16(A(np.zeros((O, K), np.uint16)), A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)),
+                     variant="ps_r2d2")
+    with pytest.raises(ValueError, match="ps_rNdD"):
+        DK.parse_ps("ps_rxd2")
+
+
 def test_shipped_pick_launches(fake_launch, monkeypatch):
     """GEMV_SELECT as shipped (the 57a2c0d measurement): which kernel each step GEMV launches
     when nothing overrides it; the fp8 multi table and fp8 large GEMVs keep the defaults."""

@@ -19,8 +19,9 @@ process; it is GEMV_SELECT below.  Which one a launch uses:
 
 * an explicit ``variant=`` argument (asserted eligible), else
 * ``MEMRA_DSV4_GEMV_VARIANT`` (bench / A-B runs only; read at every call): comma-separated
-  ``KEY=VARIANT``, KEY ``op``, ``op.form`` or ``op.form.cls`` (op plain | multi | swiglu, form
-  bf16 | fp8, cls small | large, see gemv_shape_class; the most specific key wins), e.g.
+  ``KEY=VARIANT``, KEY ``op``, ``op.form``, ``op.form.cls`` or ``op.form.site`` (op plain |
+  multi | swiglu, form bf16 | fp8, cls small | large, see gemv_shape_class, site a launch's role
+  where its caller names one: "out" = the attention's wo_a / wo_b; the most specific key wins), e.g.
   ``plain.fp8=bulk_r4s4,plain.bf16.small=bulk_r1s4,multi=bulk_r4s3``, else
 * ``GEMV_SELECT``, the same keys in a module-level dict (empty: the current defaults), else
 * the current defaults (gemv_default_variant, multi r4, swiglu p2).
@@ -162,9 +163,12 @@ def _parse_select(text: str) -> dict:
     return out
 
 
-def gemv_selected(op: str, fp8: bool, cls: str) -> str | None:
-    """The variant the env override or GEMV_SELECT names for (op, form, cls); None: default."""
-    keys = (f"{op}.{'fp8' if fp8 else 'bf16'}.{cls}", f"{op}.{'fp8' if fp8 else 'bf16'}", op)
+def gemv_selected(op: str, fp8: bool, cls: str, site: str | None = None) -> str | None:
+    """The variant the env override or GEMV_SELECT names for (op, form, cls); None: default.
+    ``site`` (a launch's role, e.g. "out" for the attention output projections) adds the most
+    specific key ``op.form.site``, tried first in each table."""
+    form = "fp8" if fp8 else "bf16"
+    keys = ((f"{op}.{form}.{site}",) if site else ()) + (f"{op}.{form}.{cls}", f"{op}.{form}", op)
     env = os.environ.get(GEMV_VARIANT_ENV, "")
     for table in ((_parse_select(env),) if env else ()) + (GEMV_SELECT,):
         for k in keys:
@@ -259,13 +263,13 @@ def _gemv_grid(warps: int) -> tuple:
 
 
 def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None,
-              trips: int | None = None, variant: str | None = None):
+              trips: int | None = None, variant: str | None = None, site: str | None = None):
     """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
     ``scale`` (same bits either way); groups > 1: row o uses x[(o // (O // groups)) * K : +K]
     (x holds groups * K values).  rows_per_warp R and trips T (a GEMV_VARIANTS pair; default
     gemv_default_variant, R lowered to a divisor of the rows per group) change the speed only,
     never the bits; so does ``variant`` (module docstring: 'r{R}t{T}', 'bulk_r{R}s{S}',
-    'default'; None: the env override / GEMV_SELECT / the default)."""
+    'default'; None: the env override / GEMV_SELECT / the default, looked up with ``site``)."""
     O, K = w.shape
     wa, sa, ld = dense_weight(w, scale, "gemv_bf16.w")
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
@@ -279,7 +283,7 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     fp8 = bool(w.dtype == np.uint8)
     explicit = variant is not None
     if variant is None and rows_per_warp is None and trips is None:
-        variant = gemv_selected("plain", fp8, gemv_shape_class(O, K))
+        variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
     ps = parse_ps(variant) if variant is not None else None
     if ps is not None:
         R, D = ps

@@ -595,10 +595,11 @@ class DeviceStep:
                 AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
                                     n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope)
         with phase(f"{ap}/output"):
+            # site "out": no side branch runs beside these two (ops_decode.gemv_selected)
             w, sc = L.lin("attn.wo_a")
-            DK.gemv_bf16(w, o, v["attn.u"], groups=cfg.o_groups, scale=sc)
+            DK.gemv_bf16(w, o, v["attn.u"], groups=cfg.o_groups, scale=sc, site="out")
             w, sc = L.lin("attn.wo_b")
-            DK.gemv_bf16(w, v["attn.u"], v["attn.out"], scale=sc)
+            DK.gemv_bf16(w, v["attn.u"], v["attn.out"], scale=sc, site="out")
 
     def _moe(self, S, L) -> None:
         from memra_dsv4.gpu import ops_decode as DK

@@ -26,7 +26,9 @@ gemv_{fmt}_down_combine_k2_f (K = 2048, O % 2 == 0, k even) instead of the gener
 kernels: the same row arithmetic without the generality's bookkeeping (no per-load predicates,
 compile-time row strides; kernels_cu/experts.cu "full-shape fast paths"), so the same bytes
 (tests/gpu/test_kernels_experts.py full_path).  `with full_path(False): ...` forces the general
-kernels (tests, tools/bench_gemv.py's A/B); gateup_full / down_full say whether a shape qualifies.
+kernels (tests, tools/bench_gemv.py's A/B); so does MEMRA_DSV4_FP4_FULL=0 (read at every launch:
+bench.decode_step's fp4full=off arm captures its graphs with the general kernels; not a seam, the
+bytes do not change); gateup_full / down_full say whether a shape qualifies.
 
 Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
 values of its tuning macros (the arithmetic does not depend on them), and
@@ -36,6 +38,7 @@ values of its tuning macros (the arithmetic does not depend on them), and
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 
@@ -95,19 +98,24 @@ _STATIC_SMEM_SLACK = 1024   # static shared memory of the down kernels (the e2m1
 
 # the full-shape fast kernels (see the module docstring); a switch for tests and tools only
 FULL_PATH = True
+FULL_PATH_ENV = "MEMRA_DSV4_FP4_FULL"   # "0": the general kernels (A/B in one process)
 GATEUP_FULL_K = 4096        # gemv_*_gateup_k4_f: nq = 128 = 32 * KPL (every lane owns 4 chunks)
 DOWN_FULL_K = 2048          # gemv_*_down_combine_k2_f: nq = 64 = 32 * KPL
 
 
 def gateup_full(O: int, K: int) -> bool:
     """gemv_fp4_gateup launches the full-shape kernel for (O, K): K = 4096 and whole row groups."""
-    return FULL_PATH and K == GATEUP_FULL_K and O % GATEUP_ROWS_PER_GROUP == 0
+    return _full_on() and K == GATEUP_FULL_K and O % GATEUP_ROWS_PER_GROUP == 0
 
 
 def down_full(O: int, K: int, k: int) -> bool:
     """gemv_fp4_down_combine launches the full-shape kernel for (O, K, k): K = 2048, whole row
     groups and an even pick count (its loop takes two picks per trip)."""
-    return FULL_PATH and K == DOWN_FULL_K and O % DOWN_ROWS_PER_GROUP == 0 and k >= 2 and k % 2 == 0
+    return _full_on() and K == DOWN_FULL_K and O % DOWN_ROWS_PER_GROUP == 0 and k >= 2 and k % 2 == 0
+
+
+def _full_on() -> bool:
+    return FULL_PATH and os.environ.get(FULL_PATH_ENV, "") != "0"
 
 
 @contextlib.contextmanager
