@@ -41,6 +41,14 @@ typedef long long i64;
 // weights: decode.cu gemv_*_prefetch); it loads and stores nothing, so it cannot observe or race
 // with the predecessor.  tools/pdl_entry.py accepts it as the opening statement.
 #define PDL_ENTRY_PREFETCH(...) do { __VA_ARGS__; PDL_ENTRY(); } while (0)
+// The second exception: PDL_ENTRY_PRELOAD(stmt) runs stmt first in the kernel's own scope (no
+// do / while: what stmt declares stays visible after the wait), and stmt may only LOAD memory no
+// kernel of the step writes (the dense GEMVs' weights: decode.cu gemv_pl_rows).  Such a load
+// cannot observe the predecessor, so it may be in flight while the predecessor runs; every read
+// of an activation and every store stays after the wait.  stmt must end its basic block (a
+// branch), or ptxas schedules the wait above its loads (legal, since it only delays them).
+// tools/pdl_entry.py accepts it as the opening statement.
+#define PDL_ENTRY_PRELOAD(...) __VA_ARGS__; PDL_ENTRY()
 
 namespace memra {
 

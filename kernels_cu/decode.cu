@@ -23,8 +23,9 @@
 //                 above unchanged): gemv_bf16_r{1,2}t2, gemv_fp8_r1t4 / r2t2 / r2t4 (more warps,
 //                 more trips of loads at once) and the TMA bulk streaming kernels
 //                 gemv_{bf16,fp8}_bulk_r*s*, gemv_bf16_multi_bulk_r*s*, gemv_bf16_swiglu_bulk_p*s*
-//                 (gb_stream below), and the persistent register-ring gemv_bf16_ps_r*d*
-//                 (gemv_ps_rows: bf16, K % 1024 == 0).
+//                 (gb_stream below), the persistent register-ring gemv_bf16_ps_r*d*
+//                 (gemv_ps_rows: bf16, K % 1024 == 0) and gemv_bf16_pl_r* (gemv_pl_rows: the
+//                 first trip's weights loaded before the PDL wait; bf16, K % 1024 == 0).
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
@@ -438,6 +439,95 @@ DEV void gemv_ps_rows(const u16* __restrict__ W, const u16* __restrict__ x, void
         }
     }
 }
+
+// ------------------------------------------- bf16 GEMV with its first trip loaded before the wait
+// gemv_bf16_pl_r{R} (variant): gemv_rows' warp (R rows, single trips, THE ORDER: trip t feeds
+// chunks lane + 128 t + 32 u into partial u), but the weights of the warp's first trip are
+// loaded BEFORE griddepcontrol.wait.  The weights are static (nothing in the step writes them),
+// so only x has to wait for the predecessor; under PDL the CTAs that become resident while the
+// predecessor still runs (its tail, or all of a latency-bound one) have their first 2R KB per
+// warp in registers when it completes, instead of starting the stream then.  (The fifth
+// session's L2 prefetch of whole rows before the wait measured slower; this moves only the
+// loads the warp issues first anyway, into its own registers.)  bf16, K % 1024 == 0 (whole trips).
+template <int R>
+struct PlFirst {                 // a warp's rows and the raw weights of its first trip
+    const void* wr[R];
+    uint4 raw[R][GEMV_UNROLL];
+    int o0;                      // >= O: the warp has no rows (nothing loaded)
+};
+
+// Before the PDL wait (PDL_ENTRY_PRELOAD): weights only.  It ends its basic block (the branch
+// on K, never taken), so ptxas cannot schedule the wait above the loads.
+template <int R>
+DEV PlFirst<R> pl_first(const u16* __restrict__ W, int O, int K) {
+    PlFirst<R> f;
+    const int lane = threadIdx.x & 31;
+    f.o0 = gemv_warp_id() * R;
+    if (f.o0 < O) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) f.wr[r] = W + (i64)min(f.o0 + r, O - 1) * K;
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) f.raw[r][u] = load_raw<false>(f.wr[r], lane + 32 * u);
+    }
+    if (K < 0) __trap();
+    return f;
+}
+
+// After the wait: x, the first trip's products, the remaining trips (rows_trip), the stores.
+template <int R>
+DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __restrict__ y, int O,
+                      int K, int rpg, int out_bf16) {
+    const int lane = threadIdx.x & 31;
+    if (f.o0 >= O) return;
+    const u16* xv = x + (rpg > 0 ? (i64)(f.o0 / rpg) * K : (i64)0);
+    float acc[R][GEMV_UNROLL];
+    {
+        uint4 xr[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + (i64)(lane + 32 * u) * 8);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            float b[8];
+            unpack8(xr[u], b);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float a[8];
+                unpack8(f.raw[r][u], a);
+                float p = 0.0f;  // acc[r][u] starts at 0: THE ORDER's chain from its first FMA
+#pragma unroll
+                for (int e = 0; e < 8; ++e) p = __fmaf_rn(a[e], b[e], p);
+                acc[r][u] = p;
+            }
+        }
+    }
+    const int nc = K >> 3;
+    for (int c = lane + 32 * GEMV_UNROLL; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
+        rows_trip<false, R, 1, false, 1>(f.wr, nullptr, xv, c, lane, acc);
+    float out[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float v = acc[r][0];
+#pragma unroll
+        for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
+        out[r] = warp_sum(v);
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (f.o0 + r < O) store_out(y, f.o0 + r, out[r], out_bf16);
+}
+
+#define GEMV_PL_KERNEL(NAME, R, MINB)                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
+         void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                    \
+        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(reinterpret_cast<const u16*>(W), O, K)); \
+        gemv_pl_rows<R>(first, x, y, O, K, rows_per_group, out_bf16);                              \
+    }
+GEMV_PL_KERNEL(gemv_bf16_pl_r2, 2, GEMV_MINB)
+GEMV_PL_KERNEL(gemv_bf16_pl_r4, 4, GEMV_MINB)
 
 // W bf16 bits [O, K]; S / ld_s unused (the r*t* kernels' signature, so one wrapper serves both).
 #define GEMV_PS_KERNEL(NAME, R, D, MINB)                                                           \

@@ -57,8 +57,10 @@ def test_every_variant_launches(fake_launch):
             kw = dict(scale=A(np.zeros((-(-O // 128), -(-K // 128)), np.uint8))) if fp8 else {}
             for vn in DK.gemv_variant_names("plain", fp8, new_only=False):
                 launched.clear()
-                ps = DK.parse_ps(vn)
-                if ps is not None and not DK.ps_ok(*ps, fp8, K, O // g if g > 1 else 0):
+                ps, pl = DK.parse_ps(vn), DK.parse_pl(vn)
+                rpg = O // g if g > 1 else 0
+                if (ps is not None and not DK.ps_ok(*ps, fp8, K, rpg)) or (
+                        pl is not None and not DK.pl_ok(pl, fp8, K, rpg)):
                     assert K % 1024, f"{vn} refused [{O}x{K}] groups {g}"
                     with pytest.raises(AssertionError, match="not available"):
                         DK.gemv_bf16(w, A(np.zeros(g * K, np.uint16)), A(np.zeros(O, np.float32)),
@@ -73,6 +75,9 @@ def test_every_variant_launches(fake_launch):
                     minb = next(m for r, d, m in DK.GEMV_PS if (r, d) == ps)
                     nw = min(-(-O // ps[0]), 132 * 4 * minb)
                     assert grid == (-(-nw // 4),), f"{name}: grid {grid}, expected {nw} warps"
+                elif pl is not None:   # one warp per R rows, like the r*t* kernels
+                    assert not fp8 and name == f"gemv_bf16_{vn}"
+                    assert grid == (-(-(-(-O // pl)) // 4),), f"{name}: grid {grid}"
                 elif vn == "default":
                     R, T = DK.gemv_default_variant(fp8, K)
                     assert name == DK._gemv_kernel_name(fp8, R, T)
@@ -174,6 +179,12 @@ def test_site_key_and_ps_fallback(fake_launch, monkeypatch):
                      variant="ps_r2d2")
     with pytest.raises(ValueError, match="ps_rNdD"):
         DK.parse_ps("ps_rxd2")
+    with pytest.raises(ValueError, match="pl_rN"):
+        DK.parse_pl("pl_rx")
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.large=pl_r2")
+    O, K = 32768, 1024                                                  # wq_b
+    DK.gemv_bf16(A(np.zeros((O, K), np.uint16)), A(np.zeros(K, np.uint16)), A(np.zeros(O, np.uint16)))
+    assert launched[-1][0] == "gemv_bf16_pl_r2" and launched[-1][1] == (O // 2 // 4,)
 
 
 def test_shipped_pick_launches(fake_launch, monkeypatch):

@@ -9,7 +9,9 @@ register kernels ``r{R}t{T}`` (plain; R rows per warp, T trips of loads at once)
 (multi), ``p{P}`` (swiglu), the TMA bulk-copy streaming kernels ``bulk_r{R}s{S}`` /
 ``bulk_p{P}s{S}`` (a persistent grid, an S-stage shared-memory ring per warp; K % 16 == 0 and,
 for FP8 rows, K <= 8192), and the persistent register-ring kernels ``ps_r{R}d{D}`` (plain bf16,
-K % 1024 == 0: each warp walks row groups with D trips of loads in flight; ninth session).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
+K % 1024 == 0: each warp walks row groups with D trips of loads in flight; ninth session) and
+``pl_r{R}`` (plain bf16, K % 1024 == 0: the warp's first trip of weights loaded before the PDL
+wait; ninth session).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
 --variants``, L2 flushed): every variant bit-identical to the default; the bulk kernels slower
 on every shape (wq_b bf16 24.3 vs 19.9 us, fp8 19.4 vs 13.4 us), the register variants 0.5-2 us
 faster on the small shapes only, and no change of the whole step (8.49 vs 8.50 ms), so the
@@ -60,6 +62,9 @@ SWIGLU_BULK = ((1, 4, 3), (2, 3, 2))                     # gemv_bf16_swiglu_bulk
 # Persistent register-ring bf16 kernels (decode.cu gemv_ps_rows): (R, ring depth D, launch-bounds
 # min CTAs); plain bf16 GEMVs with K % 1024 == 0 only (variant name ps_r{R}d{D})
 GEMV_PS = ((1, 4, 4), (2, 2, 4), (2, 3, 3), (4, 2, 2))        # gemv_bf16_ps_r{R}d{D}
+# bf16 kernels whose first trip of weights is loaded before the PDL wait (decode.cu gemv_pl_rows):
+# R rows per warp; plain bf16 GEMVs with K % 1024 == 0 only (variant name pl_r{R})
+GEMV_PL = (2, 4)                                              # gemv_bf16_pl_r{R}
 # The lead's pick after a GPU measurement: {"op[.form[.cls]]": variant}; empty = the defaults.
 # 57a2c0d on 2x H200 (bench/results/2026-11-30-nvidia-h200-57a2c0d-gemv.log: tools/bench_gemv.py
 # --dense-only --variants --suggest, L2 flushed; every variant bit-identical), then the step A/B
@@ -127,7 +132,8 @@ GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t 
     tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
     tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK) + \
-    tuple(f"gemv_bf16_ps_r{r}d{d}" for r, d, _ in GEMV_PS)
+    tuple(f"gemv_bf16_ps_r{r}d{d}" for r, d, _ in GEMV_PS) + \
+    tuple(f"gemv_bf16_pl_r{r}" for r in GEMV_PL)
 
 
 def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
@@ -138,7 +144,8 @@ def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
         old = {False: ((1, 1), (2, 1), (4, 1)), True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2))}[fp8]
         reg = [f"r{r}t{t}" for r, t in GEMV_VARIANTS[fp8] if not (new_only and (r, t) in old)]
         return ("default", *reg, *(f"bulk_r{r}s{st}" for r, st, _ in GEMV_BULK[fp8]),
-                *(() if fp8 else (f"ps_r{r}d{d}" for r, d, _ in GEMV_PS)))
+                *(() if fp8 else (f"ps_r{r}d{d}" for r, d, _ in GEMV_PS)),
+                *(() if fp8 else (f"pl_r{r}" for r in GEMV_PL)))
     if op == "multi":
         return ("default", *(() if new_only else ("r1", "r4")), "r1t2", "r4t2",
                 *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK))
@@ -218,6 +225,20 @@ def parse_ps(v: str):
     return int(a), int(b)
 
 
+def parse_pl(v: str):
+    """'pl_r2' -> 2; None if v is not a preload variant name."""
+    if not v.startswith("pl_r"):
+        return None
+    if not v[4:].isdigit():
+        raise ValueError(f"gemv variant {v!r}: expected pl_rN")
+    return int(v[4:])
+
+
+def pl_ok(R: int, fp8: bool, K: int, rpg: int) -> bool:
+    """Whether gemv_bf16_pl_r{R} exists and can take the launch (bf16, K % 1024, R | rpg)."""
+    return not fp8 and R in GEMV_PL and K % 1024 == 0 and rpg % R == 0
+
+
 def ps_ok(R: int, D: int, fp8: bool, K: int, rpg: int) -> bool:
     """Whether gemv_bf16_ps_r{R}d{D} exists and can take the launch (bf16, K % 1024, R | rpg)."""
     return (not fp8 and any(r == R and d == D for r, d, _ in GEMV_PS) and K % 1024 == 0
@@ -294,6 +315,16 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
             nw = max(1, min(-(-O // R), sm_count() * GEMV_WARPS * minb))
             kernel(STEM, f"gemv_bf16_ps_r{R}d{D}")(
                 _gemv_grid(nw), (32 * GEMV_WARPS,),
+                (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
+            return out
+        variant = None
+    pl = parse_pl(variant) if variant is not None else None
+    if pl is not None:
+        ok = pl_ok(pl, fp8, K, rpg)
+        assert ok or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
+        if ok:
+            kernel(STEM, f"gemv_bf16_pl_r{pl}")(
+                _gemv_grid(-(-O // pl)), (32 * GEMV_WARPS,),
                 (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
             return out
         variant = None

@@ -1,7 +1,8 @@
 """Every dense GEMV variant of kernels_cu/decode.cu (ops_decode.gemv_variant_names: the register
 kernels with more trips in flight, gemv_*_r1t2 / r2t2 / r1t4 / r2t4, the TMA bulk streaming
 kernels gemv_*_bulk_*, gemv_bf16_multi_bulk_*, gemv_bf16_swiglu_bulk_*, and the persistent
-register-ring kernels gemv_bf16_ps_r*d*) against the default kernel, byte for byte.
+register-ring kernels gemv_bf16_ps_r*d*, and gemv_bf16_pl_r* (first trip loaded before the PDL
+wait)) against the default kernel, byte for byte.
 
 Bound: bit-identical (the variants move bytes differently and give rows to warps differently,
 never change a row's FMA order: decode.cu THE ORDER).  Inputs: random bf16 x, FP8 weights over
@@ -49,6 +50,8 @@ def _eligible_plain(vn, fp8, K, rpg):
         return True
     if DK.parse_ps(vn) is not None:   # persistent ring: bf16, K % 1024 == 0, R | rows per group
         return DK.ps_ok(*DK.parse_ps(vn), fp8, K, rpg)
+    if DK.parse_pl(vn) is not None:   # first trip before the PDL wait: bf16, K % 1024 == 0
+        return DK.pl_ok(DK.parse_pl(vn), fp8, K, rpg)
     bulk, R, _ = DK._parse_variant(vn, "r")
     if rpg % R:
         return False
