@@ -129,6 +129,33 @@ DEV float e8m0_scale(u32 b) {
 // e8m0 row of their 128-row block; the chunk c of such a row has the scale srow[j][c >> 4]).
 constexpr int GEMV_UNROLL = 4;
 
+// THE ORDER's end of a row: its partials added in index order, then the butterfly warp_sum
+DEV float partials_total(const float (&p)[GEMV_UNROLL]) {
+    float s = p[0];
+#pragma unroll
+    for (int u = 1; u < GEMV_UNROLL; ++u) s += p[u];
+    return warp_sum(s);
+}
+
+// one bf16 trip of R rows (raw weight chunks w[r][u], x chunks xr[u]): chunk u into partial u,
+// columns in ascending order, as rows_trip's T = 1 bf16 case (the persistent / preload variants)
+template <int R>
+DEV void bf16_trip_fma(const uint4 (&w)[R][GEMV_UNROLL], const uint4 (&xr)[GEMV_UNROLL],
+                       float (&acc)[R][GEMV_UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        float b[8];
+        unpack8(xr[u], b);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float a[8];
+            unpack8(w[r][u], a);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][u] = __fmaf_rn(a[e], b[e], acc[r][u]);
+        }
+    }
+}
+
 // T trips at once: chunks c + 32 u (u < T GEMV_UNROLL) of the R rows into partials
 // u % GEMV_UNROLL (ascending u, so a partial's chain is the same as T single trips').
 // SHFL_SCALE (FP8, warp-uniform trips only): the 8 T scale bytes the trips need (blocks
@@ -233,12 +260,7 @@ DEV void warp_rows_dot(const void* const* wrow, const u8* const* srow, const u16
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float s = acc[r][0];
-#pragma unroll
-        for (int u = 1; u < GEMV_UNROLL; ++u) s += acc[r][u];
-        out[r] = warp_sum(s);
-    }
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
 }
 
 // Row o of a dense weight in either form.
@@ -411,26 +433,12 @@ DEV void gemv_ps_rows(const u16* __restrict__ W, const u16* __restrict__ x, void
             uint4 xr[GEMV_UNROLL];
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + 256 * u);
-#pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) {
-                float b[8];
-                unpack8(xr[u], b);
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float a[8];
-                    unpack8(raw[d][r][u], a);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[r][u] = __fmaf_rn(a[e], b[e], acc[r][u]);
-                }
-            }
+            bf16_trip_fma<R>(raw[d], xr, acc);
             if (i0 + d + D < n) issue(raw[d]);
             if (++ct == ntr) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    float v = acc[r][0];
-#pragma unroll
-                    for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
-                    v = warp_sum(v);
+                    const float v = partials_total(acc[r]);
                     if (lane == 0 && o0 + r < O) store_out(y, o0 + r, v, out_bf16);
                 }
                 ct = 0;
@@ -483,36 +491,20 @@ DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __re
     if (f.o0 >= O) return;
     const u16* xv = x + (rpg > 0 ? (i64)(f.o0 / rpg) * K : (i64)0);
     float acc[R][GEMV_UNROLL];
-    {
-        uint4 xr[GEMV_UNROLL];
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + (i64)(lane + 32 * u) * 8);
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            float b[8];
-            unpack8(xr[u], b);
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+    uint4 xr[GEMV_UNROLL];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float a[8];
-                unpack8(f.raw[r][u], a);
-                float p = 0.0f;  // acc[r][u] starts at 0: THE ORDER's chain from its first FMA
-#pragma unroll
-                for (int e = 0; e < 8; ++e) p = __fmaf_rn(a[e], b[e], p);
-                acc[r][u] = p;
-            }
-        }
-    }
+    for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + (i64)(lane + 32 * u) * 8);
+    bf16_trip_fma<R>(f.raw, xr, acc);   // trip 0, from the registers loaded before the wait
     const int nc = K >> 3;
     for (int c = lane + 32 * GEMV_UNROLL; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
         rows_trip<false, R, 1, false, 1>(f.wr, nullptr, xv, c, lane, acc);
     float out[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float v = acc[r][0];
-#pragma unroll
-        for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
-        out[r] = warp_sum(v);
-    }
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
     if (lane != 0) return;
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -917,12 +909,7 @@ DEV void gb_stream(const D& d, int K, int nw) {
         }
         float out[NR];
 #pragma unroll
-        for (int r = 0; r < NR; ++r) {
-            float v = acc[r][0];
-#pragma unroll
-            for (int u = 1; u < GEMV_UNROLL; ++u) v += acc[r][u];
-            out[r] = warp_sum(v);
-        }
+        for (int r = 0; r < NR; ++r) out[r] = partials_total(acc[r]);
         if (lane == 0) d.store(g, out);
         cur = nxt;
 #pragma unroll
