@@ -511,31 +511,30 @@ def test_print_counts(monkeypatch, capsys):
             json.dump({"log": log, "final": final, "cap_log": cap_log, "cap_final": cap_final}, f)
 
 
-def test_kernels_get_the_same_bytes(monkeypatch):
-    """Every kernel stub's digests, in order, and the caches / outputs equal the golden ones
-    recorded on the code before branch hostlean2."""
-    _, log, final = _run(monkeypatch)
+def _run_against_golden(monkeypatch, log_key, capture=False):
+    """One harness run; its kernel-call log equal, call by call, to the golden file's
+    ``log_key``; returns (its final state, the golden file), both as JSON values."""
+    _, log, final = _run(monkeypatch, capture=capture)
     with open(GOLDEN) as f:
         golden = json.load(f)
     log = json.loads(json.dumps(log))
-    final = json.loads(json.dumps(final))
-    for i, (got, want) in enumerate(zip(log, golden["log"])):
+    for i, (got, want) in enumerate(zip(log, golden[log_key])):
         assert got == want, f"kernel call {i}: {got} != golden {want}"
-    assert len(log) == len(golden["log"])
+    assert len(log) == len(golden[log_key])
+    return json.loads(json.dumps(final)), golden
+
+
+def test_kernels_get_the_same_bytes(monkeypatch):
+    """Every kernel stub's digests, in order, and the caches / outputs equal the golden ones
+    recorded on the code before branch hostlean2."""
+    final, golden = _run_against_golden(monkeypatch, "log")
     assert final == golden["final"]
 
 
 def test_captures_get_the_same_bytes(monkeypatch):
     """With captures (the parity tests' path): the same kernel arguments and every capture's
     bytes equal the golden ones."""
-    _, log, final = _run(monkeypatch, capture=True)
-    with open(GOLDEN) as f:
-        golden = json.load(f)
-    log = json.loads(json.dumps(log))
-    final = json.loads(json.dumps(final))
-    for i, (got, want) in enumerate(zip(log, golden["cap_log"])):
-        assert got == want, f"kernel call {i}: {got} != golden {want}"
-    assert len(log) == len(golden["cap_log"])
+    final, golden = _run_against_golden(monkeypatch, "cap_log", capture=True)
     for L, (got, want) in enumerate(zip(final.pop("caps"), golden["cap_final"]["caps"])):
         assert got == want, f"layer pass {L}: captures differ"
     assert final == {k: v for k, v in golden["cap_final"].items() if k != "caps"}

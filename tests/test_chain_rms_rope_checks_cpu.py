@@ -7,24 +7,11 @@ wrong given out)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
 
-
-class _Arr(np.ndarray):
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
-
-def _fake_cupy():
-    fake = types.ModuleType("cupy")
-    fake.ndarray = _Arr
-    fake.empty = lambda shape, dtype=float: np.zeros(shape, dtype).view(_Arr)
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
-    return fake
+from tests.test_kernel_sources import FakeCupyArray, _fake_cupy
 
 
 def _call(monkeypatch, **kw):
@@ -41,7 +28,7 @@ def _call(monkeypatch, **kw):
     monkeypatch.setattr(CM, "kernel", lambda stem, name: lambda g, b, args, **k: launches.append(
         (name, g, b, [(str(a.dtype), a.shape, a.strides, a.tobytes()) if isinstance(a, np.ndarray)
                       and a.ndim else (type(a).__name__, a.item()) for a in args])))
-    A = lambda a: np.ascontiguousarray(a).view(_Arr)
+    A = lambda a: np.ascontiguousarray(a).view(FakeCupyArray)
     rng = np.random.default_rng(1)
     n_, D, P = 5, 64, 16
     args = dict(x=A(rng.standard_normal((n_, D)).astype(np.float32)),

@@ -21,7 +21,9 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -278,16 +280,17 @@ def check_kernel_args(name: str, args, sigs) -> None:
         assert ok, f"{name}: argument {i} is {type(a).__name__}, kernel expects {k}"
 
 
+class FakeCupyArray(np.ndarray):
+    """A NumPy array with CuPy's ``.data.ptr`` (the CPU wrapper tests' stand-in); one class for
+    every _fake_cupy(), so arrays made by one fake pass another's isinstance checks."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
 def _fake_cupy():
-    import types
-
-    import numpy as np
-
-    class ndarray(np.ndarray):
-        @property
-        def data(self):
-            return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
+    ndarray = FakeCupyArray
     fake = types.ModuleType("cupy")
     fake.ndarray = ndarray
     fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(ndarray)

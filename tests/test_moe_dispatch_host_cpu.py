@@ -8,26 +8,11 @@ checks per call (pinned: the test fails on that code)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
 
-
-class _Arr(np.ndarray):
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
-
-
-def _fake_cupy():
-    fake = types.ModuleType("cupy")
-    fake.ndarray = _Arr
-    fake.empty = lambda shape, dtype=float: np.zeros(shape, dtype).view(_Arr)
-    fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(_Arr)
-    fake.ascontiguousarray = lambda x, dtype=None: np.ascontiguousarray(x, dtype=dtype).view(_Arr)
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
-    return fake
+from tests.test_kernel_sources import _fake_cupy
 
 
 def _old_dispatch(idx, E, gemm="fp4mma"):
@@ -58,6 +43,16 @@ def _old_dispatch(idx, E, gemm="fp4mma"):
     return d
 
 
+def _counter(n_checks):
+    """check -> the same check counting its calls in n_checks[0] (the wrappers' argument checks)."""
+    def counted(check):
+        def f(*a, **k):
+            n_checks[0] += 1
+            return check(*a, **k)
+        return f
+    return counted
+
+
 def _arr_key(a, base, idx_arg):
     """An argument as what the kernel gets: a table by (offset in the allocation, dtype, shape,
     strides); the ids by their bytes; a scalar by (type, value)."""
@@ -77,11 +72,7 @@ def _record(monkeypatch, fn, idx, E, gemm):
         return lambda grid, block, args, shared_mem=0: launches.append(
             (name, tuple(grid), tuple(block), shared_mem, args))
 
-    def counted(check):
-        def f(*a, **k):
-            n_checks[0] += 1
-            return check(*a, **k)
-        return f
+    counted = _counter(n_checks)
     with monkeypatch.context() as m:
         m.setattr(MO, "kernel", kernel)
         m.setattr(MO, "check", counted(MO.check))
@@ -184,11 +175,7 @@ def _record_moe(monkeypatch, run):
 
     kernels = {}
 
-    def counted(check):
-        def f(*a, **k):
-            n_checks[0] += 1
-            return check(*a, **k)
-        return f
+    counted = _counter(n_checks)
     with monkeypatch.context() as m:
         for mod in (MO, PM):
             m.setattr(mod, "kernel", lambda stem, name: kernels.setdefault(name, K(name)))
