@@ -35,6 +35,12 @@ __device__ __forceinline__ uint4 ld_once(const uint4* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+// the warp's XOR of acc folded into *out (one atomic per warp)
+__device__ __forceinline__ void fold_xor(u32 acc, u32* out) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicXor(out, acc);
+}
 #define READ_KERNEL(NAME, U, LD)                                                              \
 extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* __restrict__ p, long long n, \
                                                        u32* __restrict__ out) {               \
@@ -50,8 +56,7 @@ extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* __restrict__
         const uint4 v = LD(p + i);                                                           \
         acc ^= v.x ^ v.y ^ v.z ^ v.w;                                                        \
     }                                                                                        \
-    _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o); \
-    if ((threadIdx.x & 31) == 0) atomicXor(out, acc);                                        \
+    fold_xor(acc, out);                                                                      \
 }
 // The GEMV's pattern: warp w reads spans of U * 512 contiguous bytes (lane l: words l + 32 u, all
 // U loads in flight), spans w, w + nwarps, ... (the dense GEMV's warp reads R rows of K bf16 =
@@ -69,8 +74,7 @@ extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* __restrict__
         _Pragma("unroll") for (int u = 0; u < U; ++u) v[u] = LD(q + 32 * u);                 \
         _Pragma("unroll") for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w; \
     }                                                                                        \
-    _Pragma("unroll") for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o); \
-    if (lane == 0) atomicXor(out, acc);                                                      \
+    fold_xor(acc, out);                                                                      \
 }
 SPAN_KERNEL(span_u4, 4, ld_once)
 SPAN_KERNEL(span_u8, 8, ld_once)
