@@ -245,6 +245,24 @@ def ps_ok(R: int, D: int, fp8: bool, K: int, rpg: int) -> bool:
             and rpg % R == 0)
 
 
+def _stream_variant(variant: str, fp8: bool, O: int, K: int, rpg: int):
+    """(kernel name, warps) of a ps_r*d* / pl_r* variant that can take this plain launch; False if
+    the name is one of them but the launch is not eligible; None if it names neither.  ps: a
+    persistent grid of at most the warps resident at once (its launch bounds' minimum CTAs per
+    SM); pl: one warp per R rows, as the r*t* kernels."""
+    ps = parse_ps(variant)
+    if ps is not None:
+        R, D = ps
+        if not ps_ok(R, D, fp8, K, rpg):
+            return False
+        minb = next(m for r, d, m in GEMV_PS if r == R and d == D)
+        return f"gemv_bf16_ps_r{R}d{D}", max(1, min(-(-O // R), sm_count() * GEMV_WARPS * minb))
+    pl = parse_pl(variant)
+    if pl is not None:
+        return (f"gemv_bf16_pl_r{pl}", -(-O // pl)) if pl_ok(pl, fp8, K, rpg) else False
+    return None
+
+
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
@@ -305,26 +323,13 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     explicit = variant is not None
     if variant is None and rows_per_warp is None and trips is None:
         variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
-    ps = parse_ps(variant) if variant is not None else None
-    if ps is not None:
-        R, D = ps
-        ok = ps_ok(R, D, fp8, K, rpg)
-        assert ok or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
-        if ok:   # a persistent grid: at most the warps resident at once (launch bounds' minimum)
-            minb = next(m for r, d, m in GEMV_PS if r == R and d == D)
-            nw = max(1, min(-(-O // R), sm_count() * GEMV_WARPS * minb))
-            kernel(STEM, f"gemv_bf16_ps_r{R}d{D}")(
+    sv = _stream_variant(variant, fp8, O, K, rpg) if variant is not None else None
+    if sv is not None:   # ps_r*d* / pl_r*
+        assert sv or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
+        if sv:
+            name, nw = sv
+            kernel(STEM, name)(
                 _gemv_grid(nw), (32 * GEMV_WARPS,),
-                (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
-            return out
-        variant = None
-    pl = parse_pl(variant) if variant is not None else None
-    if pl is not None:
-        ok = pl_ok(pl, fp8, K, rpg)
-        assert ok or not explicit, f"gemv_bf16: variant {variant!r} not available for {'fp8' if fp8 else 'bf16'} [{O}x{K}], {rpg} rows per group"
-        if ok:
-            kernel(STEM, f"gemv_bf16_pl_r{pl}")(
-                _gemv_grid(-(-O // pl)), (32 * GEMV_WARPS,),
                 (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
             return out
         variant = None
