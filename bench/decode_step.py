@@ -38,6 +38,12 @@ rows, the head) over the median as a fraction of the copy bandwidth measured in 
 native one (dense FP8 + FP4 experts + bf16 head, ~11.2 GB/token for Flash).  Phase report
 per arm: --phase-steps EAGER steps in events mode after the timed run (the device arm calls
 device_step(graph=False): same launches as its graph, bracketed with the legacy phase names).
+``--device-trace N`` (device arms; the process must run with MEMRA_DSV4_DEVICE_TRACE=on, so
+every kernel is the trace build from the start): N more graph-replayed steps with the kernels'
+per-CTA %globaltimer records collected after each (profiling.device_trace); prints the median
+step's critical chain (kernel time vs dependency-edge time, per kernel) and every kernel's
+in-step busy time, and stores them in the JSON.  The trace build's own step time is the arm's
+median in that run: compare it with an untraced run before reading the timeline's totals.
 JSON + PNG via harness.write_results (bench/results/).
 """
 from __future__ import annotations
@@ -216,6 +222,31 @@ def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
             "flush_bytes": flush_bytes, "by_kernel": by_k, "by_site": by_s}
 
 
+def _device_trace(st, devices, steps: int) -> dict:
+    """``steps`` graph-replayed steps with the trace build's records collected after each
+    (profiling.device_trace); prints the step with the median device-0 span and returns every
+    step's summary plus that step's launches (ns from the device's first CTA start)."""
+    from memra_dsv4.profiling import device_trace as DT
+    runs = []
+    for _ in range(steps):
+        DT.reset(devices)
+        st.step()
+        ls = DT.launches(DT.collect(devices))
+        runs.append((DT.summarize(ls), ls))
+    key = str(devices[0])
+    runs.sort(key=lambda r: r[0].get(key, {}).get("span_us", 0.0))
+    summ, ls = runs[len(runs) // 2]
+    print(f"device trace: {steps} steps; the median step (by device {key}'s span):")
+    print(DT.format_summary(summ))
+    t0 = {d: min(L.start for L in ls if L.device == d) for d in {L.device for L in ls}}
+    return {"steps": [r[0] for r in runs], "median_step": summ,
+            "median_step_launches": [
+                {"device": L.device, "kernel": L.kernel, "ctas": L.ctas,
+                 "start_ns": L.start - t0[L.device], "go_ns": L.go - t0[L.device],
+                 "go_last_ns": L.go_last - t0[L.device], "end_ns": L.end - t0[L.device]}
+                for L in ls]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:flash")
@@ -236,10 +267,21 @@ def main(argv=None) -> int:
     ap.add_argument("--launch-profile", type=int, default=0, metavar="REPS",
                     help="device arms: time every kernel launch of one step alone as a graph "
                          "of REPS copies (profiling.launches); 0 = off")
+    ap.add_argument("--device-trace", type=int, default=0, metavar="STEPS",
+                    help="device arms: replay STEPS more steps with the kernels' %%globaltimer "
+                         "records on (profiling.device_trace; needs MEMRA_DSV4_DEVICE_TRACE=on "
+                         "from the start) and print the step's timeline and critical chain")
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
     arms_spec = check_arms(a.arms)   # before any GPU work
+    if a.device_trace:
+        from memra_dsv4.seams import SEAM_DEVICE_TRACE, env_value
+        if a.device_trace < 0:
+            raise SystemExit(f"--device-trace {a.device_trace}: expected a step count >= 0")
+        if env_value(SEAM_DEVICE_TRACE) != "on":
+            raise SystemExit("--device-trace needs the trace build: set MEMRA_DSV4_DEVICE_TRACE=on "
+                             "(the kernels must be compiled with it from the start)")
 
     import cupy as cp
     from bench.harness import (Arm, CudaEventTimer, floors, measure_copy_bandwidth,
@@ -310,6 +352,9 @@ def main(argv=None) -> int:
         }
         if launches is not None:
             out_arms[arm.name]["launches"] = launches
+        if a.device_trace and arm.settings.get("path") == "device":
+            out_arms[arm.name]["device_trace"] = _device_trace(states[arm.name], devices,
+                                                               a.device_trace)
         print(f"{arm.name}: median {summ['median']:.2f} ms/step (p10 {summ['p10']:.2f}, p90 "
               f"{summ['p90']:.2f}, iqr {summ['iqr']:.2f}), {summ['tok_s']:.1f} tok/s, x"
               f"{summ['median'] / base:.2f} vs first; {own_b / 1e9:.2f} GB/step read -> "

@@ -28,6 +28,68 @@ typedef long long i64;
 
 #define DEV __device__ __forceinline__
 
+#ifdef MEMRA_TRACE
+// Device-timeline records (layout read by memra_dsv4/profiling/device_trace.py), 4 u64 per CTA:
+//   [0] %gridid (one value per launch, shared by its CTAs)
+//   [1] MEMRA_TRACE_MODULE << 56 | (__LINE__ of the kernel's PDL_ENTRY) << 32 | linear CTA id
+//   [2] %globaltimer (ns) when thread 0 started, before griddepcontrol.wait
+//   [3] (wait return - start) << 32 | (thread 0's exit - wait return), ns, each clamped to 32 bits
+// One buffer and one counter per module (NVRTC builds each .cu as its own module); the host
+// zeroes the counter before the traced step and reads both afterwards (module.get_global).
+#ifndef MEMRA_TRACE_MODULE
+#define MEMRA_TRACE_MODULE 0
+#endif
+#define MEMRA_TRACE_CAP (1u << 19)
+extern "C" {
+__device__ unsigned long long memra_trace_rec[4 * MEMRA_TRACE_CAP];
+__device__ unsigned int memra_trace_n;
+}
+namespace memra_trace {
+DEV unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+    return t;
+}
+DEV bool lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
+// thread 0's stamps between the entry and the exit: static shared memory (not registers), so the
+// trace build does not change the register allocation of the kernel's body much
+DEV unsigned long long* state() {
+    __shared__ unsigned long long s[3];   // start time, slot, wait return
+    return s;
+}
+DEV void enter() {
+    if (lead()) {
+        unsigned long long* s = state();
+        s[0] = now();
+        s[1] = atomicAdd(&memra_trace_n, 1u);
+    }
+}
+DEV u32 clamp32(unsigned long long v) { return v > 0xffffffffull ? 0xffffffffu : (u32)v; }
+struct Scope {
+    u32 line;   // a constant after inlining: the Scope costs no register
+    __device__ __forceinline__ explicit Scope(u32 l) : line(l) {
+        if (lead()) state()[2] = now();
+    }
+    __device__ __forceinline__ ~Scope() {
+        if (!lead()) return;
+        const unsigned long long end = now();
+        const unsigned long long* s = state();
+        if (s[1] >= MEMRA_TRACE_CAP) return;
+        unsigned long long grid;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+        const unsigned long long cta =
+            blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+        unsigned long long* r = memra_trace_rec + 4 * s[1];
+        r[0] = grid;
+        r[1] = ((unsigned long long)MEMRA_TRACE_MODULE << 56) | ((unsigned long long)(line & 0xffffffu) << 32) |
+               (cta & 0xffffffffull);
+        r[2] = s[0];
+        r[3] = ((unsigned long long)clamp32(s[2] - s[0]) << 32) | clamp32(end - s[2]);
+    }
+};
+}  // namespace memra_trace
+#endif
+
 // Programmatic dependent launch (memra_dsv4/gpu/pdl.py): the first statement of EVERY kernel
 // (tests/test_kernels_pdl.py enforces it).  griddepcontrol.wait returns once the grid this launch
 // depends on has completed and its writes are visible (a no-op for a launch without the PDL
@@ -35,12 +97,28 @@ typedef long long i64;
 // global memory before it.  griddepcontrol.launch_dependents then lets the stream's next kernel be
 // scheduled once every CTA of this grid has passed this point (the grid is resident): its CTAs
 // park at their own wait, hiding the launch / drain gap between dependent kernels of a graph.
+#ifndef MEMRA_TRACE
 #define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+// The device-timeline build (-DMEMRA_TRACE, memra_dsv4/profiling/device_trace.py): thread 0 of
+// every CTA stamps %globaltimer when the CTA starts (before the wait), when the wait returns, and
+// when thread 0 leaves the kernel (the destructor of memra_trace::Scope, declared here in the
+// kernel's own scope so every return path runs it), and appends one record per CTA.  The slot
+// is taken (atomicAdd on the module's counter) before the wait, so a CTA parked on its
+// predecessor pays for it while it waits.  The counter and the records belong to no kernel's
+// data, so touching them before the wait cannot race with the predecessor.
+#define PDL_ENTRY()                                                                              \
+    memra_trace::enter();                                                                        \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");       \
+    memra_trace::Scope memra_trace_scope_(__LINE__)
+#endif
 // The one exception to "nothing before the wait": PDL_ENTRY_PREFETCH(stmt) runs stmt first, and
 // stmt may only issue L2 prefetch hints for memory no kernel of the step writes (the dense GEMVs'
 // weights: decode.cu gemv_*_prefetch); it loads and stores nothing, so it cannot observe or race
 // with the predecessor.  tools/pdl_entry.py accepts it as the opening statement.
-#define PDL_ENTRY_PREFETCH(...) do { __VA_ARGS__; PDL_ENTRY(); } while (0)
+// (No do / while around it: under MEMRA_TRACE, PDL_ENTRY() declares the trace scope, which must
+// live as long as the kernel body.)
+#define PDL_ENTRY_PREFETCH(...) __VA_ARGS__; PDL_ENTRY()
 // The second exception: PDL_ENTRY_PRELOAD(stmt) runs stmt first in the kernel's own scope (no
 // do / while: what stmt declares stays visible after the wait), and stmt may only LOAD memory no
 // kernel of the step writes (the dense GEMVs' weights: decode.cu gemv_pl_rows).  Such a load

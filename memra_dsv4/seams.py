@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_KERNELS_DIR",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -191,6 +191,12 @@ SEAM_PREFILL_PIPELINE = Seam(
 SEAM_KERNELS_DIR = Seam(
     "kernels_dir", "MEMRA_DSV4_KERNELS_DIR", "<repo>/kernels_cu", (),
     "Directory of the CUDA sources compiled at warmup (any path).")
+SEAM_DEVICE_TRACE = Seam(
+    "device_trace", "MEMRA_DSV4_DEVICE_TRACE", "off", ("off", "on"),
+    "`on`: kernels are built with -DMEMRA_TRACE (their own cache entries), so thread 0 of every "
+    "CTA records %globaltimer at its start, wait return and exit (memra_dsv4.profiling."
+    "device_trace; read when a kernel loader is made and printed). A diagnostic binary: "
+    "`bench.decode_step --device-trace N` reads the step's timeline from it.")
 SEAM_DEBUG = Seam(
     "debug", "MEMRA_DSV4_DEBUG", "0", ("0", "1"),
     "`1`: every checked GPU launch synchronises its stream and names itself on error "
@@ -203,7 +209,8 @@ SEAM_REQUIRE_PARITY = Seam(
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
-    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_KERNELS_DIR, SEAM_REQUIRE_PARITY)}
+    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
+    SEAM_REQUIRE_PARITY)}
 
 
 def env_value(seam: Seam) -> str:

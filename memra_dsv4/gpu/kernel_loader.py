@@ -51,7 +51,7 @@ import sys
 import time
 
 from memra_dsv4.gpu import REPO_ROOT, default_cache_dir, pdl
-from memra_dsv4.seams import SEAM_KERNELS_DIR, env_value
+from memra_dsv4.seams import SEAM_DEVICE_TRACE, SEAM_KERNELS_DIR, env_value, resolve
 
 __all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader", "lookup",
            "nvrtc_options", "header_fingerprint", "configure_cache_dir", "KERNELS_DIR",
@@ -107,10 +107,15 @@ def header_fingerprint(kernels_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def nvrtc_options(kernels_dir: str) -> tuple[str, ...]:
+def nvrtc_options(kernels_dir: str, trace_module: int | None = None) -> tuple[str, ...]:
+    """The NVRTC options of a module; ``trace_module`` (the module's number,
+    profiling.device_trace.module_index) adds the device-timeline build's defines."""
     kernels_dir = os.path.abspath(kernels_dir)
-    return BASE_OPTIONS + (f"-I{kernels_dir}",
+    opts = BASE_OPTIONS + (f"-I{kernels_dir}",
                            f"-DMEMRA_DSV4_HEADERS=0x{header_fingerprint(kernels_dir)}")
+    if trace_module is not None:
+        opts += ("-DMEMRA_TRACE", f"-DMEMRA_TRACE_MODULE={int(trace_module)}")
+    return opts
 
 
 def configure_cache_dir() -> str:
@@ -128,6 +133,17 @@ def configure_cache_dir() -> str:
     return path
 
 
+_TRACE_ANNOUNCED = False
+
+
+def _announce_trace() -> None:
+    global _TRACE_ANNOUNCED
+    if not _TRACE_ANNOUNCED:
+        print("memra_dsv4: device trace build = on (every CTA stamps %globaltimer: "
+              "profiling.device_trace; not the production binary)", file=sys.stderr)
+        _TRACE_ANNOUNCED = True
+
+
 def _debug() -> bool:
     from memra_dsv4.gpu import runtime
 
@@ -137,11 +153,17 @@ def _debug() -> bool:
 class KernelLoader:
     """Compiled kernels_cu modules and their cached RawKernels for one device."""
 
-    def __init__(self, device_id: int, kernels_dir: str | None = None) -> None:
+    def __init__(self, device_id: int, kernels_dir: str | None = None,
+                 trace: bool | None = None) -> None:
         self.device_id = int(device_id)
         self.kernels_dir = os.path.abspath(kernels_dir or KERNELS_DIR)
         if not os.path.isdir(self.kernels_dir):
             raise FileNotFoundError(f"kernels directory {self.kernels_dir} does not exist")
+        # the device-timeline build (profiling.device_trace): argument > MEMRA_DSV4_DEVICE_TRACE
+        self.trace = (resolve(SEAM_DEVICE_TRACE, None if trace is None else
+                              ("on" if trace else "off")) == "on")
+        if self.trace:
+            _announce_trace()
         self.cache_dir = configure_cache_dir()
         self._modules: dict[str, tuple[tuple[str, ...], object]] = {}  # stem -> (names, RawModule)
         self._kernels: dict[tuple[str, str], object] = {}
@@ -173,7 +195,11 @@ class KernelLoader:
                 source = fh.read()
         except OSError as e:
             raise KernelCompileError(f"{path}: cannot read kernel source ({e})") from None
-        options = nvrtc_options(self.kernels_dir)
+        trace_module = None
+        if self.trace:
+            from memra_dsv4.profiling.device_trace import module_index
+            trace_module = module_index(stem, self.kernels_dir)
+        options = nvrtc_options(self.kernels_dir, trace_module)
         t0 = time.perf_counter()
         try:
             with cupy.cuda.Device(self.device_id):

@@ -1,0 +1,64 @@
+"""The device-timeline build (profiling.device_trace) on the GPU.
+
+* A trace-build loader's kernels give the same bytes as the production build's (the records
+  live beside the kernel's data, never in it).
+* Two launches of rmsnorm_bf16_wbf16 on one stream: one record per CTA, folded into two
+  launches named by their source line, each with start <= wait return <= exit, the second
+  starting after the first ended (same stream, plain launches), and a reset empties the
+  records.
+* The same under a PDL launch (gpu.pdl), the form the device step uses.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.gpu import kernel_loader as KL  # noqa: E402
+from memra_dsv4.gpu.ops.testing import bits_of, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.profiling import device_trace as DT  # noqa: E402
+
+ROWS, N = 96, 4096
+
+
+def _args(rng):
+    x = cp.asarray(bits_of(rand_bf16(rng, (ROWS, N))))
+    w = cp.asarray(bits_of(rand_bf16(rng, (N,))))
+    return x, w
+
+
+def _launch(k, x, w, y):
+    k((ROWS,), (128,), (x, w, y, np.int32(N), np.float64(1e-6)))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_trace_build_records_every_cta(pdl):
+    from memra_dsv4.gpu.pdl import pdl_launches
+    rng = rng_for(20261130)
+    x, w = _args(rng)
+    plain = KL.KernelLoader(0, trace=False).get_plain("rmsnorm", "rmsnorm_bf16_wbf16")
+    loader = KL.KernelLoader(0, trace=True)
+    y0, y1, y2 = (cp.zeros_like(x) for _ in range(3))
+    _launch(plain, x, w, y0)
+    loader.get_plain("rmsnorm", "rmsnorm_bf16_wbf16")      # builds the module
+    DT.reset(loaders=[loader])
+    assert DT.collect(loaders=[loader]) == []
+    with pdl_launches(pdl):
+        k = loader.get("rmsnorm", "rmsnorm_bf16_wbf16")
+        _launch(k, x, w, y1)
+        _launch(k, x, w, y2)
+    recs = DT.collect(loaders=[loader])
+    assert cp.array_equal(y0, y1) and cp.array_equal(y0, y2), "the trace build changed the output"
+    assert len(recs) == 2 * ROWS
+    ls = DT.launches(recs)
+    assert len(ls) == 2, [L.kernel for L in ls]
+    for L in ls:
+        assert L.kernel == "rmsnorm.rmsnorm_bf16_wbf16" and L.ctas == ROWS
+        assert L.start <= L.go <= L.go_last <= L.end
+        assert L.end - L.start < 10_000_000, "a launch of 96 small CTAs took > 10 ms?"
+    assert sorted(r.cta for r in recs if r.grid == ls[0].grid) == list(range(ROWS))
+    assert ls[1].go >= ls[0].end, "the second launch's CTAs passed the wait before the first ended"
+    DT.reset(loaders=[loader])
+    assert DT.collect(loaders=[loader]) == []
