@@ -172,8 +172,7 @@ def decode_records(device: int, stems_by_index: list[str], words, kernels_dir: s
                    expect_stem: str | None = None) -> list[CtaRecord]:
     """CtaRecords from one module's raw u64 words ([n, 4])."""
     out = []
-    for w0, w1, w2, w3 in words:
-        w0, w1, w2, w3 = int(w0), int(w1), int(w2), int(w3)
+    for w0, w1, w2, w3 in (words.tolist() if hasattr(words, "tolist") else words):
         mod, line, cta = w1 >> 56, (w1 >> 32) & 0xFFFFFF, w1 & 0xFFFFFFFF
         stem = stems_by_index[mod] if mod < len(stems_by_index) else f"module{mod}"
         if expect_stem is not None and stem != expect_stem:

@@ -17,6 +17,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from memra_dsv4.gpu import kernel_loader as KL  # noqa: E402
+from memra_dsv4.gpu.ops import rmsnorm as _rmsnorm  # noqa: E402,F401  (registers the kernels)
 from memra_dsv4.gpu.ops.testing import bits_of, rand_bf16, rng_for  # noqa: E402
 from memra_dsv4.profiling import device_trace as DT  # noqa: E402
 
