@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -152,6 +152,16 @@ SEAM_HC_SPLIT = Seam(
     "weights and Sinkhorn comb matrix only the next boundary reads; in a graph the Sinkhorn is "
     "captured on a side stream beside the sub-layer and joined before the next boundary, the "
     "eager step stays on one stream). Bit-identical.")
+SEAM_DECODE_PRIORITY = Seam(
+    "decode_priority", "MEMRA_DSV4_DECODE_PRIORITY", "off", ("off", "side"),
+    "Scheduling priority of the `device` decode step's graph branches (memra_dsv4.gpu."
+    "step_device, read once per model and printed): `side` captures the side branches (kv / "
+    "compressor, indexer, shared expert, hc Sinkhorn) on streams of the device's greatest "
+    "priority and instantiates each stage graph with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_"
+    "PRIORITY, so the CTA scheduler dispatches a side kernel's CTAs ahead of the pending CTAs "
+    "of the big GEMV beside it (without it they wait until that GEMV has dispatched all of its "
+    "CTAs: profiling.device_trace); `off` keeps every node at the launch stream's priority. "
+    "The launches and buffers are the same: bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -209,7 +219,8 @@ SEAM_REQUIRE_PARITY = Seam(
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
-    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
+    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_DECODE_PRIORITY, SEAM_KERNELS_DIR,
+    SEAM_DEVICE_TRACE,
     SEAM_REQUIRE_PARITY)}
 
 

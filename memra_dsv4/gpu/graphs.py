@@ -10,6 +10,12 @@ Contract
   may synchronise or allocate: every buffer comes from the arena (CuPy exposes no graph-exec
   update, so a graph is tied to the addresses it captured), every GEMM plan and every kernel
   is built before capture.
+* ``capture(..., node_priority=True)`` instantiates with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_
+  PRIORITY (cuda.bindings; CuPy instantiates with flags 0): every kernel node then runs at the
+  priority of the stream it was captured on (copied at capture), not at the launch stream's, so
+  side branches captured on a high-priority stream get their CTAs dispatched ahead of the
+  pending CTAs of a big kernel beside them.  Returns a ``PriorityGraph`` (launch / upload as
+  cupy.cuda.Graph).
 * ``replay(graph, stream)`` launches it.  A graph may be replayed on any stream of the
   capturing device; it re-reads its input buffers on every replay.
 * Two devices in one graph (verified_on_h200.md): capture starts on a stream of device 0;
@@ -29,7 +35,8 @@ from typing import Callable
 
 from memra_dsv4.gpu import runtime
 
-__all__ = ["capture", "replay", "Fork", "GraphSet", "CaptureError"]
+__all__ = ["capture", "replay", "Fork", "GraphSet", "CaptureError", "PriorityGraph",
+           "stream_priority_range"]
 
 
 class CaptureError(RuntimeError):
@@ -48,8 +55,58 @@ def _abort_capture(stream) -> None:
         pass
 
 
-def capture(stream, fn: Callable[[], None], *, upload: bool = True):
-    """Capture the work ``fn`` enqueues on ``stream`` into an instantiated ``cupy.cuda.Graph``."""
+def stream_priority_range() -> tuple[int, int]:
+    """(least, greatest) stream priority of the current device (greatest is numerically lowest)."""
+    import cupy
+    least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+    return int(least), int(greatest)
+
+
+def _check(err, what: str):
+    from cuda.bindings import driver as cu
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise CaptureError(f"{what}: {err.name}: {msg.decode() if isinstance(msg, bytes) else msg}")
+
+
+class PriorityGraph:
+    """A captured cudaGraph_t instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+    (driver API through cuda.bindings); owns both handles."""
+
+    def __init__(self, graph_handle: int) -> None:
+        from cuda.bindings import driver as cu
+        self._cu = cu
+        self._graph = cu.CUgraph(int(graph_handle))
+        flag = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+        err, self._exec = cu.cuGraphInstantiate(self._graph, int(getattr(flag, "value", flag)))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            cu.cuGraphDestroy(self._graph)
+            self._exec = None
+            _check(err, "cuGraphInstantiate(USE_NODE_PRIORITY)")
+
+    def launch(self, stream) -> None:
+        err, = self._cu.cuGraphLaunch(self._exec, self._cu.CUstream(int(stream.ptr)))
+        _check(err, "cuGraphLaunch")
+
+    def upload(self, stream) -> None:
+        err, = self._cu.cuGraphUpload(self._exec, self._cu.CUstream(int(stream.ptr)))
+        _check(err, "cuGraphUpload")
+
+    def __del__(self) -> None:
+        cu = getattr(self, "_cu", None)
+        if cu is None:
+            return
+        try:
+            if getattr(self, "_exec", None) is not None:
+                cu.cuGraphExecDestroy(self._exec)
+            cu.cuGraphDestroy(self._graph)
+        except Exception:   # interpreter shutdown: the driver may be gone
+            pass
+
+
+def capture(stream, fn: Callable[[], None], *, upload: bool = True, node_priority: bool = False):
+    """Capture the work ``fn`` enqueues on ``stream`` into an instantiated ``cupy.cuda.Graph``
+    (a ``PriorityGraph`` with ``node_priority``: module doc)."""
     import cupy
 
     if stream.ptr in (0, 1, 2):  # null, legacy and per-thread default streams
@@ -64,7 +121,10 @@ def capture(stream, fn: Callable[[], None], *, upload: bool = True):
             _abort_capture(stream)
             raise
         try:
-            graph = stream.end_capture()
+            if node_priority:   # the raw cudaGraph_t, instantiated by PriorityGraph
+                graph = PriorityGraph(cupy.cuda.runtime.streamEndCapture(stream.ptr))
+            else:
+                graph = stream.end_capture()
         except cupy.cuda.runtime.CUDARuntimeError as e:
             raise CaptureError(f"capture on device {device}: ending the capture failed ({e}); "
                                f"a forked stream not joined back, a synchronising call or an "

@@ -78,7 +78,7 @@ class Dsv4Gpu:
                  prefill_attn: str | None = None, decode_attn: str | None = None,
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
                  l2_prefetch: str | None = None, decode_fork: str | None = None,
-                 hc_split: str | None = None,
+                 hc_split: str | None = None, decode_priority: str | None = None,
                  prefill_dispatch: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
@@ -115,6 +115,8 @@ class Dsv4Gpu:
             "DECODE_FORK", decode_fork, "device-step attention graph branches")
         self.hc_split = _resolve_announced(                    # read once, printed (step_device)
             "HC_SPLIT", hc_split, "device-step hc boundary split (Sinkhorn on a side branch)")
+        self.decode_priority = _resolve_announced(             # read once, printed (step_device)
+            "DECODE_PRIORITY", decode_priority, "device-step graph branch priority")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -141,7 +143,7 @@ class Dsv4Gpu:
              prefill_attn: str | None = None, decode_attn: str | None = None,
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
              l2_prefetch: str | None = None, decode_fork: str | None = None,
-             hc_split: str | None = None,
+             hc_split: str | None = None, decode_priority: str | None = None,
              prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
@@ -160,6 +162,7 @@ class Dsv4Gpu:
         return cls(cfg, stages, devices, numerics, force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
+                   decode_priority=decode_priority,
                    prefill_dispatch=prefill_dispatch)
 
     @classmethod
@@ -170,7 +173,7 @@ class Dsv4Gpu:
                   decode_attn: str | None = None, prefill_moe: str | None = None,
                   prefill_pipeline: str | None = None,
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
-                  hc_split: str | None = None,
+                  hc_split: str | None = None, decode_priority: str | None = None,
                   prefill_dispatch: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
@@ -189,6 +192,7 @@ class Dsv4Gpu:
         return cls(cfg, stages, devices, "bf16", force_bounce, max_seq_len, decode_path, pdl,
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
+                   decode_priority=decode_priority,
                    prefill_dispatch=prefill_dispatch)
 
     # ------------------------------------------------------------------ API

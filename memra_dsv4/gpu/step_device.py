@@ -40,9 +40,11 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
 stepped with graph=True; cached per state (the cache addresses belong to the state) together
-with the (pdl, decode_attn, decode_fork, hc_split) they were captured with: stepping the state
-after any of ``model.pdl`` / ``model.decode_attn`` / ``model.decode_fork`` / ``model.hc_split``
-changed recaptures.
+with the (pdl, decode_attn, decode_fork, hc_split, decode_priority) they were captured with:
+stepping the state after any of ``model.pdl`` / ``model.decode_attn`` / ``model.decode_fork`` /
+``model.hc_split`` / ``model.decode_priority`` changed recaptures.  With ``decode_priority``
+"side" (seam MEMRA_DSV4_DECODE_PRIORITY) the side branches are captured on the device's
+greatest-priority streams and the graphs keep the node priorities (graphs.capture).
 """
 
 from __future__ import annotations
@@ -103,15 +105,12 @@ class DeviceStep:
                 S.event = cp.cuda.Event(disable_timing=True)
                 # the attention fork (seam MEMRA_DSV4_DECODE_FORK, graphs only): a side stream
                 # and its fork / join events, made before any capture
-                S.side = cp.cuda.Stream(non_blocking=True)
-                S.fork = graphs.Fork(S.stream, S.side)
-                # CSA layers: the indexer + candidates on a second side stream (_attention)
-                S.side2 = cp.cuda.Stream(non_blocking=True)
-                S.fork3 = graphs.Fork(S.stream, S.side, S.side2)
-                # the hc Sinkhorn branch (seam MEMRA_DSV4_HC_SPLIT, graphs only): its own side
-                # stream, so it never queues behind the attention fork's launches
-                S.hc_side = cp.cuda.Stream(non_blocking=True)
-                S.hc_fork = graphs.Fork(S.stream, S.hc_side)
+                # Two sets of side streams: the launch priority of a captured kernel node is
+                # its stream's (seam MEMRA_DSV4_DECODE_PRIORITY picks the set at capture)
+                _, greatest = graphs.stream_priority_range()
+                S.branches = {"off": self._branch_streams(S.stream, None),
+                              "side": self._branch_streams(S.stream, greatest)}
+                S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
                 S.hc_pending = False   # a Sinkhorn branch forked and not yet joined (_hc_pre)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
@@ -123,6 +122,22 @@ class DeviceStep:
             d.compute.synchronize()
 
     # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _branch_streams(origin, priority):
+        """(side, fork, side2, fork3, hc_side, hc_fork) on streams of ``priority`` (None: the
+        default), with their fork / join events: the attention fork's side stream (kv /
+        compressor; the shared expert with fork "all"), the CSA indexer + candidates' second
+        side stream, and the hc Sinkhorn's own side stream (seam MEMRA_DSV4_HC_SPLIT, graphs
+        only), so it never queues behind the attention fork's launches.  Made before any capture."""
+        import cupy as cp
+        from memra_dsv4.gpu import graphs
+        kw = {} if priority is None else {"priority": int(priority)}
+        side = cp.cuda.Stream(non_blocking=True, **kw)
+        side2 = cp.cuda.Stream(non_blocking=True, **kw)
+        hc_side = cp.cuda.Stream(non_blocking=True, **kw)
+        return (side, graphs.Fork(origin, side), side2, graphs.Fork(origin, side, side2),
+                hc_side, graphs.Fork(origin, hc_side))
+
     def _prewarm(self, S) -> None:
         """Load every kernel module, the hc split workspace and boundary slots, and the router /
         indexer / decode attention ticket counters before any capture.  Both decode attention
@@ -174,12 +189,12 @@ class DeviceStep:
             self._tok, self._pos = int(token), pos
         hc_split = self.hc_split_form() == "on" and not self.hostmath
         if graph:
-            fork = self.fork_form()
+            fork, prio = self.fork_form(), self.priority_form()
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                    or gs[4] != fork or gs[5] != hc_split):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split), pdl_on, attn, fork,
-                      hc_split)
+                    or gs[4] != fork or gs[5] != hc_split or gs[6] != prio):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio), pdl_on,
+                      attn, fork, hc_split, prio)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -228,6 +243,14 @@ class DeviceStep:
         from memra_dsv4.seams import SEAM_DECODE_FORK
         value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
         return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
+
+    def priority_form(self) -> str:
+        """``model.decode_priority`` (seam MEMRA_DSV4_DECODE_PRIORITY; its default when the model
+        has none), validated: "side" captures the side branches on the greatest-priority streams
+        and instantiates the stage graphs with node priorities (graphs.capture node_priority)."""
+        from memra_dsv4.seams import SEAM_DECODE_PRIORITY
+        value = getattr(self.m, "decode_priority", None) or SEAM_DECODE_PRIORITY.default
+        return SEAM_DECODE_PRIORITY.check(value, f"model.decode_priority (env {SEAM_DECODE_PRIORITY.env})")
 
     def hc_split_form(self) -> str:
         """``model.hc_split`` (seam MEMRA_DSV4_HC_SPLIT; its default when the model has none),
@@ -283,14 +306,15 @@ class DeviceStep:
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
-                 hc_split: bool = False):
+                 hc_split: bool = False, prio: str = "off"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
         sub-layer's kv / compressor launches on the stage's side stream and the indexer +
         candidates on its second side stream (_attention), "single": all of them on the side
         stream, "all": "on" plus the shared expert of each MoE (_moe); ``hc_split``: each boundary's
-        Sinkhorn launch on the stage's hc side stream (_hc_pre)."""
+        Sinkhorn launch on the stage's hc side stream (_hc_pre); ``prio`` "side": those side
+        streams are the greatest-priority set and the graph keeps its nodes' priorities."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -306,12 +330,16 @@ class DeviceStep:
                 self._forking = fork if fork in ("on", "all", "single") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
                 S.hc_pending = False
+                S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches[prio]
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
-                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn)))
+                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn),
+                                              node_priority=prio != "off"))
         finally:
             phase_set_capturing(was)
             self._forking = ""
             self._hc_split = self._hc_branch = False
+            for S in self.stages:
+                S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
         return out
 
     # ------------------------------------------------------------------ launches
