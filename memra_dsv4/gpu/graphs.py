@@ -36,7 +36,7 @@ from typing import Callable
 from memra_dsv4.gpu import runtime
 
 __all__ = ["capture", "replay", "Fork", "GraphSet", "CaptureError", "PriorityGraph",
-           "stream_priority_range"]
+           "stream_priority_range", "priority_stream"]
 
 
 class CaptureError(RuntimeError):
@@ -56,10 +56,32 @@ def _abort_capture(stream) -> None:
 
 
 def stream_priority_range() -> tuple[int, int]:
-    """(least, greatest) stream priority of the current device (greatest is numerically lowest)."""
-    import cupy
-    least, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+    """(least, greatest) stream priority of the current device (greatest is numerically lowest;
+    cudaDeviceGetStreamPriorityRange through cuda.bindings: CuPy 14 does not wrap it)."""
+    from cuda.bindings import runtime as cudart
+    err, least, greatest = cudart.cudaDeviceGetStreamPriorityRange()
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaDeviceGetStreamPriorityRange: {err.name}")
     return int(least), int(greatest)
+
+
+_OWNED_STREAMS: list = []   # driver-created priority streams wrapped by ExternalStream (kept)
+
+
+def priority_stream(priority: int):
+    """A non-blocking CuPy stream of ``priority`` on the current device (cupy.cuda.Stream's
+    ``priority``; where this CuPy lacks it, cuStreamCreateWithPriority wrapped as an
+    ExternalStream that lives as long as the process)."""
+    import cupy
+    try:
+        return cupy.cuda.Stream(non_blocking=True, priority=int(priority))
+    except TypeError:
+        from cuda.bindings import driver as cu
+        err, h = cu.cuStreamCreateWithPriority(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), int(priority))
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuStreamCreateWithPriority({priority}): {err.name}") from None
+        _OWNED_STREAMS.append(h)
+        return cupy.cuda.ExternalStream(int(h), cupy.cuda.runtime.getDevice())
 
 
 def _check(err, what: str):

@@ -131,10 +131,10 @@ class DeviceStep:
         only), so it never queues behind the attention fork's launches.  Made before any capture."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
-        kw = {} if priority is None else {"priority": int(priority)}
-        side = cp.cuda.Stream(non_blocking=True, **kw)
-        side2 = cp.cuda.Stream(non_blocking=True, **kw)
-        hc_side = cp.cuda.Stream(non_blocking=True, **kw)
+        def make():
+            return (cp.cuda.Stream(non_blocking=True) if priority is None
+                    else graphs.priority_stream(priority))
+        side, side2, hc_side = make(), make(), make()
         return (side, graphs.Fork(origin, side), side2, graphs.Fork(origin, side, side2),
                 hc_side, graphs.Fork(origin, hc_side))
 
