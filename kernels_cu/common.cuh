@@ -33,7 +33,8 @@ typedef long long i64;
 //   [0] %gridid (one value per launch, shared by its CTAs)
 //   [1] MEMRA_TRACE_MODULE << 56 | (__LINE__ of the kernel's PDL_ENTRY) << 32 | linear CTA id
 //   [2] %globaltimer (ns) when thread 0 started, before griddepcontrol.wait
-//   [3] (wait return - start) << 32 | (thread 0's exit - wait return), ns, each clamped to 32 bits
+//   [3] (wait return - start) << 32 | (the CTA's last warp's exit - wait return), ns, each clamped
+//       to 32 bits
 // One buffer and one counter per module (NVRTC builds each .cu as its own module); the host
 // zeroes the counter before the traced step and reads both afterwards (module.get_global).
 #ifndef MEMRA_TRACE_MODULE
@@ -51,10 +52,11 @@ DEV unsigned long long now() {
     return t;
 }
 DEV bool lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
-// thread 0's stamps between the entry and the exit: static shared memory (not registers), so the
-// trace build does not change the register allocation of the kernel's body much
+// thread 0's stamps between the entry and the exit, and the count of warps that have left:
+// static shared memory (not registers), so the trace build does not change the register
+// allocation of the kernel's body much
 DEV unsigned long long* state() {
-    __shared__ unsigned long long s[3];   // start time, slot, wait return
+    __shared__ unsigned long long s[4];   // start time, slot, wait return, warps left
     return s;
 }
 DEV void enter() {
@@ -62,18 +64,30 @@ DEV void enter() {
         unsigned long long* s = state();
         s[0] = now();
         s[1] = atomicAdd(&memra_trace_n, 1u);
+        s[3] = 0ull;
     }
 }
 DEV u32 clamp32(unsigned long long v) { return v > 0xffffffffull ? 0xffffffffu : (u32)v; }
+// The CTA's exit is its LAST thread's: a last-CTA kernel's thread 0 may leave long before the
+// warps that run the tail (hc_boundary_pre's warps 4..7).  At every return path (the destructor)
+// the first active lane of each exiting group of lanes adds the group's size to a shared count;
+// the group that brings it to the CTA's thread count writes the record with its own exit time.
 struct Scope {
     u32 line;   // a constant after inlining: the Scope costs no register
     __device__ __forceinline__ explicit Scope(u32 l) : line(l) {
         if (lead()) state()[2] = now();
     }
     __device__ __forceinline__ ~Scope() {
-        if (!lead()) return;
+        const u32 active = __activemask();
+        const u32 lane = threadIdx.x & 31u;   // blocks here are 1-D or x-multiple-of-32
+        if (lane != (u32)(__ffs(active) - 1)) return;
+        unsigned long long* s = state();
+        const u32 threads = blockDim.x * blockDim.y * blockDim.z;
+        __threadfence_block();
+        const unsigned long long left = atomicAdd(&s[3], (unsigned long long)__popc(active)) + __popc(active);
+        if (left != threads) return;
+        __threadfence_block();   // thread 0's stamps (written before its own count) are visible
         const unsigned long long end = now();
-        const unsigned long long* s = state();
         if (s[1] >= MEMRA_TRACE_CAP) return;
         unsigned long long grid;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
@@ -101,14 +115,16 @@ struct Scope {
 #define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
 // The device-timeline build (-DMEMRA_TRACE, memra_dsv4/profiling/device_trace.py): thread 0 of
-// every CTA stamps %globaltimer when the CTA starts (before the wait), when the wait returns, and
-// when thread 0 leaves the kernel (the destructor of memra_trace::Scope, declared here in the
-// kernel's own scope so every return path runs it), and appends one record per CTA.  The slot
-// is taken (atomicAdd on the module's counter) before the wait, so a CTA parked on its
-// predecessor pays for it while it waits.  The counter and the records belong to no kernel's
+// every CTA stamps %globaltimer when the CTA starts (before the wait) and when the wait returns;
+// the CTA's last thread to leave the kernel (the destructor of memra_trace::Scope, declared here
+// in the kernel's own scope so every return path runs it) stamps the exit and appends the CTA's
+// record.  The slot is taken (atomicAdd on the module's counter) before the wait, so a CTA parked
+// on its predecessor pays for it while it waits; one __syncthreads() orders the exit count's
+// reset before any exit.  The counter and the records belong to no kernel's
 // data, so touching them before the wait cannot race with the predecessor.
 #define PDL_ENTRY()                                                                              \
     memra_trace::enter();                                                                        \
+    __syncthreads(); /* the exit count is zeroed before any warp can leave */                   \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");       \
     memra_trace::Scope memra_trace_scope_(__LINE__)
 #endif

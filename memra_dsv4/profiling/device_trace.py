@@ -7,9 +7,10 @@ no per-launch number shows.  This module reads the step's own timeline from the 
 * The trace build.  With ``MEMRA_DSV4_DEVICE_TRACE=on`` (seams.SEAM_DEVICE_TRACE, read when a
   KernelLoader is made and printed) every kernels_cu module is compiled with
   ``-DMEMRA_TRACE -DMEMRA_TRACE_MODULE=<i>`` (i = module_index(stem)).  common.cuh's PDL_ENTRY()
-  then has thread 0 of every CTA append one record to the module's ``memra_trace_rec``:
+  then has every CTA append one record to the module's ``memra_trace_rec``:
   %gridid, (module, __LINE__ of the PDL_ENTRY, linear CTA id), and three %globaltimer stamps:
-  CTA start (before griddepcontrol.wait), wait return, thread 0's exit.  The build is a
+  CTA start (before griddepcontrol.wait), wait return, the exit of the CTA's last thread (a
+  shared count of exited threads; a last-CTA kernel's tail warps are inside its time).  The build is a
   different binary (its own cache entries): read its step time next to an untraced run's.
 * ``reset(devices)`` zeroes every built module's record counter; run ONE step (a graph replay);
   ``collect(devices)`` returns the CTA records; ``launches(records)`` folds them per %gridid
@@ -19,10 +20,10 @@ no per-launch number shows.  This module reads the step's own timeline from the 
   dependency that released it), and splits the chain into kernel time and edge time
   (wait return - the releasing launch's end).  Times are per device: %globaltimer of two GPUs
   are not one clock, so each device's launches are analysed on their own.
-* Caveats (printed with the report): an exit stamp is thread 0's, not the CTA's last warp;
-  the records cost one atomic per CTA (taken before the wait) and four stores at exit; the
-  %globaltimer resolution is the GPU's (``resolution_ns`` reports the smallest nonzero step
-  seen).
+* Caveats (printed with the report): the records cost one atomic and one barrier per CTA
+  (before the wait) and a shared atomic per exiting warp; a few kernels spill a few bytes in
+  this build (gemv_fp8_r8, compressor pool); the %globaltimer resolution is the GPU's
+  (``resolution_ns`` reports the smallest nonzero step seen).
 
 No CuPy import at module import; the CPU half (names, folding, the chain) is tested without a GPU.
 """
@@ -52,7 +53,7 @@ class CtaRecord:
     cta: int
     start: int      # ns, before the wait
     go: int         # ns, wait returned
-    end: int        # ns, thread 0 left
+    end: int        # ns, the CTA's last thread left
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Launch:
     ctas: int
     start: int      # first CTA start
     go: int         # first wait return
-    end: int        # last thread-0 exit
+    end: int        # last CTA exit
     go_last: int    # last wait return (the CTAs that became resident late)
 
     @property
@@ -309,6 +310,6 @@ def format_summary(summ: dict, top: int = 25) -> str:
                      f"{'total us':>10s} {'median':>9s}")
         for k, v in list(s["kernels"].items())[:top]:
             lines.append(f"  {k:56s} {v['n']:4d} {v['busy_us_total']:10.1f} {v['busy_us_median']:9.2f}")
-    lines.append("caveats: exit = thread 0's exit; one atomic per CTA before the wait; the trace "
-                 "build is its own binary (compare its step time with an untraced run)")
+    lines.append("caveats: one atomic + one barrier per CTA before the wait; the trace build is its "
+                 "own binary (compare its step time with an untraced run)")
     return "\n".join(lines)
