@@ -19,9 +19,9 @@ attention's kv / compressor and indexer launches on side graph branches beside w
 ``hcsplit=off|on`` (seam MEMRA_DSV4_HC_SPLIT: each sub-layer boundary as hc_boundary_pre +
 hc_boundary_sinkhorn, the Sinkhorn on a side graph branch beside the sub-layer; bit-identical;
 each arm captures its own graphs, so ``path=device+hcsplit=off,path=device+hcsplit=on`` is an
-A/B in one process); ``prio=off|side`` (seam MEMRA_DSV4_DECODE_PRIORITY: the side branches on
-greatest-priority streams, graphs instantiated with node priorities; bit-identical; each arm
-captures its own graphs).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
+A/B in one process); ``prio=off|side|attn`` (seam MEMRA_DSV4_DECODE_PRIORITY: the side branches, or all but
+the shared expert's, on greatest-priority streams, graphs instantiated with node priorities;
+bit-identical; each arm captures its own graphs).  Kernel-choice settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
 ``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL) and ``fp4full=on|off`` (MEMRA_DSV4_FP4_FULL: the

@@ -153,15 +153,16 @@ SEAM_HC_SPLIT = Seam(
     "captured on a side stream beside the sub-layer and joined before the next boundary, the "
     "eager step stays on one stream). Bit-identical.")
 SEAM_DECODE_PRIORITY = Seam(
-    "decode_priority", "MEMRA_DSV4_DECODE_PRIORITY", "off", ("off", "side"),
+    "decode_priority", "MEMRA_DSV4_DECODE_PRIORITY", "off", ("off", "side", "attn"),
     "Scheduling priority of the `device` decode step's graph branches (memra_dsv4.gpu."
-    "step_device, read once per model and printed): `side` captures the side branches (kv / "
-    "compressor, indexer, shared expert, hc Sinkhorn) on streams of the device's greatest "
-    "priority and instantiates each stage graph with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_"
-    "PRIORITY, so the CTA scheduler dispatches a side kernel's CTAs ahead of the pending CTAs "
-    "of the big GEMV beside it (without it they wait until that GEMV has dispatched all of its "
-    "CTAs: profiling.device_trace); `off` keeps every node at the launch stream's priority. "
-    "The launches and buffers are the same: bit-identical.")
+    "step_device, read once per model and printed). Without it a side kernel's CTAs are "
+    "dispatched only once the big GEMV beside it has dispatched all of its own "
+    "(profiling.device_trace: the CSA indexer chain waits out wq_b). `side` captures every side "
+    "branch (kv / compressor, indexer, shared expert, hc Sinkhorn) on streams of the device's "
+    "greatest priority and instantiates each stage graph with CUDA_GRAPH_INSTANTIATE_FLAG_USE_"
+    "NODE_PRIORITY; `attn` does the same except for the shared expert's branch (at high "
+    "priority it splits the routed gate/up's single wave: slower); `off` keeps every node at the "
+    "launch stream's priority. Same launches and buffers: bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "

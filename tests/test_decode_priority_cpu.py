@@ -16,13 +16,13 @@ def test_priority_seam_and_step_form():
     from memra_dsv4.seams import SEAM_DECODE_PRIORITY, SEAMS, resolve
     assert SEAMS["decode_priority"] is SEAM_DECODE_PRIORITY and SEAM_DECODE_PRIORITY.default == "off"
     assert resolve(SEAM_DECODE_PRIORITY, "side") == "side"
-    with pytest.raises(ValueError, match="allowed: off, side"):
+    with pytest.raises(ValueError, match="allowed: off, side, attn"):
         resolve(SEAM_DECODE_PRIORITY, "high")
     ds = object.__new__(DeviceStep)
-    for value, want in (("side", "side"), ("off", "off"), (None, "off")):
+    for value, want in (("side", "side"), ("attn", "attn"), ("off", "off"), (None, "off")):
         ds.m = SimpleNamespace(decode_priority=value)
         assert ds.priority_form() == want
-    ds.m = SimpleNamespace(decode_priority="all")
+    ds.m = SimpleNamespace(decode_priority="all")  # not a value
     with pytest.raises(ValueError, match=r"model.decode_priority \(env MEMRA_DSV4_DECODE_PRIORITY\)"):
         ds.priority_form()
 
@@ -31,7 +31,7 @@ def test_decode_bench_prio_arm():
     from bench.decode_step import check_arms
     assert check_arms("path=device+prio=off,path=device+prio=side") == [
         {"path": "device", "prio": "off"}, {"path": "device", "prio": "side"}]
-    with pytest.raises(SystemExit, match="prio='on'; expected one of off, side"):
+    with pytest.raises(SystemExit, match="prio='on'; expected one of off, side, attn"):
         check_arms("path=device+prio=on")
 
 

@@ -111,6 +111,7 @@ class DeviceStep:
                 S.branches = {"off": self._branch_streams(S.stream, None),
                               "side": self._branch_streams(S.stream, greatest)}
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
+                S.moe_side, S.moe_fork = S.side, S.fork   # the shared expert's branch (_moe)
                 S.hc_pending = False   # a Sinkhorn branch forked and not yet joined (_hc_pre)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
@@ -314,7 +315,8 @@ class DeviceStep:
         candidates on its second side stream (_attention), "single": all of them on the side
         stream, "all": "on" plus the shared expert of each MoE (_moe); ``hc_split``: each boundary's
         Sinkhorn launch on the stage's hc side stream (_hc_pre); ``prio`` "side": those side
-        streams are the greatest-priority set and the graph keeps its nodes' priorities."""
+        streams are the greatest-priority set and the graph keeps its nodes' priorities; "attn":
+        the same except the shared expert's branch (_moe), which stays at the default priority."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -330,7 +332,10 @@ class DeviceStep:
                 self._forking = fork if fork in ("on", "all", "single") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
                 S.hc_pending = False
-                S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches[prio]
+                b = S.branches["off" if prio == "off" else "side"]
+                S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = b
+                # "attn": the shared expert's branch stays at the default priority
+                S.moe_side, S.moe_fork = (S.branches["off"] if prio == "attn" else b)[:2]
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn),
                                               node_priority=prio != "off"))
@@ -340,6 +345,7 @@ class DeviceStep:
             self._hc_split = self._hc_branch = False
             for S in self.stages:
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
+                S.moe_side, S.moe_fork = S.side, S.fork
         return out
 
     # ------------------------------------------------------------------ launches
@@ -680,14 +686,17 @@ class DeviceStep:
             # the join makes the down + combine wait for both.  The default since 50ac732: with
             # the 128-register swiglu p1t2 it paid (fb5d3ac, bf16 7.87 -> 7.55 ms per token);
             # with the 168-register p2 it had bought nothing (fc6c8d3), the routed gate/up
-            # holding the register file.
-            S.fork.fork()
-            with S.side:
+            # holding the register file.  (The device timeline, 92d6f72: the shared expert's CTAs
+            # are dispatched only once the routed gate/up's single wave has been, so it runs
+            # mostly after it; on a high-priority stream it splits that wave instead, slower:
+            # decode_priority "attn" keeps this branch at the default priority.)
+            S.moe_fork.fork()
+            with S.moe_side:
                 shared_swiglu()
                 shared_w2()
             router()
             gate_up()
-            S.fork.join()
+            S.moe_fork.join()
         else:
             # One stream: each dense GEMV follows a latency-bound kernel (hc_boundary, the
             # router); with MEMRA_DSV4_L2_PREFETCH it asks the L2 for its weights meanwhile.

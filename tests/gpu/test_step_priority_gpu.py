@@ -1,5 +1,5 @@
 """Graph-branch priority (seam MEMRA_DSV4_DECODE_PRIORITY, step_device / graphs.capture
-node_priority): with ``side`` the side branches are captured on greatest-priority streams and
+node_priority): with ``side`` (and ``attn``: all but the shared expert's) the side branches are captured on greatest-priority streams and
 the stage graphs are instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.  Only the
 CTA dispatch order changes, so the step must give the same bits: tiny (1 stage, CSA + HCA
 layers, 14 steps after a 5-token prefill) and small over 2 stages when 2 GPUs are present, the
@@ -24,7 +24,7 @@ def _run(name, devices, steps=14, prompt=5):
     assert greatest < least, f"the device offers one stream priority only ({least}, {greatest})"
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=13)
-    arms = ("off", "side")
+    arms = ("off", "side", "attn")
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     old = (m.decode_priority, m.decode_fork, m.hc_split)
     try:
@@ -34,11 +34,14 @@ def _run(name, devices, steps=14, prompt=5):
             for a in arms:
                 m.decode_priority = a
                 got[a] = device_step(m, states[a], int(t), graph=True)
-            assert np.array_equal(got["side"].view(np.uint32), got["off"].view(np.uint32)), \
-                f"{name}: step {i} (pos {prompt + i}): logits with prio=side differ"
-        ref, sa = states["off"].snapshot(), states["side"].snapshot()
-        diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
-        assert not diff, f"{name}: caches with prio=side differ: {diff}"
+            for a in ("side", "attn"):
+                assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
+                    f"{name}: step {i} (pos {prompt + i}): logits with prio={a} differ"
+        ref = states["off"].snapshot()
+        for a in ("side", "attn"):
+            sa = states[a].snapshot()
+            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            assert not diff, f"{name}: caches with prio={a} differ: {diff}"
         step = m._step
         gs = step._graphs[id(states["side"])]
         assert gs[6] == "side" and all(isinstance(g, graphs.PriorityGraph) for g in gs[1])
