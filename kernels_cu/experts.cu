@@ -23,7 +23,8 @@
 // THE ROW ARITHMETIC (fixed by (o, K) alone; the launch geometry below never changes it): lane l
 //   of one warp owns the 32-element chunks q = l + 32 i (i < KPL, K <= 1024*KPL); per chunk a
 //   32-product f32 partial in element order (FMA chain), acc = fma(partial, block scale, acc) in
-//   chunk order (NVFP4: two 16-element partials and scales), then the warp xor-tree warp_sum;
+//   chunk order (NVFP4: two 16-element partials and scales), then the warp xor-tree warp_sum
+//   (FP4_XRED: the same tree for several rows at once, warp_sum_rows);
 //   NVFP4 multiplies weight_scale_2 once at the end. (FP4_ALU_ODD computes the odd elements'
 //   products as (e2m1 * 2^-14) * (x * 2^14): the same real products, so the same bits, for
 //   |x| < 2^114; beyond that x * 2^14 overflows.) Gate/up round a and u to bf16, then SwiGLU;
@@ -63,7 +64,10 @@
 //     previous default), FP4_ALU_EVEN=1 (the plain placement: slower), FP4_ALU_ODD=0 (all table).
 //     See dot8 and docs/decode_perf.md "FP4 GEMV instruction budget".
 //   * Finished rows are kept one per lane and stored 32 at a time, so the epilogues (bf16
-//     rounding, SwiGLU in double) run lane-parallel.
+//     rounding, SwiGLU in double) run lane-parallel. With FP4_XRED (the default) a row group's
+//     warp sums are one transposed reduction that leaves each row's total on its own lanes, so
+//     the per-row work between the sums and the store (NVFP4's weight_scale_2, the bf16
+//     roundings, down's pick sums) runs once per lane too (KeptX).
 //   * down_combine: each warp ranks the token's picks itself (shuffles: no barrier before the
 //     first weight loads) and walks them in ascending expert id for its R rows.
 //   * Full-shape fast paths (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f; ops/experts.py picks
@@ -215,6 +219,39 @@ constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 // the even elements are decoded on the ALU (and their x staged times 2^14): no table
 #define FP4_EVEN_ON_ALU (FP4_ALU_EVEN || FP4_PRMT)
 
+#ifndef FP4_XRED
+// 1 (the default): the end of a row group reduces its N rows' lane partials by one transposed
+// warp reduction (warp_sum_rows: at xor distance 16 lanes keep one row of each pair and send the
+// other, at 8 one of the remaining pairs, ...; N - 1 + 5 - log2 N shuffles instead of 5 N), each
+// row through warp_sum's own tree: the same pairs of lane values added at every level, so the
+// same f32 sums bit for bit (tests/test_fp4_xred_cpu.py emulates both). The row totals then sit
+// one row per lane group (lane / (32 / R) = row in the group, lane % (32 / R) = the group's slot
+// among the 32 / R kept ones), so the epilogue's NVFP4 weight_scale_2, the bf16 roundings and
+// down's pick sums run once per lane instead of once per row on every lane. 0: a warp_sum per
+// row (the previous kernels). Schedule only: the bytes of both builds are equal
+// (tests/gpu/test_kernels_experts.py -k xred).
+#define FP4_XRED 1
+#endif
+
+#ifndef FP4_E8M0_FMA
+// 1 (the default): the MXFP4 block scale 2^(b - 127) as the f32 of bits b << 23 passed through
+// fma(s, 0, s) (2 instructions instead of e8m0_to_f32's shift, two compares and two selects):
+// s for b in 1..254; +0 for b = 0, which is what the chunk fold's FFMA.FTZ makes of the 2^-127
+// subnormal of e8m0_to_f32 (-ftz, every build here: a subnormal operand flushes to +0); and for
+// b = 255, +inf * 0 + inf = NaN, as e8m0_to_f32's 0x7fc00000 (every f32 operation on a NaN returns
+// the canonical 0x7fffffff on the GPU, so the fold's results are the same bits). 0: the selects.
+#define FP4_E8M0_FMA 1
+#endif
+
+#ifndef FP4_E4M3_CVT
+// 1 (the default): the two NVFP4 e4m3 block scales of a chunk by the hardware conversion (one
+// cvt.rn.f16x2.e4m3x2 of the two bytes, exact: every e4m3 value is a normal f16; then the exact
+// f16 -> f32 of each half) instead of two e4m3_to_f32 (bit arithmetic with branches): the same
+// f32 values, -0 for 0x80 included; 0x7F / 0xFF give some NaN as e4m3_to_f32's signed 0x7fc00000
+// does (the fold's FFMA returns the canonical NaN for either). 0: e4m3_to_f32.
+#define FP4_E4M3_CVT 1
+#endif
+
 #if !FP4_EVEN_ON_ALU
 // e2m1 decode table, one per CTA: 16 words on 16 banks, so a warp's 32 lookups are one
 // conflict-free wavefront. 256-byte aligned: the low byte of its shared address is 0, so
@@ -340,14 +377,30 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     return p;
 }
 
-// e8m0 byte -> f32 2^(b-127), the bits of common.cuh's e8m0_to_f32 (0 -> 2^-127, 255 -> NaN)
-// as selects: that one compiled to two branches per scale in the chunk loop.
+// e8m0 byte -> the f32 block scale 2^(b-127) as the chunk fold's FFMA uses it. FP4_E8M0_FMA=0:
+// the bits of common.cuh's e8m0_to_f32 (0 -> 2^-127, 255 -> NaN) as selects (that one compiled
+// to two branches per scale in the chunk loop); 1: b << 23 through fma(s, 0, s), the same value
+// in the fold under -ftz (see FP4_E8M0_FMA).
 DEV float e8m0_scale(u32 b) {
+#if FP4_E8M0_FMA
+    const float s = __uint_as_float(b << 23);  // 2^(b-127); +0 for b = 0, +inf for b = 255
+    return __fmaf_rn(s, 0.0f, s);              // s if finite, NaN for +inf
+#else
     const u32 bits = b == 0u ? 0x00400000u : (b == 255u ? 0x7fc00000u : b << 23);
     return __uint_as_float(bits);
+#endif
 }
 
 DEV u32 word_of(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// FP4_E4M3_CVT: the two e4m3 block scales of an NVFP4 chunk (bytes b0, b1) -> f32, exact: the
+// values of e4m3_to_f32 (NaN codes: some NaN)
+DEV void e4m3_scales(u32 b0, u32 b1, float& f0, float& f1) {
+    u32 pair;
+    const unsigned short two = (unsigned short)(b0 | (b1 << 8));  // low byte -> low half
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(two));
+    f16x2_to_f32(pair, f0, f1);
+}
 
 // One chunk (32 elements) of NRM row dots, THE arithmetic of every FP4 GEMV here: per row a
 // 32-product f32 partial in element order, then acc = fma(partial, block scale, acc) (NVFP4: two
@@ -359,6 +412,9 @@ template <int NRM, bool NV, bool XF>
 DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], const void* xq, u32 b,
                     bool qok, float (&acc)[NRM]) {
     float p[NRM];
+#if FP4_E4M3_CVT
+    float sc[NRM][2];  // NVFP4's two scales as f32 (from j = 1 on)
+#endif
 #pragma unroll
     for (int m = 0; m < NRM; ++m) p[m] = 0.0f;
 #pragma unroll
@@ -384,14 +440,23 @@ DEV void chunk_dots(const uint4 (&w)[NRM], const u32 (&s)[NRM][NV ? 2 : 1], cons
         if (NV && j == 1) {
 #pragma unroll
             for (int m = 0; m < NRM; ++m) {
+#if FP4_E4M3_CVT
+                e4m3_scales(s[m][0], s[m][NV ? 1 : 0], sc[m][0], sc[m][1]);  // both, one conversion
+                if (qok) acc[m] = __fmaf_rn(p[m], sc[m][0], acc[m]);
+#else
                 if (qok) acc[m] = __fmaf_rn(p[m], e4m3_to_f32(s[m][0]), acc[m]);
+#endif
                 p[m] = 0.0f;
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < NRM; ++m)
+#if FP4_E4M3_CVT
+        if (qok) acc[m] = __fmaf_rn(p[m], NV ? sc[m][1] : e8m0_scale(s[m][0]), acc[m]);
+#else
         if (qok) acc[m] = __fmaf_rn(p[m], NV ? e4m3_to_f32(s[m][NV ? 1 : 0]) : e8m0_scale(s[m][0]), acc[m]);
+#endif
 }
 
 // the end of a row dot: warp xor-tree of the lane partials; NVFP4 times weight_scale_2
@@ -400,6 +465,62 @@ DEV float row_total(float acc, float ws2) {
     acc = warp_sum(acc);
     return NV ? __fmul_rn(acc, ws2) : acc;
 }
+
+// a warp-summed row total times weight_scale_2 (NVFP4), as row_total after its warp_sum
+template <bool NV>
+DEV float times_ws2(float t, float ws2) { return NV ? __fmul_rn(t, ws2) : t; }
+
+// FP4_XRED: the warp sums of N rows at once (N a power of two <= 32), each row by warp_sum's
+// xor tree. v[m]: this lane's partial of row m (overwritten). Level l = 0 .. log2 N - 1 (xor
+// distance o = 16 >> l) pairs the n = N >> l values as (i, i + n / 2): a lane with bit o set keeps
+// the upper one and sends the lower, its partner (lane ^ o) the reverse, so both add their own
+// value of one row to the partner's value of the same row: what warp_sum's level l adds for that
+// row on that lane (same operand order too). After log2 N levels the lane holds row
+// lane >> (5 - log2 N) only, and the remaining levels (16 >> log2 N .. 1) are warp_sum's own. As
+// warp_sum leaves every lane with the same bits (a + b == b + a in f32, FTZ and NaN included),
+// the result is row m's warp_sum exactly, on the 32 / N lanes of row m.
+template <int N>
+DEV float warp_sum_rows(float (&v)[N]) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two <= 32");
+    constexpr int LOG = N >= 32 ? 5 : N >= 16 ? 4 : N >= 8 ? 3 : N >= 4 ? 2 : N >= 2 ? 1 : 0;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int l = 0; l < LOG; ++l) {
+        const int o = 16 >> l, h = (N >> l) / 2;
+        const bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int i = 0; i < h; ++i) {
+            const float send = sel(upper, v[i], v[i + h]);
+            const float keep = sel(upper, v[i + h], v[i]);
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+    float r = v[0];
+#pragma unroll
+    for (int o = 16 >> LOG; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+    return r;
+}
+
+// FP4_XRED's kept rows: the totals of row rr of a warp's row group g (R rows) live on lanes
+// rr * (32 / R) + (0 .. 32 / R - 1); of those, lane rr * (32 / R) + g % (32 / R) keeps it until the
+// store (32 / R groups, i.e. 32 rows, per flush, as Kept).
+template <int R>
+struct KeptX {
+    static_assert(R >= 1 && R <= 32 && (R & (R - 1)) == 0, "R: a power of two <= 32");
+    static constexpr int SLOTS = 32 / R;
+    float a, u;
+    int o = -1;
+    DEV static int row() { return (int)(threadIdx.x & 31) / SLOTS; }  // rr of this lane's totals
+    // row group g's totals (a, u: this lane's row's) are kept by the lanes of slot g % SLOTS
+    DEV void put(int g, float a_, float u_, int o0) {
+        if ((int)(threadIdx.x & (SLOTS - 1)) == (g & (SLOTS - 1))) {
+            a = a_;
+            u = u_;
+            o = o0 + row();
+        }
+    }
+    DEV static bool flush_after(int g, bool last) { return (g & (SLOTS - 1)) == SLOTS - 1 || last; }
+};
 
 // this lane's pointers into the NRM rows of a warp group: weights of chunk q = lane (row start +
 // 16 lane) and its scale byte(s) (row start + lane, NVFP4 + 2 lane); chunk lane + 32 i is then an
@@ -625,7 +746,10 @@ DEV void fp4_stream_down_full(P& pl) {
                 if (fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, ip);
             }
             if (i == KPL - 1) {
-                pl.finish_rank(cr, [rg] { return rg; }, acc);
+                // k even and two picks a trip from rank 0: the first pick of a trip has an even
+                // rank, so only the second can be the row group's last (FP4_XRED: the first
+                // one's last-pick block is left out; the same stores)
+                pl.finish_rank(cr, [rg] { return rg; }, acc, !FP4_XRED || u >= KPL);
                 if (++cr == k) {
                     cr = 0;
                     ++rg;
@@ -744,7 +868,11 @@ struct GemvPlan : PlanBase {
     const u8 *w, *sc;
     float s2;
     u16* yr;
+#if FP4_XRED
+    KeptX<R> kx;
+#else
     Kept kept;
+#endif
     const u16* xrow;
     DEV void stage() {
         stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
@@ -757,6 +885,13 @@ struct GemvPlan : PlanBase {
     DEV void begin(int) {}
     DEV void finish(int g, float (&acc)[R]) {
         const int o0 = row0(g, R);
+#if FP4_XRED
+        kx.put(g, warp_sum_rows<R>(acc), 0.0f, o0);
+        if (KeptX<R>::flush_after(g, g == ngroups - 1)) {
+            if (kx.o >= 0 && kx.o < O) yr[kx.o] = (u16)f32_to_bf16(times_ws2<NV>(kx.a, s2));
+            kx.o = -1;
+        }
+#else
 #pragma unroll
         for (int rr = 0; rr < R; ++rr) {
             const int n = g * R + rr;
@@ -766,6 +901,7 @@ struct GemvPlan : PlanBase {
                 kept.o = -1;
             }
         }
+#endif
     }
 };
 
@@ -803,7 +939,11 @@ struct GateUpPlan : PlanBase {
     bool weighted;
     double limit;
     u16* hr;
+#if FP4_XRED
+    KeptX<R> kx;
+#else
     Kept kept;
+#endif
     const u16* xrow;
     DEV void stage() {
         stage_rows<KPL, true>(const_cast<void*>(xs), xrow, 0, 1, nq);
@@ -817,6 +957,25 @@ struct GateUpPlan : PlanBase {
     DEV void begin(int) {}
     DEV void finish(int g, float (&acc)[2 * R]) {
         const int o0 = row0(g, R);
+#if FP4_XRED
+        // rows in the order a_0, u_0, a_1, u_1, ...: row 2 rr + 1 (u_rr) is on the lanes xor
+        // 16 / R from row 2 rr's (a_rr), so one more shuffle gives every lane both of its row rr
+        float v[2 * R];
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+            v[2 * rr] = acc[rr];
+            v[2 * rr + 1] = acc[R + rr];
+        }
+        const float t = warp_sum_rows<2 * R>(v), p = __shfl_xor_sync(0xffffffffu, t, 16 / R);
+        const bool is_u = (threadIdx.x & (16 / R)) != 0;
+        kx.put(g, sel(is_u, p, t), sel(is_u, t, p), o0);
+        if (KeptX<R>::flush_after(g, g == ngroups - 1)) {
+            if (kx.o >= 0 && kx.o < O)
+                hr[kx.o] = (u16)f32_to_bf16(swiglu_value(round_bf16(times_ws2<NV>(kx.a, a2)),
+                                                         round_bf16(times_ws2<NV>(kx.u, u2)), ws, weighted, limit));
+            kx.o = -1;
+        }
+#else
 #pragma unroll
         for (int rr = 0; rr < R; ++rr) {
             const int n = g * R + rr;
@@ -827,6 +986,7 @@ struct GateUpPlan : PlanBase {
                 kept.o = -1;
             }
         }
+#endif
     }
 };
 
@@ -885,10 +1045,15 @@ struct DownPlan : PlanBase {
     uint4* hs;           // [k][HW] staged h rows (pick index order)
     const u16* ht;       // the token's h rows
     float s2;
+#if FP4_XRED
+    float combx;         // the sum of the picks so far of this lane's row (KeptX<R>::row())
+    KeptX<R> kx;
+#else
     float comb[R];
+    Kept kept;
+#endif
     const u16* sh;       // shared-expert row or null
     u16* yr;
-    Kept kept;
     DEV void stage() {
         stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
         __syncthreads();
@@ -913,12 +1078,35 @@ struct DownPlan : PlanBase {
         xs = hs + __shfl_sync(0xffffffffu, r_order, rank) * HW;
         s2 = NV ? __shfl_sync(0xffffffffu, r_ws2, rank) : 1.0f;
         if (rank == 0) {
+#if FP4_XRED
+            combx = 0.0f;
+#else
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) comb[rr] = 0.0f;
+#endif
         }
     }
+    // (may_be_last = false: the caller knows rank < k - 1)
     template <class RG_OF>
-    DEV void finish_rank(int rank, RG_OF rg_of, float (&acc)[R]) {
+    DEV void finish_rank(int rank, RG_OF rg_of, float (&acc)[R], bool may_be_last = true) {
+#if FP4_XRED
+        // the pick's R row totals at once; this lane's row's into its sum (the same sum per row)
+        const float t = warp_sum_rows<R>(acc);
+        combx = __fadd_rn(combx, active ? round_bf16(times_ws2<NV>(t, s2)) : 0.0f);
+        if (may_be_last && rank == k - 1) {
+            const int rg = rg_of(), nrg = ngroups / k;
+            kx.put(rg, combx, 0.0f, row0(rg, R));
+            if (KeptX<R>::flush_after(rg, rg == nrg - 1)) {
+                const int o = kx.o;
+                if (o >= 0 && o < O) {
+                    float v = kx.a;
+                    if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
+                    yr[o] = (u16)f32_to_bf16(v);
+                }
+                kx.o = -1;
+            }
+        }
+#else
 #pragma unroll
         for (int rr = 0; rr < R; ++rr)  // an empty pick contributes the zero row of gemv()
             comb[rr] = __fadd_rn(comb[rr], active ? round_bf16(row_total<NV>(acc[rr], s2)) : 0.0f);
@@ -939,6 +1127,7 @@ struct DownPlan : PlanBase {
                 }
             }
         }
+#endif
     }
 };
 

@@ -137,7 +137,12 @@ def test_fast_streams_keep_the_row_arithmetic():
                      dn, re.S)
     # acc from zero per group / pick, chunks in order, the plan's epilogue at the group's end
     assert "acc[m] = 0.0f" in gu and "acc[m] = 0.0f" in dn
-    assert "pl.finish(g, acc);" in gu and "pl.finish_rank(cr, [rg] { return rg; }, acc);" in dn and "pl.begin_rank(cr);" in dn
+    assert "pl.finish(g, acc);" in gu and "pl.begin_rank(cr);" in dn
+    # down: FP4_XRED tells finish_rank that the first pick of a trip (u < KPL: an even rank, as
+    # k is even and every trip starts at an even rank) is not the row group's last
+    assert "pl.finish_rank(cr, [rg] { return rg; }, acc, !FP4_XRED || u >= KPL);" in dn
+    assert "constexpr int U = 2 * KPL;  // steps per trip: two picks" in dn and "if (++cr == k) {" in dn
+    assert "if (may_be_last && rank == k - 1) {" in SRC
     assert "DEV void begin(int g) { begin_rank(g % k); }" in SRC
     assert re.search(r"DEV void finish\(int g, float \(&acc\)\[R\]\) \{\s*finish_rank\(g % k, \[&\] \{ return g / k; \}, acc\);", SRC)
     # the loads: the rows' bytes at the general path's offsets (row o at o * K/2, chunk q at 16 q;

@@ -130,7 +130,8 @@ def test_nvcc_sm90a_no_spills_no_stack(tmp_path):
 # Tuning-macro builds of experts.cu that tests and tools/bench_gemv.py --fp4-variants load
 # (ops.experts.variant_kernels) and that are candidates for a default: they must compile under the
 # same rules (no spills, no stack, the declared entries).  ~50 s of nvcc each on a 2-core box.
-EXPERTS_VARIANT_BUILDS = [{"FP4_ALU_EVEN": 1}, {"FP4_PRMT": 0}]
+EXPERTS_VARIANT_BUILDS = [{"FP4_ALU_EVEN": 1}, {"FP4_PRMT": 0},
+                          {"FP4_XRED": 0, "FP4_E8M0_FMA": 0, "FP4_E4M3_CVT": 0}]
 
 
 @pytest.mark.parametrize("defines", EXPERTS_VARIANT_BUILDS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))

@@ -26,8 +26,16 @@ down_combine's previous prefetch depth (now 4), for an old/new comparison in one
 FP4_ALU_EVEN=1 decodes every e2m1 weight on the ALU (no table LDS: the shared-memory pipe that
 limited the table kernels carries only x); the default build is FP4_PRMT=1, the same all-ALU
 decode with fewer instructions per weight (byte-gathered f16 high bytes, one PRMT / mask per
-f16x2), and FP4_PRMT=0 the previous default (even elements through the table), for old / new:
+f16x2), and FP4_PRMT=0 the default before that (even elements through the table), for old / new:
     python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant FP4_PRMT
+The default build also has FP4_XRED=1 (transposed warp sums of a row group, the epilogue once per
+lane), FP4_E8M0_FMA=1 (MXFP4 scale as fma(s, 0, s) of b << 23) and FP4_E4M3_CVT=1 (NVFP4 scales
+by the hardware e4m3x2 conversion), all bit-identical; "prev3" is the build with the three off
+(the previous default), and one row each turns one off:
+    python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant prev3 --reps 20
+    python3 tools/bench_gemv.py --only-fp4 --fp4-variants --fp4-variant FP4_XRED=0 \
+        --fp4-variant FP4_E8M0_FMA=0 --fp4-variant FP4_E4M3_CVT=0 --reps 20
+(a label matches if it contains one of the --fp4-variant strings: prev3's contains all three)
 The default rows launch the full-shape fast kernels (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f:
 the Flash shapes qualify, ops.experts.gateup_full / down_full); the row labelled "general" is the
 same build with ops.experts.full_path(False) (the general _k4 / _k2 kernels), for fast / general
@@ -304,7 +312,14 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                                ("previous: FP4_ALU_ODD=0 FP4_DN_DEPTH=2", {"FP4_ALU_ODD": 0, "FP4_DN_DEPTH": 2}),
                                ("FP4_DN_DEPTH=2", {"FP4_DN_DEPTH": 2}),
                                ("FP4_ALU_EVEN=1", {"FP4_ALU_EVEN": 1}),
-                               ("FP4_PRMT=0 (table even: the previous default)", {"FP4_PRMT": 0}),
+                               ("FP4_PRMT=0 (table even: the PRMT session's previous default)", {"FP4_PRMT": 0}),
+                               # the fp4red changes (experts.cu FP4_XRED, FP4_E8M0_FMA, FP4_E4M3_CVT):
+                               # all three off (the previous default), then each off alone
+                               ("prev3: FP4_XRED=0 FP4_E8M0_FMA=0 FP4_E4M3_CVT=0 (the previous default)",
+                                {"FP4_XRED": 0, "FP4_E8M0_FMA": 0, "FP4_E4M3_CVT": 0}),
+                               ("FP4_XRED=0", {"FP4_XRED": 0}),
+                               ("FP4_E8M0_FMA=0", {"FP4_E8M0_FMA": 0}),
+                               ("FP4_E4M3_CVT=0", {"FP4_E4M3_CVT": 0}),
                                # a schedule-only candidate (no spills; bits checked as every row):
                                # gate/up over 1 row pair at depth 4 (the recorded launch's grid is
                                # the R = 2 one, which already fills the GPU).  A down over 4 rows is

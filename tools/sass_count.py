@@ -14,7 +14,8 @@ kernel:
 * weights per trip from that loop's FFMA count: each weight is one FFMA of the element-order
   chain, and each (row, 32-element chunk) adds its block-scale folds (MXFP4 1, NVFP4 2), so
   weights = FFMA * 32 / (32 + folds), rounded to a multiple of 32 (an epilogue adds a few FFMA,
-  e.g. gate/up's SwiGLU 2; more than 4 off is flagged "?");
+  e.g. gate/up's SwiGLU 2; more than 4 off is flagged "?"); FFMA with a zero multiplicand
+  (RZ: FP4_E8M0_FMA's scale fma(s, 0, s)) are not counted as weights (they are in the loop count);
 * instructions per weight and lane of that loop (static: every instruction of the loop range once,
   including epilogue blocks that run only once per 32 rows, so it overstates a little);
 * --hist: the loop's class histogram (opcode without modifiers), most frequent first.
@@ -52,6 +53,7 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 _FUNC_PTX = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_ZERO_MUL = re.compile(r"FFMA[A-Z0-9_.]*\s+[^,]+,\s*(?:RZ\s*,|[^,]+,\s*RZ\s*,)")
 
 
 def compile_cubin(defines: dict, out: str, trim: bool = False, nvcc: str = "nvcc") -> str:
@@ -141,10 +143,11 @@ def loop_stats(name: str, f: dict) -> dict:
     rng = main_loop(f)
     if rng is None:
         return {}
-    body = [(a, o) for a, o, _ in f["insns"] if rng[0] <= a <= rng[1]]
-    hist = collections.Counter(o.split(".")[0] for _, o in body)
+    body = [(a, o, t) for a, o, t in f["insns"] if rng[0] <= a <= rng[1]]
+    hist = collections.Counter(o.split(".")[0] for _, o, _ in body)
     folds = 2 if "nvfp4" in name else 1
-    ffma = hist.get("FFMA", 0)
+    # an FFMA with a zero multiplicand (x * 0 + y: FP4_E8M0_FMA's scale fma(s, 0, s)) is no weight
+    ffma = hist.get("FFMA", 0) - sum(1 for _, o, t in body if o.split(".")[0] == "FFMA" and _ZERO_MUL.search(t))
     exact = ffma * 32 / (32 + folds)
     weights = 32 * round(exact / 32)   # a few FFMA of an epilogue (SwiGLU) may sit in the loop
     return dict(n=len(body), ffma=ffma, weights=weights, ok=abs(exact - weights) <= 4,

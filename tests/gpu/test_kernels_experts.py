@@ -239,13 +239,14 @@ def _wide_bf16(rng, shape, huge: bool = False):
     return cp.asarray(bits_of(x))
 
 
-def _same_bits_across_builds(fmt, case, defines, label, huge=False):
+def _same_bits_across_builds(fmt, case, defines, label, huge=False, strict=False):
     """The three FP4 GEMVs (gate/up, down_combine, plain gemv of w1 and w2) of the default build
     against the variant_kernels(defines) build, same inputs: every output byte equal (NaN ==
-    NaN), and a good share of nonzero outputs so that the comparison is not vacuous.  Cases:
-    flash (gate/up K = 4096, O = 2048; down K = 2048, O = 4096: KPL 4 / 2, x staged as f32, k = 6);
-    wide_down (down K = 4096: h staged as bf16, the unpack path); odd (K = 288, O = 160: KPL 1,
-    partial warps)."""
+    NaN; strict: NaN bits too, and MXFP4 flash must have NaN outputs, from its 0xFF scales), and
+    a good share of nonzero outputs so that the comparison is not vacuous.  Cases:
+    flash (gate/up K = 4096, O = 2048; down K = 2048, O = 4096: KPL 4 / 2, x staged as f32, k = 6;
+    the wrappers launch the full-shape _f kernels here); wide_down (down K = 4096: h staged as
+    bf16, the unpack path); odd (K = 288, O = 160: KPL 1, partial warps)."""
     seed = fresh_seed()
     rng = rng_for(seed)
     I, D, T, k = {"flash": (2048, 4096, 2, 6), "wide_down": (4096, 512, 2, 6), "odd": (160, 288, 3, 4)}[case]
@@ -272,9 +273,12 @@ def _same_bits_across_builds(fmt, case, defines, label, huge=False):
     with K.kernels_from(K.variant_kernels(defines)):
         want = run()
     for name, a, b in zip(("gateup", "down_combine", "gemv w1", "gemv w2"), got, want):
-        same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
+        same = (a == b) if strict else (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
         assert bool(same.all()), (f"{name}: default build != {label} build at "
                                   f"{int((~same).sum())} of {a.size} {describe(seed, fmt=fmt, case=case)}")
+    if strict and fmt == "mxfp4" and case == "flash":
+        nan = sum(int(((a & 0x7FFF) > 0x7F80).sum()) for a in got)
+        assert nan > 0, f"no NaN output: the strict NaN comparison is vacuous {describe(seed, fmt=fmt, case=case)}"
     # the comparison is not vacuous: a good share of nonzero outputs in every kernel (the wide-
     # range x and the SwiGLU leave ~46 % of gate/up's bf16 outputs at +-0 on the H200, one of
     # the T*k rows is the empty pick; a broken kernel writing zeros falls far below a quarter)
@@ -313,6 +317,22 @@ def test_prmt_decode_same_bits_as_table_build(fmt, case):
     table, the same products in the same FMA order, so the same bits as the FP4_PRMT=0 build (the
     even elements through the table: the previous default), with x and h reaching 2^113."""
     _same_bits_across_builds(fmt, case, {"FP4_PRMT": 0}, "FP4_PRMT=0 (table)", huge=True)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", ["flash", "wide_down", "odd"])
+def test_xred_scale_same_bits_as_previous_build(fmt, case):
+    """The default build's FP4_XRED=1 (the row groups' warp sums by one transposed reduction,
+    each row through warp_sum's own tree; the epilogue's roundings once per lane),
+    FP4_E8M0_FMA=1 (the MXFP4 block scale as fma(s, 0, s) of the bits b << 23) and
+    FP4_E4M3_CVT=1 (the NVFP4 scales by the hardware e4m3x2 -> f16x2 conversion) against the
+    build with all three 0 (the previous kernels): every output byte equal, NaN bits included
+    (the scale's NaN for e8m0 0xFF: the GPU's canonical NaN either way), with x and h up to
+    2^113, MXFP4 scales 0 and 0xFF, NVFP4 every finite e4m3 scale of either sign.  flash runs
+    the full-shape _f kernels, wide_down / odd the general ones.  tests/test_fp4_xred_cpu.py
+    checks the reduction tree and the scale values on the CPU."""
+    _same_bits_across_builds(fmt, case, {"FP4_XRED": 0, "FP4_E8M0_FMA": 0, "FP4_E4M3_CVT": 0},
+                             "FP4_XRED=0 FP4_E8M0_FMA=0 FP4_E4M3_CVT=0", huge=True, strict=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
