@@ -134,7 +134,7 @@ SEAM_L2_PREFETCH = Seam(
     "(cp.async.bulk.prefetch.L2) while its predecessor still runs. A hint: bit-identical outputs "
     "with every value.")
 SEAM_DECODE_FORK = Seam(
-    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "all", ("on", "off", "all", "single"),
+    "decode_fork", "MEMRA_DSV4_DECODE_FORK", "all", ("on", "off", "all", "single", "lead"),
     "Graph branches in the `device` decode step (memra_dsv4.gpu.step_device, read once per "
     "model and printed): `on` captures each attention sub-layer's kv norm + compressor launches "
     "on a side stream and (CSA layers) the indexer + candidate list on a second one, beside the "
@@ -143,7 +143,11 @@ SEAM_DECODE_FORK = Seam(
     "and the routed gate/up (measured on 2x H200 at fb5d3ac, 1K context, 100 steps in one "
     "process: bf16 dense 7.87 -> 7.55 ms, fp8 7.10 -> 6.91 ms per token against `on`); "
     "`single` the former `on` (one side branch for kv, indexer and compressor, candidates after "
-    "the join), kept for A/B; `off` one stream. Bit-identical.")
+    "the join), kept for A/B; `lead` = `all` with the CSA indexer's q GEMV moved onto the main "
+    "stream before wq_b and the rest of the indexer (compressor emit, RoPE / Hadamard, scores + "
+    "top-k, candidates) forked after it, so that chain of small kernels can run while wq_b "
+    "streams (with MEMRA_DSV4_DECODE_PRIORITY `attn` its CTAs are dispatched ahead of wq_b's); "
+    "`off` one stream. Bit-identical.")
 SEAM_HC_SPLIT = Seam(
     "hc_split", "MEMRA_DSV4_HC_SPLIT", "on", ("off", "on"),
     "Sub-layer boundaries of the `device` decode step (memra_dsv4.gpu.step_device, read once per "

@@ -239,8 +239,9 @@ class DeviceStep:
         validated: "on" captures the attention sub-layer's kv / compressor launches on a side
         stream and (CSA) the indexer + candidates on a second one, beside wq_b; "single" the
         former "on" (one side branch, candidates after the join; for A/B); "all" = "on" plus the
-        shared expert beside the router and the routed gate/up (graphs only; the eager step
-        stays one stream)."""
+        shared expert beside the router and the routed gate/up; "lead" = "all" with the CSA
+        indexer's q GEMV on the main stream before wq_b, the rest of the indexer forked after it
+        (graphs only; the eager step stays one stream)."""
         from memra_dsv4.seams import SEAM_DECODE_FORK
         value = getattr(self.m, "decode_fork", None) or SEAM_DECODE_FORK.default
         return SEAM_DECODE_FORK.check(value, f"model.decode_fork (env {SEAM_DECODE_FORK.env})")
@@ -329,7 +330,7 @@ class DeviceStep:
         phase_set_capturing(True)  # brackets inside _enqueue record no events while capturing
         try:
             for S in self.stages:
-                self._forking = fork if fork in ("on", "all", "single") else ""
+                self._forking = fork if fork in ("on", "all", "single", "lead") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
                 S.hc_pending = False
                 b = S.branches["off" if prio == "off" else "side"]
@@ -503,16 +504,26 @@ class DeviceStep:
         CM.emit(S.v["pos"], pend.kv, pend.score, pend.ratio, pend.overlap, L.f32[f"{sub}.norm.weight"],
                 self.cfg.rms_norm_eps, L.cos, L.sin, "hadfp4" if indexer else "fp8", dst)
 
-    def _indexer(self, S, L, cache):
+    def _indexer_q(self, S, L):
+        """The indexer's q GEMV (idx.q from the normed qr): the one bandwidth-bound launch of the
+        indexer; decode_fork "lead" issues it on the main stream before wq_b (_attention)."""
         from memra_dsv4.gpu import ops_decode as DK
+        cfg, v = self.cfg, S.v
+        q = v["idx.q"].reshape(1, cfg.index_n_heads, cfg.index_head_dim)
+        w, sc = L.lin("attn.indexer.wq_b")
+        DK.gemv_bf16(w, v["attn.qr"], q, scale=sc)
+
+    def _indexer(self, S, L, cache, q_done: bool = False):
+        """The CSA indexer: its compressor emission, the q GEMV (unless ``q_done``: _indexer_q
+        already issued it), RoPE / Hadamard / FP4 sim of q, scores + top-k -> idx.sel."""
         from memra_dsv4.gpu.ops import indexer as IX
         from memra_dsv4.gpu.ops import quant_sim as QS
         cfg, v = self.cfg, S.v
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         self._compress(S, L, cache.idx_state, cache.idx_keys, indexer=True)
         q = v["idx.q"].reshape(1, nI, dI)
-        w, sc = L.lin("attn.indexer.wq_b")
-        DK.gemv_bf16(w, v["attn.qr"], q, scale=sc)
+        if not q_done:
+            self._indexer_q(S, L)
         QS.rope_hadamard128_fp4(q, v["pos"], L.cos, L.sin, out=q)
         N = cache.idx_keys.shape[0]
         nv = v["dev.aux"][0:1]
@@ -572,11 +583,11 @@ class DeviceStep:
                 with phase(f"{ap}/compressor"):
                     self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
 
-        def sel_path(cands: bool = True):  # the indexer (CSA; reads the normed qr and xn's
-            sel = None                     # projections) and the candidate list (split form;
-            if csa:                        # it needs only pos and sel)
+        def sel_path(cands: bool = True, q_done: bool = False):  # the indexer (CSA; reads the
+            sel = None                     # normed qr and xn's projections) and the candidate
+            if csa:                        # list (split form; it needs only pos and sel)
                 with phase(f"{ap}/indexer"):
-                    sel = self._indexer(S, L, cache)
+                    sel = self._indexer(S, L, cache, q_done=q_done)
                 assert K == W + sel.size, f"candidate width {K} != {W} + {sel.size}"
             if cands:
                 build_cands(sel)
@@ -590,7 +601,7 @@ class DeviceStep:
             q_path()
             S.fork.join()
             build_cands(sel)
-        elif self._forking in ("on", "all"):
+        elif self._forking in ("on", "all", "lead"):
             # Captured as graph branches beside wq_b (a bandwidth-bound GEMV; q path on
             # S.stream): the latency-bound kv ring + compressor launches on S.side and the
             # indexer + build_cand on S.side2 (CSA layers; else the candidates follow the kv
@@ -600,12 +611,20 @@ class DeviceStep:
             # ring, comp_state -> comp; indexer: qr, idx.w, idx_state -> idx_keys, idx.q,
             # dev.idx_scores, idx.sel -> attn.cand; q: qr -> attn.q), so the values are those of
             # the one-stream order.  The join makes the attention wait for all of them.
+            # "lead" (CSA): the device timeline (92d6f72) showed side-branch CTAs dispatched only
+            # once wq_b's 4096 CTAs all were, so the indexer chain (~21 us of mostly tiny
+            # launches) ran after wq_b; its one bandwidth-bound launch (the q GEMV) now goes
+            # first on the main stream and the rest forks after it, beside wq_b.
+            lead = csa and self._forking == "lead"
+            if lead:   # the indexer's q GEMV first, on the main stream: its chain forks after it
+                with phase(f"{ap}/indexer"):
+                    self._indexer_q(S, L)
             if csa:
                 S.fork3.fork()
                 with S.side:
                     kv_path()
                 with S.side2:
-                    sel = sel_path()
+                    sel = sel_path(q_done=lead)
                 q_path()
                 S.fork3.join()
             else:
@@ -680,7 +699,7 @@ class DeviceStep:
                                    ws2_3=L.ws2["w3"])
 
         # The four are independent until the combine (any order gives the same bits).
-        if self._forking == "all":
+        if self._forking in ("all", "lead"):
             # Two graph branches: the shared expert (two bandwidth-bound dense GEMVs) beside the
             # router and the routed gate/up (latency- and issue-bound); they share no buffer, and
             # the join makes the down + combine wait for both.  The default since 50ac732: with

@@ -24,7 +24,7 @@ def _run(name, devices, steps=14, prompt=5):
     assert greatest < least, f"the device offers one stream priority only ({least}, {greatest})"
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=13)
-    arms = ("off", "side", "attn")
+    arms = ("off", "side", "attn", "lead+attn")   # decode_priority [+ decode_fork lead]
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     old = (m.decode_priority, m.decode_fork, m.hc_split)
     try:
@@ -32,13 +32,13 @@ def _run(name, devices, steps=14, prompt=5):
         for i, t in enumerate(ids[prompt:prompt + steps]):
             got = {}
             for a in arms:
-                m.decode_priority = a
+                m.decode_fork, m.decode_priority = ("lead", "attn") if a == "lead+attn" else ("all", a)
                 got[a] = device_step(m, states[a], int(t), graph=True)
-            for a in ("side", "attn"):
+            for a in arms[1:]:
                 assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
                     f"{name}: step {i} (pos {prompt + i}): logits with prio={a} differ"
         ref = states["off"].snapshot()
-        for a in ("side", "attn"):
+        for a in arms[1:]:
             sa = states[a].snapshot()
             diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
             assert not diff, f"{name}: caches with prio={a} differ: {diff}"
