@@ -31,11 +31,11 @@
 //
 // The _qn kernels (sparse_attn_*_qn, sparse_attn_decode_*_qn; the device step's seam
 // MEMRA_DSV4_DECODE_QNORM = attn) take q as the raw wq_b output and apply the per-head q norm +
-// q RoPE at the q load: each warp runs head_rms.cuh's head_rms_warp_row (rmsnorm.cu
-// head_rms_bf16's body, one warp per head as there) on its HPW heads' rows and keeps the normed
-// bf16 values in its q registers, so the attention sees exactly the bits head_rms_bf16 would
-// have stored; q in global memory is only read.  Every CTA of a head group (n_split of them)
-// recomputes its heads' norm (HG rows of D bf16, from L2).
+// q RoPE at the q load: each warp runs head_rms.cuh's row functions (rmsnorm.cu head_rms_bf16's
+// per-chunk code in its order, with n = D; one warp per head as there) on its HPW heads' rows and
+// keeps the normed bf16 values in its q registers, so the attention sees exactly the bits
+// head_rms_bf16 would have stored; q in global memory is only read.  Every CTA of a head group
+// (n_split of them) recomputes its heads' norm (HG rows of D bf16, from L2).
 #include "common.cuh"
 #include "head_rms.cuh"
 
@@ -90,8 +90,8 @@ DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
     }
 }
 
-// The _qn kernels' q norm (head_rms_warp_row's arguments): eps, and the q RoPE of the last R
-// dims at position pos[t] (cos / sin [n_pos, R/2] f32; pos null: no rotation).
+// The _qn kernels' q norm: eps, and the q RoPE of the last R dims (8 <= R <= D, R % 8 == 0) at
+// position pos[t] (cos / sin [n_pos, R/2] f32; pos null: no rotation).
 struct QNorm {
     float eps;
     const int* pos;
@@ -143,9 +143,10 @@ DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const Cand&
 }
 
 // QN: the warp's HPW q rows of token t (qw = row h0, raw), each normed (+ roped) by
-// head_rms_warp_row, one head after another, into the lane's q registers qf[hh][ch][u] = dim
-// L::dim(lane, ch) + u of head h0 + hh.  U = 8 (D >= 256): head_rms's chunk c = lane + 32 ch is
-// exactly the lane's chunk ch, so each chunk lands in the registers of the lane that computed it.
+// head_rms.cuh's phases (head_rms_bf16's chunks, order and arithmetic with n = D): every row's
+// loads and the token's RoPE rows, then every row's lane sums, then each row's warp sum and
+// values, into the lane's q registers qf[hh][ch][u] = dim L::dim(lane, ch) + u of head h0 + hh.
+// U = 8 (D >= 256): head_rms's chunk c = lane + 32 ch is exactly the lane's chunk ch, so each chunk lands in the registers of the lane that computed it.
 // U = 4 (D = 128): lanes 0..15 compute chunks c = lane (8 dims); lane l takes the half (l & 1) of
 // chunk l >> 1 by shuffles.
 template <int D, int HPW>
@@ -155,6 +156,18 @@ DEV void q_norm_rows(const u16* __restrict__ qw, i64 t, const QNorm& qn,
     constexpr int U = L::U, NCH = L::NCH;
     const int lane = threadIdx.x & 31;
     const auto tok = [&] { return t; };
+    HeadRmsRow<D> rows[HPW];
+    HeadRmsRope<D> rope;  // one token: the same position and RoPE rows for every head
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh)  // every row's loads in flight before any sum
+        head_rms_row_load(rows[hh], qw + hh * D);
+    if (qn.pos != nullptr)  // uniform
+        head_rms_rope_load(rope, qn.pos, tok, qn.cos_t, qn.sin_t, qn.R);
+    else
+        head_rms_rope_none(rope);
+    double ss[HPW];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) ss[hh] = head_rms_row_sumsq(rows[hh]);
 #pragma unroll
     for (int hh = 0; hh < HPW; ++hh) {
         if constexpr (U == 8) {
@@ -162,17 +175,16 @@ DEV void q_norm_rows(const u16* __restrict__ qw, i64 t, const QNorm& qn,
             for (int ch = 0; ch < NCH; ++ch)
 #pragma unroll
                 for (int u = 0; u < U; ++u) qf[hh][ch][u] = 0.0f;
-            head_rms_warp_row(qw + hh * D, D, qn.eps, qn.pos, tok, qn.cos_t, qn.sin_t, qn.R,
-                              [&](int c, const uint4& v) {
+            head_rms_row_finish(rows[hh], rope, ss[hh], qn.eps, [&](int c, const uint4& v) {  // c: lane + 32 ch
 #pragma unroll
-                                  for (int ch = 0; ch < NCH; ++ch)
-                                      if ((c >> 5) == ch) unpack8(v, qf[hh][ch]);
-                              });
+                for (int ch = 0; ch < NCH; ++ch)
+                    if (c - lane == 32 * ch) unpack8(v, qf[hh][ch]);
+            });
         } else {
             static_assert(D == 128, "q_norm_rows: U = 4 is D = 128 (16 chunks of 8 dims)");
             uint4 held = make_uint4(0u, 0u, 0u, 0u);
-            head_rms_warp_row(qw + hh * D, D, qn.eps, qn.pos, tok, qn.cos_t, qn.sin_t, qn.R,
-                              [&](int c, const uint4& v) { held = v; });  // c = lane < 16
+            head_rms_row_finish(rows[hh], rope, ss[hh], qn.eps,
+                                [&](int c, const uint4& v) { held = v; });  // c = lane < 16
             const int src = lane >> 1;
             const u32 x = __shfl_sync(0xffffffffu, held.x, src), y = __shfl_sync(0xffffffffu, held.y, src);
             const u32 z = __shfl_sync(0xffffffffu, held.z, src), w = __shfl_sync(0xffffffffu, held.w, src);
@@ -378,10 +390,12 @@ SPARSE_ATTN(sparse_attn_d128_hg4, 128, 1, 4)
 
 // The _qn forms: SPARSE_ATTN's arguments with q the RAW q (rows of D bf16, 16-byte aligned), then
 // the q norm: eps (f32, as head_rms_bf16's), qn_pos [T] int32 + qn_cos / qn_sin [n_pos, R/2] f32:
-// the q RoPE of the last qn_R dims (qn_pos null: none).  = head_rms_bf16(q, rope) into a copy of
-// q, then SPARSE_ATTN on it, bit for bit.  q is not written.
+// the q RoPE of the last qn_R dims (8 <= qn_R <= D; qn_pos null: none).  = head_rms_bf16(q, rope) into a copy of
+// q, then SPARSE_ATTN on it, bit for bit.  q is not written.  Launch bounds (32*NW, 1): with
+// (32*NW) alone ptxas (CUDA 13) spills 12 bytes in sparse_attn_d512_hg4_qn (t*H, live from the q
+// norm to the n_split = 1 epilogue's division calls); with min 1 CTA it spills nothing.
 #define SPARSE_ATTN_QN(NAME, D, HPW, NW)                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * NW)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1)                                        \
     NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
          int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
          int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc,                    \

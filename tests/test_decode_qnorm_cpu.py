@@ -73,18 +73,44 @@ def test_decode_bench_qnorm_arm():
         check_arms("path=device+qnorm=on")
 
 
-def test_head_rms_row_is_shared_source():
-    """head_rms_bf16 and the attention's q norm call the one row function of head_rms.cuh (the
-    bit identity by construction); rmsnorm.cu keeps no second copy of its arithmetic."""
+def _body(src: str, head: str) -> str:
+    """The brace-matched body of the first definition starting with ``head``."""
+    i = src.index(head)
+    j = src.index("{", i)
+    depth = 0
+    for k in range(j, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[k], 0)
+        if depth == 0:
+            return src[j:k + 1]
+    raise AssertionError(f"unbalanced body of {head}")
+
+
+def test_head_rms_row_code_is_shared():
+    """head_rms_bf16 and the attention's q norm run head_rms.cuh's chunk helpers (the bit identity
+    by construction): rmsnorm.cu keeps no copy of the arithmetic, both drivers of head_rms.cuh
+    (the run-time n loop and the compile-time N phases) do theirs only through the helpers, and
+    the _qn kernels of both attention forms exist (6 each)."""
     kd = os.path.join(ROOT, "kernels_cu")
     rms = open(os.path.join(kd, "rmsnorm.cu"), encoding="utf-8").read()
     att = open(os.path.join(kd, "attention.cu"), encoding="utf-8").read()
     hdr = open(os.path.join(kd, "head_rms.cuh"), encoding="utf-8").read()
     assert '#include "head_rms.cuh"' in rms and '#include "head_rms.cuh"' in att
-    assert "DEV void head_rms_warp_row(" in hdr
-    body = rms[rms.index("head_rms_bf16("):]
-    assert "head_rms_warp_row(" in body and "round_bf16" not in body
-    assert att.count("head_rms_warp_row(") == 2       # q_norm_rows: the U = 8 and U = 4 forms
+    body = _body(rms, "head_rms_bf16(const u16* x")
+    assert "head_rms_warp_row(" in body and "round_bf16" not in body and "__fmul_rn" not in body
+    arith = ("round_bf16", "__fmul_rn", "__dadd_rn", "__fadd_rn", "sqrt", "rope_pair")
+    drivers = {"DEV void head_rms_warp_row(": ("head_rms_sumsq8(", "head_rms_r(", "head_rms_scale8(",
+                                               "head_rms_rope8("),
+               "DEV double head_rms_row_sumsq(": ("head_rms_sumsq8(",),
+               "DEV void head_rms_row_finish(": ("warp_sum(", "head_rms_r(", "head_rms_scale8(",
+                                                 "head_rms_rope8(")}
+    for head, helpers in drivers.items():
+        b = _body(hdr, head)
+        assert all(h in b for h in helpers), head
+        assert not any(a in b for a in arith), f"{head}: arithmetic outside the shared helpers"
+    q_norm = _body(att, "DEV void q_norm_rows(")
+    for call in ("head_rms_row_load(", "head_rms_rope_load(", "head_rms_row_sumsq(", "head_rms_row_finish("):
+        assert call in q_norm, call
+    assert not any(a in q_norm for a in arith)
     for macro, kernels in (("SPARSE_ATTN_QN", 6), ("SPARSE_ATTN_DECODE_QN", 6)):
         assert len(re.findall(rf"^{macro}\((\w+_qn)\s*,", att, re.M)) == kernels, macro
 
@@ -188,6 +214,9 @@ def test_qnorm_argument_checks(monkeypatch):
     with pytest.raises(AssertionError, match="rope dims 160"):
         big = A(np.zeros((9, 80), np.float32))
         AT.sparse_attention(q, kv, idx, sink, 0.1, q_norm=(1e-6, A(np.zeros(2, np.int32)), big, big))
+    with pytest.raises(AssertionError, match="rope dims 0"):   # the kernels need R >= 8 with a position
+        empty = A(np.zeros((9, 0), np.float32))
+        AT.sparse_attention(q, kv, idx, sink, 0.1, q_norm=(1e-6, A(np.zeros(2, np.int32)), empty, empty))
     with pytest.raises(AssertionError, match="expected \\(eps, pos, cos, sin\\)"):
         AT.sparse_attention(q, kv, idx, sink, 0.1, q_norm=(1e-6, A(np.zeros(2, np.int32))))
     with pytest.raises(AssertionError, match="out must not alias q"):

@@ -87,7 +87,7 @@ def _qnorm_args(q_norm, T: int, D: int, name: str) -> tuple:
     check(qcos, f"{name}.q_norm.cos", np.float32, (None, None))
     check(qsin, f"{name}.q_norm.sin", np.float32, qcos.shape)
     R = 2 * qcos.shape[1]
-    assert R % 8 == 0 and R <= D, f"{name}.q_norm: rope dims {R} unsupported"
+    assert R % 8 == 0 and 8 <= R <= D, f"{name}.q_norm: rope dims {R} unsupported"
     return (np.float32(eps), qpos, qcos, qsin, i32(R))
 
 
