@@ -28,7 +28,16 @@
 // double-buffered. Lane l owns the dims of 16-byte (8-dim) chunks l, l+32, ... (D = 128: 4-dim
 // chunks), so a warp reading a kv row touches 512 contiguous bytes: conflict-free.
 // Dynamic shared memory: 2 * 32 * D * 2 bytes (D = 512: 64 KiB; the wrapper raises the limit).
+//
+// The _qn kernels (sparse_attn_*_qn, sparse_attn_decode_*_qn; the device step's seam
+// MEMRA_DSV4_DECODE_QNORM = attn) take q as the raw wq_b output and apply the per-head q norm +
+// q RoPE at the q load: each warp runs head_rms.cuh's row functions (rmsnorm.cu head_rms_bf16's
+// per-chunk code in its order, with n = D; one warp per head as there) on its HPW heads' rows and
+// keeps the normed bf16 values in its q registers, so the attention sees exactly the bits
+// head_rms_bf16 would have stored; q in global memory is only read.  Every CTA of a head group
+// (n_split of them) recomputes its heads' norm (HG rows of D bf16, from L2).
 #include "common.cuh"
+#include "head_rms.cuh"
 
 using namespace memra;
 
@@ -81,6 +90,16 @@ DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
     }
 }
 
+// The _qn kernels' q norm: eps, and the q RoPE of the last R dims (8 <= R <= D, R % 8 == 0) at
+// position pos[t] (cos / sin [n_pos, R/2] f32; pos null: no rotation).
+struct QNorm {
+    float eps;
+    const int* pos;
+    const float* cos_t;
+    const float* sin_t;
+    int R;
+};
+
 // Candidate j of the token's list (-1 = skip; j >= K: -1).  IdxCand reads the given list;
 // DecodeCand computes decode.cu build_cand's entry j from (pos, W, ratio, sel) where it is used
 // (the decode kernel: no build_cand launch, no list in memory; the same ints, so the same bits).
@@ -123,11 +142,67 @@ DEV void issue_tile(u16* buf, const u16* __restrict__ kv, int ld_kv, const Cand&
     cp_async_commit();
 }
 
-template <int D, int HPW, int NW, typename Cand>
+// QN: the warp's HPW q rows of token t (qw = row h0, raw), each normed (+ roped) by
+// head_rms.cuh's phases (head_rms_bf16's chunks, order and arithmetic with n = D): every row's
+// loads and the token's RoPE rows, then every row's lane sums, then each row's warp sum and
+// values, into the lane's q registers qf[hh][ch][u] = dim L::dim(lane, ch) + u of head h0 + hh.
+// U = 8 (D >= 256): head_rms's chunk c = lane + 32 ch is exactly the lane's chunk ch, so each chunk lands in the registers of the lane that computed it.
+// U = 4 (D = 128): lanes 0..15 compute chunks c = lane (8 dims); lane l takes the half (l & 1) of
+// chunk l >> 1 by shuffles.
+template <int D, int HPW>
+DEV void q_norm_rows(const u16* __restrict__ qw, i64 t, const QNorm& qn,
+                     float (&qf)[HPW][Lanes<D>::NCH][Lanes<D>::U]) {
+    using L = Lanes<D>;
+    constexpr int U = L::U, NCH = L::NCH;
+    const int lane = threadIdx.x & 31;
+    const auto tok = [&] { return t; };
+    HeadRmsRow<D> rows[HPW];
+    HeadRmsRope<D> rope;  // one token: the same position and RoPE rows for every head
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh)  // every row's loads in flight before any sum
+        head_rms_row_load(rows[hh], qw + hh * D);
+    if (qn.pos != nullptr)  // uniform
+        head_rms_rope_load(rope, qn.pos, tok, qn.cos_t, qn.sin_t, qn.R);
+    else
+        head_rms_rope_none(rope);
+    double ss[HPW];
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) ss[hh] = head_rms_row_sumsq(rows[hh]);
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        if constexpr (U == 8) {
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+                for (int u = 0; u < U; ++u) qf[hh][ch][u] = 0.0f;
+            head_rms_row_finish(rows[hh], rope, ss[hh], qn.eps, [&](int c, const uint4& v) {  // c: lane + 32 ch
+#pragma unroll
+                for (int ch = 0; ch < NCH; ++ch)
+                    if (c - lane == 32 * ch) unpack8(v, qf[hh][ch]);
+            });
+        } else {
+            static_assert(D == 128, "q_norm_rows: U = 4 is D = 128 (16 chunks of 8 dims)");
+            uint4 held = make_uint4(0u, 0u, 0u, 0u);
+            head_rms_row_finish(rows[hh], rope, ss[hh], qn.eps,
+                                [&](int c, const uint4& v) { held = v; });  // c = lane < 16
+            const int src = lane >> 1;
+            const u32 x = __shfl_sync(0xffffffffu, held.x, src), y = __shfl_sync(0xffffffffu, held.y, src);
+            const u32 z = __shfl_sync(0xffffffffu, held.z, src), w = __shfl_sync(0xffffffffu, held.w, src);
+            const u32 lo = (lane & 1) ? z : x, hi = (lane & 1) ? w : y;
+            qf[hh][0][0] = bf16lo(lo);
+            qf[hh][0][1] = bf16hi(lo);
+            qf[hh][0][2] = bf16lo(hi);
+            qf[hh][0][3] = bf16hi(hi);
+        }
+    }
+}
+
+// QN: q is the raw q (the _qn kernels): normed + roped by q_norm_rows at the load.
+template <int D, int HPW, int NW, bool QN = false, typename Cand>
 DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
                           const Cand& cand, int K, const float* __restrict__ sink,
                           float scale, u16* __restrict__ out, int H, int probs_bf16, float* __restrict__ ws_ml,
-                          float* __restrict__ ws_acc, OutRope orope) {
+                          float* __restrict__ ws_acc, OutRope orope, const QNorm& qn = QNorm{}) {
     using L = Lanes<D>;
     constexpr int U = L::U, NCH = L::NCH, NT = 32 * NW, HG = HPW * NW;
     extern __shared__ __align__(16) u16 smem[];
@@ -141,11 +216,13 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     const int tile1 = min(n_tiles, tile0 + tps);
 
     float qf[HPW][NCH][U];
+    if constexpr (!QN) {
 #pragma unroll
-    for (int hh = 0; hh < HPW; ++hh)
+        for (int hh = 0; hh < HPW; ++hh)
 #pragma unroll
-        for (int ch = 0; ch < NCH; ++ch)
-            load_dims<U>(q + ((t * H + h0 + hh) * (i64)D) + L::dim(lane, ch), qf[hh][ch]);
+            for (int ch = 0; ch < NCH; ++ch)
+                load_dims<U>(q + ((t * H + h0 + hh) * (i64)D) + L::dim(lane, ch), qf[hh][ch]);
+    }
 
     float M[HPW], Ls[HPW], A[HPW][NCH][U];
 #pragma unroll
@@ -159,6 +236,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     }
 
     if (tile0 < tile1) issue_tile<D, NT>(smem, kv, ld_kv, cand, tile0);
+    if constexpr (QN) q_norm_rows<D, HPW>(q + (t * H + h0) * (i64)D, t, qn, qf);  // beside the first gather
     for (int tile = tile0; tile < tile1; ++tile) {
         u16* buf = smem + ((tile - tile0) & 1) * (TJ * D);
         if (tile + 1 < tile1) {
@@ -310,6 +388,33 @@ SPARSE_ATTN(sparse_attn_d128_hg16, 128, 2, 8)
 SPARSE_ATTN(sparse_attn_d128_hg8, 128, 1, 8)
 SPARSE_ATTN(sparse_attn_d128_hg4, 128, 1, 4)
 
+// The _qn forms: SPARSE_ATTN's arguments with q the RAW q (rows of D bf16, 16-byte aligned), then
+// the q norm: eps (f32, as head_rms_bf16's), qn_pos [T] int32 + qn_cos / qn_sin [n_pos, R/2] f32:
+// the q RoPE of the last qn_R dims (8 <= qn_R <= D; qn_pos null: none).  = head_rms_bf16(q, rope) into a copy of
+// q, then SPARSE_ATTN on it, bit for bit.  q is not written.  Launch bounds (32*NW, 1): with
+// (32*NW) alone ptxas (CUDA 13) spills 12 bytes in sparse_attn_d512_hg4_qn (t*H, live from the q
+// norm to the n_split = 1 epilogue's division calls); with min 1 CTA it spills nothing.
+#define SPARSE_ATTN_QN(NAME, D, HPW, NW)                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 1)                                        \
+    NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ idx, \
+         int K, const float* __restrict__ sink, float scale, u16* __restrict__ out, int H,         \
+         int probs_bf16, float* __restrict__ ws_ml, float* __restrict__ ws_acc,                    \
+         const int* __restrict__ rope_pos, const float* __restrict__ cos_t, const float* __restrict__ sin_t, \
+         int rope_R, float qn_eps, const int* __restrict__ qn_pos, const float* __restrict__ qn_cos, \
+         const float* __restrict__ qn_sin, int qn_R) { PDL_ENTRY();                                \
+        sparse_attn_body<D, HPW, NW, true>(q, kv, ld_kv, IdxCand{idx + (i64)blockIdx.x * K, K}, K, sink, scale, \
+                                           out, H, probs_bf16, ws_ml, ws_acc,                      \
+                                           OutRope{rope_pos, cos_t, sin_t, rope_R},                \
+                                           QNorm{qn_eps, qn_pos, qn_cos, qn_sin, qn_R});           \
+    }
+
+SPARSE_ATTN_QN(sparse_attn_d512_hg16_qn, 512, 2, 8)
+SPARSE_ATTN_QN(sparse_attn_d512_hg8_qn, 512, 1, 8)
+SPARSE_ATTN_QN(sparse_attn_d512_hg4_qn, 512, 1, 4)
+SPARSE_ATTN_QN(sparse_attn_d128_hg16_qn, 128, 2, 8)
+SPARSE_ATTN_QN(sparse_attn_d128_hg8_qn, 128, 1, 8)
+SPARSE_ATTN_QN(sparse_attn_d128_hg4_qn, 128, 1, 4)
+
 // Merge per-tile partials in tile order (the fused path's exact sequence) and write o: the 4
 // consecutive dims d0.. of head h of token t.  CG: read the partials through L2 (ld.cg; the decode
 // kernel reads partials other CTAs of the same launch wrote), else the read-only path.
@@ -395,15 +500,16 @@ sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restric
 //     zero before the launch and left zero: every merger adds 1 again after its wait, and the one
 //     that brings the count to n_split + n_merge resets it (all waits are over by then).  Graph
 //     replays and the next layer's launch start from 0.  Not for concurrent launches.
-template <int D, int HPW, int NW>
+template <int D, int HPW, int NW, bool QN = false>
 DEV void sparse_attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
                                  const int* __restrict__ pos, int W, int ratio, const int* __restrict__ sel,
                                  int sel_w, int K, const float* __restrict__ sink, float scale,
                                  u16* __restrict__ out, int H, int probs_bf16, float* ws_ml, float* ws_acc,
-                                 int* counters, int n_merge, OutRope orope) {
+                                 int* counters, int n_merge, OutRope orope, const QNorm& qn = QNorm{}) {
     constexpr int NT = 32 * NW, HG = HPW * NW, SLOTS = HG * (D / 4);
     const DecodeCand cand{__ldg(pos), W, ratio, K, sel, sel_w};
-    sparse_attn_body<D, HPW, NW>(q, kv, ld_kv, cand, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, orope);
+    sparse_attn_body<D, HPW, NW, QN>(q, kv, ld_kv, cand, K, sink, scale, out, H, probs_bf16, ws_ml, ws_acc, orope,
+                                     qn);
     const int n_split = gridDim.z;
     if (n_split == 1) return;
     __shared__ int s_ticket;
@@ -454,6 +560,29 @@ SPARSE_ATTN_DECODE(sparse_attn_decode_d512_hg4, 512, 1, 4)
 SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg16, 128, 2, 8)
 SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg8, 128, 1, 8)
 SPARSE_ATTN_DECODE(sparse_attn_decode_d128_hg4, 128, 1, 4)
+
+// The _qn forms: SPARSE_ATTN_DECODE's arguments with q the RAW q, then the q norm as
+// SPARSE_ATTN_QN's (qn_pos [1] int32: the token's position; null: no q RoPE).
+#define SPARSE_ATTN_DECODE_QN(NAME, D, HPW, NW)                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                          \
+    NAME(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv, const int* __restrict__ pos, \
+         int W, int ratio, const int* __restrict__ sel, int sel_w, int K, const float* __restrict__ sink, \
+         float scale, u16* __restrict__ out, int H, int probs_bf16, float* ws_ml, float* ws_acc,   \
+         int* counters, int n_merge, const int* __restrict__ rope_pos, const float* __restrict__ cos_t, \
+         const float* __restrict__ sin_t, int rope_R, float qn_eps, const int* __restrict__ qn_pos, \
+         const float* __restrict__ qn_cos, const float* __restrict__ qn_sin, int qn_R) { PDL_ENTRY(); \
+        sparse_attn_decode_body<D, HPW, NW, true>(q, kv, ld_kv, pos, W, ratio, sel, sel_w, K, sink, scale, out, \
+                                                  H, probs_bf16, ws_ml, ws_acc, counters, n_merge, \
+                                                  OutRope{rope_pos, cos_t, sin_t, rope_R},         \
+                                                  QNorm{qn_eps, qn_pos, qn_cos, qn_sin, qn_R});    \
+    }
+
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d512_hg16_qn, 512, 2, 8)
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d512_hg8_qn, 512, 1, 8)
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d512_hg4_qn, 512, 1, 4)
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d128_hg16_qn, 128, 2, 8)
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d128_hg8_qn, 128, 1, 8)
+SPARSE_ATTN_DECODE_QN(sparse_attn_decode_d128_hg4_qn, 128, 1, 4)
 
 // ---------------------------------------------------------------------------------------------
 // sparse_attn_mma_d{D}_hg{16*NHG}: the prefill form of the same attention, with the two products

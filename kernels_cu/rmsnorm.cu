@@ -10,7 +10,10 @@
 //   NumericsPolicy.head_rms: sq = bf16(x*x); mean = bf16(f32(mean(sq))); var = bf16(mean + f32(eps));
 //   r = bf16(f32(1/sqrt(var))); y = bf16(x * r). One warp per row (head); in place allowed.
 //   Optionally fused with the q RoPE (M:499) on the normed values (double math as rope.cu).
+//   The per-row body is head_rms.cuh's head_rms_warp_row, which attention.cu's sparse_attn_*_qn
+//   kernels also run on their q rows (the device step's MEMRA_DSV4_DECODE_QNORM = attn).
 #include "common.cuh"
+#include "head_rms.cuh"
 
 using namespace memra;
 
@@ -81,37 +84,9 @@ rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
 extern "C" __global__ void __launch_bounds__(128)
 head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps, int H, const int* __restrict__ pos,
               const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) { PDL_ENTRY();
-    const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const u16* xr = x + row * n;
     u16* yr = y + row * n;
-    const int nc = n >> 3;
-    double ss = 0.0;
-    for (int c = lane; c < nc; c += 32) {
-        float f[8];
-        unpack8(ldg16(xr + 8 * c), f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss = __dadd_rn(ss, (double)round_bf16(__fmul_rn(f[i], f[i])));
-    }
-    ss = warp_sum(ss);  // bf16 squares: the double sum is exact for any realistic range
-    const float mean = round_bf16(__double2float_rn(ss / (double)n));
-    const float var = round_bf16(__fadd_rn(mean, eps));
-    const float r = round_bf16(__double2float_rn(1.0 / sqrt((double)var)));
-    for (int c = lane; c < nc; c += 32) {
-        float f[8];
-        unpack8(ldg16(xr + 8 * c), f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = round_bf16(__fmul_rn(f[i], r));
-        if (pos != nullptr && 8 * c >= n - R) {
-            const i64 trow = (i64)__ldg(pos + row / H) * (R >> 1) + ((8 * c - (n - R)) >> 1);
-#pragma unroll
-            for (int i = 0; i < 8; i += 2) {
-                rope_pair(f[i], f[i + 1], __ldg(cos_t + trow + (i >> 1)), __ldg(sin_t + trow + (i >> 1)), false);
-                f[i] = round_bf16(f[i]);
-                f[i + 1] = round_bf16(f[i + 1]);
-            }
-        }
-        stg16(yr + 8 * c, pack8(f));
-    }
+    head_rms_warp_row(x + row * n, n, eps, pos, [&] { return row / H; }, cos_t, sin_t, R,
+                      [&](int c, const uint4& v) { stg16(yr + 8 * c, v); });
 }

@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_DECODE_QNORM", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -167,6 +167,13 @@ SEAM_DECODE_PRIORITY = Seam(
     "NODE_PRIORITY; `attn` does the same except for the shared expert's branch (at high "
     "priority it splits the routed gate/up's single wave: slower); `off` keeps every node at the "
     "launch stream's priority. Same launches and buffers: bit-identical.")
+SEAM_DECODE_QNORM = Seam(
+    "decode_qnorm", "MEMRA_DSV4_DECODE_QNORM", "kernel", ("kernel", "attn"),
+    "Per-head q norm + q RoPE of the `device` decode step (memra_dsv4.gpu.step_device, read once "
+    "per model and printed): `kernel` (its own launch after the wq_b GEMV, rmsnorm.cu "
+    "head_rms_bf16, q normed in place) or `attn` (no launch: the sparse attention's _qn kernels "
+    "norm + rope their heads' raw q rows at the q load with head_rms_bf16's code, "
+    "kernels_cu/head_rms.cuh; every split CTA of a head group recomputes them). Bit-identical.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -208,8 +215,8 @@ SEAM_KERNELS_DIR = Seam(
     "Directory of the CUDA sources compiled at warmup (any path).")
 SEAM_DEVICE_TRACE = Seam(
     "device_trace", "MEMRA_DSV4_DEVICE_TRACE", "off", ("off", "on"),
-    "`on`: kernels are built with -DMEMRA_TRACE (their own cache entries), so thread 0 of every "
-    "CTA records %globaltimer at its start, wait return and exit (memra_dsv4.profiling."
+    "`on`: kernels are built with -DMEMRA_TRACE (their own cache entries), so every CTA records "
+    "%globaltimer at its start, its wait return and its last thread's exit (memra_dsv4.profiling."
     "device_trace; read when a kernel loader is made and printed). A diagnostic binary: "
     "`bench.decode_step --device-trace N` reads the step's timeline from it.")
 SEAM_DEBUG = Seam(
@@ -224,8 +231,8 @@ SEAM_REQUIRE_PARITY = Seam(
 SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
-    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_DECODE_PRIORITY, SEAM_KERNELS_DIR,
-    SEAM_DEVICE_TRACE,
+    SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_DECODE_PRIORITY, SEAM_DECODE_QNORM,
+    SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
     SEAM_REQUIRE_PARITY)}
 
 

@@ -434,6 +434,17 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
             M["attention"].sparse_attention_decode(u16(1, H, D), u16(200, D), i32(1), 128, 128, None, 150, f32(H),
                                                    0.1, n_split=n_split, counters=i32(64),
                                                    inverse_rope=(i32(1), f32(9, 32), f32(9, 32)))
+    for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
+        for n_split in (1, 3):  # the _qn kernels (q norm + q RoPE at the q load; without rope too)
+            M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, n_split=n_split,
+                                            inverse_rope=(i32(2), f32(9, 32), f32(9, 32)),
+                                            q_norm=(1e-6, i32(2), f32(9, 32), f32(9, 32)))
+            M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, n_split=n_split,
+                                            q_norm=(1e-6, None, None, None))
+            M["attention"].sparse_attention_decode(u16(1, H, D), u16(200, D), i32(1), 128, 4, i32(8), 136, f32(H),
+                                                   0.1, n_split=n_split, counters=i32(64),
+                                                   inverse_rope=(i32(1), f32(9, 32), f32(9, 32)),
+                                                   q_norm=(1e-6, i32(1), f32(9, 32), f32(9, 32)))
     for H, D, hpc in ((64, 512, 16), (64, 512, 32), (16, 128, 16)):
         M["attention"].sparse_attention_mma(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1, probs_bf16=True,
                                             heads_per_cta=hpc)

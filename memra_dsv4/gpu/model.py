@@ -21,6 +21,10 @@ API
     routed experts, ``wgmma`` (default: grouped GEMM on Hopper warpgroup MMA reading the stored
     FP4 bytes), ``fp4mma`` (the same on mma.sync; bit-identical to ``wgmma``) or ``blaslt`` (dequantise into a bf16 scratch +
     cuBLASLt); ``self.prefill_moe`` is read per chunk.
+    ``decode_qnorm`` (seam ``MEMRA_DSV4_DECODE_QNORM``, read once and printed): the device step's
+    per-head q norm + q RoPE, ``kernel`` (head_rms_bf16 after wq_b) or ``attn`` (inside the sparse
+    attention's q load, the _qn kernels), bit-identical; ``self.decode_qnorm`` may be changed later
+    (the device step recaptures its graphs when it differs, as for ``decode_attn``).
     ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
     ``fp4mma`` and ``wgmma`` arms build their dispatch plan, ``host`` (the expert ids read back
     per layer) or ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` always plans
@@ -79,7 +83,7 @@ class Dsv4Gpu:
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
                  l2_prefetch: str | None = None, decode_fork: str | None = None,
                  hc_split: str | None = None, decode_priority: str | None = None,
-                 prefill_dispatch: str | None = None) -> None:
+                 prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -117,6 +121,8 @@ class Dsv4Gpu:
             "HC_SPLIT", hc_split, "device-step hc boundary split (Sinkhorn on a side branch)")
         self.decode_priority = _resolve_announced(             # read once, printed (step_device)
             "DECODE_PRIORITY", decode_priority, "device-step graph branch priority")
+        self.decode_qnorm = _resolve_announced(                # read once, printed (step_device)
+            "DECODE_QNORM", decode_qnorm, "device-step q head norm (own launch or in the attention)")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -144,7 +150,7 @@ class Dsv4Gpu:
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
              l2_prefetch: str | None = None, decode_fork: str | None = None,
              hc_split: str | None = None, decode_priority: str | None = None,
-             prefill_dispatch: str | None = None) -> "Dsv4Gpu":
+             prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -163,7 +169,7 @@ class Dsv4Gpu:
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
-                   prefill_dispatch=prefill_dispatch)
+                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -174,7 +180,7 @@ class Dsv4Gpu:
                   prefill_pipeline: str | None = None,
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
                   hc_split: str | None = None, decode_priority: str | None = None,
-                  prefill_dispatch: str | None = None) -> "Dsv4Gpu":
+                  prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -193,7 +199,7 @@ class Dsv4Gpu:
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
-                   prefill_dispatch=prefill_dispatch)
+                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

@@ -10,7 +10,10 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   per-state GemvTable built before capture): wq_a, wkv, the compressor and indexer-compressor
   wkv / wgate (written straight into pending row (pos % r) [+ r] with ape added), the indexer's
   weights_proj;
-* q: q_norm, wq_b, head_rms + RoPE fused; kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim)
+* q: q_norm, wq_b, head_rms + RoPE fused (seam MEMRA_DSV4_DECODE_QNORM, ``model.decode_qnorm``:
+  ``kernel`` (default) one head_rms_bf16 launch after wq_b, q normed in place; ``attn`` no launch:
+  the sparse attention's _qn kernels norm + rope the raw q rows at their q load with
+  head_rms_bf16's code, bit-identical); kv: norm_rope_sim (rmsnorm + RoPE + KV FP8 sim)
   written straight into ring row pos % W (the LayerCache ring / compressed rows are views of
   one [W + n, hd] buffer, so attention indexes it directly);
 * compressor emission, gated on the device (a no-op unless (pos + 1) % r == 0), one launch per
@@ -40,11 +43,12 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
 stepped with graph=True; cached per state (the cache addresses belong to the state) together
-with the (pdl, decode_attn, decode_fork, hc_split, decode_priority) they were captured with:
-stepping the state after any of ``model.pdl`` / ``model.decode_attn`` / ``model.decode_fork`` /
-``model.hc_split`` / ``model.decode_priority`` changed recaptures.  With ``decode_priority``
-"side" (seam MEMRA_DSV4_DECODE_PRIORITY) the side branches are captured on the device's
-greatest-priority streams and the graphs keep the node priorities (graphs.capture).
+with the (pdl, decode_attn, decode_fork, hc_split, decode_priority, decode_qnorm) they were
+captured with: stepping the state after any of ``model.pdl`` / ``model.decode_attn`` /
+``model.decode_fork`` / ``model.hc_split`` / ``model.decode_priority`` / ``model.decode_qnorm``
+changed recaptures.  With ``decode_priority`` "side" / "attn" (seam MEMRA_DSV4_DECODE_PRIORITY)
+the side branches are captured on the device's greatest-priority streams and the graphs keep
+the node priorities (graphs.capture).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class DeviceStep:
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
         self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
+        self._qnorm = "kernel"   # this step's q norm form (seam MEMRA_DSV4_DECODE_QNORM, _attention)
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -172,6 +177,7 @@ class DeviceStep:
             raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
                              f"StepWs built for {self.msl}")
         attn = self.attn_form()   # validated before any device work
+        qnorm = self.qnorm_form()
         pos = int(state.pos)
         for S in self.stages:
             S.host[0], S.host[1] = token, pos
@@ -193,9 +199,10 @@ class DeviceStep:
             fork, prio = self.fork_form(), self.priority_form()
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                    or gs[4] != fork or gs[5] != hc_split or gs[6] != prio):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio), pdl_on,
-                      attn, fork, hc_split, prio)
+                    or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
+                    or gs[7] != qnorm):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm),
+                      pdl_on, attn, fork, hc_split, prio, qnorm)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -209,6 +216,7 @@ class DeviceStep:
         else:
             from memra_dsv4.gpu.pdl import pdl_launches
             self._hc_split, self._hc_branch = hc_split, False   # eager: one stream, same order
+            self._qnorm = qnorm
             try:
                 for S in self.stages:
                     with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
@@ -219,6 +227,7 @@ class DeviceStep:
                             S.event.record(S.stream)
             finally:
                 self._hc_split = False
+                self._qnorm = "kernel"
         last = self.stages[-1]
         # the token readback (the step's one host wait): D2H on the last stage's stream into a
         # pinned buffer (no driver staging of a pageable destination), then a host copy, since
@@ -261,6 +270,14 @@ class DeviceStep:
         from memra_dsv4.seams import SEAM_HC_SPLIT
         value = getattr(self.m, "hc_split", None) or SEAM_HC_SPLIT.default
         return SEAM_HC_SPLIT.check(value, f"model.hc_split (env {SEAM_HC_SPLIT.env})")
+
+    def qnorm_form(self) -> str:
+        """``model.decode_qnorm`` (seam MEMRA_DSV4_DECODE_QNORM; its default when the model has
+        none), validated: "kernel" runs head_rms_bf16 (+ q RoPE) after wq_b, "attn" leaves q raw
+        and passes q_norm to the sparse attention (its _qn kernels norm + rope at the q load)."""
+        from memra_dsv4.seams import SEAM_DECODE_QNORM
+        value = getattr(self.m, "decode_qnorm", None) or SEAM_DECODE_QNORM.default
+        return SEAM_DECODE_QNORM.check(value, f"model.decode_qnorm (env {SEAM_DECODE_QNORM.env})")
 
     def attn_form(self) -> str:
         """The decode attention form of the next step: ``model.decode_attn`` (seam
@@ -308,7 +325,7 @@ class DeviceStep:
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
-                 hc_split: bool = False, prio: str = "off"):
+                 hc_split: bool = False, prio: str = "off", qnorm: str = "kernel"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
@@ -317,7 +334,8 @@ class DeviceStep:
         stream, "all": "on" plus the shared expert of each MoE (_moe); ``hc_split``: each boundary's
         Sinkhorn launch on the stage's hc side stream (_hc_pre); ``prio`` "side": those side
         streams are the greatest-priority set and the graph keeps its nodes' priorities; "attn":
-        the same except the shared expert's branch (_moe), which stays at the default priority."""
+        the same except the shared expert's branch (_moe), which stays at the default priority;
+        ``qnorm`` the q norm form ("kernel" / "attn": _attention)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -332,6 +350,7 @@ class DeviceStep:
             for S in self.stages:
                 self._forking = fork if fork in ("on", "all", "single", "lead") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
+                self._qnorm = qnorm
                 S.hc_pending = False
                 b = S.branches["off" if prio == "off" else "side"]
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = b
@@ -347,6 +366,7 @@ class DeviceStep:
             for S in self.stages:
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
                 S.moe_side, S.moe_fork = S.side, S.fork
+            self._qnorm = "kernel"
         return out
 
     # ------------------------------------------------------------------ launches
@@ -551,6 +571,9 @@ class DeviceStep:
         pos = v["pos"]
         qr = v["attn.qr"].reshape(1, -1)
         q = v["attn.q"].reshape(1, H, hd)
+        # seam MEMRA_DSV4_DECODE_QNORM: "attn" leaves q as wq_b wrote it (raw) and the attention's
+        # _qn kernel applies head_rms + RoPE at its q load (the same code, the same bits)
+        qn_attn = getattr(self, "_qnorm", "kernel") == "attn"
         with phase(f"{ap}/projections"):  # wq_a, wkv, compressor rows, indexer weights: one launch
             DK.gemv_bf16_multi(table, v["xn"], pos)
         with phase(f"{ap}/q"):
@@ -560,7 +583,8 @@ class DeviceStep:
             with phase(f"{ap}/q"):
                 w, sc = L.lin("attn.wq_b")
                 DK.gemv_bf16(w, qr, q, scale=sc)
-                RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+                if not qn_attn:
+                    RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
 
         csa = bool(L.ratio) and L.kind == "csa"
         if csa:
@@ -640,13 +664,14 @@ class DeviceStep:
             sel = sel_path()
         o = v["attn.o"].reshape(1, H, hd)
         sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
+        qn = {"q_norm": (eps, pos, L.cos, L.sin)} if qn_attn else {}
         with phase(f"{ap}/sparse_attention"):
             if attn == "fused":  # build_cand + split + combine in one launch
                 AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
-                                           out=o, workspace=v["dev.attn_ws"], inverse_rope=rope)
+                                           out=o, workspace=v["dev.attn_ws"], inverse_rope=rope, **qn)
             else:                # "split": the split kernel + combine over cand (sel_path)
                 AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
-                                    n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope)
+                                    n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope, **qn)
         with phase(f"{ap}/output"):
             # site "out": no side branch runs beside these two (ops_decode.gemv_selected)
             w, sc = L.lin("attn.wo_a")

@@ -36,7 +36,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from memra_dsv4.gpu.ops import attention as K  # noqa: E402
-from memra_dsv4.gpu.ops.testing import assert_within, bits_of, describe, fresh_seed, rand_bf16, rng_for, ulp_bf16  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_within, bf16, bits_of, describe, fresh_seed, rand_bf16, rng_for, ulp_bf16  # noqa: E402
 from memra_dsv4.host.indices import candidate_row, window_positions, window_ring_slots  # noqa: E402
 from memra_dsv4.host.quant import kv_fp8_sim  # noqa: E402
 from memra_dsv4.oracle import ops as O  # noqa: E402
@@ -472,3 +472,116 @@ def test_sparse_attention_decode_refusals():
         K.sparse_attention_decode(q, kv, pos, 128, 128, None, 160, sink, 1.0, n_split=2, n_merge=3)
     with pytest.raises(AssertionError, match="needs ratio > 0"):
         K.sparse_attention_decode(q, kv, pos, 128, 0, cp.zeros(4, cp.int32), 132, sink, 1.0)
+
+
+# ------------------------------------------------------------------ q norm at the q load (_qn)
+# sparse_attention(q_raw, ..., q_norm=(eps, pos, cos, sin)) must be byte-for-byte
+# rmsnorm.head_rms(q_raw, eps, rope=(pos, cos, sin)) followed by sparse_attention: the _qn kernels
+# run head_rms_bf16's row code (kernels_cu/head_rms.cuh) on their heads' q rows (the device step's
+# MEMRA_DSV4_DECODE_QNORM = attn), for every split count, and never write q.
+QN_EPS = 1e-6
+
+
+def _qn_raw_q(rng, T, H, D):
+    """Raw q with mixed magnitudes: per-head scales 2^-20 .. 2^12, per-element spread 2^+-6, a zero
+    head, a head of tiny values where eps dominates, and a head with a few large outliers."""
+    q = rand_bf16(rng, (T, H, D), 1.0, spread=6).astype(np.float64)
+    q *= np.exp2(rng.integers(-20, 13, size=(T, H, 1)))
+    q[:, 0] = 0.0
+    q[:, 1 % H] *= 2.0 ** -30
+    q[:, 2 % H, rng.integers(0, D, 3)] = 3.0e4
+    return bits_of(bf16(q.astype(np.float32)))
+
+
+def _qn_positions(rng, W):
+    """Early (-1 padded window), the first wrap, and two later positions (< 4000: the T = 3
+    case adds 37 per token within the 4096-row tables)."""
+    return [0, 3, W - 1, W + 5, int(rng.integers(W + 6, 4000))]
+
+
+def _qn_reference(qg, pos, cg, sng):
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    qn = qg.copy()
+    RN.head_rms(qn, QN_EPS, out=qn, rope=None if pos is None else (pos, cg, sng))
+    return qn
+
+
+QN_SPLIT_CASES = {
+    # name: T, H, D, W, top-k, compressed rows (0: window only; the ring slots of each position,
+    # -1 padded early), positions per token drawn from _decode_positions
+    "flash_t1_csa": (1, 64, 512, 128, 512, 1200),
+    "flash_t1_window_only": (1, 64, 512, 128, 0, 0),
+    "flash_t3_csa": (3, 64, 512, 128, 512, 1200),
+    "d128_h4": (1, 4, 128, 8, 2, 5),
+    "d128_h8": (2, 8, 128, 32, 8, 40),
+    "d128_h16": (1, 16, 128, 32, 8, 40),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QN_SPLIT_CASES))
+def test_sparse_attention_q_norm_equals_head_rms_then_attention(case, rope_tables):
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    T, H, D, W, topk, n_comp = QN_SPLIT_CASES[case]
+    cg, sng = rope_tables
+    qg = cp.asarray(_qn_raw_q(rng, T, H, D))
+    q_keep = qg.copy()
+    kvg = cp.asarray(bits_of(kv_fp8_sim(rand_bf16(rng, (W + n_comp, D), 1.0, spread=1), 64)))
+    sg = cp.asarray((rng.standard_normal(H) * 2).astype(np.float32))
+    scale = D ** -0.5
+    for p in _qn_positions(rng, W):
+        ps = np.minimum(p + np.arange(T) * 37, 4095).astype(np.int32)   # one position per token
+        rows = []
+        for pt in ps:
+            n_t = min((int(pt) + 1) // 4, n_comp)
+            comp = (np.sort(rng.choice(n_t, size=min(topk, n_t), replace=False)) if n_t and topk
+                    else np.zeros(0, np.int64))
+            rows.append(candidate_row(window_ring_slots(int(pt), W), comp if topk else None, W, topk))
+        idx = cp.asarray(np.stack(rows).astype(np.int32))
+        K_ = idx.shape[1]
+        pos = cp.asarray(ps)
+        rope = (pos, cg, sng)
+        for qpos in (pos, None):
+            qn_ref = _qn_reference(qg, qpos, cg, sng)
+            qn = (QN_EPS, qpos, cg if qpos is not None else None, sng if qpos is not None else None)
+            for n_split in sorted({1, 2, 3, K.n_tiles(K_), K.auto_split(T, H, K_)}):
+                for probs_bf16 in ((False, True) if n_split == 1 else (False,)):
+                    want = K.sparse_attention(qn_ref, kvg, idx, sg, scale, probs_bf16=probs_bf16, n_split=n_split,
+                                              inverse_rope=rope)
+                    got = K.sparse_attention(qg, kvg, idx, sg, scale, probs_bf16=probs_bf16, n_split=n_split,
+                                             inverse_rope=rope, q_norm=qn)
+                    ctx = dict(case=case, pos=p, n_split=n_split, probs_bf16=probs_bf16, qrope=qpos is not None)
+                    assert cp.array_equal(got, want), f"q_norm kernel != head_rms + attention {describe(seed, **ctx)}"
+                    assert cp.array_equal(qg, q_keep), f"q_norm kernel wrote q {describe(seed, **ctx)}"
+
+
+@pytest.mark.parametrize("case", ["flash_csa", "flash_hca", "flash_window_only", "tiny_csa", "small_hca"])
+def test_sparse_attention_decode_q_norm_equals_head_rms_then_decode(case, rope_tables):
+    """The one-launch decode form (seam MEMRA_DSV4_DECODE_ATTN = fused) with q_norm: the same bits as
+    head_rms + sparse_attention_decode, for several split / merger counts."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, D, W, ratio, sel_w, n_comp = DECODE_CASES[case]
+    K_ = W + (sel_w if sel_w is not None else n_comp)
+    cg, sng = rope_tables
+    _, kv, sink = _decode_inputs(rng, H, D, W, n_comp)
+    qg = cp.asarray(_qn_raw_q(rng, 1, H, D))
+    q_keep = qg.copy()
+    kvg, sg = cp.asarray(bits_of(kv)), cp.asarray(sink)
+    scale = D ** -0.5
+    nt = K.n_tiles(K_)
+    for p in _qn_positions(rng, W):
+        sel = _decode_sel(rng, p, ratio, sel_w, n_comp) if sel_w is not None else None
+        selg = cp.asarray(sel) if sel is not None else None
+        pos = cp.asarray(np.array([p], np.int32))
+        qn_ref = _qn_reference(qg, pos, cg, sng)
+        for n_split in sorted({1, 3, nt, K.auto_split(1, H, K_)}):
+            ns = max(1, min(n_split, nt))
+            for n_merge in sorted({1, K.decode_mergers(H, D, ns)}):
+                kw = dict(n_split=n_split, n_merge=n_merge, inverse_rope=(pos, cg, sng))
+                want = K.sparse_attention_decode(qn_ref, kvg, pos, W, ratio, selg, K_, sg, scale, **kw)
+                got = K.sparse_attention_decode(qg, kvg, pos, W, ratio, selg, K_, sg, scale,
+                                                q_norm=(QN_EPS, pos, cg, sng), **kw)
+                ctx = dict(case=case, pos=p, n_split=n_split, n_merge=n_merge)
+                assert cp.array_equal(got, want), f"decode q_norm != head_rms + decode {describe(seed, **ctx)}"
+                assert cp.array_equal(qg, q_keep), f"decode q_norm wrote q {describe(seed, **ctx)}"

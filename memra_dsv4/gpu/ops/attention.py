@@ -1,11 +1,16 @@
 """Sparse attention with sinks (kernels_cu/attention.cu), twin oracle.ops.sparse_attention_with_sinks.
 
-sparse_attention(q, kv, idx, sink, scale, probs_bf16=False, n_split=1)
+sparse_attention(q, kv, idx, sink, scale, probs_bf16=False, n_split=1, q_norm=None)
     probs_bf16=False: the ``bf16`` numeric class (P kept f32); True: the ``reference`` class
     (P cast to bf16 before P.V, relative to each 32-candidate tile's max).
     n_split > 1 spreads each (token, head group)'s tiles over n_split CTAs and merges the
     per-tile partials in tile order with a second kernel: the same bits as n_split = 1, more
     parallelism for decode.  The workspace (f32, workspace_size() elements) may be passed in.
+    q_norm = (eps, pos, cos, sin): q is the RAW q and the kernel (sparse_attn_*_qn) applies the
+    per-head q norm + q RoPE at its q load, with rmsnorm.head_rms's code (kernels_cu/
+    head_rms.cuh): byte-for-byte rmsnorm.head_rms(q, eps, rope=(pos, cos, sin)) then
+    sparse_attention of the result; q itself is not written (the device step's seam
+    MEMRA_DSV4_DECODE_QNORM = attn; sparse_attention_decode takes it too).
 
 sparse_attention_decode(q, kv, pos, window, ratio, sel, K, sink, scale, ...)
     The device step's form (ONE token, graph-safe): build_cand's candidate list computed inside
@@ -41,6 +46,11 @@ KERNELS = ("sparse_attn_d512_hg16", "sparse_attn_d512_hg8", "sparse_attn_d512_hg
            "sparse_attn_combine_d512", "sparse_attn_combine_d128",
            "sparse_attn_decode_d512_hg16", "sparse_attn_decode_d512_hg8", "sparse_attn_decode_d512_hg4",
            "sparse_attn_decode_d128_hg16", "sparse_attn_decode_d128_hg8", "sparse_attn_decode_d128_hg4",
+           "sparse_attn_d512_hg16_qn", "sparse_attn_d512_hg8_qn", "sparse_attn_d512_hg4_qn",
+           "sparse_attn_d128_hg16_qn", "sparse_attn_d128_hg8_qn", "sparse_attn_d128_hg4_qn",
+           "sparse_attn_decode_d512_hg16_qn", "sparse_attn_decode_d512_hg8_qn",
+           "sparse_attn_decode_d512_hg4_qn", "sparse_attn_decode_d128_hg16_qn",
+           "sparse_attn_decode_d128_hg8_qn", "sparse_attn_decode_d128_hg4_qn",
            "sparse_attn_mma_d512_hg16", "sparse_attn_mma_d512_hg32", "sparse_attn_mma_d128_hg16")
 kernel_loader.register(STEM, KERNELS)
 
@@ -61,6 +71,24 @@ def _rope_args(inverse_rope, T: int, D: int, name: str) -> tuple:
     R = 2 * rcos.shape[1]
     assert R % 8 == 0 and R <= D, f"{name}: rope dims {R} unsupported"
     return (rpos, rcos, rsin, i32(R))
+
+
+def _qnorm_args(q_norm, T: int, D: int, name: str) -> tuple:
+    """The _qn kernels' q norm arguments (eps, pos, cos, sin, R) of q_norm = (eps, pos, cos, sin):
+    rmsnorm.head_rms's eps (applied as float32, as there) and its q RoPE of the last R dims at
+    positions pos [T] int32 (cos / sin [n_pos, R/2] f32); pos = cos = sin = None: no rotation."""
+    assert isinstance(q_norm, tuple) and len(q_norm) == 4, (
+        f"{name}.q_norm: expected (eps, pos, cos, sin), got {q_norm!r}")
+    eps, qpos, qcos, qsin = q_norm
+    if qpos is None:
+        assert qcos is None and qsin is None, f"{name}.q_norm: cos / sin without pos"
+        return (np.float32(eps), null_or(None), null_or(None), null_or(None), i32(0))
+    check(qpos, f"{name}.q_norm.pos", np.int32, (T,))
+    check(qcos, f"{name}.q_norm.cos", np.float32, (None, None))
+    check(qsin, f"{name}.q_norm.sin", np.float32, qcos.shape)
+    R = 2 * qcos.shape[1]
+    assert R % 8 == 0 and 8 <= R <= D, f"{name}.q_norm: rope dims {R} unsupported"
+    return (np.float32(eps), qpos, qcos, qsin, i32(R))
 
 
 def head_group(H: int) -> int:
@@ -89,11 +117,14 @@ def auto_split(T: int, H: int, K: int) -> int:
 
 
 def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
-                     n_split: int | None = 1, workspace=None, inverse_rope=None):
+                     n_split: int | None = 1, workspace=None, inverse_rope=None, q_norm=None):
     """q [T, H, D] bf16; kv [N, D] bf16 rows (K = V; last axis contiguous, e.g. a cache view);
     idx [T, K] int32 (-1 = skip); sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}.
     n_split None = auto_split.  inverse_rope = (pos [T] int32, cos, sin [n_pos, R/2] f32): apply
-    the inverse RoPE of the output's last R dims in the epilogue (= rope.rope(out, ..., inverse=True))."""
+    the inverse RoPE of the output's last R dims in the epilogue (= rope.rope(out, ..., inverse=True)).
+    q_norm = (eps, pos [T] int32 | None, cos, sin [n_pos, R/2] f32 | None): q is the raw q, normed
+    (+ roped) per head inside the kernel = rmsnorm.head_rms(q, eps, rope=(pos, cos, sin)) first,
+    bit for bit, without writing q (out must not alias q)."""
     check(q, "sparse_attention.q", np.uint16)
     assert q.ndim == 3, f"sparse_attention.q: expected [T, H, D], got {q.shape}"
     T, H, D = q.shape
@@ -114,12 +145,17 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
     nt = n_tiles(K)
     n_split = max(1, min(int(n_split), max(1, nt)))
     rope_args = _rope_args(inverse_rope, T, D, "sparse_attention")
-    k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}")
+    if q_norm is None:
+        qn_args, qn = (), ""
+    else:
+        assert out.data.ptr != q.data.ptr, "sparse_attention: with q_norm, out must not alias q"
+        qn_args, qn = _qnorm_args(q_norm, T, D, "sparse_attention"), "_qn"
+    k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}{qn}")
     smem = dynamic_smem(k, 2 * TILE * D * 2)
     if n_split == 1:
         k((T, H // hg, 1), (_HG_THREADS[hg],),
           (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
-           i32(int(probs_bf16)), null_or(None), null_or(None)) + rope_args, shared_mem=smem)
+           i32(int(probs_bf16)), null_or(None), null_or(None)) + rope_args + qn_args, shared_mem=smem)
         return out
     need = workspace_size(T, H, D, K)
     if workspace is None:
@@ -130,7 +166,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
     ws_acc = workspace[T * H * nt * 2: need]
     k((T, H // hg, n_split), (_HG_THREADS[hg],),
       (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
-       i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args, shared_mem=smem)
+       i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args + qn_args, shared_mem=smem)
     kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,),
                                               (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args)
     return out
@@ -164,7 +200,8 @@ def decode_mergers(H: int, D: int, n_split: int) -> int:
 
 def sparse_attention_decode(q, kv, pos, window: int, ratio: int, sel, K: int, sink, scale: float,
                             out=None, *, probs_bf16: bool = False, n_split: int | None = None,
-                            n_merge: int | None = None, workspace=None, counters=None, inverse_rope=None):
+                            n_merge: int | None = None, workspace=None, counters=None, inverse_rope=None,
+                            q_norm=None):
     """One token: q [1, H, D] bf16; kv [N, D] bf16 rows (ring of `window` rows, then the
     compressed entries at row window + e); pos int32 [1] (device); ratio (0: window only);
     sel int32 [sel_w] (CSA: the indexer's ascending entry ids, -1 padded) or None (HCA: every
@@ -172,7 +209,8 @@ def sparse_attention_decode(q, kv, pos, window: int, ratio: int, sel, K: int, si
     compressed rows); sink [H] f32 -> out [1, H, D] bf16.  = ops_decode.build_cand(pos, cand,
     window, ratio, sel) then sparse_attention(q, kv, cand.reshape(1, K), sink, scale, n_split=...),
     bit for bit.  n_split None = auto_split; n_merge None = decode_mergers; workspace as
-    sparse_attention; counters int32 [>= H/HG] zero (default: decode_counters())."""
+    sparse_attention; counters int32 [>= H/HG] zero (default: decode_counters()).  q_norm as
+    sparse_attention's (pos [1]): q raw, normed + roped in the kernel (sparse_attn_decode_*_qn)."""
     check(q, "sparse_attention_decode.q", np.uint16)
     assert q.ndim == 3 and q.shape[0] == 1, f"sparse_attention_decode.q: expected [1, H, D], got {q.shape}"
     _, H, D = q.shape
@@ -226,12 +264,17 @@ def sparse_attention_decode(q, kv, pos, window: int, ratio: int, sel, K: int, si
         ws_args = (ws_ml, ws_acc, counters)
     else:
         ws_args = (null_or(None), null_or(None), null_or(None))
-    k = kernel(STEM, f"sparse_attn_decode_d{D}_hg{hg}")
+    if q_norm is None:
+        qn_args, qn = (), ""
+    else:
+        assert out.data.ptr != q.data.ptr, "sparse_attention_decode: with q_norm, out must not alias q"
+        qn_args, qn = _qnorm_args(q_norm, 1, D, "sparse_attention_decode"), "_qn"
+    k = kernel(STEM, f"sparse_attn_decode_d{D}_hg{hg}{qn}")
     smem = dynamic_smem(k, 2 * TILE * D * 2)
     k((1, groups, n_split), (_HG_THREADS[hg],),
       (q, kv, i32(row_stride(kv)), pos, i32(W), i32(ratio), null_or(sel), i32(sel_w), i32(K), sink,
-       np.float32(scale), out, i32(H), i32(int(probs_bf16))) + ws_args + (i32(n_merge),) + rope_args,
-      shared_mem=smem)
+       np.float32(scale), out, i32(H), i32(int(probs_bf16))) + ws_args + (i32(n_merge),) + rope_args
+      + qn_args, shared_mem=smem)
     return out
 
 

@@ -1,0 +1,134 @@
+"""The per-head q norm inside the sparse attention (seam MEMRA_DSV4_DECODE_QNORM, step_device._attention):
+with ``attn`` the step launches no head_rms_bf16; the attention's _qn kernels norm + rope the raw
+q rows at their q load with head_rms_bf16's own row code (kernels_cu/head_rms.cuh), so the step
+must give the bits of ``kernel`` (head_rms_bf16 after wq_b, the default).
+
+* tiny (1 stage; sliding, CSA and HCA layers; H = 4, D = 128), 14 steps after a 5-token prefill
+  (CSA emits, the window wraps), the arms interleaved step by step, logits of every step and every
+  cache byte equal: kernel (graph; the reference), attn (graph), attn with the one-launch decode
+  attention (decode_attn fused: sparse_attn_decode_*_qn; graph), attn eager.  The first eager
+  attn step launches the _qn kernels and no head_rms_bf16; an eager kernel step the opposite.
+  Switching the seam recaptures (the cached graph records its q norm form).
+* device-hostmath with attn == legacy byte for byte (tiny, 5 steps): the device-hostmath path's
+  contract holds with the seam on.
+* one Flash-sized layer (flash-layers:1: H = 64, D = 512, the hg16 kernels; a sliding-window
+  layer), 5-token prefill, 6 steps: kernel == attn == attn + fused (graphs), logits and caches.
+  Host cost: the checkpoint is ~5 GB of NumPy arrays (as tests/gpu/test_step_fp4full_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+# arm -> (decode_qnorm, decode_attn, graph)
+_ARMS = {"kernel": ("kernel", "split", True), "attn": ("attn", "split", True),
+         "attn+fused": ("attn", "fused", True), "attn+eager": ("attn", "split", False)}
+
+
+def _kernels_of(recs) -> set:
+    return {r.kernel.split(".", 1)[1] for r in recs}
+
+
+def _check_launches(m, state, t, qnorm: str):
+    """One eager step of ``state`` at qnorm, recorded launch by launch; returns its logits."""
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    out = []
+    m.decode_qnorm, m.decode_attn = qnorm, "split"
+    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
+    names = _kernels_of(recs)
+    qn = {n for n in names if n.startswith("sparse_attn_") and n.endswith("_qn")}
+    plain = {n for n in names if n.startswith("sparse_attn_d") and not n.endswith("_qn")}
+    if qnorm == "attn":
+        assert "head_rms_bf16" not in names and qn and not plain, sorted(names)
+    else:
+        assert "head_rms_bf16" in names and plain and not qn, sorted(names)
+    return out[0]
+
+
+def _interleave(tag, m, states, ids, arms, check_launches=False):
+    from memra_dsv4.gpu.step import device_step
+    old = (getattr(m, "decode_qnorm", "kernel"), getattr(m, "decode_attn", "split"))
+    try:
+        for i, t in enumerate(ids):
+            got = {}
+            for a, (qn, attn, graph) in arms.items():
+                if check_launches and i == 0 and not graph:
+                    got[a] = _check_launches(m, states[a], t, qn)
+                    continue
+                m.decode_qnorm, m.decode_attn = qn, attn
+                got[a] = device_step(m, states[a], int(t), graph=graph)
+            for a in arms:
+                assert np.array_equal(got[a].view(np.uint32), got["kernel"].view(np.uint32)), \
+                    f"{tag}: step {i}: logits of {a} differ from the head_rms launch's"
+        ref = states["kernel"].snapshot()
+        for a in arms:
+            sa = states[a].snapshot()
+            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            assert not diff, f"{tag}: caches of {a} differ from the head_rms launch's: {diff}"
+    finally:
+        m.decode_qnorm, m.decode_attn = old
+
+
+def test_qnorm_attn_step_bit_identical_tiny():
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    ck, m = _model("tiny", (0,), "device")
+    prompt, steps = 5, 14
+    ids = _ids(ck.config, prompt + steps + 2, seed=17)
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS, check_launches=True)
+    # the cached graphs record the form they were captured with (a switch recaptures)
+    assert m._step._graphs[id(states["attn"])][7] == "attn"
+    assert m._step._graphs[id(states["kernel"])][7] == "kernel"
+    # an eager kernel step launches head_rms_bf16 and the plain kernels (and the same bits)
+    extra = {a: states[a] for a in ("kernel", "attn")}
+    t = ids[prompt + steps]
+    old = (getattr(m, "decode_qnorm", "kernel"), getattr(m, "decode_attn", "split"))
+    try:
+        a = _check_launches(m, extra["kernel"], t, "kernel")
+        b = _check_launches(m, extra["attn"], t, "attn")
+    finally:
+        m.decode_qnorm, m.decode_attn = old
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), "eager kernel != eager attn"
+
+
+def test_qnorm_attn_device_hostmath_equals_legacy_tiny():
+    from test_decode_gpu import _ids, _model
+    from memra_dsv4.gpu import step
+    if not step.HOSTMATH_IMPLEMENTED:
+        pytest.skip(step.HOSTMATH_REASON)
+    ck, ml = _model("tiny", (0,), "legacy")
+    _, mh = _model("tiny", (0,), "device-hostmath")
+    L, steps = 16, 5
+    ids = _ids(ck.config, L + steps, seed=23)
+    _, sa = ml.prefill(ids[:L])
+    _, sb = mh.prefill(ids[:L])
+    old = getattr(mh, "decode_qnorm", "kernel")
+    try:
+        mh.decode_qnorm = "attn"
+        for i, t in enumerate(ids[L:]):
+            x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
+                f"step {i}: device-hostmath (qnorm attn) != legacy, max |diff| {np.abs(x - y).max()}"
+    finally:
+        mh.decode_qnorm = old
+    ga, gb = sa.snapshot(), sb.snapshot()
+    bad = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    assert not bad, f"state differs in {bad}"
+
+
+def test_qnorm_attn_step_bit_identical_flash_layer():
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
+    cfg = ck.config
+    assert (cfg.num_attention_heads, cfg.head_dim) == (64, 512)
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(29).integers(2, cfg.vocab_size, prompt + steps).tolist()
+    arms = {a: _ARMS[a] for a in ("kernel", "attn", "attn+fused")}
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    _interleave("flash-layers:1", m, states, ids[prompt:], arms)
