@@ -22,7 +22,8 @@ no per-launch number shows.  This module reads the step's own timeline from the 
   are not one clock, so each device's launches are analysed on their own.
 * Caveats (printed with the report): the records cost one atomic and one barrier per CTA
   (before the wait) and a shared atomic per exiting warp; a few kernels spill a few bytes in
-  this build (gemv_fp8_r8, compressor pool); the %globaltimer resolution is the GPU's
+  this build (gemv_fp8_r8, compressor pool); 32 bytes of static shared memory per CTA less for
+  dynamic shared memory; the %globaltimer resolution is the GPU's
   (``resolution_ns`` reports the smallest nonzero step seen).
 
 No CuPy import at module import; the CPU half (names, folding, the chain) is tested without a GPU.
