@@ -53,9 +53,13 @@ def test_cli(tmp_path, capsys):
     launches.append(_L("hc.hc_boundary_pre", 300_000, 308_000))
     f = tmp_path / "r.json"
     f.write_text(json.dumps({"arms": {"path=device": {"device_trace": {"median_step_launches": launches}}}}))
-    assert TL.main([str(f)]) == 0
+    png = tmp_path / "layer.png"
+    assert TL.main([str(f), "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "HCA / window layers (3)" in out and "experts.gemv_mxfp4_gateup_k4_f#0" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
+    assert TL.family("experts.gemv_mxfp4_gateup_k4_f") == "FP4 experts"
+    assert TL.family("decode.build_cand") == "indexer / compressor" and TL.family("x.y") == "other"
     g = tmp_path / "plain.json"
     g.write_text(json.dumps({"arms": {"path=device": {}}}))
     assert TL.main([str(g)]) == 2
