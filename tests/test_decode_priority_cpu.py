@@ -22,7 +22,7 @@ def test_priority_seam_and_step_form():
     for value, want in (("side", "side"), ("attn", "attn"), ("off", "off"), (None, "off")):
         ds.m = SimpleNamespace(decode_priority=value)
         assert ds.priority_form() == want
-    ds.m = SimpleNamespace(decode_priority="all")  # not a value
+    ds.m = SimpleNamespace(decode_priority="all")
     with pytest.raises(ValueError, match=r"model.decode_priority \(env MEMRA_DSV4_DECODE_PRIORITY\)"):
         ds.priority_form()
 

@@ -258,7 +258,8 @@ class DeviceStep:
     def priority_form(self) -> str:
         """``model.decode_priority`` (seam MEMRA_DSV4_DECODE_PRIORITY; its default when the model
         has none), validated: "side" captures the side branches on the greatest-priority streams
-        and instantiates the stage graphs with node priorities (graphs.capture node_priority)."""
+        and instantiates the stage graphs with node priorities (graphs.capture node_priority);
+        "attn" the same except the shared expert's branch (_moe); "off" neither."""
         from memra_dsv4.seams import SEAM_DECODE_PRIORITY
         value = getattr(self.m, "decode_priority", None) or SEAM_DECODE_PRIORITY.default
         return SEAM_DECODE_PRIORITY.check(value, f"model.decode_priority (env {SEAM_DECODE_PRIORITY.env})")
