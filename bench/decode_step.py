@@ -190,22 +190,22 @@ class _ArmState:
             else:
                 os.environ.pop(k, None)
 
-    def step(self) -> None:
+    def apply(self) -> None:
+        """Make this arm the model's: its kernel env values and its settings on the model (the
+        arms share one model; each step of an arm starts here)."""
         self._apply_env()
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         self.m.l2_prefetch, self.m.decode_fork, self.m.hc_split = self.l2pf, self.fork, self.hcsplit
-        self.m.decode_priority = self.prio
-        self.m.decode_qnorm = self.qnorm
+        self.m.decode_priority, self.m.decode_qnorm = self.prio, self.qnorm
+
+    def step(self) -> None:
+        self.apply()
         self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
         phase brackets record events (a device-path graph replay has no per-phase brackets)."""
-        self._apply_env()
-        self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
-        self.m.l2_prefetch, self.m.decode_fork, self.m.hc_split = self.l2pf, self.fork, self.hcsplit
-        self.m.decode_priority = self.prio
-        self.m.decode_qnorm = self.qnorm
+        self.apply()
         if self.path == "device":
             from memra_dsv4.gpu.step import device_step
             logits = device_step(self.m, self.state, self.tok, graph=False)
@@ -217,17 +217,9 @@ class _ArmState:
 def _launch_profile(st, reps: int, flush_bytes: int) -> dict:
     """One eager device step recorded launch by launch, each launch then timed alone as a
     graph of ``reps`` copies (memra_dsv4.profiling.launches); prints and returns the tables."""
-    from memra_dsv4.gpu.step import device_step
     from memra_dsv4.profiling.launches import aggregate, format_rows, record_launches, time_launches
 
-    def one():
-        st._apply_env()
-        st.m.decode_path, st.m.pdl, st.m.decode_attn = st.path, st.pdl, st.attn
-        st.m.l2_prefetch, st.m.decode_fork, st.m.hc_split = st.l2pf, st.fork, st.hcsplit
-        st.m.decode_priority = st.prio
-        st.m.decode_qnorm = st.qnorm
-        st.tok = int(np.argmax(device_step(st.m, st.state, st.tok, graph=False)))
-    recs = record_launches(one, ("step_device.py",))
+    recs = record_launches(st.eager_step, ("step_device.py",))   # a device arm: device_step(graph=False)
     times = time_launches(recs, reps=reps, flush_bytes=flush_bytes)
     by_k, by_s = aggregate(recs, times, "kernel"), aggregate(recs, times, "site")
     print(f"launch profile: {len(recs)} launches, sum {sum(times) / 1e3:.3f} ms "

@@ -318,3 +318,24 @@ def test_prefill_bench_host_probe_one_per_timed_forward(monkeypatch):
     assert order == ["forward"] * 2 + ["probe", "forward"] * 3 + ["forward"]
     monkeypatch.undo()
     assert BP.host_probe_ms(2000) > 0.0
+
+
+def test_decode_step_arm_apply_sets_env_and_model(monkeypatch):
+    """bench.decode_step's _ArmState.apply: every arm setting onto the shared model and the arm's
+    kernel env values into the environment (an empty value removes the variable); step,
+    eager_step and the launch profile all start from it."""
+    from types import SimpleNamespace
+    from bench.decode_step import _ArmState
+    monkeypatch.setenv("MEMRA_DSV4_GEMV_VARIANT", "stale")
+    st = object.__new__(_ArmState)
+    st.m = SimpleNamespace()
+    st.kernel_env = {"MEMRA_DSV4_FP4_FULL": "0", "MEMRA_DSV4_GEMV_VARIANT": ""}
+    st.path, st.pdl, st.attn, st.l2pf = "device", "on", "split", "off"
+    st.fork, st.hcsplit, st.prio, st.qnorm = "lead", "on", "attn", "kernel"
+    st.apply()
+    assert vars(st.m) == {"decode_path": "device", "pdl": "on", "decode_attn": "split",
+                          "l2_prefetch": "off", "decode_fork": "lead", "hc_split": "on",
+                          "decode_priority": "attn", "decode_qnorm": "kernel"}
+    import os
+    assert os.environ["MEMRA_DSV4_FP4_FULL"] == "0" and "MEMRA_DSV4_GEMV_VARIANT" not in os.environ
+    monkeypatch.delenv("MEMRA_DSV4_FP4_FULL")
