@@ -326,7 +326,8 @@ def test_decode_step_arm_apply_sets_env_and_model(monkeypatch):
     eager_step and the launch profile all start from it."""
     from types import SimpleNamespace
     from bench.decode_step import _ArmState
-    monkeypatch.setenv("MEMRA_DSV4_GEMV_VARIANT", "stale")
+    monkeypatch.setenv("MEMRA_DSV4_GEMV_VARIANT", "stale")   # monkeypatch restores both afterwards
+    monkeypatch.setenv("MEMRA_DSV4_FP4_FULL", "1")
     st = object.__new__(_ArmState)
     st.m = SimpleNamespace()
     st.kernel_env = {"MEMRA_DSV4_FP4_FULL": "0", "MEMRA_DSV4_GEMV_VARIANT": ""}
@@ -338,4 +339,3 @@ def test_decode_step_arm_apply_sets_env_and_model(monkeypatch):
                           "decode_priority": "attn", "decode_qnorm": "kernel"}
     import os
     assert os.environ["MEMRA_DSV4_FP4_FULL"] == "0" and "MEMRA_DSV4_GEMV_VARIANT" not in os.environ
-    monkeypatch.delenv("MEMRA_DSV4_FP4_FULL")
