@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tests.test_kernel_sources import braced
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,18 +74,6 @@ def test_decode_bench_qnorm_arm():
         check_arms("path=device+qnorm=on")
 
 
-def _body(src: str, head: str) -> str:
-    """The brace-matched body of the first definition starting with ``head``."""
-    i = src.index(head)
-    j = src.index("{", i)
-    depth = 0
-    for k in range(j, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[k], 0)
-        if depth == 0:
-            return src[j:k + 1]
-    raise AssertionError(f"unbalanced body of {head}")
-
-
 def test_head_rms_row_code_is_shared():
     """head_rms_bf16 and the attention's q norm run head_rms.cuh's chunk helpers (the bit identity
     by construction): rmsnorm.cu keeps no copy of the arithmetic, both drivers of head_rms.cuh
@@ -95,7 +84,7 @@ def test_head_rms_row_code_is_shared():
     att = open(os.path.join(kd, "attention.cu"), encoding="utf-8").read()
     hdr = open(os.path.join(kd, "head_rms.cuh"), encoding="utf-8").read()
     assert '#include "head_rms.cuh"' in rms and '#include "head_rms.cuh"' in att
-    body = _body(rms, "head_rms_bf16(const u16* x")
+    body = braced(rms, "head_rms_bf16(const u16* x")
     assert "head_rms_warp_row(" in body and "round_bf16" not in body and "__fmul_rn" not in body
     arith = ("round_bf16", "__fmul_rn", "__dadd_rn", "__fadd_rn", "sqrt", "rope_pair")
     drivers = {"DEV void head_rms_warp_row(": ("head_rms_sumsq8(", "head_rms_r(", "head_rms_scale8(",
@@ -104,10 +93,10 @@ def test_head_rms_row_code_is_shared():
                "DEV void head_rms_row_finish(": ("warp_sum(", "head_rms_r(", "head_rms_scale8(",
                                                  "head_rms_rope8(")}
     for head, helpers in drivers.items():
-        b = _body(hdr, head)
+        b = braced(hdr, head)
         assert all(h in b for h in helpers), head
         assert not any(a in b for a in arith), f"{head}: arithmetic outside the shared helpers"
-    q_norm = _body(att, "DEV void q_norm_rows(")
+    q_norm = braced(att, "DEV void q_norm_rows(")
     for call in ("head_rms_row_load(", "head_rms_rope_load(", "head_rms_row_sumsq(", "head_rms_row_finish("):
         assert call in q_norm, call
     assert not any(a in q_norm for a in arith)

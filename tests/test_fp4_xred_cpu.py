@@ -30,6 +30,7 @@ import re
 
 import numpy as np
 import pytest
+from tests.test_kernel_sources import braced
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels_cu", "experts.cu")
 
@@ -41,15 +42,7 @@ def _src() -> str:
 
 def _function(name: str) -> str:
     """The text of a device function / struct of experts.cu from its name to its closing brace."""
-    s = _src()
-    i = s.index(name)
-    j = s.index("{", i)
-    depth = 0
-    for k in range(j, len(s)):
-        depth += {"{": 1, "}": -1}.get(s[k], 0)
-        if depth == 0:
-            return s[i:k + 1]
-    raise AssertionError(name)
+    return braced(_src(), name, from_head=True)
 
 
 # ---------------------------------------------------------------- emulations of the device code

@@ -228,16 +228,30 @@ def test_declared_kernel_parser_sees_macro_instances():
 # int where the kernel takes a double, or a missing argument, is silent garbage on the GPU).
 # ---------------------------------------------------------------------------------------------
 
-def _param_list(src: str, open_paren: int) -> str:
+def _closing(src: str, start: int, pair: str) -> int:
+    """Index of the bracket closing the one at src[start] (pair "()" or "{}")."""
     depth = 0
-    for i in range(open_paren, len(src)):
-        if src[i] == "(":
+    for i in range(start, len(src)):
+        if src[i] == pair[0]:
             depth += 1
-        elif src[i] == ")":
+        elif src[i] == pair[1]:
             depth -= 1
             if depth == 0:
-                return src[open_paren + 1:i]
-    raise ValueError("unbalanced parameter list")
+                return i
+    raise ValueError(f"unbalanced {pair} from offset {start}")
+
+
+def _param_list(src: str, open_paren: int) -> str:
+    return src[open_paren + 1:_closing(src, open_paren, "()")]
+
+
+def braced(src: str, head: str, *, from_head: bool = False) -> str:
+    """The first definition in src starting with ``head``, through its matching closing brace:
+    from its opening brace, or from ``head`` itself with from_head (the source-reading tests of
+    test_decode_qnorm_cpu / test_fp4_xred_cpu)."""
+    i = src.index(head)
+    j = src.index("{", i)
+    return src[i if from_head else j:_closing(src, j, "{}") + 1]
 
 
 def kernel_signatures() -> dict[str, list[str]]:
