@@ -18,7 +18,7 @@ cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from memra_dsv4.gpu import ops_decode as DK  # noqa: E402
-from memra_dsv4.gpu.ops.testing import bits_of, fresh_seed, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.gpu.ops.testing import bits_of, fresh_seed, rand_bf16, rng_for, snapshot_diff  # noqa: E402
 from memra_dsv4.gpu.pdl import pdl_launches  # noqa: E402
 
 BUDGETS = ("off", "128")
@@ -142,7 +142,7 @@ def test_device_step_same_bits_with_prefetch():
             assert np.array_equal(got["off"].view(np.uint32), got["128"].view(np.uint32)), \
                 f"device step {i} (pos {5 + i}): logits differ with l2_prefetch 128 vs off"
         sa, sb = states["off"].snapshot(), states["128"].snapshot()
-        diff = [k for k in sa if not np.array_equal(np.asarray(sa[k]), np.asarray(sb[k]))]
+        diff = snapshot_diff(sa, sb)
         assert not diff, f"caches differ with l2_prefetch 128 vs off: {diff}"
     finally:
         m.l2_prefetch = old

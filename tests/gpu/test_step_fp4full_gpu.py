@@ -17,6 +17,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
 
 @pytest.mark.parametrize("experts", ["mxfp4", "nvfp4"])
 def test_step_full_path_bit_identical_flash_layer(experts):
@@ -62,5 +64,5 @@ def test_step_full_path_bit_identical_flash_layer(experts):
     ref = states["general"].snapshot()
     for a in arms[1:]:
         sa = states[a].snapshot()
-        diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+        diff = snapshot_diff(ref, sa)
         assert not diff, f"{experts}: caches of {a} differ from the general kernels': {diff}"

@@ -16,6 +16,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
 # arm -> (hc_split, decode_fork, graph)
 _ARMS = {"off": ("off", "on", True), "on": ("on", "on", True), "on+all": ("on", "all", True),
          "on+eager": ("on", "off", False), "off+eager": ("off", "off", False)}
@@ -42,7 +44,7 @@ def _run_arms(name, devices, steps=14, prompt=5):
         ref = states["off"].snapshot()
         for a in _ARMS:
             sa = states[a].snapshot()
-            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            diff = snapshot_diff(ref, sa)
             assert not diff, f"{name}: caches of {a} differ from the one-launch boundary: {diff}"
         # switching the seam recaptured: the last graph of the "on" state was captured split
         assert m._step._graphs[id(states["on"])][5] is True

@@ -13,6 +13,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
 
 def _run(name, devices, steps=14, prompt=5):
     from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
@@ -40,7 +42,7 @@ def _run(name, devices, steps=14, prompt=5):
         ref = states["off"].snapshot()
         for a in arms[1:]:
             sa = states[a].snapshot()
-            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            diff = snapshot_diff(ref, sa)
             assert not diff, f"{name}: caches with prio={a} differ: {diff}"
         step = m._step
         gs = step._graphs[id(states["side"])]

@@ -22,6 +22,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
 # arm -> (decode_qnorm, decode_attn, graph)
 _ARMS = {"kernel": ("kernel", "split", True), "attn": ("attn", "split", True),
          "attn+fused": ("attn", "fused", True), "attn+eager": ("attn", "split", False)}
@@ -66,7 +68,7 @@ def _interleave(tag, m, states, ids, arms, check_launches=False):
         ref = states["kernel"].snapshot()
         for a in arms:
             sa = states[a].snapshot()
-            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            diff = snapshot_diff(ref, sa)
             assert not diff, f"{tag}: caches of {a} differ from the head_rms launch's: {diff}"
     finally:
         m.decode_qnorm, m.decode_attn = old

@@ -16,7 +16,7 @@ import numpy as np
 from memra_dsv4.formats import decode_bf16, encode_bf16
 
 __all__ = ["fresh_seed", "rng_for", "bf16", "rand_bf16", "bits_of", "ulp_bf16", "ulp_dist_bf16",
-           "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe"]
+           "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe", "snapshot_diff"]
 
 
 def fresh_seed() -> int:
@@ -141,3 +141,9 @@ def assert_within(got, want, bound, what: str, seed: int, **ctx):
                         f"|err| {err[idx]:.3e} bound {bound[idx]:.3e}")
         raise AssertionError(f"{what}: {int(bad.sum())}/{err.size} elements out of bound "
                              f"{describe(seed, **ctx)}\n    " + "\n    ".join(rows))
+
+
+def snapshot_diff(ref: dict, other: dict) -> list:
+    """The keys of ``ref`` (a DecodeState.snapshot(): name -> array) whose arrays are not equal
+    in ``other``, in ref's order: the step tests' "every cache byte" comparison of two arms."""
+    return [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(other[k]))]
