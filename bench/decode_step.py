@@ -24,7 +24,10 @@ the shared expert's, on greatest-priority streams, graphs instantiated with node
 bit-identical; each arm captures its own graphs); ``qnorm=kernel|attn`` (seam MEMRA_DSV4_DECODE_QNORM: the per-head q norm +
 q RoPE as its own head_rms launch after wq_b, or inside the sparse attention's q load (_qn
 kernels); bit-identical; each arm captures its own graphs, so
-``path=device+qnorm=kernel,path=device+qnorm=attn`` is an A/B in one process).  Kernel-choice
+``path=device+qnorm=kernel,path=device+qnorm=attn`` is an A/B in one process); ``w2=gemv|fused``
+(seam MEMRA_DSV4_DECODE_SHARED_W2: the shared expert's w2 as its own gemv_bf16 launch, or computed
+by the routed down + combine kernel (_k2_f_w2; bf16 dense, Flash shapes); bit-identical; each arm
+captures its own graphs).  Kernel-choice
 settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
@@ -117,7 +120,7 @@ def _arm_settings() -> dict:
     return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN,
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT, "prio": seams.SEAM_DECODE_PRIORITY,
-            "qnorm": seams.SEAM_DECODE_QNORM,
+            "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2,
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
             "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
             "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL")}
@@ -164,7 +167,7 @@ class _ArmState:
     def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
                  pdl: str | None = None, attn: str | None = None, kernel_env: dict | None = None,
                  l2pf: str | None = None, fork: str | None = None, hcsplit: str | None = None,
-                 prio: str | None = None, qnorm: str | None = None):
+                 prio: str | None = None, qnorm: str | None = None, w2: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.kernel_env = dict(kernel_env or {})   # env var -> value set before each step
         self._apply_env()
@@ -176,6 +179,7 @@ class _ArmState:
         self.hcsplit = hcsplit or getattr(m, "hc_split", "off")  # hc boundary split (device)
         self.prio = prio or getattr(m, "decode_priority", "off")  # graph branch priority (device)
         self.qnorm = qnorm or getattr(m, "decode_qnorm", "kernel")  # q head norm form (device)
+        self.w2 = w2 or getattr(m, "decode_shared_w2", "gemv")  # shared w2 form (device)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
         else:
@@ -197,6 +201,7 @@ class _ArmState:
         self.m.decode_path, self.m.pdl, self.m.decode_attn = self.path, self.pdl, self.attn
         self.m.l2_prefetch, self.m.decode_fork, self.m.hc_split = self.l2pf, self.fork, self.hcsplit
         self.m.decode_priority, self.m.decode_qnorm = self.prio, self.qnorm
+        self.m.decode_shared_w2 = self.w2
 
     def step(self) -> None:
         self.apply()
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
                        _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"), s.get("hcsplit"),
-                       s.get("prio"), s.get("qnorm"))
+                       s.get("prio"), s.get("qnorm"), s.get("w2"))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -353,7 +358,8 @@ def main(argv=None) -> int:
             "resolved": {"path": states[arm.name].path, "pdl": states[arm.name].pdl,
                          "attn": states[arm.name].attn, "l2pf": states[arm.name].l2pf,
                          "fork": states[arm.name].fork, "hcsplit": states[arm.name].hcsplit,
-                         "prio": states[arm.name].prio, "qnorm": states[arm.name].qnorm},
+                         "prio": states[arm.name].prio, "qnorm": states[arm.name].qnorm,
+                         "w2": states[arm.name].w2},
             "ratio_to_first": summ["median"] / base,
             "bytes_per_step": own_b, "native_bytes_per_step": nat_b,
             "achieved_frac_of_copy_bw": frac,

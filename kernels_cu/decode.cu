@@ -44,6 +44,7 @@
 //                 k < (pos + 1) / r; sel != null (CSA, sel ascending, -1 padded): W + sel[k]
 //                 if k < sel_w and sel[k] >= 0; else -1.
 #include "common.cuh"
+#include "gemv_bf16_row.cuh"
 
 using namespace memra;
 
@@ -127,34 +128,8 @@ DEV float e8m0_scale(u32 b) {
 // and FP8, T = 1 and 2, by enumerating per lane the (partial, chunk, scale block) sequence.)
 // SROWS (FP8 only): rows [j R / SROWS, (j + 1) R / SROWS) use the scale row srow[j] (the
 // e8m0 row of their 128-row block; the chunk c of such a row has the scale srow[j][c >> 4]).
-constexpr int GEMV_UNROLL = 4;
-
-// THE ORDER's end of a row: its partials added in index order, then the butterfly warp_sum
-DEV float partials_total(const float (&p)[GEMV_UNROLL]) {
-    float s = p[0];
-#pragma unroll
-    for (int u = 1; u < GEMV_UNROLL; ++u) s += p[u];
-    return warp_sum(s);
-}
-
-// one bf16 trip of R rows (raw weight chunks w[r][u], x chunks xr[u]): chunk u into partial u,
-// columns in ascending order, as rows_trip's T = 1 bf16 case (the persistent / preload variants)
-template <int R>
-DEV void bf16_trip_fma(const uint4 (&w)[R][GEMV_UNROLL], const uint4 (&xr)[GEMV_UNROLL],
-                       float (&acc)[R][GEMV_UNROLL]) {
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-        float b[8];
-        unpack8(xr[u], b);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float a[8];
-            unpack8(w[r][u], a);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[r][u] = __fmaf_rn(a[e], b[e], acc[r][u]);
-        }
-    }
-}
+// GEMV_UNROLL, partials_total (the end of a row) and bf16_trip_fma (one bf16 trip of R rows):
+// gemv_bf16_row.cuh, shared with experts.cu's down_combine _w2 kernels (the same row arithmetic).
 
 // T trips at once: chunks c + 32 u (u < T GEMV_UNROLL) of the R rows into partials
 // u % GEMV_UNROLL (ascending u, so a partial's chain is the same as T single trips').

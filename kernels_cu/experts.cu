@@ -74,6 +74,7 @@
 //     them for the Flash shapes): the same row arithmetic without the bookkeeping the general
 //     shapes need (load predicates, zero fills, runtime row strides); see "full-shape fast paths".
 #include "common.cuh"
+#include "gemv_bf16_row.cuh"
 
 using namespace memra;
 
@@ -178,6 +179,8 @@ namespace {
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)
 #endif
 constexpr int FP4_WARPS = 8;  // 256-thread CTAs
+// gemv_*_down_combine_k2_f_w2: the shared expert's intermediate size (w2 [O, DOWN_W2_K] bf16)
+constexpr int DOWN_W2_K = 2048;
 
 #ifndef FP4_ALU_EVEN
 // 1: the even elements are decoded on the ALU too (the odd elements' bit placement, see dot8),
@@ -706,6 +709,9 @@ DEV void fp4_stream_down_full(P& pl) {
         pw[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_w, r)) + fow;
         ps[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_s, r)) + fos;
     };
+    // _w2: the shared expert's w2 rows of this warp first (with the ring's first loads in flight
+    // beside them, ptxas spills: 8 + 4 chunks a trip on top of the ring's 48 registers)
+    if constexpr (P::W2) pl.w2_rows();
     uint4 rw[DEPTH][R];
     u32 rs[DEPTH][R][NSC];
     if (S > 0) pick(0);
@@ -1033,9 +1039,10 @@ DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* _
 // Every warp ranks the picks itself (lane j: pick j; lane r then holds the pick of rank r), so the
 // first weight loads wait for no barrier. The token's k rows of h are staged in (dynamic) shared
 // memory: as f32 for KPL <= 2, as bf16 for KPL = 4 (k * 64 KB of f32 would not fit).
-template <int KPL, int R, bool NV>
+template <int KPL, int R, bool NV, bool W2_ = false>
 struct DownPlan : PlanBase {
     static constexpr bool XF = KPL <= 2;
+    static constexpr bool W2 = W2_;                      // _w2: the shared expert's w2 rows here
     static constexpr int HW = staged_words<KPL, XF>();  // 16-byte words per staged h row
     static constexpr int RG = R;                         // rows per group
     int k;
@@ -1054,6 +1061,29 @@ struct DownPlan : PlanBase {
 #endif
     const u16* sh;       // shared-expert row or null
     u16* yr;
+    // _w2 (W2): the shared expert's w2 [O, DOWN_W2_K] bf16 and this token's input row sh_h
+    // [DOWN_W2_K] bf16; w2s: this CTA's bf16(w2 row . sh_h) in shared memory, row rr of this
+    // warp's row group rg at ((rg FP4_WARPS + warp) R + rr): what gemv_bf16 stores into `shared`
+    // (f32_to_bf16 of the same row dot), added in the epilogue as _k2_f adds shared[o]
+    const u16* w2;
+    const u16* shx;
+    u16* w2s;
+    DEV int w2s_at(int rg, int rr) const { return (rg * FP4_WARPS + (int)(threadIdx.x >> 5)) * R + rr; }
+    // every row group of this warp (before the stream's first loads: nothing else is live)
+    DEV void w2_rows() {
+        const int lane = threadIdx.x & 31, nrg = ngroups / k;
+        for (int rg = 0; rg < nrg; ++rg) {
+            const u16* wr[R];
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) wr[rr] = w2 + (i64)(row0(rg, R) + rr) * DOWN_W2_K;
+            float d[R];
+            bf16_rows_dot_k<R, DOWN_W2_K>(wr, shx, lane, d);
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr)
+                if (lane == rr) w2s[w2s_at(rg, rr)] = (u16)f32_to_bf16(d[rr]);
+        }
+        __syncwarp();
+    }
     DEV void stage() {
         stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
         __syncthreads();
@@ -1095,12 +1125,13 @@ struct DownPlan : PlanBase {
         combx = __fadd_rn(combx, active ? round_bf16(times_ws2<NV>(t, s2)) : 0.0f);
         if (may_be_last && rank == k - 1) {
             const int rg = rg_of(), nrg = ngroups / k;
-            kx.put(rg, combx, 0.0f, row0(rg, R));
+            kx.put(rg, combx, W2 ? bf16_to_f32(w2s[w2s_at(rg, KeptX<R>::row())]) : 0.0f, row0(rg, R));
             if (KeptX<R>::flush_after(rg, rg == nrg - 1)) {
                 const int o = kx.o;
                 if (o >= 0 && o < O) {
                     float v = kx.a;
-                    if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
+                    if constexpr (W2) v = __fadd_rn(v, kx.u);  // kx.u = bf16_to_f32(shared[o])
+                    else if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
                     yr[o] = (u16)f32_to_bf16(v);
                 }
                 kx.o = -1;
@@ -1115,12 +1146,13 @@ struct DownPlan : PlanBase {
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) {
                 const int n = rg * R + rr;
-                kept.put(n, comb[rr], 0.0f, o0 + rr);
+                kept.put(n, comb[rr], W2 ? bf16_to_f32(w2s[w2s_at(rg, rr)]) : 0.0f, o0 + rr);
                 if (Kept::flush_after(n, rg == nrg - 1 && rr == R - 1)) {
                     const int o = kept.o;
                     if (o >= 0 && o < O) {
                         float v = kept.a;
-                        if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
+                        if constexpr (W2) v = __fadd_rn(v, kept.u);
+                        else if (sh != nullptr) v = __fadd_rn(v, bf16_to_f32(__ldg(sh + o)));
                         yr[o] = (u16)f32_to_bf16(v);
                     }
                     kept.o = -1;
@@ -1131,17 +1163,19 @@ struct DownPlan : PlanBase {
     }
 };
 
-template <int KPL, bool NV, bool FULL>
+template <int KPL, bool NV, bool FULL, bool W2 = false>
 DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
                                     const u64* __restrict__ wptr, const u64* __restrict__ sptr,
                                     const float* __restrict__ ws2, const u16* __restrict__ shared,
-                                    u16* __restrict__ y, int ld_y, int O, int K) {
+                                    u16* __restrict__ y, int ld_y, int O, int K,
+                                    const u16* __restrict__ w2 = nullptr, const u16* __restrict__ shx = nullptr) {
+    static_assert(!W2 || FULL, "_w2: the full-shape path only");
     constexpr int R = FP4_DN_R;
     extern __shared__ uint4 hs[];  // [k][DownPlan::HW]
     const i64 t = blockIdx.y;
     const int lane = threadIdx.x & 31;
     init_lut();
-    DownPlan<KPL, R, NV> pl;
+    DownPlan<KPL, R, NV, W2> pl;
     pl.setup(O, K, NV, R);
     pl.ngroups *= k;
     pl.k = k;
@@ -1171,6 +1205,11 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.ht = h + t * k * (i64)K;
     pl.sh = shared != nullptr ? shared + t * O : nullptr;
     pl.yr = y + t * ld_y;
+    if constexpr (W2) {
+        pl.w2 = w2;
+        pl.shx = shx + t * DOWN_W2_K;
+        pl.w2s = reinterpret_cast<u16*>(hs + k * DownPlan<KPL, R, NV, W2>::HW);  // after the h rows
+    }
     if constexpr (FULL)
         fp4_stream_down_full<KPL, FP4_DN_DEPTH, NV>(pl);
     else
@@ -1242,6 +1281,27 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true, false)
 // the full-shape fast paths (K = 2048, O % FP4_DN_R == 0, k even; see fp4_stream_down_full): same bits
 GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2_f, 2, false, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2_f, 2, true, true)
+
+// The full-shape down + combine with the shared expert's w2 GEMV folded in (the device step's
+// MEMRA_DSV4_DECODE_SHARED_W2 = fused): instead of `shared`, w2: [O, 2048] bf16 bits (the shared
+// expert's down projection) and shx: [T, 2048] bf16 (its SwiGLU output); each warp computes the
+// w2 rows of its row group (gemv_bf16_row.cuh's bf16_rows_dot_k: decode.cu gemv_bf16's per-row
+// arithmetic, THE ORDER for K = 2048) at the group's start and adds bf16(row dot) in the epilogue
+// where _k2_f adds bf16_to_f32(shared[o]): the bytes of gemv_bf16(w2, shx) then _k2_f(shared).
+// K = 2048, O % FP4_DN_R == 0, k even (as _k2_f); grid and block as _k2_f; dynamic shared memory:
+// _k2_f's (k * 8192 bytes of h) plus the w2 row values, 2 * FP4_DN_R * FP4_WARPS * ceil(row groups /
+// (gridDim.x FP4_WARPS)) bytes (ops/experts.py down_w2_smem).
+#define GEMV_FP4_DOWN_W2(NAME, NV)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
+    NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         const u16* __restrict__ w2, const u16* __restrict__ shx, u16* __restrict__ y, int ld_y, int O, \
+         int K) { PDL_ENTRY();                                                                     \
+        gemv_fp4_down_combine_body<2, NV, true, true>(h, expert_ids, k, wptr, sptr, ws2, nullptr, y, ld_y, O, \
+                                                      K, w2, shx);                                 \
+    }
+GEMV_FP4_DOWN_W2(gemv_mxfp4_down_combine_k2_f_w2, false)
+GEMV_FP4_DOWN_W2(gemv_nvfp4_down_combine_k2_f_w2, true)
 
 // ==================================================================== tensor-core FP4 GEMVs (opt-in)
 // gemv_{mx,nv}fp4_mma, gemv_{mx,nv}fp4_gateup_mma, gemv_{mx,nv}fp4_down_combine_mma: the same

@@ -55,7 +55,7 @@ from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
     "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
-    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_DECODE_QNORM", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
+    "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_DECODE_QNORM", "SEAM_DECODE_SHARED_W2", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
     "NumericsPolicy", "POLICIES", "NUMERICS_CLASSES", "policy", "DEFAULT_NUMERICS",
@@ -174,6 +174,15 @@ SEAM_DECODE_QNORM = Seam(
     "head_rms_bf16, q normed in place) or `attn` (no launch: the sparse attention's _qn kernels "
     "norm + rope their heads' raw q rows at the q load with head_rms_bf16's code, "
     "kernels_cu/head_rms.cuh; every split CTA of a head group recomputes them). Bit-identical.")
+SEAM_DECODE_SHARED_W2 = Seam(
+    "decode_shared_w2", "MEMRA_DSV4_DECODE_SHARED_W2", "gemv", ("gemv", "fused"),
+    "The shared expert's w2 GEMV of the `device` decode step's MoE (memra_dsv4.gpu.step_device, "
+    "read once per model and printed): `gemv` (its own gemv_bf16 launch on the shared expert's "
+    "branch, the down + combine adding its output) or `fused` (no launch: the full-shape down + "
+    "combine kernels gemv_*fp4_down_combine_k2_f_w2 compute the w2 rows themselves with "
+    "gemv_bf16's row code, kernels_cu/gemv_bf16_row.cuh). Bit-identical. `fused` needs bf16 dense "
+    "weights and the Flash shapes (w2 [hidden, 2048], K = 2048, k even); elsewhere (FP8 dense, "
+    "MEMRA_DSV4_DENSE=fp8, or other shapes) the step keeps the separate launch.")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -232,7 +241,7 @@ SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
     SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_DECODE_PRIORITY, SEAM_DECODE_QNORM,
-    SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
+    SEAM_DECODE_SHARED_W2, SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
     SEAM_REQUIRE_PARITY)}
 
 

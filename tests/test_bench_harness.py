@@ -332,10 +332,11 @@ def test_decode_step_arm_apply_sets_env_and_model(monkeypatch):
     st.m = SimpleNamespace()
     st.kernel_env = {"MEMRA_DSV4_FP4_FULL": "0", "MEMRA_DSV4_GEMV_VARIANT": ""}
     st.path, st.pdl, st.attn, st.l2pf = "device", "on", "split", "off"
-    st.fork, st.hcsplit, st.prio, st.qnorm = "lead", "on", "attn", "kernel"
+    st.fork, st.hcsplit, st.prio, st.qnorm, st.w2 = "lead", "on", "attn", "kernel", "fused"
     st.apply()
     assert vars(st.m) == {"decode_path": "device", "pdl": "on", "decode_attn": "split",
                           "l2_prefetch": "off", "decode_fork": "lead", "hc_split": "on",
-                          "decode_priority": "attn", "decode_qnorm": "kernel"}
+                          "decode_priority": "attn", "decode_qnorm": "kernel",
+                          "decode_shared_w2": "fused"}
     import os
     assert os.environ["MEMRA_DSV4_FP4_FULL"] == "0" and "MEMRA_DSV4_GEMV_VARIANT" not in os.environ

@@ -485,6 +485,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                                              x_div=6, **w2)
                 M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
                                                    **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
+    for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):   # _k2_f_w2: the shared w2 rows in the kernel
+        M["experts"].gemv_fp4_down_combine(fmt, u16(12, 2048), i32(2, 6), tab, tab, 64, 2048,
+                                           shared_w2=(u16(64, 2048), u16(2, 2048)), **nv)
     for K in (256, 2048, 4096):  # the tensor-core variant (k = 16 at K = 4096: > 48 KB of shared memory)
         for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):
             M["experts"].gemv_fp4(fmt, u16(1, K), i32(6), tab, tab, 72, K, x_div=6, impl="mma", **nv)

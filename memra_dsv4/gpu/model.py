@@ -25,6 +25,10 @@ API
     per-head q norm + q RoPE, ``kernel`` (head_rms_bf16 after wq_b) or ``attn`` (inside the sparse
     attention's q load, the _qn kernels), bit-identical; ``self.decode_qnorm`` may be changed later
     (the device step recaptures its graphs when it differs, as for ``decode_attn``).
+    ``decode_shared_w2`` (seam ``MEMRA_DSV4_DECODE_SHARED_W2``, read once and printed): the device
+    step's shared-expert w2 GEMV, ``gemv`` (its own gemv_bf16 launch) or ``fused`` (computed by the
+    routed down + combine kernel, gemv_*_down_combine_k2_f_w2; bf16 dense and the Flash shapes only,
+    else the separate launch), bit-identical; may be changed later (the step recaptures).
     ``prefill_dispatch`` (seam ``MEMRA_DSV4_PREFILL_DISPATCH``, read once and printed): where the
     ``fp4mma`` and ``wgmma`` arms build their dispatch plan, ``host`` (the expert ids read back
     per layer) or ``device`` (kernels; nothing read back; bit-identical); ``blaslt`` always plans
@@ -83,7 +87,8 @@ class Dsv4Gpu:
                  prefill_moe: str | None = None, prefill_pipeline: str | None = None,
                  l2_prefetch: str | None = None, decode_fork: str | None = None,
                  hc_split: str | None = None, decode_priority: str | None = None,
-                 prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> None:
+                 prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
+                 decode_shared_w2: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -123,6 +128,8 @@ class Dsv4Gpu:
             "DECODE_PRIORITY", decode_priority, "device-step graph branch priority")
         self.decode_qnorm = _resolve_announced(                # read once, printed (step_device)
             "DECODE_QNORM", decode_qnorm, "device-step q head norm (own launch or in the attention)")
+        self.decode_shared_w2 = _resolve_announced(            # read once, printed (step_device)
+            "DECODE_SHARED_W2", decode_shared_w2, "device-step shared-expert w2 (own GEMV or in the down + combine)")
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -150,7 +157,8 @@ class Dsv4Gpu:
              prefill_moe: str | None = None, prefill_pipeline: str | None = None,
              l2_prefetch: str | None = None, decode_fork: str | None = None,
              hc_split: str | None = None, decode_priority: str | None = None,
-             prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> "Dsv4Gpu":
+             prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
+                 decode_shared_w2: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -169,7 +177,8 @@ class Dsv4Gpu:
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
-                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm)
+                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm,
+                   decode_shared_w2=decode_shared_w2)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -180,7 +189,8 @@ class Dsv4Gpu:
                   prefill_pipeline: str | None = None,
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
                   hc_split: str | None = None, decode_priority: str | None = None,
-                  prefill_dispatch: str | None = None, decode_qnorm: str | None = None) -> "Dsv4Gpu":
+                  prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
+                 decode_shared_w2: str | None = None) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
         from memra_dsv4.tensors import expected_tensors
 
@@ -199,7 +209,8 @@ class Dsv4Gpu:
                    prefill_attn, decode_attn, prefill_moe, prefill_pipeline,
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
-                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm)
+                   prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm,
+                   decode_shared_w2=decode_shared_w2)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

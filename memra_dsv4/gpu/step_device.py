@@ -43,10 +43,10 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is
 stepped with graph=True; cached per state (the cache addresses belong to the state) together
-with the (pdl, decode_attn, decode_fork, hc_split, decode_priority, decode_qnorm) they were
-captured with: stepping the state after any of ``model.pdl`` / ``model.decode_attn`` /
-``model.decode_fork`` / ``model.hc_split`` / ``model.decode_priority`` / ``model.decode_qnorm``
-changed recaptures.  With ``decode_priority`` "side" / "attn" (seam MEMRA_DSV4_DECODE_PRIORITY)
+with the (pdl, decode_attn, decode_fork, hc_split, decode_priority, decode_qnorm,
+decode_shared_w2) they were captured with: stepping the state after any of ``model.pdl`` /
+``model.decode_attn`` / ``model.decode_fork`` / ``model.hc_split`` / ``model.decode_priority`` /
+``model.decode_qnorm`` / ``model.decode_shared_w2`` changed recaptures.  With ``decode_priority`` "side" / "attn" (seam MEMRA_DSV4_DECODE_PRIORITY)
 the side branches are captured on the device's greatest-priority streams and the graphs keep
 the node priorities (graphs.capture).
 """
@@ -90,6 +90,7 @@ class DeviceStep:
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
         self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
         self._qnorm = "kernel"   # this step's q norm form (seam MEMRA_DSV4_DECODE_QNORM, _attention)
+        self._w2 = "gemv"        # this step's shared w2 form (seam MEMRA_DSV4_DECODE_SHARED_W2, _moe)
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -178,6 +179,7 @@ class DeviceStep:
                              f"StepWs built for {self.msl}")
         attn = self.attn_form()   # validated before any device work
         qnorm = self.qnorm_form()
+        w2 = self.shared_w2_form()
         pos = int(state.pos)
         for S in self.stages:
             S.host[0], S.host[1] = token, pos
@@ -200,9 +202,9 @@ class DeviceStep:
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
                     or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
-                    or gs[7] != qnorm):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm),
-                      pdl_on, attn, fork, hc_split, prio, qnorm)
+                    or gs[7] != qnorm or gs[8] != w2):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
+                      pdl_on, attn, fork, hc_split, prio, qnorm, w2)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -217,6 +219,7 @@ class DeviceStep:
             from memra_dsv4.gpu.pdl import pdl_launches
             self._hc_split, self._hc_branch = hc_split, False   # eager: one stream, same order
             self._qnorm = qnorm
+            self._w2 = w2
             try:
                 for S in self.stages:
                     with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
@@ -228,6 +231,7 @@ class DeviceStep:
             finally:
                 self._hc_split = False
                 self._qnorm = "kernel"
+                self._w2 = "gemv"
         last = self.stages[-1]
         # the token readback (the step's one host wait): D2H on the last stage's stream into a
         # pinned buffer (no driver staging of a pageable destination), then a host copy, since
@@ -280,6 +284,15 @@ class DeviceStep:
         value = getattr(self.m, "decode_qnorm", None) or SEAM_DECODE_QNORM.default
         return SEAM_DECODE_QNORM.check(value, f"model.decode_qnorm (env {SEAM_DECODE_QNORM.env})")
 
+    def shared_w2_form(self) -> str:
+        """``model.decode_shared_w2`` (seam MEMRA_DSV4_DECODE_SHARED_W2; its default when the model
+        has none), validated: "gemv" launches the shared expert's w2 GEMV (gemv_bf16) and passes
+        its output to the down + combine, "fused" has the down + combine compute the w2 rows
+        (gemv_*_down_combine_k2_f_w2; where it does not apply, _moe keeps the separate launch)."""
+        from memra_dsv4.seams import SEAM_DECODE_SHARED_W2
+        value = getattr(self.m, "decode_shared_w2", None) or SEAM_DECODE_SHARED_W2.default
+        return SEAM_DECODE_SHARED_W2.check(value, f"model.decode_shared_w2 (env {SEAM_DECODE_SHARED_W2.env})")
+
     def attn_form(self) -> str:
         """The decode attention form of the next step: ``model.decode_attn`` (seam
         MEMRA_DSV4_DECODE_ATTN; "split" when the model has none), validated."""
@@ -326,7 +339,7 @@ class DeviceStep:
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
-                 hc_split: bool = False, prio: str = "off", qnorm: str = "kernel"):
+                 hc_split: bool = False, prio: str = "off", qnorm: str = "kernel", w2: str = "gemv"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
@@ -336,7 +349,8 @@ class DeviceStep:
         Sinkhorn launch on the stage's hc side stream (_hc_pre); ``prio`` "side": those side
         streams are the greatest-priority set and the graph keeps its nodes' priorities; "attn":
         the same except the shared expert's branch (_moe), which stays at the default priority;
-        ``qnorm`` the q norm form ("kernel" / "attn": _attention)."""
+        ``qnorm`` the q norm form ("kernel" / "attn": _attention); ``w2`` the shared expert's w2
+        form ("gemv" / "fused": _moe)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -352,6 +366,7 @@ class DeviceStep:
                 self._forking = fork if fork in ("on", "all", "single", "lead") else ""
                 self._hc_split = self._hc_branch = bool(hc_split)
                 self._qnorm = qnorm
+                self._w2 = w2
                 S.hc_pending = False
                 b = S.branches["off" if prio == "off" else "side"]
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = b
@@ -368,6 +383,7 @@ class DeviceStep:
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
                 S.moe_side, S.moe_fork = S.side, S.fork
             self._qnorm = "kernel"
+            self._w2 = "gemv"
         return out
 
     # ------------------------------------------------------------------ launches
@@ -692,6 +708,13 @@ class DeviceStep:
         logits = v["moe.logits"].reshape(1, E)
         ids, wts = v["moe.ids"].reshape(1, k), v["moe.w"].reshape(1, k)
         sh, h = v["moe.sh_h"], v["moe.h"]
+        # MEMRA_DSV4_DECODE_SHARED_W2 = fused: the down + combine computes the shared w2 rows
+        # (bf16 w2 and the full shape only; else the separate gemv_bf16 below)
+        w2_fused = None
+        if getattr(self, "_w2", "gemv") == "fused":
+            w2w, w2s = L.lin("ffn.shared_experts.w2")
+            if w2s is None and EX.down_w2_ok(D, I, k, w2w):
+                w2_fused = (w2w, sh.reshape(1, -1))
 
         def shared_swiglu():
             with phase(f"{mp}/shared"):
@@ -738,7 +761,8 @@ class DeviceStep:
             S.moe_fork.fork()
             with S.moe_side:
                 shared_swiglu()
-                shared_w2()
+                if w2_fused is None:
+                    shared_w2()
             router()
             gate_up()
             S.moe_fork.join()
@@ -747,12 +771,18 @@ class DeviceStep:
             # router); with MEMRA_DSV4_L2_PREFETCH it asks the L2 for its weights meanwhile.
             shared_swiglu()
             router()
-            shared_w2()
+            if w2_fused is None:
+                shared_w2()
             gate_up()
         with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
-            EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
-                                     shared=v["moe.shared"].reshape(1, D),
-                                     out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+            if w2_fused is None:
+                EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
+                                         shared=v["moe.shared"].reshape(1, D),
+                                         out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+            else:   # + the shared expert's w2 rows (the bytes of gemv_bf16(w2, sh) + shared=)
+                EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
+                                         shared_w2=w2_fused,
+                                         out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
 
 
 def stage_views(model, st, msl: int):

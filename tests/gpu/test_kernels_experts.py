@@ -547,3 +547,49 @@ def test_mma_place_decode_variant(fmt):
         Wd = np.abs(W.astype(np.float64))
         bm = mma_bound(want, Wd @ np.abs(x[s_].astype(np.float64)), Wd.sum(axis=1), np.abs(x[s_]).max(), K_in)
         assert_within(gotf[s_], want, bm, f"gemv_{fmt}_mma FP4_MMA_PLACE=1", seed, slot=s_)
+
+
+# ---------------------------------------------------------------- shared w2 in the down kernel (_k2_f_w2)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("ids_case", ["distinct", "repeated", "empty", "k2", "k8"])
+@pytest.mark.parametrize("mag", ["plain", "mixed"])
+def test_down_combine_shared_w2_same_bytes(fmt, ids_case, mag):
+    """gemv_{fmt}_down_combine_k2_f_w2 (shared_w2=(w2, sh): the shared expert's w2 rows computed
+    by the down kernel, gemv_bf16_row.cuh) == ops_decode.gemv_bf16(w2, sh[t]) (the device step's
+    separate launch, bf16 out) then gemv_fp4_down_combine(shared=...) (_k2_f), every output byte,
+    Flash shapes (w2 [4096, 2048] bf16, routed down [4096, 2048]); sh / w2 with mixed magnitudes
+    (2^-30 .. 2^30, zeros, -0, subnormals; "mixed": w2 rows scaled by 2^-40 .. 2^40 too, so the
+    shared term ranges from far below to far above the routed sum); T > 1 gives each warp several row groups (the shared-
+    memory slots of w2_rows)."""
+    from memra_dsv4.gpu import ops_decode as DK
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    ids = np.array(_FULL_IDS[ids_case], np.int32)
+    T, k = ids.shape
+    I, D, E = 2048, 4096, 8
+    keep = _random_stack(rng, E, D, I, fmt)
+    w2p, w2s, ws2 = keep[2]
+    h = _wide_bf16(rng, (T * k, I), huge=True)
+    shx = _wide_bf16(rng, (T, I))
+    w2 = rand_bf16(rng, (D, I), 1.0, spread=30)
+    if mag == "mixed":
+        w2 = w2 * np.exp2(rng.integers(-40, 41, (D, 1))).astype(np.float32)
+    w2b = cp.asarray(bits_of(w2))
+    assert K.down_w2_ok(D, I, k, w2b)
+    names = []
+    with K.kernels_from(_recording(names)):
+        shared = cp.zeros((T, D), np.uint16)
+        for t in range(T):
+            DK.gemv_bf16(w2b, shx[t], shared[t])
+        want = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2)
+        got = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared_w2=(w2b, shx), ws2=ws2)
+    cp.cuda.Device().synchronize()
+    assert names == [f"gemv_{fmt}_down_combine_k2_f", f"gemv_{fmt}_down_combine_k2_f_w2"], names
+    a, b = got.get(), want.get()
+    bad = int((a != b).sum())
+    assert bad == 0, f"_k2_f_w2 != gemv_bf16 + _k2_f at {bad} of {a.size} {describe(seed, fmt=fmt, ids=ids_case, mag=mag)}"
+    nz = int(((a & 0x7FFF) != 0).sum())
+    assert nz > a.size // 4, f"only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"
+    # the shared part matters: without it the bytes differ
+    plain = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared=None, ws2=ws2).get()
+    assert int((plain != a).sum()) > a.size // 4

@@ -8,7 +8,10 @@ gemv_fp4(fmt, x, expert_ids, wptr, sptr, O, K, ...)
     twin oracle.ops.linear(x, dequant(W_e), "fp4") per slot (bf16 class: x as given;
     reference class: pass the FP8-simulated x, quant_sim.fp8_sim(x, 128)).
 gemv_fp4_gateup(...)        fused gemv(w1), gemv(w3), moe.swiglu: the same bits, one launch
-gemv_fp4_down_combine(...)  fused gemv(w2) and moe.combine: the same bits, one launch
+gemv_fp4_down_combine(...)  fused gemv(w2) and moe.combine: the same bits, one launch;
+    shared_w2=(w2, sh) (bf16 w2 [O, 2048], sh [T, 2048]; full shape only, see down_w2_ok):
+    gemv_{fmt}_down_combine_k2_f_w2 computes the shared expert's w2 rows itself (the same bits
+    as ops_decode.gemv_bf16(w2, sh, shared) then shared=shared; kernels_cu/gemv_bf16_row.cuh)
 
 impl="simt" | "mma" (default DEFAULT_IMPL = "simt") picks the kernels of the three FP4 GEMVs:
     "simt": the CUDA-core kernels (gemv_*_k{1,2,4}; the validated default);
@@ -51,7 +54,8 @@ KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     f"gemv_{fmt}{kind}_k{kpl}" for kind in ("", "_gateup", "_down_combine")
     for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4)) + tuple(
     f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4")) + tuple(
-    f"gemv_{fmt}{kind}_f" for kind in ("_gateup_k4", "_down_combine_k2") for fmt in ("mxfp4", "nvfp4"))
+    f"gemv_{fmt}{kind}_f" for kind in ("_gateup_k4", "_down_combine_k2") for fmt in ("mxfp4", "nvfp4")) + tuple(
+    f"gemv_{fmt}_down_combine_k2_f_w2" for fmt in ("mxfp4", "nvfp4"))
 kernel_loader.register(STEM, KERNELS)
 
 IMPLS = ("simt", "mma")
@@ -112,6 +116,25 @@ def down_full(O: int, K: int, k: int) -> bool:
     """gemv_fp4_down_combine launches the full-shape kernel for (O, K, k): K = 2048, whole row
     groups and an even pick count (its loop takes two picks per trip)."""
     return _full_on() and K == DOWN_FULL_K and O % DOWN_ROWS_PER_GROUP == 0 and k >= 2 and k % 2 == 0
+
+
+DOWN_W2_K = 2048            # gemv_*_down_combine_k2_f_w2: the shared expert's w2 row length (compile-time)
+
+
+def down_w2_ok(O: int, K: int, k: int, w2) -> bool:
+    """gemv_fp4_down_combine(shared_w2=(w2, ...)) can launch the _k2_f_w2 kernel: the full shape
+    (down_full) and w2 bf16 bits [O, DOWN_W2_K] (an FP8-stored w2 is not supported: the caller
+    keeps the separate gemv_bf16)."""
+    return (down_full(O, K, k) and w2 is not None and w2.dtype == np.uint16
+            and tuple(w2.shape) == (O, DOWN_W2_K))
+
+
+def down_w2_smem(O: int, nx: int) -> int:
+    """Bytes of the _w2 kernel's w2 row values in shared memory (after the h rows): per warp R
+    bf16 values per row group it owns (row groups spread over nx * FP4_WARPS warps), 16-aligned."""
+    groups = (O + DOWN_ROWS_PER_GROUP - 1) // DOWN_ROWS_PER_GROUP
+    per_warp = (groups + nx * FP4_WARPS - 1) // (nx * FP4_WARPS)
+    return (2 * DOWN_ROWS_PER_GROUP * FP4_WARPS * per_warp + 15) // 16 * 16
 
 
 def _full_on() -> bool:
@@ -258,10 +281,13 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
 
 
 def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *, shared=None, out=None,
-                          ws2=None, impl=None):
+                          ws2=None, impl=None, shared_w2=None):
     """y[t] = bf16(sum over picks in ascending expert id of bf16(W2_e h[t*k + j]) + shared[t]).
     h [T*k, K] bf16 (routing-weighted SwiGLU output); expert_ids [T, k] int32; shared [T, O] bf16
-    or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine (same impl)."""
+    or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine (same impl).
+    shared_w2=(w2, sh) instead of shared: w2 [O, 2048] bf16 bits, sh [T, 2048] bf16; the kernel
+    computes shared[t] = bf16(w2 . sh[t]) itself (the bytes of ops_decode.gemv_bf16(w2, sh[t])
+    then shared=...); simt full shape only (down_w2_ok)."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_down_combine: format {fmt!r}"
     check(expert_ids, "gemv_fp4_down_combine.expert_ids", np.int32)
@@ -271,10 +297,31 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
     s2 = _tables(fmt, wptr, sptr, ws2, "gemv_fp4_down_combine")
     if shared is not None:
         check(shared, "gemv_fp4_down_combine.shared", np.uint16, (T, O))
+    if shared_w2 is not None:
+        w2, shx = shared_w2
+        assert shared is None, "gemv_fp4_down_combine: shared and shared_w2 are alternatives"
+        assert impl == "simt", "gemv_fp4_down_combine: shared_w2 needs impl 'simt'"
+        check(w2, "gemv_fp4_down_combine.shared_w2.w2", np.uint16, (O, DOWN_W2_K))
+        check(shx, "gemv_fp4_down_combine.shared_w2.sh", np.uint16)
+        assert shx.size == T * DOWN_W2_K and shx.flags.c_contiguous and shx.data.ptr % 16 == 0, (
+            f"gemv_fp4_down_combine.shared_w2.sh: {shx.shape}, expected {T} x {DOWN_W2_K} contiguous, 16-aligned")
+        assert w2.data.ptr % 16 == 0, "gemv_fp4_down_combine.shared_w2.w2: 16-byte alignment"
+        assert down_w2_ok(O, K, k, w2), (
+            f"gemv_fp4_down_combine: shared_w2 needs the full shape (K = {DOWN_FULL_K}, O even, k even; "
+            f"got O {O}, K {K}, k {k}; MEMRA_DSV4_FP4_FULL not 0)")
     if out is None:
         out = out_array(None, "gemv_fp4_down_combine.out", (T, O), np.uint16)
     check(out, "gemv_fp4_down_combine.out", np.uint16, (T, O), rows_strided=True)
-    if T and O and impl == "mma":
+    if T and O and shared_w2 is not None:
+        kern = kernel(STEM, f"gemv_{fmt}_down_combine_k2_f_w2")
+        nx = _fp4_grid_x(O, DOWN_ROWS_PER_GROUP, T)
+        smem = k * 2 * 4096 + down_w2_smem(O, nx)   # the h rows (f32), then the w2 row values
+        if smem + _STATIC_SMEM_SLACK > 48 * 1024:
+            dynamic_smem(kern, max(smem, 48 * 1024 + 1))
+        kern((nx, T), (256,),
+             (h, expert_ids, i32(k), wptr, sptr, s2, w2, shx, out, i32(row_stride(out)), i32(O), i32(K)),
+             shared_mem=smem)
+    elif T and O and impl == "mma":
         _mma_check(K, "gemv_fp4_down_combine")
         _mma_launch(kernel(STEM, f"gemv_{fmt}_down_combine_mma"), O, T, k, K,
                     (h, expert_ids, i32(k), wptr, sptr, s2, null_or(shared), out, i32(row_stride(out)),

@@ -1,0 +1,84 @@
+// The dense bf16 GEMV's per-row arithmetic (decode.cu's gemv_bf16_* / gemv_fp8_*: THE ORDER of
+// warp_rows_dot), shared with experts.cu's gemv_*_down_combine_k2_f_w2, which computes the shared
+// expert's w2 rows itself (the device step's MEMRA_DSV4_DECODE_SHARED_W2 = fused).  Both kernels
+// run these functions, so the w2 row dots are the same bits by construction.
+//
+// THE ORDER (a function of K only): lane l owns the 8-column chunks c = l + 32 i; chunk i goes to
+// partial i % GEMV_UNROLL while it belongs to a complete group of GEMV_UNROLL, the tail chunks to
+// partial 0; each partial is a chain of __fmaf_rn over its chunks in ascending i, columns in
+// ascending order; the partials are added in index order, then the butterfly warp_sum (xor 16, 8,
+// 4, 2, 1).  (decode.cu's header comment of warp_rows_dot has the full statement.)  Every f32
+// operation is an explicit _rn intrinsic or a plain add (no contraction candidates: the adds of
+// partials_total / warp_sum have no multiply feeding them), and both modules compile with the same
+// options, so the bits depend neither on the kernel the functions are inlined into nor on when a
+// lane's loads are issued.
+//   partials_total       the end of a row: partials in index order, then warp_sum
+//   bf16_trip_fma        one trip (chunks c + 32 u, u < GEMV_UNROLL, into partial u) of R rows
+//   bf16_rows_dot_k<R, K>  R whole rows with K % (32 * 8 * GEMV_UNROLL) == 0 (every lane has whole
+//                        trips, no tail chunks; K = 1024 t): trips t = 0, 1, ... of
+//                        bf16_trip_fma, then partials_total: THE ORDER for such K.
+#pragma once
+
+#include "common.cuh"
+
+namespace memra {
+
+constexpr int GEMV_UNROLL = 4;
+
+// THE ORDER's end of a row: its partials added in index order, then the butterfly warp_sum
+DEV float partials_total(const float (&p)[GEMV_UNROLL]) {
+    float s = p[0];
+#pragma unroll
+    for (int u = 1; u < GEMV_UNROLL; ++u) s += p[u];
+    return warp_sum(s);
+}
+
+// one bf16 trip of R rows (raw weight chunks w[r][u], x chunks xr[u]): chunk u into partial u,
+// columns in ascending order, as rows_trip's T = 1 bf16 case (the persistent / preload variants)
+template <int R>
+DEV void bf16_trip_fma(const uint4 (&w)[R][GEMV_UNROLL], const uint4 (&xr)[GEMV_UNROLL],
+                       float (&acc)[R][GEMV_UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) {
+        float b[8];
+        unpack8(xr[u], b);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float a[8];
+            unpack8(w[r][u], a);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[r][u] = __fmaf_rn(a[e], b[e], acc[r][u]);
+        }
+    }
+}
+
+// out[r] = wrow[r] . x on every lane (R bf16 rows of K columns, 16-byte aligned rows and x,
+// K % 1024 == 0): lane l's trip t covers chunks l + 128 t + 32 u (u < GEMV_UNROLL) into partial
+// u, t ascending: per partial the chain of warp_rows_dot over the lane's complete groups (there
+// is no tail for such K), so THE ORDER.  Weights streamed past L1 (ldg_stream16), x through L1.
+template <int R, int K>
+DEV void bf16_rows_dot_k(const u16* const (&wrow)[R], const u16* __restrict__ x, int lane, float (&out)[R]) {
+    static_assert(K % (32 * 8 * GEMV_UNROLL) == 0, "bf16_rows_dot_k: K % 1024 == 0 (whole trips)");
+    constexpr int TRIPS = K / (32 * 8 * GEMV_UNROLL);
+    float acc[R][GEMV_UNROLL];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < TRIPS; ++t) {
+        const int c = lane + 32 * GEMV_UNROLL * t;
+        uint4 w[R][GEMV_UNROLL], xr[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) w[r][u] = ldg_stream16(wrow[r] + (i64)(c + 32 * u) * 8);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(x + (i64)(c + 32 * u) * 8);
+        bf16_trip_fma<R>(w, xr, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
+}
+
+}  // namespace memra

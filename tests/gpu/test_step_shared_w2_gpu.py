@@ -1,0 +1,102 @@
+"""The shared expert's w2 inside the routed down + combine (seam MEMRA_DSV4_DECODE_SHARED_W2,
+step_device._moe): with ``fused`` the step launches no gemv_bf16 for w2; the down + combine's
+_k2_f_w2 kernel computes the w2 rows with gemv_bf16's row code (kernels_cu/gemv_bf16_row.cuh), so
+the step must give the bits of ``gemv`` (the default).
+
+* one Flash-sized layer (flash-layers:1, bf16 dense: the kernel applies), 5-token prefill, 6
+  steps, arms interleaved step by step: gemv (graph; the reference), fused (graph), fused eager;
+  logits of every step and every cache byte equal; the first eager fused step launches
+  gemv_*_down_combine_k2_f_w2 and no gemv_bf16 reading w2's bytes; the cached graph records the
+  form (a switch recaptures).
+* tiny (the shapes do not qualify: the step keeps the separate launch): fused == gemv, 8 steps.
+* device-hostmath with fused == legacy byte for byte (tiny, 5 steps)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+# arm -> (decode_shared_w2, graph)
+_ARMS = {"gemv": ("gemv", True), "fused": ("fused", True), "fused+eager": ("fused", False)}
+
+
+def _interleave(tag, m, states, ids, arms, check_fused_launch=False):
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    old = getattr(m, "decode_shared_w2", "gemv")
+    try:
+        for i, t in enumerate(ids):
+            got = {}
+            for a, (w2, graph) in arms.items():
+                m.decode_shared_w2 = w2
+                if check_fused_launch and i == 0 and not graph:
+                    out = []
+                    recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
+                                           ("step_device.py",))
+                    names = [r.kernel.split(".", 1)[1] for r in recs]
+                    assert any(n.endswith("_down_combine_k2_f_w2") for n in names), sorted(set(names))
+                    assert not any(n.endswith("_down_combine_k2_f") for n in names), sorted(set(names))
+                    got[a] = out[0]
+                    continue
+                got[a] = device_step(m, states[a], int(t), graph=graph)
+            for a in arms:
+                assert np.array_equal(got[a].view(np.uint32), got["gemv"].view(np.uint32)), \
+                    f"{tag}: step {i}: logits of {a} differ from the separate w2 GEMV's"
+        ref = states["gemv"].snapshot()
+        for a in arms:
+            sa = states[a].snapshot()
+            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
+            assert not diff, f"{tag}: caches of {a} differ from the separate w2 GEMV's: {diff}"
+    finally:
+        m.decode_shared_w2 = old
+
+
+def test_shared_w2_fused_step_bit_identical_flash_layer():
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
+                     dense="bf16")
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(31).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    _interleave("flash-layers:1", m, states, ids[prompt:], _ARMS, check_fused_launch=True)
+    assert m._step._graphs[id(states["fused"])][8] == "fused"
+    assert m._step._graphs[id(states["gemv"])][8] == "gemv"
+
+
+def test_shared_w2_fused_step_tiny_falls_back():
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    ck, m = _model("tiny", (0,), "device")
+    prompt, steps = 5, 8
+    ids = _ids(ck.config, prompt + steps, seed=19)
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS)
+
+
+def test_shared_w2_fused_device_hostmath_equals_legacy_tiny():
+    from test_decode_gpu import _ids, _model
+    from memra_dsv4.gpu import step
+    if not step.HOSTMATH_IMPLEMENTED:
+        pytest.skip(step.HOSTMATH_REASON)
+    ck, ml = _model("tiny", (0,), "legacy")
+    _, mh = _model("tiny", (0,), "device-hostmath")
+    L, steps = 16, 5
+    ids = _ids(ck.config, L + steps, seed=37)
+    _, sa = ml.prefill(ids[:L])
+    _, sb = mh.prefill(ids[:L])
+    old = getattr(mh, "decode_shared_w2", "gemv")
+    try:
+        mh.decode_shared_w2 = "fused"
+        for i, t in enumerate(ids[L:]):
+            x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
+                f"step {i}: device-hostmath (shared w2 fused) != legacy, max |diff| {np.abs(x - y).max()}"
+    finally:
+        mh.decode_shared_w2 = old
+    ga, gb = sa.snapshot(), sb.snapshot()
+    bad = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    assert not bad, f"state differs in {bad}"
