@@ -179,7 +179,7 @@ class _ArmState:
         self.hcsplit = hcsplit or getattr(m, "hc_split", "off")  # hc boundary split (device)
         self.prio = prio or getattr(m, "decode_priority", "off")  # graph branch priority (device)
         self.qnorm = qnorm or getattr(m, "decode_qnorm", "kernel")  # q head norm form (device)
-        self.w2 = w2 or getattr(m, "decode_shared_w2", "gemv")  # shared w2 form (device)
+        self.w2 = w2 or getattr(m, "decode_shared_w2", "fused")  # shared w2 form (device)
         if fill == "random":
             self.state, self.tok = random_filled_state(m, len(ids), max_seq_len), int(ids[-1])
         else:

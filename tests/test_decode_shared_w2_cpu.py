@@ -24,12 +24,12 @@ def test_decode_shared_w2_seam(monkeypatch):
     from memra_dsv4 import seams
     s = seams.SEAMS["decode_shared_w2"]
     assert s is seams.SEAM_DECODE_SHARED_W2
-    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_DECODE_SHARED_W2", "gemv", ("gemv", "fused"))
+    assert (s.env, s.default, s.allowed) == ("MEMRA_DSV4_DECODE_SHARED_W2", "fused", ("gemv", "fused"))
     monkeypatch.delenv("MEMRA_DSV4_DECODE_SHARED_W2", raising=False)
-    assert seams.resolve("decode_shared_w2") == "gemv"
-    monkeypatch.setenv("MEMRA_DSV4_DECODE_SHARED_W2", "fused")
     assert seams.resolve("decode_shared_w2") == "fused"
-    assert seams.resolve("decode_shared_w2", "gemv") == "gemv"          # explicit wins
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_SHARED_W2", "gemv")
+    assert seams.resolve("decode_shared_w2") == "gemv"
+    assert seams.resolve("decode_shared_w2", "fused") == "fused"        # explicit wins
     monkeypatch.setenv("MEMRA_DSV4_DECODE_SHARED_W2", "on")
     with pytest.raises(ValueError, match="MEMRA_DSV4_DECODE_SHARED_W2.*'on'.*gemv, fused"):
         seams.resolve("decode_shared_w2")
@@ -42,11 +42,11 @@ def test_decode_shared_w2_announced_and_taken_everywhere(monkeypatch, capsys):
     from memra_dsv4.gpu import model as gm
     monkeypatch.delenv("MEMRA_DSV4_DECODE_SHARED_W2", raising=False)
     what = "device-step shared-expert w2 (own GEMV or in the down + combine)"
-    assert gm._resolve_announced("DECODE_SHARED_W2", None, what) == "gemv"
-    assert f"memra_dsv4: {what} = gemv (default)" in capsys.readouterr().err
-    monkeypatch.setenv("MEMRA_DSV4_DECODE_SHARED_W2", "fused")
     assert gm._resolve_announced("DECODE_SHARED_W2", None, what) == "fused"
-    assert "= fused (env MEMRA_DSV4_DECODE_SHARED_W2)" in capsys.readouterr().err
+    assert f"memra_dsv4: {what} = fused (default)" in capsys.readouterr().err
+    monkeypatch.setenv("MEMRA_DSV4_DECODE_SHARED_W2", "gemv")
+    assert gm._resolve_announced("DECODE_SHARED_W2", None, what) == "gemv"
+    assert "= gemv (env MEMRA_DSV4_DECODE_SHARED_W2)" in capsys.readouterr().err
     src = inspect.getsource(gm.Dsv4Gpu.__init__)
     assert '"DECODE_SHARED_W2", decode_shared_w2' in src
     for fn in (gm.Dsv4Gpu.__init__, gm.Dsv4Gpu.load, gm.Dsv4Gpu.synthetic):
@@ -61,11 +61,11 @@ def test_device_step_shared_w2_form_and_graph_key():
 
     from memra_dsv4.gpu.step_device import DeviceStep
     ds = object.__new__(DeviceStep)       # no GPU: only the form's resolution
-    for value, want in (("gemv", "gemv"), ("fused", "fused"), (None, "gemv")):
+    for value, want in (("gemv", "gemv"), ("fused", "fused"), (None, "fused")):
         ds.m = SimpleNamespace(decode_shared_w2=value)
         assert ds.shared_w2_form() == want
     ds.m = SimpleNamespace()
-    assert ds.shared_w2_form() == "gemv"
+    assert ds.shared_w2_form() == "fused"
     ds.m = SimpleNamespace(decode_shared_w2="both")
     with pytest.raises(ValueError, match=r"model.decode_shared_w2 \(env MEMRA_DSV4_DECODE_SHARED_W2\).*gemv, fused"):
         ds.shared_w2_form()

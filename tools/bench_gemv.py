@@ -326,10 +326,28 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                                # NOT timed here: the relaunch keeps the R = 2 grid, where half the
                                # warps would get no row group (Flash down has 1024 groups of 4 for
                                # 2112 resident warps), so its time would say nothing fair
-                               ("FP4_GU_R=1 FP4_DEPTH=4", {"FP4_GU_R": 1, "FP4_DEPTH": 4})]:
+                               ("FP4_GU_R=1 FP4_DEPTH=4", {"FP4_GU_R": 1, "FP4_DEPTH": 4}),
+                               # occupancy: 80 registers (launch bounds for 3 CTAs per SM) and a
+                               # grid of 3 CTAs per SM (ops.experts.CTAS_PER_SM, set while the
+                               # launches are recorded; down over 1-row groups, so that its grid can
+                               # grow past 256 CTAs); ptxas: gate/up 12 B (mx) / 24 B (nv) of spill
+                               # in the setup, down none at FP4_DN_DEPTH=1
+                               ("occ3a: FP4_MINB=3 FP4_DEPTH=1 FP4_DN_DEPTH=1 FP4_DN_R=1, 3 CTAs/SM",
+                                {"FP4_MINB": 3, "FP4_DEPTH": 1, "FP4_DN_DEPTH": 1, "FP4_DN_R": 1,
+                                 "EX.CTAS_PER_SM": 3, "EX.DOWN_ROWS_PER_GROUP": 1}),
+                               ("occ3b: FP4_MINB=3 FP4_GU_R=1 FP4_DEPTH=2 FP4_DN_DEPTH=2 FP4_DN_R=1, 3 CTAs/SM",
+                                {"FP4_MINB": 3, "FP4_GU_R": 1, "FP4_DEPTH": 2, "FP4_DN_DEPTH": 2, "FP4_DN_R": 1,
+                                 "EX.CTAS_PER_SM": 3, "EX.DOWN_ROWS_PER_GROUP": 1}),
+                               ("occ3c: FP4_MINB=3 (default depths, spills), 3 CTAs/SM",
+                                {"FP4_MINB": 3, "EX.CTAS_PER_SM": 3}),
+                               ("occ2r1: FP4_DN_R=1 FP4_GU_R=1 (2 CTAs/SM, 1-row groups)",
+                                {"FP4_DN_R": 1, "FP4_GU_R": 1, "EX.DOWN_ROWS_PER_GROUP": 1})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
+            host = {k[3:]: v for k, v in (defines or {}).items() if k.startswith("EX.")}
+            defines = None if defines is None else {k: v for k, v in defines.items() if not k.startswith("EX.")}
             look = EX.variant_kernels(defines) if defines is not None else None
+            saved = {k: getattr(EX, k) for k in host}
             for name, nbytes, fn in cases[n_dense:n_simt]:
                 want = fn().copy()
                 if look is None:   # the default build's general kernels: recorded under the switch
@@ -337,9 +355,15 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                         got = fn().copy()
                         recs = record_launches(fn, ("bench_gemv.py",))
                 else:              # the variant build's kernel of each recorded (default) launch's name
-                    with EX.kernels_from(look):
-                        got = fn().copy()
-                    recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                    for k, v in host.items():   # host geometry of the variant (grid, smem) while recording
+                        setattr(EX, k, v)
+                    try:
+                        with EX.kernels_from(look):
+                            got = fn().copy()
+                        recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                    finally:
+                        for k, v in saved.items():
+                            setattr(EX, k, v)
                 if not (got.view(want.dtype) == want).all():
                     bad = int((got != want).sum())
                     mismatches.append(f"{name.split(' ')[0]} [{label}]: {bad} of {want.size} outputs differ")
