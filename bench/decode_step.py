@@ -31,8 +31,9 @@ captures its own graphs).  Kernel-choice
 settings for in-process A/B of kernels that are not seams yet:
 ``gemv=base|pick`` (base: ops_decode's current defaults; pick: the MEMRA_DSV4_GEMV_VARIANT value
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
-``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL) and ``fp4full=on|off`` (MEMRA_DSV4_FP4_FULL: the
-full-shape FP4 expert kernels or the general ones, ops.experts); the arm sets these variables
+``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL), ``fp4full=on|off`` (MEMRA_DSV4_FP4_FULL: the
+full-shape FP4 expert kernels or the general ones, ops.experts) and ``fp4ring=on|off``
+(MEMRA_DSV4_FP4_RING: the full-shape gate/up with its weight ring in shared memory); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
 every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
@@ -123,7 +124,8 @@ def _arm_settings() -> dict:
             "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2,
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
             "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
-            "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL")}
+            "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
+            "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING")}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -141,6 +143,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_HC_BOUNDARY_IMPL"] = s["hc"]
     if "fp4full" in s:   # ops.experts: the full-shape FP4 kernels (on) or the general ones (off)
         env["MEMRA_DSV4_FP4_FULL"] = "1" if s["fp4full"] == "on" else "0"
+    if "fp4ring" in s:   # ops.experts: the gate/up with its weight ring in shared memory (on) or not
+        env["MEMRA_DSV4_FP4_RING"] = "1" if s["fp4ring"] == "on" else "0"
     return env
 
 

@@ -684,6 +684,101 @@ DEV void fp4_stream_gateup_full(P& pl) {
     }
 }
 
+// gate/up over whole row groups as fp4_stream_gateup_full, with the weight ring in shared memory
+// (gemv_*_gateup_k4_r: "ring"): this warp's KPL x 2R x 32 16-byte words, slot (i, m) = chunk step
+// i of row m (ring + (i 2R + m) 32 + lane: each lane reads back the 16 bytes it copied, a warp's
+// 32 words are consecutive: no bank conflicts), filled by cp.async one whole group ahead (KPL
+// steps in flight instead of the register ring's DEPTH = 2, without its 8 x 4 registers per step:
+// Nsight Compute at 53f6985 put "long scoreboard" at 1.22 of the 5.3 cycles between a warp's
+// issues).  The scales stay in a register ring of the same depth (one byte per lane and row).
+// THE SAME ARITHMETIC: chunk_dots on the same words and scales, the same finish; only where the
+// weights wait differs.  One commit group per chunk step, empty when there is no next group, so
+// that before step i the wait is always "at most KPL - 1 newer groups pending".  The cp.async and
+// the wait carry "memory" clobbers: the compiler must not move the ring's LDS above the wait, nor
+// a slot's LDS below the cp.async that refills it.
+DEV void ring_cp16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+DEV void ring_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+DEV void ring_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <int KPL, bool NV>
+__host__ __device__ constexpr int gateup_ring_bytes() { return KPL * 2 * FP4_GU_R * 32 * 16 * FP4_WARPS; }
+
+template <int KPL, bool NV, class P>
+DEV void fp4_stream_gateup_ring(P& pl, uint4* ring) {
+    constexpr int R = P::RG, NRM = 2 * R, NSC = NV ? 2 : 1;
+    constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
+    const int lane = threadIdx.x & 31;
+    const int ng = pl.ngroups;
+    const u32 b = lut_base();
+    const i64 o0 = pl.row0(0, R);
+    const u8* pw[2] = {pl.w1 + o0 * HK + 16 * lane, pl.w3 + o0 * HK + 16 * lane};
+    const u8* ps[2] = {pl.s1 + o0 * NS + NSC * lane, pl.s3 + o0 * NS + NSC * lane};
+    const i64 gw = (i64)pl.NW * R * HK, gs = (i64)pl.NW * R * NS;  // bytes from one group to the next
+    uint4* wr = ring + (threadIdx.x >> 5) * (KPL * NRM * 32) + lane;  // this lane's word of slot (0, 0)
+    u32 rs[KPL][NRM][NSC];
+    // chunk step i of the group at pw / ps: weights into ring slots (i, *), scales into rs[i]
+    auto issue = [&](int i) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) {
+                ring_cp16(wr + (i * NRM + m * R + rr) * 32, pw[m] + rr * HK + 512 * i);
+                if (NV) {
+                    rs[i][m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 64 * i);
+                    rs[i][m * R + rr][NV ? 1 : 0] = (u32)__ldg(ps[m] + rr * NS + 64 * i + 1);
+                } else {
+                    rs[i][m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 32 * i);
+                }
+            }
+        }
+    };
+    if (ng > 0) {
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) {
+            issue(i);
+            ring_commit();
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        pw[m] += gw;
+        ps[m] += gs;
+    }
+    pl.stage();  // x to shared memory (+ __syncthreads) while the first group's loads are in flight
+    const char* xq = static_cast<const char*>(pl.xs) + 16 * lane;
+    for (int g = 0; g < ng; ++g) {
+        float acc[NRM];
+#pragma unroll
+        for (int m = 0; m < NRM; ++m) acc[m] = 0.0f;
+        const bool next = g + 1 < ng;  // warp-uniform
+#pragma unroll
+        for (int i = 0; i < KPL; ++i) {
+            ring_wait<KPL - 1>();  // step i's group: KPL - 1 newer ones may still be in flight
+            uint4 w[NRM];
+#pragma unroll
+            for (int m = 0; m < NRM; ++m) w[m] = wr[(i * NRM + m) * 32];
+            u32 sc[NRM][NSC];
+#pragma unroll
+            for (int m = 0; m < NRM; ++m)
+#pragma unroll
+                for (int c = 0; c < NSC; ++c) sc[m][c] = rs[i][m][c];
+            if (next) issue(i);  // the next group's step i into the slots just read
+            ring_commit();
+            chunk_dots<NRM, NV, true>(w, sc, xq + 16 * 256 * i, b, true, acc);
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            pw[m] += gw;
+            ps[m] += gs;
+        }
+        pl.finish(g, acc);
+    }
+    ring_wait<0>();  // nothing of this warp's may land in shared memory after it exits
+}
+
 // down_combine over (row group, pick) in the order of fp4_stream (row group major, picks in
 // ascending expert id), two picks (2 KPL steps) per loop trip (k even); the fetch side and the
 // compute side each track their pick rank and row-group offset incrementally (no g / k, g % k)
@@ -996,7 +1091,7 @@ struct GateUpPlan : PlanBase {
     }
 };
 
-template <int KPL, bool NV, bool FULL>
+template <int KPL, bool NV, bool FULL, bool RING = false>
 DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,
                               const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr,
                               const float* __restrict__ ws2_1, const u64* __restrict__ w3ptr,
@@ -1026,10 +1121,15 @@ DEV void gemv_fp4_gateup_body(const u16* __restrict__ x, int x_div, const int* _
     pl.limit = limit;
     pl.xs = xs;
     pl.xrow = x + (slot / x_div) * (i64)K;
-    if constexpr (FULL)
+    if constexpr (RING) {
+        static_assert(FULL, "the ring path is a full-shape path");
+        extern __shared__ uint4 gateup_ring[];  // [FP4_WARPS][KPL][2R][32] (gateup_ring_bytes)
+        fp4_stream_gateup_ring<KPL, NV>(pl, gateup_ring);
+    } else if constexpr (FULL) {
         fp4_stream_gateup_full<KPL, FP4_DEPTH, NV>(pl);
-    else
+    } else {
         fp4_stream<KPL, 2 * R, FP4_DEPTH, NV, true>(pl);
+    }
 }
 
 // Fused down GEMV + MoE combine: for token t with picks j = 0..k-1 (slot t*k + j, expert
@@ -1259,6 +1359,19 @@ GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4, 4, true, false)
 // the full-shape fast paths (K = 4096, O % FP4_GU_R == 0; see fp4_stream_gateup_full): same bits
 GEMV_FP4_GATEUP(gemv_mxfp4_gateup_k4_f, 4, false, true)
 GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4_f, 4, true, true)
+// the full shape with the weight ring in shared memory (fp4_stream_gateup_ring; same bits):
+// dynamic shared memory gateup_ring_bytes<4>() = 64 KB (ops/experts.py GATEUP_RING_SMEM)
+#define GEMV_FP4_GATEUP_RING(NAME, NV)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
+    NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
+         const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
+         const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
+         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K) { PDL_ENTRY(); \
+        gemv_fp4_gateup_body<4, NV, true, true>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3, \
+                                                weight, limit, h, ld_h, O, K);                    \
+    }
+GEMV_FP4_GATEUP_RING(gemv_mxfp4_gateup_k4_r, false)
+GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
 
 // Fused MoE second half. h: [T*k, K] bf16 (pick j of token t at row t*k + j, routing weight
 // already applied); expert_ids [T, k] int32 (k <= 16); wptr/sptr/ws2: down tables; shared: [T, O]

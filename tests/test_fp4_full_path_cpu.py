@@ -152,3 +152,77 @@ def test_fast_streams_keep_the_row_arithmetic():
     assert "ldg16(pw[m] + rr * HK + 512 * i)" in fetch
     assert "__ldg(ps[m] + rr * NS + 64 * i)" in fetch and "__ldg(ps[m] + rr * NS + 64 * i + 1)" in fetch
     assert "__ldg(ps[m] + rr * NS + 32 * i)" in fetch
+
+
+# ------------------------------------------------- the gate/up with its weight ring in shared memory
+RING = {"gemv_mxfp4_gateup_k4_r", "gemv_nvfp4_gateup_k4_r"}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gateup_ring_selection(fake_ex, monkeypatch, fmt):
+    """gemv_*_gateup_k4_r replaces _k4_f exactly where the full path applies and the ring is on
+    (ops.experts.GATEUP_RING, or MEMRA_DSV4_FP4_RING = 1 / 0 over it), with its 64 KB of dynamic
+    shared memory raised on the kernel; never on the general shapes or with the full path off."""
+    fake, EX, launched = fake_ex
+    monkeypatch.delenv(EX.RING_ENV, raising=False)
+    assert EX.GATEUP_RING is False and not EX.gateup_ring_on()
+    monkeypatch.setattr(EX, "GATEUP_RING", True)
+    assert EX.gateup_ring_on()
+    for O, K, want in [(2048, 4096, "_k4_r"), (2047, 4096, "_k4"), (2048, 2048, "_k2")]:
+        launched.clear()
+        _gateup(fake, EX, fmt, O, K)
+        assert launched == [f"gemv_{fmt}_gateup{want}"], (O, K, launched)
+    assert EX.kernel("experts", f"gemv_{fmt}_gateup_k4_r").max_dynamic_shared_size_bytes == EX.GATEUP_RING_SMEM
+    with EX.full_path(False):
+        launched.clear()
+        _gateup(fake, EX, fmt, 2048, 4096)
+        assert launched == [f"gemv_{fmt}_gateup_k4"]
+    for env, want in (("0", "_k4_f"), ("1", "_k4_r")):
+        monkeypatch.setenv(EX.RING_ENV, env)
+        launched.clear()
+        _gateup(fake, EX, fmt, 2048, 4096)
+        assert launched == [f"gemv_{fmt}_gateup{want}"], (env, launched)
+    monkeypatch.setattr(EX, "GATEUP_RING", False)
+    monkeypatch.setenv(EX.RING_ENV, "1")
+    assert EX.gateup_ring_on()
+
+
+def test_gateup_ring_kernels_and_smem():
+    """The ring kernels are registered and declared by their macro (KPL 4, the full shape); the
+    host's shared-memory size is the .cu's gateup_ring_bytes<4>() (4 steps x 2 R rows x 32 lanes x
+    16 bytes x 8 warps at FP4_GU_R = 2 = GATEUP_ROWS_PER_GROUP)."""
+    import importlib
+
+    from memra_dsv4.gpu.kernel_loader import registered
+
+    EX = importlib.import_module("memra_dsv4.gpu.ops.experts")
+    assert RING <= set(registered()["experts"])
+    got = dict(re.findall(r"^GEMV_FP4_GATEUP_RING\((\w+), (true|false)\)", SRC, re.M))
+    assert got == {"gemv_mxfp4_gateup_k4_r": "false", "gemv_nvfp4_gateup_k4_r": "true"}
+    assert "gemv_fp4_gateup_body<4, NV, true, true>" in SRC
+    assert re.search(r"return KPL \* 2 \* FP4_GU_R \* 32 \* 16 \* FP4_WARPS;", SRC)
+    assert re.search(r"#define FP4_GU_R 2\b", SRC) and EX.GATEUP_ROWS_PER_GROUP == 2
+    assert EX.GATEUP_RING_SMEM == 4 * 2 * 2 * 32 * 16 * 8 == 65536
+
+
+def test_gateup_ring_keeps_the_row_arithmetic():
+    """The ring stream: the same chunk_dots per (step, rows), acc from zero per group, the plan's
+    finish at the group's end (as fp4_stream_gateup_full); the wait before every slot's LDS is
+    "at most KPL - 1 newer groups", one commit per step (empty without a next group), and the
+    cp.async / wait asm carry "memory" clobbers (the ring's LDS may not move across them)."""
+    ring = _body("fp4_stream_gateup_ring")
+    assert re.search(r"chunk_dots<NRM, NV, true>\(w, sc, xq \+ 16 \* 256 \* i, b, true, acc\)", ring)
+    assert "acc[m] = 0.0f" in ring and "pl.finish(g, acc);" in ring
+    loop = ring[ring.index("for (int i = 0; i < KPL; ++i) {\n            ring_wait"):]
+    assert loop.index("ring_wait<KPL - 1>();") < loop.index("w[m] = wr[") < loop.index("if (next) issue(i);")
+    assert loop.index("if (next) issue(i);") < loop.index("ring_commit();") < loop.index("chunk_dots<")
+    assert "ring_wait<0>();" in ring[ring.rindex("pl.finish(g, acc);"):]
+    for fn in ("ring_cp16", "ring_commit", "ring_wait"):
+        i = SRC.index(f"DEV void {fn}(")
+        assert '"memory"' in SRC[i:SRC.index("\n", SRC.index("asm volatile", i))], fn
+
+
+def test_bench_decode_fp4ring_arm_sets_the_env():
+    from bench.decode_step import _kernel_env
+    assert _kernel_env({"fp4ring": "on"}, None) == {"MEMRA_DSV4_FP4_RING": "1"}
+    assert _kernel_env({"fp4ring": "off"}, None) == {"MEMRA_DSV4_FP4_RING": "0"}

@@ -485,6 +485,13 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                                              x_div=6, **w2)
                 M["experts"].gemv_fp4_down_combine(fmt, u16(12, K), i32(2, 6), tab, tab, 64, K, shared=u16(2, 64),
                                                    **({"ws2": f32(4)} if fmt == "nvfp4" else {}))
+    M["experts"].GATEUP_RING = True   # _k4_r: the gate/up with its weight ring in shared memory
+    try:
+        for fmt, w2 in (("mxfp4", {}), ("nvfp4", {"ws2_1": f32(4), "ws2_3": f32(4)})):
+            M["experts"].gemv_fp4_gateup(fmt, u16(1, 4096), i32(6), tab, tab, tab, tab, 64, 4096, weight=f32(6),
+                                         x_div=6, **w2)
+    finally:
+        M["experts"].GATEUP_RING = False
     for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):   # _k2_f_w2: the shared w2 rows in the kernel
         M["experts"].gemv_fp4_down_combine(fmt, u16(12, 2048), i32(2, 6), tab, tab, 64, 2048,
                                            shared_w2=(u16(64, 2048), u16(2, 2048)), **nv)

@@ -277,6 +277,12 @@ def _suggest(meta, times, path) -> None:
         fh.write(value + "\n")
 
 
+def _default_build(stem: str, name: str):
+    """The default build's kernel (a `kernels_from` lookup for rows that change only host settings)."""
+    from memra_dsv4.gpu.ops._common import kernel
+    return kernel(stem, name)
+
+
 def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
     from memra_dsv4.profiling.launches import record_launches, time_launches
     mismatches = []   # FP4 variant builds whose bytes differ from the default build's
@@ -341,12 +347,18 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                                ("occ3c: FP4_MINB=3 (default depths, spills), 3 CTAs/SM",
                                 {"FP4_MINB": 3, "EX.CTAS_PER_SM": 3}),
                                ("occ2r1: FP4_DN_R=1 FP4_GU_R=1 (2 CTAs/SM, 1-row groups)",
-                                {"FP4_DN_R": 1, "FP4_GU_R": 1, "EX.DOWN_ROWS_PER_GROUP": 1})]:
+                                {"FP4_DN_R": 1, "FP4_GU_R": 1, "EX.DOWN_ROWS_PER_GROUP": 1}),
+                               # the default build's gate/up with its weight ring in shared memory
+                               # (gemv_*_gateup_k4_r, cp.async one row group ahead; ops.experts
+                               # GATEUP_RING); its down row repeats the default (a noise estimate)
+                               ("ring: gemv_*_gateup_k4_r (weight ring in shared memory)",
+                                {"EX.GATEUP_RING": True})]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
             host = {k[3:]: v for k, v in (defines or {}).items() if k.startswith("EX.")}
             defines = None if defines is None else {k: v for k, v in defines.items() if not k.startswith("EX.")}
-            look = EX.variant_kernels(defines) if defines is not None else None
+            look = (EX.variant_kernels(defines) if defines else
+                    _default_build if defines is not None else None)
             saved = {k: getattr(EX, k) for k in host}
             for name, nbytes, fn in cases[n_dense:n_simt]:
                 want = fn().copy()

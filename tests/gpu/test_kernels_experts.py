@@ -417,6 +417,59 @@ def test_full_path_same_bits_as_general(fmt, ids_case):
         assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("ids_case", ["distinct", "repeated", "empty", "k2", "k8"])
+@pytest.mark.parametrize("mag", ["wide", "plain"])
+def test_gateup_ring_same_bits_as_full(fmt, ids_case, mag):
+    """gemv_*_gateup_k4_r (the weight ring in shared memory, filled by cp.async one row group
+    ahead) against gemv_*_gateup_k4_f of the same build, same inputs, Flash gate/up shape: every
+    output byte equal (NaN == NaN); the wrappers must have launched _k4_r with the ring on
+    (ops.experts.GATEUP_RING) and _k4_f with it off; "wide": x up to 2^113, "plain": x in
+    2^-30 .. 2^30 (finite outputs: a good share nonzero and finite, so that equality says
+    something).  Every warp has about 3 row groups here (1024 per slot over 44 CTAs x 8 warps):
+    the ring is refilled and drained."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    ids = np.array(_FULL_IDS[ids_case], np.int32)
+    T, k = ids.shape
+    I, D, E = 2048, 4096, 8
+    assert K.gateup_full(I, D)
+    flat = cp.asarray(ids.reshape(-1).copy())
+    keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3) = (t[2] for t in keep)
+    x = _wide_bf16(rng, (T, D), huge=(mag == "wide"))
+    wts = cp.asarray((rng.random(T * k) * 1.5).astype(np.float32))
+
+    def run(ring):
+        names = []
+        saved = K.GATEUP_RING
+        K.GATEUP_RING = ring
+        try:
+            with K.kernels_from(_recording(names)):
+                hh = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                                       ws2_1=ws1, ws2_3=ws3)
+        finally:
+            K.GATEUP_RING = saved
+        cp.cuda.Device().synchronize()
+        return hh.get(), names
+
+    import os
+    assert os.environ.get(K.RING_ENV, "") == "", f"{K.RING_ENV} set: it would override GATEUP_RING"
+    a, ring_names = run(True)
+    b, full_names = run(False)
+    assert ring_names == [f"gemv_{fmt}_gateup_k4_r"], ring_names
+    assert full_names == [f"gemv_{fmt}_gateup_k4_f"], full_names
+    same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
+    assert bool(same.all()), (f"ring != full at {int((~same).sum())} of {a.size} "
+                              f"{describe(seed, fmt=fmt, ids=ids_case, mag=mag)}")
+    live = a.reshape(T * k, I)[ids.reshape(-1) >= 0]
+    nz = int(((live & 0x7FFF) != 0).sum())
+    assert nz > live.size // 4, f"only {nz} of {live.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"
+    if mag == "plain" and live.size:
+        fin = int((np.abs(_f32(live)) < np.inf).sum())
+        assert fin > live.size // 2, f"only {fin} of {live.size} finite {describe(seed, fmt=fmt, ids=ids_case)}"
+
+
 # ---------------------------------------------------------------- tensor-core variant (impl="mma")
 # Bound of gemv_*_mma against the twin's float64 sum (see the "tensor-core FP4 GEMVs" header in
 # kernels_cu/experts.cu): the weights are exact in f16 and every product is exact; the tensor core

@@ -55,7 +55,8 @@ KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     for fmt in ("mxfp4", "nvfp4") for kpl in (1, 2, 4)) + tuple(
     f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4")) + tuple(
     f"gemv_{fmt}{kind}_f" for kind in ("_gateup_k4", "_down_combine_k2") for fmt in ("mxfp4", "nvfp4")) + tuple(
-    f"gemv_{fmt}_down_combine_k2_f_w2" for fmt in ("mxfp4", "nvfp4"))
+    f"gemv_{fmt}_down_combine_k2_f_w2" for fmt in ("mxfp4", "nvfp4")) + tuple(
+    f"gemv_{fmt}_gateup_k4_r" for fmt in ("mxfp4", "nvfp4"))
 kernel_loader.register(STEM, KERNELS)
 
 IMPLS = ("simt", "mma")
@@ -116,6 +117,22 @@ def down_full(O: int, K: int, k: int) -> bool:
     """gemv_fp4_down_combine launches the full-shape kernel for (O, K, k): K = 2048, whole row
     groups and an even pick count (its loop takes two picks per trip)."""
     return _full_on() and K == DOWN_FULL_K and O % DOWN_ROWS_PER_GROUP == 0 and k >= 2 and k % 2 == 0
+
+
+# gemv_*_gateup_k4_r ("ring"): the full-shape gate/up with its weight ring in shared memory,
+# filled by cp.async one row group ahead (experts.cu fp4_stream_gateup_ring; the same bytes as _k4_f).
+# Picked where the full path applies and GATEUP_RING is on; MEMRA_DSV4_FP4_RING=1 / 0 overrides it
+# (read at every launch, as MEMRA_DSV4_FP4_FULL: bench.decode_step's fp4ring=on|off arms).  Not a
+# seam: the bytes do not change.
+GATEUP_RING = False
+RING_ENV = "MEMRA_DSV4_FP4_RING"
+GATEUP_RING_SMEM = 4 * 2 * GATEUP_ROWS_PER_GROUP * 32 * 16 * FP4_WARPS   # experts.cu gateup_ring_bytes<4>()
+
+
+def gateup_ring_on() -> bool:
+    """gemv_fp4_gateup launches the ring kernel for a full-shape gate/up (GATEUP_RING, or the env)."""
+    env = os.environ.get(RING_ENV, "")
+    return env == "1" if env in ("0", "1") else GATEUP_RING
 
 
 DOWN_W2_K = 2048            # gemv_*_down_combine_k2_f_w2: the shared expert's w2 row length (compile-time)
@@ -272,11 +289,15 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
                     (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight),
                      np.float64(limit), out, i32(row_stride(out)), i32(O), i32(K)))
     elif S and O:
-        name = f"gemv_{fmt}_gateup_k4_f" if gateup_full(O, K) else f"gemv_{fmt}_gateup_k{_kpl(K)}"
-        kernel(STEM, name)(
-            (_fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S), S), (256,),
-            (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
-             out, i32(row_stride(out)), i32(O), i32(K)))
+        full = gateup_full(O, K)
+        ring = full and gateup_ring_on()
+        name = (f"gemv_{fmt}_gateup_k4_r" if ring else f"gemv_{fmt}_gateup_k4_f" if full
+                else f"gemv_{fmt}_gateup_k{_kpl(K)}")
+        kern = kernel(STEM, name)
+        smem = dynamic_smem(kern, GATEUP_RING_SMEM) if ring else 0
+        kern((_fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S), S), (256,),
+             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
+              out, i32(row_stride(out)), i32(O), i32(K)), shared_mem=smem)
     return out
 
 
