@@ -1,0 +1,50 @@
+"""Diagnose tests/gpu/test_kernels_experts.py::test_fused_moe_mma_equals_unfused_mma[tiny-mxfp4]
+with MEMRA_DSV4_TEST_SEED=3580246530 (failed at 0540424 and 6b40835, passed once at 3bbb826):
+are the opt-in mma kernels deterministic on these inputs, and where do mma and CUDA-core differ?
+
+    MEMRA_DSV4_TEST_SEED=3580246530 python3 tools/diag_mma_seed.py [--reps 4]
+
+Runs the test's own input builder (_fused_equals_unfused, which asserts fused == unfused for
+impl="mma") --reps times, then the CUDA-core gate/up on the same inputs, and prints per rep:
+whether h (mma) equals rep 0's bytes, the equal fraction against CUDA-core, and for the differing
+outputs the largest |a - b| in bf16 ulps (1 = a rounding flip; more = a different sum)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--fmt", default="mxfp4")
+    ap.add_argument("--case", default="tiny")
+    a = ap.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [root, os.path.join(root, "tests", "gpu"), os.path.join(root, "tests")]
+    import test_kernels_experts as T   # noqa: E402  (the test module: its builders and helpers)
+
+    K = T.K
+    first = None
+    for r in range(a.reps):
+        seed, c, h2, y2 = T._fused_equals_unfused(a.fmt, a.case, "mma")
+        (w1p, w1s, ws1), (w3p, w3s, ws3) = c["w1"], c["w3"]
+        h3 = K.gemv_fp4_gateup(a.fmt, c["x"], c["flat"], w1p, w1s, w3p, w3s, c["I"], c["D"], weight=c["wts"],
+                               limit=10.0, x_div=c["k"], ws2_1=ws1, ws2_3=ws3, impl="simt")
+        p, q = h2.get(), h3.get()
+        if first is None:
+            first = p
+        same = float((p == q).mean())
+        d = (p != q)
+        ulps = np.abs(p[d].astype(np.int32) - q[d].astype(np.int32)) if d.any() else np.zeros(1, np.int32)
+        print(f"rep {r}: seed {seed} h(mma) == rep 0: {bool((p == first).all())}; equal to CUDA-core: "
+              f"{same:.4f} ({int(d.sum())} of {p.size} differ; max |diff| {int(ulps.max())} ulp, "
+              f"{int((ulps > 1).sum())} > 1 ulp); rows differing: {sorted(set(np.nonzero(d)[0].tolist()))[:12]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
