@@ -2,7 +2,7 @@
 with MEMRA_DSV4_TEST_SEED=3580246530 (failed at 0540424 and 6b40835, passed once at 3bbb826):
 are the opt-in mma kernels deterministic on these inputs, and where do mma and CUDA-core differ?
 
-    MEMRA_DSV4_TEST_SEED=3580246530 python3 tools/diag_mma_seed.py [--reps 4]
+    MEMRA_DSV4_TEST_SEED=3580246530 python3 tools/diag_mma_seed.py [--reps 4] [--dirty 3c003c00]
 
 Runs the test's own input builder (_fused_equals_unfused, which asserts fused == unfused for
 impl="mma") --reps times, then the CUDA-core gate/up on the same inputs, and prints per rep:
@@ -22,14 +22,26 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--fmt", default="mxfp4")
     ap.add_argument("--case", default="tiny")
+    ap.add_argument("--dirty", default="", help="hex u32 pattern: before each rep, fill 100 KB of shared "
+                    "memory on every SM with it (does the mma kernel read shared memory it did not write?)")
     a = ap.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [root, os.path.join(root, "tests", "gpu"), os.path.join(root, "tests")]
     import test_kernels_experts as T   # noqa: E402  (the test module: its builders and helpers)
 
     K = T.K
+    import cupy as cp
+    dirty = None
+    if a.dirty:
+        dirty = cp.RawKernel(r'''extern "C" __global__ void dirty(unsigned v) {
+            extern __shared__ unsigned s[];
+            for (int i = threadIdx.x; i < 25000; i += blockDim.x) s[i] = v;
+        }''', "dirty")
+        dirty.max_dynamic_shared_size_bytes = 100000
     first = None
     for r in range(a.reps):
+        if dirty is not None:
+            dirty((2 * 132,), (1024,), (np.uint32(int(a.dirty, 16)),), shared_mem=100000)
         seed, c, h2, y2 = T._fused_equals_unfused(a.fmt, a.case, "mma")
         (w1p, w1s, ws1), (w3p, w3s, ws3) = c["w1"], c["w3"]
         h3 = K.gemv_fp4_gateup(a.fmt, c["x"], c["flat"], w1p, w1s, w3p, w3s, c["I"], c["D"], weight=c["wts"],
