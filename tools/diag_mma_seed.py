@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case", default="tiny")
     ap.add_argument("--dirty", default="", help="hex u32 pattern: before each rep, fill 100 KB of shared "
                     "memory on every SM with it (does the mma kernel read shared memory it did not write?)")
+    ap.add_argument("--dirty-pool", default="", help="hex u16 pattern: before each rep, fill and free 256 MB "
+                    "of CuPy pool memory with it (does a kernel leave outputs of a fresh cupy.empty unwritten?)")
     a = ap.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [root, os.path.join(root, "tests", "gpu"), os.path.join(root, "tests")]
@@ -40,6 +42,11 @@ def main(argv=None) -> int:
         dirty.max_dynamic_shared_size_bytes = 100000
     first = None
     for r in range(a.reps):
+        if a.dirty_pool:
+            junk = cp.full(128 << 20, int(a.dirty_pool, 16), dtype=cp.uint16)
+            for n in (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18):   # the pool's small size classes too
+                _ = [cp.full(n, int(a.dirty_pool, 16), dtype=cp.uint16) for _ in range(8)]
+            del junk, _
         if dirty is not None:
             dirty((2 * 132,), (1024,), (np.uint32(int(a.dirty, 16)),), shared_mem=100000)
         seed, c, h2, y2 = T._fused_equals_unfused(a.fmt, a.case, "mma")
@@ -54,7 +61,9 @@ def main(argv=None) -> int:
         ulps = np.abs(p[d].astype(np.int32) - q[d].astype(np.int32)) if d.any() else np.zeros(1, np.int32)
         print(f"rep {r}: seed {seed} h(mma) == rep 0: {bool((p == first).all())}; equal to CUDA-core: "
               f"{same:.4f} ({int(d.sum())} of {p.size} differ; max |diff| {int(ulps.max())} ulp, "
-              f"{int((ulps > 1).sum())} > 1 ulp); rows differing: {sorted(set(np.nonzero(d)[0].tolist()))[:12]}")
+              f"{int((ulps > 1).sum())} > 1 ulp); rows differing: {sorted(set(np.nonzero(d)[0].tolist()))[:12]}; "
+              f"ids {c['ids'].reshape(-1).tolist()}; mma / simt at the first differing: "
+              f"{[hex(v) for v in p[d][:4]]} / {[hex(v) for v in q[d][:4]]}")
     return 0
 
 
