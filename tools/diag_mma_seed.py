@@ -43,10 +43,10 @@ def main(argv=None) -> int:
     first = None
     for r in range(a.reps):
         if a.dirty_pool:
-            junk = cp.full(128 << 20, int(a.dirty_pool, 16), dtype=cp.uint16)
+            junk = [cp.full(128 << 20, int(a.dirty_pool, 16), dtype=cp.uint16)]
             for n in (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18):   # the pool's small size classes too
-                _ = [cp.full(n, int(a.dirty_pool, 16), dtype=cp.uint16) for _ in range(8)]
-            del junk, _
+                junk += [cp.full(n, int(a.dirty_pool, 16), dtype=cp.uint16) for _ in range(8)]
+            junk.clear()   # back to the pool, filled
         if dirty is not None:
             dirty((2 * 132,), (1024,), (np.uint32(int(a.dirty, 16)),), shared_mem=100000)
         seed, c, h2, y2 = T._fused_equals_unfused(a.fmt, a.case, "mma")
