@@ -575,7 +575,17 @@ def test_fused_moe_mma_equals_unfused_mma(fmt, case):
     y4 = K.gemv_fp4_down_combine(fmt, h3, cp.asarray(ids), w2p, w2s, D, I, shared=shared, ws2=ws2, impl="mma")
     for name, p, q in (("gate/up", h2, h3), ("down+combine", y4, y3)):
         same = float((p == q).mean())
-        assert same >= 0.9, f"{name}: mma == CUDA-core at only {same:.3f} {describe(seed, fmt=fmt, case=case)}"
+        if same < 0.9:   # what differs (the one failure so far is state-dependent: it passes alone)
+            pd, qd = p.get(), q.get()
+            d = pd != qd
+            rows = sorted(set(np.nonzero(d)[0].tolist()))
+            ulp = np.abs(pd[d].astype(np.int32) - qd[d].astype(np.int32))
+            detail = (f"; {int(d.sum())} differ in rows {rows[:16]} (ids {ids.reshape(-1).tolist()}), max "
+                      f"{int(ulp.max())} bf16 ulp, {int((ulp > 1).sum())} > 1 ulp; first mma / simt "
+                      f"{[hex(v) for v in pd[d][:4]]} / {[hex(v) for v in qd[d][:4]]}")
+        else:
+            detail = ""
+        assert same >= 0.9, f"{name}: mma == CUDA-core at only {same:.3f}{detail} {describe(seed, fmt=fmt, case=case)}"
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
