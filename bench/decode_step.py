@@ -33,7 +33,9 @@ settings for in-process A/B of kernels that are not seams yet:
 read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest FILE``) and
 ``hc=lastcta|poll`` (MEMRA_DSV4_HC_BOUNDARY_IMPL), ``fp4full=on|off`` (MEMRA_DSV4_FP4_FULL: the
 full-shape FP4 expert kernels or the general ones, ops.experts) and ``fp4ring=on|off``
-(MEMRA_DSV4_FP4_RING: the full-shape gate/up with its weight ring in shared memory); the arm sets these variables
+(MEMRA_DSV4_FP4_RING: the full-shape gate/up with its weight ring in shared memory) and
+``gupdl=on|off`` (MEMRA_DSV4_GATEUP_PDL: the routed gate/up launched with PDL or plainly, so that
+the shared expert's and the Sinkhorn's branches can run beside the router); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
 every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
@@ -125,7 +127,8 @@ def _arm_settings() -> dict:
             "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
             "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
             "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
-            "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING")}
+            "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
+            "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL")}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -145,6 +148,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_FP4_FULL"] = "1" if s["fp4full"] == "on" else "0"
     if "fp4ring" in s:   # ops.experts: the gate/up with its weight ring in shared memory (on) or not
         env["MEMRA_DSV4_FP4_RING"] = "1" if s["fp4ring"] == "on" else "0"
+    if "gupdl" in s:     # step_device: the routed gate/up launched with PDL (on) or plainly (off)
+        env["MEMRA_DSV4_GATEUP_PDL"] = s["gupdl"]
     return env
 
 

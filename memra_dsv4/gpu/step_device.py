@@ -741,7 +741,7 @@ class DeviceStep:
                              weights=wts, **route)
 
         def gate_up():
-            with phase(f"{mp}/experts"):  # gate/up + SwiGLU; down is fused into combine
+            with phase(f"{mp}/experts"), _gateup_pdl_scope():  # gate/up + SwiGLU; down is fused into combine
                 EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
                                    L.sp["w3"], I, D, weight=wts.reshape(k),
                                    limit=cfg.swiglu_limit, out=h, x_div=k, ws2_1=L.ws2["w1"],
@@ -783,6 +783,34 @@ class DeviceStep:
                 EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                          shared_w2=w2_fused,
                                          out=v["ffn.out"].reshape(1, D), ws2=L.ws2["w2"])
+
+
+GATEUP_PDL_ENV = "MEMRA_DSV4_GATEUP_PDL"   # "off": the routed gate/up launches without PDL (A/B)
+
+
+def gateup_pdl_off() -> bool:
+    """MEMRA_DSV4_GATEUP_PDL = off: _moe launches the routed gate/up as a plain stream-ordered
+    launch even inside the step's PDL context (read when the launch is made, i.e. at graph
+    capture; "on" or unset: as every other launch).  Why: with PDL the gate/up's single wave
+    (2 CTAs per SM, all the register file) becomes resident as soon as the router is, and parks
+    there for the router's ~8 us, so the shared expert's branch (forked before the router) and the
+    hc Sinkhorn branch get no SM until gate/up CTAs leave (device timeline, eleventh session: the
+    Sinkhorn of the FFN boundary starts 22 us after its input is ready, the shared SwiGLU ends
+    3.7 us after the routed gate/up).  Without PDL on this one edge they can run beside the
+    latency-bound router.  Schedule only: the same bytes.  Not a seam (bench arm gupdl=on|off)."""
+    import os
+    v = os.environ.get(GATEUP_PDL_ENV, "")
+    if v not in ("", "on", "off"):
+        raise ValueError(f"{GATEUP_PDL_ENV}={v!r}: expected on or off")
+    return v == "off"
+
+
+def _gateup_pdl_scope():
+    """pdl_launches(False) around the gate/up launch when gateup_pdl_off(), else nothing."""
+    import contextlib
+
+    from memra_dsv4.gpu.pdl import pdl_launches
+    return pdl_launches(False) if gateup_pdl_off() else contextlib.nullcontext()
 
 
 def stage_views(model, st, msl: int):
