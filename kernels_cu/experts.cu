@@ -73,6 +73,11 @@
 //   * Full-shape fast paths (gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f; ops/experts.py picks
 //     them for the Flash shapes): the same row arithmetic without the bookkeeping the general
 //     shapes need (load predicates, zero fills, runtime row strides); see "full-shape fast paths".
+//     gemv_*_down_combine_k2_f_w2 also computes the shared expert's w2 rows (gemv_bf16_row.cuh;
+//     the device step's default, MEMRA_DSV4_DECODE_SHARED_W2=fused).  gemv_*_gateup_k4_r (opt-in,
+//     ops/experts.py GATEUP_RING): the full-shape gate/up with its weight ring in shared memory,
+//     filled by cp.async one row group ahead (fp4_stream_gateup_ring); same bits, 24.6 -> 23.7 us
+//     alone and nothing in the step (issue-bound, docs/decode_perf.md eleventh session).
 #include "common.cuh"
 #include "gemv_bf16_row.cuh"
 

@@ -33,6 +33,12 @@ kernels (tests, tools/bench_gemv.py's A/B); so does MEMRA_DSV4_FP4_FULL=0 (read 
 bench.decode_step's fp4full=off arm captures its graphs with the general kernels; not a seam, the
 bytes do not change); gateup_full / down_full say whether a shape qualifies.
 
+Ring gate/up (GATEUP_RING, default off; MEMRA_DSV4_FP4_RING=1 / 0 overrides it at every launch):
+where the full path applies, gemv_{fmt}_gateup_k4_r instead of _k4_f, the weights of a whole row
+group in flight through cp.async into a per-warp ring in shared memory (64 KB per CTA), the same
+bytes (tests/gpu/test_kernels_experts.py gateup_ring, test_step_fp4full_gpu.py).  Measured
+(2f2e744 / 33d8500, 2x H200): 24.6 -> 23.7 us alone, nothing in the step.
+
 Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
 values of its tuning macros (the arithmetic does not depend on them), and
 `with kernels_from(variant): ...` routes the wrappers above to that build.
