@@ -162,35 +162,20 @@ def test_shared_w2_wrapper_launch_and_checks(monkeypatch):
 
 
 # ------------------------------------------------------------------ _moe's launches
-def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I=2048):
-    from memra_dsv4.gpu import ops_decode as DK
-    from memra_dsv4.gpu.ops import experts as EX
-    from memra_dsv4.gpu.ops import router as RT
+def moe_buffers(D: int, I: int, E: int = 8, k: int = 6) -> dict:
+    """The step views DeviceStep._moe reads and writes (zeros, host arrays: no GPU)."""
+    return {"xn": np.zeros(D, np.uint16), "moe.logits": np.zeros(E, np.float32), "moe.ids": np.zeros(k, np.int32),
+            "moe.w": np.zeros(k, np.float32), "moe.sh_h": np.zeros(I, np.uint16), "moe.h": np.zeros((k, I), np.uint16),
+            "moe.shared": np.zeros(D, np.uint16), "moe.scores": np.zeros(E, np.float32),
+            "ffn.out": np.zeros(D, np.uint16), "tok": np.zeros(1, np.int32)}
+
+
+def run_moe(v: dict, log: list, fork: str, w2_form: str, lin, D: int, I: int, E: int = 8, k: int = 6) -> None:
+    """DeviceStep._moe of one fake layer (L.lin = lin) on the buffers v, the shared expert's
+    graph fork / join and side-stream entry / exit appended to log as ("fork",), ("join",),
+    ("side",), ("main",); the launches are whatever the caller patched (tests/test_gateup_pdl_cpu
+    uses this too)."""
     from memra_dsv4.gpu.step_device import DeviceStep
-    monkeypatch.delenv("MEMRA_DSV4_FP4_FULL", raising=False)
-    E, k = 8, 6
-    v = {"xn": np.zeros(D, np.uint16), "moe.logits": np.zeros(E, np.float32), "moe.ids": np.zeros(k, np.int32),
-         "moe.w": np.zeros(k, np.float32), "moe.sh_h": np.zeros(I, np.uint16), "moe.h": np.zeros((k, I), np.uint16),
-         "moe.shared": np.zeros(D, np.uint16), "moe.scores": np.zeros(E, np.float32),
-         "ffn.out": np.zeros(D, np.uint16), "tok": np.zeros(1, np.int32)}
-    w2 = np.zeros((D, I), w2_dtype)
-    log = []
-
-    def name(a):
-        for key, arr in v.items():
-            if isinstance(a, np.ndarray) and np.shares_memory(a, arr):
-                return key
-        return None
-
-    monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: log.append(("swiglu",)))
-    monkeypatch.setattr(DK, "gemv_bf16", lambda w, x, y, **kw: log.append(("gemv", "w2" if w is w2 else w, name(x), name(y))))
-    monkeypatch.setattr(RT, "fused", lambda *a, **kw: log.append(("router",)))
-    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: log.append(("gateup",)))
-
-    def down(fmt, h, ids, wp, sp, O, K, *, shared=None, out=None, ws2=None, shared_w2=None):
-        sw = None if shared_w2 is None else ("w2" if shared_w2[0] is w2 else "?", name(shared_w2[1]))
-        log.append(("down", name(shared), sw, name(out)))
-    monkeypatch.setattr(EX, "gemv_fp4_down_combine", down)
 
     class _Fork:
         def fork(self):
@@ -209,12 +194,38 @@ def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I
     ds.cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
                              swiglu_limit=10.0, routed_scaling_factor=1.5)
     ds.hostmath, ds._forking, ds._w2 = False, fork, w2_form
-    scale = None if w2_dtype == np.uint16 else np.zeros((D // 128, I // 128), np.uint8)
-    L = SimpleNamespace(lin=lambda leaf: (w2, scale) if leaf.endswith("w2") else (leaf, None), w=lambda leaf: leaf,
-                        hash=False, fmt="mxfp4", wp={"w1": 0, "w3": 0, "w2": 0}, sp={"w1": 0, "w3": 0, "w2": 0},
-                        ws2={"w1": None, "w3": None, "w2": None})
+    L = SimpleNamespace(lin=lin, w=lambda leaf: leaf, hash=False, fmt="mxfp4", wp={"w1": 0, "w3": 0, "w2": 0},
+                        sp={"w1": 0, "w3": 0, "w2": 0}, ws2={"w1": None, "w3": None, "w2": None})
     S = SimpleNamespace(v=v, ph="decode/stage0", moe_fork=_Fork(), moe_side=_Side())
     ds._moe(S, L)
+
+
+def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I=2048):
+    from memra_dsv4.gpu import ops_decode as DK
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.gpu.ops import router as RT
+    monkeypatch.delenv("MEMRA_DSV4_FP4_FULL", raising=False)
+    v = moe_buffers(D, I)
+    w2 = np.zeros((D, I), w2_dtype)
+    log = []
+
+    def name(a):
+        for key, arr in v.items():
+            if isinstance(a, np.ndarray) and np.shares_memory(a, arr):
+                return key
+        return None
+
+    monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: log.append(("swiglu",)))
+    monkeypatch.setattr(DK, "gemv_bf16", lambda w, x, y, **kw: log.append(("gemv", "w2" if w is w2 else w, name(x), name(y))))
+    monkeypatch.setattr(RT, "fused", lambda *a, **kw: log.append(("router",)))
+    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: log.append(("gateup",)))
+
+    def down(fmt, h, ids, wp, sp, O, K, *, shared=None, out=None, ws2=None, shared_w2=None):
+        sw = None if shared_w2 is None else ("w2" if shared_w2[0] is w2 else "?", name(shared_w2[1]))
+        log.append(("down", name(shared), sw, name(out)))
+    monkeypatch.setattr(EX, "gemv_fp4_down_combine", down)
+    scale = None if w2_dtype == np.uint16 else np.zeros((D // 128, I // 128), np.uint8)
+    run_moe(v, log, fork, w2_form, lambda leaf: (w2, scale) if leaf.endswith("w2") else (leaf, None), D, I)
     return log
 
 

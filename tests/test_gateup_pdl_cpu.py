@@ -11,9 +11,6 @@ The speed is the GPU's (an A/B arm of bench.decode_step); the bytes cannot chang
 when a kernel's CTAs become resident; the kernels wait for their predecessor either way)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 
 
@@ -32,20 +29,17 @@ def test_gateup_pdl_switch(monkeypatch):
 
 
 def _moe_pdl_log(monkeypatch, env: str | None, fork: str = "all"):
+    from tests.test_decode_shared_w2_cpu import moe_buffers, run_moe
+
     from memra_dsv4.gpu import ops_decode as DK
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.ops import router as RT
     from memra_dsv4.gpu.pdl import pdl_active, pdl_launches
-    from memra_dsv4.gpu.step_device import DeviceStep
     if env is None:
         monkeypatch.delenv("MEMRA_DSV4_GATEUP_PDL", raising=False)
     else:
         monkeypatch.setenv("MEMRA_DSV4_GATEUP_PDL", env)
-    D, I, E, k = 256, 128, 8, 6
-    v = {"xn": np.zeros(D, np.uint16), "moe.logits": np.zeros(E, np.float32), "moe.ids": np.zeros(k, np.int32),
-         "moe.w": np.zeros(k, np.float32), "moe.sh_h": np.zeros(I, np.uint16), "moe.h": np.zeros((k, I), np.uint16),
-         "moe.shared": np.zeros(D, np.uint16), "moe.scores": np.zeros(E, np.float32),
-         "ffn.out": np.zeros(D, np.uint16), "tok": np.zeros(1, np.int32)}
+    D, I = 256, 128
     log = []
     rec = lambda name: (lambda *a, **kw: log.append((name, pdl_active())))   # noqa: E731
     monkeypatch.setattr(DK, "gemv_bf16_swiglu", rec("swiglu"))
@@ -53,24 +47,8 @@ def _moe_pdl_log(monkeypatch, env: str | None, fork: str = "all"):
     monkeypatch.setattr(RT, "fused", rec("router"))
     monkeypatch.setattr(EX, "gemv_fp4_gateup", rec("gateup"))
     monkeypatch.setattr(EX, "gemv_fp4_down_combine", rec("down"))
-    fk = SimpleNamespace(fork=lambda: log.append(("fork",)), join=lambda: log.append(("join",)))
-
-    class _Side:
-        def __enter__(self):
-            log.append(("side",))
-
-        def __exit__(self, *a):
-            log.append(("main",))
-    ds = object.__new__(DeviceStep)
-    ds.cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
-                             swiglu_limit=10.0, routed_scaling_factor=1.5)
-    ds.hostmath, ds._forking, ds._w2 = False, fork, "gemv"
-    L = SimpleNamespace(lin=lambda leaf: (leaf, None), w=lambda leaf: leaf, hash=False, fmt="mxfp4",
-                        wp={"w1": 0, "w3": 0, "w2": 0}, sp={"w1": 0, "w3": 0, "w2": 0},
-                        ws2={"w1": None, "w3": None, "w2": None})
-    S = SimpleNamespace(v=v, ph="decode/stage0", moe_fork=fk, moe_side=_Side())
     with pdl_launches(True):
-        ds._moe(S, L)
+        run_moe(moe_buffers(D, I), log, fork, "gemv", lambda leaf: (leaf, None), D, I)
         log.append(("after", pdl_active()))
     return log
 
