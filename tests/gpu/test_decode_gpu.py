@@ -40,6 +40,7 @@ import pytest
 
 from memra_dsv4.checkpoint import Checkpoint
 from memra_dsv4.config import preset
+from memra_dsv4.gpu.ops.testing import snapshot_diff
 from memra_dsv4.oracle.model import Oracle
 from memra_dsv4.synth import synth_arrays
 
@@ -267,7 +268,7 @@ def test_reused_state_equals_fresh_state_bitwise():
         a, b = m.decode_step(used, t), m.decode_step(fresh, t)
         assert np.array_equal(a, b), f"token {t}: max |diff| {np.abs(a - b).max()}"
     sa, sb = used.snapshot(), fresh.snapshot()
-    bad = [k for k in sa if not np.array_equal(sa[k], sb[k])]
+    bad = snapshot_diff(sa, sb)
     assert not bad, f"reused vs fresh state differs in {bad}"
 
 
@@ -312,7 +313,7 @@ def test_two_stage_decode_bitwise_equals_one_stage():
         assert np.array_equal(a, b), f"max |diff| {np.abs(a - b).max()}"
     assert len(m2.boundary_paths) == 1
     sa, sb = s1.snapshot(), s2.snapshot()
-    bad = [k for k in sa if not np.array_equal(sa[k], sb[k])]
+    bad = snapshot_diff(sa, sb)
     assert not bad, f"1-stage vs 2-stage state differs in {bad}"
 
 
@@ -340,8 +341,32 @@ def _hostmath_bytewise(name, L, steps, devices=(0,)):
     b, sb = _run_path(name, "device-hostmath", L, steps, devices)
     for i, (x, y) in enumerate(zip(a, b)):
         assert np.array_equal(x, y), f"step {i}: max |diff| {np.abs(x - y).max()}"
-    ga, gb = sa.snapshot(), sb.snapshot()
-    bad = [k for k in ga if not np.array_equal(ga[k], gb[k])]
+    bad = snapshot_diff(sa.snapshot(), sb.snapshot())
+    assert not bad, f"state differs in {bad}"
+
+
+def hostmath_equals_legacy_with(attr: str, value: str, seed: int, what: str, L: int = 16, steps: int = 5):
+    """tiny: device-hostmath with ``model.<attr> = value`` (a device-step form: qnorm, shared w2,
+    ...) == legacy, the logits of every step bit for bit and every cache byte (the step test
+    files' "the form keeps the byte contract" check)."""
+    from memra_dsv4.gpu import step
+    if not step.HOSTMATH_IMPLEMENTED:
+        pytest.skip(step.HOSTMATH_REASON)
+    ck, ml = _model("tiny", (0,), "legacy")
+    _, mh = _model("tiny", (0,), "device-hostmath")
+    ids = _ids(ck.config, L + steps, seed=seed)
+    _, sa = ml.prefill(ids[:L])
+    _, sb = mh.prefill(ids[:L])
+    old = getattr(mh, attr)   # every device-step form is set on the model at load
+    try:
+        setattr(mh, attr, value)
+        for i, t in enumerate(ids[L:]):
+            x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
+            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
+                f"step {i}: device-hostmath ({what}) != legacy, max |diff| {np.abs(x - y).max()}"
+    finally:
+        setattr(mh, attr, old)
+    bad = snapshot_diff(sa.snapshot(), sb.snapshot())
     assert not bad, f"state differs in {bad}"
 
 

@@ -18,6 +18,8 @@ cp = pytest.importorskip("cupy")
 
 from test_decode_gpu import _ckpt, _ids  # noqa: E402  (prepend import mode)
 
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 _CACHE: dict = {}
@@ -79,7 +81,7 @@ def test_pipelined_equals_sequential_chunks_bitwise(name, chunks, mode):
     assert np.array_equal(out.hc_state, want_hc)
     a, b = st.snapshot(), want_st.snapshot()
     assert a.keys() == b.keys()
-    bad = [k for k in a if not np.array_equal(a[k], b[k])]
+    bad = snapshot_diff(a, b)
     assert not bad, f"state differs in {bad[:8]}"
 
 
@@ -99,7 +101,7 @@ def test_coop_equals_threaded_bitwise(name, chunks):
     assert np.array_equal(coop.hc_state, on.hc_state)
     a, b = st_coop.snapshot(), st_on.snapshot()
     assert a.keys() == b.keys()
-    bad = [k for k in a if not np.array_equal(a[k], b[k])]
+    bad = snapshot_diff(a, b)
     assert not bad, f"state differs in {bad[:8]}"
     # without all_logits: the last row only, the same bits
     st = m.new_state()

@@ -97,28 +97,8 @@ def test_qnorm_attn_step_bit_identical_tiny():
 
 
 def test_qnorm_attn_device_hostmath_equals_legacy_tiny():
-    from test_decode_gpu import _ids, _model
-    from memra_dsv4.gpu import step
-    if not step.HOSTMATH_IMPLEMENTED:
-        pytest.skip(step.HOSTMATH_REASON)
-    ck, ml = _model("tiny", (0,), "legacy")
-    _, mh = _model("tiny", (0,), "device-hostmath")
-    L, steps = 16, 5
-    ids = _ids(ck.config, L + steps, seed=23)
-    _, sa = ml.prefill(ids[:L])
-    _, sb = mh.prefill(ids[:L])
-    old = getattr(mh, "decode_qnorm", "kernel")
-    try:
-        mh.decode_qnorm = "attn"
-        for i, t in enumerate(ids[L:]):
-            x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
-            assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
-                f"step {i}: device-hostmath (qnorm attn) != legacy, max |diff| {np.abs(x - y).max()}"
-    finally:
-        mh.decode_qnorm = old
-    ga, gb = sa.snapshot(), sb.snapshot()
-    bad = [k for k in ga if not np.array_equal(ga[k], gb[k])]
-    assert not bad, f"state differs in {bad}"
+    from test_decode_gpu import hostmath_equals_legacy_with  # prepend import mode (tests/gpu on sys.path)
+    hostmath_equals_legacy_with("decode_qnorm", "attn", seed=23, what="qnorm attn")
 
 
 def test_qnorm_attn_step_bit_identical_flash_layer():
