@@ -620,6 +620,19 @@ DEV void fp4_stream(P& pl) {
 // whole groups (gate/up) or whole pick pairs (down) instead of a step loop with a runtime end
 // test. Same bits by construction; tests/gpu/test_kernels_experts.py (full_path) compares them.
 
+// the block scale(s) of chunk step i of one row whose scale bytes for this lane start at p
+// (MXFP4: one e8m0 byte per 32-element chunk; NVFP4: two e4m3 bytes), unpredicated: the full-shape
+// paths' loads (fetch_full, fp4_stream_gateup_ring)
+template <bool NV>
+DEV void chunk_scales(u32 (&s)[NV ? 2 : 1], const u8* p, int i) {
+    if (NV) {
+        s[0] = (u32)__ldg(p + 64 * i);
+        s[NV ? 1 : 0] = (u32)__ldg(p + 64 * i + 1);
+    } else {
+        s[0] = (u32)__ldg(p + 32 * i);
+    }
+}
+
 // the loads of chunk lane + 32 i of R consecutive rows of each of M matrices: pw[m] / ps[m] point
 // at this lane's chunk 0 / scale byte of the first row; no predicates (every row and chunk exists)
 template <int KPL, int M, int R, bool NV>
@@ -631,12 +644,7 @@ DEV void fetch_full(uint4 (&w)[M * R], u32 (&s)[M * R][NV ? 2 : 1], const u8* co
 #pragma unroll
         for (int rr = 0; rr < R; ++rr) {
             w[m * R + rr] = ldg16(pw[m] + rr * HK + 512 * i);
-            if (NV) {
-                s[m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 64 * i);
-                s[m * R + rr][NV ? 1 : 0] = (u32)__ldg(ps[m] + rr * NS + 64 * i + 1);
-            } else {
-                s[m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 32 * i);
-            }
+            chunk_scales<NV>(s[m * R + rr], ps[m] + rr * NS, i);
         }
     }
 }
@@ -731,12 +739,7 @@ DEV void fp4_stream_gateup_ring(P& pl, uint4* ring) {
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) {
                 ring_cp16(wr + (i * NRM + m * R + rr) * 32, pw[m] + rr * HK + 512 * i);
-                if (NV) {
-                    rs[i][m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 64 * i);
-                    rs[i][m * R + rr][NV ? 1 : 0] = (u32)__ldg(ps[m] + rr * NS + 64 * i + 1);
-                } else {
-                    rs[i][m * R + rr][0] = (u32)__ldg(ps[m] + rr * NS + 32 * i);
-                }
+                chunk_scales<NV>(rs[i][m * R + rr], ps[m] + rr * NS, i);
             }
         }
     };

@@ -150,8 +150,11 @@ def test_fast_streams_keep_the_row_arithmetic():
     fetch = _body("fetch_full")
     assert "constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;" in fetch
     assert "ldg16(pw[m] + rr * HK + 512 * i)" in fetch
-    assert "__ldg(ps[m] + rr * NS + 64 * i)" in fetch and "__ldg(ps[m] + rr * NS + 64 * i + 1)" in fetch
-    assert "__ldg(ps[m] + rr * NS + 32 * i)" in fetch
+    # the scale bytes at ps[m] + rr * NS + (64 i, 64 i + 1 | 32 i): chunk_scales at p = ps[m] + rr * NS
+    assert "chunk_scales<NV>(s[m * R + rr], ps[m] + rr * NS, i);" in fetch
+    scales = _body("chunk_scales")
+    assert "__ldg(p + 64 * i)" in scales and "__ldg(p + 64 * i + 1)" in scales
+    assert "__ldg(p + 32 * i)" in scales
 
 
 # ------------------------------------------------- the gate/up with its weight ring in shared memory
