@@ -188,6 +188,9 @@ def test_gateup_ring_selection(fake_ex, monkeypatch, fmt):
     monkeypatch.setattr(EX, "GATEUP_RING", False)
     monkeypatch.setenv(EX.RING_ENV, "1")
     assert EX.gateup_ring_on()
+    monkeypatch.setenv(EX.RING_ENV, "on")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_FP4_RING='on'.*0 or 1"):
+        EX.gateup_ring_on()
 
 
 def test_gateup_ring_kernels_and_smem():

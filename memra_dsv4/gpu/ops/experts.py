@@ -138,7 +138,9 @@ GATEUP_RING_SMEM = 4 * 2 * GATEUP_ROWS_PER_GROUP * 32 * 16 * FP4_WARPS   # exper
 def gateup_ring_on() -> bool:
     """gemv_fp4_gateup launches the ring kernel for a full-shape gate/up (GATEUP_RING, or the env)."""
     env = os.environ.get(RING_ENV, "")
-    return env == "1" if env in ("0", "1") else GATEUP_RING
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{RING_ENV}={env!r}: expected 0 or 1 (or unset: ops.experts.GATEUP_RING)")
+    return env == "1" if env else GATEUP_RING
 
 
 DOWN_W2_K = 2048            # gemv_*_down_combine_k2_f_w2: the shared expert's w2 row length (compile-time)
