@@ -469,10 +469,16 @@ DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int 
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(IF_THREADS)
-indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
-                   const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
-                   int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) { PDL_ENTRY();
+namespace {
+
+// The body of indexer_fused_d128 (SELECT = true: scores, ticket, the last CTA selects) and of
+// indexer_scores_tiles_d128 (SELECT = false: the same scores, the same tiles and grid, then return;
+// counter / k / sel_out / width / offset unused). One body, so the split form's score bits are the
+// fused form's by construction. Called right after the kernel's PDL_ENTRY().
+template <bool SELECT>
+DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
+                 const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
+                 int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = reinterpret_cast<float*>(smem_raw);                  // [64][IF_QLD]
     float* kt = reinterpret_cast<float*>(smem_raw + IF_QBYTES);      // [128][IF_KC]; then prod [IF_KC][IF_PLD]
@@ -560,6 +566,7 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
         }
         __syncthreads();  // prod is the next tile's key tile
     }
+    if constexpr (!SELECT) return;  // split form: indexer_select_d128 selects in the next launch
     // ---- the last CTA selects
     __threadfence();
     __syncthreads();
@@ -650,4 +657,147 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
     }
     for (int i = ksel + tid; i < width; i += IF_THREADS) sel_out[i] = -1;
     if (tid == 0) *counter = 0;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
+                   const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
+                   int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) { PDL_ENTRY();
+    if_body<true>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The split form of indexer_fused_d128 (two launches; the decode step picks it with
+// MEMRA_DSV4_INDEXER_SELECT=split, ops.indexer.scores_topk):
+// indexer_scores_tiles_d128: exactly indexer_fused_d128's scoring (the shared if_body<false>: same
+//   IF_KC = 16 tiles, same grid min(ceil(N / 16), 2 * SMs), block 128, IF_SMEM dynamic smem, the
+//   same score bits, -inf at and past n_valid), then return: no ticket, no selection. Parameters
+//   as indexer_fused_d128; k, sel_out, width, offset and counter are unused (counter may be null).
+// indexer_select_d128: the fused kernel's last-CTA selection on one CTA of 1024 threads (32 warps)
+//   instead of 128, so its passes over the row are 8x shorter (the 32K-context tail: N = 8192).
+//   The scores row was written by the previous launch: read after PDL_ENTRY's griddepcontrol.wait
+//   (the whole previous grid complete and visible) through L2 (ld.cg), never the read-only path.
+//   n = min(n_valid, N), ksel = min(k, n):
+//   * n <= k: 0..n-1 (+ offset), then -1 to width (no scores read);
+//   * n > k: the row staged in shared memory as 16-bit order keys (score_key) when
+//     n <= IX_SEL_KEYS_CAP, else every pass reads L2; radix select on the high byte then the low
+//     byte of bucket b1 (find_bucket over exact hist_add histograms: the same threshold thr, n_gt
+//     keys above it, need = ksel - n_gt); then the ordered compaction of indexer_fused_d128 with
+//     32 warps: warp w owns the contiguous keys [w * seg, (w + 1) * seg) (seg a multiple of 32),
+//     walked 32 consecutive keys per step; a count pass gives each warp its bases (# > thr and
+//     # == thr in lower warps), then a selected key j lands at (#keys > thr before j) +
+//     min(#keys == thr before j, need) from ballot prefix counts; -1 padding to width.
+//   The selected set and its (ascending index) order are indexer_topk's (order = 1) = the fused
+//   kernel's for the same scores.
+// scores [N] bf16, 16-byte aligned; n_valid [1] int32; sel_out [width] int32, width >= min(k, N);
+// k <= 1024. grid 1, block 1024, dynamic smem >= 2 * min(roundup(N, 8), IX_SEL_KEYS_CAP) bytes.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int IX_SEL_THREADS = 1024;
+constexpr int IX_SEL_WARPS = IX_SEL_THREADS / 32;
+constexpr int IX_SEL_KEYS_CAP = 32768;  // staged keys: 64 KiB of shared memory (128K context)
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_scores_tiles_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
+                          int ld_k, const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N,
+                          float w_scale, int k, int* __restrict__ sel_out, int width, int offset,
+                          int* __restrict__ counter) { PDL_ENTRY();
+    if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);
+}
+
+extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
+indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
+                    int* __restrict__ sel_out, int width, int offset) { PDL_ENTRY();
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* ks = reinterpret_cast<u16*>(smem_raw);  // [min(n, cap)] order keys
+    __shared__ int hist[256];
+    __shared__ int wcnt[IX_SEL_WARPS][2];
+    __shared__ int s_b1, s_above1, s_b2, s_above2;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int n = max(min(__ldg(n_valid), N), 0), ksel = min(k, n);
+    if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
+        for (int i = tid; i < width; i += IX_SEL_THREADS) sel_out[i] = i < n ? i + offset : -1;
+        return;
+    }
+    const bool in_smem = n <= IX_SEL_KEYS_CAP;
+    for (int i = tid; i < 256; i += IX_SEL_THREADS) hist[i] = 0;
+    if (in_smem) {  // 16-byte L2 loads (8192 keys: one uint4 per thread)
+        const int nc = n >> 3;
+#pragma unroll 4
+        for (int c = tid; c < nc; c += IX_SEL_THREADS) {
+            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(scores) + c);
+            const u32 ws[4] = {v.x, v.y, v.z, v.w};
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[i] = score_key(ws[i] & 0xffffu) | (score_key(ws[i] >> 16) << 16);
+            *reinterpret_cast<uint4*>(ks + 8 * c) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        for (int j = 8 * nc + tid; j < n; j += IX_SEL_THREADS) ks[j] = (u16)score_key(__ldcg(scores + j));
+    }
+    __syncthreads();  // keys staged, histogram zeroed
+    // warp w owns keys [sb, se), walked 32 consecutive keys per step (uniform trip count per warp)
+    const int seg = ((n + IX_SEL_WARPS * 32 - 1) / (IX_SEL_WARPS * 32)) * 32;
+    const int sb = wid * seg, se = min(sb + seg, n);
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // high bytes crowd few buckets: aggregated
+        const int j = base + lane;
+        const bool act = j < se;
+        hist_add(hist, act ? if_key_at(ks, scores, in_smem, j) >> 8 : 0u, act);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        int above;
+        const int b = find_bucket(hist, ksel, &above);
+        if (tid == 0) { s_b1 = b; s_above1 = above; }
+    }
+    __syncthreads();
+    const int b1 = s_b1, above1 = s_above1;
+    for (int i = tid; i < 256; i += IX_SEL_THREADS) hist[i] = 0;
+    __syncthreads();
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // bucket b1's keys (aggregated: ties crowd one bin)
+        const int j = base + lane;
+        const u32 key = j < se ? if_key_at(ks, scores, in_smem, j) : 0u;
+        const bool act = j < se && (int)(key >> 8) == b1;
+        hist_add(hist, key & 0xffu, act);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        int above;
+        const int b = find_bucket(hist, ksel - above1, &above);
+        if (tid == 0) { s_b2 = b; s_above2 = above; }
+    }
+    __syncthreads();
+    const int thr = (b1 << 8) | s_b2;
+    const int need = ksel - (above1 + s_above2);  // keys == thr taken, lowest index first
+    int cgt = 0, ceq = 0;
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {  // count pass: this warp's # > thr, # == thr
+        const int j = base + lane;
+        const int key = j < se ? (int)if_key_at(ks, scores, in_smem, j) : -1;
+        cgt += __popc(__ballot_sync(0xffffffffu, key > thr));
+        ceq += __popc(__ballot_sync(0xffffffffu, key == thr));
+    }
+    if (lane == 0) { wcnt[wid][0] = cgt; wcnt[wid][1] = ceq; }
+    __syncthreads();
+    int gt_base = 0, eq_base = 0;  // the counts of the lower warps (lower indices)
+    for (int w2 = 0; w2 < wid; ++w2) { gt_base += wcnt[w2][0]; eq_base += wcnt[w2][1]; }
+    const u32 lt = (1u << lane) - 1u;
+#pragma unroll 4
+    for (int base = sb; base < sb + seg; base += 32) {
+        const int j = base + lane;
+        const int key = j < se ? (int)if_key_at(ks, scores, in_smem, j) : -1;
+        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
+        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
+        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
+        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
+        gt_base += __popc(bg);
+        eq_base += __popc(be);
+    }
+    for (int i = ksel + tid; i < width; i += IX_SEL_THREADS) sel_out[i] = -1;
 }

@@ -571,7 +571,8 @@ class DeviceStep:
             HM.indexer_island(S.io, cfg, q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv,
                               (self._pos + 1) // 4, scores=sc, sel=sel)
             return sel
-        # scores + top-k (index order) in one launch: indexer_fused_d128
+        # scores + top-k (index order): indexer_fused_d128 in one launch, or (form 'split',
+        # MEMRA_DSV4_INDEXER_SELECT) indexer_scores_tiles_d128 + indexer_select_d128; same bytes
         IX.scores_topk(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, cfg.index_topk, sc,
                        sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
         return sel

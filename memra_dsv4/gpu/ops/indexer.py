@@ -10,10 +10,20 @@ scores_topk(q, w, keys, n_valid, k, scores_out, sel_out)
                               decode (T = 1): scores(impl='simt') + topk(order='index') in ONE
                               launch (indexer_fused_d128), the same score bits and the same
                               selection; the last CTA selects, through a per-device ticket
-                              counter (workspace(), made before any capture)
+                              counter (workspace(), made before any capture); form='split':
+                              the same scores and selection in two launches,
+                              indexer_scores_tiles_d128 (the fused kernel's scoring, shared
+                              body) then indexer_select_d128 (the selection on one CTA of 1024
+                              threads instead of the fused kernel's last CTA of 128: the long
+                              tail at 32K context).  Default SELECT_FORM, or the env
+                              MEMRA_DSV4_INDEXER_SELECT=fused|split over it (read at every call;
+                              bench.decode_step's idxsel=fused|split arms).  Not a seam: the
+                              bytes do not change.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -22,12 +32,18 @@ from memra_dsv4.gpu.ops._common import (check, dynamic_smem, i32, kernel, out_ar
                                         row_stride, sm_count, ticket_counter)
 
 STEM = "indexer"
-KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk", "indexer_fused_d128")
+KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk", "indexer_fused_d128",
+           "indexer_scores_tiles_d128", "indexer_select_d128")
 kernel_loader.register(STEM, KERNELS)
 
 TOPK_MAX = 1024
 FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
 FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
+SELECT_THREADS = 1024                     # indexer_select_d128's block
+SELECT_KEYS_CAP = 32768                   # IX_SEL_KEYS_CAP: 16-bit keys it stages in shared memory
+SELECT_FORMS = ("fused", "split")
+SELECT_FORM = "fused"                     # scores_topk's default form (the env overrides it)
+SELECT_ENV = "MEMRA_DSV4_INDEXER_SELECT"
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fused_d128 (kept 0)
 
 
@@ -35,6 +51,26 @@ def workspace():
     """The current device's ticket counter of indexer_fused_d128 (_common.ticket_counter: int32 [1],
     zero between launches; made before the first capture by DeviceStep._prewarm)."""
     return ticket_counter(_WS, "indexer.workspace")
+
+
+def select_form() -> str:
+    """scores_topk's form when the caller gives none: MEMRA_DSV4_INDEXER_SELECT (fused | split)
+    when set and non-empty, else SELECT_FORM; read at every call (the bench arms set the env
+    between steps).  ValueError on any other value."""
+    env = os.environ.get(SELECT_ENV, "")
+    form = env or SELECT_FORM
+    if form not in SELECT_FORMS:
+        src = SELECT_ENV if env else "indexer.SELECT_FORM"
+        raise ValueError(f"{src} = {form!r}; allowed: {', '.join(SELECT_FORMS)}")
+    return form
+
+
+def select_smem(N: int) -> int:
+    """indexer_select_d128's dynamic shared memory for an N-key row: the staged keys,
+    2 * min(roundup(N, 8), SELECT_KEYS_CAP) bytes; above 48 KiB always the cap's 64 KiB (one size
+    per kernel, so _common.dynamic_smem never lowers a limit a larger row needs)."""
+    nbytes = 2 * min(-(-N // 8) * 8, SELECT_KEYS_CAP)
+    return nbytes if nbytes <= 48 * 1024 else 2 * SELECT_KEYS_CAP
 
 
 IMPLS = ("simt", "mma")
@@ -94,12 +130,14 @@ def topk(scores, n_valid, k: int, out=None, offset: int = 0, order: str = "score
 
 
 def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int = 0,
-                w_scale: float = 1.0, counter=None):
+                w_scale: float = 1.0, counter=None, form: str | None = None):
     """One token: scores_out [1, N] bf16 = scores(q, w, keys, n_valid, w_scale=w_scale) (the
     'simt' bits) and sel_out [1, width] int32 = topk(scores_out, n_valid, k, offset=offset,
     order='index', width=width), in one launch.  q [1, H, 128] bf16; w [1, H] bf16; keys [N, 128]
     bf16 rows; n_valid [1] int32 (read on the device); width >= min(k, N).  counter: int32 [1],
-    zero (default: workspace()).  Returns sel_out."""
+    zero (default: workspace()).  form: 'fused' (indexer_fused_d128, one launch) or 'split'
+    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes, no counter); None:
+    select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
     check(q, "indexer.scores_topk.q", np.uint16)
     assert q.ndim == 3 and q.shape[0] == 1 and q.shape[2] == 128, (
         f"indexer.scores_topk.q: expected [1, H, 128] (one token), got {q.shape}")
@@ -118,10 +156,26 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     check(sel_out, "indexer.scores_topk.sel_out", np.int32, (1, None))
     width = sel_out.shape[1]
     assert width >= min(k, N), f"indexer.scores_topk: width {width} < min(k, N) = {min(k, N)}"
+    form = select_form() if form is None else form
+    assert form in SELECT_FORMS, f"indexer.scores_topk: form {form!r} not in {SELECT_FORMS}"
+    tiles = -(-N // FUSED_KEYS_PER_TILE)
+    grid = (max(1, min(tiles, 2 * sm_count())),)
+    if form == "split":
+        # scores: the fused kernel's tiles and grid (shared body), no ticket (counter null)
+        kern = kernel(STEM, "indexer_scores_tiles_d128")
+        kern(grid, (128,),
+             (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
+              sel_out, i32(width), i32(offset), np.uint64(0)),
+             shared_mem=dynamic_smem(kern, FUSED_SMEM))
+        # selection: one CTA of 1024 threads; reads scores_out after its PDL wait (the whole
+        # scoring grid done), n_valid on the device
+        sel = kernel(STEM, "indexer_select_d128")
+        sel((1,), (SELECT_THREADS,), (scores_out, n_valid, i32(N), i32(k), sel_out, i32(width), i32(offset)),
+            shared_mem=dynamic_smem(sel, select_smem(N)))
+        return sel_out
     counter = workspace() if counter is None else check(counter, "indexer.scores_topk.counter", np.int32, (1,))
     kern = kernel(STEM, "indexer_fused_d128")
-    tiles = -(-N // FUSED_KEYS_PER_TILE)
-    kern((max(1, min(tiles, 2 * sm_count())),), (128,),
+    kern(grid, (128,),
          (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
           sel_out, i32(width), i32(offset), counter),
          shared_mem=dynamic_smem(kern, FUSED_SMEM))
