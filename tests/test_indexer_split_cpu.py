@@ -1,0 +1,367 @@
+"""The split form of the decode indexer (kernels_cu/indexer.cu indexer_scores_tiles_d128 +
+indexer_select_d128, ops.indexer.scores_topk(form='split')) without a GPU.
+
+* The switch: ops.indexer.select_form() is SELECT_FORM ('fused') unless MEMRA_DSV4_INDEXER_SELECT
+  (fused | split) is set, read at every call; any other value is a ValueError naming the variable
+  and the allowed values.  bench.decode_step's idxsel=fused|split arms set that variable.
+* The launches (fake CuPy, fake kernels checked against the .cu signatures): 'fused' is the one
+  indexer_fused_d128 launch; 'split' is indexer_scores_tiles_d128 on the fused grid and shared
+  memory, then indexer_select_d128 on (1,) x (1024,) with the staged keys' shared memory.
+* The selection algorithm: a NumPy emulation of indexer_select_d128 (score_key, the two
+  find_bucket passes over exact histograms, the 32-warp count pass and ballot-prefix ordered
+  compaction) equals a plain reference (the ksel largest keys, ties to the lower index, ascending
+  index order, -1 padded) on random rows with many ties, +0 / -0, -inf, and n at and around k.
+  The emulation with 4 warps (the fused kernel's last CTA) gives the same rows.
+* The source: the scores-only kernel and the fused kernel are both one call of the templated
+  if_body (the same score arithmetic by construction); the select kernel has the stated launch
+  bounds, opens with PDL_ENTRY(), reads the scores through ld.cg only, and reuses the helpers.
+The GPU bytes: tests/gpu/test_kernels_indexer.py -k split.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_kernel_sources import KDIR, _fake_cupy, braced, kernel_signatures, registered_fake_kernels
+
+SRC = open(os.path.join(KDIR, "indexer.cu"), encoding="utf-8").read()
+
+
+# ------------------------------------------------------------------------------------ the switch
+@pytest.fixture
+def IX():
+    import importlib
+    return importlib.import_module("memra_dsv4.gpu.ops.indexer")
+
+
+def test_select_form_default_module_and_env(IX, monkeypatch):
+    monkeypatch.delenv(IX.SELECT_ENV, raising=False)
+    assert IX.SELECT_ENV == "MEMRA_DSV4_INDEXER_SELECT"
+    assert IX.SELECT_FORMS == ("fused", "split")
+    assert IX.SELECT_FORM == "fused" and IX.select_form() == "fused"
+    monkeypatch.setattr(IX, "SELECT_FORM", "split")
+    assert IX.select_form() == "split"
+    monkeypatch.setenv(IX.SELECT_ENV, "fused")          # the env over the module switch
+    assert IX.select_form() == "fused"
+    monkeypatch.setattr(IX, "SELECT_FORM", "fused")
+    monkeypatch.setenv(IX.SELECT_ENV, "split")
+    assert IX.select_form() == "split"
+    monkeypatch.setenv(IX.SELECT_ENV, "")                # empty: the module switch
+    assert IX.select_form() == "fused"
+
+
+@pytest.mark.parametrize("bad", ["1", "on", "Split", "fused "])
+def test_select_form_bad_env_names_variable_and_values(IX, monkeypatch, bad):
+    monkeypatch.setenv(IX.SELECT_ENV, bad)
+    with pytest.raises(ValueError, match=r"MEMRA_DSV4_INDEXER_SELECT.*fused, split"):
+        IX.select_form()
+
+
+def test_select_form_bad_module_value(IX, monkeypatch):
+    monkeypatch.delenv(IX.SELECT_ENV, raising=False)
+    monkeypatch.setattr(IX, "SELECT_FORM", "both")
+    with pytest.raises(ValueError, match=r"SELECT_FORM.*fused, split"):
+        IX.select_form()
+
+
+def test_bench_decode_idxsel_arm_sets_the_env():
+    from bench.decode_step import _arm_settings, _kernel_env, check_arms
+    assert _kernel_env({"idxsel": "split"}, None) == {"MEMRA_DSV4_INDEXER_SELECT": "split"}
+    assert _kernel_env({"idxsel": "fused"}, None) == {"MEMRA_DSV4_INDEXER_SELECT": "fused"}
+    assert _arm_settings()["idxsel"].env == "MEMRA_DSV4_INDEXER_SELECT"
+    arms = check_arms("path=device+idxsel=fused,path=device+idxsel=split")
+    assert [a["idxsel"] for a in arms] == ["fused", "split"]
+    with pytest.raises(SystemExit, match="idxsel"):
+        check_arms("path=device+idxsel=both")
+    import bench.decode_step as BD
+    assert "idxsel=fused|split" in BD.__doc__ and "MEMRA_DSV4_INDEXER_SELECT" in BD.__doc__
+
+
+# ---------------------------------------------------------------------------------- the launches
+@pytest.fixture
+def fake_ix(monkeypatch):
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu.ops import _common
+    from memra_dsv4.gpu.ops import indexer as IX
+
+    launched = []
+    monkeypatch.setattr(IX, "kernel", registered_fake_kernels(
+        kernel_signatures(), lambda n, grid, block, args, smem: launched.append((n, grid, block, args, smem))))
+    monkeypatch.setattr(_common, "_SMEM_SET", set())
+    monkeypatch.setattr(IX, "sm_count", lambda: 132)
+    monkeypatch.setattr(IX, "_WS", {})
+    return fake, IX, launched
+
+
+def _call(fake, IX, N, k=512, width=None, **kw):
+    A, z = fake.asarray, np.zeros
+    width = min(k, N) if width is None else width
+    sc, sel = A(z((1, N), np.uint16)), A(z((1, width), np.int32))
+    out = IX.scores_topk(A(z((1, 64, 128), np.uint16)), A(z((1, 64), np.uint16)), A(z((N, 128), np.uint16)),
+                         A(z(1, np.int32)), k, sc, sel, offset=5, w_scale=0.5, counter=A(z(1, np.int32)), **kw)
+    assert out is sel
+    return sc, sel
+
+
+@pytest.mark.parametrize("N", [300, 8192, 30000, 100000])
+def test_split_launches(fake_ix, monkeypatch, N):
+    fake, IX, launched = fake_ix
+    monkeypatch.delenv(IX.SELECT_ENV, raising=False)
+    _call(fake, IX, N)
+    assert [x[0] for x in launched] == ["indexer_fused_d128"]
+    fused = launched[0]
+    launched.clear()
+    sc, sel = _call(fake, IX, N, form="split")
+    assert [x[0] for x in launched] == ["indexer_scores_tiles_d128", "indexer_select_d128"]
+    tiles, select = launched
+    assert tiles[1:3] == fused[1:3] and tiles[4] == fused[4] == IX.FUSED_SMEM     # the same grid / smem
+    assert tiles[1] == (min(-(-N // 16), 264),) and tiles[2] == (128,)
+    assert type(tiles[3][-1]) is np.uint64 and int(tiles[3][-1]) == 0              # no ticket counter
+    assert select[1] == (1,) and select[2] == (1024,)
+    assert select[3][0] is sc and select[3][4] is sel
+    assert [int(a) for a in select[3][2:4]] + [int(a) for a in select[3][5:]] == [N, 512, min(512, N), 5]
+    want = 2 * min(-(-N // 8) * 8, 32768)
+    assert select[4] == (want if want <= 48 * 1024 else 65536)
+    if select[4] > 48 * 1024:
+        assert IX.kernel("indexer", "indexer_select_d128").max_dynamic_shared_size_bytes == 65536
+    # the env picks the form when the caller gives none
+    for env, want_names in (("split", ["indexer_scores_tiles_d128", "indexer_select_d128"]),
+                            ("fused", ["indexer_fused_d128"])):
+        monkeypatch.setenv(IX.SELECT_ENV, env)
+        launched.clear()
+        _call(fake, IX, N)
+        assert [x[0] for x in launched] == want_names, env
+    monkeypatch.setenv(IX.SELECT_ENV, "nope")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_INDEXER_SELECT"):
+        _call(fake, IX, N)
+
+
+def test_split_keeps_the_argument_checks(fake_ix):
+    fake, IX, launched = fake_ix
+    with pytest.raises(AssertionError, match="width"):
+        _call(fake, IX, 1000, k=512, width=100, form="split")
+    with pytest.raises(AssertionError, match="k = 2000"):
+        _call(fake, IX, 4000, k=2000, width=2000, form="split")
+    with pytest.raises(AssertionError, match="form"):
+        _call(fake, IX, 1000, form="unfused")
+    assert launched == []
+
+
+# ------------------------------------------------------------------- the selection, in NumPy
+def score_key(bits: np.ndarray) -> np.ndarray:
+    """indexer.cu score_key: bf16 bits -> order-preserving 16-bit keys, -0 == +0."""
+    b = bits.astype(np.int64)
+    b = np.where((b & 0x7FFF) == 0, 0, b)
+    return np.where(b & 0x8000, ~b & 0xFFFF, b | 0x8000)
+
+
+def find_bucket(hist: np.ndarray, need: int) -> tuple[int, int]:
+    """indexer.cu find_bucket, lane by lane: lane l owns buckets 255-8l .. 248-8l (descending);
+    the first lane whose exclusive..inclusive range holds `need` scans its 8 buckets."""
+    c = np.array([[hist[255 - 8 * lane - i] for i in range(8)] for lane in range(32)])
+    incl = np.cumsum(c.sum(axis=1))
+    excl = incl - c.sum(axis=1)
+    hit = np.flatnonzero((excl < need) & (need <= incl))
+    assert hit.size, "find_bucket: need outside the histogram"
+    lane = int(hit[0])
+    run = int(excl[lane])
+    for i in range(8):
+        if run < need <= run + c[lane, i]:
+            return 255 - 8 * lane - i, run
+        run += int(c[lane, i])
+    raise AssertionError("find_bucket: no bucket")
+
+
+def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: int = 32) -> np.ndarray:
+    """indexer_select_d128 (warps = 32; warps = 4 is the fused kernel's last CTA) step by step:
+    warp w owns [w * seg, min(w * seg + seg, n)), 32 lanes per step; every sel_out slot below
+    ksel is written exactly once (asserted)."""
+    N = bits.shape[0]
+    n = max(min(n_valid, N), 0)
+    ksel = min(k, n)
+    out = np.full(width, -7, np.int64)
+    if ksel == n:
+        out[:] = np.where(np.arange(width) < n, np.arange(width) + offset, -1)
+        return out
+    keys = score_key(bits[:n])
+    seg = -(-n // (warps * 32)) * 32
+
+    def steps(w):
+        sb, se = w * seg, min(w * seg + seg, n)
+        for base in range(sb, sb + seg, 32):
+            j = base + np.arange(32)
+            act = j < se
+            yield j, act, np.where(act, keys[np.minimum(j, n - 1)], -1)
+
+    hist = np.zeros(256, np.int64)
+    for w in range(warps):
+        for j, act, key in steps(w):
+            np.add.at(hist, key[act] >> 8, 1)
+    assert hist.sum() == n
+    b1, above1 = find_bucket(hist, ksel)
+    hist[:] = 0
+    for w in range(warps):
+        for j, act, key in steps(w):
+            m = act & ((key >> 8) == b1)
+            np.add.at(hist, key[m] & 0xFF, 1)
+    b2, above2 = find_bucket(hist, ksel - above1)
+    thr = (b1 << 8) | b2
+    need = ksel - (above1 + above2)
+    assert 1 <= need
+    wcnt = np.zeros((warps, 2), np.int64)
+    for w in range(warps):     # count pass
+        for j, act, key in steps(w):
+            wcnt[w, 0] += int(np.sum(key > thr))
+            wcnt[w, 1] += int(np.sum(key == thr))
+    written = np.zeros(width, np.int64)
+    for w in range(warps):     # ballot-prefix ordered compaction
+        gt_base, eq_base = int(wcnt[:w, 0].sum()), int(wcnt[:w, 1].sum())
+        for j, act, key in steps(w):
+            bg, be = key > thr, key == thr
+            gb = gt_base + np.cumsum(bg) - bg     # popc(ballot & lanes below)
+            eb = eq_base + np.cumsum(be) - be
+            for lane in range(32):
+                if bg[lane]:
+                    pos = gb[lane] + min(eb[lane], need)
+                elif be[lane] and eb[lane] < need:
+                    pos = gb[lane] + eb[lane]
+                else:
+                    continue
+                out[pos] = j[lane] + offset
+                written[pos] += 1
+            gt_base += int(bg.sum())
+            eq_base += int(be.sum())
+    assert np.all(written[:ksel] == 1) and not written[ksel:].any(), "compaction: slots not written once"
+    out[ksel:] = -1
+    return out
+
+
+def reference_select(bits, n_valid: int, k: int, width: int, offset: int) -> np.ndarray:
+    """The ksel largest score keys of the valid prefix, ties to the lower index, as ascending
+    indices + offset, -1 padded (np.lexsort, no radix)."""
+    n = max(min(n_valid, bits.shape[0]), 0)
+    ksel = min(k, n)
+    keys = score_key(bits[:n])
+    idx = np.arange(n)
+    pick = np.sort(np.lexsort((idx, -keys))[:ksel])
+    out = np.full(width, -1, np.int64)
+    out[:ksel] = pick + offset
+    return out
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _row(rng, N, kind):
+    if kind == "rand":
+        bits = _bf16_bits(rng.standard_normal(N).astype(np.float32) * np.float32(4.0))
+        bits[rng.integers(0, N, 9)] = 0xFF80        # -inf
+    elif kind == "ties":                             # few values: the threshold is a big tie
+        bits = _bf16_bits(rng.integers(-3, 4, N).astype(np.float32) * np.float32(0.5))
+    elif kind == "zeros":                            # +0 / -0 everywhere, a few others
+        bits = np.where(rng.random(N) < 0.5, 0x0000, 0x8000).astype(np.uint16)
+        sel = rng.random(N) < 0.05
+        bits[sel] = _bf16_bits(rng.standard_normal(int(sel.sum())).astype(np.float32))
+    elif kind == "equal":                            # one value: the lowest indices win
+        bits = np.full(N, _bf16_bits(np.float32(1.25)), np.uint16)
+    else:                                            # low bytes matter: one high byte, many low bytes
+        bits = (0x3F00 + rng.integers(0, 256, N)).astype(np.uint16)
+    return bits
+
+
+@pytest.mark.parametrize("kind", ["rand", "ties", "zeros", "equal", "lowbyte"])
+@pytest.mark.parametrize("N", [8192, 2055])
+def test_emulated_select_matches_reference(N, kind):
+    rng = np.random.default_rng(1000 * N + len(kind))
+    k = 512
+    bits = _row(rng, N, kind)
+    offset = int(rng.integers(0, 1000))
+    for nv in sorted({0, 1, k - 1, k, k + 1, 3000, N - 1, N, N + 7, int(rng.integers(0, N + 1))}):
+        want = reference_select(bits, nv, k, k, offset)
+        got = emulate_select(bits, nv, k, k, offset)
+        assert np.array_equal(got, want), (N, kind, nv, np.flatnonzero(got != want)[:5])
+
+
+def test_emulated_select_past_n_valid_and_width():
+    """Keys past n_valid never count (the kernel reads only [0, n)), whatever they hold; sel_out
+    wider than k is -1 padded; the 4-warp form (the fused kernel's last CTA) selects the same."""
+    rng = np.random.default_rng(7)
+    N, k = 8192, 512
+    bits = _row(rng, N, "ties")
+    big = bits.copy()
+    big[3000:] = _bf16_bits(np.float32(1e30))
+    for nv in (600, 3000):
+        a = emulate_select(bits, nv, k, k + 40, 3)
+        assert np.array_equal(a, emulate_select(big, nv, k, k + 40, 3))
+        assert np.array_equal(a, reference_select(bits, nv, k, k + 40, 3))
+        assert np.all(a[k:] == -1)
+        assert np.array_equal(a, emulate_select(bits, nv, k, k + 40, 3, warps=4))
+    for k2, nv in ((8, 300), (1024, 5000), (1, 2)):
+        assert np.array_equal(emulate_select(bits, nv, k2, k2, 0), reference_select(bits, nv, k2, k2, 0))
+
+
+def test_emulated_select_random_many():
+    rng = np.random.default_rng(11)
+    for it in range(40):
+        N = int(rng.integers(2, 3000))
+        k = int(rng.integers(1, 1025))
+        bits = _row(rng, N, ["rand", "ties", "zeros", "equal", "lowbyte"][it % 5])
+        nv = int(rng.integers(0, N + 1))
+        width = min(k, N) + int(rng.integers(0, 3))
+        assert np.array_equal(emulate_select(bits, nv, k, width, 9), reference_select(bits, nv, k, width, 9)), (N, k, nv)
+
+
+# ------------------------------------------------------------------------------------ the source
+def _kernel_body(name: str) -> str:
+    return braced(SRC, f"\n{name}(")
+
+
+def test_source_kernels_and_launch_bounds(IX):
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(IF_THREADS\)\s*\nindexer_scores_tiles_d128\(', SRC)
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(IX_SEL_THREADS\)\s*\nindexer_select_d128\(', SRC)
+    assert re.search(r"constexpr int IX_SEL_THREADS = 1024;", SRC) and IX.SELECT_THREADS == 1024
+    assert re.search(r"constexpr int IF_THREADS = 128;", SRC)
+    cap = int(re.search(r"constexpr int IX_SEL_KEYS_CAP = (\d+);", SRC).group(1))
+    assert cap == IX.SELECT_KEYS_CAP
+    assert {"indexer_scores_tiles_d128", "indexer_select_d128"} <= set(IX.KERNELS)
+    sigs = kernel_signatures()
+    assert sigs["indexer_scores_tiles_d128"] == sigs["indexer_fused_d128"]
+    assert sigs["indexer_select_d128"] == ["ptr", "ptr", "i32", "i32", "ptr", "i32", "i32"]
+
+
+def test_source_fused_and_tiles_share_the_templated_body():
+    fused, tiles = _kernel_body("indexer_fused_d128"), _kernel_body("indexer_scores_tiles_d128")
+    call = "(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);"
+    for body, sel in ((fused, "true"), (tiles, "false")):
+        stmts = [s.strip() for s in body.strip("{}").split(";") if s.strip()]
+        assert stmts == ["PDL_ENTRY()", f"if_body<{sel}>" + call[:-1]], stmts
+    assert SRC.count("template <bool SELECT>\nDEV void if_body(") == 1
+    body = braced(SRC, "DEV void if_body(")
+    stop = body.index("if constexpr (!SELECT) return;")
+    assert body.index("for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x)") < stop
+    assert stop < body.index("the last CTA selects") < body.index("atomicAdd(counter, 1)")
+    assert "scores_out[" not in body[stop:]          # no score written after the split form's return
+
+
+def test_source_select_kernel():
+    body = _kernel_body("indexer_select_d128")
+    assert body.lstrip("{").lstrip().startswith("PDL_ENTRY();")
+    assert "__ldcg(reinterpret_cast<const uint4*>(scores) + c)" in body and "__ldcg(scores + j)" in body
+    assert "__ldg(scores" not in body and "if_key_at(ks, scores, in_smem, j)" in body
+    assert "__ldg(n_valid)" in body
+    for helper in ("score_key(", "find_bucket(hist, ksel, &above)", "find_bucket(hist, ksel - above1, &above)",
+                   "hist_add(hist,"):
+        assert helper in body, helper
+    assert "IX_SEL_KEYS_CAP" in body and "__syncthreads();" in body
+    # the ordered compaction: gt keys at gb + min(eb, need), the first `need` ties at gb + eb
+    assert "sel_out[gb + min(eb, need)] = j + offset;" in body
+    assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in body
+    assert "for (int w2 = 0; w2 < wid; ++w2)" in body
+    assert "counter" not in body
