@@ -259,3 +259,97 @@ def test_scores_topk_fused_graph_replay_device_n_valid():
         assert cp.array_equal(sc, want_sc), f"indexer fused (graph) scores, n_valid {nv} {describe(seed)}"
         assert cp.array_equal(sel, want_sel), f"indexer fused (graph) top-k, n_valid {nv} {describe(seed)}"
     assert int(K.workspace().get()[0]) == 0
+
+
+# ------------------------------------- the split form (indexer_scores_tiles_d128 + indexer_select_d128)
+@pytest.mark.parametrize("N", [256, 8192, 40000])
+@pytest.mark.parametrize("kind", ["rand", "dup", "zero"])
+def test_scores_topk_split_equals_fused(N, kind):
+    """scores_topk(form='split') == scores_topk(form='fused') byte for byte: the score row (incl.
+    the -inf tail) and the selection (incl. -1 padding and offset), for n_valid across the n <= k
+    short-circuit (1, k - 1, k) and the radix path (k + 1, 3000, N); 'dup' makes the threshold a
+    big tie; N = 40000 > IX_SEL_KEYS_CAP reads the row from L2 in every pass.  Also == the
+    unfused pair (indexer_scores_d128 + indexer_topk(order='index'))."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, k = 64, 512
+    qg, wg, kg = _fused_inputs(rng, H, N, kind)
+    width = min(k, N) + 3
+    offset = int(rng.integers(0, 1000))
+    w_scale = 128 ** -0.5 * H ** -0.5
+    for nv in sorted({1, k - 1, k, k + 1, 3000, N}):
+        nv = min(max(nv, 0), N)
+        nvg = cp.asarray(np.array([nv], np.int32))
+        got = {}
+        for form in ("fused", "split"):
+            sc = cp.full((1, N), 0x1234, np.uint16)
+            sel = cp.full((1, width), -7, np.int32)
+            K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=offset, w_scale=w_scale, form=form)
+            got[form] = (sc.get(), sel.get())
+        ctx = dict(N=N, kind=kind, nv=nv)
+        assert np.array_equal(got["split"][0], got["fused"][0]), f"indexer split scores != fused {describe(seed, **ctx)}"
+        if not np.array_equal(got["split"][1], got["fused"][1]):
+            j = int(np.flatnonzero(got["split"][1] != got["fused"][1])[0])
+            raise AssertionError(f"indexer split top-k != fused: first at col {j}: split "
+                                 f"{got['split'][1][0, max(0, j - 3):j + 4]} fused "
+                                 f"{got['fused'][1][0, max(0, j - 3):j + 4]} {describe(seed, **ctx)}")
+        want_sc, want_sel = _unfused_index_topk(qg, wg, kg, nvg, k, width, offset, w_scale)
+        assert np.array_equal(got["split"][0], want_sc.get()), f"indexer split scores != unfused {describe(seed, **ctx)}"
+        assert np.array_equal(got["split"][1], want_sel.get()), f"indexer split top-k != unfused {describe(seed, **ctx)}"
+    assert int(K.workspace().get()[0]) == 0
+
+
+def test_scores_topk_split_many_equal_scores():
+    """Every key the same row (all scores equal): the top-k is the k lowest indices, in both forms."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, N, k = 64, 8192, 512
+    qg, wg, _ = _fused_inputs(rng, H, 1, "rand")
+    kg = cp.asarray(np.repeat(bits_of(_fp4ish(rng, (1, 128))), N, axis=0))
+    for nv in (k + 1, 3000, N):
+        nvg = cp.asarray(np.array([nv], np.int32))
+        out = {}
+        for form in ("fused", "split"):
+            sc = cp.full((1, N), 0x1234, np.uint16)
+            sel = cp.full((1, k), -7, np.int32)
+            K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=0, w_scale=1 / 64, form=form)
+            out[form] = (sc.get(), sel.get())
+        assert np.array_equal(out["split"][0], out["fused"][0]), f"split scores, nv {nv} {describe(seed)}"
+        assert np.array_equal(out["split"][1], out["fused"][1]), f"split top-k, nv {nv} {describe(seed)}"
+        assert np.array_equal(out["split"][1][0], np.arange(k)), f"equal scores: not the k lowest, nv {nv} {describe(seed)}"
+
+
+def test_scores_topk_split_graph_replay_env(monkeypatch):
+    """The env form (MEMRA_DSV4_INDEXER_SELECT=split, as bench.decode_step's idxsel=split arm) in a
+    captured graph, n_valid changed on the device between replays: every replay == the fused form."""
+    from memra_dsv4.gpu import graphs
+    monkeypatch.setenv(K.SELECT_ENV, "split")
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, N, k = 64, 8192, 512
+    qg, wg, kg = _fused_inputs(rng, H, N, "rand")
+    nvg = cp.asarray(np.array([100], np.int32))
+    sc = cp.empty((1, N), np.uint16)
+    sel = cp.empty((1, k), np.int32)
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def launch():
+        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64)
+
+    with s:
+        launch()
+    s.synchronize()
+    g = graphs.capture(s, launch)
+    for nv in (100, 512, 513, 8192, 3000, 7, 0, 2222):
+        nvg.fill(nv)
+        want_sc = cp.empty((1, N), np.uint16)
+        want_sel = cp.empty((1, k), np.int32)
+        K.scores_topk(qg, wg, kg, nvg, k, want_sc, want_sel, offset=128, w_scale=1 / 64, form="fused")
+        cp.cuda.get_current_stream().synchronize()
+        sc.fill(0)
+        sel.fill(-7)
+        cp.cuda.get_current_stream().synchronize()
+        graphs.replay(g, s)
+        s.synchronize()
+        assert cp.array_equal(sc, want_sc), f"indexer split (graph) scores, n_valid {nv} {describe(seed)}"
+        assert cp.array_equal(sel, want_sel), f"indexer split (graph) top-k, n_valid {nv} {describe(seed)}"
