@@ -35,10 +35,10 @@ read from ``--gemv-pick FILE``, e.g. written by ``tools/bench_gemv.py --suggest 
 full-shape FP4 expert kernels or the general ones, ops.experts) and ``fp4ring=on|off``
 (MEMRA_DSV4_FP4_RING: the full-shape gate/up with its weight ring in shared memory),
 ``gupdl=on|off`` (MEMRA_DSV4_GATEUP_PDL: the routed gate/up launched with PDL or plainly, so that
-the shared expert's and the Sinkhorn's branches can run beside the router) and ``idxsel=fused|split``
+the shared expert's and the Sinkhorn's branches can run beside the router) and ``idxsel=fused|split|auto``
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
-indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads; bit-identical,
-ops.indexer.scores_topk); the arm sets these variables
+indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
+default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
 every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
@@ -132,7 +132,7 @@ def _arm_settings() -> dict:
             "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
             "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
             "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
-            "idxsel": SimpleNamespace(allowed=("fused", "split"), env="MEMRA_DSV4_INDEXER_SELECT")}
+            "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT")}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:

@@ -670,84 +670,132 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
 
 // ---------------------------------------------------------------------------------------------
 // The split form of indexer_fused_d128 (two launches; the decode step picks it with
-// MEMRA_DSV4_INDEXER_SELECT=split, ops.indexer.scores_topk):
+// MEMRA_DSV4_INDEXER_SELECT=split or auto, ops.indexer.scores_topk):
 // indexer_scores_tiles_d128: exactly indexer_fused_d128's scoring (the shared if_body<false>: same
 //   IF_KC = 16 tiles, same grid min(ceil(N / 16), 2 * SMs), block 128, IF_SMEM dynamic smem, the
 //   same score bits, -inf at and past n_valid), then return: no ticket, no selection. Parameters
 //   as indexer_fused_d128; k, sel_out, width, offset and counter are unused (counter may be null).
-// indexer_select_d128: the fused kernel's last-CTA selection on one CTA of 1024 threads (32 warps)
-//   instead of 128, so its passes over the row are 8x shorter (the 32K-context tail: N = 8192).
+// indexer_select_d128: the fused kernel's last-CTA selection on one CTA of 1024 threads (32 warps).
 //   The scores row was written by the previous launch: read after PDL_ENTRY's griddepcontrol.wait
 //   (the whole previous grid complete and visible) through L2 (ld.cg), never the read-only path.
-//   n = min(n_valid, N), ksel = min(k, n):
+//   n = min(n_valid, N), ksel = min(k, n); warp w owns the contiguous keys [w * seg, (w + 1) * seg),
+//   seg = 32 * S, S = ceil(n / 1024) steps of 32 consecutive keys (lane = key % 32):
 //   * n <= k: 0..n-1 (+ offset), then -1 to width (no scores read);
-//   * n > k: the row staged in shared memory as 16-bit order keys (score_key) when
-//     n <= IX_SEL_KEYS_CAP, else every pass reads L2; radix select on the high byte then the low
-//     byte of bucket b1 (find_bucket over exact hist_add histograms: the same threshold thr, n_gt
-//     keys above it, need = ksel - n_gt); then the ordered compaction of indexer_fused_d128 with
-//     32 warps: warp w owns the contiguous keys [w * seg, (w + 1) * seg) (seg a multiple of 32),
-//     walked 32 consecutive keys per step; a count pass gives each warp its bases (# > thr and
-//     # == thr in lower warps), then a selected key j lands at (#keys > thr before j) +
-//     min(#keys == thr before j, need) from ballot prefix counts; -1 padding to width.
-//   The selected set and its (ascending index) order are indexer_topk's (order = 1) = the fused
+//   * n > k, S <= 32 (n <= 32768, a 128K context): sel_regs<STEPS>: each thread holds its S order
+//     keys (score_key) in registers, two per word; the threshold thr = the ksel-th largest key by a
+//     16-step binary search over the key value (count of keys >= mid: compares in registers, one
+//     __reduce_add_sync per warp, 32 warp counts summed by every warp from shared memory; one
+//     barrier per step, the count buffer alternating). No shared atomics and no __match_any_sync:
+//     the fused kernel's radix passes spend their time there (bf16 scores crowd a few high bytes);
+//   * n > 32768: sel_l2, the fused kernel's radix select (the high byte, then the low byte of
+//     bucket b1, find_bucket over hist_add histograms), every pass reading L2;
+//   then the ordered compaction of indexer_fused_d128 over 32 warps: a count pass gives each warp
+//   its bases (# > thr and # == thr in lower warps), then a selected key j lands at (#keys > thr
+//   before j) + min(#keys == thr before j, need) from ballot prefix counts, need = ksel - #(> thr);
+//   -1 padding to width. Both branches find the same thr (the ksel-th largest key value), so the
+//   selected set and its (ascending index) order are indexer_topk's (order = 1) = the fused
 //   kernel's for the same scores.
-// scores [N] bf16, 16-byte aligned; n_valid [1] int32; sel_out [width] int32, width >= min(k, N);
-// k <= 1024. grid 1, block 1024, dynamic smem >= 2 * min(roundup(N, 8), IX_SEL_KEYS_CAP) bytes.
+// scores [N] bf16; n_valid [1] int32; sel_out [width] int32, width >= min(k, N); k <= 1024.
+// grid 1, block 1024, no dynamic shared memory.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
 constexpr int IX_SEL_THREADS = 1024;
 constexpr int IX_SEL_WARPS = IX_SEL_THREADS / 32;
-constexpr int IX_SEL_KEYS_CAP = 32768;  // staged keys: 64 KiB of shared memory (128K context)
+constexpr int IX_SEL_REG_STEPS = 32;  // keys in registers up to 32 steps of 32 per warp: n <= 32768
 
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(IF_THREADS)
-indexer_scores_tiles_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
-                          int ld_k, const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N,
-                          float w_scale, int k, int* __restrict__ sel_out, int width, int offset,
-                          int* __restrict__ counter) { PDL_ENTRY();
-    if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);
+// The ordered compaction, shared by both branches: key_of(s) is step s's key of this lane (-1 past
+// se). Writes sel_out[0, ksel) and the -1 padding. STEPS > 0: exactly STEPS steps, fully unrolled
+// (sel_regs: key_of indexes registers with s, which must be static); STEPS = 0: `steps` steps.
+template <int STEPS, typename KeyOf>
+DEV void sel_compact(KeyOf key_of, int steps, int thr, int need, int ksel, int sb, int* __restrict__ sel_out,
+                     int width, int offset, int (*wcnt)[2]) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    if (STEPS > 0) steps = STEPS;
+    int cgt = 0, ceq = 0;
+#pragma unroll (STEPS > 0 ? STEPS : 4)
+    for (int s = 0; s < steps; ++s) {  // count pass: this warp's # > thr, # == thr
+        const int key = key_of(s);
+        cgt += __popc(__ballot_sync(0xffffffffu, key > thr));
+        ceq += __popc(__ballot_sync(0xffffffffu, key == thr));
+    }
+    if (lane == 0) { wcnt[wid][0] = cgt; wcnt[wid][1] = ceq; }
+    __syncthreads();
+    // the counts of the lower warps (lower indices): lane l contributes warp l's when l < wid
+    int gt_base = __reduce_add_sync(0xffffffffu, lane < wid ? wcnt[lane][0] : 0);
+    int eq_base = __reduce_add_sync(0xffffffffu, lane < wid ? wcnt[lane][1] : 0);
+    const u32 lt = (1u << lane) - 1u;
+#pragma unroll (STEPS > 0 ? STEPS : 4)
+    for (int s = 0; s < steps; ++s) {
+        const int j = sb + 32 * s + lane;
+        const int key = key_of(s);
+        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
+        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
+        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
+        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
+        gt_base += __popc(bg);
+        eq_base += __popc(be);
+    }
+    for (int i = ksel + tid; i < width; i += IX_SEL_THREADS) sel_out[i] = -1;
 }
 
-extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
-indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
-                    int* __restrict__ sel_out, int width, int offset) { PDL_ENTRY();
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    u16* ks = reinterpret_cast<u16*>(smem_raw);  // [min(n, cap)] order keys
+// n <= IX_SEL_THREADS * STEPS: the keys in registers (kp[s / 2], step s in the low half when s is
+// even), binary search for thr. Keys past se are held as 0 and never counted: every probed mid is
+// >= 1, and the compaction sees them as -1.
+template <int STEPS>
+DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* __restrict__ sel_out, int width,
+                  int offset) {
+    __shared__ int wc[2][IX_SEL_WARPS];
+    __shared__ int wcnt[IX_SEL_WARPS][2];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int sb = wid * 32 * S, se = min(sb + 32 * S, n);
+    u32 kp[STEPS / 2];
+#pragma unroll
+    for (int s = 0; s < STEPS; s += 2) {  // all loads in flight at once (L2: the row was just written)
+        const int j0 = sb + 32 * s + lane, j1 = j0 + 32;
+        const u32 k0 = j0 < se ? score_key(__ldcg(scores + j0)) : 0u;
+        const u32 k1 = j1 < se ? score_key(__ldcg(scores + j1)) : 0u;
+        kp[s / 2] = k0 | (k1 << 16);
+    }
+    // invariant: #(keys >= lo) >= ksel > #(keys >= hi) = c_hi; 16 halvings of [0, 65536)
+    int lo = 0, hi = 65536, c_hi = 0;
+#pragma unroll 1
+    for (int it = 0; it < 16; ++it) {
+        const u32 mid = (u32)((lo + hi) >> 1);
+        int c = 0;
+#pragma unroll
+        for (int i = 0; i < STEPS / 2; ++i) c += (int)((kp[i] & 0xffffu) >= mid) + (int)((kp[i] >> 16) >= mid);
+        c = __reduce_add_sync(0xffffffffu, c);
+        if (lane == 0) wc[it & 1][wid] = c;
+        __syncthreads();  // wc[it & 1] is rewritten at it + 2, after every warp passed it + 1's barrier
+        const int total = __reduce_add_sync(0xffffffffu, wc[it & 1][lane]);
+        if (total >= ksel) lo = (int)mid;
+        else { hi = (int)mid; c_hi = total; }
+    }
+    const int thr = lo, need = ksel - c_hi;  // keys > thr: c_hi (all taken); need >= 1 keys == thr
+    auto key_of = [&](int s) -> int {
+        const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;  // s is unrolled: static indexing
+        return sb + 32 * s + lane < se ? (int)key : -1;
+    };
+    // STEPS, not S: the unrolled loop keeps kp in registers; steps past S are -1 in every lane
+    sel_compact<STEPS>(key_of, STEPS, thr, need, ksel, sb, sel_out, width, offset, wcnt);
+}
+
+// n > IX_SEL_THREADS * IX_SEL_REG_STEPS: the fused kernel's radix select, every pass from L2.
+DEV void sel_l2(const u16* __restrict__ scores, int n, int ksel, int S, int* __restrict__ sel_out, int width,
+                int offset) {
     __shared__ int hist[256];
     __shared__ int wcnt[IX_SEL_WARPS][2];
     __shared__ int s_b1, s_above1, s_b2, s_above2;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int n = max(min(__ldg(n_valid), N), 0), ksel = min(k, n);
-    if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
-        for (int i = tid; i < width; i += IX_SEL_THREADS) sel_out[i] = i < n ? i + offset : -1;
-        return;
-    }
-    const bool in_smem = n <= IX_SEL_KEYS_CAP;
+    const int seg = 32 * S, sb = wid * seg, se = min(sb + seg, n);
     for (int i = tid; i < 256; i += IX_SEL_THREADS) hist[i] = 0;
-    if (in_smem) {  // 16-byte L2 loads (8192 keys: one uint4 per thread)
-        const int nc = n >> 3;
-#pragma unroll 4
-        for (int c = tid; c < nc; c += IX_SEL_THREADS) {
-            const uint4 v = __ldcg(reinterpret_cast<const uint4*>(scores) + c);
-            const u32 ws[4] = {v.x, v.y, v.z, v.w};
-            u32 o[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o[i] = score_key(ws[i] & 0xffffu) | (score_key(ws[i] >> 16) << 16);
-            *reinterpret_cast<uint4*>(ks + 8 * c) = make_uint4(o[0], o[1], o[2], o[3]);
-        }
-        for (int j = 8 * nc + tid; j < n; j += IX_SEL_THREADS) ks[j] = (u16)score_key(__ldcg(scores + j));
-    }
-    __syncthreads();  // keys staged, histogram zeroed
-    // warp w owns keys [sb, se), walked 32 consecutive keys per step (uniform trip count per warp)
-    const int seg = ((n + IX_SEL_WARPS * 32 - 1) / (IX_SEL_WARPS * 32)) * 32;
-    const int sb = wid * seg, se = min(sb + seg, n);
+    __syncthreads();
 #pragma unroll 4
     for (int base = sb; base < sb + seg; base += 32) {  // high bytes crowd few buckets: aggregated
         const int j = base + lane;
         const bool act = j < se;
-        hist_add(hist, act ? if_key_at(ks, scores, in_smem, j) >> 8 : 0u, act);
+        hist_add(hist, act ? score_key(__ldcg(scores + j)) >> 8 : 0u, act);
     }
     __syncthreads();
     if (tid < 32) {
@@ -762,7 +810,7 @@ indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_va
 #pragma unroll 4
     for (int base = sb; base < sb + seg; base += 32) {  // bucket b1's keys (aggregated: ties crowd one bin)
         const int j = base + lane;
-        const u32 key = j < se ? if_key_at(ks, scores, in_smem, j) : 0u;
+        const u32 key = j < se ? score_key(__ldcg(scores + j)) : 0u;
         const bool act = j < se && (int)(key >> 8) == b1;
         hist_add(hist, key & 0xffu, act);
     }
@@ -775,29 +823,35 @@ indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_va
     __syncthreads();
     const int thr = (b1 << 8) | s_b2;
     const int need = ksel - (above1 + s_above2);  // keys == thr taken, lowest index first
-    int cgt = 0, ceq = 0;
-#pragma unroll 4
-    for (int base = sb; base < sb + seg; base += 32) {  // count pass: this warp's # > thr, # == thr
-        const int j = base + lane;
-        const int key = j < se ? (int)if_key_at(ks, scores, in_smem, j) : -1;
-        cgt += __popc(__ballot_sync(0xffffffffu, key > thr));
-        ceq += __popc(__ballot_sync(0xffffffffu, key == thr));
+    auto key_of = [&](int s) -> int {
+        const int j = sb + 32 * s + lane;
+        return j < se ? (int)score_key(__ldcg(scores + j)) : -1;
+    };
+    sel_compact<0>(key_of, S, thr, need, ksel, sb, sel_out, width, offset, wcnt);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_scores_tiles_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
+                          int ld_k, const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N,
+                          float w_scale, int k, int* __restrict__ sel_out, int width, int offset,
+                          int* __restrict__ counter) { PDL_ENTRY();
+    if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);
+}
+
+extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
+indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
+                    int* __restrict__ sel_out, int width, int offset) { PDL_ENTRY();
+    const int n = max(min(__ldg(n_valid), N), 0), ksel = min(k, n);
+    if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
+        for (int i = threadIdx.x; i < width; i += IX_SEL_THREADS) sel_out[i] = i < n ? i + offset : -1;
+        return;
     }
-    if (lane == 0) { wcnt[wid][0] = cgt; wcnt[wid][1] = ceq; }
-    __syncthreads();
-    int gt_base = 0, eq_base = 0;  // the counts of the lower warps (lower indices)
-    for (int w2 = 0; w2 < wid; ++w2) { gt_base += wcnt[w2][0]; eq_base += wcnt[w2][1]; }
-    const u32 lt = (1u << lane) - 1u;
-#pragma unroll 4
-    for (int base = sb; base < sb + seg; base += 32) {
-        const int j = base + lane;
-        const int key = j < se ? (int)if_key_at(ks, scores, in_smem, j) : -1;
-        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
-        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
-        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
-        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
-        gt_base += __popc(bg);
-        eq_base += __popc(be);
-    }
-    for (int i = ksel + tid; i < width; i += IX_SEL_THREADS) sel_out[i] = -1;
+    const int S = (n + IX_SEL_THREADS - 1) / IX_SEL_THREADS;  // steps of 32 keys per warp (block-uniform)
+    if (S <= 4) sel_regs<4>(scores, n, ksel, S, sel_out, width, offset);
+    else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset);
+    else if (S <= 16) sel_regs<16>(scores, n, ksel, S, sel_out, width, offset);
+    else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset);
+    else sel_l2(scores, n, ksel, S, sel_out, width, offset);
 }

@@ -1,17 +1,19 @@
 """The split form of the decode indexer (kernels_cu/indexer.cu indexer_scores_tiles_d128 +
 indexer_select_d128, ops.indexer.scores_topk(form='split')) without a GPU.
 
-* The switch: ops.indexer.select_form() is SELECT_FORM ('fused') unless MEMRA_DSV4_INDEXER_SELECT
-  (fused | split) is set, read at every call; any other value is a ValueError naming the variable
-  and the allowed values.  bench.decode_step's idxsel=fused|split arms set that variable.
+* The switch: ops.indexer.select_form() is SELECT_FORM ('auto') unless MEMRA_DSV4_INDEXER_SELECT
+  (fused | split | auto) is set, read at every call; any other value is a ValueError naming the
+  variable and the allowed values; resolve_form turns 'auto' into 'split' when N > k, else 'fused'.
+  bench.decode_step's idxsel=fused|split|auto arms set that variable.
 * The launches (fake CuPy, fake kernels checked against the .cu signatures): 'fused' is the one
   indexer_fused_d128 launch; 'split' is indexer_scores_tiles_d128 on the fused grid and shared
-  memory, then indexer_select_d128 on (1,) x (1024,) with the staged keys' shared memory.
-* The selection algorithm: a NumPy emulation of indexer_select_d128 (score_key, the two
-  find_bucket passes over exact histograms, the 32-warp count pass and ballot-prefix ordered
-  compaction) equals a plain reference (the ksel largest keys, ties to the lower index, ascending
-  index order, -1 padded) on random rows with many ties, +0 / -0, -inf, and n at and around k.
-  The emulation with 4 warps (the fused kernel's last CTA) gives the same rows.
+  memory, then indexer_select_d128 on (1,) x (1024,) without dynamic shared memory.
+* The selection algorithm: NumPy emulations of indexer_select_d128's two branches equal a plain
+  reference (the ksel largest keys, ties to the lower index, ascending index order, -1 padded) on
+  random rows with many ties, +0 / -0, -inf, and n at and around k: sel_l2 (n > 32768; also the
+  fused kernel's last CTA, emulated with 4 warps): score_key, the two find_bucket passes over exact
+  histograms; sel_regs (n <= 32768): the 16-step binary search over the key value with keys past
+  n held as 0; both then the 32-warp count pass and ballot-prefix ordered compaction.
 * The source: the scores-only kernel and the fused kernel are both one call of the templated
   if_body (the same score arithmetic by construction); the select kernel has the stated launch
   bounds, opens with PDL_ENTRY(), reads the scores through ld.cg only, and reuses the helpers.
@@ -42,8 +44,8 @@ def IX():
 def test_select_form_default_module_and_env(IX, monkeypatch):
     monkeypatch.delenv(IX.SELECT_ENV, raising=False)
     assert IX.SELECT_ENV == "MEMRA_DSV4_INDEXER_SELECT"
-    assert IX.SELECT_FORMS == ("fused", "split")
-    assert IX.SELECT_FORM == "fused" and IX.select_form() == "fused"
+    assert IX.SELECT_FORMS == ("fused", "split", "auto")
+    assert IX.SELECT_FORM == "auto" and IX.select_form() == "auto"
     monkeypatch.setattr(IX, "SELECT_FORM", "split")
     assert IX.select_form() == "split"
     monkeypatch.setenv(IX.SELECT_ENV, "fused")          # the env over the module switch
@@ -53,19 +55,30 @@ def test_select_form_default_module_and_env(IX, monkeypatch):
     assert IX.select_form() == "split"
     monkeypatch.setenv(IX.SELECT_ENV, "")                # empty: the module switch
     assert IX.select_form() == "fused"
+    monkeypatch.setenv(IX.SELECT_ENV, "auto")
+    assert IX.select_form() == "auto"
+
+
+def test_resolve_form_auto_splits_only_when_the_row_can_drop_keys(IX):
+    assert IX.resolve_form("auto", 513, 512) == "split"
+    assert IX.resolve_form("auto", 8192, 512) == "split"
+    assert IX.resolve_form("auto", 512, 512) == "fused"
+    assert IX.resolve_form("auto", 256, 512) == "fused"
+    for form in ("fused", "split"):
+        assert IX.resolve_form(form, 8192, 512) == form and IX.resolve_form(form, 100, 512) == form
 
 
 @pytest.mark.parametrize("bad", ["1", "on", "Split", "fused "])
 def test_select_form_bad_env_names_variable_and_values(IX, monkeypatch, bad):
     monkeypatch.setenv(IX.SELECT_ENV, bad)
-    with pytest.raises(ValueError, match=r"MEMRA_DSV4_INDEXER_SELECT.*fused, split"):
+    with pytest.raises(ValueError, match=r"MEMRA_DSV4_INDEXER_SELECT.*fused, split, auto"):
         IX.select_form()
 
 
 def test_select_form_bad_module_value(IX, monkeypatch):
     monkeypatch.delenv(IX.SELECT_ENV, raising=False)
     monkeypatch.setattr(IX, "SELECT_FORM", "both")
-    with pytest.raises(ValueError, match=r"SELECT_FORM.*fused, split"):
+    with pytest.raises(ValueError, match=r"SELECT_FORM.*fused, split, auto"):
         IX.select_form()
 
 
@@ -79,7 +92,8 @@ def test_bench_decode_idxsel_arm_sets_the_env():
     with pytest.raises(SystemExit, match="idxsel"):
         check_arms("path=device+idxsel=both")
     import bench.decode_step as BD
-    assert "idxsel=fused|split" in BD.__doc__ and "MEMRA_DSV4_INDEXER_SELECT" in BD.__doc__
+    assert _kernel_env({"idxsel": "auto"}, None) == {"MEMRA_DSV4_INDEXER_SELECT": "auto"}
+    assert "idxsel=fused|split|auto" in BD.__doc__ and "MEMRA_DSV4_INDEXER_SELECT" in BD.__doc__
 
 
 # ---------------------------------------------------------------------------------- the launches
@@ -109,11 +123,15 @@ def _call(fake, IX, N, k=512, width=None, **kw):
     return sc, sel
 
 
-@pytest.mark.parametrize("N", [300, 8192, 30000, 100000])
+@pytest.mark.parametrize("N", [300, 512, 513, 8192, 30000, 100000])
 def test_split_launches(fake_ix, monkeypatch, N):
     fake, IX, launched = fake_ix
     monkeypatch.delenv(IX.SELECT_ENV, raising=False)
-    _call(fake, IX, N)
+    _call(fake, IX, N)                     # the default, auto: split when N > k = 512
+    assert [x[0] for x in launched] == (["indexer_scores_tiles_d128", "indexer_select_d128"] if N > 512
+                                        else ["indexer_fused_d128"])
+    launched.clear()
+    _call(fake, IX, N, form="fused")
     assert [x[0] for x in launched] == ["indexer_fused_d128"]
     fused = launched[0]
     launched.clear()
@@ -126,10 +144,7 @@ def test_split_launches(fake_ix, monkeypatch, N):
     assert select[1] == (1,) and select[2] == (1024,)
     assert select[3][0] is sc and select[3][4] is sel
     assert [int(a) for a in select[3][2:4]] + [int(a) for a in select[3][5:]] == [N, 512, min(512, N), 5]
-    want = 2 * min(-(-N // 8) * 8, 32768)
-    assert select[4] == (want if want <= 48 * 1024 else 65536)
-    if select[4] > 48 * 1024:
-        assert IX.kernel("indexer", "indexer_select_d128").max_dynamic_shared_size_bytes == 65536
+    assert select[4] == 0                  # static shared memory only
     # the env picks the form when the caller gives none
     for env, want_names in (("split", ["indexer_scores_tiles_d128", "indexer_select_d128"]),
                             ("fused", ["indexer_fused_d128"])):
@@ -178,10 +193,31 @@ def find_bucket(hist: np.ndarray, need: int) -> tuple[int, int]:
     raise AssertionError("find_bucket: no bucket")
 
 
-def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: int = 32) -> np.ndarray:
+def bsearch_threshold(keys_by_warp, ksel: int) -> tuple[int, int]:
+    """sel_regs' threshold: 16 halvings of [0, 65536) keeping #(keys >= lo) >= ksel > #(keys >= hi);
+    keys_by_warp[w] [S, 32] holds warp w's registers, 0 past n (never counted: every mid >= 1).
+    Each step sums the per-warp counts, as the kernel's __reduce_add_sync + shared-memory sum.
+    Returns (thr, need)."""
+    lo, hi, c_hi = 0, 65536, 0
+    for _ in range(16):
+        mid = (lo + hi) >> 1
+        assert mid >= 1
+        total = sum(int(np.sum(kw >= mid)) for kw in keys_by_warp)
+        if total >= ksel:
+            lo = mid
+        else:
+            hi, c_hi = mid, total
+    assert hi == lo + 1
+    return lo, ksel - c_hi
+
+
+def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: int = 32,
+                   branch: str = "auto") -> np.ndarray:
     """indexer_select_d128 (warps = 32; warps = 4 is the fused kernel's last CTA) step by step:
-    warp w owns [w * seg, min(w * seg + seg, n)), 32 lanes per step; every sel_out slot below
-    ksel is written exactly once (asserted)."""
+    warp w owns [w * seg, min(w * seg + seg, n)), 32 lanes per step; the threshold by sel_l2's radix
+    passes (branch 'radix'; the kernel's branch when n > 32768, and the fused kernel's) or sel_regs'
+    binary search ('bsearch'; n <= 32768); 'auto' picks as the kernel does.  Every sel_out slot
+    below ksel is written exactly once (asserted)."""
     N = bits.shape[0]
     n = max(min(n_valid, N), 0)
     ksel = min(k, n)
@@ -199,20 +235,26 @@ def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: i
             act = j < se
             yield j, act, np.where(act, keys[np.minimum(j, n - 1)], -1)
 
-    hist = np.zeros(256, np.int64)
-    for w in range(warps):
-        for j, act, key in steps(w):
-            np.add.at(hist, key[act] >> 8, 1)
-    assert hist.sum() == n
-    b1, above1 = find_bucket(hist, ksel)
-    hist[:] = 0
-    for w in range(warps):
-        for j, act, key in steps(w):
-            m = act & ((key >> 8) == b1)
-            np.add.at(hist, key[m] & 0xFF, 1)
-    b2, above2 = find_bucket(hist, ksel - above1)
-    thr = (b1 << 8) | b2
-    need = ksel - (above1 + above2)
+    if branch == "auto":
+        branch = "bsearch" if warps == 32 and n <= 32768 else "radix"
+    if branch == "bsearch":
+        regs = [np.stack([np.where(act, key, 0) for _, act, key in steps(w)]) for w in range(warps)]
+        thr, need = bsearch_threshold(regs, ksel)
+    else:
+        hist = np.zeros(256, np.int64)
+        for w in range(warps):
+            for j, act, key in steps(w):
+                np.add.at(hist, key[act] >> 8, 1)
+        assert hist.sum() == n
+        b1, above1 = find_bucket(hist, ksel)
+        hist[:] = 0
+        for w in range(warps):
+            for j, act, key in steps(w):
+                m = act & ((key >> 8) == b1)
+                np.add.at(hist, key[m] & 0xFF, 1)
+        b2, above2 = find_bucket(hist, ksel - above1)
+        thr = (b1 << 8) | b2
+        need = ksel - (above1 + above2)
     assert 1 <= need
     wcnt = np.zeros((warps, 2), np.int64)
     for w in range(warps):     # count pass
@@ -271,21 +313,25 @@ def _row(rng, N, kind):
         bits[sel] = _bf16_bits(rng.standard_normal(int(sel.sum())).astype(np.float32))
     elif kind == "equal":                            # one value: the lowest indices win
         bits = np.full(N, _bf16_bits(np.float32(1.25)), np.uint16)
+    elif kind == "nan":                              # key 0 (bf16 0xFFFF) valid and in the top-k
+        bits = np.full(N, 0xFFFF, np.uint16)
+        bits[rng.integers(0, N, 40)] = _bf16_bits(np.float32(2.0))
     else:                                            # low bytes matter: one high byte, many low bytes
         bits = (0x3F00 + rng.integers(0, 256, N)).astype(np.uint16)
     return bits
 
 
-@pytest.mark.parametrize("kind", ["rand", "ties", "zeros", "equal", "lowbyte"])
+@pytest.mark.parametrize("branch", ["radix", "bsearch"])
+@pytest.mark.parametrize("kind", ["rand", "ties", "zeros", "equal", "lowbyte", "nan"])
 @pytest.mark.parametrize("N", [8192, 2055])
-def test_emulated_select_matches_reference(N, kind):
+def test_emulated_select_matches_reference(N, kind, branch):
     rng = np.random.default_rng(1000 * N + len(kind))
     k = 512
     bits = _row(rng, N, kind)
     offset = int(rng.integers(0, 1000))
     for nv in sorted({0, 1, k - 1, k, k + 1, 3000, N - 1, N, N + 7, int(rng.integers(0, N + 1))}):
         want = reference_select(bits, nv, k, k, offset)
-        got = emulate_select(bits, nv, k, k, offset)
+        got = emulate_select(bits, nv, k, k, offset, branch=branch)
         assert np.array_equal(got, want), (N, kind, nv, np.flatnonzero(got != want)[:5])
 
 
@@ -315,7 +361,21 @@ def test_emulated_select_random_many():
         bits = _row(rng, N, ["rand", "ties", "zeros", "equal", "lowbyte"][it % 5])
         nv = int(rng.integers(0, N + 1))
         width = min(k, N) + int(rng.integers(0, 3))
-        assert np.array_equal(emulate_select(bits, nv, k, width, 9), reference_select(bits, nv, k, width, 9)), (N, k, nv)
+        want = reference_select(bits, nv, k, width, 9)
+        for branch in ("radix", "bsearch"):
+            assert np.array_equal(emulate_select(bits, nv, k, width, 9, branch=branch), want), (N, k, nv, branch)
+
+
+def test_emulated_branches_agree_at_the_register_cap():
+    """n = 32768 is sel_regs' last size (S = 32 steps), 32769 the first of sel_l2; both branches
+    give the reference rows there (and with the kernel's own choice)."""
+    rng = np.random.default_rng(5)
+    for N in (32768, 32769):
+        bits = _row(rng, N, "ties")
+        for nv in (N, N - 1, 20000):
+            want = reference_select(bits, nv, 512, 520, 1)
+            for branch in ("auto", "radix", "bsearch"):
+                assert np.array_equal(emulate_select(bits, nv, 512, 520, 1, branch=branch), want), (N, nv, branch)
 
 
 # ------------------------------------------------------------------------------------ the source
@@ -328,8 +388,8 @@ def test_source_kernels_and_launch_bounds(IX):
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(IX_SEL_THREADS\)\s*\nindexer_select_d128\(', SRC)
     assert re.search(r"constexpr int IX_SEL_THREADS = 1024;", SRC) and IX.SELECT_THREADS == 1024
     assert re.search(r"constexpr int IF_THREADS = 128;", SRC)
-    cap = int(re.search(r"constexpr int IX_SEL_KEYS_CAP = (\d+);", SRC).group(1))
-    assert cap == IX.SELECT_KEYS_CAP
+    steps = int(re.search(r"constexpr int IX_SEL_REG_STEPS = (\d+);", SRC).group(1))
+    assert 1024 * steps == IX.SELECT_REG_CAP
     assert {"indexer_scores_tiles_d128", "indexer_select_d128"} <= set(IX.KERNELS)
     sigs = kernel_signatures()
     assert sigs["indexer_scores_tiles_d128"] == sigs["indexer_fused_d128"]
@@ -350,18 +410,28 @@ def test_source_fused_and_tiles_share_the_templated_body():
     assert "scores_out[" not in body[stop:]          # no score written after the split form's return
 
 
-def test_source_select_kernel():
+def test_source_select_kernel(IX):
     body = _kernel_body("indexer_select_d128")
     assert body.lstrip("{").lstrip().startswith("PDL_ENTRY();")
-    assert "__ldcg(reinterpret_cast<const uint4*>(scores) + c)" in body and "__ldcg(scores + j)" in body
-    assert "__ldg(scores" not in body and "if_key_at(ks, scores, in_smem, j)" in body
-    assert "__ldg(n_valid)" in body
+    assert "__ldg(n_valid)" in body and "counter" not in body
+    # the branches by S = ceil(n / 1024): registers up to IX_SEL_REG_STEPS steps, then L2
+    for call in ("sel_regs<4>(", "sel_regs<8>(", "sel_regs<16>(", "sel_regs<IX_SEL_REG_STEPS>(", "sel_l2("):
+        assert call in body, call
+    regs = braced(SRC, "DEV void sel_regs(")
+    l2 = braced(SRC, "DEV void sel_l2(")
+    compact = braced(SRC, "DEV void sel_compact(")
+    for b in (regs, l2):
+        assert "__ldg(scores" not in b and "__ldcg(scores + j" in b      # L2 only, never the read-only path
+    # sel_regs: no shared atomics, no match; a 16-step binary search with one barrier per step
+    assert "__match_any_sync" not in regs and "atomicAdd" not in regs and "hist_add" not in regs
+    assert "for (int it = 0; it < 16; ++it)" in regs and regs.count("__syncthreads()") == 1
+    assert "int lo = 0, hi = 65536, c_hi = 0;" in regs and "need = ksel - c_hi" in regs
+    assert "sel_compact<STEPS>(key_of, STEPS," in regs
+    # sel_l2: the fused kernel's radix passes
     for helper in ("score_key(", "find_bucket(hist, ksel, &above)", "find_bucket(hist, ksel - above1, &above)",
-                   "hist_add(hist,"):
-        assert helper in body, helper
-    assert "IX_SEL_KEYS_CAP" in body and "__syncthreads();" in body
+                   "hist_add(hist,", "sel_compact<0>(key_of, S,"):
+        assert helper in l2, helper
     # the ordered compaction: gt keys at gb + min(eb, need), the first `need` ties at gb + eb
-    assert "sel_out[gb + min(eb, need)] = j + offset;" in body
-    assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in body
-    assert "for (int w2 = 0; w2 < wid; ++w2)" in body
-    assert "counter" not in body
+    assert "sel_out[gb + min(eb, need)] = j + offset;" in compact
+    assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in compact
+    assert "lane < wid ? wcnt[lane][0] : 0" in compact and "lane < wid ? wcnt[lane][1] : 0" in compact

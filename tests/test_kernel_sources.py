@@ -434,7 +434,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(300, 128), i32(2), impl="mma")
     M["indexer"].topk(sc, i32(2), 4, order="index")
     M["indexer"].scores_topk(u16(1, 64, 128), u16(1, 64), u16(300, 128), i32(1), 8, u16(1, 300), i32(1, 8),
-                             w_scale=0.011, counter=i32(1))
+                             w_scale=0.011, counter=i32(1), form="fused")
     M["indexer"].scores_topk(u16(1, 64, 128), u16(1, 64), u16(300, 128), i32(1), 8, u16(1, 300), i32(1, 8),
                              w_scale=0.011, form="split")
     for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):

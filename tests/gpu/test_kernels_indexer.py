@@ -171,11 +171,12 @@ def _unfused_index_topk(qg, wg, kg, nv, k, width, offset, w_scale):
     return sc, sel
 
 
-def _check_fused(qg, wg, kg, nvg, k, width, offset, w_scale, seed, **ctx):
+def _check_fused(qg, wg, kg, nvg, k, width, offset, w_scale, seed, form="fused", **ctx):
     N = kg.shape[0]
     sc = cp.full((1, N), 0x1234, np.uint16)
     sel = cp.full((1, width), -7, np.int32)
-    K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=offset, w_scale=w_scale)
+    K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=offset, w_scale=w_scale, form=form)
+    ctx["form"] = form
     want_sc, want_sel = _unfused_index_topk(qg, wg, kg, nvg, k, width, offset, w_scale)
     got_sc, got_sel = sc.get(), sel.get()
     want_sc, want_sel = want_sc.get(), want_sel.get()
@@ -198,7 +199,8 @@ def _check_fused(qg, wg, kg, nvg, k, width, offset, w_scale, seed, **ctx):
 
 @pytest.mark.parametrize("N,k", [(1024, 512), (8192, 512), (2055, 512), (300, 8), (5000, 1024), (24000, 512)])
 @pytest.mark.parametrize("kind", ["rand", "dup", "zero"])
-def test_scores_topk_fused_bitwise(N, k, kind):
+@pytest.mark.parametrize("form", ["fused", "split"])
+def test_scores_topk_fused_bitwise(N, k, kind, form):
     """indexer_fused_d128 == indexer_scores_d128 + indexer_topk(order='index') byte for byte (score
     row incl. the -inf tail, selection incl. -1 padding and offset) for n_valid across the
     short-circuit boundary (0, 1, k - 1, k, k + 1, N, random), N not a multiple of 16, and
@@ -212,7 +214,7 @@ def test_scores_topk_fused_bitwise(N, k, kind):
     for nv in sorted({0, 1, k - 1, k, k + 1, N, int(rng.integers(0, N + 1))}):
         nv = min(max(nv, 0), N)
         _check_fused(qg, wg, kg, cp.asarray(np.array([nv], np.int32)), k, width, offset, 128 ** -0.5 * H ** -0.5,
-                     seed, N=N, topk=k, kind=kind, nv=nv)
+                     seed, form=form, N=N, topk=k, kind=kind, nv=nv)
 
 
 @pytest.mark.parametrize("H", [4, 8, 32])
@@ -241,7 +243,7 @@ def test_scores_topk_fused_graph_replay_device_n_valid():
     s = cp.cuda.Stream(non_blocking=True)
 
     def launch():
-        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64)
+        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64, form="fused")
 
     with s:
         launch()
@@ -262,14 +264,15 @@ def test_scores_topk_fused_graph_replay_device_n_valid():
 
 
 # ------------------------------------- the split form (indexer_scores_tiles_d128 + indexer_select_d128)
-@pytest.mark.parametrize("N", [256, 8192, 40000])
+@pytest.mark.parametrize("N", [256, 1024, 4100, 8192, 20000, 32768, 32769, 40000])
 @pytest.mark.parametrize("kind", ["rand", "dup", "zero"])
 def test_scores_topk_split_equals_fused(N, kind):
     """scores_topk(form='split') == scores_topk(form='fused') byte for byte: the score row (incl.
     the -inf tail) and the selection (incl. -1 padding and offset), for n_valid across the n <= k
-    short-circuit (1, k - 1, k) and the radix path (k + 1, 3000, N); 'dup' makes the threshold a
-    big tie; N = 40000 > IX_SEL_KEYS_CAP reads the row from L2 in every pass.  Also == the
-    unfused pair (indexer_scores_d128 + indexer_topk(order='index'))."""
+    short-circuit (1, k - 1, k) and the selection (k + 1, 3000, N, one random); 'dup' makes the
+    threshold a big tie; N covers every sel_regs<STEPS> (S = ceil(n / 1024) in 1, 4, 5 .. 8, 20,
+    32) and sel_l2 (n > 32768: 32769, 40000, the radix passes from L2).  Also == the unfused pair
+    (indexer_scores_d128 + indexer_topk(order='index'))."""
     seed = fresh_seed()
     rng = rng_for(seed)
     H, k = 64, 512
@@ -277,7 +280,7 @@ def test_scores_topk_split_equals_fused(N, kind):
     width = min(k, N) + 3
     offset = int(rng.integers(0, 1000))
     w_scale = 128 ** -0.5 * H ** -0.5
-    for nv in sorted({1, k - 1, k, k + 1, 3000, N}):
+    for nv in sorted({1, k - 1, k, k + 1, 3000, N, int(rng.integers(k + 1, N + 1)) if N > k else N}):
         nv = min(max(nv, 0), N)
         nvg = cp.asarray(np.array([nv], np.int32))
         got = {}

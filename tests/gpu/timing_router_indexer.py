@@ -1,5 +1,5 @@
-"""Timing of the fused decode router / indexer against the unfused pairs they replace, at the
-Flash shapes (one H200, < 30 s).  Each arm is captured REPS times back to back into one CUDA
+"""Timing of the fused decode router / indexer against the unfused pairs they replace (and the
+indexer's split form, with its selection kernel alone), at the Flash shapes (one H200, < 30 s).  Each arm is captured REPS times back to back into one CUDA
 graph and replayed; printed: microseconds per call (graph time / REPS).
 
     PYTHONPATH=. python tests/gpu/timing_router_indexer.py
@@ -37,7 +37,7 @@ def main() -> None:
     H, K = 64, 512
     q = bits(rng.standard_normal((1, H, 128)))
     hw = bits(rng.standard_normal((1, H)) / 64)
-    for N, nv in ((2048, 256), (2048, 1024), (8192, 8192), (32768, 8192)):
+    for N, nv in ((2048, 256), (2048, 1024), (8192, 8192), (32768, 8192), (32768, 32768), (65536, 65536)):
         keys = bits(rng.standard_normal((N, 128)))
         nvg = cp.asarray(np.array([nv], np.int32))
         s_out, sel = cp.empty((1, N), np.uint16), cp.empty((1, min(K, N)), np.int32)
@@ -47,10 +47,20 @@ def main() -> None:
             IX.topk(s_out, nvg, K, out=sel, order="index")
 
         def fused_idx():
-            IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0)
+            IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0, form="fused")
 
+        def split_idx():
+            IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0, form="split")
+
+        def select_only():  # indexer_select_d128 alone, on the row split_idx left
+            IX.kernel(IX.STEM, "indexer_select_d128")(
+                (1,), (IX.SELECT_THREADS,), (s_out, nvg, np.int32(N), np.int32(K), sel, np.int32(sel.shape[1]),
+                                             np.int32(0)))
+
+        split_idx()
         print(f"indexer N={N:5d} n_valid={nv:5d} k={K}: unfused (scores + topk) {us_per_call(unfused_idx):6.2f} us   "
-              f"fused {us_per_call(fused_idx):6.2f} us")
+              f"fused {us_per_call(fused_idx):6.2f} us   split {us_per_call(split_idx):6.2f} us   "
+              f"(select alone {us_per_call(select_only):6.2f} us)")
 
 
 if __name__ == "__main__":

@@ -7,18 +7,19 @@ scores(q, w, keys, n_valid)   twin oracle.ops.indexer_scores (columns < n_valid[
 topk(scores, n_valid, k)      twin oracle.ops.indexer_topk (order='score'); order='index' gives the
                               ascending canonical segment of host.indices.candidate_matrix
 scores_topk(q, w, keys, n_valid, k, scores_out, sel_out)
-                              decode (T = 1): scores(impl='simt') + topk(order='index') in ONE
-                              launch (indexer_fused_d128), the same score bits and the same
-                              selection; the last CTA selects, through a per-device ticket
-                              counter (workspace(), made before any capture); form='split':
-                              the same scores and selection in two launches,
-                              indexer_scores_tiles_d128 (the fused kernel's scoring, shared
-                              body) then indexer_select_d128 (the selection on one CTA of 1024
-                              threads instead of the fused kernel's last CTA of 128: the long
-                              tail at 32K context).  Default SELECT_FORM, or the env
-                              MEMRA_DSV4_INDEXER_SELECT=fused|split over it (read at every call;
-                              bench.decode_step's idxsel=fused|split arms).  Not a seam: the
-                              bytes do not change.
+                              decode (T = 1): scores(impl='simt') + topk(order='index'), the same
+                              score bits and the same selection, in one of two forms:
+                              'fused': ONE launch (indexer_fused_d128); its last CTA (128
+                              threads) selects, through a per-device ticket counter (workspace(),
+                              made before any capture);
+                              'split': indexer_scores_tiles_d128 (the fused kernel's scoring, the
+                              shared body) then indexer_select_d128 (one CTA of 1024 threads;
+                              keys in registers and a binary search for the threshold up to
+                              32768 keys, no shared atomics): the 32K-context tail;
+                              'auto' (default SELECT_FORM): split when the row's capacity N > k,
+                              else fused.  The env MEMRA_DSV4_INDEXER_SELECT=fused|split|auto
+                              overrides SELECT_FORM (read at every call; bench.decode_step's
+                              idxsel arms).  Not a seam: the bytes do not change.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ TOPK_MAX = 1024
 FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
 FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
 SELECT_THREADS = 1024                     # indexer_select_d128's block
-SELECT_KEYS_CAP = 32768                   # IX_SEL_KEYS_CAP: 16-bit keys it stages in shared memory
-SELECT_FORMS = ("fused", "split")
-SELECT_FORM = "fused"                     # scores_topk's default form (the env overrides it)
+SELECT_REG_CAP = 32768                    # IX_SEL_THREADS * IX_SEL_REG_STEPS: keys it holds in registers
+SELECT_FORMS = ("fused", "split", "auto")
+SELECT_FORM = "auto"                      # scores_topk's default form (the env overrides it)
 SELECT_ENV = "MEMRA_DSV4_INDEXER_SELECT"
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fused_d128 (kept 0)
 
@@ -54,8 +55,8 @@ def workspace():
 
 
 def select_form() -> str:
-    """scores_topk's form when the caller gives none: MEMRA_DSV4_INDEXER_SELECT (fused | split)
-    when set and non-empty, else SELECT_FORM; read at every call (the bench arms set the env
+    """scores_topk's form when the caller gives none: MEMRA_DSV4_INDEXER_SELECT (fused | split |
+    auto) when set and non-empty, else SELECT_FORM; read at every call (the bench arms set the env
     between steps).  ValueError on any other value."""
     env = os.environ.get(SELECT_ENV, "")
     form = env or SELECT_FORM
@@ -65,12 +66,14 @@ def select_form() -> str:
     return form
 
 
-def select_smem(N: int) -> int:
-    """indexer_select_d128's dynamic shared memory for an N-key row: the staged keys,
-    2 * min(roundup(N, 8), SELECT_KEYS_CAP) bytes; above 48 KiB always the cap's 64 KiB (one size
-    per kernel, so _common.dynamic_smem never lowers a limit a larger row needs)."""
-    nbytes = 2 * min(-(-N // 8) * 8, SELECT_KEYS_CAP)
-    return nbytes if nbytes <= 48 * 1024 else 2 * SELECT_KEYS_CAP
+def resolve_form(form: str, N: int, k: int) -> str:
+    """'auto' -> 'split' when the row can hold more keys than it selects (N > k: the selection is
+    real work, which the fused kernel's last CTA does on 128 threads; 32K context: 46.8 us fused
+    against 27 us split on the device timeline), else 'fused' (every valid key is taken: one launch
+    instead of two).  N is the row's capacity, fixed for a captured graph, so the form is too."""
+    if form == "auto":
+        return "split" if N > k else "fused"
+    return form
 
 
 IMPLS = ("simt", "mma")
@@ -135,9 +138,9 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     'simt' bits) and sel_out [1, width] int32 = topk(scores_out, n_valid, k, offset=offset,
     order='index', width=width), in one launch.  q [1, H, 128] bf16; w [1, H] bf16; keys [N, 128]
     bf16 rows; n_valid [1] int32 (read on the device); width >= min(k, N).  counter: int32 [1],
-    zero (default: workspace()).  form: 'fused' (indexer_fused_d128, one launch) or 'split'
-    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes, no counter); None:
-    select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
+    zero (default: workspace()).  form: 'fused' (indexer_fused_d128, one launch), 'split'
+    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes, no counter) or 'auto'
+    (resolve_form: split when N > k); None: select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
     check(q, "indexer.scores_topk.q", np.uint16)
     assert q.ndim == 3 and q.shape[0] == 1 and q.shape[2] == 128, (
         f"indexer.scores_topk.q: expected [1, H, 128] (one token), got {q.shape}")
@@ -158,6 +161,7 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     assert width >= min(k, N), f"indexer.scores_topk: width {width} < min(k, N) = {min(k, N)}"
     form = select_form() if form is None else form
     assert form in SELECT_FORMS, f"indexer.scores_topk: form {form!r} not in {SELECT_FORMS}"
+    form = resolve_form(form, N, k)
     tiles = -(-N // FUSED_KEYS_PER_TILE)
     grid = (max(1, min(tiles, 2 * sm_count())),)
     if form == "split":
@@ -168,10 +172,9 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
               sel_out, i32(width), i32(offset), np.uint64(0)),
              shared_mem=dynamic_smem(kern, FUSED_SMEM))
         # selection: one CTA of 1024 threads; reads scores_out after its PDL wait (the whole
-        # scoring grid done), n_valid on the device
+        # scoring grid done), n_valid on the device; static shared memory only
         sel = kernel(STEM, "indexer_select_d128")
-        sel((1,), (SELECT_THREADS,), (scores_out, n_valid, i32(N), i32(k), sel_out, i32(width), i32(offset)),
-            shared_mem=dynamic_smem(sel, select_smem(N)))
+        sel((1,), (SELECT_THREADS,), (scores_out, n_valid, i32(N), i32(k), sel_out, i32(width), i32(offset)))
         return sel_out
     counter = workspace() if counter is None else check(counter, "indexer.scores_topk.counter", np.int32, (1,))
     kern = kernel(STEM, "indexer_fused_d128")
