@@ -64,6 +64,7 @@ JSON + PNG via harness.write_results (bench/results/).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -159,6 +160,23 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
     return env
 
 
+# The env variables behind the non-seam arm settings (gemv, hc, fp4full, fp4ring, gupdl, idxsel), and
+# their values when this module was imported (None: unset).  An arm that does not name one of these
+# settings runs with that start value, not with whatever the arm before it set: arms share one
+# process, and the variables are read at every launch.
+KERNEL_ENVS = ("MEMRA_DSV4_GEMV_VARIANT", "MEMRA_DSV4_HC_BOUNDARY_IMPL", "MEMRA_DSV4_FP4_FULL",
+               "MEMRA_DSV4_FP4_RING", "MEMRA_DSV4_GATEUP_PDL", "MEMRA_DSV4_INDEXER_SELECT")
+_START_ENV = {k: os.environ.get(k) for k in KERNEL_ENVS}
+
+
+def complete_kernel_env(own: dict) -> dict:
+    """An arm's kernel env values (_kernel_env) over the start values of every KERNEL_ENVS
+    variable: what the arm applies before each of its steps (None or '': unset)."""
+    env = {k: _START_ENV.get(k) for k in KERNEL_ENVS}
+    env.update(own)
+    return env
+
+
 def check_arms(spec: str) -> list[dict]:
     """``--arms`` parsed (bench.harness.parse_arms) and validated before any GPU work: only the
     settings path / pdl / attn, each with a value its seam allows; SystemExit naming the arm,
@@ -184,7 +202,9 @@ class _ArmState:
                  l2pf: str | None = None, fork: str | None = None, hcsplit: str | None = None,
                  prio: str | None = None, qnorm: str | None = None, w2: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
-        self.kernel_env = dict(kernel_env or {})   # env var -> value set before each step
+        # env var -> value set before each step: every KERNEL_ENVS variable, so a setting the arm
+        # does not name is the process's start value, not the previous arm's
+        self.kernel_env = complete_kernel_env(kernel_env or {})
         self._apply_env()
         self.m, self.path = m, resolve_decode_path(path, announce=False)
         self.pdl = pdl or getattr(m, "pdl", "off")   # the arm's PDL setting (device path only)
@@ -202,7 +222,6 @@ class _ArmState:
             self.tok = int(np.argmax(logits))
 
     def _apply_env(self) -> None:
-        import os
         for k, v in self.kernel_env.items():
             if v:
                 os.environ[k] = v

@@ -250,6 +250,33 @@ def test_decode_bench_kernel_arms(tmp_path):
         check_arms("path=device+hc=fast")
 
 
+def test_decode_bench_arm_without_a_setting_gets_the_start_value_not_the_previous_arms(monkeypatch):
+    """Arms share one process and the kernel env variables are read at every launch: an arm that
+    does not name idxsel (say) must run the process's start value, not the value the arm before it
+    set (twelfth session: 'path=device+idxsel=fused,path=device' ran fused twice)."""
+    import os
+
+    import bench.decode_step as BD
+    from types import SimpleNamespace
+    envs = {s.env for k, s in BD._arm_settings().items() if isinstance(s, SimpleNamespace)}
+    assert envs == set(BD.KERNEL_ENVS)                   # every non-seam setting is covered
+    monkeypatch.setattr(BD, "_START_ENV", {k: None for k in BD.KERNEL_ENVS} | {"MEMRA_DSV4_FP4_RING": "1"})
+    for k in BD.KERNEL_ENVS:
+        monkeypatch.delenv(k, raising=False)
+    first = BD.complete_kernel_env(BD._kernel_env({"idxsel": "fused", "fp4ring": "off"}, None))
+    second = BD.complete_kernel_env(BD._kernel_env({"path": "device"}, None))
+    assert set(first) == set(second) == set(BD.KERNEL_ENVS)
+    assert first["MEMRA_DSV4_INDEXER_SELECT"] == "fused" and first["MEMRA_DSV4_FP4_RING"] == "0"
+    assert second["MEMRA_DSV4_INDEXER_SELECT"] is None and second["MEMRA_DSV4_FP4_RING"] == "1"
+    st = BD._ArmState.__new__(BD._ArmState)
+    st.kernel_env = first
+    st._apply_env()
+    assert os.environ["MEMRA_DSV4_INDEXER_SELECT"] == "fused" and os.environ["MEMRA_DSV4_FP4_RING"] == "0"
+    st.kernel_env = second
+    st._apply_env()
+    assert "MEMRA_DSV4_INDEXER_SELECT" not in os.environ and os.environ["MEMRA_DSV4_FP4_RING"] == "1"
+
+
 def test_prefill_bench_times_uninstrumented_and_reports_from_separate_forwards(capsys):
     """bench.prefill.time_forwards: warm-up and timed forwards run in the timed profiling mode
     (off unless MEMRA_DSV4_PROF says otherwise), the phase report comes from the extra forwards

@@ -62,6 +62,27 @@ def main() -> None:
               f"fused {us_per_call(fused_idx):6.2f} us   split {us_per_call(split_idx):6.2f} us   "
               f"(select alone {us_per_call(select_only):6.2f} us)")
 
+    # the split form's scoring grid: CTAs per SM (IX.SPLIT_SCORE_CTAS_PER_SM), N = n_valid = 8192
+    N = 8192
+    keys = bits(rng.standard_normal((N, 128)))
+    nvg = cp.asarray(np.array([N], np.int32))
+    s_out, sel = cp.empty((1, N), np.uint16), cp.empty((1, K), np.int32)
+    default = IX.SPLIT_SCORE_CTAS_PER_SM
+    row = []
+    for per_sm in (1, 2, 3, 4, 5, 8):
+        IX.SPLIT_SCORE_CTAS_PER_SM = per_sm
+        row.append(f"{per_sm}/SM {us_per_call(lambda: IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0, form='split')):6.2f}")
+    IX.SPLIT_SCORE_CTAS_PER_SM = default
+    print(f"indexer split N={N} scoring grid cap: " + "   ".join(row) + " us")
+    # indexer_select_d128 alone by row length (S = n / 1024 steps per warp; n <= k: the copy path)
+    row = []
+    for n in (100, 1024, 2048, 4096, 8192, 16384, 32768):
+        sc_n = bits(rng.standard_normal((1, n)))
+        nv_n = cp.asarray(np.array([n], np.int32))
+        sel_n = cp.empty((1, K), np.int32)
+        row.append(f"n={n} {us_per_call(lambda: IX.kernel(IX.STEM, 'indexer_select_d128')((1,), (IX.SELECT_THREADS,), (sc_n, nv_n, np.int32(n), np.int32(K), sel_n, np.int32(K), np.int32(0)))):6.2f}")
+    print("indexer_select_d128 alone: " + "   ".join(row) + " us")
+
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,7 @@ FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
 FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
 SELECT_THREADS = 1024                     # indexer_select_d128's block
 SELECT_REG_CAP = 32768                    # IX_SEL_THREADS * IX_SEL_REG_STEPS: keys it holds in registers
+SPLIT_SCORE_CTAS_PER_SM = 2               # indexer_scores_tiles_d128's grid cap, CTAs per SM
 SELECT_FORMS = ("fused", "split", "auto")
 SELECT_FORM = "auto"                      # scores_topk's default form (the env overrides it)
 SELECT_ENV = "MEMRA_DSV4_INDEXER_SELECT"
@@ -165,9 +166,10 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     tiles = -(-N // FUSED_KEYS_PER_TILE)
     grid = (max(1, min(tiles, 2 * sm_count())),)
     if form == "split":
-        # scores: the fused kernel's tiles and grid (shared body), no ticket (counter null)
+        # scores: the fused kernel's tiles (shared body; the bits do not depend on the grid), no
+        # ticket (counter null); up to SPLIT_SCORE_CTAS_PER_SM CTAs per SM (41 KB smem each)
         kern = kernel(STEM, "indexer_scores_tiles_d128")
-        kern(grid, (128,),
+        kern((max(1, min(tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())),), (128,),
              (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
               sel_out, i32(width), i32(offset), np.uint64(0)),
              shared_mem=dynamic_smem(kern, FUSED_SMEM))
