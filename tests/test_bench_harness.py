@@ -261,8 +261,9 @@ def test_decode_bench_arm_without_a_setting_gets_the_start_value_not_the_previou
     envs = {s.env for k, s in BD._arm_settings().items() if isinstance(s, SimpleNamespace)}
     assert envs == set(BD.KERNEL_ENVS)                   # every non-seam setting is covered
     monkeypatch.setattr(BD, "_START_ENV", {k: None for k in BD.KERNEL_ENVS} | {"MEMRA_DSV4_FP4_RING": "1"})
-    for k in BD.KERNEL_ENVS:
-        monkeypatch.delenv(k, raising=False)
+    for k in BD.KERNEL_ENVS:   # setenv first: monkeypatch then restores (or removes) what _apply_env sets
+        monkeypatch.setenv(k, "x")
+        monkeypatch.delenv(k)
     first = BD.complete_kernel_env(BD._kernel_env({"idxsel": "fused", "fp4ring": "off"}, None))
     second = BD.complete_kernel_env(BD._kernel_env({"path": "device"}, None))
     assert set(first) == set(second) == set(BD.KERNEL_ENVS)
