@@ -703,6 +703,9 @@ namespace {
 constexpr int IX_SEL_THREADS = 1024;
 constexpr int IX_SEL_WARPS = IX_SEL_THREADS / 32;
 constexpr int IX_SEL_REG_STEPS = 32;  // keys in registers up to 32 steps of 32 per warp: n <= 32768
+#ifndef IX_SEL_ALGO
+#define IX_SEL_ALGO 0  // sel_regs' threshold: 0 = the binary search; 1 = private-histogram radix (timing variant)
+#endif
 
 // The ordered compaction, shared by both branches: key_of(s) is step s's key of this lane (-1 past
 // se). Writes sel_out[0, ksel) and the -1 padding. STEPS > 0: exactly STEPS steps, fully unrolled
@@ -744,7 +747,7 @@ DEV void sel_compact(KeyOf key_of, int steps, int thr, int need, int ksel, int s
 // >= 1, and the compaction sees them as -1.
 template <int STEPS>
 DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* __restrict__ sel_out, int width,
-                  int offset) {
+                  int offset, int* scratch) {
     __shared__ int wc[2][IX_SEL_WARPS];
     __shared__ int wcnt[IX_SEL_WARPS][2];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -757,6 +760,7 @@ DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* _
         const u32 k1 = j1 < se ? score_key(__ldcg(scores + j1)) : 0u;
         kp[s / 2] = k0 | (k1 << 16);
     }
+#if IX_SEL_ALGO == 0
     // invariant: #(keys >= lo) >= ksel > #(keys >= hi) = c_hi; 16 halvings of [0, 65536)
     int lo = 0, hi = 65536, c_hi = 0;
 #pragma unroll 1
@@ -773,6 +777,43 @@ DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* _
         else { hi = (int)mid; c_hi = total; }
     }
     const int thr = lo, need = ksel - c_hi;  // keys > thr: c_hi (all taken); need >= 1 keys == thr
+#else
+    // IX_SEL_ALGO 1 (timing variant): two radix-256 passes over per-warp private histograms (shared
+    // atomics conflict only inside a warp), summed per bin by 256 threads; find_bucket as sel_l2.
+    int (*whist)[256] = reinterpret_cast<int (*)[256]>(scratch);  // [IX_SEL_WARPS][256], the kernel's
+    __shared__ int hist[256];
+    __shared__ int s_b[2], s_above[2];
+    const int tid = threadIdx.x;
+    int b1 = 0, above1 = 0;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+        for (int i = lane; i < 256; i += 32) whist[wid][i] = 0;  // (pass 1: every read of pass 0's done)
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+            const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;
+            const bool act = sb + 32 * s + lane < se && (pass == 0 || (int)(key >> 8) == b1);
+            if (act) atomicAdd(&whist[wid][pass == 0 ? key >> 8 : key & 0xffu], 1);
+        }
+        __syncthreads();
+        if (tid < 256) {
+            int c = 0;
+#pragma unroll 8
+            for (int w = 0; w < IX_SEL_WARPS; ++w) c += whist[w][tid];
+            hist[tid] = c;
+        }
+        __syncthreads();
+        if (tid < 32) {
+            int above;
+            const int b = find_bucket(hist, ksel - above1, &above);
+            if (tid == 0) { s_b[pass] = b; s_above[pass] = above; }
+        }
+        __syncthreads();
+        if (pass == 0) { b1 = s_b[0]; above1 = s_above[0]; }
+    }
+    const int thr = (b1 << 8) | s_b[1], need = ksel - (above1 + s_above[1]);
+    (void)wc;
+#endif
     auto key_of = [&](int s) -> int {
         const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;  // s is unrolled: static indexing
         return sb + 32 * s + lane < se ? (int)key : -1;
@@ -849,9 +890,14 @@ indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_va
         return;
     }
     const int S = (n + IX_SEL_THREADS - 1) / IX_SEL_THREADS;  // steps of 32 keys per warp (block-uniform)
-    if (S <= 4) sel_regs<4>(scores, n, ksel, S, sel_out, width, offset);
-    else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset);
-    else if (S <= 16) sel_regs<16>(scores, n, ksel, S, sel_out, width, offset);
-    else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset);
+#if IX_SEL_ALGO == 1
+    __shared__ int scratch[IX_SEL_WARPS * 256];  // one copy for every sel_regs<STEPS> (static smem
+#else                                            // in an inlined function is per instantiation)
+    int* scratch = nullptr;
+#endif
+    if (S <= 4) sel_regs<4>(scores, n, ksel, S, sel_out, width, offset, scratch);
+    else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset, scratch);
+    else if (S <= 16) sel_regs<16>(scores, n, ksel, S, sel_out, width, offset, scratch);
+    else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset, scratch);
     else sel_l2(scores, n, ksel, S, sel_out, width, offset);
 }

@@ -422,9 +422,12 @@ def test_source_select_kernel(IX):
     compact = braced(SRC, "DEV void sel_compact(")
     for b in (regs, l2):
         assert "__ldg(scores" not in b and "__ldcg(scores + j" in b      # L2 only, never the read-only path
-    # sel_regs: no shared atomics, no match; a 16-step binary search with one barrier per step
-    assert "__match_any_sync" not in regs and "atomicAdd" not in regs and "hist_add" not in regs
-    assert "for (int it = 0; it < 16; ++it)" in regs and regs.count("__syncthreads()") == 1
+    # sel_regs' default build (IX_SEL_ALGO 0): no shared atomics, no match; a 16-step binary search
+    # with one barrier per step (the #else branch is tools/diag_indexer.py's timing variant)
+    assert re.search(r"#ifndef IX_SEL_ALGO\n#define IX_SEL_ALGO 0 ", SRC)
+    default = regs[regs.index("#if IX_SEL_ALGO == 0"):regs.index("#else")]
+    assert "__match_any_sync" not in default and "atomicAdd" not in default and "hist_add" not in default
+    assert "for (int it = 0; it < 16; ++it)" in default and default.count("__syncthreads()") == 1
     assert "int lo = 0, hi = 65536, c_hi = 0;" in regs and "need = ksel - c_hi" in regs
     assert "sel_compact<STEPS>(key_of, STEPS," in regs
     # sel_l2: the fused kernel's radix passes
