@@ -472,9 +472,9 @@ DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int 
 namespace {
 
 // The body of indexer_fused_d128 (SELECT = true: scores, ticket, the last CTA selects) and of
-// indexer_scores_tiles_d128 (SELECT = false: the same scores, the same tiles and grid, then return;
-// counter / k / sel_out / width / offset unused). One body, so the split form's score bits are the
-// fused form's by construction. Called right after the kernel's PDL_ENTRY().
+// indexer_scores_tiles_d128 (SELECT = false: the same scores, then return; counter is the split
+// form's high-byte histogram [256], k / sel_out / width / offset unused). One body, so the split
+// form's score bits are the fused form's by construction. Called right after the kernel's PDL_ENTRY().
 template <bool SELECT>
 DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys, int ld_k,
                  const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N, float w_scale,
@@ -562,7 +562,15 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
             const float* pr = prod + tid * IF_PLD;
             double acc = (double)pr[0];
             for (int h = 1; h < H; ++h) acc = __dadd_rn(acc, (double)pr[h]);
-            if (kk < N) scores_out[kk] = kk < nv ? (u16)f64_to_bf16(acc) : (u16)0xff80u;
+            if constexpr (SELECT) {
+                if (kk < N) scores_out[kk] = kk < nv ? (u16)f64_to_bf16(acc) : (u16)0xff80u;
+            } else if (kk < N) {
+                const u32 bits = kk < nv ? (u32)f64_to_bf16(acc) : 0xff80u;
+                scores_out[kk] = (u16)bits;
+                // split form: `counter` is the 256-bin histogram of the valid keys' high bytes
+                // (score_key >> 8), indexer_select_d128's first radix pass; it zeroes it again
+                if (kk < nv) atomicAdd(counter + (score_key(bits) >> 8), 1);
+            }
         }
         __syncthreads();  // prod is the next tile's key tile
     }
@@ -669,45 +677,61 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
 }
 
 // ---------------------------------------------------------------------------------------------
-// The split form of indexer_fused_d128 (two launches; the decode step picks it with
-// MEMRA_DSV4_INDEXER_SELECT=split or auto, ops.indexer.scores_topk):
+// The split form of indexer_fused_d128 (two launches; the decode step's default when the key row
+// can hold more than k keys, ops.indexer.scores_topk form 'split' / 'auto'):
 // indexer_scores_tiles_d128: exactly indexer_fused_d128's scoring (the shared if_body<false>: same
-//   IF_KC = 16 tiles, same grid min(ceil(N / 16), 2 * SMs), block 128, IF_SMEM dynamic smem, the
-//   same score bits, -inf at and past n_valid), then return: no ticket, no selection. Parameters
-//   as indexer_fused_d128; k, sel_out, width, offset and counter are unused (counter may be null).
-// indexer_select_d128: the fused kernel's last-CTA selection on one CTA of 1024 threads (32 warps).
-//   The scores row was written by the previous launch: read after PDL_ENTRY's griddepcontrol.wait
-//   (the whole previous grid complete and visible) through L2 (ld.cg), never the read-only path.
-//   n = min(n_valid, N), ksel = min(k, n); warp w owns the contiguous keys [w * seg, (w + 1) * seg),
-//   seg = 32 * S, S = ceil(n / 1024) steps of 32 consecutive keys (lane = key % 32):
+//   IF_KC = 16 tiles, block 128, IF_SMEM dynamic smem, the same score bits, -inf at and past
+//   n_valid; any grid), plus one global atomicAdd per valid key into hist_hi[score_key >> 8]:
+//   the selection's first radix pass, done where the scores are made. No ticket, no selection;
+//   k / sel_out / width / offset unused. hist_hi [256] int32 must be zero at launch.
+// indexer_select_d128: the selection on one CTA of 1024 threads (32 warps), reading the row the
+//   scoring launch wrote, after PDL_ENTRY's griddepcontrol.wait (the whole previous grid complete
+//   and visible), through L2 (ld.cg), never the read-only path. It reads hist_hi into shared
+//   memory and zeroes it (every path, so the next scoring launch on this device finds it zero:
+//   that launch runs after this grid in stream order). n = min(n_valid, N), ksel = min(k, n):
 //   * n <= k: 0..n-1 (+ offset), then -1 to width (no scores read);
-//   * n > k, S <= 32 (n <= 32768, a 128K context): sel_regs<STEPS>: each thread holds its S order
-//     keys (score_key) in registers, two per word; the threshold thr = the ksel-th largest key by a
-//     16-step binary search over the key value (count of keys >= mid: compares in registers, one
-//     __reduce_add_sync per warp, 32 warp counts summed by every warp from shared memory; one
-//     barrier per step, the count buffer alternating). No shared atomics and no __match_any_sync:
-//     the fused kernel's radix passes spend their time there (bf16 scores crowd a few high bytes);
-//   * n > 32768: sel_l2, the fused kernel's radix select (the high byte, then the low byte of
-//     bucket b1, find_bucket over hist_add histograms), every pass reading L2;
-//   then the ordered compaction of indexer_fused_d128 over 32 warps: a count pass gives each warp
-//   its bases (# > thr and # == thr in lower warps), then a selected key j lands at (#keys > thr
-//   before j) + min(#keys == thr before j, need) from ballot prefix counts, need = ksel - #(> thr);
-//   -1 padding to width. Both branches find the same thr (the ksel-th largest key value), so the
-//   selected set and its (ascending index) order are indexer_topk's (order = 1) = the fused
-//   kernel's for the same scores.
-// scores [N] bf16; n_valid [1] int32; sel_out [width] int32, width >= min(k, N); k <= 1024.
-// grid 1, block 1024, no dynamic shared memory.
+//   * n > k: the high-byte bucket b1 from hist_hi (find_bucket: above1 keys in higher buckets),
+//     then the low byte's histogram over bucket b1's keys (shared atomics: within one high byte
+//     the low bytes spread; hist_add's match-aggregation for n > 32768), bucket b2: thr =
+//     b1 << 8 | b2, need = ksel - #(keys > thr) keys == thr taken, lowest index first. The same
+//     threshold and count as indexer_fused_d128's radix passes;
+//   then the ordered compaction of indexer_fused_d128 over 32 warps: warp w owns the contiguous
+//   keys [w * seg, (w + 1) * seg), seg = 32 * S, S = ceil(n / 1024) steps of 32 consecutive keys
+//   (lane = key % 32); a count pass gives each warp its bases (# > thr and # == thr in lower
+//   warps), then a selected key j lands at (#keys > thr before j) + min(#keys == thr before j,
+//   need) from ballot prefix counts; -1 padding to width. Up to S = 16 (n <= 16384, a 64K
+//   context) each thread holds its keys in registers (sel_regs<STEPS>; at 32 steps ptxas spills
+//   under the 64-register cap of 1024 threads); past that every pass reads L2 (sel_l2). The selected set and its (ascending index) order are indexer_topk's
+//   (order = 1) = the fused kernel's for the same scores.
+// scores [N] bf16; n_valid [1] int32; sel_out [width] int32, width >= min(k, N); k <= 1024;
+// hist_hi [256] int32 as the scoring launch of this row left it. grid 1, block 1024, no dynamic
+// shared memory.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
 constexpr int IX_SEL_THREADS = 1024;
 constexpr int IX_SEL_WARPS = IX_SEL_THREADS / 32;
-constexpr int IX_SEL_REG_STEPS = 32;  // keys in registers up to 32 steps of 32 per warp: n <= 32768
-#ifndef IX_SEL_ALGO
-#define IX_SEL_ALGO 0  // sel_regs' threshold: 0 = the binary search; 1 = private-histogram radix (timing variant)
-#endif
+constexpr int IX_SEL_REG_STEPS = 16;  // keys in registers up to 16 steps of 32 per warp: n <= 16384
 
-// The ordered compaction, shared by both branches: key_of(s) is step s's key of this lane (-1 past
+// The selection's shared state (one copy for every branch: static shared memory in an inlined
+// function would be one allocation per template instantiation).
+struct SelShared {
+    int hist_hi[256];   // the scoring launch's high-byte histogram
+    int hist_lo[256];   // bucket b1's low bytes
+    int wcnt[IX_SEL_WARPS][2];
+    int b[2], above[2];
+};
+
+// Warp 0: bucket b of `hist` for need = ksel - above_before, into sh.b[i] / sh.above[i] (caller syncs).
+DEV void sel_bucket(const int* hist, int need, SelShared& sh, int i) {
+    if (threadIdx.x < 32) {
+        int above;
+        const int b = find_bucket(hist, need, &above);
+        if (threadIdx.x == 0) { sh.b[i] = b; sh.above[i] = above; }
+    }
+}
+
+// The ordered compaction, shared by both branches of indexer_select_d128: key_of(s) is step s's key of this lane (-1 past
 // se). Writes sel_out[0, ksel) and the -1 padding. STEPS > 0: exactly STEPS steps, fully unrolled
 // (sel_regs: key_of indexes registers with s, which must be static); STEPS = 0: `steps` steps.
 template <int STEPS, typename KeyOf>
@@ -743,14 +767,11 @@ DEV void sel_compact(KeyOf key_of, int steps, int thr, int need, int ksel, int s
 }
 
 // n <= IX_SEL_THREADS * STEPS: the keys in registers (kp[s / 2], step s in the low half when s is
-// even), binary search for thr. Keys past se are held as 0 and never counted: every probed mid is
-// >= 1, and the compaction sees them as -1.
+// even; keys past se held as 0 and masked by the step's bound).
 template <int STEPS>
 DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* __restrict__ sel_out, int width,
-                  int offset, int* scratch) {
-    __shared__ int wc[2][IX_SEL_WARPS];
-    __shared__ int wcnt[IX_SEL_WARPS][2];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+                  int offset, SelShared& sh) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int sb = wid * 32 * S, se = min(sb + 32 * S, n);
     u32 kp[STEPS / 2];
 #pragma unroll
@@ -760,115 +781,53 @@ DEV void sel_regs(const u16* __restrict__ scores, int n, int ksel, int S, int* _
         const u32 k1 = j1 < se ? score_key(__ldcg(scores + j1)) : 0u;
         kp[s / 2] = k0 | (k1 << 16);
     }
-#if IX_SEL_ALGO == 0
-    // invariant: #(keys >= lo) >= ksel > #(keys >= hi) = c_hi; 16 halvings of [0, 65536)
-    int lo = 0, hi = 65536, c_hi = 0;
-#pragma unroll 1
-    for (int it = 0; it < 16; ++it) {
-        const u32 mid = (u32)((lo + hi) >> 1);
-        int c = 0;
+    if (tid < 256) sh.hist_lo[tid] = 0;
+    sel_bucket(sh.hist_hi, ksel, sh, 0);
+    __syncthreads();
+    const int b1 = sh.b[0], above1 = sh.above[0];
 #pragma unroll
-        for (int i = 0; i < STEPS / 2; ++i) c += (int)((kp[i] & 0xffffu) >= mid) + (int)((kp[i] >> 16) >= mid);
-        c = __reduce_add_sync(0xffffffffu, c);
-        if (lane == 0) wc[it & 1][wid] = c;
-        __syncthreads();  // wc[it & 1] is rewritten at it + 2, after every warp passed it + 1's barrier
-        const int total = __reduce_add_sync(0xffffffffu, wc[it & 1][lane]);
-        if (total >= ksel) lo = (int)mid;
-        else { hi = (int)mid; c_hi = total; }
+    for (int s = 0; s < STEPS; ++s) {  // bucket b1's low bytes
+        const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;
+        if (sb + 32 * s + lane < se && (int)(key >> 8) == b1) atomicAdd(&sh.hist_lo[key & 0xffu], 1);
     }
-    const int thr = lo, need = ksel - c_hi;  // keys > thr: c_hi (all taken); need >= 1 keys == thr
-#else
-    // IX_SEL_ALGO 1 (timing variant): two radix-256 passes over per-warp private histograms (shared
-    // atomics conflict only inside a warp), summed per bin by 256 threads; find_bucket as sel_l2.
-    int (*whist)[256] = reinterpret_cast<int (*)[256]>(scratch);  // [IX_SEL_WARPS][256], the kernel's
-    __shared__ int hist[256];
-    __shared__ int s_b[2], s_above[2];
-    const int tid = threadIdx.x;
-    int b1 = 0, above1 = 0;
-#pragma unroll 1
-    for (int pass = 0; pass < 2; ++pass) {
-        for (int i = lane; i < 256; i += 32) whist[wid][i] = 0;  // (pass 1: every read of pass 0's done)
-        __syncwarp();
-#pragma unroll
-        for (int s = 0; s < STEPS; ++s) {
-            const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;
-            const bool act = sb + 32 * s + lane < se && (pass == 0 || (int)(key >> 8) == b1);
-            if (act) atomicAdd(&whist[wid][pass == 0 ? key >> 8 : key & 0xffu], 1);
-        }
-        __syncthreads();
-        if (tid < 256) {
-            int c = 0;
-#pragma unroll 8
-            for (int w = 0; w < IX_SEL_WARPS; ++w) c += whist[w][tid];
-            hist[tid] = c;
-        }
-        __syncthreads();
-        if (tid < 32) {
-            int above;
-            const int b = find_bucket(hist, ksel - above1, &above);
-            if (tid == 0) { s_b[pass] = b; s_above[pass] = above; }
-        }
-        __syncthreads();
-        if (pass == 0) { b1 = s_b[0]; above1 = s_above[0]; }
-    }
-    const int thr = (b1 << 8) | s_b[1], need = ksel - (above1 + s_above[1]);
-    (void)wc;
-#endif
+    __syncthreads();
+    sel_bucket(sh.hist_lo, ksel - above1, sh, 1);
+    __syncthreads();
+    const int thr = (b1 << 8) | sh.b[1], need = ksel - (above1 + sh.above[1]);
     auto key_of = [&](int s) -> int {
         const u32 key = (kp[s >> 1] >> (16 * (s & 1))) & 0xffffu;  // s is unrolled: static indexing
         return sb + 32 * s + lane < se ? (int)key : -1;
     };
     // STEPS, not S: the unrolled loop keeps kp in registers; steps past S are -1 in every lane
-    sel_compact<STEPS>(key_of, STEPS, thr, need, ksel, sb, sel_out, width, offset, wcnt);
+    sel_compact<STEPS>(key_of, STEPS, thr, need, ksel, sb, sel_out, width, offset, sh.wcnt);
 }
 
-// n > IX_SEL_THREADS * IX_SEL_REG_STEPS: the fused kernel's radix select, every pass from L2.
+// n > IX_SEL_THREADS * IX_SEL_REG_STEPS: the same passes, every key read from L2 in each; the low
+// bytes' histogram match-aggregated (hist_add: at this length one bucket can hold many ties).
 DEV void sel_l2(const u16* __restrict__ scores, int n, int ksel, int S, int* __restrict__ sel_out, int width,
-                int offset) {
-    __shared__ int hist[256];
-    __shared__ int wcnt[IX_SEL_WARPS][2];
-    __shared__ int s_b1, s_above1, s_b2, s_above2;
+                int offset, SelShared& sh) {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int seg = 32 * S, sb = wid * seg, se = min(sb + seg, n);
-    for (int i = tid; i < 256; i += IX_SEL_THREADS) hist[i] = 0;
+    if (tid < 256) sh.hist_lo[tid] = 0;
+    sel_bucket(sh.hist_hi, ksel, sh, 0);
     __syncthreads();
-#pragma unroll 4
-    for (int base = sb; base < sb + seg; base += 32) {  // high bytes crowd few buckets: aggregated
-        const int j = base + lane;
-        const bool act = j < se;
-        hist_add(hist, act ? score_key(__ldcg(scores + j)) >> 8 : 0u, act);
-    }
-    __syncthreads();
-    if (tid < 32) {
-        int above;
-        const int b = find_bucket(hist, ksel, &above);
-        if (tid == 0) { s_b1 = b; s_above1 = above; }
-    }
-    __syncthreads();
-    const int b1 = s_b1, above1 = s_above1;
-    for (int i = tid; i < 256; i += IX_SEL_THREADS) hist[i] = 0;
-    __syncthreads();
+    const int b1 = sh.b[0], above1 = sh.above[0];
 #pragma unroll 4
     for (int base = sb; base < sb + seg; base += 32) {  // bucket b1's keys (aggregated: ties crowd one bin)
         const int j = base + lane;
         const u32 key = j < se ? score_key(__ldcg(scores + j)) : 0u;
         const bool act = j < se && (int)(key >> 8) == b1;
-        hist_add(hist, key & 0xffu, act);
+        hist_add(sh.hist_lo, key & 0xffu, act);
     }
     __syncthreads();
-    if (tid < 32) {
-        int above;
-        const int b = find_bucket(hist, ksel - above1, &above);
-        if (tid == 0) { s_b2 = b; s_above2 = above; }
-    }
+    sel_bucket(sh.hist_lo, ksel - above1, sh, 1);
     __syncthreads();
-    const int thr = (b1 << 8) | s_b2;
-    const int need = ksel - (above1 + s_above2);  // keys == thr taken, lowest index first
+    const int thr = (b1 << 8) | sh.b[1], need = ksel - (above1 + sh.above[1]);
     auto key_of = [&](int s) -> int {
         const int j = sb + 32 * s + lane;
         return j < se ? (int)score_key(__ldcg(scores + j)) : -1;
     };
-    sel_compact<0>(key_of, S, thr, need, ksel, sb, sel_out, width, offset, wcnt);
+    sel_compact<0>(key_of, S, thr, need, ksel, sb, sel_out, width, offset, sh.wcnt);
 }
 
 }  // namespace
@@ -877,27 +836,26 @@ extern "C" __global__ void __launch_bounds__(IF_THREADS)
 indexer_scores_tiles_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u16* __restrict__ keys,
                           int ld_k, const int* __restrict__ n_valid, u16* __restrict__ scores_out, int H, int N,
                           float w_scale, int k, int* __restrict__ sel_out, int width, int offset,
-                          int* __restrict__ counter) { PDL_ENTRY();
-    if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);
+                          int* __restrict__ hist_hi) { PDL_ENTRY();
+    if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, hist_hi);
 }
 
 extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
 indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
-                    int* __restrict__ sel_out, int width, int offset) { PDL_ENTRY();
+                    int* __restrict__ sel_out, int width, int offset, int* __restrict__ hist_hi) { PDL_ENTRY();
+    __shared__ SelShared sh;
+    const int tid = threadIdx.x;
     const int n = max(min(__ldg(n_valid), N), 0), ksel = min(k, n);
+    if (tid < 256) sh.hist_hi[tid] = __ldcg(hist_hi + tid);
+    __syncthreads();                   // every read of hist_hi done
+    if (tid < 256) hist_hi[tid] = 0;   // zero again for the next scoring launch (on every path)
     if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
-        for (int i = threadIdx.x; i < width; i += IX_SEL_THREADS) sel_out[i] = i < n ? i + offset : -1;
+        for (int i = tid; i < width; i += IX_SEL_THREADS) sel_out[i] = i < n ? i + offset : -1;
         return;
     }
     const int S = (n + IX_SEL_THREADS - 1) / IX_SEL_THREADS;  // steps of 32 keys per warp (block-uniform)
-#if IX_SEL_ALGO == 1
-    __shared__ int scratch[IX_SEL_WARPS * 256];  // one copy for every sel_regs<STEPS> (static smem
-#else                                            // in an inlined function is per instantiation)
-    int* scratch = nullptr;
-#endif
-    if (S <= 4) sel_regs<4>(scores, n, ksel, S, sel_out, width, offset, scratch);
-    else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset, scratch);
-    else if (S <= 16) sel_regs<16>(scores, n, ksel, S, sel_out, width, offset, scratch);
-    else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset, scratch);
-    else sel_l2(scores, n, ksel, S, sel_out, width, offset);
+    if (S <= 4) sel_regs<4>(scores, n, ksel, S, sel_out, width, offset, sh);
+    else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset, sh);
+    else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset, sh);
+    else sel_l2(scores, n, ksel, S, sel_out, width, offset, sh);
 }

@@ -7,13 +7,14 @@ indexer_select_d128, ops.indexer.scores_topk(form='split')) without a GPU.
   bench.decode_step's idxsel=fused|split|auto arms set that variable.
 * The launches (fake CuPy, fake kernels checked against the .cu signatures): 'fused' is the one
   indexer_fused_d128 launch; 'split' is indexer_scores_tiles_d128 on the fused grid and shared
-  memory, then indexer_select_d128 on (1,) x (1024,) without dynamic shared memory.
-* The selection algorithm: NumPy emulations of indexer_select_d128's two branches equal a plain
-  reference (the ksel largest keys, ties to the lower index, ascending index order, -1 padded) on
-  random rows with many ties, +0 / -0, -inf, and n at and around k: sel_l2 (n > 32768; also the
-  fused kernel's last CTA, emulated with 4 warps): score_key, the two find_bucket passes over exact
-  histograms; sel_regs (n <= 32768): the 16-step binary search over the key value with keys past
-  n held as 0; both then the 32-warp count pass and ballot-prefix ordered compaction.
+  memory with the histogram workspace, then indexer_select_d128 on (1,) x (1024,) without dynamic
+  shared memory, reading the same workspace.
+* The selection algorithm: a NumPy emulation of the split form (the scoring launch's high-byte
+  histogram of the valid keys, then indexer_select_d128: find_bucket on it, the low bytes of bucket
+  b1, find_bucket again, the 32-warp count pass and ballot-prefix ordered compaction) equals a
+  plain reference (the ksel largest keys, ties to the lower index, ascending index order, -1
+  padded) on random rows with many ties, +0 / -0, -inf, NaN keys and n at and around k.  The
+  emulation with 4 warps (the fused kernel's last CTA) gives the same rows.
 * The source: the scores-only kernel and the fused kernel are both one call of the templated
   if_body (the same score arithmetic by construction); the select kernel has the stated launch
   bounds, opens with PDL_ENTRY(), reads the scores through ld.cg only, and reuses the helpers.
@@ -110,6 +111,8 @@ def fake_ix(monkeypatch):
     monkeypatch.setattr(_common, "_SMEM_SET", set())
     monkeypatch.setattr(IX, "sm_count", lambda: 132)
     monkeypatch.setattr(IX, "_WS", {})
+    hist = fake.asarray(np.zeros(256, np.int32))       # the fake CuPy has no streams: a fixed workspace
+    monkeypatch.setattr(IX, "hist_workspace", lambda: hist)
     return fake, IX, launched
 
 
@@ -140,10 +143,12 @@ def test_split_launches(fake_ix, monkeypatch, N):
     tiles, select = launched
     assert tiles[1:3] == fused[1:3] and tiles[4] == fused[4] == IX.FUSED_SMEM     # the same grid / smem
     assert tiles[1] == (min(-(-N // 16), 264),) and tiles[2] == (128,)
-    assert type(tiles[3][-1]) is np.uint64 and int(tiles[3][-1]) == 0              # no ticket counter
+    hist = IX.hist_workspace()                                                      # int32 [256], zero
+    assert tiles[3][-1] is hist and hist.shape == (256,) and hist.dtype == np.int32
+    assert select[3][-1] is hist                                                    # the same workspace
     assert select[1] == (1,) and select[2] == (1024,)
     assert select[3][0] is sc and select[3][4] is sel
-    assert [int(a) for a in select[3][2:4]] + [int(a) for a in select[3][5:]] == [N, 512, min(512, N), 5]
+    assert [int(a) for a in select[3][2:4]] + [int(a) for a in select[3][5:7]] == [N, 512, min(512, N), 5]
     assert select[4] == 0                  # static shared memory only
     # the env picks the form when the caller gives none
     for env, want_names in (("split", ["indexer_scores_tiles_d128", "indexer_select_d128"]),
@@ -193,31 +198,12 @@ def find_bucket(hist: np.ndarray, need: int) -> tuple[int, int]:
     raise AssertionError("find_bucket: no bucket")
 
 
-def bsearch_threshold(keys_by_warp, ksel: int) -> tuple[int, int]:
-    """sel_regs' threshold: 16 halvings of [0, 65536) keeping #(keys >= lo) >= ksel > #(keys >= hi);
-    keys_by_warp[w] [S, 32] holds warp w's registers, 0 past n (never counted: every mid >= 1).
-    Each step sums the per-warp counts, as the kernel's __reduce_add_sync + shared-memory sum.
-    Returns (thr, need)."""
-    lo, hi, c_hi = 0, 65536, 0
-    for _ in range(16):
-        mid = (lo + hi) >> 1
-        assert mid >= 1
-        total = sum(int(np.sum(kw >= mid)) for kw in keys_by_warp)
-        if total >= ksel:
-            lo = mid
-        else:
-            hi, c_hi = mid, total
-    assert hi == lo + 1
-    return lo, ksel - c_hi
-
-
-def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: int = 32,
-                   branch: str = "auto") -> np.ndarray:
-    """indexer_select_d128 (warps = 32; warps = 4 is the fused kernel's last CTA) step by step:
-    warp w owns [w * seg, min(w * seg + seg, n)), 32 lanes per step; the threshold by sel_l2's radix
-    passes (branch 'radix'; the kernel's branch when n > 32768, and the fused kernel's) or sel_regs'
-    binary search ('bsearch'; n <= 32768); 'auto' picks as the kernel does.  Every sel_out slot
-    below ksel is written exactly once (asserted)."""
+def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: int = 32) -> np.ndarray:
+    """The split form's selection (warps = 32; warps = 4 is the fused kernel's last CTA) step by
+    step: the high-byte histogram of the n valid keys (the scoring launch's atomics; the fused
+    kernel's first pass), warp w owns [w * seg, min(w * seg + seg, n)), 32 lanes per step for the
+    low-byte pass and the compaction.  Every sel_out slot below ksel is written exactly once
+    (asserted)."""
     N = bits.shape[0]
     n = max(min(n_valid, N), 0)
     ksel = min(k, n)
@@ -235,26 +221,17 @@ def emulate_select(bits, n_valid: int, k: int, width: int, offset: int, warps: i
             act = j < se
             yield j, act, np.where(act, keys[np.minimum(j, n - 1)], -1)
 
-    if branch == "auto":
-        branch = "bsearch" if warps == 32 and n <= 32768 else "radix"
-    if branch == "bsearch":
-        regs = [np.stack([np.where(act, key, 0) for _, act, key in steps(w)]) for w in range(warps)]
-        thr, need = bsearch_threshold(regs, ksel)
-    else:
-        hist = np.zeros(256, np.int64)
-        for w in range(warps):
-            for j, act, key in steps(w):
-                np.add.at(hist, key[act] >> 8, 1)
-        assert hist.sum() == n
-        b1, above1 = find_bucket(hist, ksel)
-        hist[:] = 0
-        for w in range(warps):
-            for j, act, key in steps(w):
-                m = act & ((key >> 8) == b1)
-                np.add.at(hist, key[m] & 0xFF, 1)
-        b2, above2 = find_bucket(hist, ksel - above1)
-        thr = (b1 << 8) | b2
-        need = ksel - (above1 + above2)
+    hist = np.bincount(keys >> 8, minlength=256)     # the scoring launch: one atomic per valid key
+    assert hist.sum() == n
+    b1, above1 = find_bucket(hist, ksel)
+    hist = np.zeros(256, np.int64)
+    for w in range(warps):
+        for j, act, key in steps(w):
+            m = act & ((key >> 8) == b1)
+            np.add.at(hist, key[m] & 0xFF, 1)
+    b2, above2 = find_bucket(hist, ksel - above1)
+    thr = (b1 << 8) | b2
+    need = ksel - (above1 + above2)
     assert 1 <= need
     wcnt = np.zeros((warps, 2), np.int64)
     for w in range(warps):     # count pass
@@ -321,17 +298,16 @@ def _row(rng, N, kind):
     return bits
 
 
-@pytest.mark.parametrize("branch", ["radix", "bsearch"])
 @pytest.mark.parametrize("kind", ["rand", "ties", "zeros", "equal", "lowbyte", "nan"])
 @pytest.mark.parametrize("N", [8192, 2055])
-def test_emulated_select_matches_reference(N, kind, branch):
+def test_emulated_select_matches_reference(N, kind):
     rng = np.random.default_rng(1000 * N + len(kind))
     k = 512
     bits = _row(rng, N, kind)
     offset = int(rng.integers(0, 1000))
     for nv in sorted({0, 1, k - 1, k, k + 1, 3000, N - 1, N, N + 7, int(rng.integers(0, N + 1))}):
         want = reference_select(bits, nv, k, k, offset)
-        got = emulate_select(bits, nv, k, k, offset, branch=branch)
+        got = emulate_select(bits, nv, k, k, offset)
         assert np.array_equal(got, want), (N, kind, nv, np.flatnonzero(got != want)[:5])
 
 
@@ -362,20 +338,7 @@ def test_emulated_select_random_many():
         nv = int(rng.integers(0, N + 1))
         width = min(k, N) + int(rng.integers(0, 3))
         want = reference_select(bits, nv, k, width, 9)
-        for branch in ("radix", "bsearch"):
-            assert np.array_equal(emulate_select(bits, nv, k, width, 9, branch=branch), want), (N, k, nv, branch)
-
-
-def test_emulated_branches_agree_at_the_register_cap():
-    """n = 32768 is sel_regs' last size (S = 32 steps), 32769 the first of sel_l2; both branches
-    give the reference rows there (and with the kernel's own choice)."""
-    rng = np.random.default_rng(5)
-    for N in (32768, 32769):
-        bits = _row(rng, N, "ties")
-        for nv in (N, N - 1, 20000):
-            want = reference_select(bits, nv, 512, 520, 1)
-            for branch in ("auto", "radix", "bsearch"):
-                assert np.array_equal(emulate_select(bits, nv, 512, 520, 1, branch=branch), want), (N, nv, branch)
+        assert np.array_equal(emulate_select(bits, nv, k, width, 9), want), (N, k, nv)
 
 
 # ------------------------------------------------------------------------------------ the source
@@ -393,15 +356,15 @@ def test_source_kernels_and_launch_bounds(IX):
     assert {"indexer_scores_tiles_d128", "indexer_select_d128"} <= set(IX.KERNELS)
     sigs = kernel_signatures()
     assert sigs["indexer_scores_tiles_d128"] == sigs["indexer_fused_d128"]
-    assert sigs["indexer_select_d128"] == ["ptr", "ptr", "i32", "i32", "ptr", "i32", "i32"]
+    assert sigs["indexer_select_d128"] == ["ptr", "ptr", "i32", "i32", "ptr", "i32", "i32", "ptr"]
 
 
 def test_source_fused_and_tiles_share_the_templated_body():
     fused, tiles = _kernel_body("indexer_fused_d128"), _kernel_body("indexer_scores_tiles_d128")
     call = "(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, counter);"
-    for body, sel in ((fused, "true"), (tiles, "false")):
+    for body, sel, last in ((fused, "true", "counter"), (tiles, "false", "hist_hi")):
         stmts = [s.strip() for s in body.strip("{}").split(";") if s.strip()]
-        assert stmts == ["PDL_ENTRY()", f"if_body<{sel}>" + call[:-1]], stmts
+        assert stmts == ["PDL_ENTRY()", f"if_body<{sel}>" + call[:-1].replace("counter)", last + ")")], stmts
     assert SRC.count("template <bool SELECT>\nDEV void if_body(") == 1
     body = braced(SRC, "DEV void if_body(")
     stop = body.index("if constexpr (!SELECT) return;")
@@ -414,26 +377,27 @@ def test_source_select_kernel(IX):
     body = _kernel_body("indexer_select_d128")
     assert body.lstrip("{").lstrip().startswith("PDL_ENTRY();")
     assert "__ldg(n_valid)" in body and "counter" not in body
+    # hist_hi read into shared memory, then zeroed on every path (before the n <= k return)
+    read, zero = "sh.hist_hi[tid] = __ldcg(hist_hi + tid);", "if (tid < 256) hist_hi[tid] = 0;"
+    assert body.index(read) < body.index("__syncthreads();") < body.index(zero) < body.index("if (ksel == n)")
     # the branches by S = ceil(n / 1024): registers up to IX_SEL_REG_STEPS steps, then L2
-    for call in ("sel_regs<4>(", "sel_regs<8>(", "sel_regs<16>(", "sel_regs<IX_SEL_REG_STEPS>(", "sel_l2("):
+    for call in ("sel_regs<4>(", "sel_regs<8>(", "sel_regs<IX_SEL_REG_STEPS>(", "sel_l2("):
         assert call in body, call
+    steps = int(re.search(r"constexpr int IX_SEL_REG_STEPS = (\d+);", SRC).group(1))
+    assert 1024 * steps == IX.SELECT_REG_CAP
     regs = braced(SRC, "DEV void sel_regs(")
     l2 = braced(SRC, "DEV void sel_l2(")
     compact = braced(SRC, "DEV void sel_compact(")
     for b in (regs, l2):
         assert "__ldg(scores" not in b and "__ldcg(scores + j" in b      # L2 only, never the read-only path
-    # sel_regs' default build (IX_SEL_ALGO 0): no shared atomics, no match; a 16-step binary search
-    # with one barrier per step (the #else branch is tools/diag_indexer.py's timing variant)
-    assert re.search(r"#ifndef IX_SEL_ALGO\n#define IX_SEL_ALGO 0 ", SRC)
-    default = regs[regs.index("#if IX_SEL_ALGO == 0"):regs.index("#else")]
-    assert "__match_any_sync" not in default and "atomicAdd" not in default and "hist_add" not in default
-    assert "for (int it = 0; it < 16; ++it)" in default and default.count("__syncthreads()") == 1
-    assert "int lo = 0, hi = 65536, c_hi = 0;" in regs and "need = ksel - c_hi" in regs
-    assert "sel_compact<STEPS>(key_of, STEPS," in regs
-    # sel_l2: the fused kernel's radix passes
-    for helper in ("score_key(", "find_bucket(hist, ksel, &above)", "find_bucket(hist, ksel - above1, &above)",
-                   "hist_add(hist,", "sel_compact<0>(key_of, S,"):
-        assert helper in l2, helper
+        # b1 from the scoring launch's histogram, b2 from bucket b1's low bytes
+        assert "sel_bucket(sh.hist_hi, ksel, sh, 0);" in b and "sel_bucket(sh.hist_lo, ksel - above1, sh, 1);" in b
+        assert "thr = (b1 << 8) | sh.b[1], need = ksel - (above1 + sh.above[1]);" in b
+    assert "atomicAdd(&sh.hist_lo[key & 0xffu], 1)" in regs and "sel_compact<STEPS>(key_of, STEPS," in regs
+    assert "hist_add(sh.hist_lo, key & 0xffu, act);" in l2 and "sel_compact<0>(key_of, S," in l2
+    # the scoring launch's histogram: one atomic per valid key, only in the split body
+    tail = braced(SRC, "DEV void if_body(")
+    assert "if constexpr (SELECT) {" in tail and "if (kk < nv) atomicAdd(counter + (score_key(bits) >> 8), 1);" in tail
     # the ordered compaction: gt keys at gb + min(eb, need), the first `need` ties at gb + eb
     assert "sel_out[gb + min(eb, need)] = j + offset;" in compact
     assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in compact

@@ -164,6 +164,7 @@ class DeviceStep:
         HC.boundary_slots()  # hc_boundary_poll's slots (BOUNDARY_IMPL "poll"; zero, baked by graphs)
         RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket
         IX.workspace()  # counters (graphs bake their addresses)
+        IX.hist_workspace()  # the split indexer's histogram (the same rule)
         AT.decode_counters()
 
     def invalidate(self) -> None:

@@ -264,15 +264,16 @@ def test_scores_topk_fused_graph_replay_device_n_valid():
 
 
 # ------------------------------------- the split form (indexer_scores_tiles_d128 + indexer_select_d128)
-@pytest.mark.parametrize("N", [256, 1024, 4100, 8192, 20000, 32768, 32769, 40000])
+@pytest.mark.parametrize("N", [256, 1024, 4100, 8192, 16384, 16385, 32768, 40000])
 @pytest.mark.parametrize("kind", ["rand", "dup", "zero"])
 def test_scores_topk_split_equals_fused(N, kind):
     """scores_topk(form='split') == scores_topk(form='fused') byte for byte: the score row (incl.
     the -inf tail) and the selection (incl. -1 padding and offset), for n_valid across the n <= k
     short-circuit (1, k - 1, k) and the selection (k + 1, 3000, N, one random); 'dup' makes the
-    threshold a big tie; N covers every sel_regs<STEPS> (S = ceil(n / 1024) in 1, 4, 5 .. 8, 20,
-    32) and sel_l2 (n > 32768: 32769, 40000, the radix passes from L2).  Also == the unfused pair
-    (indexer_scores_d128 + indexer_topk(order='index'))."""
+    threshold a big tie; N covers every sel_regs<STEPS> (S = ceil(n / 1024) in 1, 4, 5 .. 8, 16)
+    and sel_l2 (n > 16384: 16385, 32768, 40000, every pass from L2).  Also == the unfused pair
+    (indexer_scores_d128 + indexer_topk(order='index')), and the split form leaves its histogram
+    workspace zero after every call (the n <= k copy path included)."""
     seed = fresh_seed()
     rng = rng_for(seed)
     H, k = 64, 512
@@ -289,6 +290,8 @@ def test_scores_topk_split_equals_fused(N, kind):
             sel = cp.full((1, width), -7, np.int32)
             K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=offset, w_scale=w_scale, form=form)
             got[form] = (sc.get(), sel.get())
+            assert int(cp.count_nonzero(K.hist_workspace())) == 0, (
+                f"indexer split: histogram workspace not zero after the call {describe(seed, N=N, kind=kind, nv=nv)}")
         ctx = dict(N=N, kind=kind, nv=nv)
         assert np.array_equal(got["split"][0], got["fused"][0]), f"indexer split scores != fused {describe(seed, **ctx)}"
         if not np.array_equal(got["split"][1], got["fused"][1]):

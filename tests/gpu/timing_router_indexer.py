@@ -1,5 +1,5 @@
 """Timing of the fused decode router / indexer against the unfused pairs they replace (and the
-indexer's split form, with its selection kernel alone), at the Flash shapes (one H200, < 30 s).  Each arm is captured REPS times back to back into one CUDA
+indexer's split form, with a sweep of its scoring grid), at the Flash shapes (one H200, < 30 s).  Each arm is captured REPS times back to back into one CUDA
 graph and replayed; printed: microseconds per call (graph time / REPS).
 
     PYTHONPATH=. python tests/gpu/timing_router_indexer.py
@@ -52,15 +52,8 @@ def main() -> None:
         def split_idx():
             IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0, form="split")
 
-        def select_only():  # indexer_select_d128 alone, on the row split_idx left
-            IX.kernel(IX.STEM, "indexer_select_d128")(
-                (1,), (IX.SELECT_THREADS,), (s_out, nvg, np.int32(N), np.int32(K), sel, np.int32(sel.shape[1]),
-                                             np.int32(0)))
-
-        split_idx()
         print(f"indexer N={N:5d} n_valid={nv:5d} k={K}: unfused (scores + topk) {us_per_call(unfused_idx):6.2f} us   "
-              f"fused {us_per_call(fused_idx):6.2f} us   split {us_per_call(split_idx):6.2f} us   "
-              f"(select alone {us_per_call(select_only):6.2f} us)")
+              f"fused {us_per_call(fused_idx):6.2f} us   split {us_per_call(split_idx):6.2f} us")
 
     # the split form's scoring grid: CTAs per SM (IX.SPLIT_SCORE_CTAS_PER_SM), N = n_valid = 8192
     N = 8192
@@ -74,14 +67,6 @@ def main() -> None:
         row.append(f"{per_sm}/SM {us_per_call(lambda: IX.scores_topk(q, hw, keys, nvg, K, s_out, sel, w_scale=1.0, form='split')):6.2f}")
     IX.SPLIT_SCORE_CTAS_PER_SM = default
     print(f"indexer split N={N} scoring grid cap: " + "   ".join(row) + " us")
-    # indexer_select_d128 alone by row length (S = n / 1024 steps per warp; n <= k: the copy path)
-    row = []
-    for n in (100, 1024, 2048, 4096, 8192, 16384, 32768):
-        sc_n = bits(rng.standard_normal((1, n)))
-        nv_n = cp.asarray(np.array([n], np.int32))
-        sel_n = cp.empty((1, K), np.int32)
-        row.append(f"n={n} {us_per_call(lambda: IX.kernel(IX.STEM, 'indexer_select_d128')((1,), (IX.SELECT_THREADS,), (sc_n, nv_n, np.int32(n), np.int32(K), sel_n, np.int32(K), np.int32(0)))):6.2f}")
-    print("indexer_select_d128 alone: " + "   ".join(row) + " us")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ scores_topk(q, w, keys, n_valid, k, scores_out, sel_out)
                               threads) selects, through a per-device ticket counter (workspace(),
                               made before any capture);
                               'split': indexer_scores_tiles_d128 (the fused kernel's scoring, the
-                              shared body) then indexer_select_d128 (one CTA of 1024 threads;
-                              keys in registers and a binary search for the threshold up to
-                              32768 keys, no shared atomics): the 32K-context tail;
+                              shared body, + the high-byte histogram of the scores, the first
+                              radix pass, in hist_workspace()) then indexer_select_d128 (one CTA
+                              of 1024 threads: the low byte's pass and the ordered compaction,
+                              keys in registers up to 16384): the 32K-context tail;
                               'auto' (default SELECT_FORM): split when the row's capacity N > k,
                               else fused.  The env MEMRA_DSV4_INDEXER_SELECT=fused|split|auto
                               overrides SELECT_FORM (read at every call; bench.decode_step's
@@ -41,18 +42,27 @@ TOPK_MAX = 1024
 FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
 FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
 SELECT_THREADS = 1024                     # indexer_select_d128's block
-SELECT_REG_CAP = 32768                    # IX_SEL_THREADS * IX_SEL_REG_STEPS: keys it holds in registers
+SELECT_REG_CAP = 16384                    # IX_SEL_THREADS * IX_SEL_REG_STEPS: keys it holds in registers
 SPLIT_SCORE_CTAS_PER_SM = 2               # indexer_scores_tiles_d128's grid cap, CTAs per SM
 SELECT_FORMS = ("fused", "split", "auto")
 SELECT_FORM = "auto"                      # scores_topk's default form (the env overrides it)
 SELECT_ENV = "MEMRA_DSV4_INDEXER_SELECT"
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fused_d128 (kept 0)
+_HIST: dict[int, object] = {}  # device -> int32 [256] high-byte histogram of the split form (kept 0)
 
 
 def workspace():
     """The current device's ticket counter of indexer_fused_d128 (_common.ticket_counter: int32 [1],
     zero between launches; made before the first capture by DeviceStep._prewarm)."""
     return ticket_counter(_WS, "indexer.workspace")
+
+
+def hist_workspace():
+    """The current device's high-byte histogram of the split form (_common.ticket_counter: int32
+    [256], zero between calls: indexer_scores_tiles_d128 fills it, indexer_select_d128 reads and
+    zeroes it; made before the first capture by DeviceStep._prewarm).  One per device: two split
+    calls on one device must not overlap (the decode step runs one CSA layer's indexer at a time)."""
+    return ticket_counter(_HIST, "indexer.hist_workspace", 256)
 
 
 def select_form() -> str:
@@ -140,8 +150,8 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     order='index', width=width), in one launch.  q [1, H, 128] bf16; w [1, H] bf16; keys [N, 128]
     bf16 rows; n_valid [1] int32 (read on the device); width >= min(k, N).  counter: int32 [1],
     zero (default: workspace()).  form: 'fused' (indexer_fused_d128, one launch), 'split'
-    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes, no counter) or 'auto'
-    (resolve_form: split when N > k); None: select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
+    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes; the histogram workspace
+    hist_workspace(), not counter) or 'auto' (resolve_form: split when N > k); None: select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
     check(q, "indexer.scores_topk.q", np.uint16)
     assert q.ndim == 3 and q.shape[0] == 1 and q.shape[2] == 128, (
         f"indexer.scores_topk.q: expected [1, H, 128] (one token), got {q.shape}")
@@ -166,17 +176,19 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     tiles = -(-N // FUSED_KEYS_PER_TILE)
     grid = (max(1, min(tiles, 2 * sm_count())),)
     if form == "split":
-        # scores: the fused kernel's tiles (shared body; the bits do not depend on the grid), no
-        # ticket (counter null); up to SPLIT_SCORE_CTAS_PER_SM CTAs per SM (41 KB smem each)
+        # scores: the fused kernel's tiles (shared body; the bits do not depend on the grid) + the
+        # high-byte histogram (hist, zero here); up to SPLIT_SCORE_CTAS_PER_SM CTAs per SM (41 KB
+        # smem each)
+        hist = hist_workspace()
         kern = kernel(STEM, "indexer_scores_tiles_d128")
         kern((max(1, min(tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())),), (128,),
              (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
-              sel_out, i32(width), i32(offset), np.uint64(0)),
+              sel_out, i32(width), i32(offset), hist),
              shared_mem=dynamic_smem(kern, FUSED_SMEM))
-        # selection: one CTA of 1024 threads; reads scores_out after its PDL wait (the whole
-        # scoring grid done), n_valid on the device; static shared memory only
+        # selection: one CTA of 1024 threads; reads scores_out and hist after its PDL wait (the
+        # whole scoring grid done), n_valid on the device; zeroes hist; static shared memory only
         sel = kernel(STEM, "indexer_select_d128")
-        sel((1,), (SELECT_THREADS,), (scores_out, n_valid, i32(N), i32(k), sel_out, i32(width), i32(offset)))
+        sel((1,), (SELECT_THREADS,), (scores_out, n_valid, i32(N), i32(k), sel_out, i32(width), i32(offset), hist))
         return sel_out
     counter = workspace() if counter is None else check(counter, "indexer.scores_topk.counter", np.int32, (1,))
     kern = kernel(STEM, "indexer_fused_d128")
