@@ -144,14 +144,15 @@ def topk(scores, n_valid, k: int, out=None, offset: int = 0, order: str = "score
 
 
 def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int = 0,
-                w_scale: float = 1.0, counter=None, form: str | None = None):
+                w_scale: float = 1.0, counter=None, form: str | None = None, hist=None):
     """One token: scores_out [1, N] bf16 = scores(q, w, keys, n_valid, w_scale=w_scale) (the
     'simt' bits) and sel_out [1, width] int32 = topk(scores_out, n_valid, k, offset=offset,
     order='index', width=width), in one launch.  q [1, H, 128] bf16; w [1, H] bf16; keys [N, 128]
     bf16 rows; n_valid [1] int32 (read on the device); width >= min(k, N).  counter: int32 [1],
     zero (default: workspace()).  form: 'fused' (indexer_fused_d128, one launch), 'split'
-    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes; the histogram workspace
-    hist_workspace(), not counter) or 'auto' (resolve_form: split when N > k); None: select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
+    (indexer_scores_tiles_d128 then indexer_select_d128: the same bytes; hist, int32 [256], zero,
+    default hist_workspace(), instead of counter) or 'auto' (resolve_form: split when N > k); None:
+    select_form().  Allocates nothing (scores_out / sel_out are the caller's).  Returns sel_out."""
     check(q, "indexer.scores_topk.q", np.uint16)
     assert q.ndim == 3 and q.shape[0] == 1 and q.shape[2] == 128, (
         f"indexer.scores_topk.q: expected [1, H, 128] (one token), got {q.shape}")
@@ -179,7 +180,7 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
         # scores: the fused kernel's tiles (shared body; the bits do not depend on the grid) + the
         # high-byte histogram (hist, zero here); up to SPLIT_SCORE_CTAS_PER_SM CTAs per SM (41 KB
         # smem each)
-        hist = hist_workspace()
+        hist = hist_workspace() if hist is None else check(hist, "indexer.scores_topk.hist", np.int32, (256,))
         kern = kernel(STEM, "indexer_scores_tiles_d128")
         kern((max(1, min(tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())),), (128,),
              (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
