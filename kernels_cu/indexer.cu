@@ -460,16 +460,7 @@ constexpr int IF_KC = 16;                                  // keys per tile
 constexpr int IF_QLD = 132;                                // padded q row (floats)
 constexpr int IF_PLD = 65;                                 // padded product row (floats)
 constexpr int IF_QBYTES = 64 * IF_QLD * 4;                 // 33792
-// IF_KLAYOUT (timing variant of tools/diag_indexer.py --variants; 0, the default build, is the
-// layout above): 1 stages the key tile row-major [16][IF_KLD = 132] (global loads of 16 B chunks of
-// one key row by consecutive threads; no transposing stores) and thread kg takes keys kg, kg + 4,
-// kg + 8, kg + 12 (the 4 rows a warp's LDS.128 reads fall in distinct banks); every dot is the same
-// FMA chain over d = 0..127 in order, so the score bits are the default build's.
-#ifndef IF_KLAYOUT
-#define IF_KLAYOUT 0
-#endif
-constexpr int IF_KLD = 132;                                // IF_KLAYOUT 1: padded key row (floats)
-constexpr int IF_SMEM = IF_QBYTES + (IF_KLAYOUT == 1 ? IF_KC * IF_KLD : IS_D * IF_KC) * 4;  // + key tile: 41984
+constexpr int IF_SMEM = IF_QBYTES + IS_D * IF_KC * 4;      // + key tile: 41984
 constexpr int IF_KEYS_CAP = IF_SMEM / 2;                   // 16-bit keys the top-k can stage
 
 DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int j) {
@@ -522,17 +513,6 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
             if (tid < IF_KC && k0 + tid < N) scores_out[k0 + tid] = 0xff80u;
             continue;
         }
-#if IF_KLAYOUT == 1
-        for (int c = tid; c < IF_KC * IS_D / 8; c += IF_THREADS) {  // key tile, row-major, f32
-            const int dc = c % (IS_D / 8), kk = c / (IS_D / 8);
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (k0 + kk < nv) v = ldg16(keys + (i64)(k0 + kk) * ld_k + 8 * dc);
-            float f[8];
-            unpack8(v, f);
-            *reinterpret_cast<float4*>(kt + kk * IF_KLD + 8 * dc) = make_float4(f[0], f[1], f[2], f[3]);
-            *reinterpret_cast<float4*>(kt + kk * IF_KLD + 8 * dc + 4) = make_float4(f[4], f[5], f[6], f[7]);
-        }
-#else
         for (int c = tid; c < IF_KC * IS_D / 8; c += IF_THREADS) {  // key tile, transposed, f32
             const int kk = c % IF_KC, dc = c / IF_KC;
             uint4 v = make_uint4(0, 0, 0, 0);
@@ -542,7 +522,6 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
 #pragma unroll
             for (int j = 0; j < 8; ++j) kt[(8 * dc + j) * IF_KC + kk] = f[j];
         }
-#endif
         __syncthreads();  // q (first tile) and the key tile staged
         float dot[2][4];
 #pragma unroll
@@ -556,20 +535,6 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
                 const float4 q0 = *reinterpret_cast<const float4*>(qa + d);
                 const float4 q1 = *reinterpret_cast<const float4*>(qa + IF_QLD + d);
                 const float qv[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
-#if IF_KLAYOUT == 1
-                float kv[4][4];  // kv[b][i]: key 4b + kg, dim d + i
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const float4 t = *reinterpret_cast<const float4*>(kt + (4 * b + kg) * IF_KLD + d);
-                    kv[b][0] = t.x; kv[b][1] = t.y; kv[b][2] = t.z; kv[b][3] = t.w;
-                }
-#pragma unroll
-                for (int i = 0; i < 4; ++i)  // d ascending for every (head, key)
-#pragma unroll
-                    for (int a = 0; a < 2; ++a)
-#pragma unroll
-                        for (int b = 0; b < 4; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[b][i], dot[a][b]);
-#else
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // d ascending for every (head, key)
                     const float4 kv4 = *reinterpret_cast<const float4*>(kt + (d + i) * IF_KC + 4 * kg);
@@ -579,7 +544,6 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
 #pragma unroll
                         for (int b = 0; b < 4; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[b], dot[a][b]);
                 }
-#endif
             }
         }
         __syncthreads();  // the key tile becomes the product buffer [16 keys][IF_PLD]
@@ -589,8 +553,7 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
 #pragma unroll
                 for (int b = 0; b < 4; ++b) {
                     const float s = fmaxf(round_bf16(dot[a][b]), 0.0f);
-                    const int key = IF_KLAYOUT == 1 ? 4 * b + kg : 4 * kg + b;  // in the tile
-                    prod[key * IF_PLD + h0 + a] = round_bf16(__fmul_rn(s, wv[a]));
+                    prod[(4 * kg + b) * IF_PLD + h0 + a] = round_bf16(__fmul_rn(s, wv[a]));
                 }
         }
         __syncthreads();
