@@ -20,8 +20,11 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   compressor (compressor.emit): pool (overlap / plain) over the pending rows, norm_rope_sim at
   kpos = pos + 1 - r straight into compressed row (pos + 1) / r - 1, pending_advance;
 * indexer: q GEMV + RoPE/Hadamard/FP4, then scores over the key rows with
-  n_valid = (pos + 1) // 4 from the device and the top-k in index order in one launch
-  (indexer_fused_d128: its last CTA selects through a per-device ticket counter);
+  n_valid = (pos + 1) // 4 from the device and the top-k in index order: ops.indexer.scores_topk
+  in its default form 'auto' (MEMRA_DSV4_INDEXER_SELECT): when the key rows can hold more than
+  index_topk keys, indexer_scores_tiles_d128 (scores + the high-byte histogram in a per-device
+  workspace) then indexer_select_d128 (one CTA of 1024 threads); else indexer_fused_d128 in one
+  launch (its last CTA selects through a per-device ticket counter);
 * sparse attention with the inverse-RoPE epilogue, in the form ``model.decode_attn`` names (seam
   MEMRA_DSV4_DECODE_ATTN; the two are bit-identical):
   ``split`` (default): build_cand (window chronological, then the compressed segment, -1 padded,
@@ -572,8 +575,9 @@ class DeviceStep:
             HM.indexer_island(S.io, cfg, q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv,
                               (self._pos + 1) // 4, scores=sc, sel=sel)
             return sel
-        # scores + top-k (index order): indexer_fused_d128 in one launch, or (form 'split',
-        # MEMRA_DSV4_INDEXER_SELECT) indexer_scores_tiles_d128 + indexer_select_d128; same bytes
+        # scores + top-k (index order): indexer_scores_tiles_d128 + indexer_select_d128 when the
+        # key rows hold more than index_topk (form 'auto'), else indexer_fused_d128 in one
+        # launch; MEMRA_DSV4_INDEXER_SELECT=fused|split forces one; the same bytes
         IX.scores_topk(q, v["idx.w"].reshape(1, nI), cache.idx_keys, nv, cfg.index_topk, sc,
                        sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
         return sel
