@@ -692,7 +692,7 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
 //   * n <= k: 0..n-1 (+ offset), then -1 to width (no scores read);
 //   * n > k: the high-byte bucket b1 from hist_hi (find_bucket: above1 keys in higher buckets),
 //     then the low byte's histogram over bucket b1's keys (shared atomics: within one high byte
-//     the low bytes spread; hist_add's match-aggregation for n > 32768), bucket b2: thr =
+//     the low bytes spread; hist_add's match-aggregation for n > 16384), bucket b2: thr =
 //     b1 << 8 | b2, need = ksel - #(keys > thr) keys == thr taken, lowest index first. The same
 //     threshold and count as indexer_fused_d128's radix passes;
 //   then the ordered compaction of indexer_fused_d128 over 32 warps: warp w owns the contiguous
@@ -701,8 +701,9 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
 //   warps), then a selected key j lands at (#keys > thr before j) + min(#keys == thr before j,
 //   need) from ballot prefix counts; -1 padding to width. Up to S = 16 (n <= 16384, a 64K
 //   context) each thread holds its keys in registers (sel_regs<STEPS>; at 32 steps ptxas spills
-//   under the 64-register cap of 1024 threads); past that every pass reads L2 (sel_l2). The selected set and its (ascending index) order are indexer_topk's
-//   (order = 1) = the fused kernel's for the same scores.
+//   under the 64-register cap of 1024 threads); past that every pass reads L2 (sel_l2). The
+//   selected set and its (ascending index) order are indexer_topk's (order = 1) = the fused
+//   kernel's for the same scores.
 // scores [N] bf16; n_valid [1] int32; sel_out [width] int32, width >= min(k, N); k <= 1024;
 // hist_hi [256] int32 as the scoring launch of this row left it. grid 1, block 1024, no dynamic
 // shared memory.
@@ -731,8 +732,8 @@ DEV void sel_bucket(const int* hist, int need, SelShared& sh, int i) {
     }
 }
 
-// The ordered compaction, shared by both branches of indexer_select_d128: key_of(s) is step s's key of this lane (-1 past
-// se). Writes sel_out[0, ksel) and the -1 padding. STEPS > 0: exactly STEPS steps, fully unrolled
+// The ordered compaction, shared by both branches of indexer_select_d128: key_of(s) is step s's
+// key of this lane (-1 past se). Writes sel_out[0, ksel) and the -1 padding. STEPS > 0: exactly STEPS steps, fully unrolled
 // (sel_regs: key_of indexes registers with s, which must be static); STEPS = 0: `steps` steps.
 template <int STEPS, typename KeyOf>
 DEV void sel_compact(KeyOf key_of, int steps, int thr, int need, int ksel, int sb, int* __restrict__ sel_out,
