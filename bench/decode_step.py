@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -119,21 +120,26 @@ def random_filled_state(m, ctx: int, max_seq_len: int, seed: int = 0):
     return st
 
 
+# The non-seam arm settings: each stands for an env variable the kernels' wrappers read at every
+# launch (_kernel_env sets its value), not a model attribute.
+_KERNEL_SETTINGS = {
+    "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
+    "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
+    "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
+    "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
+    "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
+    "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT")}
+
+
 def _arm_settings() -> dict:
     """Arm setting -> the seam whose allowed values it takes (path: MEMRA_DSV4_DECODE_PATH, pdl:
-    MEMRA_DSV4_PDL, attn: MEMRA_DSV4_DECODE_ATTN, ..., qnorm: MEMRA_DSV4_DECODE_QNORM)."""
-    from types import SimpleNamespace
+    MEMRA_DSV4_PDL, attn: MEMRA_DSV4_DECODE_ATTN, ..., qnorm: MEMRA_DSV4_DECODE_QNORM), then the
+    non-seam settings (_KERNEL_SETTINGS)."""
     from memra_dsv4 import seams
     return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN,
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT, "prio": seams.SEAM_DECODE_PRIORITY,
-            "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2,
-            "gemv": SimpleNamespace(allowed=("base", "pick"), env="MEMRA_DSV4_GEMV_VARIANT"),
-            "hc": SimpleNamespace(allowed=("lastcta", "poll"), env="MEMRA_DSV4_HC_BOUNDARY_IMPL"),
-            "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
-            "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
-            "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
-            "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT")}
+            "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2, **_KERNEL_SETTINGS}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -160,12 +166,11 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
     return env
 
 
-# The env variables behind the non-seam arm settings (gemv, hc, fp4full, fp4ring, gupdl, idxsel), and
-# their values when this module was imported (None: unset).  An arm that does not name one of these
-# settings runs with that start value, not with whatever the arm before it set: arms share one
-# process, and the variables are read at every launch.
-KERNEL_ENVS = ("MEMRA_DSV4_GEMV_VARIANT", "MEMRA_DSV4_HC_BOUNDARY_IMPL", "MEMRA_DSV4_FP4_FULL",
-               "MEMRA_DSV4_FP4_RING", "MEMRA_DSV4_GATEUP_PDL", "MEMRA_DSV4_INDEXER_SELECT")
+# The env variables behind the non-seam arm settings, and their values when this module was
+# imported (None: unset).  An arm that does not name one of these settings runs with that start
+# value, not with whatever the arm before it set: arms share one process, and the variables are
+# read at every launch.
+KERNEL_ENVS = tuple(s.env for s in _KERNEL_SETTINGS.values())
 _START_ENV = {k: os.environ.get(k) for k in KERNEL_ENVS}
 
 
