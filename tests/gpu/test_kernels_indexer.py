@@ -227,39 +227,49 @@ def test_scores_topk_fused_small_heads(H):
         _check_fused(qg, wg, kg, cp.asarray(np.array([nv], np.int32)), k, k, 3, 1.0, seed, H=H, nv=nv)
 
 
-def test_scores_topk_fused_graph_replay_device_n_valid():
-    """Captured once; n_valid changes on the device between replays (as pos does in decode), across
-    the n <= k short-circuit and the radix path: every replay == the unfused pair, the counter
-    ends at 0."""
+def _graph_replays_match(qg, wg, kg, k, nvs, want, what, seed, form=None):
+    """scores_topk(form) captured once into a graph on a side stream; n_valid changes on the device
+    between replays (as pos does in decode), through nvs (the first also the capture's): every
+    replay's score row and selection == want(nvg), a (scores, selection) pair of device arrays."""
     from memra_dsv4.gpu import graphs
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    H, N, k = 64, 4096, 512
-    qg, wg, kg = _fused_inputs(rng, H, N, "rand")
-    nvg = cp.asarray(np.array([100], np.int32))
+    N = kg.shape[0]
+    nvg = cp.asarray(np.array([nvs[0]], np.int32))
     sc = cp.empty((1, N), np.uint16)
     sel = cp.empty((1, k), np.int32)
-    K.workspace()
     s = cp.cuda.Stream(non_blocking=True)
 
     def launch():
-        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64, form="fused")
+        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64, form=form)
 
     with s:
         launch()
     s.synchronize()
     g = graphs.capture(s, launch)
-    for nv in (100, 512, 513, 4096, 3000, 7, 0, 2222):
+    for nv in nvs:
         nvg.fill(nv)
-        want_sc, want_sel = _unfused_index_topk(qg, wg, kg, nvg, k, k, 128, 1 / 64)
+        want_sc, want_sel = want(nvg)
         cp.cuda.get_current_stream().synchronize()
         sc.fill(0)
         sel.fill(-7)
         cp.cuda.get_current_stream().synchronize()
         graphs.replay(g, s)
         s.synchronize()
-        assert cp.array_equal(sc, want_sc), f"indexer fused (graph) scores, n_valid {nv} {describe(seed)}"
-        assert cp.array_equal(sel, want_sel), f"indexer fused (graph) top-k, n_valid {nv} {describe(seed)}"
+        assert cp.array_equal(sc, want_sc), f"indexer {what} (graph) scores, n_valid {nv} {describe(seed)}"
+        assert cp.array_equal(sel, want_sel), f"indexer {what} (graph) top-k, n_valid {nv} {describe(seed)}"
+
+
+def test_scores_topk_fused_graph_replay_device_n_valid():
+    """Captured once; n_valid changes on the device between replays (as pos does in decode), across
+    the n <= k short-circuit and the radix path: every replay == the unfused pair, the counter
+    ends at 0."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, N, k = 64, 4096, 512
+    qg, wg, kg = _fused_inputs(rng, H, N, "rand")
+    K.workspace()
+    _graph_replays_match(qg, wg, kg, k, (100, 512, 513, 4096, 3000, 7, 0, 2222),
+                         lambda nvg: _unfused_index_topk(qg, wg, kg, nvg, k, k, 128, 1 / 64), "fused", seed,
+                         form="fused")
     assert int(K.workspace().get()[0]) == 0
 
 
@@ -328,34 +338,16 @@ def test_scores_topk_split_many_equal_scores():
 def test_scores_topk_split_graph_replay_env(monkeypatch):
     """The env form (MEMRA_DSV4_INDEXER_SELECT=split, as bench.decode_step's idxsel=split arm) in a
     captured graph, n_valid changed on the device between replays: every replay == the fused form."""
-    from memra_dsv4.gpu import graphs
     monkeypatch.setenv(K.SELECT_ENV, "split")
     seed = fresh_seed()
     rng = rng_for(seed)
     H, N, k = 64, 8192, 512
     qg, wg, kg = _fused_inputs(rng, H, N, "rand")
-    nvg = cp.asarray(np.array([100], np.int32))
-    sc = cp.empty((1, N), np.uint16)
-    sel = cp.empty((1, k), np.int32)
-    s = cp.cuda.Stream(non_blocking=True)
 
-    def launch():
-        K.scores_topk(qg, wg, kg, nvg, k, sc, sel, offset=128, w_scale=1 / 64)
-
-    with s:
-        launch()
-    s.synchronize()
-    g = graphs.capture(s, launch)
-    for nv in (100, 512, 513, 8192, 3000, 7, 0, 2222):
-        nvg.fill(nv)
+    def fused(nvg):
         want_sc = cp.empty((1, N), np.uint16)
         want_sel = cp.empty((1, k), np.int32)
         K.scores_topk(qg, wg, kg, nvg, k, want_sc, want_sel, offset=128, w_scale=1 / 64, form="fused")
-        cp.cuda.get_current_stream().synchronize()
-        sc.fill(0)
-        sel.fill(-7)
-        cp.cuda.get_current_stream().synchronize()
-        graphs.replay(g, s)
-        s.synchronize()
-        assert cp.array_equal(sc, want_sc), f"indexer split (graph) scores, n_valid {nv} {describe(seed)}"
-        assert cp.array_equal(sel, want_sel), f"indexer split (graph) top-k, n_valid {nv} {describe(seed)}"
+        return want_sc, want_sel
+
+    _graph_replays_match(qg, wg, kg, k, (100, 512, 513, 8192, 3000, 7, 0, 2222), fused, "split", seed)
