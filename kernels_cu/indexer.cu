@@ -461,6 +461,8 @@ constexpr int IF_QLD = 132;                                // padded q row (floa
 constexpr int IF_PLD = 65;                                 // padded product row (floats)
 constexpr int IF_QBYTES = 64 * IF_QLD * 4;                 // 33792
 constexpr int IF_SMEM = IF_QBYTES + IS_D * IF_KC * 4;      // + key tile: 41984
+constexpr int IF_KC_SPLIT = 32;                            // keys per tile of indexer_scores_tiles_d128
+constexpr int IF_SMEM_SPLIT = IF_QBYTES + IS_D * IF_KC_SPLIT * 4;  // 50176 (> 48 KiB: opt-in limit)
 constexpr int IF_KEYS_CAP = IF_SMEM / 2;                   // 16-bit keys the top-k can stage
 
 DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int j) {
@@ -481,15 +483,21 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
                  int k, int* __restrict__ sel_out, int width, int offset, int* __restrict__ counter) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     float* qs = reinterpret_cast<float*>(smem_raw);                  // [64][IF_QLD]
-    float* kt = reinterpret_cast<float*>(smem_raw + IF_QBYTES);      // [128][IF_KC]; then prod [IF_KC][IF_PLD]
+    // KC keys per tile: IF_KC (16) in the fused kernel, IF_KC_SPLIT (32) in the scores-only kernel,
+    // whose CTAs each score one tile of twice the keys at 32K context instead of two tiles in a
+    // row (the per-tile chain of loads, barriers and the serial head sum is the cost there, not
+    // the FMAs); thread kg takes KB = KC / 4 consecutive keys, every dot the same FMA chain over
+    // d = 0..127 in order: the score bits do not depend on KC
+    constexpr int KC = SELECT ? IF_KC : IF_KC_SPLIT, KB = KC / 4;
+    float* kt = reinterpret_cast<float*>(smem_raw + IF_QBYTES);      // [128][KC]; then prod [KC][IF_PLD]
     float* prod = kt;
     __shared__ int hist[256];
     __shared__ int wcnt[IF_WARPS][2];
     __shared__ int s_b1, s_above1, s_b2, s_above2, is_last;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int nv = max(min(__ldg(n_valid), N), 0);
-    const int ntiles = (N + IF_KC - 1) / IF_KC;
-    const int vtiles = (nv + IF_KC - 1) / IF_KC;  // tiles holding causal keys
+    const int ntiles = (N + KC - 1) / KC;
+    const int vtiles = (nv + KC - 1) / KC;  // tiles holding causal keys
     const int hg = tid >> 2, kg = tid & 3;
     const int h0 = 2 * hg;                        // this thread's 2 heads (idle when h0 >= H)
     const bool hv = h0 < H;
@@ -508,26 +516,26 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
         }
     }
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        const int k0 = tile * IF_KC;
+        const int k0 = tile * KC;
         if (tile >= vtiles) {  // nothing causal: -inf (uniform over the CTA)
-            if (tid < IF_KC && k0 + tid < N) scores_out[k0 + tid] = 0xff80u;
+            if (tid < KC && k0 + tid < N) scores_out[k0 + tid] = 0xff80u;
             continue;
         }
-        for (int c = tid; c < IF_KC * IS_D / 8; c += IF_THREADS) {  // key tile, transposed, f32
-            const int kk = c % IF_KC, dc = c / IF_KC;
+        for (int c = tid; c < KC * IS_D / 8; c += IF_THREADS) {  // key tile, transposed, f32
+            const int kk = c % KC, dc = c / KC;
             uint4 v = make_uint4(0, 0, 0, 0);
             if (k0 + kk < nv) v = ldg16(keys + (i64)(k0 + kk) * ld_k + 8 * dc);
             float f[8];
             unpack8(v, f);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) kt[(8 * dc + j) * IF_KC + kk] = f[j];
+            for (int j = 0; j < 8; ++j) kt[(8 * dc + j) * KC + kk] = f[j];
         }
         __syncthreads();  // q (first tile) and the key tile staged
-        float dot[2][4];
+        float dot[2][KB];
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
-            for (int b = 0; b < 4; ++b) dot[a][b] = 0.0f;
+            for (int b = 0; b < KB; ++b) dot[a][b] = 0.0f;
         if (hv) {
             const float* qa = qs + h0 * IF_QLD;
 #pragma unroll 4
@@ -537,27 +545,31 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
                 const float qv[2][4] = {{q0.x, q0.y, q0.z, q0.w}, {q1.x, q1.y, q1.z, q1.w}};
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {  // d ascending for every (head, key)
-                    const float4 kv4 = *reinterpret_cast<const float4*>(kt + (d + i) * IF_KC + 4 * kg);
-                    const float kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+                    float kv[KB];
+#pragma unroll
+                    for (int c4 = 0; c4 < KB / 4; ++c4) {
+                        const float4 kv4 = *reinterpret_cast<const float4*>(kt + (d + i) * KC + KB * kg + 4 * c4);
+                        kv[4 * c4] = kv4.x; kv[4 * c4 + 1] = kv4.y; kv[4 * c4 + 2] = kv4.z; kv[4 * c4 + 3] = kv4.w;
+                    }
 #pragma unroll
                     for (int a = 0; a < 2; ++a)
 #pragma unroll
-                        for (int b = 0; b < 4; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[b], dot[a][b]);
+                        for (int b = 0; b < KB; ++b) dot[a][b] = __fmaf_rn(qv[a][i], kv[b], dot[a][b]);
                 }
             }
         }
-        __syncthreads();  // the key tile becomes the product buffer [16 keys][IF_PLD]
+        __syncthreads();  // the key tile becomes the product buffer [KC keys][IF_PLD]
         if (hv) {
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
-                for (int b = 0; b < 4; ++b) {
+                for (int b = 0; b < KB; ++b) {
                     const float s = fmaxf(round_bf16(dot[a][b]), 0.0f);
-                    prod[(4 * kg + b) * IF_PLD + h0 + a] = round_bf16(__fmul_rn(s, wv[a]));
+                    prod[(KB * kg + b) * IF_PLD + h0 + a] = round_bf16(__fmul_rn(s, wv[a]));
                 }
         }
         __syncthreads();
-        if (tid < IF_KC) {
+        if (tid < KC) {
             const int kk = k0 + tid;
             const float* pr = prod + tid * IF_PLD;
             double acc = (double)pr[0];
@@ -679,9 +691,9 @@ indexer_fused_d128(const u16* __restrict__ q, const u16* __restrict__ w, const u
 // ---------------------------------------------------------------------------------------------
 // The split form of indexer_fused_d128 (two launches; the decode step's default when the key row
 // can hold more than k keys, ops.indexer.scores_topk form 'split' / 'auto'):
-// indexer_scores_tiles_d128: exactly indexer_fused_d128's scoring (the shared if_body<false>: same
-//   IF_KC = 16 tiles, block 128, IF_SMEM dynamic smem, the same score bits, -inf at and past
-//   n_valid; any grid), plus one global atomicAdd per valid key into hist_hi[score_key >> 8]:
+// indexer_scores_tiles_d128: indexer_fused_d128's scoring (the shared if_body<false>) on tiles of
+//   IF_KC_SPLIT = 32 keys (thread kg: keys 8kg .. 8kg + 7), block 128, IF_SMEM_SPLIT dynamic smem:
+//   the same score bits, -inf at and past n_valid; any grid; plus one global atomicAdd per valid key into hist_hi[score_key >> 8]:
 //   the selection's first radix pass, done where the scores are made. No ticket, no selection;
 //   k / sel_out / width / offset unused. hist_hi [256] int32 must be zero at launch.
 // indexer_select_d128: the selection on one CTA of 1024 threads (32 warps), reading the row the

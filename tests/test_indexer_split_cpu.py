@@ -141,8 +141,10 @@ def test_split_launches(fake_ix, monkeypatch, N):
     sc, sel = _call(fake, IX, N, form="split")
     assert [x[0] for x in launched] == ["indexer_scores_tiles_d128", "indexer_select_d128"]
     tiles, select = launched
-    assert tiles[1:3] == fused[1:3] and tiles[4] == fused[4] == IX.FUSED_SMEM     # the same grid / smem
-    assert tiles[1] == (min(-(-N // 16), 264),) and tiles[2] == (128,)
+    assert fused[1] == (min(-(-N // 16), 264),) and fused[4] == IX.FUSED_SMEM
+    assert tiles[1] == (min(-(-N // 32), 264),) and tiles[2] == (128,)         # 32-key tiles
+    assert tiles[4] == IX.SPLIT_SMEM == 64 * 132 * 4 + 128 * 32 * 4
+    assert IX.kernel("indexer", "indexer_scores_tiles_d128").max_dynamic_shared_size_bytes == IX.SPLIT_SMEM
     hist = IX.hist_workspace()                                                      # int32 [256], zero
     assert tiles[3][-1] is hist and hist.shape == (256,) and hist.dtype == np.int32
     assert select[3][-1] is hist                                                    # the same workspace
@@ -351,6 +353,8 @@ def test_source_kernels_and_launch_bounds(IX):
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(IX_SEL_THREADS\)\s*\nindexer_select_d128\(', SRC)
     assert re.search(r"constexpr int IX_SEL_THREADS = 1024;", SRC) and IX.SELECT_THREADS == 1024
     assert re.search(r"constexpr int IF_THREADS = 128;", SRC)
+    assert int(re.search(r"constexpr int IF_KC_SPLIT = (\d+);", SRC).group(1)) == IX.SPLIT_KEYS_PER_TILE == 32
+    assert "constexpr int KC = SELECT ? IF_KC : IF_KC_SPLIT, KB = KC / 4;" in SRC
     steps = int(re.search(r"constexpr int IX_SEL_REG_STEPS = (\d+);", SRC).group(1))
     assert 1024 * steps == IX.SELECT_REG_CAP
     assert {"indexer_scores_tiles_d128", "indexer_select_d128"} <= set(IX.KERNELS)

@@ -43,6 +43,8 @@ FUSED_KEYS_PER_TILE = 16                  # kernels_cu/indexer.cu IF_KC
 FUSED_SMEM = 64 * 132 * 4 + 128 * 16 * 4  # IF_SMEM
 SELECT_THREADS = 1024                     # indexer_select_d128's block
 SELECT_REG_CAP = 16384                    # IX_SEL_THREADS * IX_SEL_REG_STEPS: keys it holds in registers
+SPLIT_KEYS_PER_TILE = 32                  # kernels_cu/indexer.cu IF_KC_SPLIT
+SPLIT_SMEM = 64 * 132 * 4 + 128 * 32 * 4  # IF_SMEM_SPLIT (> 48 KiB: the kernel's limit is raised)
 SPLIT_SCORE_CTAS_PER_SM = 2               # indexer_scores_tiles_d128's grid cap, CTAs per SM
 SELECT_FORMS = ("fused", "split", "auto")
 SELECT_FORM = "auto"                      # scores_topk's default form (the env overrides it)
@@ -177,15 +179,16 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     tiles = -(-N // FUSED_KEYS_PER_TILE)
     grid = (max(1, min(tiles, 2 * sm_count())),)
     if form == "split":
-        # scores: the fused kernel's tiles (shared body; the bits do not depend on the grid) + the
-        # high-byte histogram (hist, zero here); up to SPLIT_SCORE_CTAS_PER_SM CTAs per SM (41 KB
-        # smem each)
+        # scores: the fused kernel's body (the bits depend on neither the tile size nor the grid) on
+        # tiles of SPLIT_KEYS_PER_TILE keys + the high-byte histogram (hist, zero here); up to
+        # SPLIT_SCORE_CTAS_PER_SM CTAs per SM (49 KB smem each)
         hist = hist_workspace() if hist is None else check(hist, "indexer.scores_topk.hist", np.int32, (256,))
         kern = kernel(STEM, "indexer_scores_tiles_d128")
-        kern((max(1, min(tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())),), (128,),
+        split_tiles = -(-N // SPLIT_KEYS_PER_TILE)
+        kern((max(1, min(split_tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())),), (128,),
              (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
               sel_out, i32(width), i32(offset), hist),
-             shared_mem=dynamic_smem(kern, FUSED_SMEM))
+             shared_mem=dynamic_smem(kern, SPLIT_SMEM))
         # selection: one CTA of 1024 threads; reads scores_out and hist after its PDL wait (the
         # whole scoring grid done), n_valid on the device; zeroes hist; static shared memory only
         sel = kernel(STEM, "indexer_select_d128")
