@@ -463,6 +463,8 @@ constexpr int IF_QBYTES = 64 * IF_QLD * 4;                 // 33792
 constexpr int IF_SMEM = IF_QBYTES + IS_D * IF_KC * 4;      // + key tile: 41984
 constexpr int IF_KC_SPLIT = 32;                            // keys per tile of indexer_scores_tiles_d128
 constexpr int IF_SMEM_SPLIT = IF_QBYTES + IS_D * IF_KC_SPLIT * 4;  // 50176 (> 48 KiB: opt-in limit)
+static_assert(IF_SMEM_SPLIT <= 227 * 1024, "indexer_scores_tiles_d128: q rows + key tile past an SM's shared memory");
+static_assert(IF_KC_SPLIT * IF_PLD <= IS_D * IF_KC_SPLIT, "the product buffer reuses the key tile");
 constexpr int IF_KEYS_CAP = IF_SMEM / 2;                   // 16-bit keys the top-k can stage
 
 DEV u32 if_key_at(const u16* ks, const u16* __restrict__ row, bool in_smem, int j) {
