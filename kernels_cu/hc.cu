@@ -346,22 +346,39 @@ static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CT
 DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
-// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).
-DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
-                       const float* comb_in, u16* out, const float* __restrict__ fn,
-                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
+// A lane's 8 fn values of each of its warp's 3 rows in CTA sg's segment: the HBM stream of the
+// boundary, loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD, bnd_fn_preload: fn is a static weight,
+// so the loads cannot observe the predecessor; under PDL the CTAs become resident during the
+// preceding GEMV's last wave and the fn latency leaves the chain).
+struct BndFn {
+    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
+};
+
+// It ends its basic block (the branch on D, never taken), so ptxas cannot schedule the wait above
+// the loads.
+DEV BndFn bnd_fn_preload(const float* __restrict__ fn, int D) {
+    BndFn r;
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int n = HC * D;
-    const int sg = blockIdx.x;
-    const int e0 = sg * MIX_SEG + 8 * lane;
-    float4 wa[BND_ROWS_PER_WARP], wb[BND_ROWS_PER_WARP];
+    const int e0 = blockIdx.x * MIX_SEG + 8 * lane;
 #pragma unroll
     for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
         const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
-        wa[q] = __ldg(wp);
-        wb[q] = __ldg(wp + 1);
+        r.wa[q] = __ldg(wp);
+        r.wb[q] = __ldg(wp + 1);
     }
+    if (D < 0) __trap();
+    return r;
+}
+
+// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
+// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).  fr: bnd_fn_preload's.
+DEV double bnd_phase_a(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R,
+                       const float* post_in, const float* comb_in, u16* out,
+                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
+    const int lane = threadIdx.x & 31;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
     {
         const int nlines = (2 * D + 127) / 128;
         for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
@@ -403,7 +420,8 @@ DEV double bnd_phase_a(const u16* __restrict__ f, const u16* __restrict__ R, con
     }
 #pragma unroll
     for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
-        const float w[8] = {wa[q].x, wa[q].y, wa[q].z, wa[q].w, wb[q].x, wb[q].y, wb[q].z, wb[q].w};
+        const float4 a = fr.wa[q], b = fr.wb[q];
+        const float w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[q] = __fma_rn((double)w[i], (double)xf[i], v[q]);
     }
@@ -475,7 +493,7 @@ DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16
 // warp; warps 4..7 write pre_out, the same pre_value bits split_lanes writes; post_out / comb_out
 // / iters unused).  One body, so the split kernel stays hc_boundary minus warp 0 by construction.
 template <bool SINKHORN>
-DEV void bnd_lastcta(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
                      const float* comb_in, u16* out, const float* __restrict__ fn,
                      const float* __restrict__ scale, const float* __restrict__ base,
                      const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
@@ -493,7 +511,7 @@ DEV void bnd_lastcta(const u16* __restrict__ f, const u16* __restrict__ R, const
     const int sg = blockIdx.x;
     // ---- phase A (the fn rows, the HBM stream, are requested first; hc_post once per element
     // when f is given: thread t makes element 256 sg + t and shares the segment in seg_s)
-    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
+    const double val = bnd_phase_a(fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
     if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;  // slot 4w + 3: the same squares in every warp
     __threadfence();
     __syncthreads();
@@ -571,8 +589,9 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             const float* __restrict__ scale, const float* __restrict__ base,
             const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
             float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
-            double norm_eps, double* ws, int* counter) { PDL_ENTRY();
-    bnd_lastcta<true>(f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, post_out,
+            double norm_eps, double* ws, int* counter) {
+    PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
+    bnd_lastcta<true>(fr, f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, post_out,
                       comb_out, x_out, xn_out, D, iters, hc_eps, norm_eps, ws, counter);
 }
 
@@ -680,14 +699,15 @@ hc_boundary_poll(const u16* __restrict__ f, const u16* __restrict__ R, const flo
                  const float* __restrict__ scale, const float* __restrict__ base,
                  const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
                  float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
-                 double norm_eps, int* slots_i32) { PDL_ENTRY();
+                 double norm_eps, int* slots_i32) {
+    PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
     extern __shared__ double bnd_smem[];  // CTA 0: partials [nseg][32], S [4][D], weight [D]
     __shared__ double red[4];
     __shared__ __align__(16) u16 seg_s[MIX_SEG];
     u64* slots = reinterpret_cast<u64*>(slots_i32);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int n = HC * D, nseg = n / MIX_SEG;
-    const double val = bnd_phase_a(f, R, post_in, comb_in, out, fn, norm_w, D, seg_s);
+    const double val = bnd_phase_a(fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
     if (lane < 4) st_release_gpu(slots + blockIdx.x * 32 + 4 * wid + lane, bnd_encode(val));
     if (blockIdx.x != 0) return;
     // ---- CTA 0
@@ -799,8 +819,9 @@ hc_boundary_pre(const u16* __restrict__ f, const u16* __restrict__ R, const floa
                 const float* __restrict__ comb_in, u16* out, const float* __restrict__ fn,
                 const float* __restrict__ scale, const float* __restrict__ base,
                 const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
-                u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) { PDL_ENTRY();
-    bnd_lastcta<false>(f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, nullptr,
+                u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) {
+    PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
+    bnd_lastcta<false>(fr, f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, nullptr,
                        nullptr, x_out, xn_out, D, 0, hc_eps, norm_eps, ws, counter);
 }
 

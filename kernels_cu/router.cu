@@ -187,7 +187,10 @@ ROUTER_SELECT(router_select_e512, 16)
 //   router_logits_bf16). Lane l owns the chunks c = l + 32 i and accumulates them in c order in
 //   double, then warp_sum: router_logits_bf16's per-row order exactly, so the logits are the same
 //   bits. The lane's first RF_LOADS 16-byte weight chunks (D = 4096: its whole share of the row)
-//   are all issued before x is staged in shared memory; the row's lane 0 then computes
+//   are issued BEFORE the PDL wait (PDL_ENTRY_PRELOAD, rf_preload: the router weight is static,
+//   so the loads cannot observe the predecessor; under PDL the CTAs are resident while the
+//   hc boundary before them runs, and the weights' DRAM latency leaves the chain); x is staged
+//   in shared memory after the wait; the row's lane 0 then computes
 //   s = sqrtsoftplus(logit) itself (the double exp / log1p spread over the CTAs), writing logits
 //   and scores.
 //   Select: every CTA fences its writes and takes a ticket (atomicAdd on counter[0]); the CTA
@@ -204,8 +207,31 @@ namespace {
 constexpr int RF_WARPS = 4;
 constexpr int RF_LOADS = 16;
 
+struct RfFirst {  // a lane's first RF_LOADS weight chunks of its warp's row (zeros past the row / E)
+    uint4 wv[RF_LOADS];
+};
+
+// Before the PDL wait (PDL_ENTRY_PRELOAD): the static router weight only.  It ends its basic
+// block (the branch on D, never taken), so ptxas cannot schedule the wait above the loads.
+DEV RfFirst rf_preload(const u16* __restrict__ w, int D, int E) {
+    RfFirst f;
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * RF_WARPS + (threadIdx.x >> 5);
+    const bool row_ok = e < E;
+    const int nc = D >> 3;
+    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
+#pragma unroll
+    for (int i = 0; i < RF_LOADS; ++i) {
+        const int c = lane + 32 * i;
+        f.wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+    if (D < 0) __trap();
+    return f;
+}
+
 template <int EPL>
-DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,
+DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, const u16* __restrict__ w,
+                           const float* __restrict__ bias,
                            const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
                            float* __restrict__ logits_out, float* __restrict__ scores_out,
                            int* __restrict__ idx_out, float* __restrict__ w_out, int* __restrict__ counter,
@@ -222,10 +248,7 @@ DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w,
     const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
     uint4 wv[RF_LOADS];
 #pragma unroll
-    for (int i = 0; i < RF_LOADS; ++i) {
-        const int c = lane + 32 * i;
-        wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
-    }
+    for (int i = 0; i < RF_LOADS; ++i) wv[i] = first.wv[i];  // loaded before the wait
     for (int c = threadIdx.x; c < nc; c += blockDim.x) xs[c] = ldg16(x + 8 * c);
     __syncthreads();
     double acc = 0.0;
@@ -299,8 +322,9 @@ DEV void router_fused_body(const u16* __restrict__ x, const u16* __restrict__ w,
     NAME(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,     \
          const int* __restrict__ tid2eid, const int* __restrict__ token_ids, float* __restrict__ logits_out, \
          float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
-         int* __restrict__ counter, int D, int E, int k, float route_scale) { PDL_ENTRY();                     \
-        router_fused_body<EPL>(x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
+         int* __restrict__ counter, int D, int E, int k, float route_scale) {                     \
+        PDL_ENTRY_PRELOAD(const RfFirst first = rf_preload(w, D, E));                             \
+        router_fused_body<EPL>(first, x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
                                D, E, k, route_scale);                                             \
     }
 

@@ -188,13 +188,15 @@ def test_site_key_and_ps_fallback(fake_launch, monkeypatch):
 
 
 def test_shipped_pick_launches(fake_launch, monkeypatch):
-    """GEMV_SELECT as shipped (the 57a2c0d measurement): which kernel each step GEMV launches
-    when nothing overrides it; the fp8 multi table and fp8 large GEMVs keep the defaults."""
+    """GEMV_SELECT as shipped (the 57a2c0d measurement; pl_r2 for large bf16 since a40ee2f): which
+    kernel each step GEMV launches when nothing overrides it; a large bf16 launch pl_r2 cannot take
+    gets r2t2; the fp8 multi table and fp8 large GEMVs keep the defaults."""
     fake, DK, launched = fake_launch
     A = fake.asarray
     monkeypatch.delenv(DK.GEMV_VARIANT_ENV, raising=False)
     cases = [((1024, 4096), np.uint16, "gemv_bf16_r1t2"),      # wq_a: small bf16
-             ((32768, 1024), np.uint16, "gemv_bf16_r2t2"),     # wq_b: large bf16
+             ((32768, 1024), np.uint16, "gemv_bf16_pl_r2"),    # wq_b: large bf16
+             ((16384, 1536), np.uint16, "gemv_bf16_r2t2"),     # large bf16, K % 1024 != 0: no pl_r2
              ((1024, 4096), np.uint8, "gemv_fp8_r2t2"),        # small fp8
              ((32768, 1024), np.uint8, "gemv_fp8_r8")]         # large fp8: default (K < 2048)
     for (O, K), dt, name in cases:

@@ -69,8 +69,12 @@ GEMV_PL = (2, 4)                                              # gemv_bf16_pl_r{R
 # 57a2c0d on 2x H200 (bench/results/2026-11-30-nvidia-h200-57a2c0d-gemv.log: tools/bench_gemv.py
 # --dense-only --variants --suggest, L2 flushed; every variant bit-identical), then the step A/B
 # in one process (bench.decode_step --arms path=device+gemv=base,path=device+gemv=pick, 1K, 60
-# steps): bf16 dense 8.18 -> 7.94 ms, fp8 dense 7.20 -> 7.01 ms per token.
-GEMV_SELECT: dict = {"multi.bf16": "r1t2", "plain.bf16.large": "r2t2", "plain.bf16.small": "r1t2",
+# steps): bf16 dense 8.18 -> 7.94 ms, fp8 dense 7.20 -> 7.01 ms per token.  plain.bf16.large
+# r2t2 -> pl_r2 (the first trip of weights loaded before the PDL wait; bit-identical, byte tests
+# at 5a2e011 / 3bbb826): 7.56 -> 7.51 ms at 3bbb826 and 7.23 -> 7.17 ms at a40ee2f (1K bf16,
+# 160 steps per arm, one process; bench/results/2026-11-30-nvidia-h200-a40ee2f-ab_1k.log).
+# Launches pl_r2 cannot take (K % 1024 != 0, or R not dividing rows_per_group) keep r2t2.
+GEMV_SELECT: dict = {"multi.bf16": "r1t2", "plain.bf16.large": "pl_r2", "plain.bf16.small": "r1t2",
                      "plain.fp8.small": "r2t2", "swiglu.bf16": "p1t2", "swiglu.fp8": "p1t2"}
 GEMV_VARIANT_ENV = "MEMRA_DSV4_GEMV_VARIANT"
 _SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small" (<= 16 MB bf16)
@@ -332,7 +336,10 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
                 _gemv_grid(nw), (32 * GEMV_WARPS,),
                 (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
             return out
-        variant = None
+        # a selected (not explicit) variant this launch cannot take: pl_r{R} -> r{R}t2 (the same
+        # rows per warp; pl_r2 replaced the r2t2 pick), ps_r*d* -> the default
+        R_pl = None if fp8 else parse_pl(variant)
+        variant = f"r{R_pl}t2" if R_pl and (R_pl, 2) in GEMV_VARIANTS[fp8] else None
     if variant is not None and variant != "default":
         bulk, R, T = _parse_variant(variant, "r")
         if bulk:

@@ -45,6 +45,31 @@ def test_rmsnorm(T, n, wdtype):
         assert cp.array_equal(one[0], got[t]), f"rmsnorm row {t} alone != in batch [seed={seed}]"
 
 
+@pytest.mark.parametrize("wdtype", ["f32", "bf16"])
+@pytest.mark.parametrize("n", [1024, 4096, 136])
+def test_rmsnorm_weight_preload_and_its_fallback(n, wdtype):
+    """The kernels load each thread's first weight chunk before the PDL wait (rms_preload) when
+    the weight is 16-byte aligned, and per element otherwise: a weight at a 2- / 4-byte offset
+    (a view one element into a buffer) gives the same bytes as the aligned copy, and both equal
+    the twin (n = 136: 17 chunks, threads past them preload nothing)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    x = rand_bf16(rng, (3, n), 1.0, spread=3)
+    w = bf16(rng.standard_normal(n).astype(np.float32) * np.float32(0.5) + np.float32(1.0))
+    wb = np.asarray(w, np.float32) if wdtype == "f32" else bits_of(w)
+    aligned = cp.asarray(wb)
+    buf = cp.zeros(n + 8, wb.dtype)
+    buf[1:n + 1] = aligned
+    shifted = buf[1:n + 1]
+    assert shifted.data.ptr % 16 != 0 and aligned.data.ptr % 16 == 0
+    xg = cp.asarray(bits_of(x))
+    got_a = K.rmsnorm(xg, aligned, EPS)
+    got_s = K.rmsnorm(xg, shifted, EPS)
+    assert cp.array_equal(got_a, got_s), f"rmsnorm: aligned vs offset weight differ [seed={seed}]"
+    assert_bf16(got_a.get(), O.rmsnorm(x, w, EPS), "rmsnorm preload", seed, max_ulp=RMS_MAX_ULP,
+                max_frac=RMS_MAX_FRAC, n=n, w=wdtype)
+
+
 @pytest.mark.parametrize("T,H,D", [(1, 64, 512), (9, 64, 512), (5, 4, 128), (3, 8, 128)])
 def test_head_rms(T, H, D):
     seed = fresh_seed()
