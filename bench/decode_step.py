@@ -38,7 +38,9 @@ full-shape FP4 expert kernels or the general ones, ops.experts) and ``fp4ring=on
 the shared expert's and the Sinkhorn's branches can run beside the router) and ``idxsel=fused|split|auto``
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
-default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk); the arm sets these variables
+default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk), and
+``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
+DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
 every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
@@ -139,7 +141,8 @@ def _arm_settings() -> dict:
     return {"path": seams.SEAM_DECODE_PATH, "pdl": seams.SEAM_PDL, "attn": seams.SEAM_DECODE_ATTN,
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT, "prio": seams.SEAM_DECODE_PRIORITY,
-            "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2, **_KERNEL_SETTINGS}
+            "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2, **_KERNEL_SETTINGS,
+            "kernels": _KERNELS_TREE}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -170,8 +173,37 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
 # imported (None: unset).  An arm that does not name one of these settings runs with that start
 # value, not with whatever the arm before it set: arms share one process, and the variables are
 # read at every launch.
+# kernels=tree|base: the kernel tree the arm's launches (and graphs) use: this checkout's
+# (MEMRA_DSV4_KERNELS_DIR) or --base-kernels DIR (kernel_loader.use_kernels_dir), for an
+# in-process A/B of a kernel change against the tree before it (e.g. `git archive BASE
+# kernels_cu | tar -x -C ab_base`); the kernels' signatures must match what this checkout's
+# Python launches
+class _ArmOnlySetting:   # an arm setting that is neither a seam nor an env variable
+    def __init__(self, allowed: tuple, env: str):
+        self.allowed, self.env = allowed, env
+
+
+_KERNELS_TREE = _ArmOnlySetting(("tree", "base"), "--base-kernels DIR, kernel_loader.use_kernels_dir")
 KERNEL_ENVS = tuple(s.env for s in _KERNEL_SETTINGS.values())
 _START_ENV = {k: os.environ.get(k) for k in KERNEL_ENVS}
+
+
+def _kernels_dir(s: dict, base_kernels: str | None) -> str | None:
+    """The kernel tree of an arm: None (this checkout's) unless it says kernels=base, which
+    needs --base-kernels DIR (SystemExit naming the arm otherwise, or when DIR is not a tree
+    with the .cu files this checkout registers)."""
+    if s.get("kernels", "tree") == "tree":
+        return None
+    if not base_kernels:
+        raise SystemExit(f"arm {s}: kernels=base needs --base-kernels DIR")
+    if not os.path.isdir(base_kernels):
+        raise SystemExit(f"arm {s}: --base-kernels {base_kernels} is not a directory")
+    from memra_dsv4.gpu import kernel_loader
+    missing = [f"{stem}.cu" for stem in sorted(kernel_loader.registered())
+               if not os.path.isfile(os.path.join(base_kernels, f"{stem}.cu"))]
+    if missing:
+        raise SystemExit(f"arm {s}: --base-kernels {base_kernels} lacks {', '.join(missing)}")
+    return os.path.abspath(base_kernels)
 
 
 def complete_kernel_env(own: dict) -> dict:
@@ -197,7 +229,8 @@ def check_arms(spec: str) -> list[dict]:
         for key, seam in known.items():
             if key in s and s[key] not in seam.allowed:
                 raise SystemExit(f"arm {s}: {key}={s[key]!r}; expected one of "
-                                 f"{', '.join(seam.allowed)} (seam {seam.env})")
+                                 f"{', '.join(seam.allowed)} "
+                                 f"({'' if isinstance(seam, _ArmOnlySetting) else 'seam '}{seam.env})")
     return arms
 
 
@@ -205,8 +238,10 @@ class _ArmState:
     def __init__(self, m, path: str, ids, max_seq_len: int, fill: str = "prefill",
                  pdl: str | None = None, attn: str | None = None, kernel_env: dict | None = None,
                  l2pf: str | None = None, fork: str | None = None, hcsplit: str | None = None,
-                 prio: str | None = None, qnorm: str | None = None, w2: str | None = None):
+                 prio: str | None = None, qnorm: str | None = None, w2: str | None = None,
+                 kernels_dir: str | None = None):
         from memra_dsv4.gpu.decode import resolve_decode_path
+        self.kernels_dir = kernels_dir   # None: this checkout's tree (kernels=tree)
         # env var -> value set before each step: every KERNEL_ENVS variable, so a setting the arm
         # does not name is the process's start value, not the previous arm's
         self.kernel_env = complete_kernel_env(kernel_env or {})
@@ -227,11 +262,13 @@ class _ArmState:
             self.tok = int(np.argmax(logits))
 
     def _apply_env(self) -> None:
+        from memra_dsv4.gpu import kernel_loader
         for k, v in self.kernel_env.items():
             if v:
                 os.environ[k] = v
             else:
                 os.environ.pop(k, None)
+        kernel_loader.use_kernels_dir(getattr(self, "kernels_dir", None))
 
     def apply(self) -> None:
         """Make this arm the model's: its kernel env values and its settings on the model (the
@@ -308,6 +345,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--gemv-pick", default=None, metavar="FILE",
                     help="MEMRA_DSV4_GEMV_VARIANT value used by arms with gemv=pick")
+    ap.add_argument("--base-kernels", default=None, metavar="DIR",
+                    help="the kernel tree of arms with kernels=base (an in-process A/B of two "
+                         "kernels_cu trees; kernel_loader.use_kernels_dir)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--phase-steps", type=int, default=3)
     ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
@@ -358,7 +398,8 @@ def main(argv=None) -> int:
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
                        _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"), s.get("hcsplit"),
-                       s.get("prio"), s.get("qnorm"), s.get("w2"))
+                       s.get("prio"), s.get("qnorm"), s.get("w2"),
+                       _kernels_dir(s, a.base_kernels))
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -398,7 +439,8 @@ def main(argv=None) -> int:
                          "attn": states[arm.name].attn, "l2pf": states[arm.name].l2pf,
                          "fork": states[arm.name].fork, "hcsplit": states[arm.name].hcsplit,
                          "prio": states[arm.name].prio, "qnorm": states[arm.name].qnorm,
-                         "w2": states[arm.name].w2},
+                         "w2": states[arm.name].w2,
+                         "kernels_dir": states[arm.name].kernels_dir or "(this checkout)"},
             "ratio_to_first": summ["median"] / base,
             "bytes_per_step": own_b, "native_bytes_per_step": nat_b,
             "achieved_frac_of_copy_bw": frac,

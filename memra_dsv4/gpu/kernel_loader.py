@@ -23,6 +23,9 @@ Contract
   module is built or rebuilt (``get`` then hands out the new module's kernels) and whenever a
   loader is made, and it is bypassed (neither read nor filled) while ``KernelLoader.get`` is
   replaced (``profiling.launches.record_launches`` wraps every lookup).
+* ``use_kernels_dir(path)`` (in-process A/B of two kernel trees, bench.decode_step's
+  ``kernels=base`` arm; not a seam) routes get_loader / lookup to a loader of another tree
+  until ``use_kernels_dir(None)``; the memo keys on the routed tree.
 * NVRTC options: ``-std=c++17 -arch=sm_90a -I<kernels_dir> -DMEMRA_DSV4_HEADERS=<hash>``.
     - ``-arch=sm_90a`` defines ``__CUDA_ARCH_FEAT_SM90_ALL`` (wgmma, setmaxnreg).  CuPy appends
       its own ``-arch=sm_90`` after ours; measured on CuPy 14.2 / H200, ours takes effect.
@@ -54,6 +57,7 @@ from memra_dsv4.gpu import REPO_ROOT, default_cache_dir, pdl
 from memra_dsv4.seams import SEAM_DEVICE_TRACE, SEAM_KERNELS_DIR, env_value, resolve
 
 __all__ = ["KernelCompileError", "KernelLoader", "register", "registered", "get_loader", "lookup",
+           "use_kernels_dir",
            "nvrtc_options", "header_fingerprint", "configure_cache_dir", "KERNELS_DIR",
            "BASE_OPTIONS"]
 
@@ -259,17 +263,38 @@ class KernelLoader:
         return self._kernels[(stem, name)]
 
 
-_LOADERS: dict[int, KernelLoader] = {}
+# device -> its loader of KERNELS_DIR; (device, dir) -> a loader of another tree (use_kernels_dir)
+_LOADERS: dict = {}
 _GET = KernelLoader.get   # lookup() memoises only while KernelLoader.get is this function
-# (device, stem, name, PDL context) -> what get_loader(device).get(stem, name) returned
+# (device, stem, name, PDL context, other tree) -> what get_loader(device).get(stem, name) returned
 _LOOKUP: dict[tuple, object] = {}
+_OTHER_DIR: str | None = None   # use_kernels_dir's tree; None: KERNELS_DIR (the seam's)
+
+
+def use_kernels_dir(path: str | None) -> None:
+    """Route get_loader / lookup (and so every op's launches) to a loader of the kernels tree at
+    ``path`` from now on, in this process; None routes them back to KERNELS_DIR.  For in-process
+    A/B measurement of two kernel trees only (bench.decode_step's ``kernels=base`` arm with
+    ``--base-kernels DIR``; each arm captures its own graphs, which keep the kernels of the tree
+    that was routed at capture).  Not a seam: the kernel tree of a run is MEMRA_DSV4_KERNELS_DIR,
+    read once at import.  FileNotFoundError when ``path`` is not a directory."""
+    global _OTHER_DIR
+    if path is not None:
+        path = os.path.abspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"use_kernels_dir: {path} is not a directory")
+        if path == os.path.abspath(KERNELS_DIR):
+            path = None
+    _OTHER_DIR = path
 
 
 def get_loader(device_id: int) -> KernelLoader:
-    """The process-wide loader of ``device_id`` (ops share it so modules compile once)."""
-    loader = _LOADERS.get(int(device_id))
+    """The process-wide loader of ``device_id`` (ops share it so modules compile once), of
+    KERNELS_DIR or of the tree use_kernels_dir routed to."""
+    key = int(device_id) if _OTHER_DIR is None else (int(device_id), _OTHER_DIR)
+    loader = _LOADERS.get(key)
     if loader is None:
-        loader = _LOADERS[int(device_id)] = KernelLoader(device_id)
+        loader = _LOADERS[key] = KernelLoader(device_id, kernels_dir=_OTHER_DIR)
         _LOOKUP.clear()
     return loader
 
@@ -277,7 +302,7 @@ def get_loader(device_id: int) -> KernelLoader:
 def lookup(device_id: int, stem: str, name: str):
     """``get_loader(device_id).get(stem, name)``, memoised (module doc): the same object, a hit
     costing one dict lookup instead of the loader's ~6 calls and an import statement."""
-    key = (device_id, stem, name, pdl.pdl_active())
+    key = (device_id, stem, name, pdl.pdl_active(), _OTHER_DIR)
     k = _LOOKUP.get(key)
     if k is None or KernelLoader.get is not _GET:
         k = get_loader(device_id).get(stem, name)
