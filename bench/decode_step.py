@@ -188,16 +188,19 @@ KERNEL_ENVS = tuple(s.env for s in _KERNEL_SETTINGS.values())
 _START_ENV = {k: os.environ.get(k) for k in KERNEL_ENVS}
 
 
-def _kernels_dir(s: dict, base_kernels: str | None) -> str | None:
+def _kernels_dir(s: dict, base_kernels: str | None, files: bool = True) -> str | None:
     """The kernel tree of an arm: None (this checkout's) unless it says kernels=base, which
     needs --base-kernels DIR (SystemExit naming the arm otherwise, or when DIR is not a tree
-    with the .cu files this checkout registers)."""
+    with the .cu files this checkout registers; ``files=False``: that last check skipped, for
+    the check before any GPU work, when the ops have not registered their stems yet)."""
     if s.get("kernels", "tree") == "tree":
         return None
     if not base_kernels:
         raise SystemExit(f"arm {s}: kernels=base needs --base-kernels DIR")
     if not os.path.isdir(base_kernels):
         raise SystemExit(f"arm {s}: --base-kernels {base_kernels} is not a directory")
+    if not files:
+        return os.path.abspath(base_kernels)
     from memra_dsv4.gpu import kernel_loader
     missing = [f"{stem}.cu" for stem in sorted(kernel_loader.registered())
                if not os.path.isfile(os.path.join(base_kernels, f"{stem}.cu"))]
@@ -367,6 +370,8 @@ def main(argv=None) -> int:
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
     arms_spec = check_arms(a.arms)   # before any GPU work
+    for s in arms_spec:
+        _kernels_dir(s, a.base_kernels, files=False)
     if a.device_trace:
         from memra_dsv4.seams import SEAM_DEVICE_TRACE, env_value
         if a.device_trace < 0:
@@ -394,6 +399,14 @@ def main(argv=None) -> int:
 
     arms, states = [], {}
     from bench.harness import arm_label
+    trees = {_kernels_dir(s, a.base_kernels) for s in arms_spec}
+    if trees != {None}:   # an A/B of kernel trees: every module of both trees loaded on every
+        from memra_dsv4.gpu import kernel_loader   # stage's device now, never inside a capture
+        for tree in sorted(trees, key=str):
+            kernel_loader.use_kernels_dir(tree)
+            for d in sorted({int(S.device) for S in m.stages}):
+                kernel_loader.get_loader(d).warm_all()
+        kernel_loader.use_kernels_dir(None)
     for s in arms_spec:
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
