@@ -76,9 +76,16 @@ DEV void rmsnorm_row(const RmsFirst& first, const u16* x, const WT* __restrict__
     __shared__ double red[RMS_THREADS / 32];
     const int nc = n >> 3;
     double ss = 0.0;
+    // the thread's first chunk stays in registers for the second pass (a row of <= 1024
+    // elements, e.g. the decode q_norm, then reads x once: one dependent L2 round trip fewer,
+    // which under PDL runs while the next GEMV's preloads fill the memory queues); chunks past
+    // it are read again, as before.  Same values either way.
+    uint4 x0 = make_uint4(0, 0, 0, 0);
     for (int c = threadIdx.x; c < nc; c += RMS_THREADS) {
+        const uint4 raw = ldg16(x + 8 * c);
+        if (c == (int)threadIdx.x) x0 = raw;
         float f[8];
-        unpack8(ldg16(x + 8 * c), f);
+        unpack8(raw, f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             double d = (double)f[i];
@@ -89,7 +96,7 @@ DEV void rmsnorm_row(const RmsFirst& first, const u16* x, const WT* __restrict__
     const double r = 1.0 / sqrt(ss / (double)n + eps);
     for (int c = threadIdx.x; c < nc; c += RMS_THREADS) {
         float f[8];
-        unpack8(ldg16(x + 8 * c), f);
+        unpack8(c == (int)threadIdx.x ? x0 : ldg16(x + 8 * c), f);
         float wf[8];
         chunk_w<WT>(first, w, c, wf);
         uint4 o;
