@@ -38,7 +38,9 @@ full-shape FP4 expert kernels or the general ones, ops.experts) and ``fp4ring=on
 the shared expert's and the Sinkhorn's branches can run beside the router) and ``idxsel=fused|split|auto``
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
-default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk), and
+default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
+``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
+own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -130,7 +132,8 @@ _KERNEL_SETTINGS = {
     "fp4full": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_FULL"),
     "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
     "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
-    "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT")}
+    "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
+    "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM")}
 
 
 def _arm_settings() -> dict:
@@ -166,6 +169,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_GATEUP_PDL"] = s["gupdl"]
     if "idxsel" in s:    # ops.indexer.scores_topk: one launch (fused) or scores + 1024-thread select (split)
         env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
+    if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
+        env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
     return env
 
 

@@ -45,6 +45,7 @@
 //                 if k < sel_w and sel[k] >= 0; else -1.
 #include "common.cuh"
 #include "gemv_bf16_row.cuh"
+#include "rmsnorm_row.cuh"
 
 using namespace memra;
 
@@ -663,6 +664,49 @@ GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 1, 3)
 // 4 rows, i.e. ~8 warps per SM, so its bytes in flight per SM are set by the warps' own depth.
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r4t2, 4, 2, 2, 2)   // 2 trips of 4 bf16 rows: 254 registers
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r1t2, 1, 2, 2, GEMV_MINB)
+
+// gemv_bf16_multi_r{R}[t{T}]_qn: the kernel above, then the decode q_norm in its LAST CTA:
+//   qn_y <- rmsnorm_bf16_wbf16(qn_y, qn_w, qn_eps) in place (rmsnorm_row, rmsnorm.cu's own row
+//   code: the same bits as that launch), where qn_y is one of the table's bf16 outputs (this
+//   launch writes it; ops_decode.gemv_bf16_multi(qnorm=) checks).  It saves the step the
+//   rmsnorm launch between the multi GEMV and wq_b: its edge, and its x / weight round trips,
+//   which ran behind wq_b's pl_r2 preloads (13b0dd5 timeline: q_norm 2.2 -> 4.1 us busy).
+//   Handoff: every CTA fences its rows and takes a ticket (atomicAdd on qn_counter[0]); the CTA
+//   drawing the last one fences again, reads qn_y through L2 (ld.cg: the rows other CTAs wrote
+//   in this launch) and resets the counter (zero before the first launch, left zero: graph
+//   replays).  Each thread's first weight chunk is loaded before the PDL wait (rms_preload:
+//   static; every CTA loads it, only the last uses it: 2 KB L2 hits).
+//   Block GEMV_THREADS == RMS_THREADS.  qn_counter must not be shared by concurrent launches.
+static_assert(GEMV_THREADS == RMS_THREADS, "the q_norm tail runs rmsnorm_row on the GEMV's CTA");
+namespace {
+DEV void multi_qn_tail(const RmsFirst& first, u16* y, const u16* __restrict__ w, int n, double eps,
+                       int* counter) {
+    __shared__ int is_last;
+    __threadfence();   // this CTA's rows (lane 0 of its warps) visible device-wide before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();   // every other CTA's rows, read below through L2
+    rmsnorm_row<u16, true>(first, y, w, y, n, eps);
+    if (threadIdx.x == 0) *counter = 0;   // ready for the next launch
+}
+}  // namespace
+
+#define GEMV_MULTI_QN_KERNEL(NAME, R, T8, TB, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
+         const int* __restrict__ pos, u16* qn_y, const u16* __restrict__ qn_w, int qn_n,          \
+         double qn_eps, int* qn_counter) {                                                          \
+        PDL_ENTRY_PRELOAD(gemv_multi_prefetch<R>(segs, nseg, K);                                   \
+                          const RmsFirst qn_first = rms_preload<u16>(qn_w, qn_n));                 \
+        gemv_multi_rows<R, T8, TB>(segs, nseg, x, K, pos);                                         \
+        multi_qn_tail(qn_first, qn_y, qn_w, qn_n, qn_eps, qn_counter);                             \
+    }
+GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r1_qn, 1, 1, 1, GEMV_MINB)
+GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r4_qn, 4, 2, 1, 3)
+GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r4t2_qn, 4, 2, 2, 2)
+GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r1t2_qn, 1, 2, 2, GEMV_MINB)
 
 // h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no routing weight): the bits of
 // gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.  W1, W3 both bf16 or both fp8 (S1, S3);

@@ -72,3 +72,17 @@ def test_bench_decode_gupdl_arm_sets_the_env():
     from bench.decode_step import _kernel_env
     assert _kernel_env({"gupdl": "off"}, None) == {"MEMRA_DSV4_GATEUP_PDL": "off"}
     assert _kernel_env({"gupdl": "on"}, None) == {"MEMRA_DSV4_GATEUP_PDL": "on"}
+
+
+def test_multi_qnorm_switch(monkeypatch):
+    """MEMRA_DSV4_MULTI_QNORM: on / off / unset (the default), anything else refused by name."""
+    from memra_dsv4.gpu import step_device as SD
+    monkeypatch.setenv(SD.MULTI_QNORM_ENV, "on")
+    assert SD.multi_qnorm_on() is True
+    monkeypatch.setenv(SD.MULTI_QNORM_ENV, "off")
+    assert SD.multi_qnorm_on() is False
+    monkeypatch.delenv(SD.MULTI_QNORM_ENV)
+    assert SD.multi_qnorm_on() is (SD.MULTI_QNORM_DEFAULT == "on")
+    monkeypatch.setenv(SD.MULTI_QNORM_ENV, "yes")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_MULTI_QNORM='yes'"):
+        SD.multi_qnorm_on()

@@ -111,7 +111,9 @@ def test_every_variant_launches(fake_launch):
         assert name == f"gemv_bf16_swiglu_{'p2' if vn == 'default' else vn}"
         if vn.startswith("bulk_"):
             _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
-    gemv = {n for n in DK.KERNELS if n.startswith("gemv_")}
+    gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")}
+    qn = {n for n in DK.KERNELS if n.endswith("_qn")}
+    assert qn == {f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
     seen = set()
     for fp8 in (False, True):
         for op in ("plain", "multi", "swiglu"):
@@ -219,3 +221,41 @@ def test_shipped_pick_launches(fake_launch, monkeypatch):
         w = A(np.zeros((2048, K), dt))
         DK.gemv_bf16_swiglu(w, w, A(np.zeros(K, np.uint16)), A(np.zeros(2048, np.uint16)), 10.0, **kw)
         assert launched[-1][0] == "gemv_bf16_swiglu_p1t2"
+
+
+def test_multi_qnorm_launches(fake_launch, monkeypatch):
+    """gemv_bf16_multi(qnorm=(y, w, eps)): the register kernels' _qn forms with the norm's
+    arguments and the ticket counter appended; a bulk variant launches rmsnorm_bf16_wbf16 on y
+    after it; y must be one of the table's bf16 outputs and w bf16 [y.size] (AssertionError
+    naming the argument, before any launch)."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    monkeypatch.setattr(RN, "kernel", DK.kernel)            # the same recording fake
+    monkeypatch.setattr(DK, "qnorm_counter", lambda: A(np.zeros(1, np.int32)))
+    K = 4096
+    qr, kv = A(np.zeros(1024, np.uint16)), A(np.zeros(512, np.float32))
+    w = A(np.zeros(1024, np.uint16))
+    for R in (1, 4):
+        tab = DK.GemvTable([(A(np.zeros((1024, K), np.uint16)), qr), (A(np.zeros((512, K), np.uint16)), kv)],
+                           K, rows_per_warp=R)
+        for vn in [v for v in DK.gemv_variant_names("multi", False, new_only=False)
+                   if v == "default" or DK._parse_variant(v, "r")[1] == R]:
+            launched.clear()
+            DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)), variant=vn,
+                               qnorm=(qr, w, 1e-6))
+            if vn.startswith("bulk_"):
+                assert [l[0] for l in launched] == [f"gemv_bf16_multi_{vn}", "rmsnorm_bf16_wbf16"]
+                assert launched[1][1] == (1,)
+            else:
+                (name, grid, args, _), = launched
+                base = f"gemv_bf16_multi_r{R}" if vn == "default" else f"gemv_bf16_multi_{vn}"
+                assert name == base + "_qn" and len(args) == 10 and int(args[7]) == 1024, (vn, name)
+        with pytest.raises(AssertionError, match="not one of the table's bf16 outputs"):
+            DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)),
+                               qnorm=(A(np.zeros(1024, np.uint16)), w, 1e-6))
+        with pytest.raises(AssertionError, match="qnorm.weight"):
+            DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)),
+                               qnorm=(qr, A(np.zeros(512, np.uint16)), 1e-6))
+        with pytest.raises(AssertionError, match="expected \\(y, weight, eps\\)"):
+            DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)), qnorm=(qr, w))

@@ -24,7 +24,8 @@ PRELOAD_KERNELS = {
     "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512)),
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre"),
-    "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4"),
+    "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
+               "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn"),
 }
 
 need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("nvdisasm") is None,

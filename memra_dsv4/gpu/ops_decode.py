@@ -39,7 +39,8 @@ import os
 import numpy as np
 
 from memra_dsv4.gpu import kernel_loader
-from memra_dsv4.gpu.ops._common import check, dynamic_smem, i32, kernel, null_or, sm_count
+from memra_dsv4.gpu.ops._common import (check, dynamic_smem, i32, kernel, null_or, sm_count,
+                                        ticket_counter)
 
 STEM = "decode"
 # The dense GEMVs (decode.cu): one kernel per weight form, rows per warp R and (FP8) trips issued
@@ -132,6 +133,7 @@ def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
 
 GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
     tuple(f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") for r, t in MULTI_VARIANTS) + \
+    tuple(f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in MULTI_VARIANTS) + \
     tuple(f"gemv_bf16_swiglu_p{p}" + (f"t{t}" if t > 1 else "") for p, t in SWIGLU_VARIANTS) + \
     tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
@@ -405,6 +407,7 @@ class GemvTable:
         rec = np.zeros(len(entries) + 1, dtype=self.SEG)
         row = warp = 0
         self.keep = []
+        self.bf16_outs: dict[int, int] = {}   # plain bf16 output address -> its row count
         for i, e in enumerate(entries):
             w, out = e[0], e[1]
             w, sc = w if isinstance(w, tuple) else (w, None)
@@ -417,6 +420,8 @@ class GemvTable:
                     out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}, want {O}"
                 rec[i] = (w.data.ptr, out.data.ptr, 0, sp, row, int(out.dtype == np.uint16), 0, 0,
                           int(ld), warp)
+                if out.dtype == np.uint16:
+                    self.bf16_outs[int(out.data.ptr)] = int(O)   # gemv_bf16_multi(qnorm=) targets
             else:
                 ape, ring_off, r = e[2], int(e[3]), int(e[4])
                 check(out, f"GemvTable.pending[{i}]", np.float32, (None, O))
@@ -436,14 +441,43 @@ class GemvTable:
         self.table = cp.asarray(rec.view(np.uint8))
 
 
-def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None):
+_QN_COUNTERS: dict = {}   # device -> int32 [1] ticket counter of gemv_bf16_multi_*_qn (kept 0)
+
+
+def qnorm_counter():
+    """The current device's ticket counter of the gemv_bf16_multi_*_qn kernels (int32 [1], zero
+    between launches; made before the first capture by DeviceStep._prewarm)."""
+    return ticket_counter(_QN_COUNTERS, "ops_decode.qnorm_counter")
+
+
+def _check_qnorm(table: GemvTable, qnorm) -> tuple:
+    """qnorm = (y, weight, eps): y one of the table's plain bf16 outputs (uint16, contiguous),
+    weight bf16 bits [y.size]; returns (y, weight, n, eps).  AssertionError naming the problem."""
+    assert isinstance(qnorm, tuple) and len(qnorm) == 3, "gemv_bf16_multi.qnorm: expected (y, weight, eps)"
+    y, w, eps = qnorm
+    check(y, "gemv_bf16_multi.qnorm.y", np.uint16)
+    n = int(y.size)
+    assert table.bf16_outs.get(int(y.data.ptr)) == n, (
+        f"gemv_bf16_multi.qnorm.y: not one of the table's bf16 outputs (address {y.data.ptr:#x}, "
+        f"{n} values); the norm runs in the launch that writes it")
+    assert n % 8 == 0, f"gemv_bf16_multi.qnorm: n = {n} must be a multiple of 8"
+    check(w, "gemv_bf16_multi.qnorm.weight", np.uint16, (n,))
+    return y, w, n, float(eps)
+
+
+def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None, qnorm=None):
     """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch; pos int32 [1]
     (read only by pending-row entries).  ``variant`` ('r{R}', 'bulk_r{R}s{S}', 'default'; R
-    must be the table's): the speed only, never the bits."""
+    must be the table's): the speed only, never the bits.
+    ``qnorm`` = (y, weight, eps): then also y <- rmsnorm(y, weight, eps) in place (y one of the
+    table's bf16 outputs, weight bf16 bits): the register kernels' _qn forms do it in their last
+    CTA (rmsnorm_bf16_wbf16's row code, so the bits of gemv_bf16_multi then ops.rmsnorm.rmsnorm);
+    a bulk variant launches the rmsnorm after it."""
     check(x, "gemv_bf16_multi.x", np.uint16)
     check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
     assert x.size == table.K, f"gemv_bf16_multi.x: {x.size} values, the table's K is {table.K}"
     assert x.data.ptr % 16 == 0, "gemv_bf16_multi.x: 16-byte alignment"
+    qn = _check_qnorm(table, qnorm) if qnorm is not None else None
     explicit = variant is not None
     if variant is None:
         variant = gemv_selected("multi", table.fp8, table.cls)
@@ -458,11 +492,19 @@ def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None):
             minb = next(m for r, st, m in MULTI_BULK if r == R and st == S)
             _bulk_launch(f"gemv_bf16_multi_bulk_r{R}s{S}", table.warps, R, S, 2048, minb,
                          (table.table, i32(table.nseg), x, i32(table.K), pos))
+            if qn is not None:   # no _qn form of the bulk kernels: the norm as its own launch
+                from memra_dsv4.gpu.ops import rmsnorm as RN
+                RN.rmsnorm(qn[0], qn[1], qn[3], out=qn[0])
             return
         if ok:
             T = S   # the register kernel's bf16 trips (FP8 rows keep the kernel's own depth)
-    kernel(STEM, f"gemv_bf16_multi_r{table.R}" + (f"t{T}" if T > 1 else ""))(
-        _gemv_grid(table.warps), (32 * GEMV_WARPS,), (table.table, i32(table.nseg), x, i32(table.K), pos))
+    name = f"gemv_bf16_multi_r{table.R}" + (f"t{T}" if T > 1 else "")
+    args = (table.table, i32(table.nseg), x, i32(table.K), pos)
+    if qn is not None:
+        y, w, n, eps = qn
+        name += "_qn"
+        args += (y, w, i32(n), np.float64(eps), qnorm_counter())
+    kernel(STEM, name)(_gemv_grid(table.warps), (32 * GEMV_WARPS,), args)
 
 
 def gemv_bf16_swiglu(w1, w3, x, h, limit: float, *, scale1=None, scale3=None,

@@ -168,6 +168,7 @@ class DeviceStep:
         RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket
         IX.workspace()  # counters (graphs bake their addresses)
         IX.hist_workspace()  # the split indexer's histogram (the same rule)
+        ops_decode.qnorm_counter()  # gemv_bf16_multi_*_qn's ticket counter (MEMRA_DSV4_MULTI_QNORM)
         AT.decode_counters()
 
     def invalidate(self) -> None:
@@ -597,10 +598,13 @@ class DeviceStep:
         # seam MEMRA_DSV4_DECODE_QNORM: "attn" leaves q as wq_b wrote it (raw) and the attention's
         # _qn kernel applies head_rms + RoPE at its q load (the same code, the same bits)
         qn_attn = getattr(self, "_qnorm", "kernel") == "attn"
+        mqn = multi_qnorm_on()   # q_norm in the multi GEMV's last CTA (same bytes)
         with phase(f"{ap}/projections"):  # wq_a, wkv, compressor rows, indexer weights: one launch
-            DK.gemv_bf16_multi(table, v["xn"], pos)
-        with phase(f"{ap}/q"):
-            RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
+            DK.gemv_bf16_multi(table, v["xn"], pos,
+                               qnorm=(v["attn.qr"], L.w("attn.q_norm.weight"), eps) if mqn else None)
+        if not mqn:
+            with phase(f"{ap}/q"):
+                RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
 
         def q_path():
             with phase(f"{ap}/q"):
@@ -792,6 +796,8 @@ class DeviceStep:
 
 
 GATEUP_PDL_ENV = "MEMRA_DSV4_GATEUP_PDL"   # "off": the routed gate/up launches without PDL (A/B)
+MULTI_QNORM_ENV = "MEMRA_DSV4_MULTI_QNORM"  # "on": the q_norm in the multi GEMV's last CTA (A/B)
+MULTI_QNORM_DEFAULT = "off"
 
 
 def gateup_pdl_off() -> bool:
@@ -809,6 +815,19 @@ def gateup_pdl_off() -> bool:
     if v not in ("", "on", "off"):
         raise ValueError(f"{GATEUP_PDL_ENV}={v!r}: expected on or off")
     return v == "off"
+
+
+def multi_qnorm_on() -> bool:
+    """MEMRA_DSV4_MULTI_QNORM = on | off (MULTI_QNORM_DEFAULT): the attention's q_norm runs in the
+    multi GEMV's last CTA (ops_decode.gemv_bf16_multi(qnorm=): gemv_bf16_multi_*_qn) instead of
+    as its own rmsnorm_bf16_wbf16 launch between the multi GEMV and wq_b.  Read when the launch
+    is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
+    tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
+    import os
+    v = os.environ.get(MULTI_QNORM_ENV, "")
+    if v not in ("", "on", "off"):
+        raise ValueError(f"{MULTI_QNORM_ENV}={v!r}: expected on or off")
+    return (v or MULTI_QNORM_DEFAULT) == "on"
 
 
 def _gateup_pdl_scope():

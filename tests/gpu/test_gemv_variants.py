@@ -23,7 +23,7 @@ cp = pytest.importorskip("cupy")
 
 from memra_dsv4.formats import dequant_fp8_block, f32_to_bf16_exact  # noqa: E402
 from memra_dsv4.gpu import ops_decode as DK  # noqa: E402
-from memra_dsv4.gpu.ops.testing import fresh_seed, rand_bf16, rng_for  # noqa: E402
+from memra_dsv4.gpu.ops.testing import bf16, fresh_seed, rand_bf16, rng_for  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -122,6 +122,74 @@ def test_multi_variants_bit_identical(K):
         got = run(vn)
         for i, (a, b) in enumerate(zip(got, ref)):
             assert a == b, f"seed {seed}: multi {vn} K {K}: entry {i} differs (incl. bytes past O)"
+
+
+@pytest.mark.parametrize("K", [4096, 1040])
+@pytest.mark.parametrize("n_q", [1024, 136])
+def test_multi_qnorm_equals_multi_then_rmsnorm(K, n_q):
+    """gemv_bf16_multi(qnorm=(y, w, eps)) == gemv_bf16_multi then ops.rmsnorm(y, w, eps, out=y),
+    every entry's bytes (y normed in place; the others untouched by the norm), for every multi
+    variant of tables with R = 1 and 4 (the register kernels' _qn forms: the norm in their last
+    CTA; the bulk ones: the rmsnorm launch after them); the ticket counter is zero after each
+    launch; a captured graph of the _qn launch replays to the same bytes twice (the counter
+    reset).  n_q = 136: 17 chunks (threads past them preload no weight)."""
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    shapes = [(n_q, "q"), (512, True), (256, False), (130, True)]
+    ws = []
+    for O, is8 in shapes:
+        codes, scale, wb = _fp8(rng, O, K)
+        ws.append((cp.asarray(codes), cp.asarray(scale)) if is8 is True else cp.asarray(wb))
+    pc, ps, _ = _fp8(rng, 72, K)
+    ape = cp.asarray(rng.standard_normal((4, 72)).astype(np.float32))
+    x = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0), "x"))
+    pos = cp.asarray(np.array([6], np.int32))
+    qw = cp.asarray(f32_to_bf16_exact(bf16(rng.standard_normal(n_q).astype(np.float32) * np.float32(0.5)
+                                           + np.float32(1.0)), "w"))
+    eps = 1e-6
+
+    def run(vn, R, fused, graph=False):
+        outs = [_filled(O + 4, cp.uint16 if i in (0, 2) else cp.float32) for i, (O, _) in enumerate(shapes)]
+        pend = _filled(8 * 72, cp.float32).reshape(8, 72)
+        ent = [(w, o[:O]) for w, o, (O, _) in zip(ws, outs, shapes)]
+        ent.append(((cp.asarray(pc), cp.asarray(ps)), pend, ape, 4, 4))
+        tab = DK.GemvTable(ent, K, rows_per_warp=R)
+        y = outs[0][:n_q]
+
+        def launch():
+            if fused:
+                DK.gemv_bf16_multi(tab, x, pos, variant=vn, qnorm=(y, qw, eps))
+            else:
+                DK.gemv_bf16_multi(tab, x, pos, variant=vn)
+                RN.rmsnorm(y, qw, eps, out=y)
+        if graph:
+            DK.qnorm_counter()
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                stream.begin_capture()
+                launch()
+                g = stream.end_capture()
+            reps = []
+            for _ in range(2):
+                g.launch(stream)
+                stream.synchronize()
+                reps.append([cp.asnumpy(o).tobytes() for o in outs] + [cp.asnumpy(pend).tobytes()])
+            assert reps[0] == reps[1], f"seed {seed}: {vn}: graph replays differ"
+        else:
+            launch()
+        if fused:
+            assert int(DK.qnorm_counter().get()[0]) == 0, f"seed {seed}: {vn}: ticket counter left nonzero"
+        return [cp.asnumpy(o).tobytes() for o in outs] + [cp.asnumpy(pend).tobytes()]
+
+    for vn in DK.gemv_variant_names("multi", True, new_only=False):
+        R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
+        ref = run(vn, R, False)
+        got = run(vn, R, True)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert a == b, f"seed {seed}: multi {vn} K {K} qnorm: entry {i} differs (incl. bytes past O)"
+        if not vn.startswith("bulk_"):
+            assert run(vn, R, True, graph=True) == ref, f"seed {seed}: multi {vn}: graph replay differs"
 
 
 @pytest.mark.parametrize("K", [2048, 1824, 4096, 1040])

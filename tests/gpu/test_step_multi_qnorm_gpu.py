@@ -1,0 +1,100 @@
+"""The attention's q_norm in the multi GEMV's last CTA (MEMRA_DSV4_MULTI_QNORM, step_device.
+multi_qnorm_on; ops_decode.gemv_bf16_multi(qnorm=) -> gemv_bf16_multi_*_qn): the step must give
+the bits of the separate rmsnorm_bf16_wbf16 launch (both run rmsnorm.cu's row code,
+kernels_cu/rmsnorm_row.cuh).
+
+* tiny (1 stage; sliding, CSA and HCA layers), 14 steps after a 5-token prefill, the arms
+  interleaved step by step (the env set before each): off (graph; the reference), on (graph),
+  on (eager); logits of every step and every cache byte equal.  The first eager on-step launches
+  a gemv_bf16_multi_*_qn kernel; an eager off-step none.
+* device-hostmath with the switch on == legacy byte for byte (tiny, 5 steps).
+* one Flash-sized layer (flash-layers:1: q_lora_rank 1024, the step's real multi table), 6 steps:
+  off == on (graphs), logits and caches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.step_device import MULTI_QNORM_ENV  # noqa: E402
+
+_ARMS = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
+
+
+def _qn_launched(m, state, t) -> tuple:
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    out = []
+    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
+    names = {r.kernel.split(".", 1)[1] for r in recs}
+    return out[0], {n for n in names if n.startswith("gemv_bf16_multi") and n.endswith("_qn")}
+
+
+def _interleave(tag, m, states, ids, arms, monkeypatch, check_launches=False):
+    from memra_dsv4.gpu.step import device_step
+    for i, t in enumerate(ids):
+        got = {}
+        for a, (env, graph) in arms.items():
+            monkeypatch.setenv(MULTI_QNORM_ENV, env)
+            if check_launches and i == 0 and not graph:
+                got[a], qn = _qn_launched(m, states[a], t)
+                assert qn, f"{tag}: an eager step with {MULTI_QNORM_ENV}=on launched no _qn kernel"
+                continue
+            got[a] = device_step(m, states[a], int(t), graph=graph)
+        for a in arms:
+            assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
+                f"{tag}: step {i}: logits of {a} differ from the separate q_norm launch's"
+    ref = states["off"].snapshot()
+    for a in arms:
+        diff = snapshot_diff(ref, states[a].snapshot())
+        assert not diff, f"{tag}: caches of {a} differ from the separate q_norm launch's: {diff}"
+
+
+def test_multi_qnorm_step_bit_identical_tiny(monkeypatch):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    ck, m = _model("tiny", (0,), "device")
+    prompt, steps = 5, 14
+    ids = _ids(ck.config, prompt + steps + 2, seed=31)
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS, monkeypatch, check_launches=True)
+    monkeypatch.setenv(MULTI_QNORM_ENV, "off")
+    _, qn = _qn_launched(m, states["off"], ids[prompt + steps])
+    assert not qn, f"an eager step with {MULTI_QNORM_ENV}=off launched {sorted(qn)}"
+
+
+def test_multi_qnorm_device_hostmath_equals_legacy_tiny(monkeypatch):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu import step
+    if not step.HOSTMATH_IMPLEMENTED:
+        pytest.skip(step.HOSTMATH_REASON)
+    monkeypatch.setenv(MULTI_QNORM_ENV, "on")
+    ck, ml = _model("tiny", (0,), "legacy")
+    _, mh = _model("tiny", (0,), "device-hostmath")
+    L, steps = 16, 5
+    ids = _ids(ck.config, L + steps, seed=37)
+    _, sa = ml.prefill(ids[:L])
+    _, sb = mh.prefill(ids[:L])
+    for i, t in enumerate(ids[L:]):
+        x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
+            f"step {i}: device-hostmath (multi q_norm) != legacy, max |diff| {np.abs(x - y).max()}"
+    bad = snapshot_diff(sa.snapshot(), sb.snapshot())
+    assert not bad, f"state differs in {bad}"
+
+
+def test_multi_qnorm_step_bit_identical_flash_layer(monkeypatch):
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
+    assert ck.config.q_lora_rank == 1024
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(41).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    arms = {a: _ARMS[a] for a in ("off", "on")}
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    _interleave("flash-layers:1", m, states, ids[prompt:], arms, monkeypatch)
