@@ -164,15 +164,14 @@ def test_multi_qnorm_equals_multi_then_rmsnorm(K, n_q):
                 DK.gemv_bf16_multi(tab, x, pos, variant=vn)
                 RN.rmsnorm(y, qw, eps, out=y)
         if graph:
+            from memra_dsv4.gpu import graphs
             DK.qnorm_counter()
+            cp.cuda.Device().synchronize()   # the fills above ran on the default stream
             stream = cp.cuda.Stream(non_blocking=True)
-            with stream:
-                stream.begin_capture()
-                launch()
-                g = stream.end_capture()
+            g = graphs.capture(stream, launch)
             reps = []
             for _ in range(2):
-                g.launch(stream)
+                graphs.replay(g, stream)
                 stream.synchronize()
                 reps.append([cp.asnumpy(o).tobytes() for o in outs] + [cp.asnumpy(pend).tobytes()])
             assert reps[0] == reps[1], f"seed {seed}: {vn}: graph replays differ"
