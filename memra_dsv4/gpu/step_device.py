@@ -797,6 +797,8 @@ class DeviceStep:
 
 GATEUP_PDL_ENV = "MEMRA_DSV4_GATEUP_PDL"   # "off": the routed gate/up launches without PDL (A/B)
 MULTI_QNORM_ENV = "MEMRA_DSV4_MULTI_QNORM"  # "on": the q_norm in the multi GEMV's last CTA (A/B)
+# off: measured slower on (dc5fb89, 2x H200, 1K, 200 steps per arm in one process: 7.33 -> 7.42 ms;
+# bench/results/2026-11-30-nvidia-h200-dc5fb89-ab_1k.log), though bit-identical (its GPU tests passed)
 MULTI_QNORM_DEFAULT = "off"
 
 
