@@ -461,6 +461,7 @@ def _check_qnorm(table: GemvTable, qnorm) -> tuple:
         f"gemv_bf16_multi.qnorm.y: not one of the table's bf16 outputs (address {y.data.ptr:#x}, "
         f"{n} values); the norm runs in the launch that writes it")
     assert n % 8 == 0, f"gemv_bf16_multi.qnorm: n = {n} must be a multiple of 8"
+    assert y.data.ptr % 16 == 0, "gemv_bf16_multi.qnorm.y: 16-byte alignment (read as uint4)"
     check(w, "gemv_bf16_multi.qnorm.weight", np.uint16, (n,))
     return y, w, n, float(eps)
 
