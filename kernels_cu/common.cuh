@@ -368,6 +368,21 @@ DEV double group_sum(double v) {
     return v;
 }
 
+// The last-CTA handoff of the one-pass kernels (hc_boundary, router_fused, indexer_fused,
+// gemv_bf16_multi_*_qn): every thread fences its global stores, the CTA takes a ticket on
+// *counter, and the call returns true in every thread of the CTA that drew the last of n
+// tickets.  is_last: the caller's __shared__ int.  Every thread of the CTA must call it; the
+// caller fences again (__threadfence) before it reads the other CTAs' stores, and resets the
+// counter for the next launch.  (hc_mixes' split path keeps the same sequence written out:
+// through this call ptxas schedules that GPU-tested kernel differently.)
+DEV bool last_cta_ticket(int* counter, int n, int& is_last) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == n - 1;
+    __syncthreads();
+    return is_last;
+}
+
 // Block sum of one double per thread, fixed order: xor-tree in each warp, then warp 0 adds the
 // warp partials in warp order. `red` is NWARPS doubles of shared memory. All threads get the sum.
 template <int NWARPS>

@@ -682,11 +682,8 @@ namespace {
 DEV void multi_qn_tail(const RmsFirst& first, u16* y, const u16* __restrict__ w, int n, double eps,
                        int* counter) {
     __shared__ int is_last;
-    __threadfence();   // this CTA's rows (lane 0 of its warps) visible device-wide before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
+    // this CTA's rows (lane 0 of its warps) visible device-wide before its ticket
+    if (!last_cta_ticket(counter, (int)gridDim.x, is_last)) return;
     __threadfence();   // every other CTA's rows, read below through L2
     rmsnorm_row<u16, true>(first, y, w, y, n, eps);
     if (threadIdx.x == 0) *counter = 0;   // ready for the next launch

@@ -494,7 +494,7 @@ DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16
 // / iters unused).  One body, so the split kernel stays hc_boundary minus warp 0 by construction.
 template <bool SINKHORN>
 DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
-                     const float* comb_in, u16* out, const float* __restrict__ fn,
+                     const float* comb_in, u16* out,
                      const float* __restrict__ scale, const float* __restrict__ base,
                      const u16* __restrict__ norm_w, float* mixes, float* pre_out, float* post_out,
                      float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
@@ -513,11 +513,7 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     // when f is given: thread t makes element 256 sg + t and shares the segment in seg_s)
     const double val = bnd_phase_a(fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
     if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;  // slot 4w + 3: the same squares in every warp
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
+    if (!last_cta_ticket(counter, (int)gridDim.x, is_last)) return;
     // ---- phase B: the last CTA
     __threadfence();
     const int nc = D >> 3;
@@ -591,7 +587,7 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
             double norm_eps, double* ws, int* counter) {
     PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
-    bnd_lastcta<true>(fr, f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, post_out,
+    bnd_lastcta<true>(fr, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, post_out,
                       comb_out, x_out, xn_out, D, iters, hc_eps, norm_eps, ws, counter);
 }
 
@@ -821,7 +817,7 @@ hc_boundary_pre(const u16* __restrict__ f, const u16* __restrict__ R, const floa
                 const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
                 u16* xn_out, int D, float hc_eps, double norm_eps, double* ws, int* counter) {
     PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
-    bnd_lastcta<false>(fr, f, R, post_in, comb_in, out, fn, scale, base, norm_w, mixes, pre_out, nullptr,
+    bnd_lastcta<false>(fr, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, nullptr,
                        nullptr, x_out, xn_out, D, 0, hc_eps, norm_eps, ws, counter);
 }
 

@@ -307,6 +307,21 @@ DEV void hist_add(int* hist, u32 bin, bool active) {
     if (active && (int)(threadIdx.x & 31) == leader) atomicAdd(hist + bin, __popc(peers));
 }
 
+// One step of the ordered compaction (indexer_fused_d128's last CTA and indexer_select_d128's
+// sel_compact): the warp's 32 keys (lane l: key of index j) against the threshold key thr; keys
+// above it go to their rank among the keys above (gt_base: those of earlier steps and warps),
+// shifted past the first `need` ties, ties (their first `need` only) to gt_base + their rank among
+// the ties; both bases then advance by the step's counts.  lt: the lanes below this one.
+DEV void sel_scatter32(int key, int thr, int j, int need, int offset, u32 lt, int& gt_base, int& eq_base,
+                       int* __restrict__ sel_out) {
+    const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
+    const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
+    if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
+    else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
+    gt_base += __popc(bg);
+    eq_base += __popc(be);
+}
+
 }  // namespace
 
 // scores: [T, ld_s] bf16; n_valid: [T] int32; out: [T, ld_out] int32 (first `width` columns
@@ -590,11 +605,7 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
     }
     if constexpr (!SELECT) return;  // split form: indexer_select_d128 selects in the next launch
     // ---- the last CTA selects
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
+    if (!last_cta_ticket(counter, (int)gridDim.x, is_last)) return;
     __threadfence();
     const int n = nv, ksel = min(k, n);
     if (ksel == n) {  // every valid key is selected: ascending index = 0 .. n-1
@@ -670,12 +681,7 @@ DEV void if_body(const u16* __restrict__ q, const u16* __restrict__ w, const u16
     for (int base = sb; base < sb + seg; base += 32) {
         const int j = base + lane;
         const int key = j < se ? (int)if_key_at(ks, scores_out, in_smem, j) : -1;
-        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
-        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
-        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
-        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
-        gt_base += __popc(bg);
-        eq_base += __popc(be);
+        sel_scatter32(key, thr, j, need, offset, lt, gt_base, eq_base, sel_out);
     }
     for (int i = ksel + tid; i < width; i += IF_THREADS) sel_out[i] = -1;
     if (tid == 0) *counter = 0;
@@ -771,12 +777,7 @@ DEV void sel_compact(KeyOf key_of, int steps, int thr, int need, int ksel, int s
     for (int s = 0; s < steps; ++s) {
         const int j = sb + 32 * s + lane;
         const int key = key_of(s);
-        const u32 bg = __ballot_sync(0xffffffffu, key > thr), be = __ballot_sync(0xffffffffu, key == thr);
-        const int gb = gt_base + __popc(bg & lt), eb = eq_base + __popc(be & lt);
-        if (key > thr) sel_out[gb + min(eb, need)] = j + offset;
-        else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;
-        gt_base += __popc(bg);
-        eq_base += __popc(be);
+        sel_scatter32(key, thr, j, need, offset, lt, gt_base, eq_base, sel_out);
     }
     for (int i = ksel + tid; i < width; i += IX_SEL_THREADS) sel_out[i] = -1;
 }

@@ -211,20 +211,23 @@ struct RfFirst {  // a lane's first RF_LOADS weight chunks of its warp's row (ze
     uint4 wv[RF_LOADS];
 };
 
+// the lane's RF_LOADS weight chunks c0 + lane + 32 i of its warp's row (zeros past the row / E)
+DEV void rf_load_batch(const u16* __restrict__ wrow, bool row_ok, int nc, int c0, uint4 (&wv)[RF_LOADS]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < RF_LOADS; ++i) {
+        const int c = c0 + lane + 32 * i;
+        wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
+    }
+}
+
 // Before the PDL wait (PDL_ENTRY_PRELOAD): the static router weight only.  It ends its basic
 // block (the branch on D, never taken), so ptxas cannot schedule the wait above the loads.
 DEV RfFirst rf_preload(const u16* __restrict__ w, int D, int E) {
     RfFirst f;
-    const int lane = threadIdx.x & 31;
     const int e = blockIdx.x * RF_WARPS + (threadIdx.x >> 5);
     const bool row_ok = e < E;
-    const int nc = D >> 3;
-    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
-#pragma unroll
-    for (int i = 0; i < RF_LOADS; ++i) {
-        const int c = lane + 32 * i;
-        f.wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
-    }
+    rf_load_batch(w + (i64)(row_ok ? e : 0) * D, row_ok, D >> 3, 0, f.wv);
     if (D < 0) __trap();
     return f;
 }
@@ -278,11 +281,7 @@ DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, cons
         }
         c0 += 32 * RF_LOADS;
         if (c0 >= nc) break;  // D > 32 * 8 * RF_LOADS: the next batch
-#pragma unroll
-        for (int i = 0; i < RF_LOADS; ++i) {
-            const int c = c0 + lane + 32 * i;
-            wv[i] = row_ok && c < nc ? ldg_stream16(wrow + 8 * c) : make_uint4(0, 0, 0, 0);
-        }
+        rf_load_batch(wrow, row_ok, nc, c0, wv);
     }
     const double tot = warp_sum(acc);
     if (row_ok && lane == 0) {
@@ -290,11 +289,8 @@ DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, cons
         logits_out[e] = logit;
         scores_out[e] = sqrtsoftplus(logit);
     }
-    __threadfence();  // this CTA's logits / scores are visible device-wide before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!is_last || wid != 0) return;
+    // this CTA's logits / scores visible device-wide before its ticket
+    if (!last_cta_ticket(counter, (int)gridDim.x, is_last) || wid != 0) return;
     __threadfence();  // every other CTA's scores, read below through L2
     float s[EPL], b[EPL];
 #pragma unroll

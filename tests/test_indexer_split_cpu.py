@@ -373,7 +373,9 @@ def test_source_fused_and_tiles_share_the_templated_body():
     body = braced(SRC, "DEV void if_body(")
     stop = body.index("if constexpr (!SELECT) return;")
     assert body.index("for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x)") < stop
-    assert stop < body.index("the last CTA selects") < body.index("atomicAdd(counter, 1)")
+    assert stop < body.index("the last CTA selects") < body.index("last_cta_ticket(counter, (int)gridDim.x,")
+    common = open(os.path.join(KDIR, "common.cuh"), encoding="utf-8").read()
+    assert "atomicAdd(counter, 1) == n - 1" in braced(common, "DEV bool last_cta_ticket(")
     assert "scores_out[" not in body[stop:]          # no score written after the split form's return
 
 
@@ -403,6 +405,10 @@ def test_source_select_kernel(IX):
     tail = braced(SRC, "DEV void if_body(")
     assert "if constexpr (SELECT) {" in tail and "if (kk < nv) atomicAdd(counter + (score_key(bits) >> 8), 1);" in tail
     # the ordered compaction: gt keys at gb + min(eb, need), the first `need` ties at gb + eb
-    assert "sel_out[gb + min(eb, need)] = j + offset;" in compact
-    assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in compact
+    # (sel_scatter32, the step the fused kernel's last CTA runs too)
+    scatter = braced(SRC, "DEV void sel_scatter32(")
+    assert "sel_out[gb + min(eb, need)] = j + offset;" in scatter
+    assert "else if (key == thr && eb < need) sel_out[gb + eb] = j + offset;" in scatter
+    step = "sel_scatter32(key, thr, j, need, offset, lt, gt_base, eq_base, sel_out);"
+    assert step in compact and step in tail
     assert "lane < wid ? wcnt[lane][0] : 0" in compact and "lane < wid ? wcnt[lane][1] : 0" in compact
