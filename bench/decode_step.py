@@ -404,7 +404,8 @@ def main(argv=None) -> int:
 
     arms, states = [], {}
     from bench.harness import arm_label
-    trees = {_kernels_dir(s, a.base_kernels) for s in arms_spec}
+    kernels_dirs = [_kernels_dir(s, a.base_kernels) for s in arms_spec]   # registry filled: full check
+    trees = set(kernels_dirs)
     if trees != {None}:   # an A/B of kernel trees: every module of both trees loaded on every
         from memra_dsv4.gpu import kernel_loader   # stage's device now, never inside a capture
         for tree in sorted(trees, key=str):
@@ -412,12 +413,11 @@ def main(argv=None) -> int:
             for d in sorted({int(S.device) for S in m.stages}):
                 kernel_loader.get_loader(d).warm_all()
         kernel_loader.use_kernels_dir(None)
-    for s in arms_spec:
+    for s, kdir in zip(arms_spec, kernels_dirs):
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
                        _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"), s.get("hcsplit"),
-                       s.get("prio"), s.get("qnorm"), s.get("w2"),
-                       _kernels_dir(s, a.base_kernels))
+                       s.get("prio"), s.get("qnorm"), s.get("w2"), kdir)
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:

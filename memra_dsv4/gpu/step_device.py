@@ -802,6 +802,16 @@ MULTI_QNORM_ENV = "MEMRA_DSV4_MULTI_QNORM"  # "on": the q_norm in the multi GEMV
 MULTI_QNORM_DEFAULT = "off"
 
 
+def _on_off_env(name: str, default: str) -> str:
+    """The non-seam A/B switch ``name`` (on | off; unset: ``default``), read now; ValueError
+    naming the variable and its value otherwise."""
+    import os
+    v = os.environ.get(name, "")
+    if v not in ("", "on", "off"):
+        raise ValueError(f"{name}={v!r}: expected on or off")
+    return v or default
+
+
 def gateup_pdl_off() -> bool:
     """MEMRA_DSV4_GATEUP_PDL = off: _moe launches the routed gate/up as a plain stream-ordered
     launch even inside the step's PDL context (read when the launch is made, i.e. at graph
@@ -812,11 +822,7 @@ def gateup_pdl_off() -> bool:
     Sinkhorn of the FFN boundary starts 22 us after its input is ready, the shared SwiGLU ends
     3.7 us after the routed gate/up).  Without PDL on this one edge they can run beside the
     latency-bound router.  Schedule only: the same bytes.  Not a seam (bench arm gupdl=on|off)."""
-    import os
-    v = os.environ.get(GATEUP_PDL_ENV, "")
-    if v not in ("", "on", "off"):
-        raise ValueError(f"{GATEUP_PDL_ENV}={v!r}: expected on or off")
-    return v == "off"
+    return _on_off_env(GATEUP_PDL_ENV, "on") == "off"
 
 
 def multi_qnorm_on() -> bool:
@@ -825,11 +831,7 @@ def multi_qnorm_on() -> bool:
     as its own rmsnorm_bf16_wbf16 launch between the multi GEMV and wq_b.  Read when the launch
     is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
     tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
-    import os
-    v = os.environ.get(MULTI_QNORM_ENV, "")
-    if v not in ("", "on", "off"):
-        raise ValueError(f"{MULTI_QNORM_ENV}={v!r}: expected on or off")
-    return (v or MULTI_QNORM_DEFAULT) == "on"
+    return _on_off_env(MULTI_QNORM_ENV, MULTI_QNORM_DEFAULT) == "on"
 
 
 def _gateup_pdl_scope():
