@@ -39,7 +39,8 @@ the shared expert's and the Sinkhorn's branches can run beside the router) and `
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
-``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
+``edges=off|join|all`` (MEMRA_DSV4_GRAPH_EDGES: the graph's join edges, or join and fork edges,
+made programmatic at capture; step_device.graph_edges_form); ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
@@ -133,7 +134,8 @@ _KERNEL_SETTINGS = {
     "fp4ring": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_FP4_RING"),
     "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
-    "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM")}
+    "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
+    "edges": SimpleNamespace(allowed=("off", "join", "all"), env="MEMRA_DSV4_GRAPH_EDGES")}
 
 
 def _arm_settings() -> dict:
@@ -171,6 +173,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
     if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
         env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
+    if "edges" in s:     # step_device / graphs.capture: fork / join edges made programmatic
+        env["MEMRA_DSV4_GRAPH_EDGES"] = s["edges"]
     return env
 
 

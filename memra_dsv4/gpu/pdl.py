@@ -33,9 +33,16 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args"]
+__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "pdl_function_handles"]
 
 _ACTIVE = False
+# CUfunction handles (ints) ever launched through a PdlKernel: kernels known to open with
+# griddepcontrol.wait, so graphs.programmatic_edges may give them programmatic in-edges.
+_PDL_FUNCS: set = set()
+
+
+def pdl_function_handles() -> frozenset:
+    return frozenset(_PDL_FUNCS)
 
 
 def pdl_active() -> bool:
@@ -122,7 +129,9 @@ class PdlKernel:
         cfg.hStream = cu.CUstream(int(s.ptr))
         cfg.attrs = [attr]
         cfg.numAttrs = 1
-        func = cu.CUfunction(int(self._k.kernel.ptr))   # the current device's CUfunction
+        fptr = int(self._k.kernel.ptr)                     # the current device's CUfunction
+        _PDL_FUNCS.add(fptr)
+        func = cu.CUfunction(fptr)
         err, = cu.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
         del keep                                          # the driver copied the values
         if err != cu.CUresult.CUDA_SUCCESS:
