@@ -1,0 +1,130 @@
+"""Probe (GPU): how a stream capture records PDL launches and cross-stream joins, and what a
+join edge costs against a programmatic edge.
+
+1. Census: a small capture (PDL kernels on a main stream, a fork to a side stream, a join) ->
+   every edge's (type, from_port) and every kernel node's programmatic-stream-serialization
+   attribute, read back through the driver.
+2. Timing: a chain of N "main" kernels, each joined with a tiny side kernel forked before it,
+   captured once; replayed with the join edges as captured and with them rewritten by
+   graphs.programmatic_edges(mode) ("join" / "all"), median time per link over many replays.
+   Same memory effects in every form (checked).
+Prints everything; exits non-zero only on an error.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import sys
+import time
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, ".")
+from memra_dsv4.gpu import graphs  # noqa: E402
+from memra_dsv4.gpu.pdl import PdlKernel, pdl_launches  # noqa: E402
+
+SRC = r'''
+extern "C" __global__ void busy(float* x, int n, int iters) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float v = x[i]; for (int k = 0; k < iters; ++k) v = v * 0.999f + 1.0f; x[i] = v; }
+}
+extern "C" __global__ void side(float* y, const float* x, int j) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0 && blockIdx.x == 0) y[j] = x[0] + (float)j;
+}
+'''
+
+
+def census(handle):
+    lib = graphs._libcuda()
+    g = ctypes.c_void_p(int(handle))
+    n = ctypes.c_size_t(0)
+    rc = lib.cuGraphGetEdges_v2(g, None, None, None, ctypes.byref(n))
+    print(f"  cuGraphGetEdges_v2 count rc={rc} n={n.value}")
+    N = n.value
+    src = (ctypes.c_void_p * N)(); dst = (ctypes.c_void_p * N)(); data = (graphs._EdgeData * N)()
+    rc = lib.cuGraphGetEdges_v2(g, src, dst, data, ctypes.byref(n))
+    print(f"  cuGraphGetEdges_v2 rc={rc}")
+    c = collections.Counter((data[i].type, data[i].from_port, data[i].to_port) for i in range(N))
+    print(f"  edges by (type, from_port, to_port): {dict(c)}")
+    from cuda.bindings import driver as cu
+    nodes = set(src[:N]) | set(dst[:N])
+    attr = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    kinds = collections.Counter()
+    for nd in nodes:
+        t = ctypes.c_int(-1)
+        lib.cuGraphNodeGetType(ctypes.c_void_p(nd), ctypes.byref(t))
+        pss = None
+        if t.value == 0:
+            try:
+                err, val = cu.cuGraphKernelNodeGetAttribute(cu.CUgraphNode(nd), attr)
+                pss = (err.name, int(val.programmaticStreamSerializationAllowed))
+            except Exception as e:  # noqa: BLE001
+                pss = f"{type(e).__name__}: {e}"
+        ins = [i for i in range(N) if dst[i] == nd]
+        kinds[(t.value, str(pss), len(ins))] += 1
+    print(f"  nodes by (type, pss attribute, in-edges): {dict(kinds)}")
+
+
+def build(n_links, iters, x, y, kb, ks, streams, forks):
+    s0, s1 = streams
+    for j in range(n_links):
+        forks.fork()
+        with s1:
+            ks((1,), (32,), (y, x, np.int32(j)), stream=s1)
+        forks.join()
+        kb((132,), (256,), (x, np.int32(x.size), np.int32(iters)), stream=s0)
+
+
+def main():
+    mod = cp.RawModule(code=SRC, options=("-arch=sm_90a",))
+    kb = PdlKernel(mod.get_function("busy"), "busy")
+    ks = PdlKernel(mod.get_function("side"), "side")
+    s0 = cp.cuda.Stream(non_blocking=True)
+    s1 = cp.cuda.Stream(non_blocking=True)
+    fk = graphs.Fork(s0, s1)
+    x = cp.zeros(132 * 256, cp.float32)
+    y = cp.zeros(4096, cp.float32)
+    # 1. census of a 3-link capture
+    with cp.cuda.Device(0), s0, pdl_launches(True):
+        s0.begin_capture()
+        build(3, 10, x, y, kb, ks, (s0, s1), fk)
+        h = cp.cuda.runtime.streamEndCapture(s0.ptr)
+    print("census (3 links: fork -> side kernel -> join -> busy kernel):")
+    census(h)
+    cp.cuda.runtime.graphDestroy(h)
+    # 2. timing
+    for iters in (0, 200):
+        res = {}
+        for mode in ("off", "join", "all", "plain"):
+            x.fill(0); y.fill(0)
+            with cp.cuda.Device(0), s0, pdl_launches(mode != "plain"):
+                s0.begin_capture()
+                build(200, iters, x, y, kb, ks, (s0, s1), fk)
+                h = cp.cuda.runtime.streamEndCapture(s0.ptr)
+            added = 0
+            try:
+                if mode in ("join", "all"):
+                    added = graphs.programmatic_edges(h, mode)
+                g = graphs.PriorityGraph(h, node_priority=False)
+            except Exception as e:  # noqa: BLE001
+                print(f"  iters {iters} mode {mode}: {type(e).__name__}: {e}")
+                continue
+            g.upload(s0)
+            for _ in range(3):
+                g.launch(s0)
+            s0.synchronize()
+            ts = []
+            for _ in range(30):
+                t0 = time.perf_counter(); g.launch(s0); s0.synchronize(); ts.append(time.perf_counter() - t0)
+            chk = float(y.sum()), float(x[:4].sum())
+            res[mode] = np.median(ts) / 200 * 1e6
+            print(f"  iters {iters:>3} mode {mode:<5} edges added {added:>4}: {res[mode]:.2f} us per link; check {chk}")
+
+
+if __name__ == "__main__":
+    main()
