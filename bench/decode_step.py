@@ -39,7 +39,8 @@ the shared expert's and the Sinkhorn's branches can run beside the router) and `
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
-``edges=off|join|all`` (MEMRA_DSV4_GRAPH_EDGES: the graph's join edges, or join and fork edges,
+``carve=default|max|maxl1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
+shared-memory carveout, pdl.smem_carveout), ``edges=off|join|all`` (MEMRA_DSV4_GRAPH_EDGES: the graph's join edges, or join and fork edges,
 made programmatic at capture; step_device.graph_edges_form); ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
@@ -135,7 +136,9 @@ _KERNEL_SETTINGS = {
     "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
-    "edges": SimpleNamespace(allowed=("off", "join", "all"), env="MEMRA_DSV4_GRAPH_EDGES")}
+    "edges": SimpleNamespace(allowed=("off", "join", "all"), env="MEMRA_DSV4_GRAPH_EDGES"),
+    "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "25", "50", "75"),
+                             env="MEMRA_DSV4_SMEM_CARVEOUT")}
 
 
 def _arm_settings() -> dict:
@@ -175,6 +178,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
     if "edges" in s:     # step_device / graphs.capture: fork / join edges made programmatic
         env["MEMRA_DSV4_GRAPH_EDGES"] = s["edges"]
+    if "carve" in s:     # pdl.PdlKernel: every launch's preferred shared-memory carveout
+        env["MEMRA_DSV4_SMEM_CARVEOUT"] = s["carve"]
     return env
 
 

@@ -58,3 +58,16 @@ def test_env_switch(monkeypatch):
 def test_edge_data_is_the_driver_struct():
     import ctypes
     assert ctypes.sizeof(graphs._EdgeData) == 8
+
+
+def test_carveout_env(monkeypatch):
+    from memra_dsv4.gpu.pdl import smem_carveout
+    monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
+    assert smem_carveout() is None
+    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("50", 50), ("0", 0), ("100", 100)):
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
+        assert smem_carveout() == want, v
+    for bad in ("101", "-1", "half"):
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", bad)
+        with pytest.raises(ValueError, match="MEMRA_DSV4_SMEM_CARVEOUT"):
+            smem_carveout()

@@ -8,6 +8,9 @@ join edge costs against a programmatic edge.
    captured once; replayed with the join edges as captured and with them rewritten by
    graphs.programmatic_edges(mode) ("join" / "all"), median time per link over many replays.
    Same memory effects in every form (checked).
+3. Carveout: a PDL chain alternating a kernel without shared memory and one with 57 KB of
+   dynamic shared memory (hc_boundary_pre's size), with MEMRA_DSV4_SMEM_CARVEOUT unset / max,
+   against a chain without the shared-memory kernel.
 Prints everything; exits non-zero only on an error.
 """
 from __future__ import annotations
@@ -30,6 +33,15 @@ extern "C" __global__ void busy(float* x, int n, int iters) {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) { float v = x[i]; for (int k = 0; k < iters; ++k) v = v * 0.999f + 1.0f; x[i] = v; }
+}
+extern "C" __global__ void smemk(float* x, int n) {
+    extern __shared__ float sh[];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    sh[threadIdx.x] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    if (i < n) x[i] = sh[(threadIdx.x + 1) % blockDim.x] * 0.5f + 1.0f;
 }
 extern "C" __global__ void side(float* y, const float* x, int j) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -124,6 +136,42 @@ def main():
             chk = float(y.sum()), float(x[:4].sum())
             res[mode] = np.median(ts) / 200 * 1e6
             print(f"  iters {iters:>3} mode {mode:<5} edges added {added:>4}: {res[mode]:.2f} us per link; check {chk}")
+    print("carveout (a PDL chain of pairs):")
+    carveout(mod, s0)
+
+
+def carveout(mod, s0):
+    import os
+    kb = PdlKernel(mod.get_function("busy"), "busy")
+    km = PdlKernel(mod.get_function("smemk"), "smemk")
+    km.max_dynamic_shared_size_bytes = 58 * 1024
+    x = cp.zeros(132 * 256, cp.float32)
+    for iters in (0, 200, 2000):
+        for form in ("busy+busy", "busy+smem"):
+            for carve in ("", "max", "50"):
+                if form == "busy+busy" and carve:
+                    continue
+                os.environ["MEMRA_DSV4_SMEM_CARVEOUT"] = carve
+                x.fill(0)
+                with cp.cuda.Device(0), s0, pdl_launches(True):
+                    s0.begin_capture()
+                    for _ in range(200):
+                        kb((132,), (256,), (x, np.int32(x.size), np.int32(iters)), stream=s0)
+                        if form == "busy+smem":
+                            km((132,), (256,), (x, np.int32(x.size)), shared_mem=57 * 1024, stream=s0)
+                        else:
+                            kb((132,), (256,), (x, np.int32(x.size), np.int32(0)), stream=s0)
+                    g = s0.end_capture()
+                g.upload(s0)
+                for _ in range(3):
+                    g.launch(s0)
+                s0.synchronize()
+                ts = []
+                for _ in range(30):
+                    t0 = time.perf_counter(); g.launch(s0); s0.synchronize(); ts.append(time.perf_counter() - t0)
+                print(f"  iters {iters:>4} {form:<10} carveout {carve or 'default':<7}: "
+                      f"{np.median(ts) / 200 * 1e6:.2f} us per pair; check {float(x[:4].sum())}")
+    os.environ.pop("MEMRA_DSV4_SMEM_CARVEOUT", None)
 
 
 if __name__ == "__main__":

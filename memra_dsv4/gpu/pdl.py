@@ -33,7 +33,8 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "pdl_function_handles"]
+__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "pdl_function_handles",
+           "smem_carveout"]
 
 _ACTIVE = False
 # CUfunction handles (ints) ever launched through a PdlKernel: kernels known to open with
@@ -43,6 +44,36 @@ _PDL_FUNCS: set = set()
 
 def pdl_function_handles() -> frozenset:
     return frozenset(_PDL_FUNCS)
+
+
+SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
+
+
+def smem_carveout() -> int | None:
+    """MEMRA_DSV4_SMEM_CARVEOUT, read at every PdlKernel launch (so at graph capture): unset or
+    "default": no carveout attribute (the driver picks each kernel's L1 / shared split from its
+    own needs); "max": 100; "maxl1": 0; an integer 0..100: that percentage of the maximum shared
+    memory, passed as the launch's CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT.  Why:
+    an SM runs CTAs of one carveout configuration at a time, so a kernel whose configuration
+    differs from the CTAs still resident (the 57 KB hc_boundary_pre or the 64 KB sparse attention
+    after a GEMV that needs none) may have to wait for the SM to drain instead of starting under
+    PDL; one preference for every kernel of the step makes the configurations equal.  Schedule
+    only: the same bytes.  Not a seam (bench arm carve=)."""
+    import os
+    v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
+    if v in ("", "default"):
+        return None
+    if v == "max":
+        return 100
+    if v == "maxl1":
+        return 0
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 100:
+        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1 or a percentage 0..100")
+    return n
 
 
 def pdl_active() -> bool:
@@ -127,8 +158,15 @@ class PdlKernel:
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
         cfg.sharedMemBytes = int(shared_mem)
         cfg.hStream = cu.CUstream(int(s.ptr))
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
+        attrs = [attr]
+        carve = smem_carveout()
+        if carve is not None:   # captured into the graph node with the launch
+            ca = cu.CUlaunchAttribute()
+            ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            ca.value.sharedMemCarveout = carve
+            attrs.append(ca)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         fptr = int(self._k.kernel.ptr)                     # the current device's CUfunction
         _PDL_FUNCS.add(fptr)
         func = cu.CUfunction(fptr)
