@@ -497,6 +497,69 @@ DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __re
 GEMV_PL_KERNEL(gemv_bf16_pl_r2, 2, GEMV_MINB)
 GEMV_PL_KERNEL(gemv_bf16_pl_r4, 4, GEMV_MINB)
 
+// ------------------------------------------- the decode q_norm inside wq_b (gemv_bf16_pl_r*_qn)
+// gemv_bf16_pl_r{R}_qn: gemv_bf16_pl_r{R} whose x is rmsnorm(xr, nw, eps), computed by EVERY CTA
+// into its shared memory with rmsnorm_row's code (rmsnorm_row.cuh: the CTA is RMS_THREADS = 128
+// threads, as rmsnorm_bf16_wbf16's, so the normed values are that launch's bits); CTA 0 also
+// stores the normed row to xn (the CSA indexer's q GEMV reads it).  Why: the separate q_norm
+// launch sat on the decode chain between the multi GEMV and wq_b (4-6 us busy on the device
+// timeline, behind wq_b's own preloads) for a 2 KB row; here each CTA re-reads the 2 KB raw row
+// and the 2 KB weight (from L2) after the PDL wait, while the first trip's weights it loaded
+// before the wait are already in flight.  Both the GEMV's and the norm's static loads (weights,
+// the norm weight's first chunk) go before the wait.  K == 1024 exactly (one chunk of 8 per
+// thread for the norm, one trip per warp for the GEMV: trip 0 is the whole row, THE ORDER as
+// gemv_pl_rows); xr is the predecessor's output (complete before the wait: read-only path).
+// x, xn must not alias (other CTAs read x while CTA 0 writes xn).
+static_assert(GEMV_THREADS == RMS_THREADS, "the _qn GEMV's CTA runs rmsnorm_row as one row's CTA");
+constexpr int QN_K = 8 * RMS_THREADS;
+
+template <int R>
+DEV void gemv_pl_rows_qn(const PlFirst<R>& f, const RmsFirst& nf, const u16* __restrict__ xr,
+                         const u16* __restrict__ nw, double eps, u16* __restrict__ xn,
+                         void* __restrict__ y, int O, int out_bf16) {
+    __shared__ __align__(16) u16 xs[QN_K];
+    const bool first_cta = blockIdx.x == 0;
+    rmsnorm_row_to<u16>(nf, xr, nw, QN_K, eps, [&](int c, const uint4& o) {
+        *reinterpret_cast<uint4*>(xs + 8 * c) = o;
+        if (first_cta) stg16(xn + 8 * c, o);
+    });
+    __syncthreads();   // every thread's chunk in xs (the norm's block_sum already synced the reads)
+    const int lane = threadIdx.x & 31;
+    if (f.o0 >= O) return;
+    float acc[R][GEMV_UNROLL];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+    uint4 xv[GEMV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) xv[u] = *reinterpret_cast<const uint4*>(xs + 8 * (lane + 32 * u));
+    bf16_trip_fma<R>(f.raw, xv, acc);   // the whole row: K = 1024 is one trip
+    float out[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (f.o0 + r < O) store_out(y, f.o0 + r, out[r], out_bf16);
+}
+
+// W bf16 bits [O, 1024]; xr [1024] bf16 (raw), nw [1024] bf16 (the norm weight), xn [1024] bf16
+// (out: the normed row, CTA 0), y [O] f32 / bf16, K == 1024 (a runtime argument: the preloads'
+// basic-block ends test it, so ptxas keeps them above the wait; any other K traps);
+// grid = ceil(O / (R GEMV_WARPS)), block 128.
+#define GEMV_PL_QN_KERNEL(NAME, R, MINB)                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const u16* __restrict__ W, const u16* __restrict__ xr, const u16* __restrict__ nw,        \
+         double eps, u16* __restrict__ xn, void* __restrict__ y, int O, int K, int out_bf16) {      \
+        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(W, O, K);                           \
+                          const RmsFirst nfirst = rms_preload<u16>(nw, K));                        \
+        if (K != QN_K) __trap();                                                                   \
+        gemv_pl_rows_qn<R>(first, nfirst, xr, nw, eps, xn, y, O, out_bf16);                        \
+    }
+GEMV_PL_QN_KERNEL(gemv_bf16_pl_r2_qn, 2, GEMV_MINB)
+GEMV_PL_QN_KERNEL(gemv_bf16_pl_r4_qn, 4, GEMV_MINB)
+
 // W bf16 bits [O, K]; S / ld_s unused (the r*t* kernels' signature, so one wrapper serves both).
 #define GEMV_PS_KERNEL(NAME, R, D, MINB)                                                           \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \

@@ -68,9 +68,11 @@ DEV void chunk_w(const RmsFirst& f, const WT* __restrict__ w, int c, float (&wf)
     for (int i = 0; i < 8; ++i) wf[i] = load_w<WT>(w, 8 * c + i);
 }
 
-template <typename WT, bool CG = false>
-DEV void rmsnorm_row(const RmsFirst& first, const u16* x, const WT* __restrict__ w, u16* y,
-                     int n, double eps) {
+// store(c, o): where chunk c's 8 outputs go (rmsnorm_row: y + 8c in global memory; the decode
+// gemv_bf16_pl_r*_qn: the CTA's shared x, and for CTA 0 also the normed row in global memory).
+template <typename WT, bool CG = false, typename Store>
+DEV void rmsnorm_row_to(const RmsFirst& first, const u16* x, const WT* __restrict__ w, int n,
+                        double eps, Store&& store) {
     __shared__ double red[RMS_THREADS / 32];
     const int nc = n >> 3;
     double ss = 0.0;
@@ -106,8 +108,14 @@ DEV void rmsnorm_row(const RmsFirst& first, const u16* x, const WT* __restrict__
         o.y = h[2] | (h[3] << 16);
         o.z = h[4] | (h[5] << 16);
         o.w = h[6] | (h[7] << 16);
-        stg16(y + 8 * c, o);
+        store(c, o);
     }
+}
+
+template <typename WT, bool CG = false>
+DEV void rmsnorm_row(const RmsFirst& first, const u16* x, const WT* __restrict__ w, u16* y,
+                     int n, double eps) {
+    rmsnorm_row_to<WT, CG>(first, x, w, n, eps, [&](int c, const uint4& o) { stg16(y + 8 * c, o); });
 }
 
 

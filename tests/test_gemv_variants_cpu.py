@@ -113,7 +113,8 @@ def test_every_variant_launches(fake_launch):
             _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
     gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")}
     qn = {n for n in DK.KERNELS if n.endswith("_qn")}
-    assert qn == {f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
+    assert qn == ({f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
+                  | {f"gemv_bf16_pl_r{r}_qn" for r in DK.GEMV_PL})
     seen = set()
     for fp8 in (False, True):
         for op in ("plain", "multi", "swiglu"):
@@ -259,3 +260,66 @@ def test_multi_qnorm_launches(fake_launch, monkeypatch):
                                qnorm=(qr, A(np.zeros(512, np.uint16)), 1e-6))
         with pytest.raises(AssertionError, match="expected \\(y, weight, eps\\)"):
             DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)), qnorm=(qr, w))
+
+
+def test_wqb_qnorm_launches(fake_launch, monkeypatch):
+    """gemv_bf16_qnorm (the attention's q_norm inside wq_b, MEMRA_DSV4_WQB_QNORM): one
+    gemv_bf16_pl_r{R}_qn launch where wq_b runs as pl_r{R} with K = 1024 and bf16 weights (its
+    arguments: W, raw x, norm weight, eps, xn_out, out, O, K, out_bf16); otherwise
+    rmsnorm_bf16_wbf16 into xn_out, then the plain GEMV reading xn_out.  Overlapping x / xn_out
+    and wrong sizes are refused before any launch."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    monkeypatch.setattr(RN, "kernel", DK.kernel)            # the same recording fake
+    nw = A(np.zeros(1024, np.uint16))
+    for O, R in ((32768, 2), (32868, 2)):   # the second: a partial last CTA
+        launched.clear()
+        x, xn, out = A(np.zeros(1024, np.uint16)), A(np.zeros(1024, np.uint16)), A(np.zeros(O, np.uint16))
+        got = DK.gemv_bf16_qnorm(A(np.zeros((O, 1024), np.uint16)), x, out, nw, 1e-6, xn)
+        assert len(launched) == 1, [l[0] for l in launched]
+        (name, grid, args, _), = launched
+        assert got == "fused" and name == f"gemv_bf16_pl_r{R}_qn", (O, name)
+        assert grid == (-(-(-(-O // R)) // 4),) and len(args) == 9
+        assert int(args[6]) == O and int(args[7]) == 1024 and int(args[8]) == 1
+        assert args[1] is x and args[4] is xn and args[5] is out
+    # pl_r4 selected through the env override
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.large=pl_r4")
+    launched.clear()
+    DK.gemv_bf16_qnorm(A(np.zeros((32768, 1024), np.uint16)), A(np.zeros(1024, np.uint16)),
+                       A(np.zeros(32768, np.float32)), nw, 1e-6, A(np.zeros(1024, np.uint16)))
+    assert [l[0] for l in launched] == ["gemv_bf16_pl_r4_qn"]
+    # a variant that is not pl: the two launches
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.large=r2t2")
+    launched.clear()
+    xn = A(np.zeros(1024, np.uint16))
+    got = DK.gemv_bf16_qnorm(A(np.zeros((32768, 1024), np.uint16)), A(np.zeros(1024, np.uint16)),
+                             A(np.zeros(32768, np.float32)), nw, 1e-6, xn)
+    assert got == "split" and [l[0] for l in launched] == ["rmsnorm_bf16_wbf16", "gemv_bf16_r2t2"]
+    assert launched[1][2][3] is not None
+    monkeypatch.delenv(DK.GEMV_VARIANT_ENV)
+    # K = 2048 (pl takes it, the _qn form does not) and FP8 weights: split
+    launched.clear()
+    got = DK.gemv_bf16_qnorm(A(np.zeros((32768, 2048), np.uint16)), A(np.zeros(2048, np.uint16)),
+                             A(np.zeros(32768, np.float32)), A(np.zeros(2048, np.uint16)), 1e-6,
+                             A(np.zeros(2048, np.uint16)))
+    assert got == "split" and [l[0] for l in launched] == ["rmsnorm_bf16_wbf16", "gemv_bf16_pl_r2"]
+    launched.clear()
+    got = DK.gemv_bf16_qnorm(A(np.zeros((32768, 1024), np.uint8)), A(np.zeros(1024, np.uint16)),
+                             A(np.zeros(32768, np.float32)), nw, 1e-6, A(np.zeros(1024, np.uint16)),
+                             scale=A(np.zeros((256, 8), np.uint8)))
+    assert got == "split" and launched[0][0] == "rmsnorm_bf16_wbf16" and launched[1][0].startswith("gemv_fp8_")
+    # refusals, before any launch
+    launched.clear()
+    buf = A(np.zeros(2048, np.uint16))
+    with pytest.raises(AssertionError, match="overlap"):
+        DK.gemv_bf16_qnorm(A(np.zeros((64, 1024), np.uint16)), buf[:1024], A(np.zeros(64, np.float32)),
+                           nw, 1e-6, buf[512:1536])
+    with pytest.raises(AssertionError, match="expected K = 1024"):
+        DK.gemv_bf16_qnorm(A(np.zeros((64, 1024), np.uint16)), A(np.zeros(512, np.uint16)),
+                           A(np.zeros(64, np.float32)), nw, 1e-6, A(np.zeros(1024, np.uint16)))
+    with pytest.raises(AssertionError, match="norm_weight"):
+        DK.gemv_bf16_qnorm(A(np.zeros((64, 1024), np.uint16)), A(np.zeros(1024, np.uint16)),
+                           A(np.zeros(64, np.float32)), A(np.zeros(512, np.uint16)), 1e-6,
+                           A(np.zeros(1024, np.uint16)))
+    assert not launched

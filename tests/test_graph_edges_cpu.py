@@ -71,3 +71,14 @@ def test_carveout_env(monkeypatch):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", bad)
         with pytest.raises(ValueError, match="MEMRA_DSV4_SMEM_CARVEOUT"):
             smem_carveout()
+
+
+def test_wqb_qnorm_env(monkeypatch):
+    from memra_dsv4.gpu.step_device import WQB_QNORM_ENV, wqb_qnorm_on
+    monkeypatch.delenv(WQB_QNORM_ENV, raising=False)
+    assert wqb_qnorm_on() is False
+    monkeypatch.setenv(WQB_QNORM_ENV, "on")
+    assert wqb_qnorm_on() is True
+    monkeypatch.setenv(WQB_QNORM_ENV, "yes")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_WQB_QNORM"):
+        wqb_qnorm_on()

@@ -25,7 +25,7 @@ PRELOAD_KERNELS = {
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
-               "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn"),
+               "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn"),
 }
 
 need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("nvdisasm") is None,

@@ -139,7 +139,8 @@ GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t 
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
     tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK) + \
     tuple(f"gemv_bf16_ps_r{r}d{d}" for r, d, _ in GEMV_PS) + \
-    tuple(f"gemv_bf16_pl_r{r}" for r in GEMV_PL)
+    tuple(f"gemv_bf16_pl_r{r}" for r in GEMV_PL) + \
+    tuple(f"gemv_bf16_pl_r{r}_qn" for r in GEMV_PL)
 
 
 def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
@@ -279,7 +280,7 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
-           "dense_weight", "gemv_bf16", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -372,6 +373,47 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
         _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
         (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
     return out
+
+
+QNORM_K = 1024   # decode.cu QN_K: the one row length gemv_bf16_pl_r*_qn takes
+
+
+def gemv_bf16_qnorm(w, x_raw, out, norm_weight, eps: float, xn_out, *, scale=None,
+                    site: str | None = None) -> str:
+    """out = W . rmsnorm(x_raw, norm_weight, eps), and xn_out = rmsnorm(x_raw, ...) (bf16 bits);
+    the bits of ``rmsnorm(x_raw, norm_weight, eps, out=xn_out)`` then ``gemv_bf16(w, xn_out, out)``
+    in every form.  Fused (one launch, decode.cu gemv_bf16_pl_r{R}_qn: every CTA norms the row
+    into its shared memory with rmsnorm_bf16_wbf16's row code, CTA 0 also writes xn_out) when the
+    GEMV would run as pl_r{R} (the selected variant for ``site``), W is bf16 bits, K == 1024 and
+    the norm weight is bf16 bits; else those two launches.  Returns "fused" or "split".
+    x_raw and xn_out must not overlap (other CTAs read x_raw while CTA 0 writes xn_out)."""
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    O, K = w.shape
+    check(x_raw, "gemv_bf16_qnorm.x", np.uint16)
+    check(xn_out, "gemv_bf16_qnorm.xn_out", np.uint16)
+    assert x_raw.size == K and xn_out.size == K, (
+        f"gemv_bf16_qnorm: x {x_raw.size} / xn_out {xn_out.size} values, expected K = {K}")
+    assert norm_weight.shape == (K,), f"gemv_bf16_qnorm.norm_weight: {norm_weight.shape}, expected ({K},)"
+    a0, a1 = x_raw.data.ptr, xn_out.data.ptr
+    assert a0 + 2 * K <= a1 or a1 + 2 * K <= a0, "gemv_bf16_qnorm: x and xn_out overlap"
+    fp8 = bool(w.dtype == np.uint8)
+    variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
+    R = parse_pl(variant) if variant else None
+    if R and pl_ok(R, fp8, K, 0) and K == QNORM_K and norm_weight.dtype == np.uint16 and scale is None:
+        wa, _, _ = dense_weight(w, scale, "gemv_bf16_qnorm.w")
+        check(norm_weight, "gemv_bf16_qnorm.norm_weight", np.uint16)
+        assert out.dtype in (np.float32, np.uint16) and out.size == O and out.flags.c_contiguous, (
+            f"gemv_bf16_qnorm.out: {out.shape} {out.dtype}, expected {O} f32/bf16 contiguous")
+        assert a0 % 16 == 0 and a1 % 16 == 0 and norm_weight.data.ptr % 16 == 0, \
+            "gemv_bf16_qnorm: x, xn_out and norm_weight need 16-byte alignment"
+        kernel(STEM, f"gemv_bf16_pl_r{R}_qn")(
+            _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
+            (wa, x_raw, norm_weight, np.float64(eps), xn_out, out, i32(O), i32(K),
+             i32(1 if out.dtype == np.uint16 else 0)))
+        return "fused"
+    RN.rmsnorm(x_raw.reshape(1, K), norm_weight, eps, out=xn_out.reshape(1, K))
+    gemv_bf16(w, xn_out.reshape(-1), out, scale=scale, site=site)
+    return "split"
 
 
 class GemvTable:

@@ -79,6 +79,7 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
     p.add("x", (D,), "bf16")
     p.add("xn", (D,), "bf16")
     p.add("attn.qr", (cfg.q_lora_rank,), "bf16")
+    p.add("attn.qrn", (cfg.q_lora_rank,), "bf16")   # the normed qr where it is not normed in place (MEMRA_DSV4_WQB_QNORM)
     p.add("attn.q", (H, hd), "bf16")
     # candidates: window W, then the widest compressed segment of this stage's layers
     n_keys = max(1, max_seq_len // 4)

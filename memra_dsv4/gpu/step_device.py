@@ -90,6 +90,7 @@ class DeviceStep:
         self._tok = self._pos = 0
         self._logits_host = None   # pinned [vocab] f32 of the readback (made on first use)
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
+        self._qr_normed = "attn.qr"   # the arena buffer of the normed qr (_attention: attn.qrn with WQB_QNORM)
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
         self._hc_branch = False  # ... with the Sinkhorn on S.hc_side (while capturing only)
         self._qnorm = "kernel"   # this step's q norm form (seam MEMRA_DSV4_DECODE_QNORM, _attention)
@@ -556,7 +557,7 @@ class DeviceStep:
         cfg, v = self.cfg, S.v
         q = v["idx.q"].reshape(1, cfg.index_n_heads, cfg.index_head_dim)
         w, sc = L.lin("attn.indexer.wq_b")
-        DK.gemv_bf16(w, v["attn.qr"], q, scale=sc)
+        DK.gemv_bf16(w, v[self._qr_normed], q, scale=sc)
 
     def _indexer(self, S, L, cache, q_done: bool = False):
         """The CSA indexer: its compressor emission, the q GEMV (unless ``q_done``: _indexer_q
@@ -602,19 +603,35 @@ class DeviceStep:
         # _qn kernel applies head_rms + RoPE at its q load (the same code, the same bits)
         qn_attn = getattr(self, "_qnorm", "kernel") == "attn"
         mqn = multi_qnorm_on()   # q_norm in the multi GEMV's last CTA (same bytes)
+        # MEMRA_DSV4_WQB_QNORM: q_norm inside wq_b (every CTA norms the raw qr; CTA 0 stores it
+        # to attn.qrn for the CSA indexer), not with mqn (qr already normed) nor fork "lead" /
+        # "single" (the indexer's q GEMV would run before or beside wq_b, which norms qr)
+        wqn = wqb_qnorm_on() and not mqn and self._forking not in ("lead", "single")
+        self._qr_normed = "attn.qrn" if wqn else "attn.qr"
         with phase(f"{ap}/projections"):  # wq_a, wkv, compressor rows, indexer weights: one launch
             DK.gemv_bf16_multi(table, v["xn"], pos,
                                qnorm=(v["attn.qr"], L.w("attn.q_norm.weight"), eps) if mqn else None)
-        if not mqn:
+        if not mqn and not wqn:
             with phase(f"{ap}/q"):
                 RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
 
-        def q_path():
+        def wq_b():
             with phase(f"{ap}/q"):
                 w, sc = L.lin("attn.wq_b")
-                DK.gemv_bf16(w, qr, q, scale=sc)
-                if not qn_attn:
+                if wqn:   # q_norm + wq_b (one launch where gemv_bf16_qnorm can fuse; same bits)
+                    DK.gemv_bf16_qnorm(w, qr.reshape(-1), q.reshape(-1), L.w("attn.q_norm.weight"),
+                                       eps, v["attn.qrn"], scale=sc)
+                else:
+                    DK.gemv_bf16(w, qr, q, scale=sc)
+
+        def head_norm():
+            if not qn_attn:
+                with phase(f"{ap}/q"):
                     RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+
+        def q_path():
+            wq_b()
+            head_norm()
 
         csa = bool(L.ratio) and L.kind == "csa"
         if csa:
@@ -673,7 +690,16 @@ class DeviceStep:
             if lead:   # the indexer's q GEMV first, on the main stream: its chain forks after it
                 with phase(f"{ap}/indexer"):
                     self._indexer_q(S, L)
-            if csa:
+            if csa and wqn:   # the indexer reads attn.qrn, which wq_b's CTA 0 writes: fork after it
+                wq_b()
+                S.fork3.fork()
+                with S.side:
+                    kv_path()
+                with S.side2:
+                    sel = sel_path()
+                head_norm()
+                S.fork3.join()
+            elif csa:
                 S.fork3.fork()
                 with S.side:
                     kv_path()
@@ -835,6 +861,22 @@ def multi_qnorm_on() -> bool:
     is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
     tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
     return _on_off_env(MULTI_QNORM_ENV, MULTI_QNORM_DEFAULT) == "on"
+
+
+WQB_QNORM_ENV = "MEMRA_DSV4_WQB_QNORM"   # "on": the attention's q_norm inside wq_b (A/B)
+WQB_QNORM_DEFAULT = "off"
+
+
+def wqb_qnorm_on() -> bool:
+    """MEMRA_DSV4_WQB_QNORM = on | off (WQB_QNORM_DEFAULT), read when the launches are made (at
+    graph capture): the attention's q_norm runs inside wq_b (ops_decode.gemv_bf16_qnorm: where
+    wq_b runs as pl_r{R} with K = 1024, gemv_bf16_pl_r{R}_qn, each CTA norming the raw qr; else
+    rmsnorm into attn.qrn, then wq_b), so no norm launch sits between the multi GEMV and wq_b.
+    The normed qr goes to attn.qrn (qr stays raw), which the CSA indexer's q GEMV reads; the
+    indexer's branch then forks after wq_b.  Ignored with MEMRA_DSV4_MULTI_QNORM on (qr normed in
+    the multi GEMV) and with decode_fork "lead" / "single".  The same bytes; not a seam (bench arm
+    wqbqn=on|off)."""
+    return _on_off_env(WQB_QNORM_ENV, WQB_QNORM_DEFAULT) == "on"
 
 
 GRAPH_EDGES_ENV = "MEMRA_DSV4_GRAPH_EDGES"   # off | join | all: fork / join edges made programmatic (A/B)

@@ -236,3 +236,33 @@ def test_selection_env_and_table(monkeypatch):
     assert DK.gemv_selected("swiglu", True, "large") == "bulk_p1s4"
     monkeypatch.setitem(DK.GEMV_SELECT, "swiglu.fp8", "p1t2")
     assert DK.gemv_selected("swiglu", True, "large") == "p1t2"          # the specific key first
+
+
+@pytest.mark.parametrize("O,variant", [(32768, "pl_r2"), (32868, "pl_r2"), (32768, "pl_r4"), (32770, "pl_r4")])
+def test_wqb_qnorm_fused_bytes(O, variant, monkeypatch):
+    """gemv_bf16_qnorm fused (gemv_bf16_pl_r{R}_qn: every CTA norms the raw row into shared
+    memory, CTA 0 stores it) == rmsnorm_bf16_wbf16 into xn, then gemv_bf16_pl_r{R} on xn: out
+    and xn byte for byte, out in f32 and in bf16; x spread over 2^+-20 so the norm's double
+    statistics matter; nothing written past O; launched under PDL and plainly."""
+    from memra_dsv4.gpu.ops import rmsnorm as RN
+    from memra_dsv4.gpu.pdl import pdl_launches
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, f"plain.bf16.large={variant}")
+    rng = rng_for(f"wqbqn-{O}-{variant}")
+    K = DK.QNORM_K
+    x = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0, spread=20), "x"))
+    nw = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0), "nw"))
+    w = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (O, K), 0.05), "w"))
+    for dt in (np.float32, np.uint16):
+        xn_ref = _filled(K, np.uint16)
+        RN.rmsnorm(x.reshape(1, K), nw, 1e-6, out=xn_ref.reshape(1, K))
+        ref = _filled(O + 64, dt)
+        DK.gemv_bf16(w, xn_ref, ref[:O], variant=variant)
+        for pdl in (False, True):
+            xn, out = _filled(K, np.uint16), _filled(O + 64, dt)
+            with pdl_launches(pdl):
+                got = DK.gemv_bf16_qnorm(w, x, out[:O], nw, 1e-6, xn)
+            cp.cuda.runtime.deviceSynchronize()
+            assert got == "fused"
+            assert cp.array_equal(xn, xn_ref), f"{variant} O={O}: the normed row differs (pdl {pdl})"
+            assert cp.array_equal(out.view(cp.uint8), ref.view(cp.uint8)), (
+                f"{variant} O={O} {np.dtype(dt).name}: {int((out[:O] != ref[:O]).sum())} outputs differ, or bytes past O written (pdl {pdl})")
