@@ -41,8 +41,7 @@ indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, 
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
 ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
 the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
-shared-memory carveout, pdl.smem_carveout), ``edges=off|join|all`` (MEMRA_DSV4_GRAPH_EDGES: the graph's join edges, or join and fork edges,
-made programmatic at capture; step_device.graph_edges_form); ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
+shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
@@ -137,7 +136,6 @@ _KERNEL_SETTINGS = {
     "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
-    "edges": SimpleNamespace(allowed=("off", "join", "all"), env="MEMRA_DSV4_GRAPH_EDGES"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "25", "50", "75"),
                              env="MEMRA_DSV4_SMEM_CARVEOUT")}
@@ -178,8 +176,6 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
     if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
         env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
-    if "edges" in s:     # step_device / graphs.capture: fork / join edges made programmatic
-        env["MEMRA_DSV4_GRAPH_EDGES"] = s["edges"]
     if "wqbqn" in s:     # step_device: the attention's q_norm inside wq_b (on) or its own launch
         env["MEMRA_DSV4_WQB_QNORM"] = s["wqbqn"]
     if "carve" in s:     # pdl.PdlKernel: every launch's preferred shared-memory carveout

@@ -425,45 +425,23 @@ DEV float4 ld_part4(const float* p) {
     return CG ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
 }
 
-// Why the group: a tile's loads no longer wait behind the previous tile's merge_scale branches
-// (in the one-tile-at-a-time loop each group of ~2 tiles cost a dependent L2 round trip, so the
-// 20 tiles of a 1K CSA layer took ~10).  MERGE_GROUP tiles' (m, l, acc) are loaded first, then
-// merged in tile order: the same merge sequence, so the same bits.  Tail slots past n_tiles are
-// neither loaded nor merged.
-#ifndef MERGE_GROUP
-#define MERGE_GROUP 8
-#endif
 template <int D, bool CG>
 DEV void merge_partials4(const float* ws_ml, const float* ws_acc, const float* __restrict__ sink,
                          u16* __restrict__ out, i64 t, int h, int H, int n_tiles, int d0, const OutRope& orope) {
-    constexpr int G = MERGE_GROUP;
     const i64 th = t * H + h;
     float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int t0 = 0; t0 < n_tiles; t0 += G) {
-        float mt[G], lt[G];
-        float4 at[G];
+#pragma unroll 4
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const i64 slot = th * n_tiles + tile;
+        const float mt = ld_part<CG>(ws_ml + 2 * slot), lt = ld_part<CG>(ws_ml + 2 * slot + 1);
+        const float4 at = ld_part4<CG>(ws_acc + slot * D + d0);
+        const float a4[4] = {at.x, at.y, at.z, at.w};
+        const float Mn = fmaxf(M, mt);
+        const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
+        Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            mt[g] = f32_ninf(); lt[g] = 0.0f; at[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (t0 + g < n_tiles) {
-                const i64 slot = th * n_tiles + t0 + g;
-                mt[g] = ld_part<CG>(ws_ml + 2 * slot);
-                lt[g] = ld_part<CG>(ws_ml + 2 * slot + 1);
-                at[g] = ld_part4<CG>(ws_acc + slot * D + d0);
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            if (t0 + g < n_tiles) {
-                const float a4[4] = {at[g].x, at[g].y, at[g].z, at[g].w};
-                const float Mn = fmaxf(M, mt[g]);
-                const float a = merge_scale(M, Mn), b = merge_scale(mt[g], Mn);
-                Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt[g], b));
-#pragma unroll
-                for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
-                M = Mn;
-            }
-        }
+        for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
+        M = Mn;
     }
     const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + h), M)));
     float o[4];

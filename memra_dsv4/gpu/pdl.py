@@ -20,8 +20,10 @@ Contract
 * Arguments are marshalled as CuPy does for ``RawKernel`` (cupy/_core/raw.pyx, function.pyx
   ``_pointer``): a cupy.ndarray passes its device pointer, ``None`` a null pointer, a NumPy
   scalar (or size-1 ndarray) its bytes, a Python int an int64, a float a float64, a bool a bool.
-* Graph capture: launches made while a stream captures become programmatic graph edges
-  (CUDA >= 12.3); the step's graphs replay them with the same overlap.
+* Graph capture: launches made while a stream captures become programmatic graph edges (CUDA >=
+  12.3), the cross-stream fork / join edges included (tools/probe_graph_edges.py: 9 of 9 edges
+  of a forked capture had type programmatic, port programmatic, on CUDA 13); the step's graphs
+  replay them with the same overlap.
 * The seam ``MEMRA_DSV4_PDL`` (``on``/``off``, ``Dsv4Gpu.load(pdl=)``) decides whether the device
   step enters the context; the bench can A/B it in one process (arm setting ``pdl=on|off``).
 """
@@ -33,17 +35,9 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "pdl_function_handles",
-           "smem_carveout"]
+__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout"]
 
 _ACTIVE = False
-# CUfunction handles (ints) ever launched through a PdlKernel: kernels known to open with
-# griddepcontrol.wait, so graphs.programmatic_edges may give them programmatic in-edges.
-_PDL_FUNCS: set = set()
-
-
-def pdl_function_handles() -> frozenset:
-    return frozenset(_PDL_FUNCS)
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
@@ -167,9 +161,7 @@ class PdlKernel:
             attrs.append(ca)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
-        fptr = int(self._k.kernel.ptr)                     # the current device's CUfunction
-        _PDL_FUNCS.add(fptr)
-        func = cu.CUfunction(fptr)
+        func = cu.CUfunction(int(self._k.kernel.ptr))   # the current device's CUfunction
         err, = cu.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
         del keep                                          # the driver copied the values
         if err != cu.CUresult.CUDA_SUCCESS:

@@ -204,13 +204,13 @@ class DeviceStep:
             self._tok, self._pos = int(token), pos
         hc_split = self.hc_split_form() == "on" and not self.hostmath
         if graph:
-            fork, prio, edges = self.fork_form(), self.priority_form(), graph_edges_form()
+            fork, prio = self.fork_form(), self.priority_form()
             gs = self._graphs.get(id(state))
             if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
                     or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
-                    or gs[7] != qnorm or gs[8] != w2 or gs[9] != edges):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2, edges),
-                      pdl_on, attn, fork, hc_split, prio, qnorm, w2, edges)
+                    or gs[7] != qnorm or gs[8] != w2):
+                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
+                      pdl_on, attn, fork, hc_split, prio, qnorm, w2)
                 if len(self._graphs) >= 8:
                     self._graphs.pop(next(iter(self._graphs)))
                 self._graphs[id(state)] = gs
@@ -345,8 +345,7 @@ class DeviceStep:
                 (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
-                 hc_split: bool = False, prio: str = "off", qnorm: str = "kernel", w2: str = "gemv",
-                 edges: str = "off"):
+                 hc_split: bool = False, prio: str = "off", qnorm: str = "kernel", w2: str = "gemv"):
         """One graph per stage; with ``pdl_on`` every kernel launch carries the programmatic
         stream serialisation attribute (gpu/pdl.py), captured as programmatic graph edges;
         ``attn`` the decode attention form ("split" / "fused"); ``fork`` "on": each attention
@@ -357,8 +356,7 @@ class DeviceStep:
         streams are the greatest-priority set and the graph keeps its nodes' priorities; "attn":
         the same except the shared expert's branch (_moe), which stays at the default priority;
         ``qnorm`` the q norm form ("kernel" / "attn": _attention); ``w2`` the shared expert's w2
-        form ("gemv" / "fused": _moe); ``edges`` the fork / join edges made programmatic
-        (graph_edges_form, graphs.capture)."""
+        form ("gemv" / "fused": _moe)."""
         import cupy as cp
         from memra_dsv4.gpu import graphs
         from memra_dsv4.gpu.pdl import pdl_launches
@@ -382,8 +380,7 @@ class DeviceStep:
                 S.moe_side, S.moe_fork = (S.branches["off"] if prio == "attn" else b)[:2]
                 with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, attn),
-                                              node_priority=prio != "off",
-                                              edges=edges if pdl_on else "off"))
+                                              node_priority=prio != "off"))
         finally:
             phase_set_capturing(was)
             self._forking = ""
@@ -877,26 +874,6 @@ def wqb_qnorm_on() -> bool:
     the multi GEMV) and with decode_fork "lead" / "single".  The same bytes; not a seam (bench arm
     wqbqn=on|off)."""
     return _on_off_env(WQB_QNORM_ENV, WQB_QNORM_DEFAULT) == "on"
-
-
-GRAPH_EDGES_ENV = "MEMRA_DSV4_GRAPH_EDGES"   # off | join | all: fork / join edges made programmatic (A/B)
-GRAPH_EDGES_DEFAULT = "off"
-
-
-def graph_edges_form() -> str:
-    """MEMRA_DSV4_GRAPH_EDGES = off | join | all (GRAPH_EDGES_DEFAULT), read at capture: which of
-    the stage graph's cross-stream edges graphs.capture turns programmatic (graphs.
-    programmatic_edges; only with PDL on).  Why: a join is captured as a full dependency, and
-    the device timeline shows its destination starting ~1.8-2 us after the last source drained
-    (the sparse attention after the indexer branch, every hc_boundary_pre after the Sinkhorn
-    branch) where a PDL edge costs ~0.5 us.  Schedule only: the same bytes.  Not a seam (bench
-    arm edges=off|join|all)."""
-    import os
-    v = os.environ.get(GRAPH_EDGES_ENV, "") or GRAPH_EDGES_DEFAULT
-    from memra_dsv4.gpu.graphs import EDGE_MODES
-    if v not in EDGE_MODES:
-        raise ValueError(f"{GRAPH_EDGES_ENV}={v!r}: expected one of {', '.join(EDGE_MODES)}")
-    return v
 
 
 def _gateup_pdl_scope():

@@ -1,0 +1,30 @@
+"""The step's non-seam A/B switches read from the environment, on the CPU: the preferred
+shared-memory carveout of the PDL launches (MEMRA_DSV4_SMEM_CARVEOUT, pdl.smem_carveout) and the
+q_norm inside wq_b (MEMRA_DSV4_WQB_QNORM, step_device.wqb_qnorm_on): values and refusals."""
+from __future__ import annotations
+
+import pytest
+
+
+def test_carveout_env(monkeypatch):
+    from memra_dsv4.gpu.pdl import smem_carveout
+    monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
+    assert smem_carveout() is None
+    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("50", 50), ("0", 0), ("100", 100)):
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
+        assert smem_carveout() == want, v
+    for bad in ("101", "-1", "half"):
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", bad)
+        with pytest.raises(ValueError, match="MEMRA_DSV4_SMEM_CARVEOUT"):
+            smem_carveout()
+
+
+def test_wqb_qnorm_env(monkeypatch):
+    from memra_dsv4.gpu.step_device import WQB_QNORM_ENV, wqb_qnorm_on
+    monkeypatch.delenv(WQB_QNORM_ENV, raising=False)
+    assert wqb_qnorm_on() is False
+    monkeypatch.setenv(WQB_QNORM_ENV, "on")
+    assert wqb_qnorm_on() is True
+    monkeypatch.setenv(WQB_QNORM_ENV, "yes")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_WQB_QNORM"):
+        wqb_qnorm_on()
