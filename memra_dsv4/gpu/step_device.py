@@ -113,6 +113,9 @@ class DeviceStep:
                 # final synchronize, when its uploads have run)
                 S.host = cupyx.zeros_pinned(2, np.int32)
                 S.event = cp.cuda.Event(disable_timing=True)
+                # MEMRA_DSV4_WQB_QNORM on CSA layers: the indexer's q GEMV (side2) waits for wq_b
+                # (main), which writes the normed qr (_attention)
+                S.qn_ev = cp.cuda.Event(disable_timing=True)
                 # the attention fork (seam MEMRA_DSV4_DECODE_FORK, graphs only): a side stream
                 # and its fork / join events, made before any capture
                 # Two sets of side streams: the launch priority of a captured kernel node is
@@ -556,7 +559,7 @@ class DeviceStep:
         w, sc = L.lin("attn.indexer.wq_b")
         DK.gemv_bf16(w, v[self._qr_normed], q, scale=sc)
 
-    def _indexer(self, S, L, cache, q_done: bool = False):
+    def _indexer(self, S, L, cache, q_done: bool = False, before_q=None):
         """The CSA indexer: its compressor emission, the q GEMV (unless ``q_done``: _indexer_q
         already issued it), RoPE / Hadamard / FP4 sim of q, scores + top-k -> idx.sel."""
         from memra_dsv4.gpu.ops import indexer as IX
@@ -566,6 +569,8 @@ class DeviceStep:
         self._compress(S, L, cache.idx_state, cache.idx_keys, indexer=True)
         q = v["idx.q"].reshape(1, nI, dI)
         if not q_done:
+            if before_q is not None:   # _attention: wq_b, which norms qr, then the wait for it
+                before_q()
             self._indexer_q(S, L)
         QS.rope_hadamard128_fp4(q, v["pos"], L.cos, L.sin, out=q)
         N = cache.idx_keys.shape[0]
@@ -651,11 +656,11 @@ class DeviceStep:
                 with phase(f"{ap}/compressor"):
                     self._compress(S, L, cache.comp_state, cache.comp, indexer=False)
 
-        def sel_path(cands: bool = True, q_done: bool = False):  # the indexer (CSA; reads the
-            sel = None                     # normed qr and xn's projections) and the candidate
-            if csa:                        # list (split form; it needs only pos and sel)
+        def sel_path(cands: bool = True, q_done: bool = False, before_q=None):  # the indexer (CSA;
+            sel = None                     # reads the normed qr and xn's projections) and the
+            if csa:                        # candidate list (split form; it needs only pos and sel)
                 with phase(f"{ap}/indexer"):
-                    sel = self._indexer(S, L, cache, q_done=q_done)
+                    sel = self._indexer(S, L, cache, q_done=q_done, before_q=before_q)
                 assert K == W + sel.size, f"candidate width {K} != {W} + {sel.size}"
             if cands:
                 build_cands(sel)
@@ -687,13 +692,22 @@ class DeviceStep:
             if lead:   # the indexer's q GEMV first, on the main stream: its chain forks after it
                 with phase(f"{ap}/indexer"):
                     self._indexer_q(S, L)
-            if csa and wqn:   # the indexer reads attn.qrn, which wq_b's CTA 0 writes: fork after it
-                wq_b()
+            if csa and wqn:
+                # The indexer's q GEMV reads attn.qrn, which wq_b's CTA 0 writes: the branches
+                # fork before wq_b as below (so the kv launches and the indexer's compressor
+                # emission are resident early), and side2 waits for wq_b (an event recorded
+                # after it) just before that q GEMV.  (Forking both after wq_b put the first
+                # side kernels ~3 us after wq_b's exit on the CSA layers: slower.)
+                def q_ready():
+                    with S.stream:
+                        wq_b()
+                    S.qn_ev.record(S.stream)
+                    S.side2.wait_event(S.qn_ev)
                 S.fork3.fork()
                 with S.side:
                     kv_path()
                 with S.side2:
-                    sel = sel_path()
+                    sel = sel_path(before_q=q_ready)
                 head_norm()
                 S.fork3.join()
             elif csa:

@@ -247,7 +247,8 @@ def test_wqb_qnorm_fused_bytes(O, variant, monkeypatch):
     from memra_dsv4.gpu.ops import rmsnorm as RN
     from memra_dsv4.gpu.pdl import pdl_launches
     monkeypatch.setenv(DK.GEMV_VARIANT_ENV, f"plain.bf16.large={variant}")
-    rng = rng_for(f"wqbqn-{O}-{variant}")
+    seed = fresh_seed()
+    rng = rng_for(seed)
     K = DK.QNORM_K
     x = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0, spread=20), "x"))
     nw = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0), "nw"))
@@ -263,6 +264,6 @@ def test_wqb_qnorm_fused_bytes(O, variant, monkeypatch):
                 got = DK.gemv_bf16_qnorm(w, x, out[:O], nw, 1e-6, xn)
             cp.cuda.runtime.deviceSynchronize()
             assert got == "fused"
-            assert cp.array_equal(xn, xn_ref), f"{variant} O={O}: the normed row differs (pdl {pdl})"
+            assert cp.array_equal(xn, xn_ref), f"{variant} O={O} seed {seed}: the normed row differs (pdl {pdl})"
             assert cp.array_equal(out.view(cp.uint8), ref.view(cp.uint8)), (
-                f"{variant} O={O} {np.dtype(dt).name}: {int((out[:O] != ref[:O]).sum())} outputs differ, or bytes past O written (pdl {pdl})")
+                f"{variant} O={O} seed {seed} {np.dtype(dt).name}: {int((out[:O] != ref[:O]).sum())} outputs differ, or bytes past O written (pdl {pdl})")

@@ -9,7 +9,7 @@ step must give the bits of the separate rmsnorm_bf16_wbf16 launch.
 * device-hostmath with the switch on == legacy byte for byte (tiny, 5 steps).
 * one Flash-sized layer (flash-layers:1: q_lora_rank 1024, wq_b [32768, 1024] as pl_r2, so the
   fused kernel), 6 steps: off == on (graphs) == on (eager), logits and caches; the eager on-step
-  launches gemv_bf16_pl_r2_qn and no rmsnorm_bf16_wbf16."""
+  launches gemv_bf16_pl_r2_qn once and at most one rmsnorm_bf16_wbf16 (the final norm)."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +29,7 @@ def _launched(m, state, t) -> tuple:
     from memra_dsv4.profiling.launches import record_launches
     out = []
     recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
-    return out[0], {r.kernel.split(".", 1)[1] for r in recs}
+    return out[0], [r.kernel.split(".", 1)[1] for r in recs]
 
 
 def _interleave(tag, m, states, ids, arms, monkeypatch, fused_check=False):
@@ -40,7 +40,10 @@ def _interleave(tag, m, states, ids, arms, monkeypatch, fused_check=False):
             monkeypatch.setenv(WQB_QNORM_ENV, env)
             if fused_check and i == 0 and not graph:
                 got[a], names = _launched(m, states[a], t)
-                assert "gemv_bf16_pl_r2_qn" in names and "rmsnorm_bf16_wbf16" not in names, sorted(names)
+                # the fused kernel once (one layer), and no q_norm launch: at most the final
+                # norm before the head stays a rmsnorm_bf16_wbf16
+                assert names.count("gemv_bf16_pl_r2_qn") == 1, names
+                assert names.count("rmsnorm_bf16_wbf16") <= 1, names
                 continue
             got[a] = device_step(m, states[a], int(t), graph=graph)
         for a in arms:
