@@ -6,6 +6,9 @@ join edge costs against a programmatic edge.
    attribute, read back through the driver.
    (Fourteenth session, 2x H200: all 9 edges of the 3-link capture were (type 1 = programmatic,
    from_port 1), the fork and join edges included, so there is nothing to rewrite.)
+3. Join cost by which predecessor ends last: a PDL chain of links "fork; side kernel (side
+   stream); main kernel; join; next" with the main or the side kernel the long one (2000 or 0
+   busy iterations), against the same chain without the fork (side kernel on the main stream).
 2. Carveout: a PDL chain alternating a kernel without shared memory and one with 57 KB of
    dynamic shared memory (hc_boundary_pre's size), with MEMRA_DSV4_SMEM_CARVEOUT unset / max,
    against a chain without the shared-memory kernel.
@@ -112,8 +115,38 @@ def main():
     print("census (3 links: fork -> side kernel -> join -> busy kernel):")
     census(h)
     cp.cuda.runtime.graphDestroy(h)
+    print("join order (a PDL chain of fork / side / main / join links):")
+    join_order(mod, s0, s1, fk)
     print("carveout (a PDL chain of pairs):")
     carveout(mod, s0)
+
+
+def join_order(mod, s0, s1, fk):
+    kb = PdlKernel(mod.get_function("busy"), "busy")
+    x = cp.zeros(132 * 256, cp.float32)
+    y = cp.zeros(132 * 256, cp.float32)
+    for form in ("main-long", "side-long", "no-fork"):
+        it_main, it_side = (2000, 0) if form != "side-long" else (0, 2000)
+        with cp.cuda.Device(0), s0, pdl_launches(True):
+            s0.begin_capture()
+            for _ in range(100):
+                if form == "no-fork":
+                    kb((132,), (256,), (y, np.int32(y.size), np.int32(it_side)), stream=s0)
+                else:
+                    fk.fork()
+                    kb((132,), (256,), (y, np.int32(y.size), np.int32(it_side)), stream=s1)
+                kb((132,), (256,), (x, np.int32(x.size), np.int32(it_main)), stream=s0)
+                if form != "no-fork":
+                    fk.join()
+            g = s0.end_capture()
+        g.upload(s0)
+        for _ in range(3):
+            g.launch(s0)
+        s0.synchronize()
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter(); g.launch(s0); s0.synchronize(); ts.append(time.perf_counter() - t0)
+        print(f"  {form:<9}: {np.median(ts) / 100 * 1e6:.2f} us per link")
 
 
 def carveout(mod, s0):
