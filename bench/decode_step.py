@@ -39,7 +39,8 @@ the shared expert's and the Sinkhorn's branches can run beside the router) and `
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
-``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
+``idxpair=on|off`` (MEMRA_DSV4_IDXQ_PAIR: the CSA indexer's q GEMV inside wq_b's launch or its own;
+bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
 the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
 shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
@@ -137,6 +138,7 @@ _KERNEL_SETTINGS = {
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
+    "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
     "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "25", "50", "75"),
                              env="MEMRA_DSV4_SMEM_CARVEOUT")}
 
@@ -176,6 +178,8 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
     if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
         env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
+    if "idxpair" in s:   # step_device: the CSA indexer's q GEMV inside wq_b's launch (on) or its own
+        env["MEMRA_DSV4_IDXQ_PAIR"] = s["idxpair"]
     if "wqbqn" in s:     # step_device: the attention's q_norm inside wq_b (on) or its own launch
         env["MEMRA_DSV4_WQB_QNORM"] = s["wqbqn"]
     if "carve" in s:     # pdl.PdlKernel: every launch's preferred shared-memory carveout

@@ -443,10 +443,10 @@ struct PlFirst {                 // a warp's rows and the raw weights of its fir
 // Before the PDL wait (PDL_ENTRY_PRELOAD): weights only.  It ends its basic block (the branch
 // on K, never taken), so ptxas cannot schedule the wait above the loads.
 template <int R>
-DEV PlFirst<R> pl_first(const u16* __restrict__ W, int O, int K) {
+DEV PlFirst<R> pl_first(const u16* __restrict__ W, int O, int K, int warp) {
     PlFirst<R> f;
     const int lane = threadIdx.x & 31;
-    f.o0 = gemv_warp_id() * R;
+    f.o0 = warp * R;
     if (f.o0 < O) {
 #pragma unroll
         for (int r = 0; r < R; ++r) f.wr[r] = W + (i64)min(f.o0 + r, O - 1) * K;
@@ -491,11 +491,32 @@ DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __re
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const void* __restrict__ W, const u8* __restrict__ S, int ld_s, const u16* __restrict__ x, \
          void* __restrict__ y, int O, int K, int rows_per_group, int out_bf16) {                    \
-        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(reinterpret_cast<const u16*>(W), O, K)); \
+        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(reinterpret_cast<const u16*>(W), O, K, gemv_warp_id())); \
         gemv_pl_rows<R>(first, x, y, O, K, rows_per_group, out_bf16);                              \
     }
 GEMV_PL_KERNEL(gemv_bf16_pl_r2, 2, GEMV_MINB)
 GEMV_PL_KERNEL(gemv_bf16_pl_r4, 4, GEMV_MINB)
+
+// gemv_bf16_pl2_r{R}: two plain bf16 GEMVs that share x in one launch, each row exactly as
+// gemv_bf16_pl_r{R} computes it (pl_first / gemv_pl_rows; the bits of a row depend on K only):
+// warps [0, ceil(O / R)) take W -> y, the next ceil(O2 / R) warps W2 -> y2.  For the CSA
+// attention's wq_b and the indexer's q GEMV, which both read the normed qr: the indexer's 16 MB
+// then stream inside wq_b's launch instead of as a ~9 us launch of their own on the path to the
+// attention (ops_decode.gemv_bf16_pair).  K % 1024 == 0.
+#define GEMV_PL2_KERNEL(NAME, R, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const u16* __restrict__ W, const u16* __restrict__ W2, const u16* __restrict__ x,         \
+         void* __restrict__ y, void* __restrict__ y2, int O, int O2, int K, int out_bf16,           \
+         int out2_bf16) {                                                                          \
+        const int nw1 = (O + R - 1) / R, w = gemv_warp_id();                                       \
+        const bool second = w >= nw1;                                                              \
+        PDL_ENTRY_PRELOAD(const PlFirst<R> first = second ? pl_first<R>(W2, O2, K, w - nw1)         \
+                                                          : pl_first<R>(W, O, K, w));              \
+        if (second) gemv_pl_rows<R>(first, x, y2, O2, K, 0, out2_bf16);                            \
+        else gemv_pl_rows<R>(first, x, y, O, K, 0, out_bf16);                                      \
+    }
+GEMV_PL2_KERNEL(gemv_bf16_pl2_r2, 2, GEMV_MINB)
+GEMV_PL2_KERNEL(gemv_bf16_pl2_r4, 4, GEMV_MINB)
 
 // ------------------------------------------- the decode q_norm inside wq_b (gemv_bf16_pl_r*_qn)
 // gemv_bf16_pl_r{R}_qn: gemv_bf16_pl_r{R} whose x is rmsnorm(xr, nw, eps), computed by EVERY CTA
@@ -552,7 +573,7 @@ DEV void gemv_pl_rows_qn(const PlFirst<R>& f, const RmsFirst& nf, const u16* __r
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
     NAME(const u16* __restrict__ W, const u16* __restrict__ xr, const u16* __restrict__ nw,        \
          double eps, u16* __restrict__ xn, void* __restrict__ y, int O, int K, int out_bf16) {      \
-        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(W, O, K);                           \
+        PDL_ENTRY_PRELOAD(const PlFirst<R> first = pl_first<R>(W, O, K, gemv_warp_id());           \
                           const RmsFirst nfirst = rms_preload<u16>(nw, K));                        \
         if (K != QN_K) __trap();                                                                   \
         gemv_pl_rows_qn<R>(first, nfirst, xr, nw, eps, xn, y, O, out_bf16);                        \

@@ -111,7 +111,9 @@ def test_every_variant_launches(fake_launch):
         assert name == f"gemv_bf16_swiglu_{'p2' if vn == 'default' else vn}"
         if vn.startswith("bulk_"):
             _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
-    gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")}
+    gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")
+            and not n.startswith("gemv_bf16_pl2_")}   # pair kernels: test_idxq_pair_launches
+    assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_pl2_")} == {f"gemv_bf16_pl2_r{r}" for r in DK.GEMV_PL}
     qn = {n for n in DK.KERNELS if n.endswith("_qn")}
     assert qn == ({f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
                   | {f"gemv_bf16_pl_r{r}_qn" for r in DK.GEMV_PL})
@@ -322,4 +324,54 @@ def test_wqb_qnorm_launches(fake_launch, monkeypatch):
         DK.gemv_bf16_qnorm(A(np.zeros((64, 1024), np.uint16)), A(np.zeros(1024, np.uint16)),
                            A(np.zeros(64, np.float32)), A(np.zeros(512, np.uint16)), 1e-6,
                            A(np.zeros(1024, np.uint16)))
+    assert not launched
+
+
+def test_idxq_pair_launches(fake_launch, monkeypatch):
+    """gemv_bf16_pair (wq_b + the CSA indexer's q GEMV, MEMRA_DSV4_IDXQ_PAIR): one
+    gemv_bf16_pl2_r{R} launch over both row sets when the first GEMV runs as pl_r{R} (grid: the
+    warps of both, R rows each; arguments W, W2, x, out, out2, O, O2, K, out_bf16, out2_bf16);
+    otherwise the two plain launches (FP8 weights with their scales, a non-pl variant, K % 1024
+    != 0); mismatched K / sizes refused before any launch."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    K = 1024
+    w, w2 = A(np.zeros((32768, K), np.uint16)), A(np.zeros((8192, K), np.uint16))
+    x, y, y2 = A(np.zeros(K, np.uint16)), A(np.zeros(32768, np.uint16)), A(np.zeros(8192, np.float32))
+    assert DK.gemv_bf16_pair(w, w2, x, y, y2) == "fused"
+    (name, grid, args, _), = launched
+    assert name == "gemv_bf16_pl2_r2" and grid == (-(-(16384 + 4096) // 4),)
+    assert args[0] is w and args[1] is w2 and args[2] is x and args[3] is y and args[4] is y2
+    assert [int(a) for a in args[5:]] == [32768, 8192, K, 1, 0]
+    # an odd second row count: the warps round up per matrix
+    launched.clear()
+    w3 = A(np.zeros((8193, K), np.uint16))
+    DK.gemv_bf16_pair(w, w3, x, y, A(np.zeros(8193, np.uint16)))
+    assert launched[0][1] == (-(-(16384 + 4097) // 4),)
+    # pl_r4 through the env override
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.large=pl_r4")
+    launched.clear()
+    DK.gemv_bf16_pair(w, w2, x, y, y2)
+    assert [l[0] for l in launched] == ["gemv_bf16_pl2_r4"] and launched[0][1] == (-(-(8192 + 2048) // 4),)
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "plain.bf16.large=r2t2")
+    launched.clear()
+    assert DK.gemv_bf16_pair(w, w2, x, y, y2) == "split"
+    assert [l[0] for l in launched] == ["gemv_bf16_r2t2", "gemv_bf16_r1t2"]
+    monkeypatch.delenv(DK.GEMV_VARIANT_ENV)
+    # FP8 weights: the two launches with their scales
+    launched.clear()
+    f1, f2 = A(np.zeros((32768, K), np.uint8)), A(np.zeros((8192, K), np.uint8))
+    s1, s2 = A(np.zeros((256, 8), np.uint8)), A(np.zeros((64, 8), np.uint8))
+    assert DK.gemv_bf16_pair(f1, f2, x, y, y2, scale=s1, scale2=s2) == "split"
+    assert [l[0][:9] for l in launched] == ["gemv_fp8_", "gemv_fp8_"]
+    # K % 1024 != 0: split
+    launched.clear()
+    assert DK.gemv_bf16_pair(A(np.zeros((32768, 512), np.uint16)), A(np.zeros((8192, 512), np.uint16)),
+                             A(np.zeros(512, np.uint16)), y, y2) == "split"
+    # refusals
+    launched.clear()
+    with pytest.raises(AssertionError, match="gemv_bf16_pair"):
+        DK.gemv_bf16_pair(w, A(np.zeros((8192, 512), np.uint16)), x, y, y2)
+    with pytest.raises(AssertionError, match="gemv_bf16_pair.out2"):
+        DK.gemv_bf16_pair(w, w2, x, y, A(np.zeros(8191, np.float32)))
     assert not launched

@@ -1,6 +1,7 @@
 """The step's non-seam A/B switches read from the environment, on the CPU: the preferred
 shared-memory carveout of the PDL launches (MEMRA_DSV4_SMEM_CARVEOUT, pdl.smem_carveout) and the
-q_norm inside wq_b (MEMRA_DSV4_WQB_QNORM, step_device.wqb_qnorm_on): values and refusals."""
+q_norm inside wq_b (MEMRA_DSV4_WQB_QNORM, step_device.wqb_qnorm_on) and the CSA indexer's q GEMV
+inside wq_b's launch (MEMRA_DSV4_IDXQ_PAIR, step_device.idxq_pair_on): values and refusals."""
 from __future__ import annotations
 
 import pytest
@@ -28,3 +29,14 @@ def test_wqb_qnorm_env(monkeypatch):
     monkeypatch.setenv(WQB_QNORM_ENV, "yes")
     with pytest.raises(ValueError, match="MEMRA_DSV4_WQB_QNORM"):
         wqb_qnorm_on()
+
+
+def test_idxq_pair_env(monkeypatch):
+    from memra_dsv4.gpu.step_device import IDXQ_PAIR_ENV, idxq_pair_on
+    monkeypatch.delenv(IDXQ_PAIR_ENV, raising=False)
+    assert idxq_pair_on() is False
+    monkeypatch.setenv(IDXQ_PAIR_ENV, "on")
+    assert idxq_pair_on() is True
+    monkeypatch.setenv(IDXQ_PAIR_ENV, "1")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_IDXQ_PAIR"):
+        idxq_pair_on()

@@ -140,7 +140,8 @@ GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t 
     tuple(f"gemv_bf16_swiglu_bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK) + \
     tuple(f"gemv_bf16_ps_r{r}d{d}" for r, d, _ in GEMV_PS) + \
     tuple(f"gemv_bf16_pl_r{r}" for r in GEMV_PL) + \
-    tuple(f"gemv_bf16_pl_r{r}_qn" for r in GEMV_PL)
+    tuple(f"gemv_bf16_pl_r{r}_qn" for r in GEMV_PL) + \
+    tuple(f"gemv_bf16_pl2_r{r}" for r in GEMV_PL)
 
 
 def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
@@ -280,7 +281,7 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
-           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -413,6 +414,37 @@ def gemv_bf16_qnorm(w, x_raw, out, norm_weight, eps: float, xn_out, *, scale=Non
         return "fused"
     RN.rmsnorm(x_raw.reshape(1, K), norm_weight, eps, out=xn_out.reshape(1, K))
     gemv_bf16(w, xn_out.reshape(-1), out, scale=scale, site=site)
+    return "split"
+
+
+def gemv_bf16_pair(w, w2, x, out, out2, *, scale=None, scale2=None, site: str | None = None) -> str:
+    """out = W . x and out2 = W2 . x (bf16 bits x [K]; out / out2 f32 or bf16 bits), the bits of
+    ``gemv_bf16(w, x, out, scale=scale)`` then ``gemv_bf16(w2, x, out2, scale=scale2)`` in every
+    form (either weight may be the stored FP8 with its scale).  One launch
+    (decode.cu gemv_bf16_pl2_r{R}) when the first GEMV would run as pl_r{R} (the variant selected
+    for its shape and ``site``) and both weights are bf16 bits with the same K (K % 1024 == 0);
+    else the two launches.  Returns "fused" or "split"."""
+    O, K = w.shape
+    O2, K2 = w2.shape
+    check(x, "gemv_bf16_pair.x", np.uint16)
+    assert K2 == K and x.size == K, f"gemv_bf16_pair: W [{O}x{K}], W2 [{O2}x{K2}], x {x.size} values"
+    for a, n, name in ((out, O, "out"), (out2, O2, "out2")):
+        assert a.dtype in (np.float32, np.uint16) and a.size == n and a.flags.c_contiguous, (
+            f"gemv_bf16_pair.{name}: {a.shape} {a.dtype}, expected {n} f32/bf16 contiguous")
+    fp8 = bool(w.dtype == np.uint8) or bool(w2.dtype == np.uint8)
+    variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
+    R = parse_pl(variant) if variant else None
+    if R and pl_ok(R, fp8, K, 0) and scale is None and scale2 is None:
+        wa, _, _ = dense_weight(w, None, "gemv_bf16_pair.w")
+        wb, _, _ = dense_weight(w2, None, "gemv_bf16_pair.w2")
+        assert x.data.ptr % 16 == 0, "gemv_bf16_pair.x: 16-byte alignment"
+        kernel(STEM, f"gemv_bf16_pl2_r{R}")(
+            _gemv_grid(-(-O // R) + -(-O2 // R)), (32 * GEMV_WARPS,),
+            (wa, wb, x, out, out2, i32(O), i32(O2), i32(K), i32(1 if out.dtype == np.uint16 else 0),
+             i32(1 if out2.dtype == np.uint16 else 0)))
+        return "fused"
+    gemv_bf16(w, x, out, scale=scale, site=site)
+    gemv_bf16(w2, x, out2, scale=scale2)
     return "split"
 
 

@@ -568,9 +568,9 @@ class DeviceStep:
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         self._compress(S, L, cache.idx_state, cache.idx_keys, indexer=True)
         q = v["idx.q"].reshape(1, nI, dI)
+        if before_q is not None:   # _attention: wq_b (which norms qr, or computes idx.q), then
+            before_q()             # the wait for it
         if not q_done:
-            if before_q is not None:   # _attention: wq_b, which norms qr, then the wait for it
-                before_q()
             self._indexer_q(S, L)
         QS.rope_hadamard128_fp4(q, v["pos"], L.cos, L.sin, out=q)
         N = cache.idx_keys.shape[0]
@@ -620,7 +620,11 @@ class DeviceStep:
         def wq_b():
             with phase(f"{ap}/q"):
                 w, sc = L.lin("attn.wq_b")
-                if wqn:   # q_norm + wq_b (one launch where gemv_bf16_qnorm can fuse; same bits)
+                if pair:   # + the CSA indexer's q GEMV (same x): one launch where it can fuse
+                    wi, sci = L.lin("attn.indexer.wq_b")
+                    DK.gemv_bf16_pair(w, wi, qr.reshape(-1), q.reshape(-1), v["idx.q"].reshape(-1),
+                                      scale=sc, scale2=sci)
+                elif wqn:   # q_norm + wq_b (one launch where gemv_bf16_qnorm can fuse; same bits)
                     DK.gemv_bf16_qnorm(w, qr.reshape(-1), q.reshape(-1), L.w("attn.q_norm.weight"),
                                        eps, v["attn.qrn"], scale=sc)
                 else:
@@ -636,6 +640,9 @@ class DeviceStep:
             head_norm()
 
         csa = bool(L.ratio) and L.kind == "csa"
+        # MEMRA_DSV4_IDXQ_PAIR: on CSA layers wq_b and the indexer's q GEMV in one launch (both
+        # read the normed qr); not with WQB_QNORM nor fork "lead" / "single" (_indexer_q there)
+        pair = csa and idxq_pair_on() and not wqn and self._forking not in ("lead", "single")
         if csa:
             K = W + v["idx.sel"].size   # _indexer's selection buffer (step.step_ws_plan's sel_w)
         else:
@@ -692,12 +699,13 @@ class DeviceStep:
             if lead:   # the indexer's q GEMV first, on the main stream: its chain forks after it
                 with phase(f"{ap}/indexer"):
                     self._indexer_q(S, L)
-            if csa and wqn:
-                # The indexer's q GEMV reads attn.qrn, which wq_b's CTA 0 writes: the branches
-                # fork before wq_b as below (so the kv launches and the indexer's compressor
-                # emission are resident early), and side2 waits for wq_b (an event recorded
-                # after it) just before that q GEMV.  (Forking both after wq_b put the first
-                # side kernels ~3 us after wq_b's exit on the CSA layers: slower.)
+            if csa and (wqn or pair):
+                # The indexer's q GEMV reads attn.qrn, which wq_b's CTA 0 writes (WQB_QNORM), or
+                # runs inside wq_b's launch (IDXQ_PAIR): the branches fork before wq_b as below
+                # (so the kv launches and the indexer's compressor emission are resident early),
+                # and side2 waits for wq_b (an event recorded after it) just before its q GEMV /
+                # the q's RoPE.  (Forking both after wq_b put the first side kernels ~3 us after
+                # wq_b's exit on the CSA layers: slower.)
                 def q_ready():
                     with S.stream:
                         wq_b()
@@ -707,7 +715,7 @@ class DeviceStep:
                 with S.side:
                     kv_path()
                 with S.side2:
-                    sel = sel_path(before_q=q_ready)
+                    sel = sel_path(before_q=q_ready, q_done=pair)
                 head_norm()
                 S.fork3.join()
             elif csa:
@@ -728,7 +736,7 @@ class DeviceStep:
         else:
             q_path()
             kv_path()
-            sel = sel_path()
+            sel = sel_path(q_done=pair)
         o = v["attn.o"].reshape(1, H, hd)
         sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
         qn = {"q_norm": (eps, pos, L.cos, L.sin)} if qn_attn else {}
@@ -872,6 +880,23 @@ def multi_qnorm_on() -> bool:
     is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
     tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
     return _on_off_env(MULTI_QNORM_ENV, MULTI_QNORM_DEFAULT) == "on"
+
+
+IDXQ_PAIR_ENV = "MEMRA_DSV4_IDXQ_PAIR"   # "on": the CSA indexer's q GEMV inside wq_b's launch (A/B)
+IDXQ_PAIR_DEFAULT = "off"
+
+
+def idxq_pair_on() -> bool:
+    """MEMRA_DSV4_IDXQ_PAIR = on | off (IDXQ_PAIR_DEFAULT), read when the launches are made (at
+    graph capture): on CSA layers the attention's wq_b and the indexer's q GEMV, which both read
+    the normed qr, run as one launch (ops_decode.gemv_bf16_pair: gemv_bf16_pl2_r{R} where wq_b
+    runs as pl_r{R}; else the two launches).  Why: the device timeline has the indexer's q GEMV
+    (16 MB, ~9 us at a third of the copy bandwidth) on the CSA layers' path from wq_b to the
+    attention, since its CTAs get no SM until wq_b's are dispatched; inside wq_b's launch its
+    bytes stream at wq_b's rate.  The indexer's branch then waits for wq_b before the q RoPE.
+    Ignored with MEMRA_DSV4_WQB_QNORM on and with decode_fork "lead" / "single".  The same
+    bytes; not a seam (bench arm idxpair=on|off)."""
+    return _on_off_env(IDXQ_PAIR_ENV, IDXQ_PAIR_DEFAULT) == "on"
 
 
 WQB_QNORM_ENV = "MEMRA_DSV4_WQB_QNORM"   # "on": the attention's q_norm inside wq_b (A/B)

@@ -267,3 +267,30 @@ def test_wqb_qnorm_fused_bytes(O, variant, monkeypatch):
             assert cp.array_equal(xn, xn_ref), f"{variant} O={O} seed {seed}: the normed row differs (pdl {pdl})"
             assert cp.array_equal(out.view(cp.uint8), ref.view(cp.uint8)), (
                 f"{variant} O={O} seed {seed} {np.dtype(dt).name}: {int((out[:O] != ref[:O]).sum())} outputs differ, or bytes past O written (pdl {pdl})")
+
+
+@pytest.mark.parametrize("O,O2,variant", [(32768, 8192, "pl_r2"), (32768, 8193, "pl_r2"), (4098, 130, "pl_r4")])
+def test_idxq_pair_fused_bytes(O, O2, variant, monkeypatch):
+    """gemv_bf16_pair fused (gemv_bf16_pl2_r{R}: both row sets in one launch) == gemv_bf16_pl_r{R}
+    on each weight, byte for byte, both outputs, bf16 and f32; nothing written past O / O2; under
+    PDL and plainly."""
+    from memra_dsv4.gpu.pdl import pdl_launches
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, f"plain.bf16.large={variant},plain.bf16.small={variant}")
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    K = 1024
+    x = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (K,), 1.0, spread=8), "x"))
+    w = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (O, K), 0.05), "w"))
+    w2 = cp.asarray(f32_to_bf16_exact(rand_bf16(rng, (O2, K), 0.05), "w2"))
+    for dt, dt2 in ((np.uint16, np.uint16), (np.float32, np.uint16), (np.uint16, np.float32)):
+        ref, ref2 = _filled(O + 64, dt), _filled(O2 + 64, dt2)
+        DK.gemv_bf16(w, x, ref[:O], variant=variant)
+        DK.gemv_bf16(w2, x, ref2[:O2], variant=variant)
+        for pdl in (False, True):
+            out, out2 = _filled(O + 64, dt), _filled(O2 + 64, dt2)
+            with pdl_launches(pdl):
+                got = DK.gemv_bf16_pair(w, w2, x, out[:O], out2[:O2])
+            cp.cuda.runtime.deviceSynchronize()
+            assert got == "fused"
+            assert cp.array_equal(out.view(cp.uint8), ref.view(cp.uint8)), f"{variant} O={O} seed {seed}: W's rows differ (pdl {pdl})"
+            assert cp.array_equal(out2.view(cp.uint8), ref2.view(cp.uint8)), f"{variant} O2={O2} seed {seed}: W2's rows differ (pdl {pdl})"

@@ -1,0 +1,101 @@
+"""The CSA indexer's q GEMV inside wq_b's launch (MEMRA_DSV4_IDXQ_PAIR, step_device.idxq_pair_on;
+ops_decode.gemv_bf16_pair -> gemv_bf16_pl2_r* where wq_b runs as pl_r* with K % 1024 == 0): the
+step must give the bits of the two separate GEMVs.
+
+* tiny (1 stage; sliding, CSA and HCA layers; q_lora_rank 128, so the two GEMVs stay two
+  launches and only the plumbing changes: the indexer's branch waits for wq_b before its q RoPE),
+  14 steps after a 5-token prefill, the arms interleaved step by step (the env set before each):
+  off (graph; the reference), on (graph), on (eager); logits of every step and every cache byte.
+* device-hostmath with the switch on == legacy byte for byte (tiny, 5 steps).
+* three Flash-sized layers (flash-layers:3: two sliding-window layers and a CSA layer, q_lora_rank
+  1024, so the fused kernel), 6 steps: off == on (graphs) == on (eager), logits and caches; the
+  eager on-step launches gemv_bf16_pl2_r2 once (the CSA layer)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.step_device import IDXQ_PAIR_ENV  # noqa: E402
+
+_ARMS = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
+
+
+def _launched(m, state, t) -> tuple:
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    out = []
+    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
+    return out[0], [r.kernel.split(".", 1)[1] for r in recs]
+
+
+def _interleave(tag, m, states, ids, arms, monkeypatch, fused_check=False):
+    from memra_dsv4.gpu.step import device_step
+    for i, t in enumerate(ids):
+        got = {}
+        for a, (env, graph) in arms.items():
+            monkeypatch.setenv(IDXQ_PAIR_ENV, env)
+            if fused_check and i == 0 and not graph:
+                got[a], names = _launched(m, states[a], t)
+                assert names.count("gemv_bf16_pl2_r2") == 1, names   # the one CSA layer
+                continue
+            got[a] = device_step(m, states[a], int(t), graph=graph)
+        for a in arms:
+            assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
+                f"{tag}: step {i}: logits of {a} differ from the separate indexer q GEMV's"
+    ref = states["off"].snapshot()
+    for a in arms:
+        diff = snapshot_diff(ref, states[a].snapshot())
+        assert not diff, f"{tag}: caches of {a} differ from the separate indexer q GEMV's: {diff}"
+
+
+def test_idxq_pair_step_bit_identical_tiny(monkeypatch):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    ck, m = _model("tiny", (0,), "device")
+    prompt, steps = 5, 14
+    ids = _ids(ck.config, prompt + steps + 1, seed=59)
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    old = (m.decode_fork, m.hc_split)
+    try:
+        m.decode_fork, m.hc_split = "all", "on"
+        _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS, monkeypatch)
+    finally:
+        m.decode_fork, m.hc_split = old
+
+
+def test_idxq_pair_device_hostmath_equals_legacy_tiny(monkeypatch):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu import step
+    if not step.HOSTMATH_IMPLEMENTED:
+        pytest.skip(step.HOSTMATH_REASON)
+    monkeypatch.setenv(IDXQ_PAIR_ENV, "on")
+    ck, ml = _model("tiny", (0,), "legacy")
+    _, mh = _model("tiny", (0,), "device-hostmath")
+    L, steps = 16, 5
+    ids = _ids(ck.config, L + steps, seed=61)
+    _, sa = ml.prefill(ids[:L])
+    _, sb = mh.prefill(ids[:L])
+    for i, t in enumerate(ids[L:]):
+        x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
+            f"step {i}: device-hostmath (indexer q in wq_b) != legacy, max |diff| {np.abs(x - y).max()}"
+    bad = snapshot_diff(sa.snapshot(), sb.snapshot())
+    assert not bad, f"state differs in {bad}"
+
+
+def test_idxq_pair_step_bit_identical_flash_layer(monkeypatch):
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    ck = _ckpt("flash-layers:3", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
+    assert ck.config.q_lora_rank == 1024
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(67).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    assert [ck.config.compress_ratio(i) for i in range(3)] == [0, 0, 4]
+    _interleave("flash-layers:3", m, states, ids[prompt:], _ARMS, monkeypatch, fused_check=True)
