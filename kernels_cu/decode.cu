@@ -508,9 +508,9 @@ GEMV_PL_KERNEL(gemv_bf16_pl_r4, 4, GEMV_MINB)
     NAME(const u16* __restrict__ W, const u16* __restrict__ W2, const u16* __restrict__ x,         \
          void* __restrict__ y, void* __restrict__ y2, int O, int O2, int K, int out_bf16,           \
          int out2_bf16) {                                                                          \
-        const int nw1 = (O + R - 1) / R, w = gemv_warp_id();                                       \
-        const bool second = w >= nw1;                                                              \
-        PDL_ENTRY_PRELOAD(const PlFirst<R> first = second ? pl_first<R>(W2, O2, K, w - nw1)         \
+        PDL_ENTRY_PRELOAD(const int nw1 = (O + R - 1) / R; const int w = gemv_warp_id();           \
+                          const bool second = w >= nw1;                                            \
+                          const PlFirst<R> first = second ? pl_first<R>(W2, O2, K, w - nw1)        \
                                                           : pl_first<R>(W, O, K, w));              \
         if (second) gemv_pl_rows<R>(first, x, y2, O2, K, 0, out2_bf16);                            \
         else gemv_pl_rows<R>(first, x, y, O, K, 0, out_bf16);                                      \
