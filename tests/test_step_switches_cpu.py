@@ -40,3 +40,14 @@ def test_idxq_pair_env(monkeypatch):
     monkeypatch.setenv(IDXQ_PAIR_ENV, "1")
     with pytest.raises(ValueError, match="MEMRA_DSV4_IDXQ_PAIR"):
         idxq_pair_on()
+
+
+def test_hc_join_env(monkeypatch):
+    from memra_dsv4.gpu.step_device import HC_JOIN_ENV, hc_join_early
+    monkeypatch.delenv(HC_JOIN_ENV, raising=False)
+    assert hc_join_early() is False
+    monkeypatch.setenv(HC_JOIN_ENV, "early")
+    assert hc_join_early() is True
+    monkeypatch.setenv(HC_JOIN_ENV, "late")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_HC_JOIN"):
+        hc_join_early()

@@ -740,6 +740,8 @@ class DeviceStep:
         o = v["attn.o"].reshape(1, H, hd)
         sink, rope = L.w("attn.attn_sink"), (pos, L.cos, L.sin)
         qn = {"q_norm": (eps, pos, L.cos, L.sin)} if qn_attn else {}
+        if hc_join_early():   # the attn boundary's Sinkhorn branch joins here (hc_join_early)
+            self._hc_join(S)
         with phase(f"{ap}/sparse_attention"):
             if attn == "fused":  # build_cand + split + combine in one launch
                 AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
@@ -832,6 +834,8 @@ class DeviceStep:
             if w2_fused is None:
                 shared_w2()
             gate_up()
+        if hc_join_early():   # the ffn boundary's Sinkhorn branch joins here (hc_join_early)
+            self._hc_join(S)
         with phase(f"{mp}/combine"):  # routed down GEMVs + weighted sum + shared
             if w2_fused is None:
                 EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
@@ -880,6 +884,27 @@ def multi_qnorm_on() -> bool:
     is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
     tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
     return _on_off_env(MULTI_QNORM_ENV, MULTI_QNORM_DEFAULT) == "on"
+
+
+HC_JOIN_ENV = "MEMRA_DSV4_HC_JOIN"   # boundary | early: where the hc Sinkhorn branch joins (A/B)
+
+
+def hc_join_early() -> bool:
+    """MEMRA_DSV4_HC_JOIN = boundary | early (default boundary), read at capture: with the hc
+    split's Sinkhorn on its side stream (graphs), "boundary" joins it right before the next
+    boundary's hc_boundary_pre (its reader); "early" joins it into a launch that already waits
+    on other branches and precedes that reader on the main stream: the sparse attention (the
+    attn boundary's Sinkhorn) and the MoE's down + combine (the ffn boundary's).  Why: on the
+    device timeline every hc_boundary_pre behind a join starts ~1.8 us after its main-stream
+    predecessor exits, against ~0.5 us for a launch with one predecessor; early, it has one.
+    The order is kept transitively: every launch between the join and the reader opens with
+    griddepcontrol.wait, so none completes before the Sinkhorn has.  The same bytes; not a seam
+    (bench arm hcjoin=boundary|early)."""
+    import os
+    v = os.environ.get(HC_JOIN_ENV, "") or "boundary"
+    if v not in ("boundary", "early"):
+        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary or early")
+    return v == "early"
 
 
 IDXQ_PAIR_ENV = "MEMRA_DSV4_IDXQ_PAIR"   # "on": the CSA indexer's q GEMV inside wq_b's launch (A/B)
