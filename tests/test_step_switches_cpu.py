@@ -48,6 +48,10 @@ def test_hc_join_env(monkeypatch):
     assert hc_join_early() is False
     monkeypatch.setenv(HC_JOIN_ENV, "early")
     assert hc_join_early() is True
+    monkeypatch.setenv(HC_JOIN_ENV, "ride")
+    assert hc_join_early() is False
+    from memra_dsv4.gpu.step_device import hc_join_form
+    assert hc_join_form() == "ride"
     monkeypatch.setenv(HC_JOIN_ENV, "late")
     with pytest.raises(ValueError, match="MEMRA_DSV4_HC_JOIN"):
         hc_join_early()

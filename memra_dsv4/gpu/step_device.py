@@ -126,6 +126,7 @@ class DeviceStep:
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = S.branches["off"]
                 S.moe_side, S.moe_fork = S.side, S.fork   # the shared expert's branch (_moe)
                 S.hc_pending = False   # a Sinkhorn branch forked and not yet joined (_hc_pre)
+                S.hc_ride = None       # an ffn Sinkhorn deferred to _moe's side branch (HC_JOIN=ride)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
                 if self.hostmath:
                     from memra_dsv4.gpu.hostmath import HostIO
@@ -377,6 +378,7 @@ class DeviceStep:
                 self._qnorm = qnorm
                 self._w2 = w2
                 S.hc_pending = False
+                S.hc_ride = None
                 b = S.branches["off" if prio == "off" else "side"]
                 S.side, S.fork, S.side2, S.fork3, S.hc_side, S.hc_fork = b
                 # "attn": the shared expert's branch stays at the default priority
@@ -487,7 +489,19 @@ class DeviceStep:
                 HC.hc_boundary_sinkhorn(v["dev.mix"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
                                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, post=post,
                                         comb=comb)
-            if self._hc_branch:
+            ride = hc_join_form() == "ride" and (
+                (sub == "attn" and self._forking in ("on", "all")) or (sub == "ffn" and self._forking == "all"))
+            if self._hc_branch and ride and sub == "attn":
+                # MEMRA_DSV4_HC_JOIN=ride: K_b first on the attention fork's side stream (forked
+                # here, after C_b; _attention forks it again before the kv launches and joins it
+                # before the sparse attention), so no launch of the main stream waits on the hc
+                # side stream
+                S.fork.fork()
+                with S.side:
+                    sinkhorn()
+            elif self._hc_branch and ride:
+                S.hc_ride = sinkhorn   # _moe: first on the shared expert's branch (forked next)
+            elif self._hc_branch:
                 S.hc_fork.fork()
                 with S.hc_side:
                     sinkhorn()
@@ -505,6 +519,8 @@ class DeviceStep:
     def _hc_join(S) -> None:
         """Join the pending hc Sinkhorn branch (if any) into S.stream: before the next reader of
         hc.post / hc.comb (_hc_pre's docstring)."""
+        if getattr(S, "hc_ride", None) is not None:   # never left over: _moe enqueues it
+            raise RuntimeError("hc Sinkhorn (MEMRA_DSV4_HC_JOIN=ride) deferred to a MoE that did not run it")
         if S.hc_pending:
             S.hc_fork.join()
             S.hc_pending = False
@@ -820,6 +836,10 @@ class DeviceStep:
             # decode_priority "attn" keeps this branch at the default priority.)
             S.moe_fork.fork()
             with S.moe_side:
+                ride = getattr(S, "hc_ride", None)
+                if ride is not None:   # the ffn boundary's Sinkhorn (MEMRA_DSV4_HC_JOIN=ride), first
+                    ride()
+                    S.hc_ride = None
                 shared_swiglu()
                 if w2_fused is None:
                     shared_w2()
@@ -889,8 +909,26 @@ def multi_qnorm_on() -> bool:
 HC_JOIN_ENV = "MEMRA_DSV4_HC_JOIN"   # boundary | early: where the hc Sinkhorn branch joins (A/B)
 
 
+def hc_join_form() -> str:
+    """MEMRA_DSV4_HC_JOIN (boundary | early | ride), validated; hc_join_early says what the first
+    two do.  "ride": the Sinkhorn is not captured on the hc side stream at all; the attn
+    boundary's runs first on the attention fork's side stream (joined into the sparse attention
+    with the kv branch), the ffn boundary's first on the shared expert's branch (joined into the
+    down + combine), so no launch ever waits on the hc side stream (fork "on" / "all"; the ffn
+    one needs "all", else it stays on the hc side stream).  Why: the timelines of the fourteenth
+    session put ~1.3 us extra on whichever main-stream launch carries the hc branch's join (the
+    next hc_boundary_pre, or with "early" the down + combine), wherever it lands, even though the
+    Sinkhorn finished long before; the attention and the down + combine already wait on side
+    streams."""
+    import os
+    v = os.environ.get(HC_JOIN_ENV, "") or "boundary"
+    if v not in ("boundary", "early", "ride"):
+        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary, early or ride")
+    return v
+
+
 def hc_join_early() -> bool:
-    """MEMRA_DSV4_HC_JOIN = boundary | early (default boundary), read at capture: with the hc
+    """MEMRA_DSV4_HC_JOIN = boundary | early | ride (default boundary), read at capture: with the hc
     split's Sinkhorn on its side stream (graphs), "boundary" joins it right before the next
     boundary's hc_boundary_pre (its reader); "early" joins it into a launch that already waits
     on other branches and precedes that reader on the main stream: the sparse attention (the
@@ -900,11 +938,7 @@ def hc_join_early() -> bool:
     The order is kept transitively: every launch between the join and the reader opens with
     griddepcontrol.wait, so none completes before the Sinkhorn has.  The same bytes; not a seam
     (bench arm hcjoin=boundary|early)."""
-    import os
-    v = os.environ.get(HC_JOIN_ENV, "") or "boundary"
-    if v not in ("boundary", "early"):
-        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary or early")
-    return v == "early"
+    return hc_join_form() == "early"
 
 
 IDXQ_PAIR_ENV = "MEMRA_DSV4_IDXQ_PAIR"   # "on": the CSA indexer's q GEMV inside wq_b's launch (A/B)

@@ -1,10 +1,11 @@
-"""MEMRA_DSV4_HC_JOIN=early (step_device.hc_join_early): the hc Sinkhorn branch joins the main
+"""MEMRA_DSV4_HC_JOIN=early|ride (step_device.hc_join_form): the hc Sinkhorn branch joins the main
 stream at the sparse attention (attn boundary) and at the MoE's down + combine (ffn boundary)
-instead of right before the next hc_boundary_pre.  Only the graph's edges change, so the step
+instead of right before the next hc_boundary_pre (early), or the Sinkhorn runs first on the
+attention fork's / the shared expert's side stream (ride).  Only the graph's edges change, so the step
 must give the same bits: tiny (1 stage; CSA, HCA and sliding layers) with fork "all" and hc split
 on, 14 steps after a 5-token prefill, the arms interleaved step by step (each captures its own
-graphs: the switch is read at capture): boundary (graph; the reference), early (graph), early
-(eager: one stream, the switch is a no-op there); logits and every cache byte equal.  Small over
+graphs: the switch is read at capture): boundary (graph; the reference), early (graph), ride
+(graph), ride (eager: one stream, the switch is a no-op there); logits and every cache byte equal.  Small over
 2 stages when 2 GPUs are present (the stage's last layer: its ffn Sinkhorn joins at the down +
 combine, before the stage's stand-alone hc_post)."""
 from __future__ import annotations
@@ -26,7 +27,8 @@ def _run(name, devices, monkeypatch, steps=14, prompt=5):
         pytest.skip(f"needs {len(devices)} GPUs")
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=71)
-    arms = {"boundary": ("boundary", True), "early": ("early", True), "early+eager": ("early", False)}
+    arms = {"boundary": ("boundary", True), "early": ("early", True), "ride": ("ride", True),
+            "ride+eager": ("ride", False)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     old = (m.decode_fork, m.hc_split)
     try:
