@@ -39,7 +39,7 @@ the shared expert's and the Sinkhorn's branches can run beside the router) and `
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
-``hcjoin=boundary|early|ride`` (MEMRA_DSV4_HC_JOIN: the hc Sinkhorn branch joined before the next
+``hcjoin=boundary|early|ride|ride_attn`` (MEMRA_DSV4_HC_JOIN: the hc Sinkhorn branch joined before the next
 boundary or into the attention / down + combine, or the Sinkhorn run first on the attention's /
 the shared expert's side stream; bit-identical, step_device.hc_join_form),
 ``idxpair=on|off`` (MEMRA_DSV4_IDXQ_PAIR: the CSA indexer's q GEMV inside wq_b's launch or its own;
@@ -142,7 +142,7 @@ _KERNEL_SETTINGS = {
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
-    "hcjoin": SimpleNamespace(allowed=("boundary", "early", "ride"), env="MEMRA_DSV4_HC_JOIN"),
+    "hcjoin": SimpleNamespace(allowed=("boundary", "early", "ride", "ride_attn"), env="MEMRA_DSV4_HC_JOIN"),
     "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "25", "50", "75"),
                              env="MEMRA_DSV4_SMEM_CARVEOUT")}
 

@@ -489,8 +489,10 @@ class DeviceStep:
                 HC.hc_boundary_sinkhorn(v["dev.mix"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
                                         iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, post=post,
                                         comb=comb)
-            ride = hc_join_form() == "ride" and (
-                (sub == "attn" and self._forking in ("on", "all")) or (sub == "ffn" and self._forking == "all"))
+            form = hc_join_form()
+            ride = form in ("ride", "ride_attn") and (
+                (sub == "attn" and self._forking in ("on", "all"))
+                or (sub == "ffn" and form == "ride" and self._forking == "all"))
             if self._hc_branch and ride and sub == "attn":
                 # MEMRA_DSV4_HC_JOIN=ride: K_b first on the attention fork's side stream (forked
                 # here, after C_b; _attention forks it again before the kv launches and joins it
@@ -919,11 +921,12 @@ def hc_join_form() -> str:
     session put ~1.3 us extra on whichever main-stream launch carries the hc branch's join (the
     next hc_boundary_pre, or with "early" the down + combine), wherever it lands, even though the
     Sinkhorn finished long before; the attention and the down + combine already wait on side
-    streams."""
+    streams.  "ride_attn": ride for the attn boundary only (the ffn one as "boundary": on the
+    shared expert's branch the Sinkhorn delayed the SwiGLU GEMV, 66adf82's timeline)."""
     import os
     v = os.environ.get(HC_JOIN_ENV, "") or "boundary"
-    if v not in ("boundary", "early", "ride"):
-        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary, early or ride")
+    if v not in ("boundary", "early", "ride", "ride_attn"):
+        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary, early, ride or ride_attn")
     return v
 
 

@@ -5,7 +5,7 @@ attention fork's / the shared expert's side stream (ride).  Only the graph's edg
 must give the same bits: tiny (1 stage; CSA, HCA and sliding layers) with fork "all" and hc split
 on, 14 steps after a 5-token prefill, the arms interleaved step by step (each captures its own
 graphs: the switch is read at capture): boundary (graph; the reference), early (graph), ride
-(graph), ride (eager: one stream, the switch is a no-op there); logits and every cache byte equal.  Small over
+(graph), ride_attn (graph), ride (eager: one stream, the switch is a no-op there); logits and every cache byte equal.  Small over
 2 stages when 2 GPUs are present (the stage's last layer: its ffn Sinkhorn joins at the down +
 combine, before the stage's stand-alone hc_post)."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _run(name, devices, monkeypatch, steps=14, prompt=5):
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=71)
     arms = {"boundary": ("boundary", True), "early": ("early", True), "ride": ("ride", True),
-            "ride+eager": ("ride", False)}
+            "ride_attn": ("ride_attn", True), "ride+eager": ("ride", False)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     old = (m.decode_fork, m.hc_split)
     try:
