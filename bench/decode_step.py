@@ -39,6 +39,8 @@ the shared expert's and the Sinkhorn's branches can run beside the router) and `
 (MEMRA_DSV4_INDEXER_SELECT: the CSA indexer's scores + top-k as the one-launch indexer_fused_d128, or
 indexer_scores_tiles_d128 + indexer_select_d128, the selection on 1024 threads, or auto (the
 default: split when the key row holds more than k); bit-identical, ops.indexer.scores_topk),
+``l2side=off|wq|wo|both``, ``l2mb=8|16|24|32|48``, ``l2ns=0|100|200|400|800`` (MEMRA_DSV4_L2_SIDE,
+_MB, _NS: a paced L2 prefetch of wq_b's / wo_a's first MB on the hc side stream; step_device.l2_side_targets),
 ``hcjoin=boundary|early|ride|ride_attn`` (MEMRA_DSV4_HC_JOIN: the hc Sinkhorn branch joined before the next
 boundary or into the attention / down + combine, or the Sinkhorn run first on the attention's /
 the shared expert's side stream; bit-identical, step_device.hc_join_form),
@@ -142,6 +144,9 @@ _KERNEL_SETTINGS = {
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
+    "l2side": SimpleNamespace(allowed=("off", "wq", "wo", "both"), env="MEMRA_DSV4_L2_SIDE"),
+    "l2mb": SimpleNamespace(allowed=("8", "16", "24", "32", "48"), env="MEMRA_DSV4_L2_SIDE_MB"),
+    "l2ns": SimpleNamespace(allowed=("0", "100", "200", "400", "800"), env="MEMRA_DSV4_L2_SIDE_NS"),
     "hcjoin": SimpleNamespace(allowed=("boundary", "early", "ride", "ride_attn"), env="MEMRA_DSV4_HC_JOIN"),
     "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "25", "50", "75"),
                              env="MEMRA_DSV4_SMEM_CARVEOUT")}
@@ -182,6 +187,10 @@ def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
         env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
     if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
         env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
+    for k, e in (("l2side", "MEMRA_DSV4_L2_SIDE"), ("l2mb", "MEMRA_DSV4_L2_SIDE_MB"),
+                 ("l2ns", "MEMRA_DSV4_L2_SIDE_NS")):   # step_device: the paced side-stream L2 prefetch
+        if k in s:
+            env[e] = s[k]
     if "hcjoin" in s:    # step_device: where the hc Sinkhorn branch joins the main stream
         env["MEMRA_DSV4_HC_JOIN"] = s["hcjoin"]
     if "idxpair" in s:   # step_device: the CSA indexer's q GEMV inside wq_b's launch (on) or its own

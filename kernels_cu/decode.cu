@@ -518,6 +518,35 @@ GEMV_PL_KERNEL(gemv_bf16_pl_r4, 4, GEMV_MINB)
 GEMV_PL2_KERNEL(gemv_bf16_pl2_r2, 2, GEMV_MINB)
 GEMV_PL2_KERNEL(gemv_bf16_pl2_r4, 4, GEMV_MINB)
 
+// ------------------------------------------------- paced L2 prefetch on a side stream (l2_pace)
+// l2_prefetch_paced: asks the L2 for [p0, p0 + n0) then [p1, p1 + n1) (static weights of a GEMV
+// that runs later), in chunks of `chunk` bytes spread over the CTAs (CTA b takes chunks b, b +
+// gridDim.x, ...; lane 0 issues them), with `sleep_ns` of __nanosleep after each chunk: the
+// request rate is about gridDim.x * chunk / sleep_ns, so the prefetch fills a latency-bound
+// window of the step (the attention, the router) without flooding the HBM queues the
+// latency-bound kernels' own misses wait in (the fifth session's in-GEMV prefetch, issued by every
+// CTA at once before its wait, measured slower).  cp.async.bulk.prefetch.L2 is a hint: nothing
+// this kernel or any other computes changes.  The whole loop runs before the PDL wait (static
+// weights only); block 32, any grid.
+extern "C" __global__ void __launch_bounds__(32)
+l2_prefetch_paced(const u8* __restrict__ p0, u64 n0, const u8* __restrict__ p1, u64 n1, u32 chunk,
+                  u32 sleep_ns) {
+    PDL_ENTRY_PRELOAD(
+        if (threadIdx.x == 0 && chunk > 0) {
+            const u64 total = n0 + n1;
+            for (u64 off = (u64)blockIdx.x * chunk; off < total; off += (u64)gridDim.x * chunk) {
+                const u64 len = min((u64)chunk, total - off);
+                if (off < n0) {
+                    l2_prefetch_span(p0 + off, min(len, n0 - off));
+                    if (off + len > n0) l2_prefetch_span(p1, off + len - n0);
+                } else {
+                    l2_prefetch_span(p1 + (off - n0), len);
+                }
+                if (sleep_ns) __nanosleep(sleep_ns);
+            }
+        });
+}
+
 // ------------------------------------------- the decode q_norm inside wq_b (gemv_bf16_pl_r*_qn)
 // gemv_bf16_pl_r{R}_qn: gemv_bf16_pl_r{R} whose x is rmsnorm(xr, nw, eps), computed by EVERY CTA
 // into its shared memory with rmsnorm_row's code (rmsnorm_row.cuh: the CTA is RMS_THREADS = 128

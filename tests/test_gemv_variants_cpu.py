@@ -27,7 +27,7 @@ def fake_launch(monkeypatch):
 
     def launch_ok(name, grid, block, shared_mem):
         assert shared_mem <= 227 * 1024
-        assert tuple(block) == (128,)
+        assert tuple(block) == ((32,) if name == "l2_prefetch_paced" else (128,))
 
     def record(name, grid, block, args, shared_mem):
         launched.append((name, tuple(grid), args, shared_mem))
@@ -374,4 +374,30 @@ def test_idxq_pair_launches(fake_launch, monkeypatch):
         DK.gemv_bf16_pair(w, A(np.zeros((8192, 512), np.uint16)), x, y, y2)
     with pytest.raises(AssertionError, match="gemv_bf16_pair.out2"):
         DK.gemv_bf16_pair(w, w2, x, y, A(np.zeros(8191, np.float32)))
+    assert not launched
+
+
+def test_l2_prefetch_paced_launches(fake_launch):
+    """l2_prefetch_paced (MEMRA_DSV4_L2_SIDE): one l2_prefetch_paced launch of `ctas` one-warp
+    CTAs with the two ranges (the second a null pointer and 0 bytes when absent), the chunk and
+    the sleep; nothing launched for 0 bytes; unaligned / oversized ranges refused."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    w, w2 = A(np.zeros((64, 1024), np.uint16)), A(np.zeros(4096, np.uint8))
+    assert DK.l2_prefetch_paced([(w, 65536)], ctas=4, sleep_ns=100) == 65536
+    (name, grid, args, _), = launched
+    assert name == "l2_prefetch_paced" and grid == (4,)
+    assert args[0] is w and int(args[1]) == 65536 and int(args[2]) == 0 and int(args[3]) == 0
+    assert int(args[4]) == 65536 and int(args[5]) == 100
+    launched.clear()
+    assert DK.l2_prefetch_paced([(w, 1024), (w2, 4096)]) == 5120
+    assert launched[0][2][2] is w2 and launched[0][1] == (8,)
+    launched.clear()
+    assert DK.l2_prefetch_paced([(w, 0)]) == 0 and not launched
+    with pytest.raises(AssertionError, match="bytes of a"):
+        DK.l2_prefetch_paced([(w, 8)])
+    with pytest.raises(AssertionError, match="bytes of a"):
+        DK.l2_prefetch_paced([(w, w.nbytes + 16)])
+    with pytest.raises(AssertionError, match="chunk"):
+        DK.l2_prefetch_paced([(w, 1024)], chunk=24)
     assert not launched

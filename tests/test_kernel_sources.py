@@ -255,7 +255,7 @@ def braced(src: str, head: str, *, from_head: bool = False) -> str:
 
 
 def kernel_signatures() -> dict[str, list[str]]:
-    """{kernel: [param kind]} with kind in ptr | i32 | i64 | f32 | f64, parsed from kernels_cu."""
+    """{kernel: [param kind]} with kind in ptr | i32 | i64 | u32 | u64 | f32 | f64, parsed from kernels_cu."""
     sigs = {}
     for path in SOURCES:
         src = open(path, encoding="utf-8").read()
@@ -277,7 +277,8 @@ def kernel_signatures() -> dict[str, list[str]]:
                 kinds.append("ptr")
                 continue
             t = re.sub(r"\s+", " ", p).rsplit(" ", 1)[0].replace("const ", "").strip()
-            kinds.append({"int": "i32", "long long": "i64", "float": "f32", "double": "f64"}[t])
+            kinds.append({"int": "i32", "long long": "i64", "float": "f32", "double": "f64",
+                          "u32": "u32", "u64": "u64"}[t])
         out[name] = kinds
     return out
 
@@ -287,7 +288,8 @@ def check_kernel_args(name: str, args, sigs) -> None:
     the count, and per argument a device array (the fake's ndarray) or a u64 pointer where the
     kernel takes a pointer, else exactly the NumPy scalar type of the parameter."""
     import numpy as np
-    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64}
+    kinds = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "f64": np.float64, "u32": np.uint32,
+             "u64": np.uint64}
     want = sigs[name]
     assert len(args) == len(want), f"{name}: {len(args)} args, kernel takes {len(want)}"
     for i, (a, k) in enumerate(zip(args, want)):

@@ -55,3 +55,22 @@ def test_hc_join_env(monkeypatch):
     monkeypatch.setenv(HC_JOIN_ENV, "late")
     with pytest.raises(ValueError, match="MEMRA_DSV4_HC_JOIN"):
         hc_join_early()
+
+
+def test_l2_side_env(monkeypatch):
+    from memra_dsv4.gpu.step_device import l2_side_params, l2_side_targets
+    for k in ("MEMRA_DSV4_L2_SIDE", "MEMRA_DSV4_L2_SIDE_MB", "MEMRA_DSV4_L2_SIDE_CTAS", "MEMRA_DSV4_L2_SIDE_NS"):
+        monkeypatch.delenv(k, raising=False)
+    assert l2_side_targets() == set() and l2_side_params() == (24.0, 8, 200)
+    for v, want in (("wq", {"wq"}), ("wo", {"wo"}), ("both", {"wq", "wo"}), ("off", set())):
+        monkeypatch.setenv("MEMRA_DSV4_L2_SIDE", v)
+        assert l2_side_targets() == want
+    monkeypatch.setenv("MEMRA_DSV4_L2_SIDE", "all")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_L2_SIDE="):
+        l2_side_targets()
+    monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_MB", "16")
+    monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_NS", "400")
+    assert l2_side_params() == (16.0, 8, 400)
+    monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_CTAS", "0")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_L2_SIDE_CTAS"):
+        l2_side_params()

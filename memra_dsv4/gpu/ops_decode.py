@@ -274,14 +274,14 @@ def _stream_variant(variant: str, fp8: bool, O: int, K: int, rpg: int):
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
-                          "pending_advance", "build_cand")
+                          "pending_advance", "build_cand", "l2_prefetch_paced")
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
            "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
-           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
 
 
@@ -415,6 +415,28 @@ def gemv_bf16_qnorm(w, x_raw, out, norm_weight, eps: float, xn_out, *, scale=Non
     RN.rmsnorm(x_raw.reshape(1, K), norm_weight, eps, out=xn_out.reshape(1, K))
     gemv_bf16(w, xn_out.reshape(-1), out, scale=scale, site=site)
     return "split"
+
+
+def l2_prefetch_paced(ranges, *, ctas: int = 8, chunk: int = 65536, sleep_ns: int = 200) -> int:
+    """Ask the L2 for the first ``nbytes`` of up to two weights (``ranges``: [(array, nbytes)],
+    nbytes <= array.nbytes, multiples of 16, 16-byte aligned arrays) from ``ctas`` CTAs of one
+    warp, ``chunk`` bytes per request and ``sleep_ns`` between a CTA's requests (decode.cu
+    l2_prefetch_paced: about ctas * chunk / sleep_ns bytes per ns).  A hint: no value changes.
+    Returns the bytes asked for."""
+    assert 1 <= len(ranges) <= 2, f"l2_prefetch_paced: {len(ranges)} ranges, expected 1 or 2"
+    assert ctas >= 1 and chunk >= 16 and chunk % 16 == 0 and 0 <= sleep_ns < 2 ** 32, (
+        f"l2_prefetch_paced: ctas {ctas}, chunk {chunk}, sleep_ns {sleep_ns}")
+    args = []
+    for a, n in list(ranges) + [(None, 0)] * (2 - len(ranges)):
+        if a is not None:
+            assert 0 <= n <= a.nbytes and n % 16 == 0 and a.data.ptr % 16 == 0, (
+                f"l2_prefetch_paced: {n} bytes of a {a.nbytes}-byte array at {a.data.ptr:#x}")
+        args += [null_or(a), np.uint64(n)]
+    total = int(args[1]) + int(args[3])
+    if total:
+        kernel(STEM, "l2_prefetch_paced")((int(ctas),), (32,),
+                                          tuple(args) + (np.uint32(chunk), np.uint32(sleep_ns)))
+    return total
 
 
 def gemv_bf16_pair(w, w2, x, out, out2, *, scale=None, scale2=None, site: str | None = None) -> str:

@@ -116,6 +116,7 @@ class DeviceStep:
                 # MEMRA_DSV4_WQB_QNORM on CSA layers: the indexer's q GEMV (side2) waits for wq_b
                 # (main), which writes the normed qr (_attention)
                 S.qn_ev = cp.cuda.Event(disable_timing=True)
+                S.pf_ev = cp.cuda.Event(disable_timing=True)   # MEMRA_DSV4_L2_SIDE wo (_attention)
                 # the attention fork (seam MEMRA_DSV4_DECODE_FORK, graphs only): a side stream
                 # and its fork / join events, made before any capture
                 # Two sets of side streams: the launch priority of a captured kernel node is
@@ -506,6 +507,8 @@ class DeviceStep:
             elif self._hc_branch:
                 S.hc_fork.fork()
                 with S.hc_side:
+                    if sub == "attn":   # MEMRA_DSV4_L2_SIDE wq: wq_b's first bytes during the
+                        self._l2_side(S, L, "wq")   # boundary / multi GEMV / q_norm window
                     sinkhorn()
                 S.hc_pending = True
             else:
@@ -567,6 +570,18 @@ class DeviceStep:
         sub = "attn.indexer.compressor" if indexer else "attn.compressor"
         CM.emit(S.v["pos"], pend.kv, pend.score, pend.ratio, pend.overlap, L.f32[f"{sub}.norm.weight"],
                 self.cfg.rms_norm_eps, L.cos, L.sin, "hadfp4" if indexer else "fp8", dst)
+
+    def _l2_side(self, S, L, target: str) -> None:
+        """MEMRA_DSV4_L2_SIDE: a paced L2 prefetch of the first MEMRA_DSV4_L2_SIDE_MB of
+        ``target``'s weight ("wq": attn.wq_b, "wo": attn.wo_a), launched on the current (side)
+        stream when l2_side_targets() names it; bf16 or FP8 bytes alike (the bytes as stored)."""
+        if target not in l2_side_targets():
+            return
+        from memra_dsv4.gpu import ops_decode as DK
+        w, _ = L.lin("attn.wq_b" if target == "wq" else "attn.wo_a")
+        mb, ctas, ns = l2_side_params()
+        n = min(int(mb * (1 << 20)), w.nbytes) // 16 * 16
+        DK.l2_prefetch_paced([(w, n)], ctas=ctas, sleep_ns=ns)
 
     def _indexer_q(self, S, L):
         """The indexer's q GEMV (idx.q from the normed qr): the one bandwidth-bound launch of the
@@ -649,6 +664,14 @@ class DeviceStep:
                     DK.gemv_bf16(w, qr, q, scale=sc)
 
         def head_norm():
+            if getattr(S, "hc_pending", False) and "wo" in l2_side_targets() and not hc_join_early():
+                # (with HC_JOIN=early the branch joins at the attention: it would wait for this)
+                # MEMRA_DSV4_L2_SIDE wo: wo_a's first bytes during the attention window, on the
+                # hc Sinkhorn branch (its join before the next boundary covers them)
+                S.pf_ev.record(S.stream)
+                S.hc_side.wait_event(S.pf_ev)
+                with S.hc_side:
+                    self._l2_side(S, L, "wo")
             if not qn_attn:
                 with phase(f"{ap}/q"):
                     RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
@@ -906,6 +929,47 @@ def multi_qnorm_on() -> bool:
     is made (at graph capture).  The same bytes either way (rmsnorm.cu's row code in both;
     tests/gpu/test_step_multi_qnorm_gpu.py); not a seam (bench arm mqn=on|off)."""
     return _on_off_env(MULTI_QNORM_ENV, MULTI_QNORM_DEFAULT) == "on"
+
+
+L2_SIDE_ENV = "MEMRA_DSV4_L2_SIDE"   # off | wq | wo | both: paced L2 prefetch on the hc side stream
+
+
+def l2_side_targets() -> set:
+    """MEMRA_DSV4_L2_SIDE = off | wq | wo | both (default off), read at capture: weights the
+    device step asks the L2 for, on the hc Sinkhorn's side stream (graphs with the hc split; the
+    branch's join before the next boundary covers the prefetch), while the main stream runs
+    latency-bound launches that leave HBM idle: "wq" the first MEMRA_DSV4_L2_SIDE_MB of wq_b
+    from the attn boundary on (beside the boundary, the multi GEMV and the q_norm), "wo" those of
+    wo_a from wq_b's end on (beside the head norm, the kv / indexer branches, the attention and
+    its combine).  Paced (ops_decode.l2_prefetch_paced: MEMRA_DSV4_L2_SIDE_CTAS CTAs, 64 KB per
+    request, MEMRA_DSV4_L2_SIDE_NS between a CTA's requests) because the fifth session's burst
+    prefetch slowed the latency-bound kernels.  Why at all: the fourteenth session's timelines
+    have ~50 us per layer in which no weight streams (docs/decode_perf.md).  A hint: the same
+    bytes.  Not a seam (bench arms l2side=, l2mb=, l2ns=)."""
+    import os
+    v = os.environ.get(L2_SIDE_ENV, "") or "off"
+    forms = {"off": set(), "wq": {"wq"}, "wo": {"wo"}, "both": {"wq", "wo"}}
+    if v not in forms:
+        raise ValueError(f"{L2_SIDE_ENV}={v!r}: expected off, wq, wo or both")
+    return forms[v]
+
+
+def l2_side_params() -> tuple:
+    """(MB per prefetch, CTAs, ns between a CTA's 64 KB requests) of MEMRA_DSV4_L2_SIDE, from
+    MEMRA_DSV4_L2_SIDE_MB (default 24), _CTAS (8), _NS (200); ValueError naming a bad one."""
+    import os
+    out = []
+    for name, default, lo, hi in (("MB", 24.0, 0.0, 4096.0), ("CTAS", 8, 1, 1024), ("NS", 200, 0, 1_000_000)):
+        key = f"{L2_SIDE_ENV}_{name}"
+        raw = os.environ.get(key, "")
+        try:
+            val = type(default)(raw) if raw else default
+        except ValueError:
+            val = None
+        if val is None or not lo <= val <= hi:
+            raise ValueError(f"{key}={raw!r}: expected a number in [{lo}, {hi}]")
+        out.append(val)
+    return tuple(out)
 
 
 HC_JOIN_ENV = "MEMRA_DSV4_HC_JOIN"   # boundary | early: where the hc Sinkhorn branch joins (A/B)
