@@ -25,7 +25,8 @@ PRELOAD_KERNELS = {
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
-               "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn"),
+               "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
+               "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
 }
 
 need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("nvdisasm") is None,
@@ -75,3 +76,13 @@ def test_preloads_issue_before_the_wait(stem, tmp_path):
         assert wait >= 0, f"{name}: no ACQBULK (griddepcontrol.wait) in its SASS"
         assert 0 <= load < wait, (f"{name}: the first LDG (instruction {load}) is not before the PDL "
                                   f"wait (instruction {wait}): ptxas moved the wait above the preload")
+
+
+@need_tools
+def test_paced_l2_prefetch_before_the_wait(tmp_path):
+    """decode.cu l2_prefetch_paced (MEMRA_DSV4_L2_SIDE) opens with PDL_ENTRY_PRELOAD too, but its
+    preload is cp.async.bulk.prefetch.L2 (UBLKPF) with __nanosleep between requests, not LDG:
+    both must precede the wait."""
+    lines = _function(_sass("decode", str(tmp_path)), "l2_prefetch_paced")
+    wait, pf, nap = _first(lines, "ACQBULK"), _first(lines, "UBLKPF.L2"), _first(lines, "NANOSLEEP")
+    assert wait >= 0 and 0 <= pf < wait and 0 <= nap < wait, (wait, pf, nap)
