@@ -4,7 +4,8 @@ wait (ACQBULK on sm_90a) above loads that share its basic block (legal: it only 
 would silently undo the preload; each preload helper therefore ends its block with a never-taken
 branch.  This test compiles the modules with nvcc (the options of tools/compile_kernels.py),
 disassembles them with nvdisasm and checks, for every kernel that opens with PDL_ENTRY_PRELOAD,
-that a global load (LDG) comes before the first ACQBULK.  Skipped where nvcc / nvdisasm are absent.
+that a global load (LDG) comes before the first ACQBULK.  nvdisasm: PATH, else the
+nvidia-cuda-nvdisasm wheel of the test extra; skipped where nvcc or nvdisasm is absent.
 """
 
 from __future__ import annotations
@@ -29,15 +30,34 @@ PRELOAD_KERNELS = {
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
 }
 
-need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("nvdisasm") is None,
-                                reason="nvcc / nvdisasm not on PATH")
+def _nvdisasm() -> str | None:
+    """nvdisasm on PATH, else the one the nvidia-cuda-nvdisasm wheel installs (the test extra:
+    nvidia/cu*/bin/nvdisasm inside the nvidia namespace package)."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    import glob
+    for root in getattr(nvidia, "__path__", []):
+        for cand in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
+            if os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+NVDISASM = _nvdisasm()
+need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or NVDISASM is None,
+                                reason="nvcc / nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
 
 
 def _sass(stem: str, tmp_path) -> str:
     cubin = os.path.join(tmp_path, f"{stem}.cubin")
     subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", "-I", KDIR, "-o", cubin,
                     os.path.join(KDIR, f"{stem}.cu")], check=True, capture_output=True, text=True)
-    return subprocess.run(["nvdisasm", "-c", cubin], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([NVDISASM, "-c", cubin], check=True, capture_output=True, text=True).stdout
 
 
 def _function(sass: str, name: str) -> list[str]:
