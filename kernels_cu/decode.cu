@@ -459,6 +459,30 @@ DEV PlFirst<R> pl_first(const u16* __restrict__ W, int O, int K, int warp) {
     return f;
 }
 
+// Trip 0 of THE ORDER into fresh partials, from the weights pl_first loaded before the wait and
+// the warp's x chunks xr (chunks lane + 32 u); shared by gemv_pl_rows and gemv_pl_rows_qn.
+template <int R>
+DEV void pl_first_trip(const PlFirst<R>& f, const uint4 (&xr)[GEMV_UNROLL], float (&acc)[R][GEMV_UNROLL]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+    bf16_trip_fma<R>(f.raw, xr, acc);
+}
+
+// The end of a pl warp's rows: partials in index order + the butterfly, lane 0 stores rows < O.
+template <int R>
+DEV void pl_store_rows(const PlFirst<R>& f, const float (&acc)[R][GEMV_UNROLL], void* __restrict__ y,
+                       int O, int out_bf16) {
+    float out[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (f.o0 + r < O) store_out(y, f.o0 + r, out[r], out_bf16);
+}
+
 // After the wait: x, the first trip's products, the remaining trips (rows_trip), the stores.
 template <int R>
 DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __restrict__ y, int O,
@@ -466,25 +490,15 @@ DEV void gemv_pl_rows(const PlFirst<R>& f, const u16* __restrict__ x, void* __re
     const int lane = threadIdx.x & 31;
     if (f.o0 >= O) return;
     const u16* xv = x + (rpg > 0 ? (i64)(f.o0 / rpg) * K : (i64)0);
-    float acc[R][GEMV_UNROLL];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
     uint4 xr[GEMV_UNROLL];
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(xv + (i64)(lane + 32 * u) * 8);
-    bf16_trip_fma<R>(f.raw, xr, acc);   // trip 0, from the registers loaded before the wait
+    float acc[R][GEMV_UNROLL];
+    pl_first_trip<R>(f, xr, acc);   // trip 0, from the registers loaded before the wait
     const int nc = K >> 3;
     for (int c = lane + 32 * GEMV_UNROLL; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
         rows_trip<false, R, 1, false, 1>(f.wr, nullptr, xv, c, lane, acc);
-    float out[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
-    if (lane != 0) return;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-        if (f.o0 + r < O) store_out(y, f.o0 + r, out[r], out_bf16);
+    pl_store_rows<R>(f, acc, y, O, out_bf16);
 }
 
 #define GEMV_PL_KERNEL(NAME, R, MINB)                                                              \
@@ -576,22 +590,12 @@ DEV void gemv_pl_rows_qn(const PlFirst<R>& f, const RmsFirst& nf, const u16* __r
     __syncthreads();   // every thread's chunk in xs (the norm's block_sum already synced the reads)
     const int lane = threadIdx.x & 31;
     if (f.o0 >= O) return;
-    float acc[R][GEMV_UNROLL];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
     uint4 xv[GEMV_UNROLL];
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) xv[u] = *reinterpret_cast<const uint4*>(xs + 8 * (lane + 32 * u));
-    bf16_trip_fma<R>(f.raw, xv, acc);   // the whole row: K = 1024 is one trip
-    float out[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
-    if (lane != 0) return;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-        if (f.o0 + r < O) store_out(y, f.o0 + r, out[r], out_bf16);
+    float acc[R][GEMV_UNROLL];
+    pl_first_trip<R>(f, xv, acc);   // the whole row: K = 1024 is one trip
+    pl_store_rows<R>(f, acc, y, O, out_bf16);
 }
 
 // W bf16 bits [O, 1024]; xr [1024] bf16 (raw), nw [1024] bf16 (the norm weight), xn [1024] bf16
