@@ -309,6 +309,21 @@ def _gemv_grid(warps: int) -> tuple:
     return ((int(warps) + GEMV_WARPS - 1) // GEMV_WARPS,)
 
 
+def _check_gemv_out(out, O: int, name: str) -> None:
+    """A plain GEMV's output: O f32 or bf16-bits values, contiguous."""
+    assert out.dtype in (np.float32, np.uint16) and out.size == O and out.flags.c_contiguous, (
+        f"{name}: {out.shape} {out.dtype}, expected {O} f32/bf16 contiguous")
+
+
+def _selected_pl(fp8: bool, O: int, K: int, site: str | None):
+    """R when the plain GEMV of this shape (and ``site``) is selected to run as pl_r{R} and
+    pl_r{R} can take it with one x for every row (the fused forms: gemv_bf16_qnorm /
+    gemv_bf16_pair), else None."""
+    variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
+    R = parse_pl(variant) if variant else None
+    return R if R and pl_ok(R, fp8, K, 0) else None
+
+
 def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | None = None,
               trips: int | None = None, variant: str | None = None, site: str | None = None):
     """out [O] (f32 or bf16 bits) = W [O, K] . x (bf16 bits); W bf16 bits or stored FP8 with
@@ -322,8 +337,7 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     assert K % 8 == 0, f"gemv_bf16: K = {K} must be a multiple of 8"
     check(x, "gemv_bf16.x", np.uint16)
     assert x.size == groups * K, f"gemv_bf16.x: {x.size} values, expected {groups} * {K}"
-    assert out.dtype in (np.float32, np.uint16) and out.size == O and out.flags.c_contiguous, (
-        f"gemv_bf16.out: {out.shape} {out.dtype}, expected {O} f32/bf16 contiguous")
+    _check_gemv_out(out, O, "gemv_bf16.out")
     assert O % groups == 0, f"gemv_bf16: {O} rows not divisible into {groups} groups"
     assert x.data.ptr % 16 == 0, "gemv_bf16.x: 16-byte alignment"
     rpg = O // groups if groups > 1 else 0
@@ -397,14 +411,11 @@ def gemv_bf16_qnorm(w, x_raw, out, norm_weight, eps: float, xn_out, *, scale=Non
     assert norm_weight.shape == (K,), f"gemv_bf16_qnorm.norm_weight: {norm_weight.shape}, expected ({K},)"
     a0, a1 = x_raw.data.ptr, xn_out.data.ptr
     assert a0 + 2 * K <= a1 or a1 + 2 * K <= a0, "gemv_bf16_qnorm: x and xn_out overlap"
-    fp8 = bool(w.dtype == np.uint8)
-    variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
-    R = parse_pl(variant) if variant else None
-    if R and pl_ok(R, fp8, K, 0) and K == QNORM_K and norm_weight.dtype == np.uint16 and scale is None:
+    R = _selected_pl(bool(w.dtype == np.uint8), O, K, site)
+    if R and K == QNORM_K and norm_weight.dtype == np.uint16 and scale is None:
         wa, _, _ = dense_weight(w, scale, "gemv_bf16_qnorm.w")
         check(norm_weight, "gemv_bf16_qnorm.norm_weight", np.uint16)
-        assert out.dtype in (np.float32, np.uint16) and out.size == O and out.flags.c_contiguous, (
-            f"gemv_bf16_qnorm.out: {out.shape} {out.dtype}, expected {O} f32/bf16 contiguous")
+        _check_gemv_out(out, O, "gemv_bf16_qnorm.out")
         assert a0 % 16 == 0 and a1 % 16 == 0 and norm_weight.data.ptr % 16 == 0, \
             "gemv_bf16_qnorm: x, xn_out and norm_weight need 16-byte alignment"
         kernel(STEM, f"gemv_bf16_pl_r{R}_qn")(
@@ -450,13 +461,10 @@ def gemv_bf16_pair(w, w2, x, out, out2, *, scale=None, scale2=None, site: str | 
     O2, K2 = w2.shape
     check(x, "gemv_bf16_pair.x", np.uint16)
     assert K2 == K and x.size == K, f"gemv_bf16_pair: W [{O}x{K}], W2 [{O2}x{K2}], x {x.size} values"
-    for a, n, name in ((out, O, "out"), (out2, O2, "out2")):
-        assert a.dtype in (np.float32, np.uint16) and a.size == n and a.flags.c_contiguous, (
-            f"gemv_bf16_pair.{name}: {a.shape} {a.dtype}, expected {n} f32/bf16 contiguous")
-    fp8 = bool(w.dtype == np.uint8) or bool(w2.dtype == np.uint8)
-    variant = gemv_selected("plain", fp8, gemv_shape_class(O, K), site)
-    R = parse_pl(variant) if variant else None
-    if R and pl_ok(R, fp8, K, 0) and scale is None and scale2 is None:
+    _check_gemv_out(out, O, "gemv_bf16_pair.out")
+    _check_gemv_out(out2, O2, "gemv_bf16_pair.out2")
+    R = _selected_pl(bool(w.dtype == np.uint8) or bool(w2.dtype == np.uint8), O, K, site)
+    if R and scale is None and scale2 is None:
         wa, _, _ = dense_weight(w, None, "gemv_bf16_pair.w")
         wb, _, _ = dense_weight(w2, None, "gemv_bf16_pair.w2")
         assert x.data.ptr % 16 == 0, "gemv_bf16_pair.x: 16-byte alignment"
