@@ -74,3 +74,20 @@ def test_l2_side_env(monkeypatch):
     monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_CTAS", "0")
     with pytest.raises(ValueError, match="MEMRA_DSV4_L2_SIDE_CTAS"):
         l2_side_params()
+
+
+def test_carveout_read_once_per_pdl_block(monkeypatch):
+    """PdlKernel launches take the carveout pdl_launches read on entry; the block restores the
+    outer value on exit (no env read per launch)."""
+    from memra_dsv4.gpu import pdl
+    monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "max")
+    with pdl.pdl_launches(True):
+        assert pdl._CARVE == 100
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "50")
+        assert pdl._CARVE == 100            # read once, on entry
+        with pdl.pdl_launches(True):
+            assert pdl._CARVE == 50
+        assert pdl._CARVE == 100
+        with pdl.pdl_launches(False):      # PDL off: no PdlKernel launches, the value is kept
+            assert pdl._CARVE == 100
+    assert pdl._CARVE is None

@@ -38,13 +38,15 @@ import numpy as np
 __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout"]
 
 _ACTIVE = False
+_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it)
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
 
 
 def smem_carveout() -> int | None:
-    """MEMRA_DSV4_SMEM_CARVEOUT, read at every PdlKernel launch (so at graph capture): unset or
+    """MEMRA_DSV4_SMEM_CARVEOUT, read when a pdl_launches(True) block is entered (the device step
+    enters one per step, so also at graph capture) and given to its PdlKernel launches: unset or
     "default": no carveout attribute (the driver picks each kernel's L1 / shared split from its
     own needs); "max": 100; "maxl1": 0; an integer 0..100: that percentage of the maximum shared
     memory, passed as the launch's CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT.  Why:
@@ -77,13 +79,15 @@ def pdl_active() -> bool:
 @contextlib.contextmanager
 def pdl_launches(enabled: bool = True):
     """Kernels looked up (KernelLoader.get) inside the block launch with the PDL attribute."""
-    global _ACTIVE
-    was = _ACTIVE
+    global _ACTIVE, _CARVE
+    was, carve_was = _ACTIVE, _CARVE
     _ACTIVE = bool(enabled)
+    if _ACTIVE:   # the carveout of this block's launches: read once here, not at every launch
+        _CARVE = smem_carveout()
     try:
         yield
     finally:
-        _ACTIVE = was
+        _ACTIVE, _CARVE = was, carve_was
 
 
 def marshal_args(args) -> tuple[list, "ctypes.Array"]:
@@ -153,7 +157,7 @@ class PdlKernel:
         cfg.sharedMemBytes = int(shared_mem)
         cfg.hStream = cu.CUstream(int(s.ptr))
         attrs = [attr]
-        carve = smem_carveout()
+        carve = _CARVE
         if carve is not None:   # captured into the graph node with the launch
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
