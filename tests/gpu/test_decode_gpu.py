@@ -345,10 +345,12 @@ def _hostmath_bytewise(name, L, steps, devices=(0,)):
     assert not bad, f"state differs in {bad}"
 
 
-def hostmath_equals_legacy_with(attr: str, value: str, seed: int, what: str, L: int = 16, steps: int = 5):
+def hostmath_equals_legacy_with(attr: str | None, value: str | None, seed: int, what: str, L: int = 16,
+                                steps: int = 5):
     """tiny: device-hostmath with ``model.<attr> = value`` (a device-step form: qnorm, shared w2,
     ...) == legacy, the logits of every step bit for bit and every cache byte (the step test
-    files' "the form keeps the byte contract" check)."""
+    files' "the form keeps the byte contract" check).  ``attr`` None: no attribute is set (a
+    form the caller selected through its env switch before the call)."""
     from memra_dsv4.gpu import step
     if not step.HOSTMATH_IMPLEMENTED:
         pytest.skip(step.HOSTMATH_REASON)
@@ -357,15 +359,17 @@ def hostmath_equals_legacy_with(attr: str, value: str, seed: int, what: str, L: 
     ids = _ids(ck.config, L + steps, seed=seed)
     _, sa = ml.prefill(ids[:L])
     _, sb = mh.prefill(ids[:L])
-    old = getattr(mh, attr)   # every device-step form is set on the model at load
+    old = getattr(mh, attr) if attr else None   # every device-step form is set on the model at load
     try:
-        setattr(mh, attr, value)
+        if attr:
+            setattr(mh, attr, value)
         for i, t in enumerate(ids[L:]):
             x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
             assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
                 f"step {i}: device-hostmath ({what}) != legacy, max |diff| {np.abs(x - y).max()}"
     finally:
-        setattr(mh, attr, old)
+        if attr:
+            setattr(mh, attr, old)
     bad = snapshot_diff(sa.snapshot(), sb.snapshot())
     assert not bad, f"state differs in {bad}"
 

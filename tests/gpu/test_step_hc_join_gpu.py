@@ -10,19 +10,17 @@ graphs: the switch is read at capture): boundary (graph; the reference), early (
 combine, before the stage's stand-alone hc_post)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner, step_forms  # noqa: E402
 from memra_dsv4.gpu.step_device import HC_JOIN_ENV  # noqa: E402
 
 
 def _run(name, devices, monkeypatch, steps=14, prompt=5):
     from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-    from memra_dsv4.gpu.step import device_step
     if cp.cuda.runtime.getDeviceCount() < len(devices):
         pytest.skip(f"needs {len(devices)} GPUs")
     ck, m = _model(name, devices, "device")
@@ -30,23 +28,9 @@ def _run(name, devices, monkeypatch, steps=14, prompt=5):
     arms = {"boundary": ("boundary", True), "early": ("early", True), "ride": ("ride", True),
             "ride_attn": ("ride_attn", True), "ride+eager": ("ride", False)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
-    old = (m.decode_fork, m.hc_split)
-    try:
-        m.decode_fork, m.hc_split = "all", "on"
-        for i, t in enumerate(ids[prompt:prompt + steps]):
-            got = {}
-            for a, (env, graph) in arms.items():
-                monkeypatch.setenv(HC_JOIN_ENV, env)
-                got[a] = device_step(m, states[a], int(t), graph=graph)
-            for a in arms:
-                assert np.array_equal(got[a].view(np.uint32), got["boundary"].view(np.uint32)), \
-                    f"{name}: step {i} (pos {prompt + i}): logits with {a} differ"
-        ref = states["boundary"].snapshot()
-        for a in arms:
-            diff = snapshot_diff(ref, states[a].snapshot())
-            assert not diff, f"{name}: caches with {a} differ: {diff}"
-    finally:
-        m.decode_fork, m.hc_split = old
+    with step_forms(m, decode_fork="all", hc_split="on"):
+        assert_arms_agree(name, states, ids[prompt:prompt + steps],
+                          env_arm_runner(m, states, HC_JOIN_ENV, arms, monkeypatch), pos0=prompt)
 
 
 def test_hc_join_early_bit_identical_tiny(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner  # noqa: E402
 from memra_dsv4.gpu.step_device import IDXQ_PAIR_ENV  # noqa: E402
 
 _ARMS = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
@@ -33,23 +33,17 @@ def _launched(m, state, t) -> tuple:
 
 
 def _interleave(tag, m, states, ids, arms, monkeypatch, fused_check=False):
-    from memra_dsv4.gpu.step import device_step
-    for i, t in enumerate(ids):
-        got = {}
-        for a, (env, graph) in arms.items():
-            monkeypatch.setenv(IDXQ_PAIR_ENV, env)
-            if fused_check and i == 0 and not graph:
-                got[a], names = _launched(m, states[a], t)
-                assert names.count("gemv_bf16_pl2_r2") == 1, names   # the one CSA layer
-                continue
-            got[a] = device_step(m, states[a], int(t), graph=graph)
-        for a in arms:
-            assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
-                f"{tag}: step {i}: logits of {a} differ from the separate indexer q GEMV's"
-    ref = states["off"].snapshot()
-    for a in arms:
-        diff = snapshot_diff(ref, states[a].snapshot())
-        assert not diff, f"{tag}: caches of {a} differ from the separate indexer q GEMV's: {diff}"
+    run = env_arm_runner(m, states, IDXQ_PAIR_ENV, arms, monkeypatch)
+
+    def run_checked(a, i, t):
+        env, graph = arms[a]
+        if not (fused_check and i == 0 and not graph):
+            return run(a, i, t)
+        monkeypatch.setenv(IDXQ_PAIR_ENV, env)
+        logits, names = _launched(m, states[a], t)
+        assert names.count("gemv_bf16_pl2_r2") == 1, names   # the one CSA layer
+        return logits
+    assert_arms_agree(tag, states, ids, run_checked)
 
 
 def test_idxq_pair_step_bit_identical_tiny(monkeypatch):
@@ -67,24 +61,9 @@ def test_idxq_pair_step_bit_identical_tiny(monkeypatch):
 
 
 def test_idxq_pair_device_hostmath_equals_legacy_tiny(monkeypatch):
-    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu import step
-    if not step.HOSTMATH_IMPLEMENTED:
-        pytest.skip(step.HOSTMATH_REASON)
+    from test_decode_gpu import hostmath_equals_legacy_with  # prepend import mode (tests/gpu on sys.path)
     monkeypatch.setenv(IDXQ_PAIR_ENV, "on")
-    ck, ml = _model("tiny", (0,), "legacy")
-    _, mh = _model("tiny", (0,), "device-hostmath")
-    L, steps = 16, 5
-    ids = _ids(ck.config, L + steps, seed=61)
-    _, sa = ml.prefill(ids[:L])
-    _, sb = mh.prefill(ids[:L])
-    for i, t in enumerate(ids[L:]):
-        x, y = ml.decode_step(sa, t), mh.decode_step(sb, t)
-        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), \
-            f"step {i}: device-hostmath (indexer q in wq_b) != legacy, max |diff| {np.abs(x - y).max()}"
-    bad = snapshot_diff(sa.snapshot(), sb.snapshot())
-    assert not bad, f"state differs in {bad}"
+    hostmath_equals_legacy_with(None, None, seed=61, what="indexer q in wq_b")
 
 
 def test_idxq_pair_step_bit_identical_flash_layer(monkeypatch):

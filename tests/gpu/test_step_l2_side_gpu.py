@@ -7,13 +7,12 @@ prefill, interleaved; logits and every cache byte equal.  And the kernel alone: 
 plainly, over two ranges with an odd tail, it leaves memory as it was."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner, step_forms  # noqa: E402
 
 
 def test_l2_prefetch_paced_changes_nothing():
@@ -33,7 +32,6 @@ def test_l2_prefetch_paced_changes_nothing():
 
 def test_l2_side_bit_identical_tiny(monkeypatch):
     from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-    from memra_dsv4.gpu.step import device_step
     ck, m = _model("tiny", (0,), "device")
     prompt, steps = 5, 12
     ids = _ids(ck.config, prompt + steps + 1, seed=73)
@@ -43,20 +41,6 @@ def test_l2_side_bit_identical_tiny(monkeypatch):
     monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_MB", "1")
     monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_CTAS", "2")
     monkeypatch.setenv("MEMRA_DSV4_L2_SIDE_NS", "50")
-    old = (m.decode_fork, m.hc_split)
-    try:
-        m.decode_fork, m.hc_split = "all", "on"
-        for i, t in enumerate(ids[prompt:prompt + steps]):
-            got = {}
-            for a, (env, graph) in arms.items():
-                monkeypatch.setenv("MEMRA_DSV4_L2_SIDE", env)
-                got[a] = device_step(m, states[a], int(t), graph=graph)
-            for a in arms:
-                assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
-                    f"step {i} (pos {prompt + i}): logits with l2side {a} differ"
-        ref = states["off"].snapshot()
-        for a in arms:
-            diff = snapshot_diff(ref, states[a].snapshot())
-            assert not diff, f"caches with l2side {a} differ: {diff}"
-    finally:
-        m.decode_fork, m.hc_split = old
+    with step_forms(m, decode_fork="all", hc_split="on"):
+        assert_arms_agree("l2side", states, ids[prompt:prompt + steps],
+                          env_arm_runner(m, states, "MEMRA_DSV4_L2_SIDE", arms, monkeypatch), pos0=prompt)

@@ -147,3 +147,51 @@ def snapshot_diff(ref: dict, other: dict) -> list:
     """The keys of ``ref`` (a DecodeState.snapshot(): name -> array) whose arrays are not equal
     in ``other``, in ref's order: the step tests' "every cache byte" comparison of two arms."""
     return [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(other[k]))]
+
+
+def assert_arms_agree(tag: str, states: dict, tokens, run, *, pos0: int = 0) -> None:
+    """The step tests' A/B identity check.  ``states``: arm name -> DecodeState, the first arm the
+    reference.  For each token (token-major: every arm takes token i before any takes i + 1),
+    ``run(arm, i, token)`` steps that arm and returns its logits; every arm's logits must equal
+    the reference's bit for bit (as uint32), and at the end every arm's snapshot must equal the
+    reference's (snapshot_diff: every cache byte)."""
+    arms = list(states)
+    ref = arms[0]
+    for i, t in enumerate(tokens):
+        got = {a: np.asarray(run(a, i, t)) for a in arms}
+        for a in arms[1:]:
+            assert np.array_equal(got[a].view(np.uint32), got[ref].view(np.uint32)), \
+                f"{tag}: step {i} (pos {pos0 + i}): logits of {a} differ from {ref}'s"
+    snap = states[ref].snapshot()
+    for a in arms[1:]:
+        diff = snapshot_diff(snap, states[a].snapshot())
+        assert not diff, f"{tag}: caches of {a} differ from {ref}'s: {diff}"
+
+
+def env_arm_runner(m, states: dict, env: str, arms: dict, monkeypatch):
+    """``run`` for assert_arms_agree where an arm is (value of the env variable ``env``, graph):
+    the variable is set, then the device step runs that arm's state (graph replay or eager)."""
+    def run(a, i, t):
+        from memra_dsv4.gpu.step import device_step
+        value, graph = arms[a]
+        monkeypatch.setenv(env, value)
+        return device_step(m, states[a], int(t), graph=graph)
+    return run
+
+
+class step_forms:
+    """``with step_forms(m, decode_fork="all", hc_split="on"):`` sets model attributes for the
+    block (the graph-branch forms a switch needs present) and restores them after."""
+
+    def __init__(self, m, **forms) -> None:
+        self.m, self.forms = m, forms
+
+    def __enter__(self):
+        self.old = {k: getattr(self.m, k) for k in self.forms}
+        for k, v in self.forms.items():
+            setattr(self.m, k, v)
+        return self.m
+
+    def __exit__(self, *exc) -> None:
+        for k, v in self.old.items():
+            setattr(self.m, k, v)

@@ -1,0 +1,56 @@
+"""memra_dsv4.gpu.ops.testing.assert_arms_agree / step_forms, the GPU step tests' A/B identity
+check, on fake states and logits: token-major order, a logits difference and a cache difference
+both caught (naming step, position and arm), the model attributes restored."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, step_forms
+
+
+class _State:
+    def __init__(self, cache):
+        self.cache = cache
+
+    def snapshot(self):
+        return {"0.kv": self.cache.copy()}
+
+
+def test_token_major_and_equal_arms_pass():
+    states = {a: _State(np.zeros(4, np.uint16)) for a in ("ref", "b", "c")}
+    calls = []
+
+    def run(a, i, t):
+        calls.append((a, i, t))
+        return np.full(3, t, np.float32)
+    assert_arms_agree("x", states, [7, 8], run)
+    assert calls == [("ref", 0, 7), ("b", 0, 7), ("c", 0, 7), ("ref", 1, 8), ("b", 1, 8), ("c", 1, 8)]
+
+
+def test_logits_difference_is_caught():
+    states = {a: _State(np.zeros(4, np.uint16)) for a in ("ref", "b")}
+
+    def run(a, i, t):   # -0.0 vs 0.0: equal as floats, different bits
+        return np.array([-0.0 if (a == "b" and i == 1) else 0.0], np.float32)
+    with pytest.raises(AssertionError, match=r"x: step 1 \(pos 6\): logits of b differ from ref's"):
+        assert_arms_agree("x", states, [1, 2], run, pos0=5)
+
+
+def test_cache_difference_is_caught():
+    states = {"ref": _State(np.zeros(4, np.uint16)), "b": _State(np.ones(4, np.uint16))}
+    with pytest.raises(AssertionError, match=r"caches of b differ from ref's: \['0.kv'\]"):
+        assert_arms_agree("x", states, [1], lambda a, i, t: np.zeros(2, np.float32))
+
+
+def test_step_forms_restores():
+    m = SimpleNamespace(decode_fork="on", hc_split="off")
+    with step_forms(m, decode_fork="all", hc_split="on"):
+        assert (m.decode_fork, m.hc_split) == ("all", "on")
+    assert (m.decode_fork, m.hc_split) == ("on", "off")
+    with pytest.raises(RuntimeError):
+        with step_forms(m, decode_fork="all"):
+            raise RuntimeError
+    assert m.decode_fork == "on"
