@@ -20,26 +20,18 @@ def test_carveout_env(monkeypatch):
             smem_carveout()
 
 
-def test_wqb_qnorm_env(monkeypatch):
-    from memra_dsv4.gpu.step_device import WQB_QNORM_ENV, wqb_qnorm_on
-    monkeypatch.delenv(WQB_QNORM_ENV, raising=False)
-    assert wqb_qnorm_on() is False
-    monkeypatch.setenv(WQB_QNORM_ENV, "on")
-    assert wqb_qnorm_on() is True
-    monkeypatch.setenv(WQB_QNORM_ENV, "yes")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_WQB_QNORM"):
-        wqb_qnorm_on()
-
-
-def test_idxq_pair_env(monkeypatch):
-    from memra_dsv4.gpu.step_device import IDXQ_PAIR_ENV, idxq_pair_on
-    monkeypatch.delenv(IDXQ_PAIR_ENV, raising=False)
-    assert idxq_pair_on() is False
-    monkeypatch.setenv(IDXQ_PAIR_ENV, "on")
-    assert idxq_pair_on() is True
-    monkeypatch.setenv(IDXQ_PAIR_ENV, "1")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_IDXQ_PAIR"):
-        idxq_pair_on()
+@pytest.mark.parametrize("env,fn,bad", [("MEMRA_DSV4_WQB_QNORM", "wqb_qnorm_on", "yes"),
+                                          ("MEMRA_DSV4_IDXQ_PAIR", "idxq_pair_on", "1")])
+def test_on_off_switch_env(monkeypatch, env, fn, bad):
+    from memra_dsv4.gpu import step_device
+    on = getattr(step_device, fn)
+    monkeypatch.delenv(env, raising=False)
+    assert on() is False
+    monkeypatch.setenv(env, "on")
+    assert on() is True
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=env):
+        on()
 
 
 def test_hc_join_env(monkeypatch):
