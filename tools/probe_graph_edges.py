@@ -121,6 +121,22 @@ def main():
     carveout(mod, s0)
 
 
+def _replay_median_s(g, s0, warm: int = 3, reps: int = 30) -> float:
+    """Upload the graph, replay it ``warm`` times, then the median wall time of ``reps`` replays
+    (each synchronised), in seconds."""
+    g.upload(s0)
+    for _ in range(warm):
+        g.launch(s0)
+    s0.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        g.launch(s0)
+        s0.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 def join_order(mod, s0, s1, fk):
     kb = PdlKernel(mod.get_function("busy"), "busy")
     x = cp.zeros(132 * 256, cp.float32)
@@ -139,14 +155,7 @@ def join_order(mod, s0, s1, fk):
                 if form != "no-fork":
                     fk.join()
             g = s0.end_capture()
-        g.upload(s0)
-        for _ in range(3):
-            g.launch(s0)
-        s0.synchronize()
-        ts = []
-        for _ in range(30):
-            t0 = time.perf_counter(); g.launch(s0); s0.synchronize(); ts.append(time.perf_counter() - t0)
-        print(f"  {form:<9}: {np.median(ts) / 100 * 1e6:.2f} us per link")
+        print(f"  {form:<9}: {_replay_median_s(g, s0) / 100 * 1e6:.2f} us per link")
 
 
 def carveout(mod, s0):
@@ -171,15 +180,8 @@ def carveout(mod, s0):
                         else:
                             kb((132,), (256,), (x, np.int32(x.size), np.int32(0)), stream=s0)
                     g = s0.end_capture()
-                g.upload(s0)
-                for _ in range(3):
-                    g.launch(s0)
-                s0.synchronize()
-                ts = []
-                for _ in range(30):
-                    t0 = time.perf_counter(); g.launch(s0); s0.synchronize(); ts.append(time.perf_counter() - t0)
                 print(f"  iters {iters:>4} {form:<10} carveout {carve or 'default':<7}: "
-                      f"{np.median(ts) / 200 * 1e6:.2f} us per pair; check {float(x[:4].sum())}")
+                      f"{_replay_median_s(g, s0) / 200 * 1e6:.2f} us per pair; check {float(x[:4].sum())}")
     os.environ.pop("MEMRA_DSV4_SMEM_CARVEOUT", None)
 
 
