@@ -165,40 +165,24 @@ def _arm_settings() -> dict:
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
-    """The env values an arm's gemv= / hc= settings stand for ({} when it gives neither)."""
+    """The env values an arm's non-seam settings (_KERNEL_SETTINGS) stand for ({} when it gives
+    none): the setting's value itself, except gemv (pick: the --gemv-pick file's contents, base:
+    empty) and fp4full / fp4ring (on / off: 1 / 0)."""
     env = {}
-    if "gemv" in s:
-        val = ""
-        if s["gemv"] == "pick":
-            if not gemv_pick:
-                raise SystemExit(f"arm {s}: gemv=pick needs --gemv-pick FILE")
-            with open(gemv_pick) as fh:
-                val = fh.read().strip()
-        env["MEMRA_DSV4_GEMV_VARIANT"] = val
-    if "hc" in s:
-        env["MEMRA_DSV4_HC_BOUNDARY_IMPL"] = s["hc"]
-    if "fp4full" in s:   # ops.experts: the full-shape FP4 kernels (on) or the general ones (off)
-        env["MEMRA_DSV4_FP4_FULL"] = "1" if s["fp4full"] == "on" else "0"
-    if "fp4ring" in s:   # ops.experts: the gate/up with its weight ring in shared memory (on) or not
-        env["MEMRA_DSV4_FP4_RING"] = "1" if s["fp4ring"] == "on" else "0"
-    if "gupdl" in s:     # step_device: the routed gate/up launched with PDL (on) or plainly (off)
-        env["MEMRA_DSV4_GATEUP_PDL"] = s["gupdl"]
-    if "idxsel" in s:    # ops.indexer.scores_topk: one launch (fused) or scores + 1024-thread select (split)
-        env["MEMRA_DSV4_INDEXER_SELECT"] = s["idxsel"]
-    if "mqn" in s:       # step_device: the q_norm in the multi GEMV's last CTA (on) or its own launch
-        env["MEMRA_DSV4_MULTI_QNORM"] = s["mqn"]
-    for k, e in (("l2side", "MEMRA_DSV4_L2_SIDE"), ("l2mb", "MEMRA_DSV4_L2_SIDE_MB"),
-                 ("l2ns", "MEMRA_DSV4_L2_SIDE_NS")):   # step_device: the paced side-stream L2 prefetch
-        if k in s:
-            env[e] = s[k]
-    if "hcjoin" in s:    # step_device: where the hc Sinkhorn branch joins the main stream
-        env["MEMRA_DSV4_HC_JOIN"] = s["hcjoin"]
-    if "idxpair" in s:   # step_device: the CSA indexer's q GEMV inside wq_b's launch (on) or its own
-        env["MEMRA_DSV4_IDXQ_PAIR"] = s["idxpair"]
-    if "wqbqn" in s:     # step_device: the attention's q_norm inside wq_b (on) or its own launch
-        env["MEMRA_DSV4_WQB_QNORM"] = s["wqbqn"]
-    if "carve" in s:     # pdl.PdlKernel: every launch's preferred shared-memory carveout
-        env["MEMRA_DSV4_SMEM_CARVEOUT"] = s["carve"]
+    for key, spec in _KERNEL_SETTINGS.items():
+        if key not in s:
+            continue
+        val = s[key]
+        if key == "gemv":
+            val = ""
+            if s["gemv"] == "pick":
+                if not gemv_pick:
+                    raise SystemExit(f"arm {s}: gemv=pick needs --gemv-pick FILE")
+                with open(gemv_pick) as fh:
+                    val = fh.read().strip()
+        elif key in ("fp4full", "fp4ring"):   # ops.experts reads 1 / 0
+            val = "1" if val == "on" else "0"
+        env[spec.env] = val
     return env
 
 
