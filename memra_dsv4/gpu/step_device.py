@@ -899,14 +899,19 @@ MULTI_QNORM_ENV = "MEMRA_DSV4_MULTI_QNORM"  # "on": the q_norm in the multi GEMV
 MULTI_QNORM_DEFAULT = "off"
 
 
-def _on_off_env(name: str, default: str) -> str:
-    """The non-seam A/B switch ``name`` (on | off; unset: ``default``), read now; ValueError
-    naming the variable and its value otherwise."""
+def _choice_env(name: str, choices: tuple, default: str) -> str:
+    """The non-seam A/B switch ``name``, one of ``choices`` (unset or empty: ``default``), read
+    now; ValueError naming the variable and its value otherwise."""
     import os
-    v = os.environ.get(name, "")
-    if v not in ("", "on", "off"):
-        raise ValueError(f"{name}={v!r}: expected on or off")
-    return v or default
+    v = os.environ.get(name, "") or default
+    if v not in choices:
+        raise ValueError(f"{name}={v!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return v
+
+
+def _on_off_env(name: str, default: str) -> str:
+    """The on | off switch ``name`` (_choice_env)."""
+    return _choice_env(name, ("on", "off"), default)
 
 
 def gateup_pdl_off() -> bool:
@@ -946,12 +951,8 @@ def l2_side_targets() -> set:
     prefetch slowed the latency-bound kernels.  Why at all: the fourteenth session's timelines
     have ~50 us per layer in which no weight streams (docs/decode_perf.md).  A hint: the same
     bytes.  Not a seam (bench arms l2side=, l2mb=, l2ns=)."""
-    import os
-    v = os.environ.get(L2_SIDE_ENV, "") or "off"
     forms = {"off": set(), "wq": {"wq"}, "wo": {"wo"}, "both": {"wq", "wo"}}
-    if v not in forms:
-        raise ValueError(f"{L2_SIDE_ENV}={v!r}: expected off, wq, wo or both")
-    return forms[v]
+    return forms[_choice_env(L2_SIDE_ENV, tuple(forms), "off")]
 
 
 def l2_side_params() -> tuple:
@@ -987,11 +988,7 @@ def hc_join_form() -> str:
     Sinkhorn finished long before; the attention and the down + combine already wait on side
     streams.  "ride_attn": ride for the attn boundary only (the ffn one as "boundary": on the
     shared expert's branch the Sinkhorn delayed the SwiGLU GEMV, 66adf82's timeline)."""
-    import os
-    v = os.environ.get(HC_JOIN_ENV, "") or "boundary"
-    if v not in ("boundary", "early", "ride", "ride_attn"):
-        raise ValueError(f"{HC_JOIN_ENV}={v!r}: expected boundary, early, ride or ride_attn")
-    return v
+    return _choice_env(HC_JOIN_ENV, ("boundary", "early", "ride", "ride_attn"), "boundary")
 
 
 def hc_join_early() -> bool:
