@@ -166,8 +166,41 @@ DEV u32 f32_to_bf16(float f) {
 // round to bf16 precision, staying in f32
 DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// MEMRA_L2_EVICT_FIRST (default 0; a build macro, measured by the kernel-tree A/B of
+// bench.decode_step --base-kernels): 1 marks every streamed weight load (ldg_stream16 / 8 and
+// ldg_weight16 below) L2::evict_first, so the ~400 MB of weights a layer streams per step stop
+// evicting what the latency-bound kernels re-read from L2 (KV rows, compressor / indexer state,
+// norm weights, the hc streams).  A cache hint: no value changes.
+#ifndef MEMRA_L2_EVICT_FIRST
+#define MEMRA_L2_EVICT_FIRST 0
+#endif
+
 // Streaming weight loads (16 / 8 bytes): read once per decode step, so kept out of L1 (the
 // activations, re-read by every warp of a CTA, stay there).
+#if MEMRA_L2_EVICT_FIRST
+// sm_90 takes an L2 eviction priority on 128-bit loads only through a cache policy operand
+// (.L2::evict_first as a load qualifier is 256-bit loads, sm_100); createpolicy is a pure asm, so
+// ptxas keeps one per kernel region instead of one per load
+DEV unsigned long long l2_evict_first_policy() {
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+DEV uint4 ldg_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(l2_evict_first_policy()));
+    return v;
+}
+
+DEV uint2 ldg_stream8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(l2_evict_first_policy()));
+    return v;
+}
+#else
 DEV uint4 ldg_stream16(const void* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -181,6 +214,7 @@ DEV uint2 ldg_stream8(const void* p) {
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
+#endif
 
 // the twins' pol.store() of a float64 value: f64 -> f32 (RN) -> bf16 (RNE)
 DEV u32 f64_to_bf16(double d) { return f32_to_bf16(__double2float_rn(d)); }
@@ -452,6 +486,22 @@ DEV float swiglu_value(float g, float u, float ws, bool weighted, double limit) 
 
 // ------------------------------------------------------------------------- memory helpers
 DEV uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// a weight load of the FP4 expert GEMVs: ldg16 (the build's default), or with MEMRA_L2_EVICT_FIRST
+// ldg_stream16's evict_first form
+#if MEMRA_L2_EVICT_FIRST
+DEV uint4 ldg_weight16(const void* p) { return ldg_stream16(p); }
+#else
+DEV uint4 ldg_weight16(const void* p) { return ldg16(p); }
+#endif
+// the f32 form (hc_boundary's fn rows)
+DEV float4 ldg_weight_f4(const float4* p) {
+#if MEMRA_L2_EVICT_FIRST
+    const uint4 v = ldg_stream16(p);
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+#else
+    return __ldg(p);
+#endif
+}
 DEV void stg16(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
 
 DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }

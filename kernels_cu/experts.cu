@@ -546,7 +546,7 @@ DEV void fetch(uint4 (&w)[NRM], u32 (&s)[NRM][NV ? 2 : 1], const Rows<NRM>& r, i
 #pragma unroll
     for (int m = 0; m < NRM; ++m) {
         const bool ok = qok && ((r.ok >> m) & 1u);
-        w[m] = ok ? ldg16(r.w[m] + 512 * i) : make_uint4(0, 0, 0, 0);
+        w[m] = ok ? ldg_weight16(r.w[m] + 512 * i) : make_uint4(0, 0, 0, 0);
         if (NV) {
             s[m][0] = ok ? (u32)__ldg(r.s[m] + 64 * i) : 0u;
             s[m][NV ? 1 : 0] = ok ? (u32)__ldg(r.s[m] + 64 * i + 1) : 0u;
@@ -643,7 +643,7 @@ DEV void fetch_full(uint4 (&w)[M * R], u32 (&s)[M * R][NV ? 2 : 1], const u8* co
     for (int m = 0; m < M; ++m) {
 #pragma unroll
         for (int rr = 0; rr < R; ++rr) {
-            w[m * R + rr] = ldg16(pw[m] + rr * HK + 512 * i);
+            w[m * R + rr] = ldg_weight16(pw[m] + rr * HK + 512 * i);
             chunk_scales<NV>(s[m * R + rr], ps[m] + rr * NS, i);
         }
     }
@@ -1485,6 +1485,16 @@ constexpr int MMA_KS = 2;         // K segments per row (part of the row arithme
 #ifndef FP4_MMA_PLACE
 #define FP4_MMA_PLACE 0  // 1: e2m1 -> f16 by bit placement (f16 subnormals into the mma), see below
 #endif
+#ifndef FP4_MMA_PRMT
+// 1 (needs FP4_MMA_PLACE=1): the placement's four f16x2 words built as the CUDA-core kernels'
+// FP4_PRMT decode builds them (two byte-gathers + two PRMT + two masks: 9 operations per word of
+// 8 nibbles instead of 15); the same words bit for bit (tests/test_fp4_alu_decode.py), so the
+// same mma inputs and the same outputs as FP4_MMA_PLACE=1 alone
+#define FP4_MMA_PRMT 0
+#endif
+#if FP4_MMA_PRMT && !FP4_MMA_PLACE
+#error "FP4_MMA_PRMT=1 needs FP4_MMA_PLACE=1"
+#endif
 
 DEV u32 prmt(u32 a, u32 b, u32 sel) {  // PTX prmt (selector msb = replicate the byte's sign)
     u32 d;
@@ -1503,6 +1513,15 @@ DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
     // bit placement (sign -> 15, e1 e0 m -> 11..9): exactly e2m1 * 2^-14, code 1 an f16 SUBNORMAL
     // (2^-15): 8 ALU + 7 IMAD per word instead of 11 ALU + 4; correct only if the tensor core
     // takes f16 subnormal inputs (tests decide); the 2^-14 is undone in mma_task
+#if FP4_MMA_PRMT
+    const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
+    const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
+    h[0] = __byte_perm(qe, 0u, 0x2404u);
+    h[1] = __byte_perm(qo, 0u, 0x2404u);
+    h[2] = qe & 0xff00ff00u;
+    h[3] = qo & 0xff00ff00u;
+    return;
+#endif
     h[0] = ((w << 9) & 0x0e000e00u) | ((w << 12) & 0x80008000u);
     h[1] = ((w << 5) & 0x0e000e00u) | ((w << 8) & 0x80008000u);
     h[2] = ((w << 1) & 0x0e000e00u) | ((w << 4) & 0x80008000u);
@@ -1571,8 +1590,8 @@ DEV void mma_task(const u8* __restrict__ wb, const u8* __restrict__ sb, const u1
     uint4 rw[D][2];
     u32 rs[D][2];
     auto fetch = [&](int d) {
-        rw[d][0] = okg ? ldg16(pw) : make_uint4(0, 0, 0, 0);
-        rw[d][1] = ok8 ? ldg16(pw8) : make_uint4(0, 0, 0, 0);
+        rw[d][0] = okg ? ldg_weight16(pw) : make_uint4(0, 0, 0, 0);
+        rw[d][1] = ok8 ? ldg_weight16(pw8) : make_uint4(0, 0, 0, 0);
         if (NV) {
             rs[d][0] = sg ? __ldg(reinterpret_cast<const u32*>(ps)) : sdef;
             rs[d][1] = s8 ? __ldg(reinterpret_cast<const u32*>(ps8)) : sdef;

@@ -364,8 +364,8 @@ DEV BndFn bnd_fn_preload(const float* __restrict__ fn, int D) {
 #pragma unroll
     for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
         const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
-        r.wa[q] = __ldg(wp);
-        r.wb[q] = __ldg(wp + 1);
+        r.wa[q] = ldg_weight_f4(wp);
+        r.wb[q] = ldg_weight_f4(wp + 1);
     }
     if (D < 0) __trap();
     return r;

@@ -383,6 +383,9 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if a.fp4_mma and n_simt is not None:
         for label, defines in [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}),
+                               ("mma FP4_MMA_PLACE=1 PRMT=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1}),
+                               ("mma PLACE=1 PRMT=1 DEPTH=4 MINB=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                                      "FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1}),
                                ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1})]:
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_simt:]:

@@ -617,6 +617,27 @@ def test_mma_place_decode_variant(fmt):
         assert_within(gotf[s_], want, bm, f"gemv_{fmt}_mma FP4_MMA_PLACE=1", seed, slot=s_)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma_place_prmt_equals_place(fmt):
+    """FP4_MMA_PRMT=1 builds FP4_MMA_PLACE=1's four f16x2 words per 8 nibbles with the CUDA-core
+    FP4_PRMT byte gathers (9 operations instead of 15): the same mma inputs, so the same output
+    bytes as FP4_MMA_PLACE=1 alone, for the plain, gate/up and down + combine mma kernels."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    E, O_, K_in, S = 4, 256, 2048, 3
+    ids = np.array([2, 0, 3], np.int32)
+    pg, sg, (wptr, sptr, ws2g) = _stack(rng, E, O_, K_in, [0, 2, 3], fmt)
+    x = cp.asarray(bits_of(rand_bf16(rng, (S, K_in), 1.0, spread=8)))
+    outs = []
+    for defines in ({"FP4_MMA_PLACE": 1}, {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1}):
+        with K.kernels_from(K.variant_kernels(defines)):
+            outs.append(K.gemv_fp4(fmt, x, cp.asarray(ids), wptr, sptr, O_, K_in, ws2=ws2g, impl="mma"))
+    nz = int((outs[0] & 0x7FFF).astype(cp.bool_).sum())
+    assert nz > 0.9 * outs[0].size, f"mma PLACE: only {nz} nonzero outputs {describe(seed, fmt=fmt)}"
+    assert cp.array_equal(outs[0], outs[1]), (
+        f"mma PLACE+PRMT != PLACE: {int((outs[0] != outs[1]).sum())} of {outs[0].size} differ {describe(seed, fmt=fmt)}")
+
+
 # ---------------------------------------------------------------- shared w2 in the down kernel (_k2_f_w2)
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("ids_case", ["distinct", "repeated", "empty", "k2", "k8"])
