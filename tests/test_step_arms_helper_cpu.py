@@ -54,3 +54,35 @@ def test_step_forms_restores():
         with step_forms(m, decode_fork="all"):
             raise RuntimeError
     assert m.decode_fork == "on"
+
+
+def test_attr_arm_runner_sets_attributes_and_first_eager(monkeypatch):
+    """attr_arm_runner sets each arm's model attributes before its step (an attribute the arm
+    does not name: its value when the runner was made), runs graph / eager as the arm says, routes
+    the first step of an eager arm to first_eager; arm_attrs_now + step_forms put them back."""
+    from memra_dsv4.gpu import step as step_mod
+    from memra_dsv4.gpu.ops.testing import arm_attrs_now, attr_arm_runner
+    m = SimpleNamespace(decode_fork="on", hc_split="off")
+    seen = []
+
+    def fake_step(model, state, token, graph):
+        seen.append((state, token, graph, model.decode_fork, model.hc_split))
+        return np.zeros(2, np.float32)
+    monkeypatch.setattr(step_mod, "device_step", fake_step)
+    arms = {"ref": ({"decode_fork": "off"}, True), "split": ({"decode_fork": "all", "hc_split": "on"}, True),
+            "eager": ({"decode_fork": "off"}, False)}
+    states = {a: _State(np.zeros(4, np.uint16)) for a in arms}
+    firsts = []
+
+    def first(a, t):
+        firsts.append((a, t, m.decode_fork))
+        return np.zeros(2, np.float32)
+    with step_forms(m, **arm_attrs_now(m, arms)):
+        assert_arms_agree("x", states, [3, 4], attr_arm_runner(m, states, arms, first_eager=first))
+    assert firsts == [("eager", 3, "off")]
+    assert [(s is states["ref"], t, g, f, h) for s, t, g, f, h in seen[:2]] == [(True, 3, True, "off", "off"),
+                                                                              (False, 3, True, "all", "on")]
+    # eager at step 1: a real (eager) step, with hc_split back at its value when the runner was
+    # made (the "split" arm before it set "on")
+    assert seen[-1][1:] == (4, False, "off", "off")
+    assert (m.decode_fork, m.hc_split) == ("on", "off")

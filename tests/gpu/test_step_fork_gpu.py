@@ -11,41 +11,28 @@ two arms interleaved step by step, logits and every cache byte equal; and the ea
 never forks) equals the forked graph."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
+
+# arm -> ({decode_fork}, graph); "off" (the one-stream graph) is the reference
+_ARMS = {a: ({"decode_fork": a}, True) for a in ("off", "on", "single", "all", "lead")}
+_ARMS["eager"] = ({"decode_fork": "off"}, False)
 
 
 def _run_arms(name, devices, steps=14, prompt=5):
     from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-    from memra_dsv4.gpu.step import device_step
     if cp.cuda.runtime.getDeviceCount() < len(devices):
         pytest.skip(f"needs {len(devices)} GPUs")
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=11)
-    arms = ("off", "on", "single", "all", "lead", "eager")
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
-    old = getattr(m, "decode_fork", "off")
-    try:
-        for i, t in enumerate(ids[prompt:prompt + steps]):
-            got = {}
-            for a in arms:
-                m.decode_fork = "off" if a == "eager" else a
-                got[a] = device_step(m, states[a], int(t), graph=a != "eager")
-            for a in ("on", "single", "all", "lead", "eager"):
-                assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
-                    f"{name}: step {i} (pos {prompt + i}): logits of {a} differ from the one-stream graph"
-        ref = states["off"].snapshot()
-        for a in ("on", "single", "all", "lead", "eager"):
-            sa = states[a].snapshot()
-            diff = snapshot_diff(ref, sa)
-            assert not diff, f"{name}: caches of {a} differ from the one-stream graph: {diff}"
-    finally:
-        m.decode_fork = old
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    with step_forms(m, **arm_attrs_now(m, _ARMS)):
+        assert_arms_agree(f"{name} fork", states, ids[prompt:prompt + steps], attr_arm_runner(m, states, _ARMS),
+                          pos0=prompt)
 
 
 def test_fork_graph_bit_identical_tiny():

@@ -10,47 +10,36 @@ attention fork on and fork all: three side branches at once), split on eager (on
 off eager."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
 
-# arm -> (hc_split, decode_fork, graph)
-_ARMS = {"off": ("off", "on", True), "on": ("on", "on", True), "on+all": ("on", "all", True),
-         "on+eager": ("on", "off", False), "off+eager": ("off", "off", False)}
+
+def _arm(split, fork, graph):
+    return {"hc_split": split, "decode_fork": fork}, graph
+
+
+# "off" (the one-launch boundary, graph) is the reference
+_ARMS = {"off": _arm("off", "on", True), "on": _arm("on", "on", True), "on+all": _arm("on", "all", True),
+         "on+eager": _arm("on", "off", False), "off+eager": _arm("off", "off", False)}
 
 
 def _run_arms(name, devices, steps=14, prompt=5):
     from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-    from memra_dsv4.gpu.step import device_step
     if cp.cuda.runtime.getDeviceCount() < len(devices):
         pytest.skip(f"needs {len(devices)} GPUs")
     ck, m = _model(name, devices, "device")
     ids = _ids(ck.config, prompt + steps + 1, seed=13)
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
-    old = (getattr(m, "hc_split", "off"), getattr(m, "decode_fork", "on"))
-    try:
-        for i, t in enumerate(ids[prompt:prompt + steps]):
-            got = {}
-            for a, (split, fork, graph) in _ARMS.items():
-                m.hc_split, m.decode_fork = split, fork
-                got[a] = device_step(m, states[a], int(t), graph=graph)
-            for a in _ARMS:
-                assert np.array_equal(got[a].view(np.uint32), got["off"].view(np.uint32)), \
-                    f"{name}: step {i} (pos {prompt + i}): logits of {a} differ from the one-launch boundary"
-        ref = states["off"].snapshot()
-        for a in _ARMS:
-            sa = states[a].snapshot()
-            diff = snapshot_diff(ref, sa)
-            assert not diff, f"{name}: caches of {a} differ from the one-launch boundary: {diff}"
-        # switching the seam recaptured: the last graph of the "on" state was captured split
-        assert m._step._graphs[id(states["on"])][5] is True
-        assert m._step._graphs[id(states["off"])][5] is False
-    finally:
-        m.hc_split, m.decode_fork = old
+    with step_forms(m, **arm_attrs_now(m, _ARMS)):
+        assert_arms_agree(f"{name} hc split", states, ids[prompt:prompt + steps],
+                          attr_arm_runner(m, states, _ARMS), pos0=prompt)
+    # switching the seam recaptured: the last graph of the "on" state was captured split
+    assert m._step._graphs[id(states["on"])][5] is True
+    assert m._step._graphs[id(states["off"])][5] is False
 
 
 def test_hc_split_step_bit_identical_tiny():

@@ -22,11 +22,16 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
 
-# arm -> (decode_qnorm, decode_attn, graph)
-_ARMS = {"kernel": ("kernel", "split", True), "attn": ("attn", "split", True),
-         "attn+fused": ("attn", "fused", True), "attn+eager": ("attn", "split", False)}
+
+def _arm(qnorm, attn, graph):
+    return {"decode_qnorm": qnorm, "decode_attn": attn}, graph
+
+
+# "kernel" (the head_rms launch, graph) is the reference
+_ARMS = {"kernel": _arm("kernel", "split", True), "attn": _arm("attn", "split", True),
+         "attn+fused": _arm("attn", "fused", True), "attn+eager": _arm("attn", "split", False)}
 
 
 def _kernels_of(recs) -> set:
@@ -51,27 +56,11 @@ def _check_launches(m, state, t, qnorm: str):
 
 
 def _interleave(tag, m, states, ids, arms, check_launches=False):
-    from memra_dsv4.gpu.step import device_step
-    old = (getattr(m, "decode_qnorm", "kernel"), getattr(m, "decode_attn", "split"))
-    try:
-        for i, t in enumerate(ids):
-            got = {}
-            for a, (qn, attn, graph) in arms.items():
-                if check_launches and i == 0 and not graph:
-                    got[a] = _check_launches(m, states[a], t, qn)
-                    continue
-                m.decode_qnorm, m.decode_attn = qn, attn
-                got[a] = device_step(m, states[a], int(t), graph=graph)
-            for a in arms:
-                assert np.array_equal(got[a].view(np.uint32), got["kernel"].view(np.uint32)), \
-                    f"{tag}: step {i}: logits of {a} differ from the head_rms launch's"
-        ref = states["kernel"].snapshot()
-        for a in arms:
-            sa = states[a].snapshot()
-            diff = snapshot_diff(ref, sa)
-            assert not diff, f"{tag}: caches of {a} differ from the head_rms launch's: {diff}"
-    finally:
-        m.decode_qnorm, m.decode_attn = old
+    """assert_arms_agree over ``arms``; with check_launches the first step of each eager arm is
+    recorded launch by launch (_check_launches)."""
+    first = (lambda a, t: _check_launches(m, states[a], t, arms[a][0]["decode_qnorm"])) if check_launches else None
+    with step_forms(m, **arm_attrs_now(m, arms)):
+        assert_arms_agree(f"{tag} qnorm", states, ids, attr_arm_runner(m, states, arms, first_eager=first))
 
 
 def test_qnorm_attn_step_bit_identical_tiny():

@@ -18,39 +18,30 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-# arm -> (decode_shared_w2, graph)
-_ARMS = {"gemv": ("gemv", True), "fused": ("fused", True), "fused+eager": ("fused", False)}
+from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
+
+# arm -> ({decode_shared_w2}, graph); "gemv" (the separate w2 launch, graph) is the reference
+_ARMS = {"gemv": ({"decode_shared_w2": "gemv"}, True), "fused": ({"decode_shared_w2": "fused"}, True),
+         "fused+eager": ({"decode_shared_w2": "fused"}, False)}
 
 
 def _interleave(tag, m, states, ids, arms, check_fused_launch=False):
+    """assert_arms_agree over ``arms``; with check_fused_launch the first eager fused step is
+    recorded launch by launch: it launches the _k2_f_w2 down + combine and not _k2_f."""
     from memra_dsv4.gpu.step import device_step
     from memra_dsv4.profiling.launches import record_launches
-    old = getattr(m, "decode_shared_w2", "gemv")
-    try:
-        for i, t in enumerate(ids):
-            got = {}
-            for a, (w2, graph) in arms.items():
-                m.decode_shared_w2 = w2
-                if check_fused_launch and i == 0 and not graph:
-                    out = []
-                    recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
-                                           ("step_device.py",))
-                    names = [r.kernel.split(".", 1)[1] for r in recs]
-                    assert any(n.endswith("_down_combine_k2_f_w2") for n in names), sorted(set(names))
-                    assert not any(n.endswith("_down_combine_k2_f") for n in names), sorted(set(names))
-                    got[a] = out[0]
-                    continue
-                got[a] = device_step(m, states[a], int(t), graph=graph)
-            for a in arms:
-                assert np.array_equal(got[a].view(np.uint32), got["gemv"].view(np.uint32)), \
-                    f"{tag}: step {i}: logits of {a} differ from the separate w2 GEMV's"
-        ref = states["gemv"].snapshot()
-        for a in arms:
-            sa = states[a].snapshot()
-            diff = [k for k in ref if not np.array_equal(np.asarray(ref[k]), np.asarray(sa[k]))]
-            assert not diff, f"{tag}: caches of {a} differ from the separate w2 GEMV's: {diff}"
-    finally:
-        m.decode_shared_w2 = old
+
+    def first(a, t):
+        out = []
+        recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
+                               ("step_device.py",))
+        names = [r.kernel.split(".", 1)[1] for r in recs]
+        assert any(n.endswith("_down_combine_k2_f_w2") for n in names), sorted(set(names))
+        assert not any(n.endswith("_down_combine_k2_f") for n in names), sorted(set(names))
+        return out[0]
+    with step_forms(m, **arm_attrs_now(m, arms)):
+        assert_arms_agree(f"{tag} shared w2", states, ids,
+                          attr_arm_runner(m, states, arms, first_eager=first if check_fused_launch else None))
 
 
 def test_shared_w2_fused_step_bit_identical_flash_layer():

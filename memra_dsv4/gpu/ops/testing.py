@@ -16,7 +16,8 @@ import numpy as np
 from memra_dsv4.formats import decode_bf16, encode_bf16
 
 __all__ = ["fresh_seed", "rng_for", "bf16", "rand_bf16", "bits_of", "ulp_bf16", "ulp_dist_bf16",
-           "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe", "snapshot_diff"]
+           "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe", "snapshot_diff",
+           "assert_arms_agree", "env_arm_runner", "attr_arm_runner", "arm_attrs_now", "step_forms"]
 
 
 def fresh_seed() -> int:
@@ -177,6 +178,33 @@ def env_arm_runner(m, states: dict, env: str, arms: dict, monkeypatch):
         monkeypatch.setenv(env, value)
         return device_step(m, states[a], int(t), graph=graph)
     return run
+
+
+def attr_arm_runner(m, states: dict, arms: dict, first_eager=None):
+    """``run`` for assert_arms_agree where an arm is ({model attribute: value}, graph): the
+    attributes are set, then the device step runs that arm's state (graph replay or eager).
+    ``first_eager(a, t)``, if given, takes the first step of every eager arm instead (a test's
+    launch-recording check; it sets the attributes it needs and returns the logits).  Restore the
+    attributes with ``step_forms(m, **arm_attrs_now(m, arms))`` around the check.  An attribute
+    that some arm names and another does not takes, in the other, its value from when the runner
+    was made (not the previous arm's)."""
+    base = arm_attrs_now(m, arms)
+
+    def run(a, i, t):
+        from memra_dsv4.gpu.step import device_step
+        attrs, graph = arms[a]
+        for k, v0 in base.items():
+            setattr(m, k, attrs.get(k, v0))
+        if first_eager is not None and i == 0 and not graph:
+            return first_eager(a, t)
+        return device_step(m, states[a], int(t), graph=graph)
+    return run
+
+
+def arm_attrs_now(m, arms: dict) -> dict:
+    """The model's current value of every attribute an arm of ``arms`` (attr_arm_runner's form)
+    names: ``step_forms(m, **arm_attrs_now(m, arms))`` puts them back after the check."""
+    return {k: getattr(m, k) for attrs, _ in arms.values() for k in attrs}
 
 
 class step_forms:
