@@ -166,13 +166,17 @@ DEV u32 f32_to_bf16(float f) {
 // round to bf16 precision, staying in f32
 DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-// MEMRA_L2_EVICT_FIRST (default 0; a build macro, measured by the kernel-tree A/B of
-// bench.decode_step --base-kernels): 1 marks every streamed weight load (ldg_stream16 / 8 and
-// ldg_weight16 below) L2::evict_first, so the ~400 MB of weights a layer streams per step stop
-// evicting what the latency-bound kernels re-read from L2 (KV rows, compressor / indexer state,
-// norm weights, the hc streams).  A cache hint: no value changes.
+// MEMRA_L2_EVICT_FIRST (a build macro; default 1 since the fifteenth session): 1 marks every
+// streamed weight load (ldg_stream16 / 8, ldg_weight16 and ldg_weight_f4 below: the dense and
+// FP4 expert GEMVs, the router, hc_boundary's fn rows) with an L2 evict_first cache policy, so
+// the ~400 MB of weights a layer streams per step stop evicting what the latency-bound kernels
+// re-read from L2 (KV rows, compressor / indexer state, norm weights, the hc streams).  A cache
+// hint: no value changes (the step identity tests pass on both builds).  Measured with the
+// kernel-tree A/B of bench.decode_step --base-kernels (a copy of kernels_cu with the other
+// value), 1x H200, flash-layers:20, both arm orders: 1K 3.49 -> 3.44 ms, 32K 3.64 -> 3.60 ms
+// (docs/decode_perf.md, fifteenth session).  0: the plain loads (the fourteenth session's cubins).
 #ifndef MEMRA_L2_EVICT_FIRST
-#define MEMRA_L2_EVICT_FIRST 0
+#define MEMRA_L2_EVICT_FIRST 1
 #endif
 
 // Streaming weight loads (16 / 8 bytes): read once per decode step, so kept out of L1 (the

@@ -1590,8 +1590,10 @@ DEV void mma_task(const u8* __restrict__ wb, const u8* __restrict__ sb, const u1
     uint4 rw[D][2];
     u32 rs[D][2];
     auto fetch = [&](int d) {
-        rw[d][0] = okg ? ldg_weight16(pw) : make_uint4(0, 0, 0, 0);
-        rw[d][1] = ok8 ? ldg_weight16(pw8) : make_uint4(0, 0, 0, 0);
+        // plain loads (not ldg_weight16): the evict_first policy's register spills at this
+        // kernel's 80-register budget (opt-in kernels, not in the default step)
+        rw[d][0] = okg ? ldg16(pw) : make_uint4(0, 0, 0, 0);
+        rw[d][1] = ok8 ? ldg16(pw8) : make_uint4(0, 0, 0, 0);
         if (NV) {
             rs[d][0] = sg ? __ldg(reinterpret_cast<const u32*>(ps)) : sdef;
             rs[d][1] = s8 ? __ldg(reinterpret_cast<const u32*>(ps8)) : sdef;

@@ -1,0 +1,58 @@
+"""Which forms of the device step disagree on a Flash-shaped layer with the shared expert's w2
+fused into the down + combine (MEMRA_DSV4_DECODE_SHARED_W2)?  Diagnostic for the fifteenth
+session's failure of tests/gpu/test_step_shared_w2_gpu.py::..._flash_layer (fused != gemv at
+step 0).  Loads flash-layers:1 (bf16 dense), prefills 5 tokens into one state per arm, runs
+STEPS steps per arm interleaved, and prints for every arm and step whether its logits equal
+the reference arm's (gemv, graph, PDL on, fork on) and the largest |difference|.  Arms vary
+the w2 form, graph / eager, PDL and the graph fork, so the report says whether the difference
+is in the kernels (eager differs too) or in the schedule (only some graph forms differ).
+
+    python3 tools/diag_shared_w2.py [--steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    from memra_dsv4.checkpoint import Checkpoint
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.synth import synth_arrays
+    cfg = preset("flash-layers:1")
+    ck = Checkpoint.from_arrays(cfg, synth_arrays(cfg, seed=0, experts="mxfp4"))
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt", dense="bf16")
+    prompt = 5
+    ids = np.random.default_rng(31).integers(2, cfg.vocab_size, prompt + a.steps).tolist()
+    # arm -> (shared_w2, graph, pdl, fork)
+    arms = {"gemv": ("gemv", True, "on", m.decode_fork), "gemv+eager": ("gemv", False, "on", m.decode_fork),
+            "fused": ("fused", True, "on", m.decode_fork), "fused+eager": ("fused", False, "on", m.decode_fork),
+            "fused+nopdl": ("fused", True, "off", m.decode_fork), "fused+nofork": ("fused", True, "on", "off"),
+            "gemv+nopdl": ("gemv", True, "off", m.decode_fork)}
+    states = {k: m.prefill(ids[:prompt], m.new_state())[1] for k in arms}
+    for i, t in enumerate(ids[prompt:]):
+        got = {}
+        for k, (w2, graph, pdl, fork) in arms.items():
+            m.decode_shared_w2, m.pdl, m.decode_fork = w2, pdl, fork
+            got[k] = np.asarray(device_step(m, states[k], int(t), graph=graph)).astype(np.float32)
+        ref = got["gemv"]
+        for k in arms:
+            same = np.array_equal(got[k].view(np.uint32), ref.view(np.uint32))
+            d = float(np.max(np.abs(got[k].astype(np.float64) - ref))) if not same else 0.0
+            eq = [o for o in arms if np.array_equal(got[o].view(np.uint32), got[k].view(np.uint32))]
+            print(f"step {i}: {k:<14} {'==' if same else '!='} gemv  max|d| {d:.3e}  equal to {eq}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
