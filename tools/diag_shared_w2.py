@@ -7,7 +7,11 @@ the reference arm's (gemv, graph, PDL on, fork on) and the largest |difference|.
 the w2 form, graph / eager, PDL and the graph fork, so the report says whether the difference
 is in the kernels (eager differs too) or in the schedule (only some graph forms differ).
 
-    python3 tools/diag_shared_w2.py [--steps 3]
+    python3 tools/diag_shared_w2.py [--steps 3] [--reps 1] [--arms gemv,fused,...]
+
+--reps R repeats the whole comparison R times with fresh states (so fresh graph captures), and
+prints one summary line per rep plus the count of reps with any difference: an intermittent
+(schedule-dependent) difference shows as a rate.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--arms", default="", help="comma-separated subset of the arms (default all)")
     a = ap.parse_args()
     from memra_dsv4.checkpoint import Checkpoint
     from memra_dsv4.config import preset
@@ -39,19 +45,31 @@ def main() -> int:
             "fused": ("fused", True, "on", m.decode_fork), "fused+eager": ("fused", False, "on", m.decode_fork),
             "fused+nopdl": ("fused", True, "off", m.decode_fork), "fused+nofork": ("fused", True, "on", "off"),
             "gemv+nopdl": ("gemv", True, "off", m.decode_fork)}
-    states = {k: m.prefill(ids[:prompt], m.new_state())[1] for k in arms}
-    for i, t in enumerate(ids[prompt:]):
-        got = {}
-        for k, (w2, graph, pdl, fork) in arms.items():
-            m.decode_shared_w2, m.pdl, m.decode_fork = w2, pdl, fork
-            got[k] = np.asarray(device_step(m, states[k], int(t), graph=graph)).astype(np.float32)
-        ref = got["gemv"]
-        for k in arms:
-            same = np.array_equal(got[k].view(np.uint32), ref.view(np.uint32))
-            d = float(np.max(np.abs(got[k].astype(np.float64) - ref))) if not same else 0.0
-            eq = [o for o in arms if np.array_equal(got[o].view(np.uint32), got[k].view(np.uint32))]
-            print(f"step {i}: {k:<14} {'==' if same else '!='} gemv  max|d| {d:.3e}  equal to {eq}", flush=True)
-    return 0
+    if a.arms:
+        arms = {k: arms[k] for k in ["gemv"] + [x for x in a.arms.split(",") if x != "gemv"]}
+    bad_reps = 0
+    for rep in range(a.reps):
+        states = {k: m.prefill(ids[:prompt], m.new_state())[1] for k in arms}
+        bad = []
+        for i, t in enumerate(ids[prompt:]):
+            got = {}
+            for k, (w2, graph, pdl, fork) in arms.items():
+                m.decode_shared_w2, m.pdl, m.decode_fork = w2, pdl, fork
+                got[k] = np.asarray(device_step(m, states[k], int(t), graph=graph)).astype(np.float32)
+            ref = got["gemv"]
+            for k in arms:
+                same = np.array_equal(got[k].view(np.uint32), ref.view(np.uint32))
+                d = float(np.max(np.abs(got[k].astype(np.float64) - ref))) if not same else 0.0
+                eq = [o for o in arms if np.array_equal(got[o].view(np.uint32), got[k].view(np.uint32))]
+                if a.reps == 1 or not same:
+                    print(f"rep {rep} step {i}: {k:<14} {'==' if same else '!='} gemv  max|d| {d:.3e}  "
+                          f"equal to {eq}", flush=True)
+                if not same:
+                    bad.append((i, k))
+        bad_reps += bool(bad)
+        print(f"rep {rep}: {'differences ' + str(bad) if bad else 'all arms equal'}", flush=True)
+    print(f"{bad_reps} of {a.reps} reps with a difference", flush=True)
+    return 1 if bad_reps else 0
 
 
 if __name__ == "__main__":
