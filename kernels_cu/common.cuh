@@ -122,8 +122,11 @@ struct Scope {
 // on its predecessor pays for it while it waits; one __syncthreads() orders the exit count's
 // reset before any exit.  The counter and the records belong to no kernel's
 // data, so touching them before the wait cannot race with the predecessor.
-#define PDL_ENTRY()                                                                              \
-    memra_trace::enter();                                                                        \
+#define PDL_ENTRY() memra_trace::enter(); MEMRA_TRACE_WAIT()
+// the wait and the scope after enter(): PDL_ENTRY_PREFETCH / _PRELOAD stamp the CTA's start
+// BEFORE their pre-wait statement (so "go" is when the CTA became resident, and a pre-wait loop
+// such as l2_prefetch_paced's shows in its busy time, not as a late start)
+#define MEMRA_TRACE_WAIT()                                                                       \
     __syncthreads(); /* the exit count is zeroed before any warp can leave */                   \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");       \
     memra_trace::Scope memra_trace_scope_(__LINE__)
@@ -134,7 +137,11 @@ struct Scope {
 // with the predecessor.  tools/pdl_entry.py accepts it as the opening statement.
 // (No do / while around it: under MEMRA_TRACE, PDL_ENTRY() declares the trace scope, which must
 // live as long as the kernel body.)
+#ifndef MEMRA_TRACE
 #define PDL_ENTRY_PREFETCH(...) __VA_ARGS__; PDL_ENTRY()
+#else
+#define PDL_ENTRY_PREFETCH(...) memra_trace::enter(); __VA_ARGS__; MEMRA_TRACE_WAIT()
+#endif
 // The second exception: PDL_ENTRY_PRELOAD(stmt) runs stmt first in the kernel's own scope (no
 // do / while: what stmt declares stays visible after the wait), and stmt may only LOAD memory no
 // kernel of the step writes (the dense GEMVs' weights: decode.cu gemv_pl_rows).  Such a load
@@ -142,7 +149,11 @@ struct Scope {
 // of an activation and every store stays after the wait.  stmt must end its basic block (a
 // branch), or ptxas schedules the wait above its loads (legal, since it only delays them).
 // tools/pdl_entry.py accepts it as the opening statement.
+#ifndef MEMRA_TRACE
 #define PDL_ENTRY_PRELOAD(...) __VA_ARGS__; PDL_ENTRY()
+#else
+#define PDL_ENTRY_PRELOAD(...) memra_trace::enter(); __VA_ARGS__; MEMRA_TRACE_WAIT()
+#endif
 
 namespace memra {
 
