@@ -508,6 +508,19 @@ DEV uint4 ldg_weight16(const void* p) { return ldg_stream16(p); }
 #else
 DEV uint4 ldg_weight16(const void* p) { return ldg16(p); }
 #endif
+// a one-byte weight load (the FP4 expert GEMVs' block scales): __ldg, or with
+// MEMRA_L2_EVICT_FIRST >= 2 the evict_first policy too (level 2 is the scales on top of level 1's
+// 16-byte streams: ~1/32 of the expert bytes, 32 contiguous bytes per warp load)
+DEV u32 ldg_weight_u8(const u8* p) {
+#if MEMRA_L2_EVICT_FIRST >= 2
+    unsigned short v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u8 %0, [%1], %2;"
+                 : "=h"(v) : "l"(p), "l"(l2_evict_first_policy()));
+    return (u32)v;
+#else
+    return (u32)__ldg(p);
+#endif
+}
 // the f32 form (hc_boundary's fn rows)
 DEV float4 ldg_weight_f4(const float4* p) {
 #if MEMRA_L2_EVICT_FIRST

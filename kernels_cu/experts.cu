@@ -548,10 +548,10 @@ DEV void fetch(uint4 (&w)[NRM], u32 (&s)[NRM][NV ? 2 : 1], const Rows<NRM>& r, i
         const bool ok = qok && ((r.ok >> m) & 1u);
         w[m] = ok ? ldg_weight16(r.w[m] + 512 * i) : make_uint4(0, 0, 0, 0);
         if (NV) {
-            s[m][0] = ok ? (u32)__ldg(r.s[m] + 64 * i) : 0u;
-            s[m][NV ? 1 : 0] = ok ? (u32)__ldg(r.s[m] + 64 * i + 1) : 0u;
+            s[m][0] = ok ? ldg_weight_u8(r.s[m] + 64 * i) : 0u;
+            s[m][NV ? 1 : 0] = ok ? ldg_weight_u8(r.s[m] + 64 * i + 1) : 0u;
         } else {
-            s[m][0] = ok ? (u32)__ldg(r.s[m] + 32 * i) : 0u;
+            s[m][0] = ok ? ldg_weight_u8(r.s[m] + 32 * i) : 0u;
         }
     }
 }
@@ -626,10 +626,10 @@ DEV void fp4_stream(P& pl) {
 template <bool NV>
 DEV void chunk_scales(u32 (&s)[NV ? 2 : 1], const u8* p, int i) {
     if (NV) {
-        s[0] = (u32)__ldg(p + 64 * i);
-        s[NV ? 1 : 0] = (u32)__ldg(p + 64 * i + 1);
+        s[0] = ldg_weight_u8(p + 64 * i);
+        s[NV ? 1 : 0] = ldg_weight_u8(p + 64 * i + 1);
     } else {
-        s[0] = (u32)__ldg(p + 32 * i);
+        s[0] = ldg_weight_u8(p + 32 * i);
     }
 }
 
