@@ -186,6 +186,7 @@ DEV float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 // kernel-tree A/B of bench.decode_step --base-kernels (a copy of kernels_cu with the other
 // value), 1x H200, flash-layers:20, both arm orders: 1K 3.49 -> 3.44 ms, 32K 3.64 -> 3.60 ms
 // (docs/decode_perf.md, fifteenth session).  0: the plain loads (the fourteenth session's cubins).
+// 2: also the FP4 experts' block-scale bytes (ldg_weight_u8); measured no faster than 1.
 #ifndef MEMRA_L2_EVICT_FIRST
 #define MEMRA_L2_EVICT_FIRST 1
 #endif
