@@ -9,8 +9,10 @@ no per-launch number shows.  This module reads the step's own timeline from the 
   ``-DMEMRA_TRACE -DMEMRA_TRACE_MODULE=<i>`` (i = module_index(stem)).  common.cuh's PDL_ENTRY()
   then has every CTA append one record to the module's ``memra_trace_rec``:
   %gridid, (module, __LINE__ of the PDL_ENTRY, linear CTA id), and three %globaltimer stamps:
-  CTA start (before griddepcontrol.wait), wait return, the exit of the CTA's last thread (a
-  shared count of exited threads; a last-CTA kernel's tail warps are inside its time).  The build is a
+  CTA start (before griddepcontrol.wait, and before the pre-wait statement of
+  PDL_ENTRY_PRELOAD / _PREFETCH kernels, so their preloads count as busy time), wait return, the
+  exit of the CTA's last thread (a shared count of exited threads; a last-CTA kernel's tail warps
+  are inside its time).  The build is a
   different binary (its own cache entries): read its step time next to an untraced run's.
 * ``reset(devices)`` zeroes every built module's record counter; run ONE step (a graph replay);
   ``collect(devices)`` returns the CTA records; ``launches(records)`` folds them per %gridid
