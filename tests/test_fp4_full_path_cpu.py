@@ -149,12 +149,12 @@ def test_fast_streams_keep_the_row_arithmetic():
     # scale bytes at o * K/32 (NVFP4 K/16) + q (2 q)), here with K = 1024 KPL
     fetch = _body("fetch_full")
     assert "constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;" in fetch
-    assert "ldg16(pw[m] + rr * HK + 512 * i)" in fetch
+    assert "ldg_weight16(pw[m] + rr * HK + 512 * i)" in fetch
     # the scale bytes at ps[m] + rr * NS + (64 i, 64 i + 1 | 32 i): chunk_scales at p = ps[m] + rr * NS
     assert "chunk_scales<NV>(s[m * R + rr], ps[m] + rr * NS, i);" in fetch
     scales = _body("chunk_scales")
-    assert "__ldg(p + 64 * i)" in scales and "__ldg(p + 64 * i + 1)" in scales
-    assert "__ldg(p + 32 * i)" in scales
+    assert "ldg_weight_u8(p + 64 * i)" in scales and "ldg_weight_u8(p + 64 * i + 1)" in scales
+    assert "ldg_weight_u8(p + 32 * i)" in scales
 
 
 # ------------------------------------------------- the gate/up with its weight ring in shared memory
