@@ -86,3 +86,28 @@ def test_attr_arm_runner_sets_attributes_and_first_eager(monkeypatch):
     # made (the "split" arm before it set "on")
     assert seen[-1][1:] == (4, False, "off", "off")
     assert (m.decode_fork, m.hc_split) == ("on", "off")
+
+
+def test_env_arm_runner_sets_env_and_first_eager(monkeypatch):
+    """env_arm_runner sets the arm's env value before its step (first_eager included), runs graph
+    / eager as the arm says and routes only the first step of an eager arm to first_eager."""
+    import os
+
+    from memra_dsv4.gpu import step as step_mod
+    from memra_dsv4.gpu.ops.testing import env_arm_runner
+    seen, firsts = [], []
+
+    def fake_step(model, state, token, graph):
+        seen.append((token, graph, os.environ["MEMRA_DSV4_TEST_ARM"]))
+        return np.zeros(2, np.float32)
+    monkeypatch.setattr(step_mod, "device_step", fake_step)
+    arms = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
+    states = {a: _State(np.zeros(4, np.uint16)) for a in arms}
+
+    def first(a, t):
+        firsts.append((a, t, os.environ["MEMRA_DSV4_TEST_ARM"]))
+        return np.zeros(2, np.float32)
+    run = env_arm_runner(object(), states, "MEMRA_DSV4_TEST_ARM", arms, monkeypatch, first_eager=first)
+    assert_arms_agree("x", states, [5, 6], run)
+    assert firsts == [("on+eager", 5, "on")]
+    assert seen == [(5, True, "off"), (5, True, "on"), (6, True, "off"), (6, True, "on"), (6, False, "on")]

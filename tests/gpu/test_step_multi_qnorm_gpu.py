@@ -18,33 +18,24 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, eager_step_launches, env_arm_runner  # noqa: E402
 from memra_dsv4.gpu.step_device import MULTI_QNORM_ENV  # noqa: E402
 
 _ARMS = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
 
 
 def _qn_launched(m, state, t) -> tuple:
-    from memra_dsv4.gpu.step import device_step
-    from memra_dsv4.profiling.launches import record_launches
-    out = []
-    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
-    names = {r.kernel.split(".", 1)[1] for r in recs}
-    return out[0], {n for n in names if n.startswith("gemv_bf16_multi") and n.endswith("_qn")}
+    logits, names = eager_step_launches(m, state, t)
+    return logits, {n for n in names if n.startswith("gemv_bf16_multi") and n.endswith("_qn")}
 
 
 def _interleave(tag, m, states, ids, arms, monkeypatch, check_launches=False):
-    run = env_arm_runner(m, states, MULTI_QNORM_ENV, arms, monkeypatch)
-
-    def run_checked(a, i, t):
-        env, graph = arms[a]
-        if not (check_launches and i == 0 and not graph):
-            return run(a, i, t)
-        monkeypatch.setenv(MULTI_QNORM_ENV, env)
+    def first(a, t):
         logits, qn = _qn_launched(m, states[a], t)
         assert qn, f"{tag}: an eager step with {MULTI_QNORM_ENV}=on launched no _qn kernel"
         return logits
-    assert_arms_agree(tag, states, ids, run_checked)
+    assert_arms_agree(tag, states, ids, env_arm_runner(m, states, MULTI_QNORM_ENV, arms, monkeypatch,
+                                                       first_eager=first if check_launches else None))
 
 
 def test_multi_qnorm_step_bit_identical_tiny(monkeypatch):

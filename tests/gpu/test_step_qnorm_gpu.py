@@ -22,7 +22,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
+from memra_dsv4.gpu.ops.testing import (arm_attrs_now, assert_arms_agree, attr_arm_runner,  # noqa: E402
+                                        eager_step_launches, step_forms)
 
 
 def _arm(qnorm, attn, graph):
@@ -34,25 +35,18 @@ _ARMS = {"kernel": _arm("kernel", "split", True), "attn": _arm("attn", "split", 
          "attn+fused": _arm("attn", "fused", True), "attn+eager": _arm("attn", "split", False)}
 
 
-def _kernels_of(recs) -> set:
-    return {r.kernel.split(".", 1)[1] for r in recs}
-
-
 def _check_launches(m, state, t, qnorm: str):
     """One eager step of ``state`` at qnorm, recorded launch by launch; returns its logits."""
-    from memra_dsv4.gpu.step import device_step
-    from memra_dsv4.profiling.launches import record_launches
-    out = []
     m.decode_qnorm, m.decode_attn = qnorm, "split"
-    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
-    names = _kernels_of(recs)
+    logits, launched = eager_step_launches(m, state, t)
+    names = set(launched)
     qn = {n for n in names if n.startswith("sparse_attn_") and n.endswith("_qn")}
     plain = {n for n in names if n.startswith("sparse_attn_d") and not n.endswith("_qn")}
     if qnorm == "attn":
         assert "head_rms_bf16" not in names and qn and not plain, sorted(names)
     else:
         assert "head_rms_bf16" in names and plain and not qn, sorted(names)
-    return out[0]
+    return logits
 
 
 def _interleave(tag, m, states, ids, arms, check_launches=False):

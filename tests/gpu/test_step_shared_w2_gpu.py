@@ -18,7 +18,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import arm_attrs_now, assert_arms_agree, attr_arm_runner, step_forms  # noqa: E402
+from memra_dsv4.gpu.ops.testing import (arm_attrs_now, assert_arms_agree, attr_arm_runner,  # noqa: E402
+                                        eager_step_launches, step_forms)
 
 # arm -> ({decode_shared_w2}, graph); "gemv" (the separate w2 launch, graph) is the reference
 _ARMS = {"gemv": ({"decode_shared_w2": "gemv"}, True), "fused": ({"decode_shared_w2": "fused"}, True),
@@ -28,17 +29,11 @@ _ARMS = {"gemv": ({"decode_shared_w2": "gemv"}, True), "fused": ({"decode_shared
 def _interleave(tag, m, states, ids, arms, check_fused_launch=False):
     """assert_arms_agree over ``arms``; with check_fused_launch the first eager fused step is
     recorded launch by launch: it launches the _k2_f_w2 down + combine and not _k2_f."""
-    from memra_dsv4.gpu.step import device_step
-    from memra_dsv4.profiling.launches import record_launches
-
     def first(a, t):
-        out = []
-        recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
-                               ("step_device.py",))
-        names = [r.kernel.split(".", 1)[1] for r in recs]
+        logits, names = eager_step_launches(m, states[a], t)
         assert any(n.endswith("_down_combine_k2_f_w2") for n in names), sorted(set(names))
         assert not any(n.endswith("_down_combine_k2_f") for n in names), sorted(set(names))
-        return out[0]
+        return logits
     with step_forms(m, **arm_attrs_now(m, arms)):
         assert_arms_agree(f"{tag} shared w2", states, ids,
                           attr_arm_runner(m, states, arms, first_eager=first if check_fused_launch else None))

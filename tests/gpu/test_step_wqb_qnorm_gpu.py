@@ -18,35 +18,23 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner  # noqa: E402
+from memra_dsv4.gpu.ops.testing import (assert_arms_agree, eager_step_launches, env_arm_runner,  # noqa: E402
+                                        step_forms)
 from memra_dsv4.gpu.step_device import WQB_QNORM_ENV  # noqa: E402
 
 _ARMS = {"off": ("off", True), "on": ("on", True), "on+eager": ("on", False)}
 
 
-def _launched(m, state, t) -> tuple:
-    from memra_dsv4.gpu.step import device_step
-    from memra_dsv4.profiling.launches import record_launches
-    out = []
-    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
-    return out[0], [r.kernel.split(".", 1)[1] for r in recs]
-
-
 def _interleave(tag, m, states, ids, arms, monkeypatch, fused_check=False):
-    run = env_arm_runner(m, states, WQB_QNORM_ENV, arms, monkeypatch)
-
-    def run_checked(a, i, t):
-        env, graph = arms[a]
-        if not (fused_check and i == 0 and not graph):
-            return run(a, i, t)
-        monkeypatch.setenv(WQB_QNORM_ENV, env)
-        logits, names = _launched(m, states[a], t)
+    def first(a, t):
+        logits, names = eager_step_launches(m, states[a], t)
         # the fused kernel once (one layer), and no q_norm launch: at most the final
         # norm before the head stays a rmsnorm_bf16_wbf16
         assert names.count("gemv_bf16_pl_r2_qn") == 1, names
         assert names.count("rmsnorm_bf16_wbf16") <= 1, names
         return logits
-    assert_arms_agree(tag, states, ids, run_checked)
+    assert_arms_agree(tag, states, ids, env_arm_runner(m, states, WQB_QNORM_ENV, arms, monkeypatch,
+                                                       first_eager=first if fused_check else None))
 
 
 def test_wqb_qnorm_step_bit_identical_tiny(monkeypatch):
@@ -55,12 +43,8 @@ def test_wqb_qnorm_step_bit_identical_tiny(monkeypatch):
     prompt, steps = 5, 14
     ids = _ids(ck.config, prompt + steps + 1, seed=43)
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
-    old = (m.decode_fork, m.hc_split)
-    try:
-        m.decode_fork, m.hc_split = "all", "on"
+    with step_forms(m, decode_fork="all", hc_split="on"):
         _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS, monkeypatch)
-    finally:
-        m.decode_fork, m.hc_split = old
 
 
 def test_wqb_qnorm_device_hostmath_equals_legacy_tiny(monkeypatch):

@@ -17,7 +17,7 @@ from memra_dsv4.formats import decode_bf16, encode_bf16
 
 __all__ = ["fresh_seed", "rng_for", "bf16", "rand_bf16", "bits_of", "ulp_bf16", "ulp_dist_bf16",
            "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe", "snapshot_diff",
-           "assert_arms_agree", "env_arm_runner", "attr_arm_runner", "arm_attrs_now", "step_forms"]
+           "assert_arms_agree", "eager_step_launches", "env_arm_runner", "attr_arm_runner", "arm_attrs_now", "step_forms"]
 
 
 def fresh_seed() -> int:
@@ -169,13 +169,27 @@ def assert_arms_agree(tag: str, states: dict, tokens, run, *, pos0: int = 0) -> 
         assert not diff, f"{tag}: caches of {a} differ from {ref}'s: {diff}"
 
 
-def env_arm_runner(m, states: dict, env: str, arms: dict, monkeypatch):
+def eager_step_launches(m, state, t) -> tuple:
+    """One eager device step of ``state`` with token ``t``, recorded launch by launch: (its
+    logits, the launched kernels' names in launch order, module prefix dropped)."""
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    out = []
+    recs = record_launches(lambda: out.append(device_step(m, state, int(t), graph=False)), ("step_device.py",))
+    return out[0], [r.kernel.split(".", 1)[1] for r in recs]
+
+
+def env_arm_runner(m, states: dict, env: str, arms: dict, monkeypatch, first_eager=None):
     """``run`` for assert_arms_agree where an arm is (value of the env variable ``env``, graph):
-    the variable is set, then the device step runs that arm's state (graph replay or eager)."""
+    the variable is set, then the device step runs that arm's state (graph replay or eager).
+    ``first_eager(a, t)``, if given, takes the first step of every eager arm instead, with the
+    variable already set (a test's launch-recording check; it returns the logits)."""
     def run(a, i, t):
         from memra_dsv4.gpu.step import device_step
         value, graph = arms[a]
         monkeypatch.setenv(env, value)
+        if first_eager is not None and i == 0 and not graph:
+            return first_eager(a, t)
         return device_step(m, states[a], int(t), graph=graph)
     return run
 
