@@ -200,6 +200,15 @@ constexpr int DOWN_W2_K = 2048;
 #error "FP4_ALU_EVEN=1 needs FP4_ALU_ODD=1"
 #endif
 
+#ifndef FP4_DIAG_DECODE
+// TIMING ONLY, never a build that computes anything: 1 builds dot8's (and, with FP4_MMA_PRMT,
+// the _mma kernels') f16x2 words with the instruction count a load-time bit permutation of the
+// stored words would leave (qe one mask, qo one shift + mask: 7 instead of 11 operations per 8
+// weights), 2 without the gathers (5 operations).  Both give WRONG values; they exist so
+// that tools/bench_gemv.py --fp4-cost can time what a cheaper decode would be worth before
+// anyone builds the permuted layout.
+#define FP4_DIAG_DECODE 0
+#endif
 #ifndef FP4_PRMT
 // 1 (the default): every e2m1 element decoded on the ALU like FP4_ALU_EVEN=1 (the same f16x2
 // words, so the same f32 weights, the same x staged times 2^14, no table), but the f16x2 words
@@ -348,8 +357,19 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     // FP4_ALU_EVEN's h04 h15 h26 h37 bit for bit (tests/test_fp4_alu_decode.py), so the weights,
     // products and FMA chain are the same; only the instruction count differs.
     (void)b;
+#if FP4_DIAG_DECODE == 1
+    // TIMING ONLY (wrong values, see FP4_DIAG_DECODE): the gathers of words whose bits were
+    // permuted at load so that qe is one mask and qo one shift + mask
+    const u32 qe = w & 0x8e8e8e8eu;
+    const u32 qo = (w >> 4) & 0x8e8e8e8eu;
+#elif FP4_DIAG_DECODE == 2
+    // TIMING ONLY (wrong values): no gathers (5 operations per 8 weights)
+    const u32 qe = w;
+    const u32 qo = w >> 4;
+#else
     const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
     const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
+#endif
     const u32 h04 = __byte_perm(qe, 0u, 0x2404u);
     const u32 h15 = __byte_perm(qo, 0u, 0x2404u);
     const u32 h26 = qe & 0xff00ff00u;
@@ -1514,8 +1534,16 @@ DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
     // (2^-15): 8 ALU + 7 IMAD per word instead of 11 ALU + 4; correct only if the tensor core
     // takes f16 subnormal inputs (tests decide); the 2^-14 is undone in mma_task
 #if FP4_MMA_PRMT
+#if FP4_DIAG_DECODE == 1  // TIMING ONLY (wrong values): as dot8's
+    const u32 qe = w & 0x8e8e8e8eu;
+    const u32 qo = (w >> 4) & 0x8e8e8e8eu;
+#elif FP4_DIAG_DECODE == 2  // TIMING ONLY (wrong values): no gathers, as dot8's
+    const u32 qe = w;
+    const u32 qo = w >> 4;
+#else
     const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
     const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
+#endif
     h[0] = __byte_perm(qe, 0u, 0x2404u);
     h[1] = __byte_perm(qo, 0u, 0x2404u);
     h[2] = qe & 0xff00ff00u;

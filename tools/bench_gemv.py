@@ -51,6 +51,12 @@ with FP4_MMA_PLACE=1 (bit-placement e2m1 decode; only meaningful if test_mma_pla
 passes) and FP4_MMA_DEPTH=4 (ring depth; needs FP4_MMA_MINB=1, i.e. > 80 registers, fewer CTAs per
 SM): an A/B of "simt" vs "mma" in one run.
     python tools/bench_gemv.py --only-fp4 --fp4-mma
+
+--fp4-cost (with --fp4-mma) adds builds with experts.cu's FP4_DIAG_DECODE (timing only, WRONG
+values, so no bytes check): the CUDA-core and the mma (PLACE + PRMT) kernels with the operation
+count of a decode on load-time bit-permuted words (1) and without the gathers (2), to size what a
+cheaper e2m1 decode is worth before building one:
+    python tools/bench_gemv.py --only-fp4 --fp4-mma --fp4-cost
 """
 from __future__ import annotations
 
@@ -69,10 +75,14 @@ def main(argv=None) -> int:
     ap.add_argument("--fp4-variants", action="store_true",
                     help="also time the FP4 expert kernels under other experts.cu tuning macros")
     ap.add_argument("--fp4-variant", action="append", default=None, metavar="LABEL",
-                    help="with --fp4-variants: time only the variant builds whose label contains "
-                         "LABEL (repeatable), e.g. FP4_ALU_EVEN (each build is one NVRTC compile)")
+                    help="with --fp4-variants / --fp4-mma / --fp4-cost: time only the variant builds whose "
+                         "label contains LABEL (repeatable), e.g. FP4_ALU_EVEN (each build is one "
+                         "NVRTC compile)")
     ap.add_argument("--fp4-mma", action="store_true",
                     help="also time the tensor-core FP4 expert kernels (impl='mma') and their variants")
+    ap.add_argument("--fp4-cost", action="store_true",
+                    help="with --fp4-mma: also time FP4_DIAG_DECODE builds (WRONG values, timing "
+                         "only) that size a cheaper e2m1 decode for the CUDA-core and mma kernels")
     ap.add_argument("--suggest", metavar="FILE", default=None,
                     help="with --variants --dense-only: write the fastest bit-identical variant per "
                          "(op, form, class) as a MEMRA_DSV4_GEMV_VARIANT value to FILE")
@@ -387,8 +397,27 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                                ("mma PLACE=1 PRMT=1 DEPTH=4 MINB=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
                                                                       "FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1}),
                                ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1})]:
+            if a.fp4_variant and not any(f in label for f in a.fp4_variant):
+                continue
             look = EX.variant_kernels(defines)
             for name, nbytes, fn in cases[n_simt:]:
+                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
+    if a.fp4_cost and n_simt is not None:
+        # TIMING ONLY: experts.cu FP4_DIAG_DECODE builds compute wrong values on purpose (no
+        # bytes check); they time the FP4 kernels with a cheaper e2m1 decode (1: the operation
+        # count a load-time bit permutation would leave, 2: no gathers) to size that lever
+        for label, defines, rows in [
+                ("COST simt decode as permuted (7 ops / 8 weights)", {"FP4_DIAG_DECODE": 1}, cases[n_dense:n_simt]),
+                ("COST simt no gathers (5 ops / 8 weights)", {"FP4_DIAG_DECODE": 2}, cases[n_dense:n_simt]),
+                ("COST mma PLACE PRMT decode as permuted", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                            "FP4_DIAG_DECODE": 1}, cases[n_simt:]),
+                ("COST mma PLACE PRMT no gathers", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                    "FP4_DIAG_DECODE": 2}, cases[n_simt:])]:
+            if a.fp4_variant and not any(f in label for f in a.fp4_variant):
+                continue
+            look = EX.variant_kernels(defines)
+            for name, nbytes, fn in rows:
                 recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if mismatches:
