@@ -6,8 +6,9 @@ Contract
   the legacy stream) current on its device, begins a relaxed-mode capture, calls ``fn()``
   (which enqueues work: RawKernels on the current stream, ``GemmPlan.run``, ``memcpyAsync``),
   ends the capture and instantiates the graph.  If ``fn`` raises, the capture is ended and
-  discarded so the stream is usable again, and the error propagates.  Nothing inside ``fn``
-  may synchronise or allocate: every buffer comes from the arena (CuPy exposes no graph-exec
+  discarded so the stream is usable again, and the error propagates.  Python's cyclic garbage
+  collector is off for the capture (a finalizer's synchronising CUDA call would invalidate it).
+  Nothing inside ``fn`` may synchronise or allocate: every buffer comes from the arena (CuPy exposes no graph-exec
   update, so a graph is tied to the addresses it captured), every GEMM plan and every kernel
   is built before capture.
 * ``capture(..., node_priority=True)`` instantiates with CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_
@@ -31,6 +32,7 @@ Contract
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 from memra_dsv4.gpu import runtime
@@ -135,22 +137,34 @@ def capture(stream, fn: Callable[[], None], *, upload: bool = True, node_priorit
         raise CaptureError("capture: pass a cupy.cuda.Stream(non_blocking=True), not a default stream")
     device = stream.device_id if stream.device_id >= 0 else cupy.cuda.runtime.getDevice()
     runtime.advance_capture_epoch()
+    # No cyclic garbage collection while the stream captures: a collected object's finalizer
+    # may make a synchronising CUDA call (cudaFreeHost of a pinned buffer, cudaFree, a stream or
+    # graph destroy) that invalidates the capture, and which garbage is collected there depends
+    # on what ran before in the process (a test file's model left in a reference cycle), not on
+    # fn.  Collection resumes after the capture (what it finds then is collected there).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with cupy.cuda.Device(device), stream:
+            stream.begin_capture()
+            try:
+                fn()
+            except BaseException:
+                _abort_capture(stream)
+                raise
+            try:
+                if node_priority:   # the raw cudaGraph_t, instantiated by PriorityGraph
+                    graph = PriorityGraph(cupy.cuda.runtime.streamEndCapture(stream.ptr))
+                else:
+                    graph = stream.end_capture()
+            except cupy.cuda.runtime.CUDARuntimeError as e:
+                raise CaptureError(f"capture on device {device}: ending the capture failed ({e}); "
+                                   f"a forked stream not joined back, a synchronising call or an "
+                                   f"uncapturable API (e.g. cudaMemcpyPeerAsync) inside fn") from e
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     with cupy.cuda.Device(device), stream:
-        stream.begin_capture()
-        try:
-            fn()
-        except BaseException:
-            _abort_capture(stream)
-            raise
-        try:
-            if node_priority:   # the raw cudaGraph_t, instantiated by PriorityGraph
-                graph = PriorityGraph(cupy.cuda.runtime.streamEndCapture(stream.ptr))
-            else:
-                graph = stream.end_capture()
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            raise CaptureError(f"capture on device {device}: ending the capture failed ({e}); "
-                               f"a forked stream not joined back, a synchronising call or an "
-                               f"uncapturable API (e.g. cudaMemcpyPeerAsync) inside fn") from e
         if upload:
             graph.upload(stream)  # move the first-launch setup cost out of the timed path
     return graph
