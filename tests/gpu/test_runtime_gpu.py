@@ -433,6 +433,51 @@ def test_capture_failure_leaves_the_stream_usable():
             graphs.capture(cupy.cuda.Stream.null, lambda: None)
 
 
+def test_capture_survives_cyclic_garbage_with_a_synchronising_finalizer():
+    """Sixteenth session: a test file's model left in a reference cycle was collected inside a
+    later test's step capture, and a finalizer's device synchronise (the driver log named
+    cuCtxSynchronize) invalidated the capture.  graphs.capture keeps the cyclic collector off:
+    here the collector is primed to run on the next allocation (threshold 1) with such garbage
+    pending, and fn allocates Python objects between two launches; the capture must succeed and
+    the garbage must be collected after it."""
+    import gc
+    k = _axpb()
+    with cupy.cuda.Device(0):
+        x = cupy.ones(256, dtype=cupy.float32)
+        y = cupy.zeros(256, dtype=cupy.float32)
+        s = cupy.cuda.Stream(non_blocking=True)
+        _settle()
+        finalized = []
+
+        class Cycle:
+            def __init__(self):
+                self.me = self
+
+            def __del__(self):
+                finalized.append(s.is_capturing())      # where the collection found it
+                cupy.cuda.runtime.deviceSynchronize()   # as cublasLtDestroy does
+
+        def step():
+            _launch_axpb(k, x, y, 2, 1, 256, s)
+            junk = [[i] for i in range(2000)]           # allocations: a collection would run here
+            _launch_axpb(k, y, y, 1, 1, 256, s)
+            del junk
+
+        old = gc.get_threshold()
+        gc.collect()
+        try:
+            Cycle()                                     # unreachable cycle, pending collection
+            gc.set_threshold(1, 1, 1)
+            g = graphs.capture(s, step)
+        finally:
+            gc.set_threshold(*old)
+        gc.collect()
+        assert finalized == [False], f"the cycle was collected while capturing: {finalized}"
+        graphs.replay(g, s)
+        s.synchronize()
+        assert (y.get() == 4).all()
+
+
 def test_graph_set_replays_the_smallest_bucket_that_fits():
     k = _axpb()
     with cupy.cuda.Device(0):
