@@ -2,7 +2,8 @@
 # The one script to run on the GPU machine, from the repository root, in a single call:
 #
 #   tools/gpu_check.sh                      # = tests
-#   tools/gpu_check.sh tests [PYTEST ARGS]  # GPU tests (tests/gpu, -m gpu); extra args go to pytest
+#   tools/gpu_check.sh tests [PYTEST ARGS]  # GPU tests (tests/gpu, -m gpu); extra args go to pytest;
+#                                           # arguments naming tests/... paths replace the directory
 #   tools/gpu_check.sh bench-decode ARGS    # python3 -m $BENCH_DECODE (bench.decode_step) ARGS
 #   tools/gpu_check.sh bench-prefill ARGS   # python3 -m $BENCH_PREFILL (bench.prefill) ARGS
 #   tools/gpu_check.sh all                  # tests, then both benches with their defaults
@@ -85,7 +86,11 @@ status=0
 
 run_tests() {
     echo "== gpu tests"
-    timeout "${GPU_TEST_TIMEOUT:-540}" "$PY" -m pytest -q tests/gpu -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    # the whole tests/gpu directory unless an argument names test paths itself (tests/...):
+    # then only those (pytest would otherwise collect the directory AND the files)
+    local where=tests/gpu a
+    for a in "$@"; do case "$a" in tests/*) where= ;; esac; done
+    timeout "${GPU_TEST_TIMEOUT:-540}" "$PY" -m pytest -q $where -p no:cacheprovider --durations=15 "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     local rc=${PIPESTATUS[0]}
     echo "== gpu tests exit $rc" | tee -a "$OUT/gpu_tests.log"
     return "$rc"
