@@ -335,6 +335,16 @@ DEV float dot8_words(u32 h04, u32 h15, u32 h26, u32 h37, const float (&xf)[8], f
 // pair), converted to f32 exactly; their x were staged times 2^14 (FP4_ODD_X_SCALE), so every
 // product, hence every FMA of the chain, is the same real number as with the table: same bits.
 DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
+#if FP4_DIAG_DECODE
+    // TIMING ONLY (wrong values, see FP4_DIAG_DECODE): FP4_PRMT's words from cheaper gathers;
+    // 1: qe one mask, qo one shift + mask (the count a load-time bit permutation would need if
+    // one existed); 2: no gathers (5 operations per 8 weights)
+    (void)b;
+    const u32 dqe = FP4_DIAG_DECODE == 1 ? (w & 0x8e8e8e8eu) : w;
+    const u32 dqo = FP4_DIAG_DECODE == 1 ? ((w >> 4) & 0x8e8e8e8eu) : (w >> 4);
+    p = dot8_words(__byte_perm(dqe, 0u, 0x2404u), __byte_perm(dqo, 0u, 0x2404u), dqe & 0xff00ff00u,
+                   dqo & 0xff00ff00u, xf, p);
+#else
 #if FP4_ALU_EVEN
     // all eight on the ALU: the same placement for the even nibbles, bits 0-3 / 16-19 (elements
     // 0, 4) and 8-11 / 24-27 (2, 6): magnitude to bits 11..9 and sign to bit 15 of each half.
@@ -357,19 +367,8 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     // FP4_ALU_EVEN's h04 h15 h26 h37 bit for bit (tests/test_fp4_alu_decode.py), so the weights,
     // products and FMA chain are the same; only the instruction count differs.
     (void)b;
-#if FP4_DIAG_DECODE == 1
-    // TIMING ONLY (wrong values, see FP4_DIAG_DECODE): the gathers of words whose bits were
-    // permuted at load so that qe is one mask and qo one shift + mask
-    const u32 qe = w & 0x8e8e8e8eu;
-    const u32 qo = (w >> 4) & 0x8e8e8e8eu;
-#elif FP4_DIAG_DECODE == 2
-    // TIMING ONLY (wrong values): no gathers (5 operations per 8 weights)
-    const u32 qe = w;
-    const u32 qo = w >> 4;
-#else
     const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
     const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
-#endif
     const u32 h04 = __byte_perm(qe, 0u, 0x2404u);
     const u32 h15 = __byte_perm(qo, 0u, 0x2404u);
     const u32 h26 = qe & 0xff00ff00u;
@@ -402,6 +401,7 @@ DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
     p = __fmaf_rn(lds_f32(__byte_perm(t, b, 0x7653u)), xf[6], p);
     p = __fmaf_rn(lds_f32(__byte_perm(u, b, 0x7653u)), xf[7], p);
 #endif
+#endif  // FP4_DIAG_DECODE
     return p;
 }
 
@@ -1529,21 +1529,24 @@ DEV u32 prmt(u32 a, u32 b, u32 sel) {  // PTX prmt (selector msb = replicate the
 // for bytes 0 and 2); n_i's sign (bit 4i+3) and n_{i+4}'s (4i+19) are 16 apart, so one shift
 // puts both at 15 and 31.
 DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
+#if FP4_DIAG_DECODE && FP4_MMA_PLACE && FP4_MMA_PRMT
+    {  // TIMING ONLY (wrong values): dot8's FP4_DIAG_DECODE gathers
+        const u32 dqe = FP4_DIAG_DECODE == 1 ? (w & 0x8e8e8e8eu) : w;
+        const u32 dqo = FP4_DIAG_DECODE == 1 ? ((w >> 4) & 0x8e8e8e8eu) : (w >> 4);
+        h[0] = __byte_perm(dqe, 0u, 0x2404u);
+        h[1] = __byte_perm(dqo, 0u, 0x2404u);
+        h[2] = dqe & 0xff00ff00u;
+        h[3] = dqo & 0xff00ff00u;
+        return;
+    }
+#endif
 #if FP4_MMA_PLACE
     // bit placement (sign -> 15, e1 e0 m -> 11..9): exactly e2m1 * 2^-14, code 1 an f16 SUBNORMAL
     // (2^-15): 8 ALU + 7 IMAD per word instead of 11 ALU + 4; correct only if the tensor core
     // takes f16 subnormal inputs (tests decide); the 2^-14 is undone in mma_task
 #if FP4_MMA_PRMT
-#if FP4_DIAG_DECODE == 1  // TIMING ONLY (wrong values): as dot8's
-    const u32 qe = w & 0x8e8e8e8eu;
-    const u32 qo = (w >> 4) & 0x8e8e8e8eu;
-#elif FP4_DIAG_DECODE == 2  // TIMING ONLY (wrong values): no gathers, as dot8's
-    const u32 qe = w;
-    const u32 qo = w >> 4;
-#else
     const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
     const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
-#endif
     h[0] = __byte_perm(qe, 0u, 0x2404u);
     h[1] = __byte_perm(qo, 0u, 0x2404u);
     h[2] = qe & 0xff00ff00u;
