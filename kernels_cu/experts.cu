@@ -209,6 +209,14 @@ constexpr int DOWN_W2_K = 2048;
 // anyone builds the permuted layout.
 #define FP4_DIAG_DECODE 0
 #endif
+#ifndef FP4_DIAG_DOWN
+// TIMING ONLY, like FP4_DIAG_DECODE (wrong values): bits that remove parts of the down +
+// combine kernels' prologue, to size them: 1 = the token's h rows are not staged in shared memory
+// (the stream reads whatever is there; the __syncthreads stays), 2 = each pick's weight / scale
+// table entry is read at the pick's lane index instead of its ranked expert id, so those loads
+// do not wait for the ids and the ranking (tools/bench_gemv.py --fp4-cost)
+#define FP4_DIAG_DOWN 0
+#endif
 #ifndef FP4_PRMT
 // 1 (the default): every e2m1 element decoded on the ALU like FP4_ALU_EVEN=1 (the same f16x2
 // words, so the same f32 weights, the same x staged times 2^14, no table), but the f16x2 words
@@ -1213,7 +1221,9 @@ struct DownPlan : PlanBase {
         __syncwarp();
     }
     DEV void stage() {
+#if !(FP4_DIAG_DOWN & 1)  // TIMING ONLY when set: the h rows are not staged (see FP4_DIAG_DOWN)
         stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
+#endif
         __syncthreads();
     }
     DEV void rows(int g, Rows<R>& r) {
@@ -1326,8 +1336,13 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.r_id = id;
     pl.r_order = order;
     const bool have = lane < k && id >= 0;
+#if FP4_DIAG_DOWN & 2  // TIMING ONLY: the table entries of pick lane, not of the ranked id
+    pl.r_w = lane < k ? __ldg(wptr + lane) : 0ull;
+    pl.r_s = lane < k ? __ldg(sptr + lane) : 0ull;
+#else
     pl.r_w = have ? __ldg(wptr + id) : 0ull;
     pl.r_s = have ? __ldg(sptr + id) : 0ull;
+#endif
     pl.r_ws2 = NV && have ? __ldg(ws2 + id) : 1.0f;
     pl.hs = hs;
     pl.ht = h + t * k * (i64)K;

@@ -55,7 +55,8 @@ SM): an A/B of "simt" vs "mma" in one run.
 --fp4-cost (with --fp4-mma) adds builds with experts.cu's FP4_DIAG_DECODE (timing only, WRONG
 values, so no bytes check): the CUDA-core and the mma (PLACE + PRMT) kernels with the operation
 count of a decode on load-time bit-permuted words (1) and without the gathers (2), to size what a
-cheaper e2m1 decode is worth before building one:
+cheaper e2m1 decode is worth before building one; and the down + combine built with
+FP4_DIAG_DOWN (its h staging skipped, its weight-table loads not behind the expert ids, both):
     python tools/bench_gemv.py --only-fp4 --fp4-mma --fp4-cost
 """
 from __future__ import annotations
@@ -413,7 +414,12 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                 ("COST mma PLACE PRMT decode as permuted", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
                                                             "FP4_DIAG_DECODE": 1}, cases[n_simt:]),
                 ("COST mma PLACE PRMT no gathers", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
-                                                    "FP4_DIAG_DECODE": 2}, cases[n_simt:])]:
+                                                    "FP4_DIAG_DECODE": 2}, cases[n_simt:]),
+                # the down + combine's prologue (experts.cu FP4_DIAG_DOWN): what staging the six
+                # h rows and the ids -> table -> weights chain of dependent loads cost it
+                ("COST down: h rows not staged", {"FP4_DIAG_DOWN": 1}, cases[n_simt - 1:n_simt]),
+                ("COST down: table loads not behind the ids", {"FP4_DIAG_DOWN": 2}, cases[n_simt - 1:n_simt]),
+                ("COST down: both", {"FP4_DIAG_DOWN": 3}, cases[n_simt - 1:n_simt])]:
             if a.fp4_variant and not any(f in label for f in a.fp4_variant):
                 continue
             look = EX.variant_kernels(defines)
