@@ -28,6 +28,8 @@
 # gpu_tests.log, bench_decode.log, bench_prefill.log and the newest bench result (json, png).
 # Exit status: non-zero when any step failed (later steps of "all" still run).
 # MEMRA_DSV4_DEBUG=1 in the environment makes every checked launch synchronise.
+# CUDA_LOG_FILE=<path> makes the driver log every failing API call with its error (how the
+# sixteenth session found the cuCtxSynchronize that invalidated a graph capture).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
