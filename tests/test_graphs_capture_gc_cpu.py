@@ -20,6 +20,10 @@ class _FakeStream:
 
     def __init__(self):
         self.log = []
+        self.capturing = False
+
+    def is_capturing(self):
+        return self.capturing
 
     def __enter__(self):
         return self
@@ -29,9 +33,11 @@ class _FakeStream:
 
     def begin_capture(self):
         self.log.append(("begin", gc.isenabled()))
+        self.capturing = True
 
     def end_capture(self):
         self.log.append(("end", gc.isenabled()))
+        self.capturing = False
         return types.SimpleNamespace(upload=lambda s: self.log.append(("upload", gc.isenabled())))
 
 
@@ -75,3 +81,34 @@ def test_capture_restores_gc_when_fn_raises(fake_cupy):
         assert gc.isenabled(), "the collector stayed off after a failed capture"
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_cyclic_garbage_made_inside_fn_is_collected_after_the_capture(fake_cupy):
+    """The GPU regression test's scenario on the CPU: with the collector primed to run at every
+    allocation, an unreachable cycle made inside fn must not be finalized while the stream
+    captures (its finalizer would synchronise the device), and must be finalized afterwards."""
+    stream, finalized = _FakeStream(), []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            finalized.append(stream.is_capturing())
+
+    def fn():
+        Cycle()
+        junk = [[i] for i in range(2000)]
+        del junk
+
+    was, old = gc.isenabled(), gc.get_threshold()
+    gc.enable()
+    gc.collect()
+    try:
+        gc.set_threshold(1, 1, 1)
+        graphs.capture(stream, fn)
+    finally:
+        gc.set_threshold(*old)
+        (gc.enable if was else gc.disable)()
+    gc.collect()
+    assert finalized == [False], f"finalized while capturing: {finalized}"

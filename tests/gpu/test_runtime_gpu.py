@@ -437,9 +437,9 @@ def test_capture_survives_cyclic_garbage_with_a_synchronising_finalizer():
     """Sixteenth session: a test file's model left in a reference cycle was collected inside a
     later test's step capture, and a finalizer's device synchronise (the driver log named
     cuCtxSynchronize) invalidated the capture.  graphs.capture keeps the cyclic collector off:
-    here the collector is primed to run on the next allocation (threshold 1) with such garbage
-    pending, and fn allocates Python objects between two launches; the capture must succeed and
-    the garbage must be collected after it."""
+    here the collector is primed to run at every allocation (threshold 1), and fn makes such
+    garbage and then allocates Python objects between two launches; the capture must succeed
+    and the garbage must be collected after it, not inside."""
     import gc
     k = _axpb()
     with cupy.cuda.Device(0):
@@ -459,6 +459,7 @@ def test_capture_survives_cyclic_garbage_with_a_synchronising_finalizer():
 
         def step():
             _launch_axpb(k, x, y, 2, 1, 256, s)
+            Cycle()                                     # unreachable cycle, made while capturing
             junk = [[i] for i in range(2000)]           # allocations: a collection would run here
             _launch_axpb(k, y, y, 1, 1, 256, s)
             del junk
@@ -466,8 +467,7 @@ def test_capture_survives_cyclic_garbage_with_a_synchronising_finalizer():
         old = gc.get_threshold()
         gc.collect()
         try:
-            Cycle()                                     # unreachable cycle, pending collection
-            gc.set_threshold(1, 1, 1)
+            gc.set_threshold(1, 1, 1)                   # collect at every allocation when enabled
             g = graphs.capture(s, step)
         finally:
             gc.set_threshold(*old)
