@@ -333,6 +333,20 @@ DEV float dot8_words(u32 h04, u32 h15, u32 h26, u32 h37, const float (&xf)[8], f
     return p;
 }
 
+#if FP4_DIAG_DECODE
+// TIMING ONLY (wrong values, see FP4_DIAG_DECODE): FP4_PRMT's four f16x2 words from cheaper
+// gathers, for dot8 and the mma decode alike; 1: qe one mask, qo one shift + mask (the count a
+// load-time bit permutation would need if one existed); 2: no gathers (5 operations per 8 weights)
+DEV void diag_decode_words(u32 w, u32 (&h)[4]) {
+    const u32 qe = FP4_DIAG_DECODE == 1 ? (w & 0x8e8e8e8eu) : w;
+    const u32 qo = FP4_DIAG_DECODE == 1 ? ((w >> 4) & 0x8e8e8e8eu) : (w >> 4);
+    h[0] = __byte_perm(qe, 0u, 0x2404u);
+    h[1] = __byte_perm(qo, 0u, 0x2404u);
+    h[2] = qe & 0xff00ff00u;
+    h[3] = qo & 0xff00ff00u;
+}
+#endif
+
 // p continued by sum_{e<8} e2m1(nibble e of w) * xf[e], in element order (f32 FMA chain).
 // Even elements: table lookup; t = 4 * the low nibbles of the four bytes, each lookup address is
 // one byte of t placed into the table base b (PRMT), then LDS. The table alone made the kernels
@@ -344,14 +358,10 @@ DEV float dot8_words(u32 h04, u32 h15, u32 h26, u32 h37, const float (&xf)[8], f
 // product, hence every FMA of the chain, is the same real number as with the table: same bits.
 DEV float dot8(u32 w, const float (&xf)[8], u32 b, float p) {
 #if FP4_DIAG_DECODE
-    // TIMING ONLY (wrong values, see FP4_DIAG_DECODE): FP4_PRMT's words from cheaper gathers;
-    // 1: qe one mask, qo one shift + mask (the count a load-time bit permutation would need if
-    // one existed); 2: no gathers (5 operations per 8 weights)
     (void)b;
-    const u32 dqe = FP4_DIAG_DECODE == 1 ? (w & 0x8e8e8e8eu) : w;
-    const u32 dqo = FP4_DIAG_DECODE == 1 ? ((w >> 4) & 0x8e8e8e8eu) : (w >> 4);
-    p = dot8_words(__byte_perm(dqe, 0u, 0x2404u), __byte_perm(dqo, 0u, 0x2404u), dqe & 0xff00ff00u,
-                   dqo & 0xff00ff00u, xf, p);
+    u32 h[4];
+    diag_decode_words(w, h);
+    p = dot8_words(h[0], h[1], h[2], h[3], xf, p);
 #else
 #if FP4_ALU_EVEN
     // all eight on the ALU: the same placement for the even nibbles, bits 0-3 / 16-19 (elements
@@ -1545,15 +1555,8 @@ DEV u32 prmt(u32 a, u32 b, u32 sel) {  // PTX prmt (selector msb = replicate the
 // puts both at 15 and 31.
 DEV void e2m1x8_to_f16x2(u32 w, u32 (&h)[4]) {
 #if FP4_DIAG_DECODE && FP4_MMA_PLACE && FP4_MMA_PRMT
-    {  // TIMING ONLY (wrong values): dot8's FP4_DIAG_DECODE gathers
-        const u32 dqe = FP4_DIAG_DECODE == 1 ? (w & 0x8e8e8e8eu) : w;
-        const u32 dqo = FP4_DIAG_DECODE == 1 ? ((w >> 4) & 0x8e8e8e8eu) : (w >> 4);
-        h[0] = __byte_perm(dqe, 0u, 0x2404u);
-        h[1] = __byte_perm(dqo, 0u, 0x2404u);
-        h[2] = dqe & 0xff00ff00u;
-        h[3] = dqo & 0xff00ff00u;
-        return;
-    }
+    diag_decode_words(w, h);  // TIMING ONLY (wrong values)
+    return;
 #endif
 #if FP4_MMA_PLACE
     // bit placement (sign -> 15, e1 e0 m -> 11..9): exactly e2m1 * 2^-14, code 1 an f16 SUBNORMAL

@@ -392,40 +392,39 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
                     mismatches.append(f"{name.split(' ')[0]} [{label}]: {bad} of {want.size} outputs differ")
                     print(f"!!! MISMATCH: {mismatches[-1]}")
                 report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
+    # timed only, no bytes check: the tensor-core kernels' builds (not the CUDA-core bits) and
+    # the FP4_DIAG_* builds (wrong values on purpose)
+    timed = []
     if a.fp4_mma and n_simt is not None:
-        for label, defines in [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}),
-                               ("mma FP4_MMA_PLACE=1 PRMT=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1}),
-                               ("mma PLACE=1 PRMT=1 DEPTH=4 MINB=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
-                                                                      "FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1}),
-                               ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1})]:
-            if a.fp4_variant and not any(f in label for f in a.fp4_variant):
-                continue
-            look = EX.variant_kernels(defines)
-            for name, nbytes, fn in cases[n_simt:]:
-                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
-                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
+        mma = cases[n_simt:]
+        timed += [("mma FP4_MMA_PLACE=1", {"FP4_MMA_PLACE": 1}, mma),
+                  ("mma FP4_MMA_PLACE=1 PRMT=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1}, mma),
+                  ("mma PLACE=1 PRMT=1 DEPTH=4 MINB=1", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                         "FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1}, mma),
+                  ("mma FP4_MMA_DEPTH=4 MINB=1", {"FP4_MMA_DEPTH": 4, "FP4_MMA_MINB": 1}, mma)]
     if a.fp4_cost and n_simt is not None:
-        # TIMING ONLY: experts.cu FP4_DIAG_DECODE builds compute wrong values on purpose (no
-        # bytes check); they time the FP4 kernels with a cheaper e2m1 decode (1: the operation
-        # count a load-time bit permutation would leave, 2: no gathers) to size that lever
-        for label, defines, rows in [
-                ("COST simt decode as permuted (7 ops / 8 weights)", {"FP4_DIAG_DECODE": 1}, cases[n_dense:n_simt]),
-                ("COST simt no gathers (5 ops / 8 weights)", {"FP4_DIAG_DECODE": 2}, cases[n_dense:n_simt]),
-                ("COST mma PLACE PRMT decode as permuted", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
-                                                            "FP4_DIAG_DECODE": 1}, cases[n_simt:]),
-                ("COST mma PLACE PRMT no gathers", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
-                                                    "FP4_DIAG_DECODE": 2}, cases[n_simt:]),
-                # the down + combine's prologue (experts.cu FP4_DIAG_DOWN): what staging the six
-                # h rows and the ids -> table -> weights chain of dependent loads cost it
-                ("COST down: h rows not staged", {"FP4_DIAG_DOWN": 1}, cases[n_simt - 1:n_simt]),
-                ("COST down: table loads not behind the ids", {"FP4_DIAG_DOWN": 2}, cases[n_simt - 1:n_simt]),
-                ("COST down: both", {"FP4_DIAG_DOWN": 3}, cases[n_simt - 1:n_simt])]:
-            if a.fp4_variant and not any(f in label for f in a.fp4_variant):
-                continue
-            look = EX.variant_kernels(defines)
-            for name, nbytes, fn in rows:
-                recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
-                report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
+        # TIMING ONLY: experts.cu FP4_DIAG_DECODE builds time the FP4 kernels with a cheaper e2m1
+        # decode (1: the operation count a load-time bit permutation would leave, 2: no gathers)
+        # to size that lever
+        simt, mma, down = cases[n_dense:n_simt], cases[n_simt:], cases[n_simt - 1:n_simt]
+        timed += [("COST simt decode as permuted (7 ops / 8 weights)", {"FP4_DIAG_DECODE": 1}, simt),
+                  ("COST simt no gathers (5 ops / 8 weights)", {"FP4_DIAG_DECODE": 2}, simt),
+                  ("COST mma PLACE PRMT decode as permuted", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                              "FP4_DIAG_DECODE": 1}, mma),
+                  ("COST mma PLACE PRMT no gathers", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
+                                                      "FP4_DIAG_DECODE": 2}, mma),
+                  # the down + combine's prologue (experts.cu FP4_DIAG_DOWN): what staging the six
+                  # h rows and the ids -> table -> weights chain of dependent loads cost it
+                  ("COST down: h rows not staged", {"FP4_DIAG_DOWN": 1}, down),
+                  ("COST down: table loads not behind the ids", {"FP4_DIAG_DOWN": 2}, down),
+                  ("COST down: both", {"FP4_DIAG_DOWN": 3}, down)]
+    for label, defines, rows in timed:
+        if a.fp4_variant and not any(f in label for f in a.fp4_variant):
+            continue
+        look = EX.variant_kernels(defines)
+        for name, nbytes, fn in rows:
+            recs = [rebuilt(r, look) for r in record_launches(fn, ("bench_gemv.py",))]
+            report(f"{name.split(' ')[0]} [{label}]", nbytes, recs)
     if mismatches:
         print(f"!!! {len(mismatches)} FP4 variant build(s) differ from the default's bytes: do not select them")
     return 1 if mismatches else 0

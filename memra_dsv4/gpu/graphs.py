@@ -138,10 +138,10 @@ def capture(stream, fn: Callable[[], None], *, upload: bool = True, node_priorit
     device = stream.device_id if stream.device_id >= 0 else cupy.cuda.runtime.getDevice()
     runtime.advance_capture_epoch()
     # No cyclic garbage collection while the stream captures: a collected object's finalizer
-    # may make a synchronising CUDA call (cudaFreeHost of a pinned buffer, cudaFree, a stream or
-    # graph destroy) that invalidates the capture, and which garbage is collected there depends
-    # on what ran before in the process (a test file's model left in a reference cycle), not on
-    # fn.  Collection resumes after the capture (what it finds then is collected there).
+    # may make a synchronising CUDA call that invalidates the capture (the sixteenth session's
+    # driver log named cuCtxSynchronize, as a cuBLASLt handle's destroy makes), and which garbage
+    # is collected there depends on what ran before in the process (a test file's model left in
+    # a reference cycle), not on fn.  Collection resumes after the capture and its upload.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -161,12 +161,11 @@ def capture(stream, fn: Callable[[], None], *, upload: bool = True, node_priorit
                 raise CaptureError(f"capture on device {device}: ending the capture failed ({e}); "
                                    f"a forked stream not joined back, a synchronising call or an "
                                    f"uncapturable API (e.g. cudaMemcpyPeerAsync) inside fn") from e
+            if upload:
+                graph.upload(stream)  # move the first-launch setup cost out of the timed path
     finally:
         if gc_was_enabled:
             gc.enable()
-    with cupy.cuda.Device(device), stream:
-        if upload:
-            graph.upload(stream)  # move the first-launch setup cost out of the timed path
     return graph
 
 

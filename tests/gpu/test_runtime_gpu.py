@@ -6,6 +6,7 @@ import; without a device the root conftest skips every test here; ``multi_gpu`` 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def _settle():
     streams are non-blocking and do not order themselves after it."""
     for d in range(cupy.cuda.runtime.getDeviceCount()):
         cupy.cuda.Device(d).synchronize()
+
+
+def _ones_zeros_stream(n: int):
+    """x = ones, y = zeros (n float32) on the current device and a non-blocking stream, with
+    CuPy's setup work settled (_settle)."""
+    x = cupy.ones(n, dtype=cupy.float32)
+    y = cupy.zeros(n, dtype=cupy.float32)
+    s = cupy.cuda.Stream(non_blocking=True)
+    _settle()
+    return x, y, s
 
 
 def _need_peer():
@@ -413,10 +424,7 @@ def test_single_device_graph_replay_equals_eager_and_rereads_inputs():
 def test_capture_failure_leaves_the_stream_usable():
     k = _axpb()
     with cupy.cuda.Device(0):
-        x = cupy.ones(256, dtype=cupy.float32)
-        y = cupy.zeros(256, dtype=cupy.float32)
-        s = cupy.cuda.Stream(non_blocking=True)
-        _settle()
+        x, y, s = _ones_zeros_stream(256)
         _launch_axpb(k, x, y, 1, 0, 256, s)
 
         def bad():
@@ -440,13 +448,9 @@ def test_capture_survives_cyclic_garbage_with_a_synchronising_finalizer():
     here the collector is primed to run at every allocation (threshold 1), and fn makes such
     garbage and then allocates Python objects between two launches; the capture must succeed
     and the garbage must be collected after it, not inside."""
-    import gc
     k = _axpb()
     with cupy.cuda.Device(0):
-        x = cupy.ones(256, dtype=cupy.float32)
-        y = cupy.zeros(256, dtype=cupy.float32)
-        s = cupy.cuda.Stream(non_blocking=True)
-        _settle()
+        x, y, s = _ones_zeros_stream(256)
         finalized = []
 
         class Cycle:
