@@ -242,6 +242,13 @@ def main(argv=None) -> int:
     cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
                   lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
                                                    sp["w2"], D, I, shared=sh, out=out)))
+    # the step's form: the shared expert's w2 rows fused into the down + combine (_k2_f_w2;
+    # MEMRA_DSV4_DECODE_SHARED_W2 = fused), + the 16.8 MB of w2 bf16
+    w2_sh, shx = bf16(D, EX.DOWN_W2_K), bf16(1, EX.DOWN_W2_K)
+    cases.append(("gemv_fp4_down_combine_w2 mxfp4 6x[4096x2048] + w2 bf16 [4096x2048]",
+                  k * fp4(D, I) + 2 * D * EX.DOWN_W2_K,
+                  lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"], D, I,
+                                                   shared_w2=(w2_sh, shx), out=out)))
     n_simt = len(cases)
     if a.fp4_mma:
         cases.append(("gemv_fp4_gateup mxfp4 mma 6x[2x2048x4096]", k * 2 * fp4(I, D),
@@ -406,7 +413,7 @@ def _run(cases, a, bw, n_dense, EX, n_simt=None, times=None) -> int:
         # TIMING ONLY: experts.cu FP4_DIAG_DECODE builds time the FP4 kernels with a cheaper e2m1
         # decode (1: the operation count a load-time bit permutation would leave, 2: no gathers)
         # to size that lever
-        simt, mma, down = cases[n_dense:n_simt], cases[n_simt:], cases[n_simt - 1:n_simt]
+        simt, mma, down = cases[n_dense:n_simt], cases[n_simt:], cases[n_simt - 2:n_simt]
         timed += [("COST simt decode as permuted (7 ops / 8 weights)", {"FP4_DIAG_DECODE": 1}, simt),
                   ("COST simt no gathers (5 ops / 8 weights)", {"FP4_DIAG_DECODE": 2}, simt),
                   ("COST mma PLACE PRMT decode as permuted", {"FP4_MMA_PLACE": 1, "FP4_MMA_PRMT": 1,
