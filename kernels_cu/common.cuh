@@ -149,6 +149,14 @@ struct Scope {
 // of an activation and every store stays after the wait.  stmt must end its basic block (a
 // branch), or ptxas schedules the wait above its loads (legal, since it only delays them).
 // tools/pdl_entry.py accepts it as the opening statement.
+// One more thing stmt may read: memory written by a grid that is complete before this grid can
+// launch.  Every kernel's PDL_ENTRY waits BEFORE it triggers, so this grid launches only after
+// every CTA of its predecessor(s) has passed its own griddepcontrol.wait, i.e. after the
+// predecessor's prerequisites completed and flushed; a buffer written two launches back (the
+// MoE's expert ids, written by the router and read by the down + combine behind the routed
+// gate/up: experts.cu FP4_DN_PRELOAD) is final.  Read it through L2 (ld.cg), not the non-
+// coherent L1 path, which could hold a line from an earlier reader of the same buffer.  The
+// predecessor's own output stays after the wait.
 #ifndef MEMRA_TRACE
 #define PDL_ENTRY_PRELOAD(...) __VA_ARGS__; PDL_ENTRY()
 #else
@@ -538,6 +546,16 @@ DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 DEV void cp_async16(void* smem, const void* gmem, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                  "l"(gmem), "r"(valid ? 16 : 0));
+}
+// a 16-byte cp.async of a streamed weight (L2 only, as ldg_stream16; with MEMRA_L2_EVICT_FIRST the
+// same evict_first cache policy)
+DEV void cp_async16_stream(void* smem, const void* gmem) {
+#if MEMRA_L2_EVICT_FIRST
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+                 "l"(gmem), "l"(l2_evict_first_policy()) : "memory");
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+#endif
 }
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -180,12 +180,26 @@ namespace {
 // R = 2 rows leaves the registers for 4 slots (<= 124 registers, no spills)
 #define FP4_DN_DEPTH 4
 #endif
+#ifndef FP4_DN_PRELOAD
+// The full-shape down + combine kernels (_k2_f, _k2_f_w2): what a warp issues BEFORE its PDL wait
+// (PDL_ENTRY_PRELOAD; common.cuh states the rule and why the expert ids may be read there).
+// 0: nothing, every load after the wait.  1: the token's expert ids (ld.cg), their ranking, the
+// weight-table entries and the weight ring's first FP4_DN_DEPTH chunk steps.  2: also (_k2_f_w2)
+// the first trip (R rows x 1024 bf16) of the warp's first shared-w2 row group, by cp.async into
+// shared memory behind the h rows and the w2 row values (DOWN_W2_PRE_BYTES; ops/experts.py
+// requests that region at every level, so the levels differ in their code alone).  The same
+// loads and the same arithmetic at every level: the same bits.
+#define FP4_DN_PRELOAD 2
+#endif
 #ifndef FP4_MINB
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)
 #endif
 constexpr int FP4_WARPS = 8;  // 256-thread CTAs
 // gemv_*_down_combine_k2_f_w2: the shared expert's intermediate size (w2 [O, DOWN_W2_K] bf16)
 constexpr int DOWN_W2_K = 2048;
+// FP4_DN_PRELOAD >= 2: the CTA's preloaded w2 chunks (per warp: R rows x the first 1024 bf16);
+// ops/experts.py DOWN_W2_PRE_SMEM
+constexpr int DOWN_W2_PRE_BYTES = FP4_WARPS * FP4_DN_R * 1024 * 2;
 
 #ifndef FP4_ALU_EVEN
 // 1: the even elements are decoded on the ALU too (the odd elements' bit placement, see dot8),
@@ -827,83 +841,106 @@ DEV void fp4_stream_gateup_ring(P& pl, uint4* ring) {
 
 // down_combine over (row group, pick) in the order of fp4_stream (row group major, picks in
 // ascending expert id), two picks (2 KPL steps) per loop trip (k even); the fetch side and the
-// compute side each track their pick rank and row-group offset incrementally (no g / k, g % k)
-template <int KPL, int DEPTH, bool NV, class P>
-DEV void fp4_stream_down_full(P& pl) {
-    constexpr int R = P::RG, NSC = NV ? 2 : 1;
-    constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
-    constexpr int U = 2 * KPL;  // steps per trip: two picks
+// compute side each track their pick rank and row-group offset incrementally (no g / k, g % k).
+// The ring and its fetch side are one object so that the first DEPTH steps can be issued (prime)
+// before the kernel's PDL wait (FP4_DN_PRELOAD) and the stream continued after it (run).
+template <int KPL, int DEPTH, bool NV, int R>
+struct DownRing {
+    static constexpr int NSC = NV ? 2 : 1;
+    static constexpr int HK = 512 * KPL, NS = (NV ? 64 : 32) * KPL;
+    static constexpr int U = 2 * KPL;  // steps per trip: two picks
     static_assert(DEPTH <= U && U % DEPTH == 0, "full path: DEPTH divides 2 KPL");
-    const int lane = threadIdx.x & 31;
-    const int k = pl.k;
-    const int S = pl.ngroups * KPL;  // pl.ngroups = row groups x k
-    const u32 b = lut_base();
-    const i64 gw = (i64)pl.NW * R * HK, gs = (i64)pl.NW * R * NS;
-    // fetch side: rank fr of the pick being loaded, this lane's offsets into its row group
-    i64 fow = pl.row0(0, R) * (i64)HK + 16 * lane, fos = pl.row0(0, R) * (i64)NS + NSC * lane;
-    int fr = 0;
+    uint4 rw[DEPTH][R];
+    u32 rs[DEPTH][R][NSC];
+    i64 fow, fos;  // fetch side: this lane's offsets into its row group
+    int fr;        // fetch side: rank of the pick being loaded
     const u8* pw[1];
     const u8* ps[1];
-    bool fa = false;
-    auto pick = [&](int r) {  // the fetch side's pointers for rank r of its row group
+    bool fa;
+    template <class P>
+    DEV void pick(const P& pl, int r) {  // the fetch side's pointers for rank r of its row group
         fa = __shfl_sync(0xffffffffu, pl.r_id, r) >= 0;
         pw[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_w, r)) + fow;
         ps[0] = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, pl.r_s, r)) + fos;
-    };
+    }
+    // the first DEPTH steps' loads (needs the plan's ranked picks: r_id, r_w, r_s)
+    template <class P>
+    DEV void prime(const P& pl) {
+        const int lane = threadIdx.x & 31;
+        const int S = pl.ngroups * KPL;  // pl.ngroups = row groups x k
+        fow = pl.row0(0, R) * (i64)HK + 16 * lane;
+        fos = pl.row0(0, R) * (i64)NS + NSC * lane;
+        fr = 0;
+        fa = false;
+        if (S > 0) pick(pl, 0);
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int i = d % KPL;
+            if (d > 0 && i == 0) {  // the next pick (DEPTH <= 2 KPL <= k KPL: same row group)
+                ++fr;
+                pick(pl, fr);
+            }
+            if (d < S && fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, i);
+        }
+    }
+    // every step, from the primed ring on (the x rows staged: pl.stage() before)
+    template <class P>
+    DEV void run(P& pl) {
+        const int lane = threadIdx.x & 31;
+        const int k = pl.k;
+        const int S = pl.ngroups * KPL;
+        const u32 b = lut_base();
+        const i64 gw = (i64)pl.NW * R * HK, gs = (i64)pl.NW * R * NS;
+        int cr = 0, rg = 0;  // compute side: rank, row group (of this warp)
+        float acc[R];
+        for (int s0 = 0; s0 < S; s0 += U) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = u % KPL, d = u % DEPTH;
+                if (i == 0) {
+                    pl.begin_rank(cr);
+#pragma unroll
+                    for (int m = 0; m < R; ++m) acc[m] = 0.0f;
+                }
+                if (pl.active)  // warp-uniform
+                    chunk_dots<R, NV, P::XF>(rw[d], rs[d], static_cast<const char*>(pl.xs) + 16 * ((P::XF ? 256 : 128) * i + lane), b,
+                                             true, acc);
+                if (s0 + u + DEPTH < S) {
+                    const int ip = (u + DEPTH) % KPL;
+                    if (ip == 0) {  // the fetch side moves to its next pick
+                        if (++fr == k) {
+                            fr = 0;
+                            fow += gw;
+                            fos += gs;
+                        }
+                        pick(pl, fr);
+                    }
+                    if (fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, ip);
+                }
+                if (i == KPL - 1) {
+                    // k even and two picks a trip from rank 0: the first pick of a trip has an even
+                    // rank, so only the second can be the row group's last (FP4_XRED: the first
+                    // one's last-pick block is left out; the same stores)
+                    pl.finish_rank(cr, [rg] { return rg; }, acc, !FP4_XRED || u >= KPL);
+                    if (++cr == k) {
+                        cr = 0;
+                        ++rg;
+                    }
+                }
+            }
+        }
+    }
+};
+
+template <int KPL, int DEPTH, bool NV, class P>
+DEV void fp4_stream_down_full(P& pl) {
+    DownRing<KPL, DEPTH, NV, P::RG> ring;
     // _w2: the shared expert's w2 rows of this warp first (with the ring's first loads in flight
     // beside them, ptxas spills: 8 + 4 chunks a trip on top of the ring's 48 registers)
     if constexpr (P::W2) pl.w2_rows();
-    uint4 rw[DEPTH][R];
-    u32 rs[DEPTH][R][NSC];
-    if (S > 0) pick(0);
-#pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-        const int i = d % KPL;
-        if (d > 0 && i == 0) {  // the next pick (DEPTH <= 2 KPL <= k KPL: same row group)
-            ++fr;
-            pick(fr);
-        }
-        if (d < S && fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, i);
-    }
+    ring.prime(pl);
     pl.stage();  // the token's h rows to shared memory (+ __syncthreads)
-    int cr = 0, rg = 0;  // compute side: rank, row group (of this warp)
-    float acc[R];
-    for (int s0 = 0; s0 < S; s0 += U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = u % KPL, d = u % DEPTH;
-            if (i == 0) {
-                pl.begin_rank(cr);
-#pragma unroll
-                for (int m = 0; m < R; ++m) acc[m] = 0.0f;
-            }
-            if (pl.active)  // warp-uniform
-                chunk_dots<R, NV, P::XF>(rw[d], rs[d], static_cast<const char*>(pl.xs) + 16 * ((P::XF ? 256 : 128) * i + lane), b,
-                                         true, acc);
-            if (s0 + u + DEPTH < S) {
-                const int ip = (u + DEPTH) % KPL;
-                if (ip == 0) {  // the fetch side moves to its next pick
-                    if (++fr == k) {
-                        fr = 0;
-                        fow += gw;
-                        fos += gs;
-                    }
-                    pick(fr);
-                }
-                if (fa) fetch_full<KPL, 1, R, NV>(rw[d], rs[d], pw, ps, ip);
-            }
-            if (i == KPL - 1) {
-                // k even and two picks a trip from rank 0: the first pick of a trip has an even
-                // rank, so only the second can be the row group's last (FP4_XRED: the first
-                // one's last-pick block is left out; the same stores)
-                pl.finish_rank(cr, [rg] { return rg; }, acc, !FP4_XRED || u >= KPL);
-                if (++cr == k) {
-                    cr = 0;
-                    ++rg;
-                }
-            }
-        }
-    }
+    ring.run(pl);
 }
 
 DEV void init_lut() {
@@ -1230,6 +1267,54 @@ struct DownPlan : PlanBase {
         }
         __syncwarp();
     }
+    // FP4_DN_PRELOAD >= 2: this warp's first row group's trip-0 w2 chunks in shared memory
+    // (chunk c = lane + 32 u of row rr at [(rr GEMV_UNROLL + u) 32 + lane], each lane's own
+    // cp.async), or null
+    const uint4* w2pre;
+    // w2_rows with the weight ring already primed (FP4_DN_PRELOAD): bf16_rows_dot_k's row dots
+    // (trips ascending, chunk u of a trip into partial u, then partials_total: the same bits),
+    // one trip at a time so that its 8 + 4 chunks fit beside the ring's registers; trip 0 of row
+    // group 0 from w2pre when set (each lane reads only what its own cp.async wrote: no barrier)
+    DEV void w2_rows_pre() {
+        constexpr int TRIPS = DOWN_W2_K / (32 * 8 * GEMV_UNROLL);
+        const int lane = threadIdx.x & 31, nrg = ngroups / k;
+        for (int rg = 0; rg < nrg; ++rg) {
+            const u16* wr[R];
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) wr[rr] = w2 + (i64)(row0(rg, R) + rr) * DOWN_W2_K;
+            float acc[R][GEMV_UNROLL];
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u) acc[rr][u] = 0.0f;
+#pragma unroll 1
+            for (int t = 0; t < TRIPS; ++t) {
+                const int c = lane + 32 * GEMV_UNROLL * t;
+                uint4 w[R][GEMV_UNROLL], xr[GEMV_UNROLL];
+                if (t == 0 && rg == 0 && w2pre != nullptr) {  // warp-uniform
+                    cp_async_wait<0>();
+#pragma unroll
+                    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+                        for (int rr = 0; rr < R; ++rr) w[rr][u] = w2pre[(rr * GEMV_UNROLL + u) * 32 + lane];
+                } else {
+#pragma unroll
+                    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+                        for (int rr = 0; rr < R; ++rr) w[rr][u] = ldg_stream16(wr[rr] + (i64)(c + 32 * u) * 8);
+                }
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(shx + (i64)(c + 32 * u) * 8);
+                bf16_trip_fma<R>(w, xr, acc);
+            }
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) {
+                const float d = partials_total(acc[rr]);
+                if (lane == rr) w2s[w2s_at(rg, rr)] = (u16)f32_to_bf16(d);
+            }
+        }
+        __syncwarp();
+    }
     DEV void stage() {
 #if !(FP4_DIAG_DOWN & 1)  // TIMING ONLY when set: the h rows are not staged (see FP4_DIAG_DOWN)
         stage_rows<KPL, XF>(hs, ht, (i64)(half_k * 2), k, nq);
@@ -1311,30 +1396,20 @@ struct DownPlan : PlanBase {
     }
 };
 
-template <int KPL, bool NV, bool FULL, bool W2 = false>
-DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
-                                    const u64* __restrict__ wptr, const u64* __restrict__ sptr,
-                                    const float* __restrict__ ws2, const u16* __restrict__ shared,
-                                    u16* __restrict__ y, int ld_y, int O, int K,
-                                    const u16* __restrict__ w2 = nullptr, const u16* __restrict__ shx = nullptr) {
-    static_assert(!W2 || FULL, "_w2: the full-shape path only");
-    constexpr int R = FP4_DN_R;
-    extern __shared__ uint4 hs[];  // [k][DownPlan::HW]
-    const i64 t = blockIdx.y;
+// The token's k picks ranked by expert id, stable (lane j: pick j; rank = #{i: e_i < e_j} +
+// #{i < j: e_i == e_j}), then lane r <- the pick of rank r: its expert id, pick index and table
+// entries (pl.r_*).  CG: the ids through L2 (ld.cg; the preload form reads them before the PDL
+// wait, where a line the SM's L1 kept from an earlier reader of the buffer could be stale).
+template <bool CG, bool NV, class P>
+DEV void rank_picks(P& pl, const int* __restrict__ ids, int k, const u64* __restrict__ wptr,
+                    const u64* __restrict__ sptr, const float* __restrict__ ws2) {
     const int lane = threadIdx.x & 31;
-    init_lut();
-    DownPlan<KPL, R, NV, W2> pl;
-    pl.setup(O, K, NV, R);
-    pl.ngroups *= k;
-    pl.k = k;
-    // stable rank of pick j (lane j) by expert id: #{i: e_i < e_j} + #{i < j: e_i == e_j}
-    const int ej = lane < k ? __ldg(expert_ids + t * k + lane) : 0x7fffffff;
+    const int ej = lane < k ? (CG ? __ldcg(ids + lane) : __ldg(ids + lane)) : 0x7fffffff;
     int rank = 0;
     for (int i = 0; i < k; ++i) {
         const int ei = __shfl_sync(0xffffffffu, ej, i);
         rank += (ei < ej || (ei == ej && i < lane)) ? 1 : 0;
     }
-    // lane r <- the pick of rank r
     int id = 0x7fffffff, order = 0;
     for (int j = 0; j < k; ++j) {
         const int rj = __shfl_sync(0xffffffffu, rank, j), e = __shfl_sync(0xffffffffu, ej, j);
@@ -1354,6 +1429,25 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     pl.r_s = have ? __ldg(sptr + id) : 0ull;
 #endif
     pl.r_ws2 = NV && have ? __ldg(ws2 + id) : 1.0f;
+}
+
+template <int KPL, bool NV, bool FULL, bool W2 = false>
+DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,
+                                    const u64* __restrict__ wptr, const u64* __restrict__ sptr,
+                                    const float* __restrict__ ws2, const u16* __restrict__ shared,
+                                    u16* __restrict__ y, int ld_y, int O, int K,
+                                    const u16* __restrict__ w2 = nullptr, const u16* __restrict__ shx = nullptr) {
+    static_assert(!W2 || FULL, "_w2: the full-shape path only");
+    constexpr int R = FP4_DN_R;
+    extern __shared__ uint4 hs[];  // [k][DownPlan::HW]
+    const i64 t = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    init_lut();
+    DownPlan<KPL, R, NV, W2> pl;
+    pl.setup(O, K, NV, R);
+    pl.ngroups *= k;
+    pl.k = k;
+    rank_picks<false, NV>(pl, expert_ids + t * k, k, wptr, sptr, ws2);
     pl.hs = hs;
     pl.ht = h + t * k * (i64)K;
     pl.sh = shared != nullptr ? shared + t * O : nullptr;
@@ -1368,6 +1462,71 @@ DEV void gemv_fp4_down_combine_body(const u16* __restrict__ h, const int* __rest
     else
         fp4_stream<KPL, R, FP4_DN_DEPTH, NV, DownPlan<KPL, R, NV>::XF>(pl);
 }
+
+// The full-shape down + combine in two parts around the PDL wait (FP4_DN_PRELOAD >= 1): the
+// plan, the ranked picks and the primed weight ring live in registers across the wait.  The same
+// loads and the same row arithmetic as gemv_fp4_down_combine_body<2, NV, true, W2>, in another
+// order: the ring's first steps (and with level 2 the first w2 trip) before the wait, the shared-
+// w2 rows after it.
+template <int KPL, bool NV, bool W2>
+struct DownFullPre {
+    static constexpr int R = FP4_DN_R;
+    using Plan = DownPlan<KPL, R, NV, W2>;
+    Plan pl;
+    DownRing<KPL, FP4_DN_DEPTH, NV, R> ring;
+    // before the wait: static weights, and the expert ids (common.cuh, PDL_ENTRY_PRELOAD)
+    DEV void before_wait(const int* __restrict__ expert_ids, int k, const u64* __restrict__ wptr,
+                         const u64* __restrict__ sptr, const float* __restrict__ ws2, int O, int K,
+                         const u16* __restrict__ w2) {
+        extern __shared__ uint4 hs[];  // [k][HW] h rows, the w2 row values, the w2 preload
+        init_lut();
+        pl.setup(O, K, NV, R);
+        pl.ngroups *= k;
+        pl.k = k;
+        if constexpr (W2) {
+            pl.w2 = w2;
+            pl.w2pre = nullptr;
+#if FP4_DN_PRELOAD >= 2
+            if (pl.ngroups > 0) {  // the warp's first row group: R rows x their first 1024 bf16
+                // behind the h rows and the w2 row values (ops/experts.py down_w2_smem's bytes)
+                const int groups = (O + R - 1) / R, nwarps = gridDim.x * FP4_WARPS;
+                const int w2s_words = (2 * R * FP4_WARPS * ((groups + nwarps - 1) / nwarps) + 15) / 16;
+                uint4* dst = hs + k * Plan::HW + w2s_words + (threadIdx.x >> 5) * (R * GEMV_UNROLL * 32);
+                const int lane = threadIdx.x & 31;
+#pragma unroll
+                for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+                    for (int u = 0; u < GEMV_UNROLL; ++u)
+                        cp_async16_stream(dst + (rr * GEMV_UNROLL + u) * 32 + lane,
+                                          w2 + (i64)(pl.row0(0, R) + rr) * DOWN_W2_K + (i64)(lane + 32 * u) * 8);
+                cp_async_commit();
+                pl.w2pre = dst;
+            }
+#endif
+        }
+        rank_picks<true, NV>(pl, expert_ids + (i64)blockIdx.y * k, k, wptr, sptr, ws2);
+        ring.prime(pl);
+        if (k < 0) __trap();  // never taken: ends the basic block, so ptxas keeps the wait below
+    }
+    // after the wait: the activations (h: the routed gate/up's output; shx / shared: the shared
+    // expert's), the w2 rows, the staging, the stream
+    DEV void after_wait(const u16* __restrict__ h, const u16* __restrict__ shared, u16* __restrict__ y,
+                        int ld_y, int K, const u16* __restrict__ shx) {
+        extern __shared__ uint4 hs[];
+        const i64 t = blockIdx.y;
+        pl.hs = hs;
+        pl.ht = h + t * pl.k * (i64)K;
+        pl.sh = shared != nullptr ? shared + t * pl.O : nullptr;
+        pl.yr = y + t * ld_y;
+        if constexpr (W2) {
+            pl.shx = shx + t * DOWN_W2_K;
+            pl.w2s = reinterpret_cast<u16*>(hs + pl.k * Plan::HW);  // after the h rows
+            pl.w2_rows_pre();
+        }
+        pl.stage();  // the token's h rows to shared memory (+ __syncthreads)
+        ring.run(pl);
+    }
+};
 
 }  // namespace
 
@@ -1445,8 +1604,22 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k1, 1, true, false)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2, 2, true, false)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k4, 4, true, false)
 // the full-shape fast paths (K = 2048, O % FP4_DN_R == 0, k even; see fp4_stream_down_full): same bits
+#if FP4_DN_PRELOAD
+#define GEMV_FP4_DOWN_FULL(NAME, NV)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
+    NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         const u16* __restrict__ shared, u16* __restrict__ y, int ld_y, int O, int K) {           \
+        PDL_ENTRY_PRELOAD(DownFullPre<2, NV, false> pre;                                           \
+                          pre.before_wait(expert_ids, k, wptr, sptr, ws2, O, K, nullptr));         \
+        pre.after_wait(h, shared, y, ld_y, K, nullptr);                                            \
+    }
+GEMV_FP4_DOWN_FULL(gemv_mxfp4_down_combine_k2_f, false)
+GEMV_FP4_DOWN_FULL(gemv_nvfp4_down_combine_k2_f, true)
+#else
 GEMV_FP4_DOWN(gemv_mxfp4_down_combine_k2_f, 2, false, true)
 GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2_f, 2, true, true)
+#endif
 
 // The full-shape down + combine with the shared expert's w2 GEMV folded in (the device step's
 // MEMRA_DSV4_DECODE_SHARED_W2 = fused): instead of `shared`, w2: [O, 2048] bf16 bits (the shared
@@ -1466,7 +1639,23 @@ GEMV_FP4_DOWN(gemv_nvfp4_down_combine_k2_f, 2, true, true)
         gemv_fp4_down_combine_body<2, NV, true, true>(h, expert_ids, k, wptr, sptr, ws2, nullptr, y, ld_y, O, \
                                                       K, w2, shx);                                 \
     }
+#if FP4_DN_PRELOAD
+// (MXFP4 only: the NVFP4 ring holds two scale words per row and slot, and with the w2 trip beside
+// it ptxas spills 24-44 B at 128 registers; gemv_nvfp4_down_combine_k2_f_w2 keeps the level-0 form)
+#define GEMV_FP4_DOWN_W2_PRE(NAME, NV)                                                             \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
+    NAME(const u16* __restrict__ h, const int* __restrict__ expert_ids, int k,                    \
+         const u64* __restrict__ wptr, const u64* __restrict__ sptr, const float* __restrict__ ws2, \
+         const u16* __restrict__ w2, const u16* __restrict__ shx, u16* __restrict__ y, int ld_y, int O, \
+         int K) {                                                                                  \
+        PDL_ENTRY_PRELOAD(DownFullPre<2, NV, true> pre;                                            \
+                          pre.before_wait(expert_ids, k, wptr, sptr, ws2, O, K, w2));              \
+        pre.after_wait(h, nullptr, y, ld_y, K, shx);                                               \
+    }
+GEMV_FP4_DOWN_W2_PRE(gemv_mxfp4_down_combine_k2_f_w2, false)
+#else
 GEMV_FP4_DOWN_W2(gemv_mxfp4_down_combine_k2_f_w2, false)
+#endif
 GEMV_FP4_DOWN_W2(gemv_nvfp4_down_combine_k2_f_w2, true)
 
 // ==================================================================== tensor-core FP4 GEMVs (opt-in)

@@ -140,7 +140,9 @@ def test_shared_w2_wrapper_launch_and_checks(monkeypatch):
     assert name == "gemv_mxfp4_down_combine_k2_f_w2" and block == (256,)
     assert grid == (256, 1)                       # _k2_f's grid: 2048 row groups / 8 warps per CTA
     assert a[6] is w2 and a[7] is sh and a[8] is out and len(a) == 12
-    assert smem == k * 8192 + EX.down_w2_smem(D, 256) and EX.down_w2_smem(D, 256) == 32
+    # the h rows, the w2 row values, the w2 preload region (experts.cu DOWN_W2_PRE_BYTES)
+    assert smem == k * 8192 + EX.down_w2_smem(D, 256) + EX.DOWN_W2_PRE_SMEM and EX.down_w2_smem(D, 256) == 32
+    assert EX.DOWN_W2_PRE_SMEM == 8 * 2 * 1024 * 2
     assert EX.down_w2_smem(D, 1) == 2 * D         # one CTA: every row's value
     EX.gemv_fp4_down_combine("nvfp4", h, ids, tab, tab, D, I, shared_w2=(w2, sh), out=out,
                              ws2=A(np.zeros(4, np.float32)))

@@ -28,6 +28,8 @@ PRELOAD_KERNELS = {
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
+    # FP4_DN_PRELOAD (default 2): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
+    "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2"),
 }
 
 def _nvdisasm() -> str | None:

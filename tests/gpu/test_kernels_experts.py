@@ -688,3 +688,55 @@ def test_down_combine_shared_w2_same_bytes(fmt, ids_case, mag):
     plain = K.gemv_fp4_down_combine(fmt, h, cp.asarray(ids), w2p, w2s, D, I, shared=None, ws2=ws2).get()
     moved = int((plain != a).sum())
     assert moved > a.size // 4, f"the shared term moved only {moved} of {a.size} {describe(seed, fmt=fmt, ids=ids_case, mag=mag)}"
+
+
+# ------------------------------------------- the down kernels' loads before the PDL wait (FP4_DN_PRELOAD)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("ids_case", sorted(_FULL_IDS))
+def test_down_preload_levels_same_bytes(fmt, ids_case):
+    """experts.cu FP4_DN_PRELOAD: the default build (level 2: the expert ids, their ranking, the
+    table entries, the weight ring's first steps and the first shared-w2 trip issued before the
+    PDL wait, the w2 trip by cp.async into shared memory) against the level-0 and level-1 builds,
+    same inputs: _k2_f with and without `shared`, and _k2_f_w2, every output byte equal (NaN ==
+    NaN).  T > 1 ("repeated", "empty", "k2") gives warps several row groups, so row group 1+ reads
+    its first w2 trip from global memory beside group 0's preloaded one.  The launches here have
+    no PDL predecessor; the step tests (graph replay under PDL against the legacy path) cover the
+    order around the wait."""
+    from memra_dsv4.gpu.ops._common import kernel as default_kernel
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    ids = np.array(_FULL_IDS[ids_case], np.int32)
+    T, k = ids.shape
+    I, D, E = 2048, 4096, 8
+    keep = _random_stack(rng, E, D, I, fmt)
+    w2p, w2s, ws2 = keep[2]
+    h = _wide_bf16(rng, (T * k, I))
+    shx = _wide_bf16(rng, (T, I))
+    shared = cp.asarray(bits_of(rand_bf16(rng, (T, D), 1.0)))
+    w2b = cp.asarray(bits_of(rand_bf16(rng, (D, I), 1.0, spread=30)))
+    idc = cp.asarray(ids)
+
+    def run(look):
+        names = []
+
+        def rec(stem, name):
+            names.append(name)
+            return look(stem, name)
+        with K.kernels_from(rec):
+            y1 = K.gemv_fp4_down_combine(fmt, h, idc, w2p, w2s, D, I, shared=shared, ws2=ws2)
+            y2 = K.gemv_fp4_down_combine(fmt, h, idc, w2p, w2s, D, I, shared=None, ws2=ws2)
+            y3 = K.gemv_fp4_down_combine(fmt, h, idc, w2p, w2s, D, I, shared_w2=(w2b, shx), ws2=ws2)
+        cp.cuda.Device().synchronize()
+        assert names == [f"gemv_{fmt}_down_combine_k2_f"] * 2 + [f"gemv_{fmt}_down_combine_k2_f_w2"], names
+        return y1.get(), y2.get(), y3.get()
+
+    got = run(default_kernel)
+    for level in (0, 1):
+        want = run(K.variant_kernels({"FP4_DN_PRELOAD": level}))
+        for name, a, b in zip(("shared", "no shared", "w2"), got, want):
+            same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
+            assert bool(same.all()), (f"{name}: level-2 build != level-{level} build at {int((~same).sum())} "
+                                      f"of {a.size} {describe(seed, fmt=fmt, ids=ids_case)}")
+    for name, a in zip(("shared", "no shared", "w2"), got):
+        nz = int(((a & 0x7FFF) != 0).sum())
+        assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"

@@ -144,6 +144,10 @@ def gateup_ring_on() -> bool:
 
 
 DOWN_W2_K = 2048            # gemv_*_down_combine_k2_f_w2: the shared expert's w2 row length (compile-time)
+# experts.cu DOWN_W2_PRE_BYTES: the _w2 kernel's w2 preload region (FP4_DN_PRELOAD >= 2: per warp
+# R rows x their first 1024 bf16, by cp.async before the PDL wait), requested at every level so
+# that the levels (a kernel-tree A/B) differ in their code alone
+DOWN_W2_PRE_SMEM = FP4_WARPS * DOWN_ROWS_PER_GROUP * 1024 * 2
 
 
 def down_w2_ok(O: int, K: int, k: int, w2) -> bool:
@@ -316,7 +320,11 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
     or None -> out [T, O] bf16.  Bit-identical to gemv_fp4(w2) then moe.combine (same impl).
     shared_w2=(w2, sh) instead of shared: w2 [O, 2048] bf16 bits, sh [T, 2048] bf16; the kernel
     computes shared[t] = bf16(w2 . sh[t]) itself (the bytes of ops_decode.gemv_bf16(w2, sh[t])
-    then shared=...); simt full shape only (down_w2_ok)."""
+    then shared=...); simt full shape only (down_w2_ok).
+    Under PDL (the device step) the full-shape kernels read expert_ids BEFORE their
+    griddepcontrol.wait (experts.cu FP4_DN_PRELOAD): the ids must have been written at least two
+    launches back (the router, before the routed gate/up that writes h), never by this launch's
+    direct predecessor."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_down_combine: format {fmt!r}"
     check(expert_ids, "gemv_fp4_down_combine.expert_ids", np.int32)
@@ -344,7 +352,8 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
     if T and O and shared_w2 is not None:
         kern = kernel(STEM, f"gemv_{fmt}_down_combine_k2_f_w2")
         nx = _fp4_grid_x(O, DOWN_ROWS_PER_GROUP, T)
-        smem = k * 2 * 4096 + down_w2_smem(O, nx)   # the h rows (f32), then the w2 row values
+        # the h rows (f32), the w2 row values, the w2 preload region
+        smem = k * 2 * 4096 + down_w2_smem(O, nx) + DOWN_W2_PRE_SMEM
         if smem + _STATIC_SMEM_SLACK > 48 * 1024:
             dynamic_smem(kern, max(smem, 48 * 1024 + 1))
         kern((nx, T), (256,),
