@@ -28,7 +28,7 @@ PRELOAD_KERNELS = {
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
-    # FP4_DN_PRELOAD (default 2): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
+    # FP4_DN_PRELOAD = 2 (opt-in): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
     "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2"),
 }
 
@@ -55,10 +55,14 @@ need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or NVDISASM is None
                                 reason="nvcc / nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
 
 
+# build macros a module's preload kernels need (experts.cu: FP4_DN_PRELOAD is opt-in, default 0)
+DEFINES = {"experts": ("-DFP4_DN_PRELOAD=2",)}
+
+
 def _sass(stem: str, tmp_path) -> str:
     cubin = os.path.join(tmp_path, f"{stem}.cubin")
-    subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", "-I", KDIR, "-o", cubin,
-                    os.path.join(KDIR, f"{stem}.cu")], check=True, capture_output=True, text=True)
+    subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", *DEFINES.get(stem, ()), "-I", KDIR,
+                    "-o", cubin, os.path.join(KDIR, f"{stem}.cu")], check=True, capture_output=True, text=True)
     return subprocess.run([NVDISASM, "-c", cubin], check=True, capture_output=True, text=True).stdout
 
 
@@ -108,3 +112,19 @@ def test_paced_l2_prefetch_before_the_wait(tmp_path):
     lines = _function(_sass("decode", str(tmp_path)), "l2_prefetch_paced")
     wait, pf, nap = _first(lines, "ACQBULK"), _first(lines, "UBLKPF.L2"), _first(lines, "NANOSLEEP")
     assert wait >= 0 and 0 <= pf < wait and 0 <= nap < wait, (wait, pf, nap)
+
+
+@need_tools
+def test_down_w2_preload_cp_async_before_the_wait(tmp_path):
+    """experts.cu FP4_DN_PRELOAD = 2: the MXFP4 _w2 kernel's first shared-w2 trip goes to shared
+    memory by cp.async (LDGSTS) before the wait, beside the ring's LDGs; at level 0 nothing does."""
+    lines = _function(_sass("experts", str(tmp_path)), "gemv_mxfp4_down_combine_k2_f_w2")
+    wait, cpa = _first(lines, "ACQBULK"), _first(lines, "LDGSTS")
+    assert 0 <= cpa < wait, (cpa, wait)
+    cubin = os.path.join(str(tmp_path), "experts0.cubin")
+    subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-O3", "-DFP4_DN_PRELOAD=0", "-I", KDIR,
+                    "-o", cubin, os.path.join(KDIR, "experts.cu")], check=True, capture_output=True, text=True)
+    sass0 = subprocess.run([NVDISASM, "-c", cubin], check=True, capture_output=True, text=True).stdout
+    lines0 = _function(sass0, "gemv_mxfp4_down_combine_k2_f_w2")
+    wait0 = _first(lines0, "ACQBULK")
+    assert 0 <= wait0 and not any(re.search(r"\b(LDG|LDGSTS)\b", ln) for ln in lines0[:wait0]), wait0

@@ -12,6 +12,16 @@ is in the kernels (eager differs too) or in the schedule (only some graph forms 
 --reps R repeats the whole comparison R times with fresh states (so fresh graph captures), and
 prints one summary line per rep plus the count of reps with any difference: an intermittent
 (schedule-dependent) difference shows as a rate.
+
+--poison fills every stage's step arena (StepWs: one arena per stage, shared by every state) with
+0xFF bytes before each rep's first step (from rep 1 on, once the step exists).  Every arena
+buffer must be rewritten before it is read, so a correct step is unaffected; a read that races
+ahead of its writer (a load before the PDL wait of something the step writes) then reads NaN
+patterns instead of the previous arm's identical values, and the reference arm's step 0
+differs loudly.  Why: the seventeenth session's suite run failed four Flash-layer step tests at
+step 0 only (the arena is shared, so at step i > 0 a racing read would see the previous arm's
+equal bits), with experts.cu FP4_DN_PRELOAD = 2; run with MEMRA_DSV4_KERNELS_DIR at a tree of
+each level to compare their rates.
 """
 from __future__ import annotations
 
@@ -29,6 +39,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--arms", default="", help="comma-separated subset of the arms (default all)")
+    ap.add_argument("--poison", action="store_true", help="0xFF over the step arenas before each rep")
     a = ap.parse_args()
     from memra_dsv4.checkpoint import Checkpoint
     from memra_dsv4.config import preset
@@ -50,6 +61,12 @@ def main() -> int:
     bad_reps = 0
     for rep in range(a.reps):
         states = {k: m.prefill(ids[:prompt], m.new_state())[1] for k in arms}
+        if a.poison and m._step is not None:
+            import cupy as cp
+            for S in m._step.stages:
+                with cp.cuda.Device(S.dev):
+                    cp.cuda.runtime.memset(S.arena.base_ptr, 0xFF, S.arena.nbytes)
+                    cp.cuda.Device(S.dev).synchronize()
         bad = []
         for i, t in enumerate(ids[prompt:]):
             got = {}

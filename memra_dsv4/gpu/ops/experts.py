@@ -321,8 +321,8 @@ def gemv_fp4_down_combine(fmt: str, h, expert_ids, wptr, sptr, O: int, K: int, *
     shared_w2=(w2, sh) instead of shared: w2 [O, 2048] bf16 bits, sh [T, 2048] bf16; the kernel
     computes shared[t] = bf16(w2 . sh[t]) itself (the bytes of ops_decode.gemv_bf16(w2, sh[t])
     then shared=...); simt full shape only (down_w2_ok).
-    Under PDL (the device step) the full-shape kernels read expert_ids BEFORE their
-    griddepcontrol.wait (experts.cu FP4_DN_PRELOAD): the ids must have been written at least two
+    Under PDL (the device step), builds with experts.cu FP4_DN_PRELOAD >= 1 (opt-in) read
+    expert_ids in the full-shape kernels BEFORE their griddepcontrol.wait: the ids must have been written at least two
     launches back (the router, before the routed gate/up that writes h), never by this launch's
     direct predecessor."""
     impl = _impl(impl)
