@@ -129,7 +129,7 @@ def _body(name: str) -> str:
 
 
 def test_fast_streams_keep_the_row_arithmetic():
-    gu, dn, gen = _body("fp4_stream_gateup_full"), _body("fp4_stream_down_full"), _body("fp4_stream")
+    gu, dn, gen = _body("fp4_stream_gateup_full"), _body("fp4_stream_down_full") + SRC[SRC.index("struct DownRing {"):SRC.index("\n};\n", SRC.index("struct DownRing {"))], _body("fp4_stream")
     # the one chunk routine, every lane folding (the general path's qok on these shapes)
     assert re.search(r"chunk_dots<NRM, NV, XF>\(rw\[d\], rs\[d\], .*lane \+ 32 \* i < nq, acc\)", gen, re.S)
     assert re.search(r"chunk_dots<NRM, NV, true>\(rw\[d\], rs\[d\], xq \+ 16 \* 256 \* i, b, true, acc\)", gu)
