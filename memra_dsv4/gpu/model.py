@@ -227,6 +227,7 @@ class Dsv4Gpu:
         ids = self.check_ids(token_ids)
         state = self.new_state(max_seq_len=ids.shape[0])
         state.reset()
+        self.devs.order_after_current()   # reset's fills ran on the current stream
         chunks = None if capture else self._pipeline_plan(ids.shape[0])
         if chunks:
             return self._pipeline_runner()(self, state, ids, chunks, ph="prefill")
@@ -267,6 +268,7 @@ class Dsv4Gpu:
         lay = {l: st.device for st in self.stages for l in st.layers}
         state = DecodeState(self.config, lay, int(max_seq_len or self.max_seq_len))
         state.owner = self
+        self.devs.order_after_current()   # the caches were zeroed on the current stream
         return state
 
     def _check_state(self, state):
@@ -290,6 +292,9 @@ class Dsv4Gpu:
             raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds max_seq_len "
                              f"{state.max_seq_len}")
         state.reset()
+        # reset's fills are on the current stream (the legacy default stream unless the caller
+        # set one); the chunk routine's kernels run on the non-blocking compute streams
+        self.devs.order_after_current()
         if self._step is not None:
             self._step.invalidate()
         chunks = self._pipeline_plan(ids.shape[0])

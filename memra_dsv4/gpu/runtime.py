@@ -8,6 +8,10 @@ Contract
   and enables peer access between every ordered pair of listed devices for which
   ``cudaDeviceCanAccessPeer`` says yes ("already enabled" is fine).  Enabled pairs are recorded
   module-wide (``peer_enabled``) so ``boundary_copy`` can pick its path.
+* ``Devices.order_after_current()`` orders every compute stream after the device's *current*
+  stream (an event edge).  Setup that CuPy enqueues on the current stream (a new state's zeroed
+  caches, prefill's reset, the device step's arena, counters and per-state tables) calls it
+  before the compute streams use those buffers; the caller may have any stream current.
 * ``MEMRA_DSV4_DEBUG=1`` (the ``debug`` seam of ``memra_dsv4.seams``) is read ONCE, at import
   of this module, and announced on stderr.  With it, ``debug_sync(stream, what)``
   synchronises ``stream`` after a launch and raises ``LaunchError`` naming ``what`` when the
@@ -188,6 +192,7 @@ class Devices:
         if bad:
             raise ValueError(f"Devices: ids {bad} out of range; this process sees {count} device(s)")
         self._handles: dict[int, DeviceHandles] = {}
+        self._order_events: dict[int, object] = {}   # order_after_current's events, one per device
         for d in self.ids:
             with cupy.cuda.Device(d):
                 props = cupy.cuda.runtime.getDeviceProperties(d)
@@ -225,6 +230,31 @@ class Devices:
         for h in self._handles.values():
             h.compute.synchronize()
             h.copy.synchronize()
+
+    def order_after_current(self) -> None:
+        """Make every device's compute stream wait (an event edge, no host wait) for the work
+        already enqueued on that device's *current* CuPy stream.
+
+        Why: CuPy enqueues array creation (``cp.zeros`` / ``cp.full``), ``fill`` and host uploads
+        (``cp.asarray`` of a NumPy array: a pinned staging copy, then an async H2D) on the
+        current stream, which is the legacy default stream unless the caller made another one
+        current, and the compute streams are non-blocking: they never order against it.  So a
+        kernel on a compute stream could run before or beside a cache zeroing or a table upload
+        that the host enqueued first.  Every setup that enqueues such work and hands its
+        buffers to the compute streams calls this once after it (Dsv4Gpu.new_state, prefill's
+        reset, DeviceStep's workspaces and per-state tables)."""
+        import cupy
+
+        for h in self._handles.values():
+            with cupy.cuda.Device(h.id):
+                cur = cupy.cuda.get_current_stream()
+                if cur.ptr == h.compute.ptr:
+                    continue
+                ev = self._order_events.get(h.id)
+                if ev is None:
+                    ev = self._order_events[h.id] = cupy.cuda.Event(disable_timing=True)
+                ev.record(cur)
+                h.compute.wait_event(ev)   # captures the event's state now: reuse is safe
 
     def describe(self) -> str:
         lines = [f"CUDA driver {_fmt_version(self.driver_version)}, runtime "

@@ -134,6 +134,9 @@ class DeviceStep:
                     S.io = HostIO(S.stream)
                 self._prewarm(S)
             self.stages.append(S)
+        # the arena, the pinned buffers and _prewarm's zeroed counters / workspaces were made on
+        # the current stream, which the non-blocking compute streams do not order against
+        model.devs.order_after_current()
         for d in model.devs:
             d.compute.synchronize()
 
@@ -342,6 +345,9 @@ class DeviceStep:
             self._graphs.pop(old, None)
         self._graphs.pop(id(state), None)
         self._tables[id(state)] = (state, tabs)
+        # each GemvTable was uploaded by cp.asarray on the current stream (pinned staging, then
+        # an async H2D): order the compute streams, whose gemv_bf16_multi reads it, after that
+        self.m.devs.order_after_current()
 
     @staticmethod
     def _pending_entries(L, pend, sub):
