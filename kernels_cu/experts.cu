@@ -191,14 +191,13 @@ namespace {
 // loads and the same arithmetic at every level: the same bits (GPU test
 // test_down_preload_levels_same_bytes).  MEASURED (seventeenth session, 1x H200, flash-layers:20,
 // in-process A/B against level 0): 1K 3.66 -> 3.59 and 3.49 -> 3.44 ms (both arm orders), 32K
-// 3.77 -> 3.70 ms.  Default 0 nevertheless, pending one open question: the first whole-suite run
-// with level 2 (3f71101) failed four Flash-layer step identity tests at step 0 (logits of one
-// graph arm differ), the signature of a read-before-write race at a fresh arena's first step;
-// the same message had been seen once before this macro existed (fifteenth session), and 7
-// repeats of the four tests per level beside two other processes passed (d5a1b0d).  Until a
-// poisoned-arena repeat test separates the two, the production build keeps every load after
-// the wait.
-#define FP4_DN_PRELOAD 0
+// 3.77 -> 3.70 ms.  The default since the eighteenth session.  (The first whole-suite run with
+// level 2, 3f71101, had failed four Flash-layer step identity tests at step 0; the same message
+// had been seen once before this macro existed.  The eighteenth session found a race that fits
+// it and is not in the kernels: new_state / prefill's reset and the first step's GemvTable
+// uploads were enqueued on the caller's current stream, which the non-blocking compute streams
+// never waited for; runtime.Devices.order_after_current, GPU test test_stream_order_gpu.py.)
+#define FP4_DN_PRELOAD 2
 #endif
 #ifndef FP4_MINB
 #define FP4_MINB 2  // resident CTAs per SM the register budget is set for (launch bounds)

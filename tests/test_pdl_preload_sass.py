@@ -28,7 +28,7 @@ PRELOAD_KERNELS = {
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
-    # FP4_DN_PRELOAD = 2 (opt-in): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
+    # FP4_DN_PRELOAD = 2 (the default): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
     "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2"),
 }
 
@@ -55,7 +55,7 @@ need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or NVDISASM is None
                                 reason="nvcc / nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
 
 
-# build macros a module's preload kernels need (experts.cu: FP4_DN_PRELOAD is opt-in, default 0)
+# build macros a module's preload kernels need (experts.cu: FP4_DN_PRELOAD, default 2, pinned here)
 DEFINES = {"experts": ("-DFP4_DN_PRELOAD=2",)}
 
 

@@ -731,8 +731,8 @@ def test_down_preload_levels_same_bytes(fmt, ids_case):
         return y1.get(), y2.get(), y3.get()
 
     got = run(K.variant_kernels({"FP4_DN_PRELOAD": 2}))
-    for level in (0, 1):
-        want = run(default_kernel if level == 0 else K.variant_kernels({"FP4_DN_PRELOAD": level}))
+    for level in (0, 1, "default"):
+        want = run(default_kernel if level == "default" else K.variant_kernels({"FP4_DN_PRELOAD": level}))
         for name, a, b in zip(("shared", "no shared", "w2"), got, want):
             same = (a == b) | ((a & 0x7FFF) > 0x7F80) & ((b & 0x7FFF) > 0x7F80)  # NaN == NaN
             assert bool(same.all()), (f"{name}: level-2 build != level-{level} build at {int((~same).sum())} "
