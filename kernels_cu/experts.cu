@@ -1279,47 +1279,34 @@ struct DownPlan : PlanBase {
     // (chunk c = lane + 32 u of row rr at [(rr GEMV_UNROLL + u) 32 + lane], each lane's own
     // cp.async), or null
     const uint4* w2pre;
-    // w2_rows with the weight ring already primed (FP4_DN_PRELOAD): bf16_rows_dot_k's row dots
-    // (trips ascending, chunk u of a trip into partial u, then partials_total: the same bits),
-    // one trip at a time so that its 8 + 4 chunks fit beside the ring's registers; trip 0 of row
-    // group 0 from w2pre when set (each lane reads only what its own cp.async wrote: no barrier)
+    // w2_rows with the weight ring already primed (FP4_DN_PRELOAD): bf16_rows_dot_k_by (the same
+    // arithmetic, so the same bits) one trip at a time, so that a trip's 4 R + 4 chunks fit beside
+    // the ring's registers; trip 0 of row group 0 from w2pre when set (each lane reads only what
+    // its own cp.async wrote: no barrier)
     DEV void w2_rows_pre() {
-        constexpr int TRIPS = DOWN_W2_K / (32 * 8 * GEMV_UNROLL);
         const int lane = threadIdx.x & 31, nrg = ngroups / k;
         for (int rg = 0; rg < nrg; ++rg) {
             const u16* wr[R];
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) wr[rr] = w2 + (i64)(row0(rg, R) + rr) * DOWN_W2_K;
-            float acc[R][GEMV_UNROLL];
-#pragma unroll
-            for (int rr = 0; rr < R; ++rr)
-#pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; ++u) acc[rr][u] = 0.0f;
-#pragma unroll 1
-            for (int t = 0; t < TRIPS; ++t) {
-                const int c = lane + 32 * GEMV_UNROLL * t;
-                uint4 w[R][GEMV_UNROLL], xr[GEMV_UNROLL];
-                if (t == 0 && rg == 0 && w2pre != nullptr) {  // warp-uniform
+            const bool pre = rg == 0 && w2pre != nullptr;   // warp-uniform
+            const uint4* w2p = w2pre;
+            auto trip_w = [&](int t, int c, uint4 (&w)[R][GEMV_UNROLL]) {
+                if (t == 0 && pre) {
                     cp_async_wait<0>();
 #pragma unroll
                     for (int u = 0; u < GEMV_UNROLL; ++u)
 #pragma unroll
-                        for (int rr = 0; rr < R; ++rr) w[rr][u] = w2pre[(rr * GEMV_UNROLL + u) * 32 + lane];
+                        for (int rr = 0; rr < R; ++rr) w[rr][u] = w2p[(rr * GEMV_UNROLL + u) * 32 + lane];
                 } else {
-#pragma unroll
-                    for (int u = 0; u < GEMV_UNROLL; ++u)
-#pragma unroll
-                        for (int rr = 0; rr < R; ++rr) w[rr][u] = ldg_stream16(wr[rr] + (i64)(c + 32 * u) * 8);
+                    Bf16RowsGlobal<R>{wr}(t, c, w);
                 }
+            };
+            float d[R];
+            bf16_rows_dot_k_by<R, DOWN_W2_K, 1>(trip_w, shx, lane, d);
 #pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(shx + (i64)(c + 32 * u) * 8);
-                bf16_trip_fma<R>(w, xr, acc);
-            }
-#pragma unroll
-            for (int rr = 0; rr < R; ++rr) {
-                const float d = partials_total(acc[rr]);
-                if (lane == rr) w2s[w2s_at(rg, rr)] = (u16)f32_to_bf16(d);
-            }
+            for (int rr = 0; rr < R; ++rr)
+                if (lane == rr) w2s[w2s_at(rg, rr)] = (u16)f32_to_bf16(d[rr]);
         }
         __syncwarp();
     }

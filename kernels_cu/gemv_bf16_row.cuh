@@ -14,9 +14,11 @@
 // lane's loads are issued.
 //   partials_total       the end of a row: partials in index order, then warp_sum
 //   bf16_trip_fma        one trip (chunks c + 32 u, u < GEMV_UNROLL, into partial u) of R rows
-//   bf16_rows_dot_k<R, K>  R whole rows with K % (32 * 8 * GEMV_UNROLL) == 0 (every lane has whole
-//                        trips, no tail chunks; K = 1024 t): trips t = 0, 1, ... of
-//                        bf16_trip_fma, then partials_total: THE ORDER for such K.
+//   bf16_rows_dot_k_by<R, K, TRIP_UNROLL>  R whole rows with K % (32 * 8 * GEMV_UNROLL) == 0
+//                        (every lane has whole trips, no tail chunks; K = 1024 t): trips t = 0,
+//                        1, ... of bf16_trip_fma, then partials_total: THE ORDER for such K; the
+//                        caller says where each trip's weight chunks come from
+//   bf16_rows_dot_k<R, K>  the same over rows in global memory (Bf16RowsGlobal)
 #pragma once
 
 #include "common.cuh"
@@ -52,33 +54,54 @@ DEV void bf16_trip_fma(const uint4 (&w)[R][GEMV_UNROLL], const uint4 (&xr)[GEMV_
     }
 }
 
-// out[r] = wrow[r] . x on every lane (R bf16 rows of K columns, 16-byte aligned rows and x,
-// K % 1024 == 0): lane l's trip t covers chunks l + 128 t + 32 u (u < GEMV_UNROLL) into partial
-// u, t ascending: per partial the chain of warp_rows_dot over the lane's complete groups (there
-// is no tail for such K), so THE ORDER.  Weights streamed past L1 (ldg_stream16), x through L1.
-template <int R, int K>
-DEV void bf16_rows_dot_k(const u16* const (&wrow)[R], const u16* __restrict__ x, int lane, float (&out)[R]) {
+// out[r] = row r . x on every lane (R bf16 rows of K columns, 16-byte aligned, K % 1024 == 0):
+// lane l's trip t covers chunks c + 32 u (c = l + 128 t, u < GEMV_UNROLL) into partial u, t
+// ascending: per partial the chain of warp_rows_dot over the lane's complete groups (there is no
+// tail for such K), so THE ORDER.  `trip_w(t, c, w)` fills trip t's weight chunks w[r][u] (row r,
+// chunk c + 32 u): where they come from (global memory, a shared-memory copy made earlier) is the
+// caller's; the arithmetic is this function's alone.  TRIP_UNROLL trips are unrolled: all of
+// them (the default) puts every trip's loads in flight at once; 1 keeps one trip's 4 R + 4 chunks
+// live, for a caller holding other loads in registers (experts.cu's w2_rows_pre beside the
+// primed FP4 ring).  x is read through L1.
+template <int R, int K, int TRIP_UNROLL = K / (32 * 8 * GEMV_UNROLL), class TripW>
+DEV void bf16_rows_dot_k_by(const TripW& trip_w, const u16* __restrict__ x, int lane, float (&out)[R]) {
     static_assert(K % (32 * 8 * GEMV_UNROLL) == 0, "bf16_rows_dot_k: K % 1024 == 0 (whole trips)");
     constexpr int TRIPS = K / (32 * 8 * GEMV_UNROLL);
+    static_assert(TRIP_UNROLL >= 1 && TRIP_UNROLL <= TRIPS, "bf16_rows_dot_k: 1 <= TRIP_UNROLL <= trips");
     float acc[R][GEMV_UNROLL];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
-#pragma unroll
+#pragma unroll TRIP_UNROLL
     for (int t = 0; t < TRIPS; ++t) {
         const int c = lane + 32 * GEMV_UNROLL * t;
         uint4 w[R][GEMV_UNROLL], xr[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u)
-#pragma unroll
-            for (int r = 0; r < R; ++r) w[r][u] = ldg_stream16(wrow[r] + (i64)(c + 32 * u) * 8);
+        trip_w(t, c, w);
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(x + (i64)(c + 32 * u) * 8);
         bf16_trip_fma<R>(w, xr, acc);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
+}
+
+// a trip's chunks straight from R rows in global memory, streamed past L1 (ldg_stream16)
+template <int R>
+struct Bf16RowsGlobal {
+    const u16* const (&wrow)[R];
+    DEV void operator()(int, int c, uint4 (&w)[R][GEMV_UNROLL]) const {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) w[r][u] = ldg_stream16(wrow[r] + (i64)(c + 32 * u) * 8);
+    }
+};
+
+// bf16_rows_dot_k_by over rows in global memory, every trip unrolled
+template <int R, int K>
+DEV void bf16_rows_dot_k(const u16* const (&wrow)[R], const u16* __restrict__ x, int lane, float (&out)[R]) {
+    bf16_rows_dot_k_by<R, K>(Bf16RowsGlobal<R>{wrow}, x, lane, out);
 }
 
 }  // namespace memra

@@ -104,12 +104,19 @@ def test_gemv_row_code_is_shared():
     assert '#include "gemv_bf16_row.cuh"' in dec and '#include "gemv_bf16_row.cuh"' in ex
     for name in ("DEV float partials_total(", "DEV void bf16_trip_fma(", "constexpr int GEMV_UNROLL"):
         assert name in hdr and name not in dec and name not in ex, name
-    body = _body(hdr, "DEV void bf16_rows_dot_k(")
+    body = _body(hdr, "DEV void bf16_rows_dot_k_by(")
     assert "bf16_trip_fma<R>(" in body and "partials_total(" in body
     assert "__fmaf_rn" not in body and "warp_sum" not in body
+    # the global-rows form and the FP4_DN_PRELOAD form both delegate to bf16_rows_dot_k_by: one
+    # copy of the trip loop (the seventeenth session's w2_rows_pre had its own)
+    assert "bf16_rows_dot_k_by<R, K>(" in _body(hdr, "DEV void bf16_rows_dot_k(")
     w2_rows = _body(ex, "DEV void w2_rows(")
     assert "bf16_rows_dot_k<R, DOWN_W2_K>(" in w2_rows and "f32_to_bf16(" in w2_rows
-    assert "__fmaf_rn" not in w2_rows and "__fadd_rn" not in w2_rows
+    w2_pre = _body(ex, "DEV void w2_rows_pre(")
+    assert "bf16_rows_dot_k_by<R, DOWN_W2_K, 1>(" in w2_pre and "f32_to_bf16(" in w2_pre
+    for rows in (w2_rows, w2_pre):
+        for own in ("__fmaf_rn", "__fadd_rn", "bf16_trip_fma", "partials_total"):
+            assert own not in rows, own
     assert re.findall(r"^GEMV_FP4_DOWN_W2\((\w+),", ex, re.M) == [
         "gemv_mxfp4_down_combine_k2_f_w2", "gemv_nvfp4_down_combine_k2_f_w2"]
     from memra_dsv4.gpu.ops import experts as EX
