@@ -35,10 +35,18 @@ def _unfused_attention(AT, DK, cp, kmax):
 
 
 def _unfused_emit(CM, DK, cp):
-    pooled = cp.empty((512,), cp.float32)
-    aux = cp.zeros((8,), cp.int32)
+    # One scratch pair per compressor kind, allocated before any capture: with decode_fork
+    # "on" / "all" (the default) a CSA layer's attention compressor ("fp8", on S.side) and its
+    # indexer's compressor ("hadfp4", on S.side2) are captured on CONCURRENT graph branches, so
+    # one shared pooled / aux let one emission overwrite the other's pooled row between its pool
+    # and its norm_rope_sim (a race of this harness only: compress_emit_* keeps its pooled row in
+    # registers / shared memory).  It showed as sporadic logit differences late in small's run
+    # (nineteenth session, under two other test processes).  Layers follow one another through
+    # the fork joins, so two pairs are enough.
+    scratch = {m: (cp.empty((512,), cp.float32), cp.zeros((8,), cp.int32)) for m in ("fp8", "hadfp4")}
 
     def emit(pos, kv, score, ratio, overlap, weight, eps, cos, sin, mode, out):
+        pooled, aux = scratch[mode]
         r = int(ratio)
         d = kv.shape[1] // 2 if overlap else kv.shape[1]
         pl = pooled[:d].reshape(1, d)
