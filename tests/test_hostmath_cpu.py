@@ -128,11 +128,6 @@ def test_one_token_dispatch_decision():
             one_token_dispatch(*args, True)
 
 
-def test_step_module_declares_hostmath_built():
-    from memra_dsv4.gpu import step
-    assert step.IMPLEMENTED and step.HOSTMATH_IMPLEMENTED and step.HOSTMATH_REASON == ""
-
-
 def test_decode_step_plumbing(monkeypatch):
     """legacy decode_step asks forward_chunk for the one-token dispatch; device paths go to
     device_step (fakes: no GPU)."""

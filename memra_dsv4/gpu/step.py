@@ -7,8 +7,8 @@ when ``model.decode_path == "device-hostmath"``, the same launches with the four
 split, router selection, indexer fine top-k, head gate) computed on the host by gpu.hostmath:
 the byte-identity instrument against ``legacy`` (whose one-token dispatch,
 gpu.decode.ChunkBlock.forward_one, runs the same kernels and the same islands).
-``IMPLEMENTED`` and ``HOSTMATH_IMPLEMENTED`` are True (device-hostmath: written, not yet run on
-a GPU; docs/semantics.md section 9).
+Both run on the GPU machine (tests/gpu/test_decode_gpu.py: device-hostmath == legacy byte for
+byte; device within the bf16 bounds, graph replay == eager; docs/semantics.md section 9).
 
 ``step_ws_plan(cfg, layers, has_embed, has_head, max_seq_len, stage_index=0) -> ArenaPlan``
     The per-stage arena of one decode step: every activation buffer of one token, sized once.
@@ -32,13 +32,7 @@ from __future__ import annotations
 
 from memra_dsv4.gpu.arena import ArenaPlan
 
-__all__ = ["IMPLEMENTED", "NOT_IMPLEMENTED_REASON", "device_step", "step_ws_plan", "step_bytes",
-           "total_step_bytes"]
-
-IMPLEMENTED = True
-NOT_IMPLEMENTED_REASON = ""
-HOSTMATH_IMPLEMENTED = True
-HOSTMATH_REASON = ""
+__all__ = ["device_step", "step_ws_plan", "step_bytes", "total_step_bytes"]
 
 
 def device_step(model, state, token: int, *, graph: bool | None = None):

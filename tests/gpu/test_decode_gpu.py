@@ -20,9 +20,7 @@ Bitwise where the arithmetic is the same: a reused state (reset) == a fresh stat
 chunk routine: the device step's kernels with the hc split, router selection, indexer top-k and
 head gate on the host, gpu.hostmath; device-hostmath is the device step with the same islands).
 Legacy decode vs re-prefill is therefore across arithmetics (GEMV vs cuBLASLt GEMM, fused FP4
-GEMVs vs the prefill MoE, host vs device islands): bf16 class, the bounds below.  The
-device-path tests (device within bounds, graph replay == eager, zero allocations per step) skip
-with the reason while memra_dsv4.gpu.step.IMPLEMENTED is False.
+GEMVs vs the prefill MoE, host vs device islands): bf16 class, the bounds below.  
 Every model here runs its prefills with prefill_attn="simt", the decode kernels' attention
 arithmetic: the contract isolates the state machine (rings, pending rows, emissions, visibility).
 With the default tensor-core prefill attention (chunks >= 64) a re-prefill's attention sums in
@@ -318,12 +316,6 @@ def test_two_stage_decode_bitwise_equals_one_stage():
 
 
 # ------------------------------------------------------------------ device paths
-def _need_device_step():
-    from memra_dsv4.gpu import step
-    if not step.IMPLEMENTED:
-        pytest.skip(f"device step not implemented yet: {step.NOT_IMPLEMENTED_REASON}")
-
-
 def _run_path(name, path, L, steps, devices=(0,)):
     ck, m = _model(name, devices, path)
     ids = _ids(ck.config, L + steps, seed=11)
@@ -333,10 +325,6 @@ def _run_path(name, path, L, steps, devices=(0,)):
 
 def _hostmath_bytewise(name, L, steps, devices=(0,)):
     """device-hostmath == legacy, logits of every step and the whole state, byte for byte."""
-    _need_device_step()
-    from memra_dsv4.gpu import step
-    if not step.HOSTMATH_IMPLEMENTED:
-        pytest.skip(step.HOSTMATH_REASON)
     a, sa = _run_path(name, "legacy", L, steps, devices)
     b, sb = _run_path(name, "device-hostmath", L, steps, devices)
     for i, (x, y) in enumerate(zip(a, b)):
@@ -351,9 +339,6 @@ def hostmath_equals_legacy_with(attr: str | None, value: str | None, seed: int, 
     ...) == legacy, the logits of every step bit for bit and every cache byte (the step test
     files' "the form keeps the byte contract" check).  ``attr`` None: no attribute is set (a
     form the caller selected through its env switch before the call)."""
-    from memra_dsv4.gpu import step
-    if not step.HOSTMATH_IMPLEMENTED:
-        pytest.skip(step.HOSTMATH_REASON)
     ck, ml = _model("tiny", (0,), "legacy")
     _, mh = _model("tiny", (0,), "device-hostmath")
     ids = _ids(ck.config, L + steps, seed=seed)
@@ -413,7 +398,6 @@ def _graph_equals_eager_then_allocations(path: str):
 def test_device_hostmath_eager_and_allocates_nothing():
     """device-hostmath runs eagerly whatever graph= says (same bytes), and after its first
     step (pinned island buffers made on first use) allocates nothing on the device."""
-    _need_device_step()
     m, c = _graph_equals_eager_then_allocations("device-hostmath")
     assert not m._step._graphs, "device-hostmath captured a graph"
     assert c.total == 0, f"{c} allocations in 5 device-hostmath steps"
@@ -421,7 +405,6 @@ def test_device_hostmath_eager_and_allocates_nothing():
 
 @pytest.mark.parametrize("L", [3, 16, 129])
 def test_device_within_bounds_of_legacy(L):
-    _need_device_step()
     a, _ = _run_path("tiny", "legacy", L, 5)
     b, _ = _run_path("tiny", "device", L, 5)
     fails, lines = [], []
@@ -431,6 +414,5 @@ def test_device_within_bounds_of_legacy(L):
 
 
 def test_graph_replay_equals_eager_and_allocates_nothing():
-    _need_device_step()
     _, c = _graph_equals_eager_then_allocations("device")
     assert c.total == 0, f"{c} allocations in 5 graph steps"
