@@ -1,5 +1,5 @@
 """CPU parts of the GPU decode: StepWs arena plan invariants, step byte counting, the decode
-path seam, and the device step's refusal while it is not implemented."""
+path seam, the bench's arm parsing and the device step's attention form."""
 import numpy as np
 import pytest
 

@@ -71,12 +71,16 @@ def _compile_variant(defines: dict) -> tuple[str, float]:
     return "experts " + " ".join(f"{k}={v}" for k, v in sorted(defines.items())), time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=13)
     ap.add_argument("--variants", action="store_true",
                     help="also build the experts.cu variants the GPU tests compare against")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     stems = _register_all()
     t0 = time.perf_counter()
     import multiprocessing as mp

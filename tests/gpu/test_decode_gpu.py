@@ -20,7 +20,7 @@ Bitwise where the arithmetic is the same: a reused state (reset) == a fresh stat
 chunk routine: the device step's kernels with the hc split, router selection, indexer top-k and
 head gate on the host, gpu.hostmath; device-hostmath is the device step with the same islands).
 Legacy decode vs re-prefill is therefore across arithmetics (GEMV vs cuBLASLt GEMM, fused FP4
-GEMVs vs the prefill MoE, host vs device islands): bf16 class, the bounds below.  
+GEMVs vs the prefill MoE, host vs device islands): bf16 class, the bounds below.
 Every model here runs its prefills with prefill_attn="simt", the decode kernels' attention
 arithmetic: the contract isolates the state machine (rings, pending rows, emissions, visibility).
 With the default tensor-core prefill attention (chunks >= 64) a re-prefill's attention sums in
