@@ -48,7 +48,10 @@ the shared expert's side stream; bit-identical, step_device.hc_join_form),
 bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
 the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
 shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
-own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), and
+own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
+(MEMRA_DSV4_SHARED_GATEUP: the shared expert's SwiGLU computed by the routed gate/up's launch
+before its PDL wait, or as its own launch on the MoE side branch; bit-identical,
+step_device.shared_gateup_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -142,6 +145,7 @@ _KERNEL_SETTINGS = {
     "gupdl": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_GATEUP_PDL"),
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
+    "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
     "l2side": SimpleNamespace(allowed=("off", "wq", "wo", "both"), env="MEMRA_DSV4_L2_SIDE"),

@@ -1303,7 +1303,7 @@ struct DownPlan : PlanBase {
                 }
             };
             float d[R];
-            bf16_rows_dot_k_by<R, DOWN_W2_K, 1>(trip_w, shx, lane, d);
+            bf16_rows_dot_k_by<R, DOWN_W2_K, 1>(trip_w, Bf16XGlobal{shx}, lane, d);
 #pragma unroll
             for (int rr = 0; rr < R; ++rr)
                 if (lane == rr) w2s[w2s_at(rg, rr)] = (u16)f32_to_bf16(d[rr]);
@@ -1523,6 +1523,53 @@ struct DownFullPre {
     }
 };
 
+// The shared expert's SwiGLU inside the routed gate/up launch (gemv_*_gateup_k4_f_sh), computed
+// BEFORE the PDL wait.  Why: the gate/up's predecessor is the router, whose ~8 us are mostly one
+// CTA's selection; the routed gate/up cannot start before the ids exist, but the shared expert
+// (2 x 2048 x 4096 bf16, 33.5 MB) needs only x, so its bytes can stream while the router runs
+// instead of beside or after the issue-bound FP4 stream.  What it may read there (common.cuh,
+// PDL_ENTRY_PRELOAD): its weights (static) and x, the ffn boundary's output, written two launches
+// back (boundary -> router -> this launch), so final; x is read through L2 (__ldcg: an SM's L1
+// could hold a line of the same buffer from an earlier layer's reader) into a shared-memory copy
+// once per CTA.  Every store (the h rows) stays after the wait.
+// THE ARITHMETIC of decode.cu's gemv_bf16_swiglu (warp_rows_dot, THE ORDER for K = 4096): per
+// output o the W1 and W3 row dots by bf16_rows_dot_k_by (gemv_bf16_row.cuh), each rounded to bf16,
+// then swiglu_value(g, u, 1, unweighted, limit) -> bf16; so the same bytes as that launch.
+// Work: output o belongs to warp o mod NW of the whole grid (NW = every warp of every slot's
+// CTAs: ~2112 warps for 2048 outputs on an H200, so at most one per warp there); lane j keeps the
+// warp's j-th value (ops/experts.py checks O_sh <= 32 NW).  Two trips in flight (TRIP_UNROLL 2:
+// 64 registers of weights), all four would not fit the 128-register budget.
+constexpr int SH_SWIGLU_K = 4096;  // the full-shape gate/up's K (ops/experts.py GATEUP_FULL_K)
+struct SharedSwigluPre {
+    u32 kept;  // lane j: the bf16 bits of this warp's j-th output
+    int o0, nw;
+    DEV void before_wait(const u16* __restrict__ x, const u16* __restrict__ w1, const u16* __restrict__ w3,
+                         int O_sh, double limit) {
+        __shared__ uint4 xsh[SH_SWIGLU_K / 8];
+        for (int i = threadIdx.x; i < SH_SWIGLU_K / 8; i += FP4_WARPS * 32)
+            xsh[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
+        __syncthreads();
+        const int lane = threadIdx.x & 31;
+        o0 = (blockIdx.y * gridDim.x + blockIdx.x) * FP4_WARPS + (threadIdx.x >> 5);
+        nw = gridDim.x * gridDim.y * FP4_WARPS;
+        kept = 0u;
+        int j = 0;
+        for (int o = o0; o < O_sh; o += nw, ++j) {
+            const u16* const rows[2] = {w1 + (i64)o * SH_SWIGLU_K, w3 + (i64)o * SH_SWIGLU_K};
+            float d[2];
+            bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}, lane, d);
+            const u32 v = f32_to_bf16(swiglu_value(round_bf16(d[0]), round_bf16(d[1]), 1.0f, false, limit));
+            if (lane == j) kept = v;
+        }
+        if (O_sh < 0) __trap();  // never taken: ends the basic block, so ptxas keeps the wait below
+    }
+    // after the wait: lane j stores the warp's j-th output
+    DEV void after_wait(u16* __restrict__ sh, int O_sh) const {
+        const int o = o0 + (int)(threadIdx.x & 31) * nw;
+        if (o < O_sh) sh[o] = (u16)kept;
+    }
+};
+
 }  // namespace
 
 // x: [n_x, K] bf16; x row of slot s = s / x_div; expert_ids: [n_slots] int32; wptr/sptr: u64 [E]
@@ -1579,6 +1626,27 @@ GEMV_FP4_GATEUP(gemv_nvfp4_gateup_k4_f, 4, true, true)
     }
 GEMV_FP4_GATEUP_RING(gemv_mxfp4_gateup_k4_r, false)
 GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
+// The full shape with the shared expert's SwiGLU in the same launch (the device step's
+// MEMRA_DSV4_SHARED_GATEUP = on; SharedSwigluPre above): as _k4_f, plus sw1 / sw3: the shared
+// expert's W1 / W3 as bf16 bits [O_sh, 4096], sh: [O_sh] bf16 out = swiglu(bf16(sw1 . x[0]),
+// bf16(sw3 . x[0])) (clamped at sh_limit, no routing weight; x row 0: one token), the bytes of
+// ops_decode.gemv_bf16_swiglu.  O_sh <= 32 * gridDim.x * gridDim.y * FP4_WARPS.  Grid and block
+// as _k4_f; static shared memory 8 KB more (x as bf16).
+#define GEMV_FP4_GATEUP_SH(NAME, NV)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
+    NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
+         const u64* __restrict__ w1ptr, const u64* __restrict__ s1ptr, const float* __restrict__ ws2_1, \
+         const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
+         const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K, \
+         const u16* __restrict__ sw1, const u16* __restrict__ sw3, u16* __restrict__ sh, int O_sh,  \
+         double sh_limit) {                                                                        \
+        PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, sh_limit));      \
+        pre.after_wait(sh, O_sh);                                                                  \
+        gemv_fp4_gateup_body<4, NV, true>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3, \
+                                          weight, limit, h, ld_h, O, K);                          \
+    }
+GEMV_FP4_GATEUP_SH(gemv_mxfp4_gateup_k4_f_sh, false)
+GEMV_FP4_GATEUP_SH(gemv_nvfp4_gateup_k4_f_sh, true)
 
 // Fused MoE second half. h: [T*k, K] bf16 (pick j of token t at row t*k + j, routing weight
 // already applied); expert_ids [T, k] int32 (k <= 16); wptr/sptr/ws2: down tables; shared: [T, O]

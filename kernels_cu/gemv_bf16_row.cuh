@@ -17,7 +17,8 @@
 //   bf16_rows_dot_k_by<R, K, TRIP_UNROLL>  R whole rows with K % (32 * 8 * GEMV_UNROLL) == 0
 //                        (every lane has whole trips, no tail chunks; K = 1024 t): trips t = 0,
 //                        1, ... of bf16_trip_fma, then partials_total: THE ORDER for such K; the
-//                        caller says where each trip's weight chunks come from
+//                        caller says where each trip's weight chunks and x chunks come from
+//                        (Bf16XGlobal: through L1; Bf16XShared: a shared-memory copy)
 //   bf16_rows_dot_k<R, K>  the same over rows in global memory (Bf16RowsGlobal)
 #pragma once
 
@@ -63,8 +64,21 @@ DEV void bf16_trip_fma(const uint4 (&w)[R][GEMV_UNROLL], const uint4 (&xr)[GEMV_
 // them (the default) puts every trip's loads in flight at once; 1 keeps one trip's 4 R + 4 chunks
 // live, for a caller holding other loads in registers (experts.cu's w2_rows_pre beside the
 // primed FP4 ring).  x is read through L1.
-template <int R, int K, int TRIP_UNROLL = K / (32 * 8 * GEMV_UNROLL), class TripW>
-DEV void bf16_rows_dot_k_by(const TripW& trip_w, const u16* __restrict__ x, int lane, float (&out)[R]) {
+// x chunk c (8 bf16) through L1 (the default x source of bf16_rows_dot_k_by)
+struct Bf16XGlobal {
+    const u16* __restrict__ x;
+    DEV uint4 operator()(int c) const { return ldg16(x + (i64)c * 8); }
+};
+
+// x chunk c (8 bf16) from a copy in shared memory, 16-byte word c (experts.cu's gate/up + shared
+// SwiGLU stages x there through L2 before its PDL wait: lane l reads word l + 32 u, conflict-free)
+struct Bf16XShared {
+    const uint4* xs;
+    DEV uint4 operator()(int c) const { return xs[c]; }
+};
+
+template <int R, int K, int TRIP_UNROLL = K / (32 * 8 * GEMV_UNROLL), class TripW, class XSrc>
+DEV void bf16_rows_dot_k_by(const TripW& trip_w, const XSrc& x_chunk, int lane, float (&out)[R]) {
     static_assert(K % (32 * 8 * GEMV_UNROLL) == 0, "bf16_rows_dot_k: K % 1024 == 0 (whole trips)");
     constexpr int TRIPS = K / (32 * 8 * GEMV_UNROLL);
     static_assert(TRIP_UNROLL >= 1 && TRIP_UNROLL <= TRIPS, "bf16_rows_dot_k: 1 <= TRIP_UNROLL <= trips");
@@ -79,7 +93,7 @@ DEV void bf16_rows_dot_k_by(const TripW& trip_w, const u16* __restrict__ x, int 
         uint4 w[R][GEMV_UNROLL], xr[GEMV_UNROLL];
         trip_w(t, c, w);
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = ldg16(x + (i64)(c + 32 * u) * 8);
+        for (int u = 0; u < GEMV_UNROLL; ++u) xr[u] = x_chunk(c + 32 * u);
         bf16_trip_fma<R>(w, xr, acc);
     }
 #pragma unroll
@@ -101,7 +115,7 @@ struct Bf16RowsGlobal {
 // bf16_rows_dot_k_by over rows in global memory, every trip unrolled
 template <int R, int K>
 DEV void bf16_rows_dot_k(const u16* const (&wrow)[R], const u16* __restrict__ x, int lane, float (&out)[R]) {
-    bf16_rows_dot_k_by<R, K>(Bf16RowsGlobal<R>{wrow}, x, lane, out);
+    bf16_rows_dot_k_by<R, K>(Bf16RowsGlobal<R>{wrow}, Bf16XGlobal{x}, lane, out);
 }
 
 }  // namespace memra

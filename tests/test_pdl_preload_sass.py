@@ -29,7 +29,9 @@ PRELOAD_KERNELS = {
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
     # FP4_DN_PRELOAD = 2 (the default): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
-    "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2"),
+    "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2",
+                # the shared expert's SwiGLU before the wait (MEMRA_DSV4_SHARED_GATEUP)
+                "gemv_mxfp4_gateup_k4_f_sh", "gemv_nvfp4_gateup_k4_f_sh"),
 }
 
 def _nvdisasm() -> str | None:
@@ -102,6 +104,9 @@ def test_preloads_issue_before_the_wait(stem, tmp_path):
         assert wait >= 0, f"{name}: no ACQBULK (griddepcontrol.wait) in its SASS"
         assert 0 <= load < wait, (f"{name}: the first LDG (instruction {load}) is not before the PDL "
                                   f"wait (instruction {wait}): ptxas moved the wait above the preload")
+        # common.cuh: every store (and atomic) stays after the wait
+        early = [ln.strip() for ln in lines[:wait] if re.search(r"\b(STG|ATOMG|RED|ST)\b", ln)]
+        assert not early, f"{name}: global stores before the PDL wait: {early[:3]}"
 
 
 @need_tools

@@ -823,6 +823,16 @@ class DeviceStep:
             if w2s is None and EX.down_w2_ok(D, I, k, w2w):
                 w2_fused = (w2w, sh.reshape(1, -1))
 
+        # MEMRA_DSV4_SHARED_GATEUP = on: the routed gate/up launch computes the shared expert's
+        # SwiGLU too, before its PDL wait (experts.cu _k4_f_sh; bf16 shared w1 / w3 and the full
+        # shape only, else the separate launch below).  x = xn is written by the ffn boundary,
+        # two launches before the gate/up (boundary -> router -> gate/up), as the kernel requires.
+        sh_in_gateup = None
+        if shared_gateup_on():
+            (sw1, ss1), (sw3, ss3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+            if ss1 is None and ss3 is None and EX.gateup_shared_ok(I, D, xn, sw1, sw3):
+                sh_in_gateup = (sw1, sw3, sh, cfg.swiglu_limit)
+
         def shared_swiglu():
             with phase(f"{mp}/shared"):
                 (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
@@ -852,10 +862,25 @@ class DeviceStep:
                 EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
                                    L.sp["w3"], I, D, weight=wts.reshape(k),
                                    limit=cfg.swiglu_limit, out=h, x_div=k, ws2_1=L.ws2["w1"],
-                                   ws2_3=L.ws2["w3"])
+                                   ws2_3=L.ws2["w3"], shared_swiglu=sh_in_gateup)
 
         # The four are independent until the combine (any order gives the same bits).
-        if self._forking in ("all", "lead"):
+        ride = getattr(S, "hc_ride", None)
+        if sh_in_gateup is not None:
+            # the shared SwiGLU rides in the gate/up launch; no MoE branch is left to fork, but
+            # the ffn boundary's Sinkhorn (MEMRA_DSV4_HC_JOIN=ride) still takes the side stream
+            if ride is not None:
+                S.moe_fork.fork()
+                with S.moe_side:
+                    ride()
+                    S.hc_ride = None
+            router()
+            gate_up()
+            if w2_fused is None:   # reads sh, which the gate/up launch writes now
+                shared_w2()
+            if ride is not None:
+                S.moe_fork.join()
+        elif self._forking in ("all", "lead"):
             # Two graph branches: the shared expert (two bandwidth-bound dense GEMVs) beside the
             # router and the routed gate/up (latency- and issue-bound); they share no buffer, and
             # the join makes the down + combine wait for both.  The default since 50ac732: with
@@ -867,7 +892,6 @@ class DeviceStep:
             # decode_priority "attn" keeps this branch at the default priority.)
             S.moe_fork.fork()
             with S.moe_side:
-                ride = getattr(S, "hc_ride", None)
                 if ride is not None:   # the ffn boundary's Sinkhorn (MEMRA_DSV4_HC_JOIN=ride), first
                     ride()
                     S.hc_ride = None
@@ -931,6 +955,24 @@ def gateup_pdl_off() -> bool:
     3.7 us after the routed gate/up).  Without PDL on this one edge they can run beside the
     latency-bound router.  Schedule only: the same bytes.  Not a seam (bench arm gupdl=on|off)."""
     return _on_off_env(GATEUP_PDL_ENV, "on") == "off"
+
+
+SHARED_GATEUP_ENV = "MEMRA_DSV4_SHARED_GATEUP"   # on | off: the shared SwiGLU inside the routed gate/up
+SHARED_GATEUP_DEFAULT = "off"
+
+
+def shared_gateup_on() -> bool:
+    """MEMRA_DSV4_SHARED_GATEUP = on | off (SHARED_GATEUP_DEFAULT), read when _moe launches (at
+    graph capture): the shared expert's SwiGLU computed by the routed gate/up's launch
+    (ops.experts.gemv_fp4_gateup(shared_swiglu=): experts.cu gemv_*_gateup_k4_f_sh), before its
+    PDL wait, instead of its own gemv_bf16_swiglu launch on the MoE side branch.  Why: with PDL
+    the gate/up's single wave becomes resident as soon as the router is and parks at its wait for
+    the router's ~8 us, and the side branch's CTAs are dispatched only once that wave has been
+    (device timeline, tenth session), so the shared expert's 33.5 MB stream mostly after the
+    routed gate/up; inside it they stream during the router.  Applies to bf16 shared w1 / w3 and
+    the Flash shapes (ops.experts.gateup_shared_ok); otherwise the separate launch.  The same
+    bytes either way (tests/gpu/test_step_shared_gateup_gpu.py); not a seam (bench arm shgu=on|off)."""
+    return _on_off_env(SHARED_GATEUP_ENV, SHARED_GATEUP_DEFAULT) == "on"
 
 
 def multi_qnorm_on() -> bool:

@@ -740,3 +740,62 @@ def test_down_preload_levels_same_bytes(fmt, ids_case):
     for name, a in zip(("shared", "no shared", "w2"), got):
         nz = int(((a & 0x7FFF) != 0).sum())
         assert nz > a.size // 4, f"{name}: only {nz} of {a.size} nonzero {describe(seed, fmt=fmt, ids=ids_case)}"
+
+
+# ------------------------------------------- the shared expert's SwiGLU in the gate/up launch (_k4_f_sh)
+_SH_IDS = {"distinct": [5, 0, 3, 7, 1, 6], "empty": [3, -1, 6, 1, 0, 2], "k2": [1, 6], "k8": [7, 6, 5, 4, 3, 3, 1, 0],
+           "few_ctas": [5, 0, 3, 7, 1, 6]}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("case", sorted(_SH_IDS))
+def test_gateup_shared_same_bytes(fmt, case, monkeypatch):
+    """gemv_{fmt}_gateup_k4_f_sh (gemv_fp4_gateup(shared_swiglu=...): the shared expert's SwiGLU
+    computed before the PDL wait by the routed gate/up's launch) against the two launches it
+    replaces, same inputs: the routed h == gemv_{fmt}_gateup_k4_f's and sh ==
+    ops_decode.gemv_bf16_swiglu's (the device step's side-branch launch), every byte; the outputs
+    start poisoned (0xFFFF), so a row the kernel does not write shows.  One token (the step's
+    form), Flash shapes (routed and shared 2048 x 4096), wide-range x, shared W1 / W3 rows over
+    2^-40 .. 2^40 (so the SwiGLU clamp at 7 and the bf16 roundings both act); "empty" has a pick
+    without an expert (its CTAs still compute their shared rows), "few_ctas" launches on 2 CTAs
+    per slot (sm_count 4), so each warp keeps ~22 shared outputs on its lanes."""
+    from memra_dsv4.gpu import ops_decode as DK
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    ids = np.array(_SH_IDS[case], np.int32)
+    k = ids.size
+    I, D, E = 2048, 4096, 8
+    if case == "few_ctas":
+        monkeypatch.setattr(K, "sm_count", lambda: 4)
+    keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)]
+    (w1p, w1s, ws1), (w3p, w3s, ws3) = (t[2] for t in keep)
+    flat = cp.asarray(ids)
+    x = _wide_bf16(rng, (1, D))
+    wts = cp.asarray((rng.random(k) * 1.5).astype(np.float32))
+    sw = []
+    for _ in range(2):
+        w = rand_bf16(rng, (I, D), 1.0, spread=8) * np.exp2(rng.integers(-40, 41, (I, 1))).astype(np.float32)
+        sw.append(cp.asarray(bits_of(w)))
+    sw1, sw3 = sw
+    assert K.gateup_shared_ok(I, D, x, sw1, sw3)
+    names = []
+    with K.kernels_from(_recording(names)):
+        h_want = K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                                   ws2_1=ws1, ws2_3=ws3)
+        sh_want = cp.full(I, 0xFFFF, np.uint16)
+        DK.gemv_bf16_swiglu(sw1, sw3, x[0], sh_want, 7.0)
+        h_got = cp.full((k, I), 0xFFFF, np.uint16)
+        sh_got = cp.full(I, 0xFFFF, np.uint16)
+        K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
+                          ws2_1=ws1, ws2_3=ws3, out=h_got, shared_swiglu=(sw1, sw3, sh_got, 7.0))
+    cp.cuda.Device().synchronize()
+    assert names == [f"gemv_{fmt}_gateup_k4_f", f"gemv_{fmt}_gateup_k4_f_sh"], names
+    for name, a, b in (("routed h", h_got.get(), h_want.get()), ("shared sh", sh_got.get(), sh_want.get())):
+        bad = int((a != b).sum())
+        assert bad == 0, f"{name}: _k4_f_sh != the separate launches at {bad} of {a.size} {describe(seed, fmt=fmt, case=case)}"
+    sh = sh_got.get()
+    nz = int(((sh & 0x7FFF) != 0).sum())
+    fin = int((np.abs(_f32(sh)) < np.inf).sum())
+    assert nz > sh.size // 2 and fin > sh.size // 2, f"sh: {nz} nonzero, {fin} finite of {sh.size} {describe(seed, case=case)}"
+    # the clamp acts (some |u| > 7 before it) and the outputs spread: the check above compares values, not zeros
+    assert len(np.unique(sh)) > sh.size // 4, f"sh: only {len(np.unique(sh))} distinct values {describe(seed, case=case)}"

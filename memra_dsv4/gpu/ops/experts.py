@@ -39,6 +39,13 @@ group in flight through cp.async into a per-warp ring in shared memory (64 KB pe
 bytes (tests/gpu/test_kernels_experts.py gateup_ring, test_step_fp4full_gpu.py).  Measured
 (2f2e744 / 33d8500, 2x H200): 24.6 -> 23.7 us alone, nothing in the step.
 
+Shared SwiGLU in the gate/up launch (gemv_fp4_gateup(shared_swiglu=...); the device step's
+MEMRA_DSV4_SHARED_GATEUP = on): where the full path applies (not the ring) and the shared expert's
+W1 / W3 are bf16 bits, gemv_{fmt}_gateup_k4_f_sh also computes the shared expert's SwiGLU for x row
+0, before its PDL wait, with gemv_bf16_swiglu's row code (kernels_cu/gemv_bf16_row.cuh), so the
+bytes of that launch (tests/gpu/test_kernels_experts.py gateup_shared); gateup_shared_ok says
+whether the inputs qualify.
+
 Tests and tools only: variant_kernels({"FP4_ALU_ODD": 0, ...}) compiles experts.cu with other
 values of its tuning macros (the arithmetic does not depend on them), and
 `with kernels_from(variant): ...` routes the wrappers above to that build.
@@ -62,7 +69,8 @@ KERNELS = ("dequant_mxfp4_bf16", "dequant_nvfp4_bf16") + tuple(
     f"gemv_{fmt}{kind}_mma" for kind in ("", "_gateup", "_down_combine") for fmt in ("mxfp4", "nvfp4")) + tuple(
     f"gemv_{fmt}{kind}_f" for kind in ("_gateup_k4", "_down_combine_k2") for fmt in ("mxfp4", "nvfp4")) + tuple(
     f"gemv_{fmt}_down_combine_k2_f_w2" for fmt in ("mxfp4", "nvfp4")) + tuple(
-    f"gemv_{fmt}_gateup_k4_r" for fmt in ("mxfp4", "nvfp4"))
+    f"gemv_{fmt}_gateup_k4_r" for fmt in ("mxfp4", "nvfp4")) + tuple(
+    f"gemv_{fmt}_gateup_k4_f_sh" for fmt in ("mxfp4", "nvfp4"))
 kernel_loader.register(STEM, KERNELS)
 
 IMPLS = ("simt", "mma")
@@ -156,6 +164,18 @@ def down_w2_ok(O: int, K: int, k: int, w2) -> bool:
     keeps the separate gemv_bf16)."""
     return (down_full(O, K, k) and w2 is not None and w2.dtype == np.uint16
             and tuple(w2.shape) == (O, DOWN_W2_K))
+
+
+def gateup_shared_ok(O: int, K: int, x, sw1, sw3) -> bool:
+    """gemv_fp4_gateup(shared_swiglu=(sw1, sw3, sh, limit)) can launch the _k4_f_sh kernel: the
+    full shape (gateup_full; not the ring, which has no _sh form), one x row (the shared expert
+    runs for x row 0: one token), and W1 / W3 of the shared expert as bf16 bits [O_sh,
+    GATEUP_FULL_K] (FP8-stored weights are not supported: the caller keeps the separate
+    ops_decode.gemv_bf16_swiglu)."""
+    return (gateup_full(O, K) and not gateup_ring_on() and x is not None and x.shape[0] == 1
+            and sw1 is not None and sw3 is not None and sw1.dtype == np.uint16
+            and sw3.dtype == np.uint16 and sw1.ndim == 2 and tuple(sw1.shape) == tuple(sw3.shape)
+            and sw1.shape[1] == GATEUP_FULL_K)
 
 
 def down_w2_smem(O: int, nx: int) -> int:
@@ -278,10 +298,18 @@ def _tables(fmt, wptr, sptr, ws2, what):
 
 
 def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int, K: int, *, weight=None,
-                    limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None, impl=None):
+                    limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None, impl=None,
+                    shared_swiglu=None):
     """h[s] = swiglu(bf16(W1_e x), bf16(W3_e x)) * weight[s] (limit <= 0: no clamp), e = expert_ids[s],
     x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu
-    (with the same impl)."""
+    (with the same impl).
+    shared_swiglu=(sw1, sw3, sh, sh_limit): the same launch also writes the shared expert's
+    sh [O_sh] bf16 = swiglu_clamped(bf16(sw1 x[0]), bf16(sw3 x[0]), sh_limit), the bytes of
+    ops_decode.gemv_bf16_swiglu(sw1, sw3, x[0], sh, sh_limit) (experts.cu _k4_f_sh; simt, full
+    shape, one x row, bf16 sw1 / sw3 [O_sh, 4096]: gateup_shared_ok).  Under PDL (the device step)
+    those rows are computed BEFORE the kernel's griddepcontrol.wait, reading x through L2: x must
+    have been written at least two launches back (the ffn boundary, before the router), never by
+    this launch's direct predecessor."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
     check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
@@ -295,6 +323,31 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     if out is None:
         out = out_array(None, "gemv_fp4_gateup.out", (S, O), np.uint16)
     check(out, "gemv_fp4_gateup.out", np.uint16, (S, O), rows_strided=True)
+    if shared_swiglu is not None:
+        sw1, sw3, sh, sh_limit = shared_swiglu
+        assert impl == "simt", "gemv_fp4_gateup: shared_swiglu needs impl 'simt'"
+        for name, a in (("sw1", sw1), ("sw3", sw3)):
+            check(a, f"gemv_fp4_gateup.shared_swiglu.{name}", np.uint16, (None, GATEUP_FULL_K))
+            assert a.flags.c_contiguous and a.data.ptr % 16 == 0, (
+                f"gemv_fp4_gateup.shared_swiglu.{name}: contiguous and 16-byte aligned")
+        assert gateup_shared_ok(O, K, x, sw1, sw3), (
+            f"gemv_fp4_gateup: shared_swiglu needs the full shape (K = {GATEUP_FULL_K}, O even, not the ring "
+            f"kernel), one x row and sw1 == sw3 shapes; got O {O}, K {K}, x {tuple(x.shape)}, sw1 "
+            f"{tuple(sw1.shape)}, sw3 {tuple(sw3.shape)}")
+        assert x.data.ptr % 16 == 0, "gemv_fp4_gateup.x: 16-byte alignment (the shared part reads 16-byte words)"
+        check(sh, "gemv_fp4_gateup.shared_swiglu.sh", np.uint16)
+        O_sh = int(sw1.shape[0])
+        assert sh.size == O_sh and sh.flags.c_contiguous, (
+            f"gemv_fp4_gateup.shared_swiglu.sh: {sh.size} elements, expected {O_sh} contiguous")
+        assert S > 0 and O > 0, "gemv_fp4_gateup: shared_swiglu needs at least one slot (the launch carries it)"
+        nx = _fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S)
+        nw = nx * S * FP4_WARPS
+        assert O_sh <= 32 * nw, f"gemv_fp4_gateup: shared_swiglu O_sh {O_sh} > 32 x {nw} warps"
+        kernel(STEM, f"gemv_{fmt}_gateup_k4_f_sh")(
+            (nx, S), (256,),
+            (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
+             out, i32(row_stride(out)), i32(O), i32(K), sw1, sw3, sh, i32(O_sh), np.float64(sh_limit)))
+        return out
     if S and O and impl == "mma":
         _mma_check(K, "gemv_fp4_gateup")
         _mma_launch(kernel(STEM, f"gemv_{fmt}_gateup_mma"), O, S, 2, K,
