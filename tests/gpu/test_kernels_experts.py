@@ -797,5 +797,7 @@ def test_gateup_shared_same_bytes(fmt, case, monkeypatch):
     nz = int(((sh & 0x7FFF) != 0).sum())
     fin = int((np.abs(_f32(sh)) < np.inf).sum())
     assert nz > sh.size // 2 and fin > sh.size // 2, f"sh: {nz} nonzero, {fin} finite of {sh.size} {describe(seed, case=case)}"
-    # the clamp acts (some |u| > 7 before it) and the outputs spread: the check above compares values, not zeros
-    assert len(np.unique(sh)) > sh.size // 4, f"sh: only {len(np.unique(sh))} distinct values {describe(seed, case=case)}"
+    # the outputs spread (the first GPU run, 2fdbb19: ~200-230 distinct values of 2048, the rows'
+    # 2^-40 .. 2^40 scales and the clamp pile many on 0 / +-limit values), so the check above
+    # compares values, not a constant
+    assert len(np.unique(sh)) > 64, f"sh: only {len(np.unique(sh))} distinct values {describe(seed, case=case)}"
