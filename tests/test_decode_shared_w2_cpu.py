@@ -214,6 +214,9 @@ def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.ops import router as RT
     monkeypatch.delenv("MEMRA_DSV4_FP4_FULL", raising=False)
+    # the shared SwiGLU as its own side-branch launch (the default puts it in the gate/up launch:
+    # tests/test_shared_gateup_cpu.py)
+    monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP", "off")
     v = moe_buffers(D, I)
     w2 = np.zeros((D, I), w2_dtype)
     log = []

@@ -35,6 +35,7 @@ def _moe_pdl_log(monkeypatch, env: str | None, fork: str = "all"):
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.ops import router as RT
     from memra_dsv4.gpu.pdl import pdl_active, pdl_launches
+    monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP", "off")   # the side-branch form (fork, side, SwiGLU)
     if env is None:
         monkeypatch.delenv("MEMRA_DSV4_GATEUP_PDL", raising=False)
     else:

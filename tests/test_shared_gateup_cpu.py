@@ -2,8 +2,8 @@
 the routed gate/up's launch (experts.cu gemv_*_gateup_k4_f_sh, before its PDL wait) instead of
 its own gemv_bf16_swiglu launch on the MoE side branch.  On the CPU (no GPU):
 
-* the switch: unset / "off" -> the separate launch (the default); "on" -> in the gate/up; anything
-  else a ValueError naming the variable;
+* the switch: unset / "on" -> in the gate/up (the default since the twentieth session); "off" ->
+  the separate launch; anything else a ValueError naming the variable;
 * DeviceStep._moe with the kernels replaced by recorders: with "on" no gemv_bf16_swiglu, no MoE
   fork (unless the ffn Sinkhorn rides it), gemv_fp4_gateup gets shared_swiglu = (w1, w3, sh_h,
   swiglu_limit), and a separate shared w2 GEMV (w2 gemv form) comes after the gate/up that now
@@ -35,7 +35,7 @@ def test_shared_gateup_switch(monkeypatch):
     from memra_dsv4.gpu import step_device as SD
     assert SD.SHARED_GATEUP_ENV == "MEMRA_DSV4_SHARED_GATEUP"
     monkeypatch.delenv(SD.SHARED_GATEUP_ENV, raising=False)
-    assert SD.shared_gateup_on() is (SD.SHARED_GATEUP_DEFAULT == "on")
+    assert SD.SHARED_GATEUP_DEFAULT == "on" and SD.shared_gateup_on()
     monkeypatch.setenv(SD.SHARED_GATEUP_ENV, "on")
     assert SD.shared_gateup_on()
     monkeypatch.setenv(SD.SHARED_GATEUP_ENV, "off")
@@ -122,10 +122,10 @@ def test_moe_launches_with_shared_in_gateup(monkeypatch, fork):
     assert _moe_log(monkeypatch, "on", fork) == [("router",), shared, ("down",)]
     # the w2 as its own launch reads sh_h, which the gate/up launch writes: after it
     assert _moe_log(monkeypatch, "on", fork, "gemv") == [("router",), shared, ("w2", "moe.sh_h"), ("down",)]
-    # "off" and unset keep the side-branch launches
+    # "off" keeps the side-branch launches; unset is the default, "on"
     off = _moe_log(monkeypatch, "off", fork)
     assert ("swiglu",) in off and ("gateup",) in off and shared not in off
-    assert _moe_log(monkeypatch, None, fork) == off
+    assert _moe_log(monkeypatch, None, fork) == _moe_log(monkeypatch, "on", fork)
     if fork:
         assert off == [("fork",), ("side",), ("swiglu",), ("main",), ("router",), ("gateup",), ("join",), ("down",)]
 

@@ -958,7 +958,10 @@ def gateup_pdl_off() -> bool:
 
 
 SHARED_GATEUP_ENV = "MEMRA_DSV4_SHARED_GATEUP"   # on | off: the shared SwiGLU inside the routed gate/up
-SHARED_GATEUP_DEFAULT = "off"
+# on since the twentieth session: bit-identical (its GPU tests) and, on 20 Flash layers in one
+# process each, 1K 3.41 -> 3.39 / 3.40 -> 3.38 / 3.56 -> 3.54 ms, 32K 58.9 -> 59.2 % / 3.66 -> 3.63
+# ms (bench/results/2026-12-02-nvidia-h200-{2fdbb19,c60e7ad,64bd6ca}*.json; docs/decode_perf.md)
+SHARED_GATEUP_DEFAULT = "on"
 
 
 def shared_gateup_on() -> bool:
