@@ -1,5 +1,6 @@
 """The decode step at full Flash layer shapes with the full-shape fast FP4 expert kernels
-(ops.experts FULL_PATH: gemv_*_gateup_k4_f, gemv_*_down_combine_k2_f or _k2_f_w2) and with the
+(ops.experts FULL_PATH: gemv_*_gateup_k4_f or, with the shared SwiGLU in its launch (the default
+MEMRA_DSV4_SHARED_GATEUP = on), _k4_f_sh; gemv_*_down_combine_k2_f or _k2_f_w2) and with the
 gate/up's shared-memory weight ring (ops.experts GATEUP_RING: gemv_*_gateup_k4_r) against the same
 step with the general _k4 / _k2 kernels (ops.experts.full_path(False)): logits and every cache byte
 equal.
@@ -28,6 +29,7 @@ def test_step_full_path_bit_identical_flash_layer(experts):
 
     from memra_dsv4.gpu.model import Dsv4Gpu
     from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.gpu.step_device import shared_gateup_on
     from memra_dsv4.gpu.step import device_step
     from memra_dsv4.profiling.launches import record_launches
 
@@ -58,10 +60,14 @@ def test_step_full_path_bit_identical_flash_layer(experts):
                 recs = record_launches(lambda: out.append(step(a, int(t))), ("step_device.py",))
                 got[a] = out[0]
                 names = {r.kernel.split(".", 1)[1] for r in recs if r.kernel.startswith("experts.")}
-                # the down + combine: _k2_f, or _k2_f_w2 with the shared w2 fused (the default)
-                gu = f"gemv_{experts}_gateup_k4_" + ("r" if a.startswith("ring") else "f")
+                # the down + combine: _k2_f, or _k2_f_w2 with the shared w2 fused (the default);
+                # the full-path gate/up: _k4_f_sh with the shared SwiGLU in its launch
+                # (MEMRA_DSV4_SHARED_GATEUP, default on; the ring kernel has no _sh form)
+                sh = "_sh" if shared_gateup_on() else ""
+                gu = f"gemv_{experts}_gateup_k4_" + ("r" if a.startswith("ring") else "f" + sh)
                 downs = {f"gemv_{experts}_down_combine_k2_f", f"gemv_{experts}_down_combine_k2_f_w2"}
-                fast = {f"gemv_{experts}_gateup_k4_f", f"gemv_{experts}_gateup_k4_r"} | downs
+                fast = {f"gemv_{experts}_gateup_k4_f", f"gemv_{experts}_gateup_k4_f_sh",
+                        f"gemv_{experts}_gateup_k4_r"} | downs
                 if a == "general":
                     assert not names & fast and f"gemv_{experts}_gateup_k4" in names, sorted(names)
                 else:
