@@ -958,14 +958,15 @@ def gateup_pdl_off() -> bool:
 
 
 SHARED_GATEUP_ENV = "MEMRA_DSV4_SHARED_GATEUP"   # on | off: the shared SwiGLU inside the routed gate/up
-# on since the twentieth session: bit-identical (its GPU tests) and, on 20 Flash layers in one
-# process each, 1K 3.41 -> 3.39 / 3.40 -> 3.38 / 3.56 -> 3.54 ms, 32K 58.9 -> 59.2 % / 3.66 -> 3.63
-# ms (bench/results/2026-12-02-nvidia-h200-{2fdbb19,c60e7ad,64bd6ca}*.json; docs/decode_perf.md)
+# on since the twentieth session: bit-identical (its GPU tests) and, on 20 Flash layers, off -> on
+# in one process each: 1K 3.408 -> 3.391, 3.405 -> 3.392, 3.559 -> 3.535, 3.536 -> 3.514 ms; 32K
+# 3.555 -> 3.537, 3.660 -> 3.631 ms (bench/results/2026-12-02-nvidia-h200-{2fdbb19,c60e7ad,64bd6ca,
+# 05ffd79}*.json; docs/decode_perf.md)
 SHARED_GATEUP_DEFAULT = "on"
 
 
 def shared_gateup_on() -> bool:
-    """MEMRA_DSV4_SHARED_GATEUP = on | off (SHARED_GATEUP_DEFAULT), read when _moe launches (at
+    """MEMRA_DSV4_SHARED_GATEUP = on | off (SHARED_GATEUP_DEFAULT, on), read when _moe launches (at
     graph capture): the shared expert's SwiGLU computed by the routed gate/up's launch
     (ops.experts.gemv_fp4_gateup(shared_swiglu=): experts.cu gemv_*_gateup_k4_f_sh), before its
     PDL wait, instead of its own gemv_bf16_swiglu launch on the MoE side branch.  Why: with PDL
