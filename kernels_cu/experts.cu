@@ -78,6 +78,9 @@
 //     ops/experts.py GATEUP_RING): the full-shape gate/up with its weight ring in shared memory,
 //     filled by cp.async one row group ahead (fp4_stream_gateup_ring); same bits, 24.6 -> 23.7 us
 //     alone and nothing in the step (issue-bound, docs/decode_perf.md eleventh session).
+//     gemv_*_gateup_k4_f_sh also computes the shared expert's SwiGLU (bf16 weights, one token),
+//     before its PDL wait while the router runs (SharedSwigluPre; the device step's default,
+//     MEMRA_DSV4_SHARED_GATEUP=on; gemv_bf16_swiglu's bytes, docs/decode_perf.md twentieth session).
 #include "common.cuh"
 #include "gemv_bf16_row.cuh"
 
@@ -1537,8 +1540,9 @@ struct DownFullPre {
 // THE ARITHMETIC of decode.cu's gemv_bf16_swiglu (warp_rows_dot, THE ORDER for K = 4096): per
 // output o the W1 and W3 row dots by bf16_rows_dot_k_by (gemv_bf16_row.cuh), each rounded to bf16,
 // then swiglu_value(g, u, 1, unweighted, limit) -> bf16; so the same bytes as that launch.
-// Work: output O_lo + i of a part belongs to warp i mod NW of the whole grid (NW = every warp of
-// every slot's CTAs: ~2112 warps on an H200, so at most one output per warp and part there); before
+// Work: output lo + i of a part (lo = 0 before the wait, O_pre after the stream) belongs to warp
+// i mod NW of the whole grid (NW = every warp of every slot's CTAs: ~2112 warps on an H200, so at
+// most one output per warp and part there); before
 // the wait lane j keeps the warp's j-th value (ops/experts.py checks O_sh <= 32 NW).  Two trips in
 // flight (TRIP_UNROLL 2: 64 registers of weights); all four would not fit the 128-register budget.
 constexpr int SH_SWIGLU_K = 4096;  // the full-shape gate/up's K (ops/experts.py GATEUP_FULL_K)
