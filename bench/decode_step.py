@@ -51,8 +51,7 @@ shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNO
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
 (MEMRA_DSV4_SHARED_GATEUP: the shared expert's SwiGLU computed by the routed gate/up's launch
 before its PDL wait, or as its own launch on the MoE side branch; bit-identical,
-step_device.shared_gateup_on), ``shpre=0|25|50|75|100`` (MEMRA_DSV4_SHARED_GATEUP_PRE: the
-percentage of those rows computed before the wait, the rest after the FP4 stream; ops.experts), and
+step_device.shared_gateup_on), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -147,7 +146,6 @@ _KERNEL_SETTINGS = {
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
-    "shpre": SimpleNamespace(allowed=("0", "25", "50", "75", "100"), env="MEMRA_DSV4_SHARED_GATEUP_PRE"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
     "l2side": SimpleNamespace(allowed=("off", "wq", "wo", "both"), env="MEMRA_DSV4_L2_SIDE"),

@@ -1526,72 +1526,50 @@ struct DownFullPre {
     }
 };
 
-// The shared expert's SwiGLU inside the routed gate/up launch (gemv_*_gateup_k4_f_sh), its rows
-// [0, O_pre) computed BEFORE the PDL wait, the rest [O_pre, O_sh) after the warp's FP4 stream.
-// Why: the gate/up's predecessor is the router, whose ~7 us are mostly one CTA's selection; the
-// routed gate/up cannot start before the ids exist, but the shared expert (2 x 2048 x 4096 bf16,
-// 33.5 MB) needs only x, so its bytes can stream while the router runs instead of beside or after
-// the issue-bound FP4 stream (O_pre < O_sh leaves part of them to stream beside it: the router
-// slows under a saturated HBM, twentieth session).  What the pre-wait part may read there
-// (common.cuh, PDL_ENTRY_PRELOAD): its weights (static) and x, the ffn boundary's output, written
-// two launches back (boundary -> router -> this launch), so final; x is read through L2 (__ldcg:
-// an SM's L1 could hold a line of the same buffer from an earlier layer's reader) into a shared-
-// memory copy once per CTA, which the post-stream rows read too.  Every store stays after the wait.
+// The shared expert's SwiGLU inside the routed gate/up launch (gemv_*_gateup_k4_f_sh), computed
+// BEFORE the PDL wait.  Why: the gate/up's predecessor is the router, whose ~7 us are mostly one
+// CTA's selection; the routed gate/up cannot start before the ids exist, but the shared expert
+// (2 x 2048 x 4096 bf16, 33.5 MB) needs only x, so its bytes can stream while the router runs
+// instead of beside or after the issue-bound FP4 stream.  What it may read there (common.cuh,
+// PDL_ENTRY_PRELOAD): its weights (static) and x, the ffn boundary's output, written two launches
+// back (boundary -> router -> this launch), so final; x is read through L2 (__ldcg: an SM's L1
+// could hold a line of the same buffer from an earlier layer's reader) into a shared-memory copy
+// once per CTA.  Every store stays after the wait.  (A split, part of the rows after the warp's
+// FP4 stream, measured slower at 50 and 75 % and cost the FP4_PRMT = 0 build 8 B of spills:
+// removed, docs/decode_perf.md twentieth session.)
 // THE ARITHMETIC of decode.cu's gemv_bf16_swiglu (warp_rows_dot, THE ORDER for K = 4096): per
 // output o the W1 and W3 row dots by bf16_rows_dot_k_by (gemv_bf16_row.cuh), each rounded to bf16,
 // then swiglu_value(g, u, 1, unweighted, limit) -> bf16; so the same bytes as that launch.
-// Work: output lo + i of a part (lo = 0 before the wait, O_pre after the stream) belongs to warp
-// i mod NW of the whole grid (NW = every warp of every slot's CTAs: ~2112 warps on an H200, so at
-// most one output per warp and part there); before
-// the wait lane j keeps the warp's j-th value (ops/experts.py checks O_sh <= 32 NW).  Two trips in
-// flight (TRIP_UNROLL 2: 64 registers of weights); all four would not fit the 128-register budget.
+// Work: output o belongs to warp o mod NW of the whole grid (NW = every warp of every slot's CTAs:
+// ~2112 warps on an H200 for 2048 outputs, so at most one per warp there); lane j keeps the warp's
+// j-th value (ops/experts.py checks O_sh <= 32 NW).  Two trips in flight (TRIP_UNROLL 2: 64
+// registers of weights); all four would not fit the 128-register budget.
 constexpr int SH_SWIGLU_K = 4096;  // the full-shape gate/up's K (ops/experts.py GATEUP_FULL_K)
-DEV u32 shared_swiglu_row(const uint4* xsh, const u16* __restrict__ w1, const u16* __restrict__ w3, int o,
-                          double limit) {
-    const u16* const rows[2] = {w1 + (i64)o * SH_SWIGLU_K, w3 + (i64)o * SH_SWIGLU_K};
-    float d[2];
-    bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}, threadIdx.x & 31, d);
-    return f32_to_bf16(swiglu_value(round_bf16(d[0]), round_bf16(d[1]), 1.0f, false, limit));
-}
 DEV int shared_swiglu_warp() { return (blockIdx.y * gridDim.x + blockIdx.x) * FP4_WARPS + (threadIdx.x >> 5); }
-// x as bf16 in shared memory (16-byte word c = chunk c): one array per CTA (function-scope
-// __shared__), written before the wait, read by both parts
-DEV uint4* shared_swiglu_x() {
-    __shared__ uint4 xsh[SH_SWIGLU_K / 8];
-    return xsh;
-}
 struct SharedSwigluPre {
-    u32 kept;  // lane j: the bf16 bits of this warp's j-th output before the wait
+    u32 kept;  // lane j: the bf16 bits of this warp's j-th output
     DEV void before_wait(const u16* __restrict__ x, const u16* __restrict__ w1, const u16* __restrict__ w3,
-                         int O_pre, double limit) {
-        uint4* xsh = shared_swiglu_x();
+                         int O_sh, double limit) {
+        __shared__ uint4 xsh[SH_SWIGLU_K / 8];  // x as bf16, 16-byte word c = chunk c
         for (int i = threadIdx.x; i < SH_SWIGLU_K / 8; i += FP4_WARPS * 32)
             xsh[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
         __syncthreads();
         const int lane = threadIdx.x & 31, nw = gridDim.x * gridDim.y * FP4_WARPS;
         kept = 0u;
         int j = 0;
-        for (int o = shared_swiglu_warp(); o < O_pre; o += nw, ++j) {
-            const u32 v = shared_swiglu_row(xsh, w1, w3, o, limit);
+        for (int o = shared_swiglu_warp(); o < O_sh; o += nw, ++j) {
+            const u16* const rows[2] = {w1 + (i64)o * SH_SWIGLU_K, w3 + (i64)o * SH_SWIGLU_K};
+            float d[2];
+            bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}, lane, d);
+            const u32 v = f32_to_bf16(swiglu_value(round_bf16(d[0]), round_bf16(d[1]), 1.0f, false, limit));
             if (lane == j) kept = v;
         }
-        if (O_pre < 0) __trap();  // never taken: ends the basic block, so ptxas keeps the wait below
+        if (O_sh < 0) __trap();  // never taken: ends the basic block, so ptxas keeps the wait below
     }
     // after the wait: lane j stores the warp's j-th output
-    DEV void after_wait(u16* __restrict__ sh, int O_pre) const {
+    DEV void after_wait(u16* __restrict__ sh, int O_sh) const {
         const int o = shared_swiglu_warp() + (int)(threadIdx.x & 31) * (gridDim.x * gridDim.y * FP4_WARPS);
-        if (o < O_pre) sh[o] = (u16)kept;
-    }
-    // after the warp's FP4 stream: the rows [O_pre, O_sh) (everything from the kernel's parameters,
-    // so nothing of this part stays live in registers across the stream)
-    DEV static void after_stream(const u16* __restrict__ w1, const u16* __restrict__ w3, u16* __restrict__ sh,
-                                 int O_pre, int O_sh, double limit) {
-        const int nw = gridDim.x * gridDim.y * FP4_WARPS;
-        const uint4* xsh = shared_swiglu_x();
-        for (int o = O_pre + shared_swiglu_warp(); o < O_sh; o += nw) {
-            const u32 v = shared_swiglu_row(xsh, w1, w3, o, limit);
-            if ((threadIdx.x & 31) == 0) sh[o] = (u16)v;
-        }
+        if (o < O_sh) sh[o] = (u16)kept;
     }
 };
 
@@ -1655,9 +1633,8 @@ GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
 // MEMRA_DSV4_SHARED_GATEUP = on; SharedSwigluPre above): as _k4_f, plus sw1 / sw3: the shared
 // expert's W1 / W3 as bf16 bits [O_sh, 4096], sh: [O_sh] bf16 out = swiglu(bf16(sw1 . x[0]),
 // bf16(sw3 . x[0])) (clamped at sh_limit, no routing weight; x row 0: one token), the bytes of
-// ops_decode.gemv_bf16_swiglu; rows [0, O_pre) before the PDL wait, [O_pre, O_sh) after the FP4
-// stream.  0 <= O_pre <= O_sh <= 32 * gridDim.x * gridDim.y * FP4_WARPS.  Grid and block as _k4_f;
-// static shared memory 8 KB more (x as bf16).
+// ops_decode.gemv_bf16_swiglu, computed before the PDL wait.  O_sh <= 32 * gridDim.x * gridDim.y *
+// FP4_WARPS.  Grid and block as _k4_f; static shared memory 8 KB more (x as bf16).
 #define GEMV_FP4_GATEUP_SH(NAME, NV)                                                               \
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
@@ -1665,12 +1642,11 @@ GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
          const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K, \
          const u16* __restrict__ sw1, const u16* __restrict__ sw3, u16* __restrict__ sh, int O_sh,  \
-         int O_pre, double sh_limit) {                                                             \
-        PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_pre, sh_limit));     \
-        pre.after_wait(sh, O_pre);                                                                 \
+         double sh_limit) {                                                                        \
+        PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, sh_limit));      \
+        pre.after_wait(sh, O_sh);                                                                  \
         gemv_fp4_gateup_body<4, NV, true>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3, \
                                           weight, limit, h, ld_h, O, K);                          \
-        SharedSwigluPre::after_stream(sw1, sw3, sh, O_pre, O_sh, sh_limit);                        \
     }
 GEMV_FP4_GATEUP_SH(gemv_mxfp4_gateup_k4_f_sh, false)
 GEMV_FP4_GATEUP_SH(gemv_nvfp4_gateup_k4_f_sh, true)

@@ -9,13 +9,11 @@ its own gemv_bf16_swiglu launch on the MoE side branch.  On the CPU (no GPU):
   swiglu_limit), and a separate shared w2 GEMV (w2 gemv form) comes after the gate/up that now
   writes its input; where the kernel does not apply (FP8-stored w1 / w3, other shapes, the general
   or the ring kernels) the launches are the "off" ones;
-* the wrapper on fake arrays: the _k4_f_sh kernel, its grid (_k4_f's) and arguments, the rows
-  before the wait (MEMRA_DSV4_SHARED_GATEUP_PRE, a percentage; default all), and every refusal
-  (dtype, shape, impl, more than one x row, too many outputs for the grid's warps, a bad percentage);
+* the wrapper on fake arrays: the _k4_f_sh kernel, its grid (_k4_f's) and arguments, and every
+  refusal (dtype, shape, impl, more than one x row, the ring, too many outputs for the grid's warps);
 * the kernels' source: the _sh kernels open with PDL_ENTRY_PRELOAD, read x through __ldcg, and
-  compute the rows (before the wait and after the FP4 stream) only through gemv_bf16_row.cuh's
-  bf16_rows_dot_k_by (gemv_bf16_swiglu's row code, so the same bits); bench.decode_step's shgu and
-  shpre arms set the variables.
+  compute the rows only through gemv_bf16_row.cuh's bf16_rows_dot_k_by (gemv_bf16_swiglu's row
+  code, so the same bits); bench.decode_step's shgu arm sets the variable.
 The bytes are the GPU tests' (tests/gpu/test_kernels_experts.py gateup_shared,
 tests/gpu/test_step_shared_gateup_gpu.py); tests/test_pdl_preload_sass.py checks the SASS order
 (weight loads before the wait, no global store before it)."""
@@ -176,23 +174,12 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (lambda g, b, args, shared_mem=0: plain.append((n, g, args))))
     EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k)
     assert plain[-1][0] == "gemv_mxfp4_gateup_k4_f" and plain[-1][1] == grid == (44, k)   # 264 CTAs
-    assert len(a) == len(plain[-1][2]) + 6 and all(p is q for p, q in zip(a[:15], plain[-1][2])
+    assert len(a) == len(plain[-1][2]) + 5 and all(p is q for p, q in zip(a[:15], plain[-1][2])
                                                    if not isinstance(p, (np.generic, float, int)))
-    # sw1, sw3, sh, O_sh, O_pre (every row before the wait by default), sh_limit
-    assert a[15] is sw1 and a[16] is sw3 and a[17] is sh and int(a[18]) == I and int(a[19]) == I
-    assert float(a[20]) == 7.0 and EX.SHARED_PRE_PCT == 100
+    # sw1, sw3, sh, O_sh, sh_limit
+    assert a[15] is sw1 and a[16] is sw3 and a[17] is sh and int(a[18]) == I and float(a[19]) == 7.0
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
         lambda g, b, args, shared_mem=0: rec.append((n, g, b, args, shared_mem))))
-    for pct, rows in (("0", 0), ("25", 512), ("50", 1024), ("75", 1536), ("100", 2048)):
-        monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP_PRE", pct)
-        EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, out=out, x_div=k,
-                           shared_swiglu=(sw1, sw3, sh, 7.0))
-        assert int(rec[-1][3][19]) == rows and EX.shared_pre_rows(2047) == 2047 * int(pct) // 100
-    for bad in ("101", "-1", "half"):
-        monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP_PRE", bad)
-        with pytest.raises(ValueError, match=f"MEMRA_DSV4_SHARED_GATEUP_PRE='{bad}'.*percentage"):
-            EX.shared_pre_rows(I)
-    monkeypatch.delenv("MEMRA_DSV4_SHARED_GATEUP_PRE")
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
         lambda g, b, args, shared_mem=0: rec.append((n, g, b, args, shared_mem))))
     EX.gemv_fp4_gateup("nvfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, out=out, x_div=k,
@@ -259,23 +246,17 @@ def test_shared_gateup_kernel_source_contract():
     body = macro[macro.index("{"):]
     flat = re.sub(r"[\s\\]+", " ", body)
     assert flat.startswith(
-        "{ PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_pre, sh_limit)); "
-        "pre.after_wait(sh, O_pre); gemv_fp4_gateup_body<4, NV, true>(")
-    assert "SharedSwigluPre::after_stream(sw1, sw3, sh, O_pre, O_sh, sh_limit); }" in flat
+        "{ PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, sh_limit)); "
+        "pre.after_wait(sh, O_sh); gemv_fp4_gateup_body<4, NV, true>(")
     pre = _body(ex, "DEV void before_wait(const u16* __restrict__ x, const u16* __restrict__ w1")
     assert "__ldcg(" in pre and "__ldg(" not in pre and "ldg16(" not in pre
-    row = _body(ex, "DEV u32 shared_swiglu_row(")
-    assert "bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}" in row
-    assert "swiglu_value(round_bf16(d[0]), round_bf16(d[1]), 1.0f, false, limit)" in row
-    post = _body(ex, "DEV static void after_stream(")
-    for part in (pre, post):
-        assert "shared_swiglu_row(xsh, w1, w3, o, limit)" in part
-    for part in (pre, row, post):
-        for own in ("__fmaf_rn", "__fadd_rn", "bf16_trip_fma", "partials_total"):
-            assert own not in part, own
+    assert "bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}" in pre
+    assert "swiglu_value(round_bf16(d[0]), round_bf16(d[1]), 1.0f, false, limit)" in pre
+    for own in ("__fmaf_rn", "__fadd_rn", "bf16_trip_fma", "partials_total"):
+        assert own not in pre, own
     assert not re.search(r"\bsh\[", pre)   # no store of sh before the wait
     assert "__trap()" in pre   # ends the basic block: ptxas keeps the wait after the loads
-    assert "sh[o] = (u16)kept" in _body(ex, "DEV void after_wait(u16* __restrict__ sh, int O_pre)")
+    assert "sh[o] = (u16)kept" in _body(ex, "DEV void after_wait(u16* __restrict__ sh, int O_sh)")
     dec = open(os.path.join(ROOT, "kernels_cu", "decode.cu"), encoding="utf-8").read()
     # gemv_bf16_swiglu's epilogue, the one the _sh kernels repeat
     assert "swiglu_value(g, u, 1.0f, false, limit)" in _body(dec, "DEV void gemv_swiglu_rows(")
@@ -287,4 +268,3 @@ def test_bench_decode_shgu_arm_sets_the_env():
     from bench.decode_step import _kernel_env
     assert _kernel_env({"shgu": "on"}, None) == {"MEMRA_DSV4_SHARED_GATEUP": "on"}
     assert _kernel_env({"shgu": "off"}, None) == {"MEMRA_DSV4_SHARED_GATEUP": "off"}
-    assert _kernel_env({"shpre": "50"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_PRE": "50"}

@@ -744,8 +744,7 @@ def test_down_preload_levels_same_bytes(fmt, ids_case):
 
 # ------------------------------------------- the shared expert's SwiGLU in the gate/up launch (_k4_f_sh)
 _SH_IDS = {"distinct": [5, 0, 3, 7, 1, 6], "empty": [3, -1, 6, 1, 0, 2], "k2": [1, 6], "k8": [7, 6, 5, 4, 3, 3, 1, 0],
-           "few_ctas": [5, 0, 3, 7, 1, 6], "pre0": [5, 0, 3, 7, 1, 6], "pre50": [3, -1, 6, 1, 0, 2],
-           "pre75_few_ctas": [5, 0, 3, 7, 1, 6]}
+           "few_ctas": [5, 0, 3, 7, 1, 6]}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -759,21 +758,15 @@ def test_gateup_shared_same_bytes(fmt, case, monkeypatch):
     form), Flash shapes (routed and shared 2048 x 4096), wide-range x, shared W1 / W3 rows over
     2^-40 .. 2^40 (so the SwiGLU clamp at 7 and the bf16 roundings both act); "empty" has a pick
     without an expert (its CTAs still compute their shared rows), "few_ctas" launches on 2 CTAs
-    per slot (sm_count 4), so each warp keeps ~22 shared outputs on its lanes; "pre*" put 0 / 50 /
-    75 % of the shared rows before the wait (MEMRA_DSV4_SHARED_GATEUP_PRE), the rest after the FP4
-    stream (the default: all before)."""
+    per slot (sm_count 4), so each warp keeps ~22 shared outputs on its lanes."""
     from memra_dsv4.gpu import ops_decode as DK
     seed = fresh_seed()
     rng = rng_for(seed)
     ids = np.array(_SH_IDS[case], np.int32)
     k = ids.size
     I, D, E = 2048, 4096, 8
-    if case.endswith("few_ctas"):
+    if case == "few_ctas":
         monkeypatch.setattr(K, "sm_count", lambda: 4)
-    if case.startswith("pre"):
-        monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP_PRE", case[3:].split("_")[0])
-    else:
-        monkeypatch.delenv("MEMRA_DSV4_SHARED_GATEUP_PRE", raising=False)
     keep = [_random_stack(rng, E, I, D, fmt) for _ in range(2)]
     (w1p, w1s, ws1), (w3p, w3s, ws3) = (t[2] for t in keep)
     flat = cp.asarray(ids)

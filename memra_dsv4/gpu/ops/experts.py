@@ -166,30 +166,6 @@ def down_w2_ok(O: int, K: int, k: int, w2) -> bool:
             and tuple(w2.shape) == (O, DOWN_W2_K))
 
 
-# gemv_*_gateup_k4_f_sh computes the shared SwiGLU's rows [0, O_pre) before its PDL wait and the
-# rest after its FP4 stream; O_pre = O_sh * SHARED_PRE_PCT // 100, the percentage overridden by
-# MEMRA_DSV4_SHARED_GATEUP_PRE (read at every launch, as MEMRA_DSV4_FP4_RING: bench.decode_step's
-# shpre= arms).  Not a seam: the bytes do not change.
-SHARED_PRE_PCT = 100
-SHARED_PRE_ENV = "MEMRA_DSV4_SHARED_GATEUP_PRE"
-
-
-def shared_pre_rows(O_sh: int) -> int:
-    """How many of the shared SwiGLU's O_sh rows _k4_f_sh computes before its PDL wait."""
-    env = os.environ.get(SHARED_PRE_ENV, "")
-    if env:
-        try:
-            pct = int(env)
-        except ValueError:
-            pct = -1
-        if not 0 <= pct <= 100:
-            raise ValueError(f"{SHARED_PRE_ENV}={env!r}: expected a percentage 0 .. 100 "
-                             f"(or unset: ops.experts.SHARED_PRE_PCT)")
-    else:
-        pct = SHARED_PRE_PCT
-    return O_sh * pct // 100
-
-
 def gateup_shared_ok(O: int, K: int, x, sw1, sw3) -> bool:
     """gemv_fp4_gateup(shared_swiglu=(sw1, sw3, sh, limit)) can launch the _k4_f_sh kernel: the
     full shape (gateup_full; not the ring, which has no _sh form), one x row (the shared expert
@@ -331,9 +307,9 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     sh [O_sh] bf16 = swiglu_clamped(bf16(sw1 x[0]), bf16(sw3 x[0]), sh_limit), the bytes of
     ops_decode.gemv_bf16_swiglu(sw1, sw3, x[0], sh, sh_limit) (experts.cu _k4_f_sh; simt, full
     shape, one x row, bf16 sw1 / sw3 [O_sh, 4096]: gateup_shared_ok).  Under PDL (the device step)
-    its first shared_pre_rows(O_sh) rows are computed BEFORE the kernel's griddepcontrol.wait,
-    reading x through L2: x must have been written at least two launches back (the ffn boundary,
-    before the router), never by this launch's direct predecessor; the rest after the FP4 stream."""
+    those rows are computed BEFORE the kernel's griddepcontrol.wait, reading x through L2: x must
+    have been written at least two launches back (the ffn boundary, before the router), never by
+    this launch's direct predecessor."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
     check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
@@ -367,12 +343,10 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
         nx = _fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S)
         nw = nx * S * FP4_WARPS
         assert O_sh <= 32 * nw, f"gemv_fp4_gateup: shared_swiglu O_sh {O_sh} > 32 x {nw} warps"
-        O_pre = shared_pre_rows(O_sh)
         kernel(STEM, f"gemv_{fmt}_gateup_k4_f_sh")(
             (nx, S), (256,),
             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
-             out, i32(row_stride(out)), i32(O), i32(K), sw1, sw3, sh, i32(O_sh), i32(O_pre),
-             np.float64(sh_limit)))
+             out, i32(row_stride(out)), i32(O), i32(K), sw1, sw3, sh, i32(O_sh), np.float64(sh_limit)))
         return out
     if S and O and impl == "mma":
         _mma_check(K, "gemv_fp4_gateup")
