@@ -499,6 +499,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):   # _k2_f_w2: the shared w2 rows in the kernel
         M["experts"].gemv_fp4_down_combine(fmt, u16(12, 2048), i32(2, 6), tab, tab, 64, 2048,
                                            shared_w2=(u16(64, 2048), u16(2, 2048)), **nv)
+    for fmt, w2 in (("mxfp4", {}), ("nvfp4", {"ws2_1": f32(4), "ws2_3": f32(4)})):   # _k4_f_sh: the shared SwiGLU
+        M["experts"].gemv_fp4_gateup(fmt, u16(1, 4096), i32(6), tab, tab, tab, tab, 64, 4096, weight=f32(6),
+                                     x_div=6, shared_swiglu=(u16(64, 4096), u16(64, 4096), u16(64), 7.0), **w2)
     for K in (256, 2048, 4096):  # the tensor-core variant (k = 16 at K = 4096: > 48 KB of shared memory)
         for fmt, nv in (("mxfp4", {}), ("nvfp4", {"ws2": f32(4)})):
             M["experts"].gemv_fp4(fmt, u16(1, K), i32(6), tab, tab, 72, K, x_div=6, impl="mma", **nv)
