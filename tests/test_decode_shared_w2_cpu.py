@@ -179,11 +179,21 @@ def moe_buffers(D: int, I: int, E: int = 8, k: int = 6) -> dict:
             "ffn.out": np.zeros(D, np.uint16), "tok": np.zeros(1, np.int32)}
 
 
-def run_moe(v: dict, log: list, fork: str, w2_form: str, lin, D: int, I: int, E: int = 8, k: int = 6) -> None:
+def buffer_name(v: dict, a):
+    """The key of the moe_buffers view ``a`` shares memory with (None: none of them)."""
+    for key, arr in v.items():
+        if isinstance(a, np.ndarray) and np.shares_memory(a, arr):
+            return key
+    return None
+
+
+def run_moe(v: dict, log: list, fork: str, w2_form: str, lin, D: int, I: int, E: int = 8, k: int = 6, *,
+            swiglu_limit: float = 10.0, ride=None):
     """DeviceStep._moe of one fake layer (L.lin = lin) on the buffers v, the shared expert's
     graph fork / join and side-stream entry / exit appended to log as ("fork",), ("join",),
     ("side",), ("main",); the launches are whatever the caller patched (tests/test_gateup_pdl_cpu
-    uses this too)."""
+    and tests/test_shared_gateup_cpu use this too).  ride: the ffn boundary's Sinkhorn handed to
+    _moe (S.hc_ride, MEMRA_DSV4_HC_JOIN=ride).  Returns the step context S."""
     from memra_dsv4.gpu.step_device import DeviceStep
 
     class _Fork:
@@ -201,12 +211,15 @@ def run_moe(v: dict, log: list, fork: str, w2_form: str, lin, D: int, I: int, E:
             log.append(("main",))
     ds = object.__new__(DeviceStep)
     ds.cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k,
-                             swiglu_limit=10.0, routed_scaling_factor=1.5)
+                             swiglu_limit=swiglu_limit, routed_scaling_factor=1.5)
     ds.hostmath, ds._forking, ds._w2 = False, fork, w2_form
     L = SimpleNamespace(lin=lin, w=lambda leaf: leaf, hash=False, fmt="mxfp4", wp={"w1": 0, "w3": 0, "w2": 0},
                         sp={"w1": 0, "w3": 0, "w2": 0}, ws2={"w1": None, "w3": None, "w2": None})
     S = SimpleNamespace(v=v, ph="decode/stage0", moe_fork=_Fork(), moe_side=_Side())
+    if ride is not None:
+        S.hc_ride = ride
     ds._moe(S, L)
+    return S
 
 
 def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I=2048):
@@ -222,10 +235,7 @@ def _moe_log(monkeypatch, w2_form: str, fork: str, w2_dtype=np.uint16, D=4096, I
     log = []
 
     def name(a):
-        for key, arr in v.items():
-            if isinstance(a, np.ndarray) and np.shares_memory(a, arr):
-                return key
-        return None
+        return buffer_name(v, a)
 
     monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: log.append(("swiglu",)))
     monkeypatch.setattr(DK, "gemv_bf16", lambda w, x, y, **kw: log.append(("gemv", "w2" if w is w2 else w, name(x), name(y))))

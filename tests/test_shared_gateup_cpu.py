@@ -45,12 +45,11 @@ def test_shared_gateup_switch(monkeypatch):
 
 def _moe_log(monkeypatch, env, fork, w2_form="fused", *, fp8=False, D=4096, I=2048, ride=False,
              fp4_full="", ring=""):
-    from tests.test_decode_shared_w2_cpu import moe_buffers
+    from tests.test_decode_shared_w2_cpu import buffer_name, moe_buffers, run_moe
 
     from memra_dsv4.gpu import ops_decode as DK
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.ops import router as RT
-    from memra_dsv4.gpu.step_device import DeviceStep
     for var, val in (("MEMRA_DSV4_SHARED_GATEUP", env), ("MEMRA_DSV4_FP4_FULL", fp4_full),
                      ("MEMRA_DSV4_FP4_RING", ring)):
         if val is None or val == "":
@@ -65,49 +64,19 @@ def _moe_log(monkeypatch, env, fork, w2_form="fused", *, fp8=False, D=4096, I=20
                "ffn.shared_experts.w2": (w2, None)}
     log = []
 
-    def name(a):
-        for key, arr in v.items():
-            if isinstance(a, np.ndarray) and np.shares_memory(a, arr):
-                return key
-        return None
-
     def gateup(*a, shared_swiglu=None, **kw):
         if shared_swiglu is None:
             log.append(("gateup",))
         else:
             sw1, sw3, sh, lim = shared_swiglu
-            log.append(("gateup+shared", sw1 is w1, sw3 is w3, name(sh), lim))
+            log.append(("gateup+shared", sw1 is w1, sw3 is w3, buffer_name(v, sh), lim))
     monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: log.append(("swiglu",)))
-    monkeypatch.setattr(DK, "gemv_bf16", lambda w, x, y, **kw: log.append(("w2", name(x))))
+    monkeypatch.setattr(DK, "gemv_bf16", lambda w, x, y, **kw: log.append(("w2", buffer_name(v, x))))
     monkeypatch.setattr(RT, "fused", lambda *a, **kw: log.append(("router",)))
     monkeypatch.setattr(EX, "gemv_fp4_gateup", gateup)
     monkeypatch.setattr(EX, "gemv_fp4_down_combine", lambda *a, **kw: log.append(("down",)))
-
-    class _Fork:
-        def fork(self):
-            log.append(("fork",))
-
-        def join(self):
-            log.append(("join",))
-
-    class _Side:
-        def __enter__(self):
-            log.append(("side",))
-
-        def __exit__(self, *a):
-            log.append(("main",))
-    from types import SimpleNamespace
-    ds = object.__new__(DeviceStep)
-    ds.cfg = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=6,
-                             swiglu_limit=7.0, routed_scaling_factor=1.5)
-    ds.hostmath, ds._forking, ds._w2 = False, fork, w2_form
-    L = SimpleNamespace(lin=lambda leaf: weights[leaf], w=lambda leaf: leaf, hash=False, fmt="mxfp4",
-                        wp={"w1": 0, "w3": 0, "w2": 0}, sp={"w1": 0, "w3": 0, "w2": 0},
-                        ws2={"w1": None, "w3": None, "w2": None})
-    S = SimpleNamespace(v=v, ph="decode/stage0", moe_fork=_Fork(), moe_side=_Side())
-    if ride:
-        S.hc_ride = lambda: log.append(("sinkhorn",))
-    ds._moe(S, L)
+    S = run_moe(v, log, fork, w2_form, lambda leaf: weights[leaf], D, I, swiglu_limit=7.0,
+                ride=(lambda: log.append(("sinkhorn",))) if ride else None)
     if ride:
         assert S.hc_ride is None   # consumed
     return log
