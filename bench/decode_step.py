@@ -51,7 +51,9 @@ shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNO
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
 (MEMRA_DSV4_SHARED_GATEUP: the shared expert's SwiGLU computed by the routed gate/up's launch
 before its PDL wait, or as its own launch on the MoE side branch; bit-identical,
-step_device.shared_gateup_on), and
+step_device.shared_gateup_on), ``rhand=ticket|cluster`` (MEMRA_DSV4_ROUTER_HANDOFF: the
+device router's selection handed over through a ticket and L2 or inside one thread-block cluster
+through DSMEM; bit-identical, step_device.router_handoff), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -146,6 +148,7 @@ _KERNEL_SETTINGS = {
     "idxsel": SimpleNamespace(allowed=("fused", "split", "auto"), env="MEMRA_DSV4_INDEXER_SELECT"),
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
+    "rhand": SimpleNamespace(allowed=("ticket", "cluster"), env="MEMRA_DSV4_ROUTER_HANDOFF"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
     "l2side": SimpleNamespace(allowed=("off", "wq", "wo", "both"), env="MEMRA_DSV4_L2_SIDE"),

@@ -75,46 +75,42 @@ DEV float sqrtsoftplus(float x) {
     return __fsqrt_rn(sp);
 }
 
-// One token's selection by one warp (every lane calls): s_row = the token's scores (shared,
-// [32 * EPL], 0 past E), b[i] = f32(s + bias) of expert lane + 32 i (-inf past E; unused for
-// hash), sel = k ints of shared scratch. Learned: top-k of b, descending, ties -> lower id; hash:
-// tid2eid_row[0..k). Writes idx_row / w_row [k]. router_select_* and router_fused_* both select
-// through this one function: the same ids and weights for the same scores.
+// Learned top-k of one token by one warp (every lane calls): b[i] = f32(s + bias) of expert
+// lane + 32 i (-inf past E): top-k of b, descending, ties -> lower id, into sel[0..k).
 template <int EPL>
-DEV void select_token_warp(const float* s_row, const float (&b)[EPL], bool learned,
-                           const int* __restrict__ tid2eid_row, int* sel, int* __restrict__ idx_row,
-                           float* __restrict__ w_row, int E, int k, float route_scale, int lane) {
-    if (learned) {
-        u32 taken = 0;
-        for (int j = 0; j < k; ++j) {
-            float bv = f32_ninf();
-            int bi = 0x7fffffff;
+DEV void select_topk_warp(const float (&b)[EPL], int* sel, int E, int k, int lane) {
+    u32 taken = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = f32_ninf();
+        int bi = 0x7fffffff;
 #pragma unroll
-            for (int i = 0; i < EPL; ++i) {
-                const int e = lane + 32 * i;
-                if (e < E && !((taken >> i) & 1u) && (b[i] > bv || bi == 0x7fffffff)) {
-                    bv = b[i];
-                    bi = e;
-                }
+        for (int i = 0; i < EPL; ++i) {
+            const int e = lane + 32 * i;
+            if (e < E && !((taken >> i) & 1u) && (b[i] > bv || bi == 0x7fffffff)) {
+                bv = b[i];
+                bi = e;
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {  // (value desc, id asc): a total order
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < EPL; ++i)
-                if (bi == lane + 32 * i) taken |= 1u << i;
-            if (lane == 0) sel[j] = bi;
         }
-    } else if (lane < k) {
-        sel[lane] = __ldg(tid2eid_row + lane);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {  // (value desc, id asc): a total order
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < EPL; ++i)
+            if (bi == lane + 32 * i) taken |= 1u << i;
+        if (lane == 0) sel[j] = bi;
     }
-    __syncwarp();
+}
+
+// The routing weights of the k picks sel[0..k) (shared; every lane calls, after the picks are
+// visible to the warp): w = (s[e] / sum_j s[sel_j]) * route_scale, the sum in pick order.
+DEV void select_weights_warp(const float* s_row, const int* sel, int* __restrict__ idx_row,
+                             float* __restrict__ w_row, int k, float route_scale, int lane) {
     if (lane < k) {
         float tot = s_row[sel[0]];
         for (int j = 1; j < k; ++j) tot = __fadd_rn(tot, s_row[sel[j]]);
@@ -122,6 +118,25 @@ DEV void select_token_warp(const float* s_row, const float (&b)[EPL], bool learn
         idx_row[lane] = e;
         w_row[lane] = __fmul_rn(__fdiv_rn(s_row[e], tot), route_scale);
     }
+}
+
+// One token's selection by one warp (every lane calls): s_row = the token's scores (shared,
+// [32 * EPL], 0 past E), b[i] = f32(s + bias) of expert lane + 32 i (-inf past E; unused for
+// hash), sel = k ints of shared scratch. Learned: top-k of b (select_topk_warp); hash:
+// tid2eid_row[0..k). Writes idx_row / w_row [k] (select_weights_warp). router_select_*,
+// router_fused_* and router_cluster_* all select through these functions: the same ids and
+// weights for the same scores.
+template <int EPL>
+DEV void select_token_warp(const float* s_row, const float (&b)[EPL], bool learned,
+                           const int* __restrict__ tid2eid_row, int* sel, int* __restrict__ idx_row,
+                           float* __restrict__ w_row, int E, int k, float route_scale, int lane) {
+    if (learned) {
+        select_topk_warp<EPL>(b, sel, E, k, lane);
+    } else if (lane < k) {
+        sel[lane] = __ldg(tid2eid_row + lane);
+    }
+    __syncwarp();
+    select_weights_warp(s_row, sel, idx_row, w_row, k, route_scale, lane);
 }
 
 template <int EPL>
@@ -223,37 +238,25 @@ DEV void rf_load_batch(const u16* __restrict__ wrow, bool row_ok, int nc, int c0
 
 // Before the PDL wait (PDL_ENTRY_PRELOAD): the static router weight only.  It ends its basic
 // block (the branch on D, never taken), so ptxas cannot schedule the wait above the loads.
+template <int ROWS_PER_CTA>
 DEV RfFirst rf_preload(const u16* __restrict__ w, int D, int E) {
     RfFirst f;
-    const int e = blockIdx.x * RF_WARPS + (threadIdx.x >> 5);
+    const int e = blockIdx.x * ROWS_PER_CTA + (threadIdx.x >> 5);
     const bool row_ok = e < E;
     rf_load_batch(w + (i64)(row_ok ? e : 0) * D, row_ok, D >> 3, 0, f.wv);
     if (D < 0) __trap();
     return f;
 }
 
-template <int EPL>
-DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, const u16* __restrict__ w,
-                           const float* __restrict__ bias,
-                           const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
-                           float* __restrict__ logits_out, float* __restrict__ scores_out,
-                           int* __restrict__ idx_out, float* __restrict__ w_out, int* __restrict__ counter,
-                           int D, int E, int k, float route_scale) {
-    extern __shared__ __align__(16) unsigned char rf_smem[];
-    uint4* xs = reinterpret_cast<uint4*>(rf_smem);  // x as D / 8 chunks of 8 bf16
-    __shared__ float s_sh[32 * EPL];
-    __shared__ int sel[RS_KMAX];
-    __shared__ int is_last;
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int e = blockIdx.x * RF_WARPS + wid;
-    const bool row_ok = e < E;  // a warp past E still reaches the barriers
-    const int nc = D >> 3;
-    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
+// The row dot of router_fused_* / router_cluster_*: lane l accumulates the chunks c = l + 32 i of
+// its warp's row in c order in double (its first RF_LOADS chunks from ``first``, loaded before the
+// wait), then warp_sum: router_logits_bf16's per-row order, so the logits are the same bits.
+// xs: x staged in shared memory (D / 8 chunks).  Every lane returns the row's sum.
+DEV double rf_row_dot(const RfFirst& first, const uint4* xs, const u16* __restrict__ wrow, bool row_ok, int nc) {
+    const int lane = threadIdx.x & 31;
     uint4 wv[RF_LOADS];
 #pragma unroll
     for (int i = 0; i < RF_LOADS; ++i) wv[i] = first.wv[i];  // loaded before the wait
-    for (int c = threadIdx.x; c < nc; c += blockDim.x) xs[c] = ldg16(x + 8 * c);
-    __syncthreads();
     double acc = 0.0;
     for (int c0 = 0;;) {
         if (c0 + 32 * RF_LOADS <= nc) {  // a full batch (D = 4096): no per-chunk branches, so the
@@ -283,7 +286,29 @@ DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, cons
         if (c0 >= nc) break;  // D > 32 * 8 * RF_LOADS: the next batch
         rf_load_batch(wrow, row_ok, nc, c0, wv);
     }
-    const double tot = warp_sum(acc);
+    return warp_sum(acc);
+}
+
+template <int EPL>
+DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, const u16* __restrict__ w,
+                           const float* __restrict__ bias,
+                           const int* __restrict__ tid2eid, const int* __restrict__ token_ids,
+                           float* __restrict__ logits_out, float* __restrict__ scores_out,
+                           int* __restrict__ idx_out, float* __restrict__ w_out, int* __restrict__ counter,
+                           int D, int E, int k, float route_scale) {
+    extern __shared__ __align__(16) unsigned char rf_smem[];
+    uint4* xs = reinterpret_cast<uint4*>(rf_smem);  // x as D / 8 chunks of 8 bf16
+    __shared__ float s_sh[32 * EPL];
+    __shared__ int sel[RS_KMAX];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int e = blockIdx.x * RF_WARPS + wid;
+    const bool row_ok = e < E;  // a warp past E still reaches the barriers
+    const int nc = D >> 3;
+    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) xs[c] = ldg16(x + 8 * c);
+    __syncthreads();
+    const double tot = rf_row_dot(first, xs, wrow, row_ok, nc);
     if (row_ok && lane == 0) {
         const float logit = __double2float_rn(tot);
         logits_out[e] = logit;
@@ -319,7 +344,7 @@ DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, cons
          const int* __restrict__ tid2eid, const int* __restrict__ token_ids, float* __restrict__ logits_out, \
          float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
          int* __restrict__ counter, int D, int E, int k, float route_scale) {                     \
-        PDL_ENTRY_PRELOAD(const RfFirst first = rf_preload(w, D, E));                             \
+        PDL_ENTRY_PRELOAD(const RfFirst first = rf_preload<RF_WARPS>(w, D, E));                             \
         router_fused_body<EPL>(first, x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
                                D, E, k, route_scale);                                             \
     }
@@ -330,3 +355,165 @@ ROUTER_FUSED(router_fused_e128, 4)
 ROUTER_FUSED(router_fused_e256, 8)
 ROUTER_FUSED(router_fused_e384, 12)
 ROUTER_FUSED(router_fused_e512, 16)
+
+// ---------------------------------------------------------------------------------------------
+// router_cluster_e{32,64,128,256}: router_fused_*'s launch, the same bits, with the selection's
+// handoff inside ONE thread-block cluster instead of through global memory.
+//   Grid = one cluster of C = ceil(E / RC_WARPS) CTAs (C <= 16, so E <= 256; C > 8 is a
+//   non-portable cluster size, which the launch allows on the function) of RC_WARPS = 16 warps,
+//   one expert row per warp, the lane's first RF_LOADS chunks loaded before the PDL wait
+//   (rf_preload, as router_fused_*) and the row dot rf_row_dot (the same per-row order, so the
+//   same logits).  Lane 0 of a row writes its logit and score to global (the outputs) and the
+//   score into the shared memory of the cluster's rank-0 CTA by st.async, which completes 4
+//   bytes of an mbarrier there (rank 0 set it up before its PDL wait, expecting E * 4 bytes);
+//   rank 0's warp 0 waits on that mbarrier (acquire, cluster scope) and selects
+//   (select_topk_warp / select_weights_warp: router_select_*'s code).  The only cluster barrier
+//   is split: every CTA arrives before its PDL wait, and waits (long satisfied) before its first
+//   remote store, so all CTAs have started and the mbarrier is initialised.
+//   What that removes from router_fused_*'s chain after the wait: the fence, the ticket atomic,
+//   the second fence and the ld.cg re-read of the scores (~4 L2 round trips, which a saturated
+//   HBM, the shared expert's rows streaming beside the router (MEMRA_DSV4_SHARED_GATEUP),
+//   stretches to microseconds), and any GPU-scope fence: barrier.cluster.arrive.release
+//   compiles to MEMBAR.ALL.GPU, which would wait for the logits / scores stores.  No counter.  Static data of rank 0's warp 0 also move
+//   off the chain: the bias (learned) is loaded before the wait with the weight rows; the token
+//   id and its tid2eid row (hash) right after the wait, in flight during the row dot.
+//   Why 16 warps: one row per warp, and a cluster has at most 16 CTAs; 512 threads x <= 128
+//   registers (ptxas: ~110) = one CTA per SM.
+// Arguments as router_fused_* without the counter. grid C = ceil(E / 16) with cluster dims
+// (C, 1, 1), block 32 * RC_WARPS, dynamic smem D * 2 bytes.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int RC_WARPS = 16;
+
+template <int EPL>
+struct RcFirst {
+    RfFirst rows;     // the lane's first RF_LOADS chunks of its warp's row
+    float bias[EPL];  // rank 0, warp 0, learned: bias[lane + 32 i] (0 elsewhere)
+};
+
+// rank 0's mbarrier that counts the E score bytes the rows send (one per CTA, static shared)
+DEV u64* rc_scores_bar() {
+    __shared__ __align__(8) u64 bar;
+    return &bar;
+}
+
+// Before the PDL wait: the static router weight rows and (rank 0's warp 0) the static bias; rank
+// 0's thread 0 sets up the scores' mbarrier (one arrival, its own, carrying E * 4 expected bytes;
+// the rows' st.async complete the bytes).  Then every thread arrives (relaxed) at the cluster
+// barrier whose wait (cluster_started) precedes the first remote store: the CUDA guide's rule
+// that every CTA of the cluster must have started before its shared memory is accessed, and the
+// mbarrier's init visible cluster-wide (fence.mbarrier_init).  None of it touches global memory,
+// so it may precede the wait.
+template <int EPL>
+DEV RcFirst<EPL> rc_preload(const u16* __restrict__ w, const float* __restrict__ bias, int D, int E) {
+    RcFirst<EPL> f;
+    f.rows = rf_preload<RC_WARPS>(w, D, E);
+    const int lane = threadIdx.x & 31;
+    const bool selector = blockIdx.x == 0 && threadIdx.x < 32 && bias != nullptr;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int e = lane + 32 * i;
+        f.bias[i] = selector && e < E ? __ldg(bias + e) : 0.0f;
+    }
+    if (E < 0) __trap();  // ends the block: the wait stays below the loads (rf_preload's reason)
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const u32 bar = smem_addr(rc_scores_bar());
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(4 * E) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    return f;
+}
+
+// The wait of rc_preload's cluster arrive: every CTA has started and rank 0's mbarrier is set up.
+DEV void cluster_started() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// st.async of one f32 into the shared memory of CTA `rank` at the address of *local, completing
+// 4 bytes of the mbarrier at the address of *bar there: no fence, no cluster barrier; the
+// receiver's mbarrier wait makes it visible.
+DEV void st_async_cluster_f32(const float* local, const u64* bar, u32 rank, float v) {
+    u32 remote, remote_bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
+                 "r"(__float_as_uint(v)), "r"(remote_bar)
+                 : "memory");
+}
+
+// rank 0: until phase 0 of the scores' mbarrier completes (all E * 4 bytes arrived), with
+// cluster-scope acquire (the bytes came from other CTAs).
+DEV void rc_wait_scores(const u64* bar) {
+    asm volatile(
+        "{\n\t.reg .pred P1;\n"
+        "RC_WAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], 0;\n\t"
+        "@!P1 bra RC_WAIT;\n}" ::"r"(smem_addr(bar))
+        : "memory");
+}
+
+template <int EPL>
+DEV void router_cluster_body(const RcFirst<EPL>& first, const u16* __restrict__ x, const u16* __restrict__ w,
+                             const float* __restrict__ bias, const int* __restrict__ tid2eid,
+                             const int* __restrict__ token_ids, float* __restrict__ logits_out,
+                             float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,
+                             int D, int E, int k, float route_scale) {
+    extern __shared__ __align__(16) unsigned char rf_smem[];
+    uint4* xs = reinterpret_cast<uint4*>(rf_smem);  // x as D / 8 chunks of 8 bf16
+    __shared__ float s_sh[32 * EPL];                // rank 0: every row's score (the others: unused)
+    __shared__ int sel[RS_KMAX];
+    const u64* bar = rc_scores_bar();
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const bool selector = blockIdx.x == 0 && wid == 0;  // one cluster: blockIdx.x = the CTA's rank
+    const int e = blockIdx.x * RC_WARPS + wid;
+    const bool row_ok = e < E;  // a warp past E still reaches the barriers
+    const int nc = D >> 3;
+    const u16* wrow = w + (i64)(row_ok ? e : 0) * D;
+    int pick = 0;  // hash: tid2eid[token, lane], issued now, consumed after the scores arrived
+    if (selector && bias == nullptr && lane < k) pick = __ldg(tid2eid + (i64)__ldg(token_ids) * k + lane);
+    for (int c = threadIdx.x; c < nc; c += blockDim.x) xs[c] = ldg16(x + 8 * c);
+    __syncthreads();
+    const double tot = rf_row_dot(first.rows, xs, wrow, row_ok, nc);
+    cluster_started();  // before the first remote store
+    if (row_ok && lane == 0) {
+        const float logit = __double2float_rn(tot);
+        const float score = sqrtsoftplus(logit);
+        st_async_cluster_f32(s_sh + e, bar, 0, score);
+        logits_out[e] = logit;
+        scores_out[e] = score;
+    }
+    if (!selector) return;  // rank 0 stays until every row's bytes arrived (its wait below)
+    rc_wait_scores(bar);    // rank 0's s_sh holds all E scores
+    if (bias != nullptr) {
+        float b[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const int ee = lane + 32 * i;
+            b[i] = ee < E ? __fadd_rn(s_sh[ee], first.bias[i]) : f32_ninf();
+        }
+        select_topk_warp<EPL>(b, sel, E, k, lane);
+    } else if (lane < k) {
+        sel[lane] = pick;
+    }
+    __syncwarp();
+    select_weights_warp(s_sh, sel, idx_out, w_out, k, route_scale, lane);
+}
+
+}  // namespace
+
+#define ROUTER_CLUSTER(NAME, EPL)                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * RC_WARPS, 1)                               \
+    NAME(const u16* __restrict__ x, const u16* __restrict__ w, const float* __restrict__ bias,     \
+         const int* __restrict__ tid2eid, const int* __restrict__ token_ids, float* __restrict__ logits_out, \
+         float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
+         int D, int E, int k, float route_scale) {                                                \
+        PDL_ENTRY_PRELOAD(const RcFirst<EPL> first = rc_preload<EPL>(w, bias, D, E));             \
+        router_cluster_body<EPL>(first, x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, D, \
+                                 E, k, route_scale);                                              \
+    }
+
+ROUTER_CLUSTER(router_cluster_e32, 1)
+ROUTER_CLUSTER(router_cluster_e64, 2)
+ROUTER_CLUSTER(router_cluster_e128, 4)
+ROUTER_CLUSTER(router_cluster_e256, 8)

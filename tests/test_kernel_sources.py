@@ -331,7 +331,11 @@ class FakeKernel:
         self.name, self.sigs, self.record, self.check = name, sigs, record, check
         self.max_dynamic_shared_size_bytes = 0
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def __call__(self, grid, block, args, shared_mem=0, cluster=None):
+        from memra_dsv4.gpu import kernel_loader
+        # cluster= only for kernels registered as cluster kernels (get() hands those out wrapped)
+        assert cluster is None or any(n == self.name for _, n in kernel_loader._CLUSTER), (
+            f"{self.name}: cluster={cluster} but not registered with cluster=")
         check_kernel_args(self.name, args, self.sigs)
         if self.check is not None:
             self.check(self.name, grid, block, shared_mem)
@@ -476,6 +480,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     for E in (8, 64, 128, 256, 384, 512):  # counter given: the fake arrays stay out of the workspace cache
         M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), counter=i32(1))
     M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), counter=i32(1))
+    for E in (8, 64, 128, 200, 256):   # the cluster handoff (router_cluster_e*)
+        M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), handoff="cluster")
+    M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), handoff="cluster")
     M["experts"].dequant_mxfp4(u8(4, 32), u8(4, 2))
     M["experts"].dequant_nvfp4(u8(4, 32), u8(4, 4), 0.5)
     tab = A(np.zeros(4, np.uint64))

@@ -22,7 +22,8 @@ KDIR = os.path.join(REPO, "kernels_cu")
 
 # module -> kernels that open with PDL_ENTRY_PRELOAD (the macro-generated names spelled out)
 PRELOAD_KERNELS = {
-    "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512)),
+    "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512))
+              + tuple(f"router_cluster_e{e}" for e in (32, 64, 128, 256)),
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",

@@ -14,7 +14,8 @@ Contract
   returns the cached ``cupy.RawKernel``: the same object on every call, never a new one
   (``RawModule.get_function`` builds a fresh RawKernel each time, which costs host time and
   loses per-kernel attributes); inside ``gpu.pdl.pdl_launches(True)`` it returns the
-  kernel's cached ``PdlKernel`` wrapper instead (programmatic dependent launch).  A stem whose registered names grew after warmup is rebuilt
+  kernel's cached ``PdlKernel`` wrapper instead (programmatic dependent launch); a kernel
+  registered with ``cluster=`` comes as an ``ExKernel`` outside it (both take ``cluster=``).  A stem whose registered names grew after warmup is rebuilt
   on the next ``get``/``warm_all`` (announced at debug).
 * ``lookup(device_id, stem, name)`` is ``get_loader(device_id).get(stem, name)`` memoised per
   (device, stem, name, PDL context on/off) in one process-wide dict: the op wrappers' path
@@ -69,14 +70,17 @@ _STEM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # stem -> name expressions in registration order (deduplicated)
 _REGISTRY: dict[str, tuple[str, ...]] = {}
+_CLUSTER: set[tuple[str, str]] = set()   # (stem, name) launched as clusters (register(cluster=))
 
 
 class KernelCompileError(RuntimeError):
     """NVRTC could not compile (or load) a kernels_cu module."""
 
 
-def register(stem: str, name_expressions=()) -> None:
-    """Declare that ``kernels_cu/<stem>.cu`` must provide ``name_expressions``."""
+def register(stem: str, name_expressions=(), *, cluster=()) -> None:
+    """Declare that ``kernels_cu/<stem>.cu`` must provide ``name_expressions``.  ``cluster``:
+    those of them launched as thread-block clusters (``get`` hands them out wrapped, so a call
+    takes ``cluster=``: gpu/pdl.py ExKernel / PdlKernel)."""
     if not isinstance(stem, str) or not _STEM.match(stem):
         raise ValueError(f"kernel module stem {stem!r} must be a C identifier (the .cu file name "
                          f"without extension)")
@@ -90,6 +94,10 @@ def register(stem: str, name_expressions=()) -> None:
             names.append(n)
     if _REGISTRY.get(stem) != tuple(names):
         _REGISTRY[stem] = tuple(names)
+    for n in ((cluster,) if isinstance(cluster, str) else cluster):
+        if n not in names:
+            raise ValueError(f"{stem}.cu: cluster kernel {n!r} is not among its name expressions")
+        _CLUSTER.add((stem, n))
 
 
 def registered() -> dict[str, tuple[str, ...]]:
@@ -172,6 +180,7 @@ class KernelLoader:
         self._modules: dict[str, tuple[tuple[str, ...], object]] = {}  # stem -> (names, RawModule)
         self._kernels: dict[tuple[str, str], object] = {}
         self._pdl: dict[tuple[str, str], object] = {}    # PdlKernel wrappers (gpu/pdl.py)
+        self._ex: dict[tuple[str, str], object] = {}     # ExKernel wrappers of cluster kernels
         self.compile_ms: dict[str, float] = {}
 
     register = staticmethod(register)
@@ -247,6 +256,11 @@ class KernelLoader:
             if w is None:
                 w = self._pdl[(stem, name)] = pdl.PdlKernel(self.get_plain(stem, name),
                                                             f"{stem}.{name}")
+            return w
+        if (stem, name) in _CLUSTER:   # a cluster launch needs cuLaunchKernelEx (gpu/pdl.py ExKernel)
+            w = self._ex.get((stem, name))
+            if w is None:
+                w = self._ex[(stem, name)] = pdl.ExKernel(self.get_plain(stem, name), f"{stem}.{name}")
             return w
         return self.get_plain(stem, name)
 

@@ -24,6 +24,11 @@ Contract
   12.3), the cross-stream fork / join edges included (tools/probe_graph_edges.py: 9 of 9 edges
   of a forked capture had type programmatic, port programmatic, on CUDA 13); the step's graphs
   replay them with the same overlap.
+* Clusters: a kernel registered with ``kernel_loader.register(..., cluster=names)`` is handed
+  out as a PdlKernel (inside the context) or an ``ExKernel`` (outside: the same launch without
+  the PDL attribute); both take ``cluster=(cx, cy, cz)`` and add CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+  allowing a non-portable size (> 8, up to 16 on an H200) on the function first
+  (``launch_ex``).  router_cluster_* uses it.
 * The seam ``MEMRA_DSV4_PDL`` (``on``/``off``, ``Dsv4Gpu.load(pdl=)``) decides whether the device
   step enters the context; the bench can A/B it in one process (arm setting ``pdl=on|off``).
 """
@@ -35,7 +40,8 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout"]
+__all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout", "launch_ex",
+           "ExKernel"]
 
 _ACTIVE = False
 _CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it)
@@ -130,6 +136,94 @@ def _dim3(d) -> tuple[int, int, int]:
     return t + (1,) * (3 - len(t))
 
 
+_NONPORTABLE_SET: set[int] = set()   # CUfunction handles allowed a cluster of more than 8 CTAs
+
+
+def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, stream=None,
+              pdl: bool, cluster: tuple[int, int, int] | None = None) -> None:
+    """One launch of ``raw_kernel`` (a cupy.RawKernel) through ``cuLaunchKernelEx``: with the
+    programmatic-serialisation attribute when ``pdl`` (and the active block's carveout), and with
+    CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION when ``cluster`` is given (the grid must be a multiple
+    of it; a cluster of more than 8 CTAs, non-portable, is allowed on the function first, once).
+    Errors name the kernel and the launch shape."""
+    gx, gy, gz = _dim3(grid)
+    bx, by, bz = _dim3(block)
+    if cluster is not None:   # before anything reaches the driver
+        cx, cy, cz = _dim3(cluster)
+        if gx % cx or gy % cy or gz % cz:
+            raise ValueError(f"{name}: grid {(gx, gy, gz)} is not a multiple of the cluster {(cx, cy, cz)}")
+    import cupy
+    from cuda.bindings import driver as cu
+
+    keep, params = marshal_args(args)
+    s = stream if stream is not None else cupy.cuda.get_current_stream()
+    func = cu.CUfunction(int(raw_kernel.kernel.ptr))   # the current device's CUfunction
+
+    def fail(what, err):
+        _, msg = cu.cuGetErrorString(err)
+        raise RuntimeError(f"{what}({name}, grid {(gx, gy, gz)}, block {(bx, by, bz)}, smem {int(shared_mem)}"
+                           f"{', cluster ' + str(cluster) if cluster else ''}): {err.name}: "
+                           f"{msg.decode() if isinstance(msg, bytes) else msg}")
+
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+    cfg.sharedMemBytes = int(shared_mem)
+    cfg.hStream = cu.CUstream(int(s.ptr))
+    attrs = []
+    if pdl:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+        carve = _CARVE
+        if carve is not None:   # captured into the graph node with the launch
+            ca = cu.CUlaunchAttribute()
+            ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            ca.value.sharedMemCarveout = carve
+            attrs.append(ca)
+    if cluster is not None:
+        if cx * cy * cz > 8 and int(func) not in _NONPORTABLE_SET:
+            err, = cu.cuFuncSetAttribute(
+                func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                fail("cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)", err)
+            _NONPORTABLE_SET.add(int(func))
+        ca = cu.CUlaunchAttribute()
+        ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = cx, cy, cz
+        attrs.append(ca)
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
+    err, = cu.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
+    del keep                                          # the driver copied the values
+    if err != cu.CUresult.CUDA_SUCCESS:
+        fail("cuLaunchKernelEx", err)
+
+
+class ExKernel:
+    """A RawKernel stand-in whose calls launch through ``launch_ex`` without PDL: what
+    KernelLoader.get hands out, outside pdl_launches(True), for a kernel registered with
+    ``cluster=`` (CuPy's own launch has no cluster attribute).  Both it and PdlKernel take
+    ``cluster=(cx, cy, cz)`` in the call.  Attribute reads and writes go to the RawKernel."""
+
+    __slots__ = ("_k", "_name")
+
+    def __init__(self, raw_kernel, name: str) -> None:
+        object.__setattr__(self, "_k", raw_kernel)
+        object.__setattr__(self, "_name", name)
+
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, cluster=None) -> None:
+        launch_ex(self._k, self._name, grid, block, args, shared_mem=shared_mem, stream=stream, pdl=False,
+                  cluster=cluster)
+
+    def __getattr__(self, name):
+        return getattr(self._k, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._k, name, value)
+
+
 class PdlKernel:
     """A RawKernel stand-in whose calls launch with programmatic stream serialisation.
     Attribute reads and writes (``max_dynamic_shared_size_bytes``) go to the RawKernel."""
@@ -140,39 +234,9 @@ class PdlKernel:
         object.__setattr__(self, "_k", raw_kernel)
         object.__setattr__(self, "_name", name)
 
-    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
-        import cupy
-        from cuda.bindings import driver as cu
-
-        gx, gy, gz = _dim3(grid)
-        bx, by, bz = _dim3(block)
-        keep, params = marshal_args(args)
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
-        cfg.sharedMemBytes = int(shared_mem)
-        cfg.hStream = cu.CUstream(int(s.ptr))
-        attrs = [attr]
-        carve = _CARVE
-        if carve is not None:   # captured into the graph node with the launch
-            ca = cu.CUlaunchAttribute()
-            ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-            ca.value.sharedMemCarveout = carve
-            attrs.append(ca)
-        cfg.attrs = attrs
-        cfg.numAttrs = len(attrs)
-        func = cu.CUfunction(int(self._k.kernel.ptr))   # the current device's CUfunction
-        err, = cu.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
-        del keep                                          # the driver copied the values
-        if err != cu.CUresult.CUDA_SUCCESS:
-            _, msg = cu.cuGetErrorString(err)
-            raise RuntimeError(f"cuLaunchKernelEx({self._name}, grid {(gx, gy, gz)}, block "
-                               f"{(bx, by, bz)}, smem {int(shared_mem)}): {err.name}: "
-                               f"{msg.decode() if isinstance(msg, bytes) else msg}")
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, cluster=None) -> None:
+        launch_ex(self._k, self._name, grid, block, args, shared_mem=shared_mem, stream=stream, pdl=True,
+                  cluster=cluster)
 
     def __getattr__(self, name):
         return getattr(self._k, name)

@@ -843,8 +843,14 @@ class DeviceStep:
                 w, sc = L.lin("ffn.shared_experts.w2")
                 DK.gemv_bf16(w, sh, v["moe.shared"], scale=sc)
 
+        # MEMRA_DSV4_ROUTER_HANDOFF: the fused router's selection behind a ticket (router_fused_*)
+        # or inside one thread-block cluster (router_cluster_*, E <= 256); the same bits
+        handoff = router_handoff()
+        if handoff == "cluster" and not RT.cluster_ok(E):
+            handoff = "ticket"
+
         def router():
-            with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_*)
+            with phase(f"{mp}/router"):  # logits + select in one launch (router_fused_* / _cluster_*)
                 if self.hostmath:   # logits on the device, the selection on the host
                     from memra_dsv4.gpu import hostmath as HM
                     HM.router_island(S.io, cfg, xn, L.w("ffn.gate.weight"), logits=logits, ids=ids,
@@ -855,7 +861,7 @@ class DeviceStep:
                              else dict(bias=L.w("ffn.gate.bias")))
                     RT.fused(xn, L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
                              logits=logits, scores=v["moe.scores"].reshape(1, E), idx=ids,
-                             weights=wts, **route)
+                             weights=wts, handoff=handoff, **route)
 
         def gate_up():
             with phase(f"{mp}/experts"), _gateup_pdl_scope():  # gate/up + SwiGLU; down is fused into combine
@@ -977,6 +983,24 @@ def shared_gateup_on() -> bool:
     the Flash shapes (ops.experts.gateup_shared_ok); otherwise the separate launch.  The same
     bytes either way (tests/gpu/test_step_shared_gateup_gpu.py); not a seam (bench arm shgu=on|off)."""
     return _on_off_env(SHARED_GATEUP_ENV, SHARED_GATEUP_DEFAULT) == "on"
+
+
+ROUTER_HANDOFF_ENV = "MEMRA_DSV4_ROUTER_HANDOFF"   # ticket | cluster: the fused router's selection handoff
+ROUTER_HANDOFF_DEFAULT = "ticket"
+
+
+def router_handoff() -> str:
+    """MEMRA_DSV4_ROUTER_HANDOFF = ticket | cluster (ROUTER_HANDOFF_DEFAULT), read when _moe
+    launches (at graph capture): how the device router's one launch hands the E scores to the CTA
+    that selects.  "ticket": router_fused_* (every CTA fences its scores and takes a ticket; the
+    last one fences again and re-reads them through L2); "cluster": router_cluster_* (one
+    thread-block cluster of ceil(E / 16) CTAs x 16 warps; the scores go to the rank-0 CTA's
+    shared memory, one cluster barrier, no global round trip; E <= 256, else "ticket").  Why:
+    beside the shared expert's stream (MEMRA_DSV4_SHARED_GATEUP) the router took 11.8 us instead
+    of 7.1 (twentieth session's timeline), its chain after the wait holding ~4 L2 round trips.
+    The same bytes either way (tests/gpu/test_step_router_handoff_gpu.py); not a seam (bench arm
+    rhand=ticket|cluster)."""
+    return _choice_env(ROUTER_HANDOFF_ENV, ("ticket", "cluster"), ROUTER_HANDOFF_DEFAULT)
 
 
 def multi_qnorm_on() -> bool:

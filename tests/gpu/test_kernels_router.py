@@ -181,3 +181,95 @@ def test_router_fused_graph_replay(hash_layer):
         s.synchronize()
         _assert_same_bits(outs, want, seed, hash_layer=hash_layer, rep=rep)
     assert int(K.workspace().get()[0]) == 0
+
+
+# ------------------------------------------------------------------------ router_cluster_* (T = 1)
+@pytest.mark.parametrize("D,E,k", [(4096, 256, 6), (8448, 256, 6), (512, 37, 5), (256, 8, 2), (1024, 200, 16),
+                                   (4096, 128, 8), (4096, 241, 6)])
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_cluster_bitwise_vs_unfused(D, E, k, hash_layer):
+    """router_cluster_* (one cluster of ceil(E / 16) CTAs, the scores handed over in DSMEM) ==
+    router_logits_bf16 + router_select_* byte for byte, and == router_fused_* (the ticket form),
+    three launches plain and one inside pdl_launches (the PdlKernel launch with both attributes)."""
+    from memra_dsv4.gpu import pdl
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    scale = 2.5
+    for rep in range(4):
+        xg, wg, how, (x, w, bias) = _fused_case(rng, D, E, k, hash_layer)
+        want = _unfused(xg, wg, k, scale, how)
+        ticket = K.fused(xg, wg, k, scale, **how)
+        if rep == 3:
+            with pdl.pdl_launches(True):
+                got = K.fused(xg, wg, k, scale, handoff="cluster", **how)
+        else:
+            got = K.fused(xg, wg, k, scale, handoff="cluster", **how)
+        cp.cuda.get_current_stream().synchronize()
+        _assert_same_bits(got, want, seed, D=D, E=E, k=k, hash_layer=hash_layer, rep=rep, handoff="cluster")
+        _assert_same_bits(got, ticket, seed, D=D, E=E, k=k, hash_layer=hash_layer, rep=rep, vs="ticket")
+        if not hash_layer and E >= 4:
+            ids = got[0].get()[0].tolist()
+            assert ids.index(1) < ids.index(3), f"router cluster: exact tie not to the lower id {ids} {describe(seed)}"
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_cluster_graph_replay(hash_layer):
+    """The cluster launch captured (inside pdl_launches, as the device step captures it) and
+    replayed on new inputs written into the same buffers: each replay equals the unfused pair."""
+    from memra_dsv4.gpu import graphs, pdl
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D, E, k, scale = 4096, 256, 6, 2.5
+    xg, wg, how, _ = _fused_case(rng, D, E, k, hash_layer)
+    outs = [cp.empty((1, k), np.int32), cp.empty((1, k), np.float32), cp.empty((1, E), np.float32),
+            cp.empty((1, E), np.float32)]
+
+    def launch():
+        with pdl.pdl_launches(True):
+            K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2], logits=outs[3],
+                    handoff="cluster", **how)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        launch()
+    s.synchronize()
+    g = graphs.capture(s, launch)
+    for rep in range(4):
+        x2, w2, how2, _ = _fused_case(rng, D, E, k, hash_layer)
+        xg[...] = x2
+        wg[...] = w2
+        for name, a in how.items():
+            a[...] = how2[name]
+        want = _unfused(xg, wg, k, scale, how)
+        cp.cuda.get_current_stream().synchronize()
+        for o in outs:
+            o.fill(0)
+        cp.cuda.get_current_stream().synchronize()
+        graphs.replay(g, s)
+        s.synchronize()
+        _assert_same_bits(outs, want, seed, hash_layer=hash_layer, rep=rep)
+
+
+def test_router_cluster_fits_one_gpc():
+    """The 16-CTA cluster of 512 threads (E = 256) can be resident: cuOccupancyMaxActiveClusters
+    >= 1 (printed: how many such clusters the GPU holds at once)."""
+    from cuda.bindings import driver as cu
+
+    from memra_dsv4.gpu.ops._common import kernel
+    kern = kernel(K.STEM, "router_cluster_e256")
+    func = cu.CUfunction(int(kern.kernel.ptr))
+    err, = cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 16, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 512, 1, 1
+    cfg.sharedMemBytes = 2 * 4096
+    ca = cu.CUlaunchAttribute()
+    ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = 16, 1, 1
+    cfg.attrs = [ca]
+    cfg.numAttrs = 1
+    err, n = cu.cuOccupancyMaxActiveClusters(func, cfg)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    regs = kern.attributes["num_regs"] if hasattr(kern, "attributes") else "?"
+    print(f"router_cluster_e256: {n} clusters of 16 x 512 threads resident at once (regs {regs})")
+    assert n >= 1

@@ -8,7 +8,11 @@ fused(x, w_gate, k, route_scale, bias=... | tid2eid=..., token_ids=...)
                                decode (T = 1): logits + select in ONE launch, the same bits as
                                logits() then select() (router_fused_e*: same per-row reduction
                                order, same selection code); the last CTA selects, through a
-                               per-device ticket counter (workspace(), made before any capture).
+                               per-device ticket counter (workspace(), made before any capture);
+                               handoff="cluster" (E <= 256, cluster_ok): router_cluster_e*, one
+                               thread-block cluster whose rank-0 CTA gathers the scores in its
+                               shared memory (DSMEM) behind one cluster barrier: no counter, no
+                               global round trip; the same bits.
 tid2eid for the hash layers is int32 [V, k] (the checkpoint's int64, converted at load).
 """
 
@@ -24,11 +28,15 @@ STEM = "router"
 _SELECT = {32: "router_select_e32", 64: "router_select_e64", 128: "router_select_e128",
            256: "router_select_e256", 384: "router_select_e384", 512: "router_select_e512"}
 _FUSED = {c: n.replace("router_select", "router_fused") for c, n in _SELECT.items()}
-KERNELS = ("router_logits_bf16",) + tuple(_SELECT.values()) + tuple(_FUSED.values())
-kernel_loader.register(STEM, KERNELS)
+_CLUSTER = {c: n.replace("router_select", "router_cluster") for c, n in _SELECT.items() if c <= 256}
+KERNELS = ("router_logits_bf16",) + tuple(_SELECT.values()) + tuple(_FUSED.values()) + tuple(_CLUSTER.values())
+kernel_loader.register(STEM, KERNELS, cluster=tuple(_CLUSTER.values()))
+HANDOFFS = ("ticket", "cluster")
 
 KMAX = 16
 FUSED_ROWS_PER_CTA = 4  # kernels_cu/router.cu RF_WARPS
+CLUSTER_ROWS_PER_CTA = 16  # kernels_cu/router.cu RC_WARPS: one row per warp, 512 threads
+CLUSTER_MAX_CTAS = 16      # the largest (non-portable) cluster of an H100 / H200
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of router_fused_* (kept 0)
 
 
@@ -78,12 +86,24 @@ def select(logits, k: int, route_scale: float, *, bias=None, tid2eid=None, token
     return idx, weights, scores
 
 
+def cluster_ok(E: int) -> bool:
+    """Whether router_cluster_* covers E experts: one row per warp of at most CLUSTER_MAX_CTAS
+    CTAs of CLUSTER_ROWS_PER_CTA warps (E <= 256)."""
+    return 1 <= E <= CLUSTER_ROWS_PER_CTA * CLUSTER_MAX_CTAS
+
+
 def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, token_ids=None,
-          logits=None, scores=None, idx=None, weights=None, counter=None):
+          logits=None, scores=None, idx=None, weights=None, counter=None, handoff: str = "ticket"):
     """One token (x [1, D] bf16, w_gate [E, D] bf16): logits [1, E] f32, then learned (bias [E]
     f32) or hash (tid2eid [V, k] int32 + token_ids [1] int32) routing, in one launch.  Returns
     (idx int32 [1, k], weights f32 [1, k], scores f32 [1, E], logits f32 [1, E]), bit-identical
-    to logits() + select().  counter: int32 [1], zero (default: workspace())."""
+    to logits() + select().  handoff "ticket": router_fused_* (its last CTA selects; counter:
+    int32 [1], zero, default workspace()); "cluster": router_cluster_* (one cluster of
+    ceil(E / 16) CTAs, E <= 256: cluster_ok; no counter, so none may be given)."""
+    if handoff not in HANDOFFS:
+        raise ValueError(f"router.fused: handoff {handoff!r} is not one of {HANDOFFS}")
+    if handoff == "cluster" and counter is not None:
+        raise ValueError("router.fused: handoff 'cluster' takes no ticket counter")
     check(x, "router.fused.x", np.uint16)
     T, D = x.shape
     assert T == 1, f"router.fused: one token (decode), got T = {T}; use logits() + select()"
@@ -100,10 +120,21 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
         check(token_ids, "router.fused.token_ids", np.int32, (1,))
     cap = next((c for c in sorted(_FUSED) if c >= E), None)
     assert cap is not None, f"router.fused: E = {E} > {max(_FUSED)}"
+    if handoff == "cluster" and not cluster_ok(E):
+        raise ValueError(f"router.fused: handoff 'cluster' covers E <= {CLUSTER_ROWS_PER_CTA * CLUSTER_MAX_CTAS} "
+                         f"experts (one row per warp, one cluster), got E = {E}; use handoff 'ticket'")
     logits = out_array(logits, "router.fused.logits", (1, E), np.float32)
     scores = out_array(scores, "router.fused.scores", (1, E), np.float32)
     idx = out_array(idx, "router.fused.idx", (1, k), np.int32)
     weights = out_array(weights, "router.fused.weights", (1, k), np.float32)
+    if handoff == "cluster":
+        kern = kernel(STEM, _CLUSTER[cap])
+        n_cta = (E + CLUSTER_ROWS_PER_CTA - 1) // CLUSTER_ROWS_PER_CTA
+        kern((n_cta,), (32 * CLUSTER_ROWS_PER_CTA,),
+             (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights,
+              i32(D), i32(E), i32(k), np.float32(route_scale)),
+             shared_mem=dynamic_smem(kern, 2 * D), cluster=(n_cta, 1, 1))
+        return idx, weights, scores, logits
     counter = workspace() if counter is None else check(counter, "router.fused.counter", np.int32, (1,))
     kern = kernel(STEM, _FUSED[cap])
     kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA,), (32 * FUSED_ROWS_PER_CTA,),

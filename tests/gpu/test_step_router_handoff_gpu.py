@@ -1,0 +1,61 @@
+"""MEMRA_DSV4_ROUTER_HANDOFF=cluster (step_device.router_handoff): the device router's selection
+handed over inside one thread-block cluster (router.cu router_cluster_*: the scores in the rank-0
+CTA's shared memory behind one barrier.cluster) instead of through the ticket and L2
+(router_fused_*).  The same row dot and selection code, so the step must give the ticket form's
+bits:
+
+* flash-layers:4 (E = 256: one cluster of 16 CTAs x 16 warps; three hash-routed layers and one
+  learned), 5-token prefill, 6 steps, arms interleaved step by step: ticket (graph; the
+  reference), cluster (graph), cluster eager; logits of every step and every cache byte equal;
+  the first eager cluster step launches router_cluster_e256 four times and no router_fused_*;
+* tiny (E = 8: a cluster of one CTA; hash and learned layers), 12 steps past the window wrap."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, eager_step_launches, env_arm_runner  # noqa: E402
+
+ENV = "MEMRA_DSV4_ROUTER_HANDOFF"
+_ARMS = {"ticket": ("ticket", True), "cluster": ("cluster", True), "cluster+eager": ("cluster", False)}
+
+
+def _first_eager(m, states, cluster_name: str, n_layers: int):
+    def first(a, t):
+        logits, names = eager_step_launches(m, states[a], t)
+        assert names.count(cluster_name) == n_layers, sorted(set(names))
+        assert not [n for n in names if n.startswith("router_fused_")], sorted(set(names))
+        return logits
+    return first
+
+
+def test_router_cluster_step_bit_identical_flash_layers(monkeypatch):
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    ck = _ckpt("flash-layers:4", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
+                     dense="bf16")
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(47).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    assert_arms_agree("flash-layers:4 router cluster handoff", states, ids[prompt:],
+                      env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
+                                     first_eager=_first_eager(m, states, "router_cluster_e256", 4)),
+                      pos0=prompt)
+
+
+def test_router_cluster_step_bit_identical_tiny(monkeypatch):
+    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
+    ck, m = _model("tiny", (0,), "device")
+    prompt, steps = 5, 12
+    ids = _ids(ck.config, prompt + steps, seed=29)
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    assert_arms_agree("tiny router cluster handoff", states, ids[prompt:prompt + steps],
+                      env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
+                                     first_eager=_first_eager(m, states, "router_cluster_e32",
+                                                              ck.config.num_hidden_layers)),
+                      pos0=prompt)

@@ -1,0 +1,204 @@
+"""MEMRA_DSV4_ROUTER_HANDOFF (step_device.router_handoff): the device router's one launch hands the
+E scores to the selecting CTA through a ticket and L2 (router_fused_*, "ticket") or inside one
+thread-block cluster through DSMEM (router_cluster_*, "cluster", E <= 256).  On the CPU (no GPU):
+
+* the switch: unset -> ROUTER_HANDOFF_DEFAULT; "ticket" / "cluster"; anything else a ValueError
+  naming the variable; bench.decode_step's rhand arm sets it;
+* DeviceStep._moe with the launches replaced by recorders: ops.router.fused gets handoff="cluster"
+  when the switch says so and E <= 256, "ticket" otherwise (E = 384 falls back);
+* the wrapper on fake arrays: router_cluster_e* with grid ceil(E / 16), block 512, dynamic smem
+  2 D and cluster (ceil(E / 16), 1, 1), the ticket form unchanged; refusals (an unknown handoff, a
+  counter with the cluster handoff, E > 256) name the problem and launch nothing;
+* kernel_loader: a kernel registered with cluster= comes out of get() as a pdl.ExKernel outside
+  pdl_launches and as a PdlKernel inside (both take cluster=); cluster= naming an unregistered
+  kernel is refused;
+* the kernel's source: rank 0's mbarrier set up before the PDL wait (init, expect E * 4 bytes,
+  fence.mbarrier_init, the cluster barrier's relaxed arrive), the arrive's wait before the rows'
+  st.async into rank 0's shared memory, rank 0's acquire wait on the mbarrier, no ticket, no
+  fence; the selection through select_topk_warp / select_weights_warp (router_select_*'s code)
+  and the row dot through rf_row_dot (router_fused_*'s), PDL_ENTRY_PRELOAD first.
+The bytes are the GPU tests' (tests/gpu/test_kernels_router.py router_cluster,
+tests/gpu/test_step_router_handoff_gpu.py); tests/test_pdl_preload_sass.py checks the SASS order."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_router_handoff_switch(monkeypatch):
+    from memra_dsv4.gpu import step_device as SD
+    assert SD.ROUTER_HANDOFF_ENV == "MEMRA_DSV4_ROUTER_HANDOFF"
+    monkeypatch.delenv(SD.ROUTER_HANDOFF_ENV, raising=False)
+    assert SD.router_handoff() == SD.ROUTER_HANDOFF_DEFAULT
+    for v in ("ticket", "cluster"):
+        monkeypatch.setenv(SD.ROUTER_HANDOFF_ENV, v)
+        assert SD.router_handoff() == v
+    monkeypatch.setenv(SD.ROUTER_HANDOFF_ENV, "dsmem")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_ROUTER_HANDOFF='dsmem'.*ticket or cluster"):
+        SD.router_handoff()
+
+
+def test_bench_decode_rhand_arm_sets_the_env():
+    from bench.decode_step import _kernel_env
+    assert _kernel_env({"rhand": "cluster"}, None) == {"MEMRA_DSV4_ROUTER_HANDOFF": "cluster"}
+    assert _kernel_env({"rhand": "ticket"}, None) == {"MEMRA_DSV4_ROUTER_HANDOFF": "ticket"}
+
+
+def _router_kw(monkeypatch, env, E):
+    from tests.test_decode_shared_w2_cpu import moe_buffers, run_moe
+
+    from memra_dsv4.gpu import ops_decode as DK
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.gpu.ops import router as RT
+    if env is None:
+        monkeypatch.delenv("MEMRA_DSV4_ROUTER_HANDOFF", raising=False)
+    else:
+        monkeypatch.setenv("MEMRA_DSV4_ROUTER_HANDOFF", env)
+    D, I = 4096, 2048
+    v = moe_buffers(D, I)
+    v["moe.logits"], v["moe.scores"] = np.zeros(E, np.float32), np.zeros(E, np.float32)
+    calls = []
+    monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: None)
+    monkeypatch.setattr(DK, "gemv_bf16", lambda *a, **kw: None)
+    monkeypatch.setattr(RT, "fused", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: None)
+    monkeypatch.setattr(EX, "gemv_fp4_down_combine", lambda *a, **kw: None)
+    w2 = np.zeros((D, I), np.uint16)
+    run_moe(v, [], "all", "fused", lambda leaf: (w2, None), D, I, E=E)
+    assert len(calls) == 1
+    return calls[0]
+
+
+def test_moe_passes_the_handoff(monkeypatch):
+    from memra_dsv4.gpu import step_device as SD
+    assert _router_kw(monkeypatch, "cluster", 256)["handoff"] == "cluster"
+    assert _router_kw(monkeypatch, "ticket", 256)["handoff"] == "ticket"
+    assert _router_kw(monkeypatch, None, 256)["handoff"] == SD.ROUTER_HANDOFF_DEFAULT
+    assert _router_kw(monkeypatch, "cluster", 384)["handoff"] == "ticket"   # one cluster covers E <= 256
+    assert _router_kw(monkeypatch, "cluster", 32)["handoff"] == "cluster"
+
+
+def test_router_cluster_wrapper_launch_and_checks(monkeypatch):
+    from tests.test_kernel_sources import _fake_cupy
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu.ops import router as RT
+    A = fake.asarray
+    rec = []
+    monkeypatch.setattr(RT, "kernel", lambda stem, name: (
+        lambda grid, block, a, shared_mem=0, **kw: rec.append((name, grid, block, a, shared_mem, kw))))
+    monkeypatch.setattr(RT, "dynamic_smem", lambda kern, n: n)
+    counter = A(np.zeros(1, np.int32))
+    monkeypatch.setattr(RT, "workspace", lambda: counter)
+    D, k = 4096, 6
+
+    def call(E, **kw):
+        w = A(np.zeros((E, D), np.uint16))
+        return RT.fused(A(np.zeros((1, D), np.uint16)), w, k, 2.5, bias=A(np.zeros(E, np.float32)), **kw)
+    for E, ctas in ((256, 16), (200, 13), (32, 2), (8, 1)):
+        out = call(E, handoff="cluster")
+        name, grid, block, a, smem, kw = rec[-1]
+        assert name == f"router_cluster_e{max(32, 1 << (E - 1).bit_length())}"
+        assert grid == (ctas,) and block == (512,) and smem == 2 * D and kw == {"cluster": (ctas, 1, 1)}
+        assert len(a) == 13 and all(x is not counter for x in a)   # the ticket form's arguments less the counter
+        assert [o.shape for o in out] == [(1, k), (1, k), (1, E), (1, E)]
+    call(256)
+    name, grid, block, a, smem, kw = rec[-1]
+    assert name == "router_fused_e256" and grid == (64,) and block == (128,) and kw == {} and a[9] is counter
+    n = len(rec)
+    with pytest.raises(ValueError, match="handoff 'dsmem' is not one of"):
+        call(256, handoff="dsmem")
+    with pytest.raises(ValueError, match="handoff 'cluster' takes no ticket counter"):
+        call(256, handoff="cluster", counter=counter)
+    with pytest.raises(ValueError, match="handoff 'cluster' covers E <= 256 .* got E = 384"):
+        call(384, handoff="cluster")
+    assert len(rec) == n   # nothing launched by a refused call
+    assert RT.cluster_ok(256) and RT.cluster_ok(1) and not RT.cluster_ok(257) and not RT.cluster_ok(0)
+
+
+def test_cluster_kernels_come_out_wrapped(monkeypatch):
+    from memra_dsv4.gpu import kernel_loader, pdl
+    monkeypatch.setattr(kernel_loader, "_REGISTRY", dict(kernel_loader._REGISTRY))
+    monkeypatch.setattr(kernel_loader, "_CLUSTER", set(kernel_loader._CLUSTER))
+    with pytest.raises(ValueError, match="cluster kernel 'k_z' is not among its name expressions"):
+        kernel_loader.register("hl_cl", ["k_a"], cluster=["k_z"])
+    kernel_loader.register("hl_cl", ["k_a", "k_c"], cluster=["k_c"])
+    loader = object.__new__(kernel_loader.KernelLoader)
+    loader._pdl, loader._ex = {}, {}
+    raw = {"k_a": SimpleNamespace(name="k_a"), "k_c": SimpleNamespace(name="k_c")}
+    loader.get_plain = lambda stem, name: raw[name]
+    assert loader.get("hl_cl", "k_a") is raw["k_a"]   # a plain kernel stays CuPy's
+    w = loader.get("hl_cl", "k_c")
+    assert isinstance(w, pdl.ExKernel) and w is loader.get("hl_cl", "k_c") and w.name == "k_c"
+    with pdl.pdl_launches(True):
+        p = loader.get("hl_cl", "k_c")
+        assert isinstance(p, pdl.PdlKernel) and p.name == "k_c"
+
+
+def test_router_cluster_launch_refuses_a_grid_off_the_cluster(monkeypatch):
+    """pdl.launch_ex checks the grid against the cluster before it touches the driver."""
+    from tests.test_kernel_sources import _fake_cupy
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu import pdl
+    raw = SimpleNamespace(kernel=SimpleNamespace(ptr=0))
+    stream = SimpleNamespace(ptr=0)
+    with pytest.raises(ValueError, match=r"router.k: grid \(12, 1, 1\) is not a multiple of the cluster \(8, 1, 1\)"):
+        pdl.launch_ex(raw, "router.k", (12,), (512,), (), stream=stream, pdl=False, cluster=(8, 1, 1))
+    with pytest.raises(ValueError, match=r"grid \(16, 2, 1\) is not a multiple of the cluster \(16, 3, 1\)"):
+        pdl.launch_ex(raw, "router.k", (16, 2), (512,), (), stream=stream, pdl=True, cluster=(16, 3, 1))
+
+
+def _body(src: str, head: str) -> str:
+    i = src.index(head)
+    j = src.index("{", i)
+    depth = 0
+    for n in range(j, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[n], 0)
+        if depth == 0:
+            return src[j:n + 1]
+    raise AssertionError(f"unbalanced body after {head!r}")
+
+
+def test_router_cluster_kernel_source_contract():
+    src = open(os.path.join(ROOT, "kernels_cu", "router.cu"), encoding="utf-8").read()
+    assert re.findall(r"^ROUTER_CLUSTER\((\w+), (\d+)\)", src, re.M) == [
+        ("router_cluster_e32", "1"), ("router_cluster_e64", "2"), ("router_cluster_e128", "4"),
+        ("router_cluster_e256", "8")]
+    macro = src[src.index("#define ROUTER_CLUSTER("):src.index("ROUTER_CLUSTER(router_cluster_e32")]
+    flat = re.sub(r"[\s\\]+", " ", macro[macro.index("{"):])
+    assert flat.startswith("{ PDL_ENTRY_PRELOAD(const RcFirst<EPL> first = rc_preload<EPL>(w, bias, D, E)); "
+                           "router_cluster_body<EPL>(")
+    body = _body(src, "DEV void router_cluster_body(")
+    # the handoff: the split cluster barrier's wait, then one st.async per row into rank 0's
+    # shared memory, completing bytes of rank 0's mbarrier; rank 0 waits on it, then selects
+    assert body.index("rf_row_dot(first.rows, xs, wrow, row_ok, nc)") < body.index("cluster_started();") \
+        < body.index("st_async_cluster_f32(s_sh + e, bar, 0, score)") < body.index("rc_wait_scores(bar);") \
+        < body.index("select_topk_warp<EPL>(b, sel, E, k, lane)")
+    assert "select_weights_warp(s_sh, sel, idx_out, w_out, k, route_scale, lane)" in body
+    for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "__ldcg", "counter", "barrier.cluster.arrive"):
+        assert gone not in body, gone
+    pre = _body(src, "DEV RcFirst<EPL> rc_preload(")
+    assert pre.index("__trap()") < pre.index("mbarrier.init.shared::cta.b64 [%0], 1;") \
+        < pre.index("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;") \
+        < pre.index("fence.mbarrier_init.release.cluster;") < pre.index("barrier.cluster.arrive.relaxed.aligned;")
+    assert '"r"(4 * E)' in pre   # rank 0 expects E scores of 4 bytes
+    assert "barrier.cluster.wait.aligned;" in _body(src, "DEV void cluster_started()")
+    st = _body(src, "DEV void st_async_cluster_f32(")
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32" in st and st.count("mapa.shared::cluster.u32") == 2
+    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in _body(src, "DEV void rc_wait_scores(")
+    # router_select_* and router_fused_* select through the same two functions
+    tok = _body(src, "DEV void select_token_warp(")
+    assert "select_topk_warp<EPL>(b, sel, E, k, lane)" in tok and "select_weights_warp(" in tok
+    assert "rf_row_dot(first, xs, wrow, row_ok, nc)" in _body(src, "DEV void router_fused_body(")
+    from memra_dsv4.gpu.ops import router as RT
+    assert set(RT._CLUSTER.values()) <= set(RT.KERNELS)
+    from memra_dsv4.gpu import kernel_loader
+    assert {("router", n) for n in RT._CLUSTER.values()} <= kernel_loader._CLUSTER
