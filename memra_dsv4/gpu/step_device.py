@@ -34,7 +34,9 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   the kernel, split over CTAs, the partials merged by the CTAs that finish last through a
   per-device ticket counter).  Both use the arena's dev.attn_ws as the split workspace;
 * router logits + select (learned bias or hash tid2eid[tok]) on the device in one launch
-  (router_fused_*: its last CTA selects through a per-device ticket counter), fused FP4
+  (router_cluster_*, MEMRA_DSV4_ROUTER_HANDOFF = cluster, the default: one thread-block cluster
+  whose rank-0 CTA receives the scores by st.async and selects; "ticket" or E > 256:
+  router_fused_*, its last CTA selecting through a per-device ticket counter), fused FP4
   gate/up/SwiGLU and down+combine GEMVs reading the STORED expert bytes by device expert ids,
   shared expert via gemv_bf16_swiglu (w1, w3 and the clamped SwiGLU in one launch) + w2 GEMV;
 * with ``model.hc_split`` "on" (seam MEMRA_DSV4_HC_SPLIT) each boundary is two launches instead
@@ -986,7 +988,11 @@ def shared_gateup_on() -> bool:
 
 
 ROUTER_HANDOFF_ENV = "MEMRA_DSV4_ROUTER_HANDOFF"   # ticket | cluster: the fused router's selection handoff
-ROUTER_HANDOFF_DEFAULT = "ticket"
+# cluster since the twenty-first session: bit-identical (its GPU tests) and, on 20 Flash layers,
+# ticket -> cluster in one process each: 1K 3.414 -> 3.377, 3.395 -> 3.352 ms (cluster first),
+# trace build 3.597 -> 3.553; the router 11.6 -> 6.0 us in a CSA layer's timeline
+# (bench/results/2026-12-02-nvidia-h200-9d86660*.json; docs/decode_perf.md)
+ROUTER_HANDOFF_DEFAULT = "cluster"
 
 
 def router_handoff() -> str:

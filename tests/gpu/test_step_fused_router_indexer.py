@@ -1,4 +1,5 @@
-"""The device step with the fused decode router (router_fused_*) and indexer
+"""The device step with the fused decode router (router_cluster_* under the default
+MEMRA_DSV4_ROUTER_HANDOFF, else router_fused_*) and indexer
 (indexer_fused_d128) == the same step with the unfused pairs they replace (router logits +
 select; indexer scores + top-k in index order), byte for byte: logits of every step and the
 whole cache state.  tiny (index_topk 2) and small (8) run past n_valid > index_topk, so both the
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 def _unfused_router(RT):
     def fused(x, w_gate, k, route_scale, *, bias=None, tid2eid=None, token_ids=None, logits=None, scores=None,
-              idx=None, weights=None, counter=None):
+              idx=None, weights=None, counter=None, handoff=None):
         RT.logits(x, w_gate, out=logits)
         return RT.select(logits, k, route_scale, bias=bias, tid2eid=tid2eid, token_ids=token_ids, idx=idx,
                          weights=weights, scores=scores)
