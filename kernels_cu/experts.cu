@@ -1548,16 +1548,22 @@ constexpr int SH_SWIGLU_K = 4096;  // the full-shape gate/up's K (ops/experts.py
 DEV int shared_swiglu_warp() { return (blockIdx.y * gridDim.x + blockIdx.x) * FP4_WARPS + (threadIdx.x >> 5); }
 struct SharedSwigluPre {
     u32 kept;  // lane j: the bf16 bits of this warp's j-th output
+    // The first W_sh warps of the grid (linear order: shared_swiglu_warp) carry the outputs, warp
+    // w outputs w, w + W_sh, ...; the rest none.  Why not always every warp: the CTAs dispatched
+    // last (the highest linear ids) may have to wait for SMs a concurrent kernel holds (the
+    // router's cluster, MEMRA_DSV4_ROUTER_HANDOFF = cluster: 16 whole SMs), and a late CTA that
+    // still has shared rows to stream before its wait starts its routed work last.  Which warp
+    // computes an output does not change its bits.
     DEV void before_wait(const u16* __restrict__ x, const u16* __restrict__ w1, const u16* __restrict__ w3,
-                         int O_sh, double limit) {
+                         int O_sh, int W_sh, double limit) {
         __shared__ uint4 xsh[SH_SWIGLU_K / 8];  // x as bf16, 16-byte word c = chunk c
         for (int i = threadIdx.x; i < SH_SWIGLU_K / 8; i += FP4_WARPS * 32)
             xsh[i] = __ldcg(reinterpret_cast<const uint4*>(x) + i);
         __syncthreads();
-        const int lane = threadIdx.x & 31, nw = gridDim.x * gridDim.y * FP4_WARPS;
+        const int lane = threadIdx.x & 31, w = shared_swiglu_warp();
         kept = 0u;
         int j = 0;
-        for (int o = shared_swiglu_warp(); o < O_sh; o += nw, ++j) {
+        for (int o = w; w < W_sh && o < O_sh; o += W_sh, ++j) {
             const u16* const rows[2] = {w1 + (i64)o * SH_SWIGLU_K, w3 + (i64)o * SH_SWIGLU_K};
             float d[2];
             bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}, lane, d);
@@ -1567,9 +1573,9 @@ struct SharedSwigluPre {
         if (O_sh < 0) __trap();  // never taken: ends the basic block, so ptxas keeps the wait below
     }
     // after the wait: lane j stores the warp's j-th output
-    DEV void after_wait(u16* __restrict__ sh, int O_sh) const {
-        const int o = shared_swiglu_warp() + (int)(threadIdx.x & 31) * (gridDim.x * gridDim.y * FP4_WARPS);
-        if (o < O_sh) sh[o] = (u16)kept;
+    DEV void after_wait(u16* __restrict__ sh, int O_sh, int W_sh) const {
+        const int w = shared_swiglu_warp(), o = w + (int)(threadIdx.x & 31) * W_sh;
+        if (w < W_sh && o < O_sh) sh[o] = (u16)kept;
     }
 };
 
@@ -1633,8 +1639,9 @@ GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
 // MEMRA_DSV4_SHARED_GATEUP = on; SharedSwigluPre above): as _k4_f, plus sw1 / sw3: the shared
 // expert's W1 / W3 as bf16 bits [O_sh, 4096], sh: [O_sh] bf16 out = swiglu(bf16(sw1 . x[0]),
 // bf16(sw3 . x[0])) (clamped at sh_limit, no routing weight; x row 0: one token), the bytes of
-// ops_decode.gemv_bf16_swiglu, computed before the PDL wait.  O_sh <= 32 * gridDim.x * gridDim.y *
-// FP4_WARPS.  Grid and block as _k4_f; static shared memory 8 KB more (x as bf16).
+// ops_decode.gemv_bf16_swiglu, computed before the PDL wait by the grid's first W_sh warps
+// (SharedSwigluPre): O_sh <= 32 * W_sh, W_sh <= gridDim.x * gridDim.y * FP4_WARPS.  Grid and block as
+// _k4_f; static shared memory 8 KB more (x as bf16).
 #define GEMV_FP4_GATEUP_SH(NAME, NV)                                                               \
     extern "C" __global__ void __launch_bounds__(256, FP4_MINB)                                   \
     NAME(const u16* __restrict__ x, int x_div, const int* __restrict__ expert_ids,                \
@@ -1642,9 +1649,9 @@ GEMV_FP4_GATEUP_RING(gemv_nvfp4_gateup_k4_r, true)
          const u64* __restrict__ w3ptr, const u64* __restrict__ s3ptr, const float* __restrict__ ws2_3, \
          const float* __restrict__ weight, double limit, u16* __restrict__ h, int ld_h, int O, int K, \
          const u16* __restrict__ sw1, const u16* __restrict__ sw3, u16* __restrict__ sh, int O_sh,  \
-         double sh_limit) {                                                                        \
-        PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, sh_limit));      \
-        pre.after_wait(sh, O_sh);                                                                  \
+         int W_sh, double sh_limit) {                                                              \
+        PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, W_sh, sh_limit)); \
+        pre.after_wait(sh, O_sh, W_sh);                                                            \
         gemv_fp4_gateup_body<4, NV, true>(x, x_div, expert_ids, w1ptr, s1ptr, ws2_1, w3ptr, s3ptr, ws2_3, \
                                           weight, limit, h, ld_h, O, K);                          \
     }

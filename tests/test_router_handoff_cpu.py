@@ -202,3 +202,58 @@ def test_router_cluster_kernel_source_contract():
     assert set(RT._CLUSTER.values()) <= set(RT.KERNELS)
     from memra_dsv4.gpu import kernel_loader
     assert {("router", n) for n in RT._CLUSTER.values()} <= kernel_loader._CLUSTER
+
+
+def _gateup_kw(monkeypatch, spare_env, handoff_env, shgu="on", E=256):
+    """DeviceStep._moe's gemv_fp4_gateup keyword arguments (Flash shapes, bf16 shared w1 / w3)."""
+    from tests.test_decode_shared_w2_cpu import moe_buffers, run_moe
+
+    from memra_dsv4.gpu import ops_decode as DK
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.gpu.ops import router as RT
+    for var, val in (("MEMRA_DSV4_SHARED_GATEUP_SPARE", spare_env), ("MEMRA_DSV4_ROUTER_HANDOFF", handoff_env),
+                     ("MEMRA_DSV4_SHARED_GATEUP", shgu), ("MEMRA_DSV4_FP4_FULL", None), ("MEMRA_DSV4_FP4_RING", None)):
+        if val is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, val)
+    D, I = 4096, 2048
+    v = moe_buffers(D, I)
+    v["moe.logits"], v["moe.scores"] = np.zeros(E, np.float32), np.zeros(E, np.float32)
+    weights = {"ffn.shared_experts.w1": (np.zeros((I, D), np.uint16), None),
+               "ffn.shared_experts.w3": (np.zeros((I, D), np.uint16), None),
+               "ffn.shared_experts.w2": (np.zeros((D, I), np.uint16), None)}
+    calls = []
+    monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: None)
+    monkeypatch.setattr(DK, "gemv_bf16", lambda *a, **kw: None)
+    monkeypatch.setattr(RT, "fused", lambda *a, **kw: None)
+    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(EX, "gemv_fp4_down_combine", lambda *a, **kw: None)
+    run_moe(v, [], "all", "fused", lambda leaf: weights[leaf], D, I, E=E)
+    assert len(calls) == 1
+    return calls[0]
+
+
+def test_moe_spares_the_router_cluster_ctas(monkeypatch):
+    """MEMRA_DSV4_SHARED_GATEUP_SPARE = router: with the cluster router and the shared SwiGLU in the
+    gate/up, the gate/up launch leaves its last ceil(E / 16) x 2 CTAs without shared rows; every
+    other combination passes no shared_spare_ctas (the twentieth session's launch)."""
+    from memra_dsv4.gpu import step_device as SD
+    assert SD.SHARED_GATEUP_SPARE_ENV == "MEMRA_DSV4_SHARED_GATEUP_SPARE"
+    kw = _gateup_kw(monkeypatch, "router", "cluster")
+    assert kw["shared_swiglu"] is not None and kw["shared_spare_ctas"] == 32
+    assert _gateup_kw(monkeypatch, "router", "cluster", E=64)["shared_spare_ctas"] == 8
+    assert "shared_spare_ctas" not in _gateup_kw(monkeypatch, "none", "cluster")
+    assert "shared_spare_ctas" not in _gateup_kw(monkeypatch, "router", "ticket")
+    assert "shared_spare_ctas" not in _gateup_kw(monkeypatch, "router", "cluster", shgu="off")
+    default = _gateup_kw(monkeypatch, None, "cluster").get("shared_spare_ctas", 0)
+    assert default == (32 if SD.SHARED_GATEUP_SPARE_DEFAULT == "router" else 0)
+    monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP_SPARE", "all")
+    with pytest.raises(ValueError, match="MEMRA_DSV4_SHARED_GATEUP_SPARE='all'.*router or none"):
+        SD.shared_gateup_spare()
+
+
+def test_bench_decode_shspare_arm_sets_the_env():
+    from bench.decode_step import _kernel_env
+    assert _kernel_env({"shspare": "router"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_SPARE": "router"}
+    assert _kernel_env({"shspare": "none"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_SPARE": "none"}

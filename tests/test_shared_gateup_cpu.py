@@ -143,10 +143,16 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (lambda g, b, args, shared_mem=0: plain.append((n, g, args))))
     EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k)
     assert plain[-1][0] == "gemv_mxfp4_gateup_k4_f" and plain[-1][1] == grid == (44, k)   # 264 CTAs
-    assert len(a) == len(plain[-1][2]) + 5 and all(p is q for p, q in zip(a[:15], plain[-1][2])
+    assert len(a) == len(plain[-1][2]) + 6 and all(p is q for p, q in zip(a[:15], plain[-1][2])
                                                    if not isinstance(p, (np.generic, float, int)))
-    # sw1, sw3, sh, O_sh, sh_limit
-    assert a[15] is sw1 and a[16] is sw3 and a[17] is sh and int(a[18]) == I and float(a[19]) == 7.0
+    # sw1, sw3, sh, O_sh, W_sh (every warp of the 264 CTAs: 2112), sh_limit
+    assert a[15] is sw1 and a[16] is sw3 and a[17] is sh and int(a[18]) == I and int(a[19]) == 2112
+    assert float(a[20]) == 7.0
+    # shared_spare_ctas: the last CTAs' warps carry no shared rows (W_sh = 8 x (264 - spare))
+    for spare, w_sh in ((32, 1856), (256, 64), (0, 2112)):
+        EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k,
+                           shared_swiglu=(sw1, sw3, sh, 7.0), shared_spare_ctas=spare)
+        assert int(plain[-1][2][19]) == w_sh and plain[-1][1] == (44, k)
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
         lambda g, b, args, shared_mem=0: rec.append((n, g, b, args, shared_mem))))
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
@@ -157,10 +163,11 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
     assert rec[-1][0] == "gemv_nvfp4_gateup_k4_f_sh"
 
     def call(**kw):
-        args = dict(x=x, sw1=sw1, sw3=sw3, sh=sh, impl=None, ids=ids, out=out)
+        args = dict(x=x, sw1=sw1, sw3=sw3, sh=sh, impl=None, ids=ids, out=out, spare=0)
         args.update(kw)
         EX.gemv_fp4_gateup("mxfp4", args["x"], args["ids"], tab, tab, tab, tab, I, D, out=args["out"],
-                           x_div=k, impl=args["impl"], shared_swiglu=(args["sw1"], args["sw3"], args["sh"], 7.0))
+                           x_div=k, impl=args["impl"], shared_swiglu=(args["sw1"], args["sw3"], args["sh"], 7.0),
+                           shared_spare_ctas=args["spare"])
     n = len(rec)
     with pytest.raises(AssertionError, match="shared_swiglu.sw1: dtype uint8"):   # FP8-stored: not supported
         call(sw1=A(np.zeros((I, D), np.uint8)))
@@ -180,6 +187,12 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
     with pytest.raises(AssertionError, match="not the ring"):
         call()
     monkeypatch.delenv("MEMRA_DSV4_FP4_RING")
+    with pytest.raises(AssertionError, match=r"O_sh 2048 > 32 x 56 warps \(257 spare CTAs of 264\)"):
+        call(spare=257)
+    with pytest.raises(AssertionError, match=r"shared_spare_ctas 264 outside 0 .. 263"):
+        call(spare=264)
+    with pytest.raises(AssertionError, match=r"shared_spare_ctas -1 outside"):
+        call(spare=-1)
     monkeypatch.setattr(EX, "sm_count", lambda: 1)    # 1 CTA x 8 warps per slot: 48 warps x 32 < 2048 outputs
     with pytest.raises(AssertionError, match="O_sh 2048 > 32 x 48 warps"):
         call()
@@ -215,8 +228,8 @@ def test_shared_gateup_kernel_source_contract():
     body = macro[macro.index("{"):]
     flat = re.sub(r"[\s\\]+", " ", body)
     assert flat.startswith(
-        "{ PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, sh_limit)); "
-        "pre.after_wait(sh, O_sh); gemv_fp4_gateup_body<4, NV, true>(")
+        "{ PDL_ENTRY_PRELOAD(SharedSwigluPre pre; pre.before_wait(x, sw1, sw3, O_sh, W_sh, sh_limit)); "
+        "pre.after_wait(sh, O_sh, W_sh); gemv_fp4_gateup_body<4, NV, true>(")
     pre = _body(ex, "DEV void before_wait(const u16* __restrict__ x, const u16* __restrict__ w1")
     assert "__ldcg(" in pre and "__ldg(" not in pre and "ldg16(" not in pre
     assert "bf16_rows_dot_k_by<2, SH_SWIGLU_K, 2>(Bf16RowsGlobal<2>{rows}, Bf16XShared{xsh}" in pre
@@ -225,7 +238,9 @@ def test_shared_gateup_kernel_source_contract():
         assert own not in pre, own
     assert not re.search(r"\bsh\[", pre)   # no store of sh before the wait
     assert "__trap()" in pre   # ends the basic block: ptxas keeps the wait after the loads
-    assert "sh[o] = (u16)kept" in _body(ex, "DEV void after_wait(u16* __restrict__ sh, int O_sh)")
+    aw = _body(ex, "DEV void after_wait(u16* __restrict__ sh, int O_sh, int W_sh)")
+    assert "if (w < W_sh && o < O_sh) sh[o] = (u16)kept" in aw and "o = w + (int)(threadIdx.x & 31) * W_sh" in aw
+    assert "for (int o = w; w < W_sh && o < O_sh; o += W_sh, ++j)" in pre   # the same warp -> output map
     dec = open(os.path.join(ROOT, "kernels_cu", "decode.cu"), encoding="utf-8").read()
     # gemv_bf16_swiglu's epilogue, the one the _sh kernels repeat
     assert "swiglu_value(g, u, 1.0f, false, limit)" in _body(dec, "DEV void gemv_swiglu_rows(")

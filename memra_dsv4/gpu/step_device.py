@@ -865,12 +865,19 @@ class DeviceStep:
                              logits=logits, scores=v["moe.scores"].reshape(1, E), idx=ids,
                              weights=wts, handoff=handoff, **route)
 
+        # MEMRA_DSV4_SHARED_GATEUP_SPARE = router: the gate/up CTAs that land on the router
+        # cluster's SMs (dispatched last, once the router leaves them) carry no shared rows
+        spare = 0
+        if sh_in_gateup is not None and handoff == "cluster" and shared_gateup_spare() == "router":
+            spare = RT.cluster_ctas(E) * EX.FP4_CTAS_PER_SM
+        spare_kw = dict(shared_spare_ctas=spare) if spare else {}
+
         def gate_up():
             with phase(f"{mp}/experts"), _gateup_pdl_scope():  # gate/up + SwiGLU; down is fused into combine
                 EX.gemv_fp4_gateup(L.fmt, xn, ids.reshape(k), L.wp["w1"], L.sp["w1"], L.wp["w3"],
                                    L.sp["w3"], I, D, weight=wts.reshape(k),
                                    limit=cfg.swiglu_limit, out=h, x_div=k, ws2_1=L.ws2["w1"],
-                                   ws2_3=L.ws2["w3"], shared_swiglu=sh_in_gateup)
+                                   ws2_3=L.ws2["w3"], shared_swiglu=sh_in_gateup, **spare_kw)
 
         # The four are independent until the combine (any order gives the same bits).
         ride = getattr(S, "hc_ride", None)
@@ -985,6 +992,22 @@ def shared_gateup_on() -> bool:
     the Flash shapes (ops.experts.gateup_shared_ok); otherwise the separate launch.  The same
     bytes either way (tests/gpu/test_step_shared_gateup_gpu.py); not a seam (bench arm shgu=on|off)."""
     return _on_off_env(SHARED_GATEUP_ENV, SHARED_GATEUP_DEFAULT) == "on"
+
+
+SHARED_GATEUP_SPARE_ENV = "MEMRA_DSV4_SHARED_GATEUP_SPARE"   # router | none
+SHARED_GATEUP_SPARE_DEFAULT = "none"
+
+
+def shared_gateup_spare() -> str:
+    """MEMRA_DSV4_SHARED_GATEUP_SPARE = router | none (SHARED_GATEUP_SPARE_DEFAULT), read when _moe
+    launches (at graph capture), with MEMRA_DSV4_SHARED_GATEUP = on and the cluster router: "router"
+    leaves the shared expert's rows off the gate/up's last ceil(E / 16) x 2 CTAs
+    (ops.experts.gemv_fp4_gateup(shared_spare_ctas=)).  Why: the router's cluster holds 16 whole
+    SMs, so the 32 gate/up CTAs that would run there are dispatched only when it leaves, and
+    with shared rows to stream before their wait they passed it 5.8 us after the first CTA
+    (twenty-first session's timeline: go_last - go, against 0.6 us with the ticket router),
+    setting the kernel's end.  The same bytes either way; not a seam (bench arm shspare=)."""
+    return _choice_env(SHARED_GATEUP_SPARE_ENV, ("router", "none"), SHARED_GATEUP_SPARE_DEFAULT)
 
 
 ROUTER_HANDOFF_ENV = "MEMRA_DSV4_ROUTER_HANDOFF"   # ticket | cluster: the fused router's selection handoff

@@ -59,3 +59,36 @@ def test_router_cluster_step_bit_identical_tiny(monkeypatch):
                                      first_eager=_first_eager(m, states, "router_cluster_e32",
                                                               ck.config.num_hidden_layers)),
                       pos0=prompt)
+
+
+def test_shared_gateup_spare_step_bit_identical_flash_layer(monkeypatch):
+    """MEMRA_DSV4_SHARED_GATEUP_SPARE=router (with the cluster router): the routed gate/up's last 32
+    CTAs carry no shared-expert rows, the others take them over; the same bytes as "none".
+    flash-layers:1, 5-token prefill, 6 steps: none (graph), router (graph), router eager; the
+    first eager step's gate/up launch gets W_sh = 8 x (CTAs - 32)."""
+    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+    monkeypatch.setenv(ENV, "cluster")
+    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
+    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
+                     dense="bf16")
+    prompt, steps = 5, 6
+    ids = np.random.default_rng(53).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    arms = {"none": ("none", True), "router": ("router", True), "router+eager": ("router", False)}
+    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+
+    def first(a, t):
+        out = []
+        recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
+                               ("step_device.py",))
+        gu = [r for r in recs if r.kernel.endswith("_gateup_k4_f_sh")]
+        assert len(gu) == 1, [r.kernel for r in recs]
+        n_ctas = gu[0].grid[0] * gu[0].grid[1]
+        assert int(gu[0].args[19]) == 8 * (n_ctas - 32), (int(gu[0].args[19]), n_ctas)
+        return out[0]
+    assert_arms_agree("flash-layers:1 shared rows off the router cluster's CTAs", states, ids[prompt:],
+                      env_arm_runner(m, states, "MEMRA_DSV4_SHARED_GATEUP_SPARE", arms, monkeypatch,
+                                     first_eager=first), pos0=prompt)

@@ -109,6 +109,7 @@ def _mma_launch(kern, O: int, n_y: int, terms: int, K: int, args):
 # (token for down_combine) gets nx CTAs whose warps share its row groups round-robin, nx chosen
 # so the whole launch is about CTAS_PER_SM CTAs per SM (the rows' arithmetic does not depend on nx).
 FP4_WARPS = 8
+FP4_CTAS_PER_SM = 2   # experts.cu FP4_MINB: the FP4 GEMVs' register budget is set for 2 CTAs per SM
 CTAS_PER_SM = 2
 GEMV_ROWS_PER_GROUP = 4
 GATEUP_ROWS_PER_GROUP = 2
@@ -299,7 +300,7 @@ def _tables(fmt, wptr, sptr, ws2, what):
 
 def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int, K: int, *, weight=None,
                     limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None, impl=None,
-                    shared_swiglu=None):
+                    shared_swiglu=None, shared_spare_ctas: int = 0):
     """h[s] = swiglu(bf16(W1_e x), bf16(W3_e x)) * weight[s] (limit <= 0: no clamp), e = expert_ids[s],
     x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu
     (with the same impl).
@@ -309,7 +310,10 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     shape, one x row, bf16 sw1 / sw3 [O_sh, 4096]: gateup_shared_ok).  Under PDL (the device step)
     those rows are computed BEFORE the kernel's griddepcontrol.wait, reading x through L2: x must
     have been written at least two launches back (the ffn boundary, before the router), never by
-    this launch's direct predecessor."""
+    this launch's direct predecessor.  shared_spare_ctas: the grid's last CTAs (linear order, the
+    ones the block scheduler dispatches last) carry no shared rows, the first nx * S - spare CTAs'
+    warps all of them (at most 32 each): a CTA that must wait for SMs a concurrent kernel holds
+    (the router's cluster) then starts its routed work at once.  The same bytes for any value."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
     check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
@@ -342,11 +346,16 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
         assert S > 0 and O > 0, "gemv_fp4_gateup: shared_swiglu needs at least one slot (the launch carries it)"
         nx = _fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S)
         nw = nx * S * FP4_WARPS
-        assert O_sh <= 32 * nw, f"gemv_fp4_gateup: shared_swiglu O_sh {O_sh} > 32 x {nw} warps"
+        spare = int(shared_spare_ctas)
+        assert 0 <= spare < nx * S, (
+            f"gemv_fp4_gateup: shared_spare_ctas {spare} outside 0 .. {nx * S - 1} (the grid has {nx * S} CTAs)")
+        w_sh = nw - spare * FP4_WARPS
+        assert O_sh <= 32 * w_sh, (f"gemv_fp4_gateup: shared_swiglu O_sh {O_sh} > 32 x {w_sh} warps"
+                                   f"{f' ({spare} spare CTAs of {nx * S})' if spare else ''}")
         kernel(STEM, f"gemv_{fmt}_gateup_k4_f_sh")(
             (nx, S), (256,),
             (x, i32(x_div), expert_ids, w1ptr, s1ptr, a2, w3ptr, s3ptr, u2, null_or(weight), np.float64(limit),
-             out, i32(row_stride(out)), i32(O), i32(K), sw1, sw3, sh, i32(O_sh), np.float64(sh_limit)))
+             out, i32(row_stride(out)), i32(O), i32(K), sw1, sw3, sh, i32(O_sh), i32(w_sh), np.float64(sh_limit)))
         return out
     if S and O and impl == "mma":
         _mma_check(K, "gemv_fp4_gateup")

@@ -92,6 +92,12 @@ def cluster_ok(E: int) -> bool:
     return 1 <= E <= CLUSTER_ROWS_PER_CTA * CLUSTER_MAX_CTAS
 
 
+def cluster_ctas(E: int) -> int:
+    """CTAs of router_cluster_*'s one cluster for E experts (each holds a whole SM: 512 threads
+    x ~110 registers)."""
+    return (E + CLUSTER_ROWS_PER_CTA - 1) // CLUSTER_ROWS_PER_CTA
+
+
 def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, token_ids=None,
           logits=None, scores=None, idx=None, weights=None, counter=None, handoff: str = "ticket"):
     """One token (x [1, D] bf16, w_gate [E, D] bf16): logits [1, E] f32, then learned (bias [E]
@@ -129,7 +135,7 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
     weights = out_array(weights, "router.fused.weights", (1, k), np.float32)
     if handoff == "cluster":
         kern = kernel(STEM, _CLUSTER[cap])
-        n_cta = (E + CLUSTER_ROWS_PER_CTA - 1) // CLUSTER_ROWS_PER_CTA
+        n_cta = cluster_ctas(E)
         kern((n_cta,), (32 * CLUSTER_ROWS_PER_CTA,),
              (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights,
               i32(D), i32(E), i32(k), np.float32(route_scale)),
