@@ -995,7 +995,10 @@ def shared_gateup_on() -> bool:
 
 
 SHARED_GATEUP_SPARE_ENV = "MEMRA_DSV4_SHARED_GATEUP_SPARE"   # router | none
-SHARED_GATEUP_SPARE_DEFAULT = "none"
+# router since the twenty-first session: bit-identical (its GPU tests) and, on 20 Flash layers at
+# 1K, none -> router in one process each: 3.437 -> 3.422, 3.524 -> 3.507 (router first), trace build
+# 3.573 -> 3.547 ms (bench/results/2026-12-02-nvidia-h200-e057824*.json; docs/decode_perf.md)
+SHARED_GATEUP_SPARE_DEFAULT = "router"
 
 
 def shared_gateup_spare() -> str:
