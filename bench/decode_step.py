@@ -53,9 +53,10 @@ own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
 before its PDL wait, or as its own launch on the MoE side branch; bit-identical,
 step_device.shared_gateup_on), ``rhand=ticket|cluster`` (MEMRA_DSV4_ROUTER_HANDOFF: the
 device router's selection handed over through a ticket and L2 or inside one thread-block cluster
-through DSMEM; bit-identical, step_device.router_handoff), ``shspare=router|none``
+through DSMEM; bit-identical, step_device.router_handoff), ``shspare=router|grid|none``
 (MEMRA_DSV4_SHARED_GATEUP_SPARE: the routed gate/up's CTAs that land on the router cluster's SMs
-without shared-expert rows; bit-identical, step_device.shared_gateup_spare), and
+without shared-expert rows, or a gate/up grid sized for the other SMs; bit-identical,
+step_device.shared_gateup_spare), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -151,7 +152,7 @@ _KERNEL_SETTINGS = {
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
     "rhand": SimpleNamespace(allowed=("ticket", "cluster"), env="MEMRA_DSV4_ROUTER_HANDOFF"),
-    "shspare": SimpleNamespace(allowed=("router", "none"), env="MEMRA_DSV4_SHARED_GATEUP_SPARE"),
+    "shspare": SimpleNamespace(allowed=("router", "grid", "none"), env="MEMRA_DSV4_SHARED_GATEUP_SPARE"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),
     "l2side": SimpleNamespace(allowed=("off", "wq", "wo", "both"), env="MEMRA_DSV4_L2_SIDE"),

@@ -248,12 +248,16 @@ def test_moe_spares_the_router_cluster_ctas(monkeypatch):
     assert "shared_spare_ctas" not in _gateup_kw(monkeypatch, "router", "cluster", shgu="off")
     default = _gateup_kw(monkeypatch, None, "cluster").get("shared_spare_ctas", 0)
     assert default == (32 if SD.SHARED_GATEUP_SPARE_DEFAULT == "router" else 0)
+    kw = _gateup_kw(monkeypatch, "grid", "cluster")   # the grid sized for the other 116 SMs
+    assert kw["reserve_sms"] == 16 and "shared_spare_ctas" not in kw
+    assert "reserve_sms" not in _gateup_kw(monkeypatch, "grid", "ticket")
     monkeypatch.setenv("MEMRA_DSV4_SHARED_GATEUP_SPARE", "all")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_SHARED_GATEUP_SPARE='all'.*router or none"):
+    with pytest.raises(ValueError, match="MEMRA_DSV4_SHARED_GATEUP_SPARE='all'.*router, grid or none"):
         SD.shared_gateup_spare()
 
 
 def test_bench_decode_shspare_arm_sets_the_env():
     from bench.decode_step import _kernel_env
+    assert _kernel_env({"shspare": "grid"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_SPARE": "grid"}
     assert _kernel_env({"shspare": "router"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_SPARE": "router"}
     assert _kernel_env({"shspare": "none"}, None) == {"MEMRA_DSV4_SHARED_GATEUP_SPARE": "none"}

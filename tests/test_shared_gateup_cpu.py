@@ -153,6 +153,18 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
         EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k,
                            shared_swiglu=(sw1, sw3, sh, 7.0), shared_spare_ctas=spare)
         assert int(plain[-1][2][19]) == w_sh and plain[-1][1] == (44, k)
+    # reserve_sms: the grid sized for the SMs a concurrent kernel leaves, 2 CTAs each, rounded down
+    # (116 SMs: 232 // 6 = 38 CTAs per slot, 228 in all; W_sh every warp of them)
+    EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k,
+                       shared_swiglu=(sw1, sw3, sh, 7.0), reserve_sms=16)
+    assert plain[-1][1] == (38, k) and int(plain[-1][2][19]) == 8 * 38 * k
+    assert EX._fp4_grid_x(I, EX.GATEUP_ROWS_PER_GROUP, k) == 44   # reserve 0: the rounding up as before
+    with pytest.raises(AssertionError, match="apply to the shared_swiglu launch only"):
+        EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k,
+                           reserve_sms=16)
+    with pytest.raises(AssertionError, match="apply to the shared_swiglu launch only"):
+        EX.gemv_fp4_gateup("mxfp4", x, ids, tab, tab, tab, tab, I, D, weight=wts, limit=10.0, out=out, x_div=k,
+                           shared_spare_ctas=4)
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
         lambda g, b, args, shared_mem=0: rec.append((n, g, b, args, shared_mem))))
     monkeypatch.setattr(EX, "kernel", lambda stem, n: (
@@ -163,11 +175,11 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
     assert rec[-1][0] == "gemv_nvfp4_gateup_k4_f_sh"
 
     def call(**kw):
-        args = dict(x=x, sw1=sw1, sw3=sw3, sh=sh, impl=None, ids=ids, out=out, spare=0)
+        args = dict(x=x, sw1=sw1, sw3=sw3, sh=sh, impl=None, ids=ids, out=out, spare=0, reserve=0)
         args.update(kw)
         EX.gemv_fp4_gateup("mxfp4", args["x"], args["ids"], tab, tab, tab, tab, I, D, out=args["out"],
                            x_div=k, impl=args["impl"], shared_swiglu=(args["sw1"], args["sw3"], args["sh"], 7.0),
-                           shared_spare_ctas=args["spare"])
+                           shared_spare_ctas=args["spare"], reserve_sms=args["reserve"])
     n = len(rec)
     with pytest.raises(AssertionError, match="shared_swiglu.sw1: dtype uint8"):   # FP8-stored: not supported
         call(sw1=A(np.zeros((I, D), np.uint8)))
@@ -193,6 +205,8 @@ def test_shared_gateup_wrapper_launch_and_checks(monkeypatch):
         call(spare=264)
     with pytest.raises(AssertionError, match=r"shared_spare_ctas -1 outside"):
         call(spare=-1)
+    with pytest.raises(AssertionError, match=r"reserve_sms 132 outside 0 .. 131 \(the GPU has 132 SMs\)"):
+        call(reserve=132)
     monkeypatch.setattr(EX, "sm_count", lambda: 1)    # 1 CTA x 8 warps per slot: 48 warps x 32 < 2048 outputs
     with pytest.raises(AssertionError, match="O_sh 2048 > 32 x 48 warps"):
         call()

@@ -867,10 +867,14 @@ class DeviceStep:
 
         # MEMRA_DSV4_SHARED_GATEUP_SPARE = router: the gate/up CTAs that land on the router
         # cluster's SMs (dispatched last, once the router leaves them) carry no shared rows
-        spare = 0
-        if sh_in_gateup is not None and handoff == "cluster" and shared_gateup_spare() == "router":
-            spare = RT.cluster_ctas(E) * EX.FP4_CTAS_PER_SM
-        spare_kw = dict(shared_spare_ctas=spare) if spare else {}
+        # ("grid": the gate/up's grid sized for the SMs the router leaves free instead)
+        spare_kw = {}
+        if sh_in_gateup is not None and handoff == "cluster":
+            form = shared_gateup_spare()
+            if form == "router":
+                spare_kw = dict(shared_spare_ctas=RT.cluster_ctas(E) * EX.FP4_CTAS_PER_SM)
+            elif form == "grid":
+                spare_kw = dict(reserve_sms=RT.cluster_ctas(E))
 
         def gate_up():
             with phase(f"{mp}/experts"), _gateup_pdl_scope():  # gate/up + SwiGLU; down is fused into combine
@@ -994,7 +998,7 @@ def shared_gateup_on() -> bool:
     return _on_off_env(SHARED_GATEUP_ENV, SHARED_GATEUP_DEFAULT) == "on"
 
 
-SHARED_GATEUP_SPARE_ENV = "MEMRA_DSV4_SHARED_GATEUP_SPARE"   # router | none
+SHARED_GATEUP_SPARE_ENV = "MEMRA_DSV4_SHARED_GATEUP_SPARE"   # router | grid | none
 # router since the twenty-first session: bit-identical (its GPU tests) and, on 20 Flash layers at
 # 1K, none -> router in one process each: 3.437 -> 3.422, 3.524 -> 3.507 (router first), trace build
 # 3.573 -> 3.547 ms (bench/results/2026-12-02-nvidia-h200-e057824*.json; docs/decode_perf.md)
@@ -1002,15 +1006,18 @@ SHARED_GATEUP_SPARE_DEFAULT = "router"
 
 
 def shared_gateup_spare() -> str:
-    """MEMRA_DSV4_SHARED_GATEUP_SPARE = router | none (SHARED_GATEUP_SPARE_DEFAULT), read when _moe
+    """MEMRA_DSV4_SHARED_GATEUP_SPARE = router | grid | none (SHARED_GATEUP_SPARE_DEFAULT), read when _moe
     launches (at graph capture), with MEMRA_DSV4_SHARED_GATEUP = on and the cluster router: "router"
     leaves the shared expert's rows off the gate/up's last ceil(E / 16) x 2 CTAs
     (ops.experts.gemv_fp4_gateup(shared_spare_ctas=)).  Why: the router's cluster holds 16 whole
     SMs, so the 32 gate/up CTAs that would run there are dispatched only when it leaves, and
     with shared rows to stream before their wait they passed it 5.8 us after the first CTA
     (twenty-first session's timeline: go_last - go, against 0.6 us with the ticket router),
-    setting the kernel's end.  The same bytes either way; not a seam (bench arm shspare=)."""
-    return _choice_env(SHARED_GATEUP_SPARE_ENV, ("router", "none"), SHARED_GATEUP_SPARE_DEFAULT)
+    setting the kernel's end.  "grid" (prepared in the twenty-first session, not GPU-run): the
+    gate/up's grid sized for the SMs the router leaves free (ops.experts.gemv_fp4_gateup(
+    reserve_sms=)), so no CTA waits for them; each CTA takes more row groups.  The same bytes in
+    every form; not a seam (bench arm shspare=router|grid|none)."""
+    return _choice_env(SHARED_GATEUP_SPARE_ENV, ("router", "grid", "none"), SHARED_GATEUP_SPARE_DEFAULT)
 
 
 ROUTER_HANDOFF_ENV = "MEMRA_DSV4_ROUTER_HANDOFF"   # ticket | cluster: the fused router's selection handoff

@@ -744,10 +744,13 @@ def test_down_preload_levels_same_bytes(fmt, ids_case):
 
 # ------------------------------------------- the shared expert's SwiGLU in the gate/up launch (_k4_f_sh)
 _SH_IDS = {"distinct": [5, 0, 3, 7, 1, 6], "empty": [3, -1, 6, 1, 0, 2], "k2": [1, 6], "k8": [7, 6, 5, 4, 3, 3, 1, 0],
-           "few_ctas": [5, 0, 3, 7, 1, 6], "spare32": [5, 0, 3, 7, 1, 6], "spare_most": [2, 4, 6, 0, 1, 3]}
+           "few_ctas": [5, 0, 3, 7, 1, 6], "spare32": [5, 0, 3, 7, 1, 6], "spare_most": [2, 4, 6, 0, 1, 3],
+           "reserve16": [6, 1, 4, 0, 7, 2]}
 # shared_spare_ctas per case: the router cluster's 16 SMs x 2 CTAs (the step's value), and all but
 # the first 8 CTAs (64 warps x 32 outputs: every lane of every carrying warp keeps one)
 _SH_SPARE = {"spare32": lambda ctas: 32, "spare_most": lambda ctas: ctas - 8}
+# reserve_sms per case: the grid sized for the SMs the router cluster leaves (MEMRA_DSV4_SHARED_GATEUP_SPARE=grid)
+_SH_RESERVE = {"reserve16": 16}
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -763,7 +766,8 @@ def test_gateup_shared_same_bytes(fmt, case, monkeypatch):
     without an expert (its CTAs still compute their shared rows), "few_ctas" launches on 2 CTAs
     per slot (sm_count 4), so each warp keeps ~22 shared outputs on its lanes; "spare32" leaves the
     grid's last 32 CTAs without shared rows (shared_spare_ctas, the step's value with the cluster
-    router), "spare_most" all but the first 8 CTAs (their 64 warps keep 32 outputs each)."""
+    router), "spare_most" all but the first 8 CTAs (their 64 warps keep 32 outputs each);
+    "reserve16" sizes the grid for 16 SMs fewer (reserve_sms: fewer CTAs, more row groups each)."""
     from memra_dsv4.gpu import ops_decode as DK
     seed = fresh_seed()
     rng = rng_for(seed)
@@ -794,7 +798,7 @@ def test_gateup_shared_same_bytes(fmt, case, monkeypatch):
         spare = _SH_SPARE[case](K._fp4_grid_x(I, K.GATEUP_ROWS_PER_GROUP, k) * k) if case in _SH_SPARE else 0
         K.gemv_fp4_gateup(fmt, x, flat, w1p, w1s, w3p, w3s, I, D, weight=wts, limit=10.0, x_div=k,
                           ws2_1=ws1, ws2_3=ws3, out=h_got, shared_swiglu=(sw1, sw3, sh_got, 7.0),
-                          shared_spare_ctas=spare)
+                          shared_spare_ctas=spare, reserve_sms=_SH_RESERVE.get(case, 0))
     cp.cuda.Device().synchronize()
     assert names == [f"gemv_{fmt}_gateup_k4_f", f"gemv_{fmt}_gateup_k4_f_sh"], names
     for name, a, b in (("routed h", h_got.get(), h_want.get()), ("shared sh", sh_got.get(), sh_want.get())):

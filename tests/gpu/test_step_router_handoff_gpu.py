@@ -63,9 +63,10 @@ def test_router_cluster_step_bit_identical_tiny(monkeypatch):
 
 def test_shared_gateup_spare_step_bit_identical_flash_layer(monkeypatch):
     """MEMRA_DSV4_SHARED_GATEUP_SPARE=router (with the cluster router): the routed gate/up's last 32
-    CTAs carry no shared-expert rows, the others take them over; the same bytes as "none".
-    flash-layers:1, 5-token prefill, 6 steps: none (graph), router (graph), router eager; the
-    first eager step's gate/up launch gets W_sh = 8 x (CTAs - 32)."""
+    CTAs carry no shared-expert rows, the others take them over; the same bytes as "none", and as
+    "grid" (the gate/up's grid sized for the 116 SMs the router leaves; not GPU-run when added).
+    flash-layers:1, 5-token prefill, 6 steps: none (graph), router (graph), router eager, grid
+    (graph); the first eager step's gate/up launch gets W_sh = 8 x (CTAs - 32)."""
     from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
 
     from memra_dsv4.gpu.model import Dsv4Gpu
@@ -77,7 +78,8 @@ def test_shared_gateup_spare_step_bit_identical_flash_layer(monkeypatch):
                      dense="bf16")
     prompt, steps = 5, 6
     ids = np.random.default_rng(53).integers(2, ck.config.vocab_size, prompt + steps).tolist()
-    arms = {"none": ("none", True), "router": ("router", True), "router+eager": ("router", False)}
+    arms = {"none": ("none", True), "router": ("router", True), "router+eager": ("router", False),
+            "grid": ("grid", True)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
 
     def first(a, t):

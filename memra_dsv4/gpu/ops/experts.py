@@ -203,10 +203,15 @@ def full_path(enabled: bool):
         FULL_PATH = saved
 
 
-def _fp4_grid_x(O: int, rows_per_group: int, n_rows_of_ctas: int) -> int:
-    """CTAs per slot (token): enough to fill the GPU, no more than the slot has warp groups for."""
+def _fp4_grid_x(O: int, rows_per_group: int, n_rows_of_ctas: int, reserve_sms: int = 0) -> int:
+    """CTAs per slot (token): enough to fill the GPU, no more than the slot has warp groups for.
+    reserve_sms > 0: the grid fits the other SMs at CTAS_PER_SM each, rounded down (a kernel beside
+    it holds reserve_sms whole SMs: no CTA of this grid waits for them)."""
     groups = (O + rows_per_group - 1) // rows_per_group
-    want = (CTAS_PER_SM * sm_count() + n_rows_of_ctas - 1) // n_rows_of_ctas
+    if reserve_sms:
+        want = CTAS_PER_SM * (sm_count() - reserve_sms) // n_rows_of_ctas
+    else:
+        want = (CTAS_PER_SM * sm_count() + n_rows_of_ctas - 1) // n_rows_of_ctas
     return int(max(1, min(want, (groups + FP4_WARPS - 1) // FP4_WARPS)))
 
 
@@ -300,7 +305,7 @@ def _tables(fmt, wptr, sptr, ws2, what):
 
 def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int, K: int, *, weight=None,
                     limit: float = 10.0, out=None, x_div: int = 1, ws2_1=None, ws2_3=None, impl=None,
-                    shared_swiglu=None, shared_spare_ctas: int = 0):
+                    shared_swiglu=None, shared_spare_ctas: int = 0, reserve_sms: int = 0):
     """h[s] = swiglu(bf16(W1_e x), bf16(W3_e x)) * weight[s] (limit <= 0: no clamp), e = expert_ids[s],
     x row s // x_div -> out [S, O] bf16.  Bit-identical to gemv_fp4(w1), gemv_fp4(w3), moe.swiglu
     (with the same impl).
@@ -313,7 +318,9 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     this launch's direct predecessor.  shared_spare_ctas: the grid's last CTAs (linear order, the
     ones the block scheduler dispatches last) carry no shared rows, the first nx * S - spare CTAs'
     warps all of them (at most 32 each): a CTA that must wait for SMs a concurrent kernel holds
-    (the router's cluster) then starts its routed work at once.  The same bytes for any value."""
+    (the router's cluster) then starts its routed work at once.  reserve_sms (with shared_swiglu):
+    the grid is sized for the SMs a concurrent kernel leaves free (_fp4_grid_x), so no CTA waits
+    for those; fewer CTAs, each with more row groups.  The same bytes for any value of either."""
     impl = _impl(impl)
     assert fmt in ("mxfp4", "nvfp4"), f"gemv_fp4_gateup: format {fmt!r}"
     check(x, "gemv_fp4_gateup.x", np.uint16, (None, K))
@@ -327,6 +334,8 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
     if out is None:
         out = out_array(None, "gemv_fp4_gateup.out", (S, O), np.uint16)
     check(out, "gemv_fp4_gateup.out", np.uint16, (S, O), rows_strided=True)
+    assert shared_swiglu is not None or not (shared_spare_ctas or reserve_sms), (
+        "gemv_fp4_gateup: shared_spare_ctas / reserve_sms apply to the shared_swiglu launch only")
     if shared_swiglu is not None:
         sw1, sw3, sh, sh_limit = shared_swiglu
         assert impl == "simt", "gemv_fp4_gateup: shared_swiglu needs impl 'simt'"
@@ -344,7 +353,10 @@ def gemv_fp4_gateup(fmt: str, x, expert_ids, w1ptr, s1ptr, w3ptr, s3ptr, O: int,
         assert sh.size == O_sh and sh.flags.c_contiguous, (
             f"gemv_fp4_gateup.shared_swiglu.sh: {sh.size} elements, expected {O_sh} contiguous")
         assert S > 0 and O > 0, "gemv_fp4_gateup: shared_swiglu needs at least one slot (the launch carries it)"
-        nx = _fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S)
+        reserve = int(reserve_sms)
+        assert 0 <= reserve < sm_count(), (
+            f"gemv_fp4_gateup: reserve_sms {reserve} outside 0 .. {sm_count() - 1} (the GPU has {sm_count()} SMs)")
+        nx = _fp4_grid_x(O, GATEUP_ROWS_PER_GROUP, S, reserve)
         nw = nx * S * FP4_WARPS
         spare = int(shared_spare_ctas)
         assert 0 <= spare < nx * S, (
