@@ -51,29 +51,40 @@ def test_bench_decode_rhand_arm_sets_the_env():
     assert _kernel_env({"rhand": "ticket"}, None) == {"MEMRA_DSV4_ROUTER_HANDOFF": "ticket"}
 
 
-def _router_kw(monkeypatch, env, E):
+def _moe_kw(monkeypatch, E=256, **env):
+    """DeviceStep._moe of one fake Flash-shaped layer (bf16 shared w1 / w3; test_decode_shared_w2_cpu's
+    run_moe) with the launches replaced by recorders: the keyword arguments of its ops.router.fused
+    and of its ops.experts.gemv_fp4_gateup call.  env: MEMRA_DSV4_<name> -> value (None: unset);
+    the FP4 full / ring switches are unset."""
     from tests.test_decode_shared_w2_cpu import moe_buffers, run_moe
 
     from memra_dsv4.gpu import ops_decode as DK
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.ops import router as RT
-    if env is None:
-        monkeypatch.delenv("MEMRA_DSV4_ROUTER_HANDOFF", raising=False)
-    else:
-        monkeypatch.setenv("MEMRA_DSV4_ROUTER_HANDOFF", env)
+    for var, val in {"FP4_FULL": None, "FP4_RING": None, **env}.items():
+        if val is None:
+            monkeypatch.delenv(f"MEMRA_DSV4_{var}", raising=False)
+        else:
+            monkeypatch.setenv(f"MEMRA_DSV4_{var}", val)
     D, I = 4096, 2048
     v = moe_buffers(D, I)
     v["moe.logits"], v["moe.scores"] = np.zeros(E, np.float32), np.zeros(E, np.float32)
-    calls = []
+    weights = {"ffn.shared_experts.w1": (np.zeros((I, D), np.uint16), None),
+               "ffn.shared_experts.w3": (np.zeros((I, D), np.uint16), None),
+               "ffn.shared_experts.w2": (np.zeros((D, I), np.uint16), None)}
+    routers, gateups = [], []
     monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: None)
     monkeypatch.setattr(DK, "gemv_bf16", lambda *a, **kw: None)
-    monkeypatch.setattr(RT, "fused", lambda *a, **kw: calls.append(kw))
-    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: None)
+    monkeypatch.setattr(RT, "fused", lambda *a, **kw: routers.append(kw))
+    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: gateups.append(kw))
     monkeypatch.setattr(EX, "gemv_fp4_down_combine", lambda *a, **kw: None)
-    w2 = np.zeros((D, I), np.uint16)
-    run_moe(v, [], "all", "fused", lambda leaf: (w2, None), D, I, E=E)
-    assert len(calls) == 1
-    return calls[0]
+    run_moe(v, [], "all", "fused", lambda leaf: weights[leaf], D, I, E=E)
+    assert len(routers) == 1 and len(gateups) == 1
+    return routers[0], gateups[0]
+
+
+def _router_kw(monkeypatch, env, E):
+    return _moe_kw(monkeypatch, E, ROUTER_HANDOFF=env)[0]
 
 
 def test_moe_passes_the_handoff(monkeypatch):
@@ -136,7 +147,8 @@ def test_cluster_kernels_come_out_wrapped(monkeypatch):
     loader.get_plain = lambda stem, name: raw[name]
     assert loader.get("hl_cl", "k_a") is raw["k_a"]   # a plain kernel stays CuPy's
     w = loader.get("hl_cl", "k_c")
-    assert isinstance(w, pdl.ExKernel) and w is loader.get("hl_cl", "k_c") and w.name == "k_c"
+    assert isinstance(w, pdl.ExKernel) and not isinstance(w, pdl.PdlKernel)
+    assert w is loader.get("hl_cl", "k_c") and w.name == "k_c"
     with pdl.pdl_launches(True):
         p = loader.get("hl_cl", "k_c")
         assert isinstance(p, pdl.PdlKernel) and p.name == "k_c"
@@ -156,18 +168,8 @@ def test_router_cluster_launch_refuses_a_grid_off_the_cluster(monkeypatch):
         pdl.launch_ex(raw, "router.k", (16, 2), (512,), (), stream=stream, pdl=True, cluster=(16, 3, 1))
 
 
-def _body(src: str, head: str) -> str:
-    i = src.index(head)
-    j = src.index("{", i)
-    depth = 0
-    for n in range(j, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[n], 0)
-        if depth == 0:
-            return src[j:n + 1]
-    raise AssertionError(f"unbalanced body after {head!r}")
-
-
 def test_router_cluster_kernel_source_contract():
+    from tests.test_shared_gateup_cpu import _body
     src = open(os.path.join(ROOT, "kernels_cu", "router.cu"), encoding="utf-8").read()
     assert re.findall(r"^ROUTER_CLUSTER\((\w+), (\d+)\)", src, re.M) == [
         ("router_cluster_e32", "1"), ("router_cluster_e64", "2"), ("router_cluster_e128", "4"),
@@ -205,33 +207,7 @@ def test_router_cluster_kernel_source_contract():
 
 
 def _gateup_kw(monkeypatch, spare_env, handoff_env, shgu="on", E=256):
-    """DeviceStep._moe's gemv_fp4_gateup keyword arguments (Flash shapes, bf16 shared w1 / w3)."""
-    from tests.test_decode_shared_w2_cpu import moe_buffers, run_moe
-
-    from memra_dsv4.gpu import ops_decode as DK
-    from memra_dsv4.gpu.ops import experts as EX
-    from memra_dsv4.gpu.ops import router as RT
-    for var, val in (("MEMRA_DSV4_SHARED_GATEUP_SPARE", spare_env), ("MEMRA_DSV4_ROUTER_HANDOFF", handoff_env),
-                     ("MEMRA_DSV4_SHARED_GATEUP", shgu), ("MEMRA_DSV4_FP4_FULL", None), ("MEMRA_DSV4_FP4_RING", None)):
-        if val is None:
-            monkeypatch.delenv(var, raising=False)
-        else:
-            monkeypatch.setenv(var, val)
-    D, I = 4096, 2048
-    v = moe_buffers(D, I)
-    v["moe.logits"], v["moe.scores"] = np.zeros(E, np.float32), np.zeros(E, np.float32)
-    weights = {"ffn.shared_experts.w1": (np.zeros((I, D), np.uint16), None),
-               "ffn.shared_experts.w3": (np.zeros((I, D), np.uint16), None),
-               "ffn.shared_experts.w2": (np.zeros((D, I), np.uint16), None)}
-    calls = []
-    monkeypatch.setattr(DK, "gemv_bf16_swiglu", lambda *a, **kw: None)
-    monkeypatch.setattr(DK, "gemv_bf16", lambda *a, **kw: None)
-    monkeypatch.setattr(RT, "fused", lambda *a, **kw: None)
-    monkeypatch.setattr(EX, "gemv_fp4_gateup", lambda *a, **kw: calls.append(kw))
-    monkeypatch.setattr(EX, "gemv_fp4_down_combine", lambda *a, **kw: None)
-    run_moe(v, [], "all", "fused", lambda leaf: weights[leaf], D, I, E=E)
-    assert len(calls) == 1
-    return calls[0]
+    return _moe_kw(monkeypatch, E, SHARED_GATEUP_SPARE=spare_env, ROUTER_HANDOFF=handoff_env, SHARED_GATEUP=shgu)[1]
 
 
 def test_moe_spares_the_router_cluster_ctas(monkeypatch):

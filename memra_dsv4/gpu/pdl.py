@@ -204,17 +204,19 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
 class ExKernel:
     """A RawKernel stand-in whose calls launch through ``launch_ex`` without PDL: what
     KernelLoader.get hands out, outside pdl_launches(True), for a kernel registered with
-    ``cluster=`` (CuPy's own launch has no cluster attribute).  Both it and PdlKernel take
-    ``cluster=(cx, cy, cz)`` in the call.  Attribute reads and writes go to the RawKernel."""
+    ``cluster=`` (CuPy's own launch has no cluster attribute).  Its subclass PdlKernel launches
+    with PDL.  Both take ``cluster=(cx, cy, cz)`` in the call.  Attribute reads and writes
+    (``max_dynamic_shared_size_bytes``) go to the RawKernel."""
 
     __slots__ = ("_k", "_name")
+    _PDL = False
 
     def __init__(self, raw_kernel, name: str) -> None:
         object.__setattr__(self, "_k", raw_kernel)
         object.__setattr__(self, "_name", name)
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, cluster=None) -> None:
-        launch_ex(self._k, self._name, grid, block, args, shared_mem=shared_mem, stream=stream, pdl=False,
+        launch_ex(self._k, self._name, grid, block, args, shared_mem=shared_mem, stream=stream, pdl=self._PDL,
                   cluster=cluster)
 
     def __getattr__(self, name):
@@ -224,22 +226,9 @@ class ExKernel:
         setattr(self._k, name, value)
 
 
-class PdlKernel:
-    """A RawKernel stand-in whose calls launch with programmatic stream serialisation.
-    Attribute reads and writes (``max_dynamic_shared_size_bytes``) go to the RawKernel."""
+class PdlKernel(ExKernel):
+    """A RawKernel stand-in whose calls launch with programmatic stream serialisation (ExKernel's
+    launch with the PDL attribute)."""
 
-    __slots__ = ("_k", "_name")
-
-    def __init__(self, raw_kernel, name: str) -> None:
-        object.__setattr__(self, "_k", raw_kernel)
-        object.__setattr__(self, "_name", name)
-
-    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None, cluster=None) -> None:
-        launch_ex(self._k, self._name, grid, block, args, shared_mem=shared_mem, stream=stream, pdl=True,
-                  cluster=cluster)
-
-    def __getattr__(self, name):
-        return getattr(self._k, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._k, name, value)
+    __slots__ = ()
+    _PDL = True

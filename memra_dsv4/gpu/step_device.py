@@ -872,7 +872,7 @@ class DeviceStep:
         if sh_in_gateup is not None and handoff == "cluster":
             form = shared_gateup_spare()
             if form == "router":
-                spare_kw = dict(shared_spare_ctas=RT.cluster_ctas(E) * EX.FP4_CTAS_PER_SM)
+                spare_kw = dict(shared_spare_ctas=RT.cluster_ctas(E) * EX.CTAS_PER_SM)
             elif form == "grid":
                 spare_kw = dict(reserve_sms=RT.cluster_ctas(E))
 
@@ -1034,7 +1034,8 @@ def router_handoff() -> str:
     that selects.  "ticket": router_fused_* (every CTA fences its scores and takes a ticket; the
     last one fences again and re-reads them through L2); "cluster": router_cluster_* (one
     thread-block cluster of ceil(E / 16) CTAs x 16 warps; the scores go to the rank-0 CTA's
-    shared memory, one cluster barrier, no global round trip; E <= 256, else "ticket").  Why:
+    shared memory by st.async on its mbarrier, no fence, no global round trip; E <= 256, else
+    "ticket").  Why:
     beside the shared expert's stream (MEMRA_DSV4_SHARED_GATEUP) the router took 11.8 us instead
     of 7.1 (twentieth session's timeline), its chain after the wait holding ~4 L2 round trips.
     The same bytes either way (tests/gpu/test_step_router_handoff_gpu.py); not a seam (bench arm

@@ -148,10 +148,10 @@ def test_router_fused_bitwise_vs_unfused(D, E, k, hash_layer):
                 assert ids.index(1) < ids.index(3), f"router fused: exact tie not to the lower id {ids} {describe(seed)}"
 
 
-@pytest.mark.parametrize("hash_layer", [False, True])
-def test_router_fused_graph_replay(hash_layer):
-    """Captured once, replayed on new inputs written into the same buffers: each replay equals the
-    unfused pair on those inputs (the counter is left at 0 by every launch, so replays chain)."""
+def _check_graph_replay(hash_layer, launch):
+    """``launch(xg, wg, k, scale, how, outs)`` (one fused-router launch into outs = idx, weights,
+    scores, logits) run once eagerly, captured once, then replayed on new inputs written into the
+    same buffers: each replay equals the unfused pair on those inputs."""
     from memra_dsv4.gpu import graphs
     seed = fresh_seed()
     rng = rng_for(seed)
@@ -159,13 +159,11 @@ def test_router_fused_graph_replay(hash_layer):
     xg, wg, how, _ = _fused_case(rng, D, E, k, hash_layer)
     outs = [cp.empty((1, k), np.int32), cp.empty((1, k), np.float32), cp.empty((1, E), np.float32),
             cp.empty((1, E), np.float32)]
-    K.workspace()
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2], logits=outs[3], **how)
+        launch(xg, wg, k, scale, how, outs)
     s.synchronize()
-    g = graphs.capture(s, lambda: K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2],
-                                          logits=outs[3], **how))
+    g = graphs.capture(s, lambda: launch(xg, wg, k, scale, how, outs))
     for rep in range(4):
         x2, w2, how2, _ = _fused_case(rng, D, E, k, hash_layer)
         xg[...] = x2
@@ -180,6 +178,16 @@ def test_router_fused_graph_replay(hash_layer):
         graphs.replay(g, s)
         s.synchronize()
         _assert_same_bits(outs, want, seed, hash_layer=hash_layer, rep=rep)
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_fused_graph_replay(hash_layer):
+    """Captured once, replayed on new inputs written into the same buffers: each replay equals the
+    unfused pair on those inputs (the counter is left at 0 by every launch, so replays chain)."""
+    def launch(xg, wg, k, scale, how, outs):
+        K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2], logits=outs[3], **how)
+    K.workspace()
+    _check_graph_replay(hash_layer, launch)
     assert int(K.workspace().get()[0]) == 0
 
 
@@ -216,37 +224,13 @@ def test_router_cluster_bitwise_vs_unfused(D, E, k, hash_layer):
 def test_router_cluster_graph_replay(hash_layer):
     """The cluster launch captured (inside pdl_launches, as the device step captures it) and
     replayed on new inputs written into the same buffers: each replay equals the unfused pair."""
-    from memra_dsv4.gpu import graphs, pdl
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    D, E, k, scale = 4096, 256, 6, 2.5
-    xg, wg, how, _ = _fused_case(rng, D, E, k, hash_layer)
-    outs = [cp.empty((1, k), np.int32), cp.empty((1, k), np.float32), cp.empty((1, E), np.float32),
-            cp.empty((1, E), np.float32)]
+    from memra_dsv4.gpu import pdl
 
-    def launch():
+    def launch(xg, wg, k, scale, how, outs):
         with pdl.pdl_launches(True):
             K.fused(xg, wg, k, scale, idx=outs[0], weights=outs[1], scores=outs[2], logits=outs[3],
                     handoff="cluster", **how)
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        launch()
-    s.synchronize()
-    g = graphs.capture(s, launch)
-    for rep in range(4):
-        x2, w2, how2, _ = _fused_case(rng, D, E, k, hash_layer)
-        xg[...] = x2
-        wg[...] = w2
-        for name, a in how.items():
-            a[...] = how2[name]
-        want = _unfused(xg, wg, k, scale, how)
-        cp.cuda.get_current_stream().synchronize()
-        for o in outs:
-            o.fill(0)
-        cp.cuda.get_current_stream().synchronize()
-        graphs.replay(g, s)
-        s.synchronize()
-        _assert_same_bits(outs, want, seed, hash_layer=hash_layer, rep=rep)
+    _check_graph_replay(hash_layer, launch)
 
 
 def test_router_cluster_fits_one_gpc():

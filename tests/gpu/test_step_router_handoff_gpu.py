@@ -1,6 +1,6 @@
 """MEMRA_DSV4_ROUTER_HANDOFF=cluster (step_device.router_handoff): the device router's selection
-handed over inside one thread-block cluster (router.cu router_cluster_*: the scores in the rank-0
-CTA's shared memory behind one barrier.cluster) instead of through the ticket and L2
+handed over inside one thread-block cluster (router.cu router_cluster_*: the scores sent into the
+rank-0 CTA's shared memory by st.async on its mbarrier) instead of through the ticket and L2
 (router_fused_*).  The same row dot and selection code, so the step must give the ticket form's
 bits:
 
@@ -32,16 +32,21 @@ def _first_eager(m, states, cluster_name: str, n_layers: int):
     return first
 
 
-def test_router_cluster_step_bit_identical_flash_layers(monkeypatch):
+def _flash_prefilled(n_layers: int, arms, seed: int, prompt: int = 5, steps: int = 6):
+    """flash-layers:n_layers (MXFP4 experts, bf16 dense, the device path) and one state per arm
+    prefilled with the same prompt: (model, states, token ids of prompt + steps, prompt)."""
     from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
 
     from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt("flash-layers:4", "mxfp4", drafter="none")
+    ck = _ckpt(f"flash-layers:{n_layers}", "mxfp4", drafter="none")
     m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
                      dense="bf16")
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(47).integers(2, ck.config.vocab_size, prompt + steps).tolist()
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    ids = np.random.default_rng(seed).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    return m, {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}, ids, prompt
+
+
+def test_router_cluster_step_bit_identical_flash_layers(monkeypatch):
+    m, states, ids, prompt = _flash_prefilled(4, _ARMS, seed=47)
     assert_arms_agree("flash-layers:4 router cluster handoff", states, ids[prompt:],
                       env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
                                      first_eager=_first_eager(m, states, "router_cluster_e256", 4)),
@@ -67,20 +72,12 @@ def test_shared_gateup_spare_step_bit_identical_flash_layer(monkeypatch):
     "grid" (the gate/up's grid sized for the 116 SMs the router leaves; not GPU-run when added).
     flash-layers:1, 5-token prefill, 6 steps: none (graph), router (graph), router eager, grid
     (graph); the first eager step's gate/up launch gets W_sh = 8 x (CTAs - 32)."""
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
     from memra_dsv4.gpu.step import device_step
     from memra_dsv4.profiling.launches import record_launches
     monkeypatch.setenv(ENV, "cluster")
-    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
-                     dense="bf16")
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(53).integers(2, ck.config.vocab_size, prompt + steps).tolist()
     arms = {"none": ("none", True), "router": ("router", True), "router+eager": ("router", False),
             "grid": ("grid", True)}
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    m, states, ids, prompt = _flash_prefilled(1, arms, seed=53)
 
     def first(a, t):
         out = []

@@ -109,7 +109,6 @@ def _mma_launch(kern, O: int, n_y: int, terms: int, K: int, args):
 # (token for down_combine) gets nx CTAs whose warps share its row groups round-robin, nx chosen
 # so the whole launch is about CTAS_PER_SM CTAs per SM (the rows' arithmetic does not depend on nx).
 FP4_WARPS = 8
-FP4_CTAS_PER_SM = 2   # experts.cu FP4_MINB: the FP4 GEMVs' register budget is set for 2 CTAs per SM
 CTAS_PER_SM = 2
 GEMV_ROWS_PER_GROUP = 4
 GATEUP_ROWS_PER_GROUP = 2

@@ -10,9 +10,9 @@ fused(x, w_gate, k, route_scale, bias=... | tid2eid=..., token_ids=...)
                                order, same selection code); the last CTA selects, through a
                                per-device ticket counter (workspace(), made before any capture);
                                handoff="cluster" (E <= 256, cluster_ok): router_cluster_e*, one
-                               thread-block cluster whose rank-0 CTA gathers the scores in its
-                               shared memory (DSMEM) behind one cluster barrier: no counter, no
-                               global round trip; the same bits.
+                               thread-block cluster whose rank-0 CTA receives the scores in its
+                               shared memory (DSMEM: st.async on its mbarrier): no counter, no
+                               fence, no global round trip; the same bits.
 tid2eid for the hash layers is int32 [V, k] (the checkpoint's int64, converted at load).
 """
 
@@ -133,18 +133,17 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
     scores = out_array(scores, "router.fused.scores", (1, E), np.float32)
     idx = out_array(idx, "router.fused.idx", (1, k), np.int32)
     weights = out_array(weights, "router.fused.weights", (1, k), np.float32)
+    # the two kernels take the same arguments, router_fused_* with the ticket counter before D
+    head = (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights)
+    tail = (i32(D), i32(E), i32(k), np.float32(route_scale))
     if handoff == "cluster":
         kern = kernel(STEM, _CLUSTER[cap])
         n_cta = cluster_ctas(E)
-        kern((n_cta,), (32 * CLUSTER_ROWS_PER_CTA,),
-             (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights,
-              i32(D), i32(E), i32(k), np.float32(route_scale)),
-             shared_mem=dynamic_smem(kern, 2 * D), cluster=(n_cta, 1, 1))
-        return idx, weights, scores, logits
-    counter = workspace() if counter is None else check(counter, "router.fused.counter", np.int32, (1,))
-    kern = kernel(STEM, _FUSED[cap])
-    kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA,), (32 * FUSED_ROWS_PER_CTA,),
-         (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights,
-          counter, i32(D), i32(E), i32(k), np.float32(route_scale)),
-         shared_mem=dynamic_smem(kern, 2 * D))
+        kern((n_cta,), (32 * CLUSTER_ROWS_PER_CTA,), head + tail, shared_mem=dynamic_smem(kern, 2 * D),
+             cluster=(n_cta, 1, 1))
+    else:
+        counter = workspace() if counter is None else check(counter, "router.fused.counter", np.int32, (1,))
+        kern = kernel(STEM, _FUSED[cap])
+        kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA,), (32 * FUSED_ROWS_PER_CTA,),
+             head + (counter,) + tail, shared_mem=dynamic_smem(kern, 2 * D))
     return idx, weights, scores, logits
