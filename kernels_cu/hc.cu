@@ -31,6 +31,7 @@
 //
 // hc (the stream count) is 4 throughout (Flash, Pro and every preset); D % 8 == 0.
 #include "common.cuh"
+#include "cluster.cuh"
 
 using namespace memra;
 
@@ -344,6 +345,8 @@ static_assert(BND_THREADS == MIX_SEG, "phase A: one thread per element of the CT
 
 // barrier of warps 4..7 (threads 128..255) of the CTA; barrier 0 is __syncthreads
 DEV void bar_upper_half() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+// barrier of warps 0..3 (threads 0..127): hc_boundary_pre_cluster's sum of squares
+DEV void bar_lower_quarter() { asm volatile("bar.sync 2, 128;" ::: "memory"); }
 DEV void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // A lane's 8 fn values of each of its warp's 3 rows in CTA sg's segment: the HBM stream of the
@@ -356,62 +359,30 @@ struct BndFn {
 
 // It ends its basic block (the branch on D, never taken), so ptxas cannot schedule the wait above
 // the loads.
-DEV BndFn bnd_fn_preload(const float* __restrict__ fn, int D) {
+// bnd_fn_at: the loads of segment sg for warp wid (0..7) of the segment's 8 warps.
+DEV BndFn bnd_fn_at(const float* __restrict__ fn, int D, int sg, int wid) {
     BndFn r;
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int n = HC * D;
-    const int e0 = blockIdx.x * MIX_SEG + 8 * lane;
+    const int e0 = sg * MIX_SEG + 8 * lane;
 #pragma unroll
     for (int q = 0; q < BND_ROWS_PER_WARP; ++q) {
         const float4* wp = reinterpret_cast<const float4*>(fn + (i64)(BND_ROWS_PER_WARP * wid + q) * n + e0);
         r.wa[q] = ldg_weight_f4(wp);
         r.wb[q] = ldg_weight_f4(wp + 1);
     }
+    return r;
+}
+DEV BndFn bnd_fn_preload(const float* __restrict__ fn, int D) {
+    const BndFn r = bnd_fn_at(fn, D, blockIdx.x, threadIdx.x >> 5);
     if (D < 0) __trap();
     return r;
 }
 
-// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
-// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).  fr: bnd_fn_preload's.
-DEV double bnd_phase_a(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R,
-                       const float* post_in, const float* comb_in, u16* out,
-                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
-    const int lane = threadIdx.x & 31;
-    const int sg = blockIdx.x;
-    const int e0 = sg * MIX_SEG + 8 * lane;
-    {
-        const int nlines = (2 * D + 127) / 128;
-        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
-            prefetch_l2(norm_w + 64 * li);
-    }
-    float xf[8];
-    if (f != nullptr) {
-        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
-        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
-        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
-        const int e = sg * MIX_SEG + threadIdx.x;
-        const int j = e / D, d = e - j * D;
-        // every load before any arithmetic (weak loads of post_in / comb_in: the launch's writer
-        // of them - hc_boundary's last CTA - writes only after every CTA has passed its fence)
-        const u32 fb = __ldg(f + d);
-        u32 rb[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
-        const double pj = post_in[j];
-        double cj[HC];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
-        double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
-#pragma unroll
-        for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
-        const u16 h = (u16)f64_to_bf16(acc);
-        seg_s[threadIdx.x] = h;
-        out[e] = h;
-        __syncthreads();  // also orders every thread's store to out before the release below
-        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
-    } else {
-        unpack8(ldg16(R + e0), xf);
-    }
+// A segment's 4 values of one warp from the lane's 8 elements xf: rows 3w..3w+2 of fr (sequential
+// double FMA chains over the 8 elements) and the sum of squares, summed over the warp by
+// reduce_scatter32's tree.  Returns lane l < 4's value for slot 4w + l (l == 3: the squares).
+DEV double bnd_seg_values(const BndFn& fr, const float* xf, int lane) {
     double v[4] = {0.0, 0.0, 0.0, 0.0};  // rows 3w, 3w+1, 3w+2, then the sum of squares
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -433,6 +404,57 @@ DEV double bnd_phase_a(const BndFn& fr, const u16* __restrict__ f, const u16* __
     rs_stage<2>(v, lane);
     rs_stage<1>(v, lane);  // lane l now holds value l & 3
     return v[0];
+}
+
+// hc_post's new element of stream j at channel d (double, i ascending; hc_post's expression)
+DEV u16 bnd_post_elem(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                      const float* comb_in, int D, int j, int d) {
+    // every load before any arithmetic
+    const u32 fb = __ldg(f + d);
+    u32 rb[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) rb[i] = __ldg(R + (i64)i * D + d);
+    const double pj = post_in[j];
+    double cj[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
+    double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
+#pragma unroll
+    for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
+    return (u16)f64_to_bf16(acc);
+}
+
+// hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
+// of warp w's value for slot 4w + l (rows 3w + l, l == 3 the squares).  fr: bnd_fn_preload's.
+DEV double bnd_phase_a(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R,
+                       const float* post_in, const float* comb_in, u16* out,
+                       const u16* __restrict__ norm_w, int D, u16* seg_s) {
+    const int lane = threadIdx.x & 31;
+    const int sg = blockIdx.x;
+    const int e0 = sg * MIX_SEG + 8 * lane;
+    {
+        const int nlines = (2 * D + 127) / 128;
+        for (int li = blockIdx.x * BND_THREADS + threadIdx.x; li < nlines; li += gridDim.x * BND_THREADS)
+            prefetch_l2(norm_w + 64 * li);
+    }
+    float xf[8];
+    if (f != nullptr) {
+        // hc_post once per element: thread t makes element e = 256 sg + t (new stream j, channel
+        // d) and shares the segment through shared memory (8 warps recomputing each lane's 8
+        // elements would cost 8x the f32 -> f64 conversions, 16 per clock per SM on sm_90).
+        // (weak loads of post_in / comb_in: the launch's writer of them - hc_boundary's last
+        // CTA - writes only after every CTA has passed its fence)
+        const int e = sg * MIX_SEG + threadIdx.x;
+        const int j = e / D, d = e - j * D;
+        const u16 h = bnd_post_elem(f, R, post_in, comb_in, D, j, d);
+        seg_s[threadIdx.x] = h;
+        out[e] = h;
+        __syncthreads();  // also orders every thread's store to out before the release below
+        unpack8(*reinterpret_cast<const uint4*>(seg_s + 8 * lane), xf);
+    } else {
+        unpack8(ldg16(R + e0), xf);
+    }
+    return bnd_seg_values(fr, xf, lane);
 }
 
 // The last CTA's x = bf16(sum_i pre_i S_i) and rmsnorm_row<u16> (xn) by warps 4..7 over thread
@@ -828,4 +850,187 @@ hc_boundary_sinkhorn(const float* __restrict__ mixes, const float* __restrict__ 
                      const float* __restrict__ base, float* __restrict__ post_out,
                      float* __restrict__ comb_out, int iters, float hc_eps) { PDL_ENTRY();
     split_lanes(mixes, scale, base, iters, hc_eps, threadIdx.x, nullptr, nullptr, post_out, comb_out);
+}
+
+// ------------------------------------------------------------------------- the cluster boundary
+// hc_boundary_pre_cluster: hc_boundary_pre's outputs, byte for byte, from ONE thread-block cluster
+// of C = D / 256 CTAs (C <= 16; D = 4096: 16, a non-portable size the launch allows on the
+// function) whose CTAs hand their partials to each other through distributed shared memory
+// (cluster.cuh), so no CTA is "last": the serial tail of hc_boundary_pre (fence, ticket, the last
+// CTA's L2 re-read of 64 partial blocks and of the 4 streams, then the weighted sum and the norm
+// of all D channels on one SM, ~16 f32 <-> f64 conversions per clock) is spread over the cluster.
+//
+// CTA r (= blockIdx.x: one cluster) owns channels [256 r, 256 r + 256) of all 4 streams, i.e. the
+// canonical mixes segments sg = q C + r, q = 0..3 (segment sg = elements [256 sg, 256 sg + 256)
+// of the flattened [4, D] streams; C * 256 = D, so segment q C + r is stream q's channels of CTA
+// r).  1024 threads = 4 units of 256: unit q computes segment q C + r exactly as one CTA of
+// hc_boundary_pre does (its 8 warps, 3 fn rows each, loaded before the PDL wait; bnd_post_elem,
+// bnd_seg_values: the same code).
+//   1. Every CTA sends its 4 x 32 partial slots (1 KB) to every CTA of the cluster (st.async into
+//      part [nseg][32], completing the receiver's mbarrier 0, which expects nseg * 256 bytes).
+//   2. Each CTA, once its mbarrier 0 completes, adds the 25 segment chains in segment order
+//      (hc_boundary's bnd_chain: the same sequence of double adds, so every CTA holds the same
+//      bits), forms mixes and pre (bnd_mix, pre_value), and CTA 0 stores mixes and pre_out.
+//   3. Each CTA forms x = bf16(sum_i pre_i S_i) for its 256 channels (bnd_wsum_norm's expression,
+//      S from its own units' segments), stores them to x_out and sends them to every CTA (st.async
+//      into xall [D], mbarrier 1, D * 2 bytes).
+//   4. Each CTA, once its mbarrier 1 completes, runs rmsnorm_row's sum of squares over ALL of x
+//      with bnd_wsum_norm's 128-thread partition (thread vt: chunks vt, vt + 128, ... in order,
+//      warp_sum, the 4 warp partials in order): the same s, r in every CTA; then xn for its own
+//      channels (the same expression) -> xn_out.
+// Every value is the same f32 / f64 expression in the same order as hc_boundary_pre computes it,
+// so the bytes equal (tests/gpu/test_kernels_hc.py).  Requires D % 256 == 0, D <= 4096 (else the
+// host uses hc_boundary_pre).  post_in / comb_in: pure inputs.
+// Arguments: hc_boundary_pre's without ws / counter.  grid C with cluster dims (C, 1, 1), block
+// 1024, dynamic shared memory nseg * 256 + 2 D bytes (the partials, then x of all channels).
+namespace {
+constexpr int BNC_THREADS = HC * BND_THREADS;  // 4 units of 256
+
+struct BncBars {
+    u64 part, x;
+};
+DEV BncBars* bnc_bars() {
+    __shared__ __align__(8) BncBars b;
+    return &b;
+}
+
+// Before the PDL wait: the unit's fn rows (static), the norm weight of the CTA's channels
+// (static; cp.async by warp 0, waited for by the same threads in step 4), the two mbarriers, and
+// the cluster arrive.  Nothing here reads what the predecessor writes.
+DEV BndFn bnc_preload(const float* __restrict__ fn, const u16* __restrict__ norm_w, u16* w_s, int D) {
+    const int q = threadIdx.x / BND_THREADS, wid8 = (threadIdx.x >> 5) & 7;
+    const int C = gridDim.x, r = blockIdx.x, nseg = HC * C;
+    const BndFn fr = bnd_fn_at(fn, D, q * C + r, wid8);
+    if (threadIdx.x < MIX_SEG / 8) {
+        cp_async16(w_s + 8 * threadIdx.x, norm_w + MIX_SEG * r + 8 * threadIdx.x, true);
+        cp_async_commit();
+    }
+    if (D < 0) __trap();  // ends the block: the wait stays below the loads (bnd_fn_preload's reason)
+    if (threadIdx.x == 0) {
+        BncBars* b = bnc_bars();
+        mbar_init_expect(&b->part, (u32)(nseg * 32 * sizeof(double)));
+        mbar_init_expect(&b->x, (u32)(2 * D));
+        fence_mbarrier_init_cluster();
+    }
+    cluster_arrive_relaxed();
+    return fr;
+}
+
+DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restrict__ R,
+                  const float* __restrict__ post_in, const float* __restrict__ comb_in, u16* out,
+                  const float* __restrict__ scale, const float* __restrict__ base, const u16* w_s,
+                  float* mixes, float* pre_out, u16* x_out, u16* xn_out, int D, float hc_eps,
+                  double norm_eps) {
+    extern __shared__ __align__(16) double bnc_smem[];
+    __shared__ __align__(16) u16 seg_s[HC][MIX_SEG];     // S of this CTA's channels, stream q
+    __shared__ __align__(16) double stage[HC * 32];      // this CTA's 4 segments' slots
+    __shared__ __align__(16) u16 xo_s[MIX_SEG];          // x of this CTA's channels
+    __shared__ float pre_s[HC];
+    __shared__ double red[4];
+    BncBars* bars = bnc_bars();
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int q = threadIdx.x / BND_THREADS, t = threadIdx.x % BND_THREADS, wid8 = wid & 7;
+    const int C = gridDim.x, r = blockIdx.x, nseg = HC * C, n = HC * D;
+    double* part = bnc_smem;                                      // [nseg][32]
+    u16* xall = reinterpret_cast<u16*>(bnc_smem + nseg * 32);     // [D]
+    // ---- phase A: unit q = segment q C + r = stream q, channel d = 256 r + t
+    const int d = MIX_SEG * r + t;
+    {
+        const u16 h = f != nullptr ? bnd_post_elem(f, R, post_in, comb_in, D, q, d) : R[(i64)q * D + d];
+        if (f != nullptr) out[(i64)q * D + d] = h;
+        seg_s[q][t] = h;
+    }
+    __syncthreads();
+    {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4*>(&seg_s[q][8 * lane]), xf);
+        const double v = bnd_seg_values(fr, xf, lane);
+        if (lane < 4) stage[q * 32 + 4 * wid8 + lane] = v;  // slot 4 w + 3: the squares, every warp
+    }
+    __syncthreads();
+    cluster_started();  // every CTA started, its mbarriers initialised: remote stores may begin
+    // ---- 1. the 4 segments' slots to every CTA: chunk k (2 doubles) of 64, destination c
+    for (int i = threadIdx.x; i < C * 64; i += BNC_THREADS) {
+        const int c = i >> 6, k = i & 63, qq = k >> 4, slot = 2 * (k & 15);
+        const double* src = stage + qq * 32 + slot;
+        st_async_cluster_16(part + (qq * C + r) * 32 + slot, &bars->part, (u32)c,
+                            (u64)__double_as_longlong(src[0]), (u64)__double_as_longlong(src[1]));
+    }
+    // ---- 2. the mixes and pre (warp 0; every CTA the same bits)
+    if (wid == 0) {
+        mbar_wait_cluster(&bars->part, 0);
+        const double tot = lane <= BND_ROWS ? bnd_chain(part, lane, nseg) : 0.0;
+        const double tot_sq = __shfl_sync(0xffffffffu, tot, BND_ROWS);
+        const float m = bnd_mix(tot, tot_sq, n, norm_eps);
+        if (r == 0 && lane < BND_ROWS) mixes[lane] = m;
+        if (lane < HC) {
+            const float p = pre_value(m, scale[0], base[lane], hc_eps);
+            pre_s[lane] = p;
+            if (r == 0) pre_out[lane] = p;
+        }
+    }
+    __syncthreads();
+    // ---- 3. x of this CTA's channels (threads 0..255, channel t), to x_out and to every CTA
+    if (threadIdx.x < MIX_SEG) {
+        double acc = 0.0;
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            const double prod = __dmul_rn((double)pre_s[i], (double)bf16_to_f32(seg_s[i][t]));
+            acc = i == 0 ? prod : __dadd_rn(acc, prod);
+        }
+        xo_s[t] = (u16)f64_to_bf16(acc);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < C * 32; i += BNC_THREADS) {  // chunk k (8 channels) to CTA c
+        const int c = i >> 5, k = i & 31;
+        const uint4 v = *reinterpret_cast<const uint4*>(xo_s + 8 * k);
+        st_async_cluster_16(xall + MIX_SEG * r + 8 * k, &bars->x, (u32)c, ((u64)v.y << 32) | v.x,
+                            ((u64)v.w << 32) | v.z);
+    }
+    if (threadIdx.x < MIX_SEG / 8)
+        stg16(x_out + MIX_SEG * r + 8 * threadIdx.x, *reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x));
+    if (threadIdx.x >= 128) return;
+    // ---- 4. warps 0..3: the sum of squares of all of x (bnd_wsum_norm's partition and order)
+    mbar_wait_cluster(&bars->x, 0);
+    const int nc = D >> 3;
+    double ss = 0.0;
+    for (int c = threadIdx.x; c < nc; c += 128) {
+        float xv[8];
+        unpack8(*reinterpret_cast<const uint4*>(xall + 8 * c), xv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const double v = xv[e];
+            ss = __fma_rn(v, v, ss);
+        }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[wid] = ss;
+    bar_lower_quarter();
+    if (threadIdx.x >= MIX_SEG / 8) return;
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    const double rr = 1.0 / sqrt(s / (double)D + norm_eps);
+    cp_async_wait<0>();  // this thread's chunk of the norm weight (bnc_preload)
+    float xv[8], wv[8];
+    unpack8(*reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x), xv);
+    unpack8(*reinterpret_cast<const uint4*>(w_s + 8 * threadIdx.x), wv);
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], rr)));
+    stg16(xn_out + MIX_SEG * r + 8 * threadIdx.x,
+          make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(BNC_THREADS, 1)
+hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, const float* __restrict__ post_in,
+                        const float* __restrict__ comb_in, u16* out, const float* __restrict__ fn,
+                        const float* __restrict__ scale, const float* __restrict__ base,
+                        const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
+                        u16* xn_out, int D, float hc_eps, double norm_eps) {
+    __shared__ __align__(16) u16 w_s[MIX_SEG];  // the norm weight of this CTA's channels
+    PDL_ENTRY_PRELOAD(const BndFn fr = bnc_preload(fn, norm_w, w_s, D));
+    bnc_body(fr, f, R, post_in, comb_in, out, scale, base, w_s, mixes, pre_out, x_out, xn_out, D, hc_eps,
+             norm_eps);
 }

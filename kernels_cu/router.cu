@@ -18,6 +18,7 @@
 //   scores f32 [T, E] (optional). Block 128 = 4 tokens; the CTA computes the scores of its 4
 //   tokens with all 128 threads, then each warp selects for its token.
 #include "common.cuh"
+#include "cluster.cuh"
 
 using namespace memra;
 
@@ -418,40 +419,17 @@ DEV RcFirst<EPL> rc_preload(const u16* __restrict__ w, const float* __restrict__
     }
     if (E < 0) __trap();  // ends the block: the wait stays below the loads (rf_preload's reason)
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        const u32 bar = smem_addr(rc_scores_bar());
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(4 * E) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_expect(rc_scores_bar(), 4 * E);
+        fence_mbarrier_init_cluster();
     }
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    cluster_arrive_relaxed();
     return f;
 }
 
-// The wait of rc_preload's cluster arrive: every CTA has started and rank 0's mbarrier is set up.
-DEV void cluster_started() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-
-// st.async of one f32 into the shared memory of CTA `rank` at the address of *local, completing
-// 4 bytes of the mbarrier at the address of *bar there: no fence, no cluster barrier; the
-// receiver's mbarrier wait makes it visible.
-DEV void st_async_cluster_f32(const float* local, const u64* bar, u32 rank, float v) {
-    u32 remote, remote_bar;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(smem_addr(bar)), "r"(rank));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
-                 "r"(__float_as_uint(v)), "r"(remote_bar)
-                 : "memory");
-}
-
 // rank 0: until phase 0 of the scores' mbarrier completes (all E * 4 bytes arrived), with
-// cluster-scope acquire (the bytes came from other CTAs).
-DEV void rc_wait_scores(const u64* bar) {
-    asm volatile(
-        "{\n\t.reg .pred P1;\n"
-        "RC_WAIT:\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], 0;\n\t"
-        "@!P1 bra RC_WAIT;\n}" ::"r"(smem_addr(bar))
-        : "memory");
-}
+// cluster-scope acquire (the bytes came from other CTAs).  (cluster_started, st_async_cluster_f32:
+// cluster.cuh.)
+DEV void rc_wait_scores(const u64* bar) { mbar_wait_cluster(bar, 0); }
 
 template <int EPL>
 DEV void router_cluster_body(const RcFirst<EPL>& first, const u16* __restrict__ x, const u16* __restrict__ w,

@@ -413,6 +413,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["hc"].hc_boundary_pre(u16(1, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), **bpre)
     M["hc"].hc_boundary_pre(u16(1, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), f=u16(1, 64),
                             out=u16(1, 4, 64), post_in=f32(1, 4), comb_in=f32(1, 4, 4), **bpre)
+    bpre256 = dict(bpre, xn=u16(1, 256), x=u16(1, 256))   # the cluster form: D % 256 == 0
+    M["hc"].hc_boundary_pre(u16(1, 4, 256), f32(24, 1024), f32(3), f32(24), u16(256), f=u16(1, 256),
+                            out=u16(1, 4, 256), post_in=f32(1, 4), comb_in=f32(1, 4, 4), handoff="cluster",
+                            **bpre256)
     M["hc"].hc_boundary_sinkhorn(f32(1, 24), f32(3), f32(24), iters=20, hc_eps=1e-6, post=f32(1, 4),
                                  comb=f32(1, 4, 4))
     monkeypatch.setattr(M["hc"], "_BND_SLOTS", {0: i32(M["hc"]._BND_SLOT_WORDS)})  # hc_boundary_poll's slots

@@ -4,7 +4,9 @@ hc_post -> hc_mixes (split) -> hc_pre_finish -> rmsnorm, all replayed from CUDA 
 --split also the split boundary (seam MEMRA_DSV4_HC_SPLIT): "split" = hc_boundary_pre +
 hc_boundary_sinkhorn on one stream (byte-checked), and "split pre only" = hc_boundary_pre alone
 (post / comb never updated, so not byte-checked): the critical path the device step keeps when
-its Sinkhorn runs on a side graph branch.
+its Sinkhorn runs on a side graph branch; where one cluster covers D (ops.hc.pre_cluster_ok) the
+same two arms again with hc_boundary_pre(handoff="cluster") ("split cluster", byte-checked, and
+"split pre only cluster").
 
 Two forms, as DeviceStep._block launches them: "post" (the previous sub-layer's hc_post fused in,
 streams ping-pong, post / comb in place: every boundary but a stage's first) and "first" (no
@@ -79,14 +81,15 @@ def main() -> int:
                     cur, oth = oth, cur
         return run
 
-    def split(B, form, sinkhorn: bool):
+    def split(B, form, sinkhorn: bool, handoff: str = "ticket"):
         def run():
             cur, oth = B["a"], B["b"]
             for k in range(NB):
                 kw = (dict(f=fs[k], out=oth, post_in=B["post"], comb_in=B["comb"]) if form == "post"
                       else {})
                 HC.hc_boundary_pre(cur, fns[k], scale, base, ws[k], hc_eps=eps, norm_eps=eps,
-                                   xn=B["xn"], x=B["x"], pre=B["pre"], mixes=B["mixes"], **kw)
+                                   xn=B["xn"], x=B["x"], pre=B["pre"], mixes=B["mixes"],
+                                   handoff=handoff, **kw)
                 if sinkhorn:
                     HC.hc_boundary_sinkhorn(B["mixes"], scale, base, iters=iters, hc_eps=eps,
                                             post=B["post"], comb=B["comb"])
@@ -113,13 +116,16 @@ def main() -> int:
         arms = [("unfused (4 launches)", None)] + [(f"hc_boundary {i}", i) for i in impls]
         if a.split:
             arms += [("split", "split"), ("split pre only", "pre")]
+            if HC.pre_cluster_ok(D):
+                arms += [("split cluster", "split:cluster"), ("split pre only cluster", "pre:cluster")]
         B = {name: bufs() for name, _ in arms}
 
         def make(name, i):
             if i is None:
                 return unfused(B[name], form)
-            if i in ("split", "pre"):
-                return split(B[name], form, i == "split")
+            if i.split(":")[0] in ("split", "pre"):
+                kind, _, handoff = i.partition(":")
+                return split(B[name], form, kind == "split", handoff or "ticket")
             return fused(B[name], i, form)
         fn_of = {name: make(name, i) for name, i in arms}
         with s:
@@ -134,7 +140,7 @@ def main() -> int:
         s.synchronize()
         ref = arms[0][0]
         for name, _ in arms[1:]:
-            if name == "split pre only":   # post / comb never updated: other bytes by design
+            if name.startswith("split pre only"):   # post / comb never updated: other bytes by design
                 continue
             bad = [k for k in KEYS if not bool(cp.array_equal(B[name][k].view(cp.uint8), B[ref][k].view(cp.uint8)))]
             if bad:

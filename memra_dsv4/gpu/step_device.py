@@ -488,11 +488,16 @@ class DeviceStep:
             post, comb = v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4)
             self._hc_join(S)   # K_{b-1} wrote post / comb: C_b reads them
             kw = dict(f=f, out=out, post_in=post, comb_in=comb) if f is not None else {}
+            # MEMRA_DSV4_HC_PRE_HANDOFF: the last-CTA ticket kernel or one thread-block cluster
+            # (D % 256 == 0, D <= 4096, else the ticket); the same bytes
+            handoff = hc_pre_handoff()
+            if handoff == "cluster" and not HC.pre_cluster_ok(D):
+                handoff = "ticket"
             HC.hc_boundary_pre(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
                                L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), hc_eps=cfg.hc_eps,
                                norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D),
                                x=v["x"].reshape(1, D), pre=v["hc.pre"].reshape(1, -1),
-                               mixes=v["dev.mix"], **kw)
+                               mixes=v["dev.mix"], handoff=handoff, **kw)
 
             def sinkhorn():
                 HC.hc_boundary_sinkhorn(v["dev.mix"], L.w(f"hc_{sub}_scale"), L.w(f"hc_{sub}_base"),
@@ -1041,6 +1046,26 @@ def router_handoff() -> str:
     The same bytes either way (tests/gpu/test_step_router_handoff_gpu.py); not a seam (bench arm
     rhand=ticket|cluster)."""
     return _choice_env(ROUTER_HANDOFF_ENV, ("ticket", "cluster"), ROUTER_HANDOFF_DEFAULT)
+
+
+HC_PRE_HANDOFF_ENV = "MEMRA_DSV4_HC_PRE_HANDOFF"   # ticket | cluster: hc_boundary_pre's form
+HC_PRE_HANDOFF_DEFAULT = "ticket"
+
+
+def hc_pre_handoff() -> str:
+    """MEMRA_DSV4_HC_PRE_HANDOFF = ticket | cluster (HC_PRE_HANDOFF_DEFAULT), read when _hc_pre
+    launches (at graph capture), with the hc split: how the boundary's critical launch combines
+    its 64 segment partials.  "ticket": hc.cu hc_boundary_pre (64 CTAs; the last to draw a
+    ticket re-reads the partials and the 4 streams through L2 and runs the segment sums, the
+    weighted sum and the norm of all D channels on one SM); "cluster": hc_boundary_pre_cluster
+    (one thread-block cluster of D / 256 CTAs x 1024 threads; partials and x cross CTAs by
+    st.async into shared memory, every CTA sums them itself in the same order and writes its own
+    256 channels; D % 256 == 0 and D <= 4096, else "ticket").  Why: the boundary takes ~7.3 us
+    go -> exit twice per layer (twenty-first session's timeline), most of it the ticket and the
+    one-SM tail (~16 f32 <-> f64 conversions per clock per SM).  The same bytes either way
+    (tests/gpu/test_kernels_hc.py, tests/gpu/test_step_hc_pre_handoff_gpu.py); not a seam (bench
+    arm hchand=ticket|cluster)."""
+    return _choice_env(HC_PRE_HANDOFF_ENV, ("ticket", "cluster"), HC_PRE_HANDOFF_DEFAULT)
 
 
 def multi_qnorm_on() -> bool:

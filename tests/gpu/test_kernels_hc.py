@@ -22,6 +22,11 @@ The split boundary (hc_boundary_pre + hc_boundary_sinkhorn, seam MEMRA_DSV4_HC_S
 for byte to hc_boundary the same way: one boundary (post / comb untouched by the critical kernel),
 a chain of boundaries carrying post / comb in place, and that chain captured with the Sinkhorn on
 a forked side stream (with and without PDL) and replayed with new inputs.
+The critical launch's cluster form (hc_boundary_pre(handoff="cluster"): hc_boundary_pre_cluster,
+one thread-block cluster of D / 256 CTAs, 16 at Flash width) is held byte for byte to hc_boundary
+at every cluster size (16, 8, 4, 2, 1 CTAs), to the ticket form and the unfused chain at Flash
+width, over a chain of PDL launches, and in the forked graph; widths one cluster does not cover
+are refused before any launch.
 """
 
 from __future__ import annotations
@@ -485,7 +490,7 @@ def test_hc_boundary_impl_graph_replay(impl):
 
 
 # ------------------------------------------------------------------------- split boundary
-def _split(g, with_post: bool, in_place: bool):
+def _split(g, with_post: bool, in_place: bool, handoff: str = "ticket"):
     """hc_boundary_pre then hc_boundary_sinkhorn on _fused's buffers (poisoned outputs; in place:
     post / comb hold the previous boundary's values, read by the first kernel, rewritten by the
     second).  Also checks that the critical kernel leaves post / comb alone."""
@@ -501,7 +506,8 @@ def _split(g, with_post: bool, in_place: bool):
     kw = dict(f=g["f"], out=out, post_in=pin, comb_in=cin) if with_post else {}
     post0, comb0 = o["post"].copy(), o["comb"].copy()
     S = K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
-                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], mixes=o["mixes"], **kw)
+                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], mixes=o["mixes"],
+                          handoff=handoff, **kw)
     assert S is (out if with_post else g["X"])
     for k, before in (("post", post0), ("comb", comb0)):
         assert cp.asnumpy(o[k]).tobytes() == cp.asnumpy(before).tobytes(), f"hc_boundary_pre wrote {k}"
@@ -552,7 +558,7 @@ def _chain_bufs(D, n):
                 xn=[cp.empty((1, D), np.uint16) for _ in range(n)])
 
 
-def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None):
+def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None, handoff: str = "ticket"):
     """DeviceStep._block's flow: boundary 0 without hc_post, then with the previous sub-layer's
     output f (streams ping-pong a/b; post / comb carried in place).  split: hc_boundary_pre, then
     hc_boundary_sinkhorn, on ``side`` after ``fork.fork()`` when given, joined before the next
@@ -574,7 +580,7 @@ def _run_chain(X0, params, fs, B, split: bool, fork=None, side=None, snap=None):
                 kw.update(post_in=B["post"], comb_in=B["comb"])
             K.hc_boundary_pre(a, p["fn"], p["scale"], p["base"], p["w"], hc_eps=HC_EPS,
                               norm_eps=NORM_EPS, xn=B["xn"][k], x=B["x"][k], pre=B["pre"],
-                              mixes=B["mixes"], **kw)
+                              mixes=B["mixes"], handoff=handoff, **kw)
             sk = lambda p=p: K.hc_boundary_sinkhorn(B["mixes"], p["scale"], p["base"], iters=ITERS,
                                                     hc_eps=HC_EPS, post=B["post"], comb=B["comb"])
             if fork is not None:
@@ -620,8 +626,9 @@ def test_hc_boundary_split_chain():
         _assert_same_bytes(got, want, seed, split=True, boundary=k)
 
 
+@pytest.mark.parametrize("handoff", K.PRE_HANDOFFS)
 @pytest.mark.parametrize("pdl", [False, True])
-def test_hc_boundary_split_forked_graph(pdl):
+def test_hc_boundary_split_forked_graph(pdl, handoff):
     """The split chain captured with each Sinkhorn on a side stream (graphs.Fork: fork after the
     critical kernel, join before the next one and at the end), PDL launches or plain, replayed
     with new streams / sub-layer outputs written into the captured buffers: every replay equals
@@ -636,7 +643,7 @@ def test_hc_boundary_split_forked_graph(pdl):
     g, params, fs = _chain_inputs(rng, D, n)
     X0 = g["X"]
     B, R = _chain_bufs(D, n), _chain_bufs(D, n)
-    _run_chain(X0, params, fs, B, True)   # loads the kernels before the capture
+    _run_chain(X0, params, fs, B, True, handoff=handoff)   # loads the kernels before the capture
     cp.cuda.Device().synchronize()
     s, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     fork = graphs.Fork(s, side)
@@ -644,7 +651,7 @@ def test_hc_boundary_split_forked_graph(pdl):
 
     def body():
         with pdl_launches(pdl):
-            final["S"] = _run_chain(X0, params, fs, B, True, fork=fork, side=side)
+            final["S"] = _run_chain(X0, params, fs, B, True, fork=fork, side=side, handoff=handoff)
     graph = graphs.capture(s, body)
     for rep in range(3):
         X0[...] = cp.asarray(bits_of(rand_bf16(rng, (1, 4, D), 1.0, spread=4)))
@@ -661,7 +668,93 @@ def test_hc_boundary_split_forked_graph(pdl):
         assert n_alloc.total == 0, f"{n_alloc} allocations in a replay"
         _counters_zero("lastcta")
         _assert_same_bytes(_chain_state(B, final["S"]), _chain_state(R, RS), seed, split=True,
-                           graph=True, pdl=pdl, rep=rep)
+                           graph=True, pdl=pdl, handoff=handoff, rep=rep)
+
+
+# ------------------------------------------------------------------------- cluster boundary
+@pytest.mark.parametrize("D,with_post,in_place,wide", [
+    (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash: 16 CTAs
+    (4096, True, True, True), (4096, False, False, True),                              # wide range
+    (2048, True, True, True), (1024, True, False, False), (512, True, True, True),     # 8 / 4 / 2 CTAs
+    (256, True, True, False), (256, False, False, True),                               # one CTA
+])
+def test_hc_boundary_pre_cluster_bitwise(D, with_post, in_place, wide):
+    """hc_boundary_pre's cluster form (handoff "cluster": hc_boundary_pre_cluster, one cluster of
+    D / 256 CTAs exchanging partials and x through DSMEM) + hc_boundary_sinkhorn == hc_boundary
+    byte for byte in every output (streams, mixes, x, pre, post, comb, xn), three fresh inputs
+    per case (each launch's mbarriers start anew); at D = 4096 also == the unfused chain and ==
+    the ticket form on the same inputs."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    for rep in range(3):
+        g = _dev(_boundary_case(rng, D, wide))
+        want = _fused(g, with_post, in_place, impl="lastcta")
+        got = _split(g, with_post, in_place, handoff="cluster")
+        cp.cuda.Device().synchronize()
+        _assert_same_bytes(got, want, seed, handoff="cluster", D=D, with_post=with_post,
+                           in_place=in_place, wide=wide, rep=rep)
+        if rep == 0 and D == 4096:
+            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff="cluster", vs="unfused")
+            _assert_same_bytes(got, _split(g, with_post, in_place, handoff="ticket"), seed,
+                               handoff="cluster", vs="ticket")
+
+
+def test_hc_boundary_pre_cluster_chain_under_pdl():
+    """Seven boundaries, eager, every launch with the PDL attribute (the step's launches): the
+    cluster chain == the hc_boundary chain after every boundary."""
+    from memra_dsv4.gpu.pdl import pdl_launches
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    D, n = 4096, 7
+    g, params, fs = _chain_inputs(rng, D, n)
+    runs = {}
+    for split in (False, True):
+        B = _chain_bufs(D, n)
+        seq = []
+        with pdl_launches(split):
+            _run_chain(g["X"], params, fs, B, split, handoff="cluster",
+                       snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
+        cp.cuda.Device().synchronize()
+        runs[split] = seq
+    for k, (got, want) in enumerate(zip(runs[True], runs[False])):
+        _assert_same_bytes(got, want, seed, handoff="cluster", pdl=True, boundary=k)
+
+
+def test_hc_boundary_pre_cluster_refusals_and_occupancy():
+    """D not covered by one cluster (7168: 28 CTAs; 192: not a multiple of 256) is refused
+    before any launch (the outputs stay poisoned); the 16-CTA cluster of 1024 threads can be
+    resident (cuOccupancyMaxActiveClusters >= 1, printed)."""
+    from cuda.bindings import driver as cu
+
+    from memra_dsv4.gpu.ops._common import kernel
+    rng = rng_for(3)
+    for D in (7168, 192):
+        g = _dev(_boundary_case(rng, D))
+        xn = _poisoned((1, D), np.uint16)
+        with pytest.raises(ValueError, match=f"handoff 'cluster' needs .* got D = {D}"):
+            K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
+                              norm_eps=NORM_EPS, xn=xn, x=_poisoned((1, D), np.uint16),
+                              pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32),
+                              handoff="cluster")
+        cp.cuda.Device().synchronize()
+        assert bool(cp.all(xn == 0xFFFF)), f"a refused call wrote xn (D = {D})"
+    kern = kernel(K.STEM, "hc_boundary_pre_cluster")
+    func = cu.CUfunction(int(kern.kernel.ptr))
+    err, = cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 16, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 1024, 1, 1
+    cfg.sharedMemBytes = 64 * 256 + 2 * 4096
+    ca = cu.CUlaunchAttribute()
+    ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = 16, 1, 1
+    cfg.attrs = [ca]
+    cfg.numAttrs = 1
+    err, n = cu.cuOccupancyMaxActiveClusters(func, cfg)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    print(f"hc_boundary_pre_cluster: {n} clusters of 16 x 1024 threads resident at once")
+    assert n >= 1
 
 
 def test_hc_boundary_split_refusals():

@@ -11,13 +11,13 @@ bits:
 * tiny (E = 8: a cluster of one CTA; hash and learned layers), 12 steps past the window wrap."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from memra_dsv4.gpu.ops.testing import assert_arms_agree, eager_step_launches, env_arm_runner  # noqa: E402
+from step_models import flash_prefilled, tiny_prefilled  # noqa: E402  (tests/gpu on sys.path)
 
 ENV = "MEMRA_DSV4_ROUTER_HANDOFF"
 _ARMS = {"ticket": ("ticket", True), "cluster": ("cluster", True), "cluster+eager": ("cluster", False)}
@@ -32,21 +32,8 @@ def _first_eager(m, states, cluster_name: str, n_layers: int):
     return first
 
 
-def _flash_prefilled(n_layers: int, arms, seed: int, prompt: int = 5, steps: int = 6):
-    """flash-layers:n_layers (MXFP4 experts, bf16 dense, the device path) and one state per arm
-    prefilled with the same prompt: (model, states, token ids of prompt + steps, prompt)."""
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt(f"flash-layers:{n_layers}", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
-                     dense="bf16")
-    ids = np.random.default_rng(seed).integers(2, ck.config.vocab_size, prompt + steps).tolist()
-    return m, {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}, ids, prompt
-
-
 def test_router_cluster_step_bit_identical_flash_layers(monkeypatch):
-    m, states, ids, prompt = _flash_prefilled(4, _ARMS, seed=47)
+    m, states, ids, prompt = flash_prefilled(4, _ARMS, seed=47)
     assert_arms_agree("flash-layers:4 router cluster handoff", states, ids[prompt:],
                       env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
                                      first_eager=_first_eager(m, states, "router_cluster_e256", 4)),
@@ -54,15 +41,11 @@ def test_router_cluster_step_bit_identical_flash_layers(monkeypatch):
 
 
 def test_router_cluster_step_bit_identical_tiny(monkeypatch):
-    from test_decode_gpu import _ids, _model  # prepend import mode (tests/gpu on sys.path)
-    ck, m = _model("tiny", (0,), "device")
-    prompt, steps = 5, 12
-    ids = _ids(ck.config, prompt + steps, seed=29)
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
-    assert_arms_agree("tiny router cluster handoff", states, ids[prompt:prompt + steps],
+    m, states, ids, prompt = tiny_prefilled(_ARMS, seed=29)
+    assert_arms_agree("tiny router cluster handoff", states, ids[prompt:],
                       env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
                                      first_eager=_first_eager(m, states, "router_cluster_e32",
-                                                              ck.config.num_hidden_layers)),
+                                                              m.config.num_hidden_layers)),
                       pos0=prompt)
 
 
@@ -77,7 +60,7 @@ def test_shared_gateup_spare_step_bit_identical_flash_layer(monkeypatch):
     monkeypatch.setenv(ENV, "cluster")
     arms = {"none": ("none", True), "router": ("router", True), "router+eager": ("router", False),
             "grid": ("grid", True)}
-    m, states, ids, prompt = _flash_prefilled(1, arms, seed=53)
+    m, states, ids, prompt = flash_prefilled(1, arms, seed=53)
 
     def first(a, t):
         out = []

@@ -14,6 +14,16 @@ hc_boundary_pre(...) + hc_boundary_sinkhorn(...)  hc_boundary in two launches, t
     weighted sum, rmsnorm -> x, xn) and the Sinkhorn one (post, comb from the stored mixes: read
     only by the next boundary's hc_post), which the device step may run on a side graph branch
     beside the sub-layer (seam MEMRA_DSV4_HC_SPLIT)
+hc_boundary_pre(..., handoff=)  the critical launch's two forms (PRE_HANDOFFS, the same bytes):
+    "ticket"   hc_boundary_pre: n / 256 CTAs, one segment each; the last CTA to draw a ticket
+               (fence + atomic) re-reads the partials and the streams through L2 and runs the tail
+               (segment sums, weighted sum, rmsnorm of all D channels) alone;
+    "cluster"  hc_boundary_pre_cluster: one thread-block cluster of D / 256 CTAs x 1024 threads
+               (pre_cluster_ok: D % 256 == 0, D <= 4096), CTA r owning channels [256 r, 256 r +
+               256) of the 4 streams; partials and x cross CTAs by st.async into each other's
+               shared memory, every CTA runs the segment sums and the norm's sum of squares
+               itself (the same order, the same bits) and writes its own channels: no ticket, no
+               L2 round trip, no single-SM tail.
 
 Streams are [T, hc, D] bf16 (uint16) with hc = 4.
 
@@ -42,8 +52,9 @@ from memra_dsv4.gpu.ops._common import (check, cupy, dynamic_smem, i32, kernel, 
 
 STEM = "hc"
 KERNELS = ("hc_mixes_r6", "hc_mixes_r4", "hc_pre_split_apply", "hc_weighted_sum", "hc_head_apply",
-           "hc_post", "hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_sinkhorn")
-kernel_loader.register(STEM, KERNELS)
+           "hc_post", "hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_sinkhorn",
+           "hc_boundary_pre_cluster")
+kernel_loader.register(STEM, KERNELS, cluster=("hc_boundary_pre_cluster",))
 
 HC = 4
 
@@ -52,6 +63,24 @@ BOUNDARY_IMPL = "lastcta"
 BOUNDARY_IMPL_ENV = "MEMRA_DSV4_HC_BOUNDARY_IMPL"
 _BND_SLOTS: dict = {}       # device -> int32 [2 * 128 * 32] (u64 slots of hc_boundary_poll)
 _BND_SLOT_WORDS = 2 * 128 * 32
+
+
+PRE_HANDOFFS = ("ticket", "cluster")
+PRE_CLUSTER_MAX_CTAS = 16     # the largest (non-portable) cluster of an H100 / H200
+PRE_CLUSTER_CHANNELS = 256    # channels per CTA of hc_boundary_pre_cluster (one segment per stream)
+PRE_CLUSTER_THREADS = 1024    # 4 units of 256: one per stream
+
+
+def pre_cluster_ok(D: int) -> bool:
+    """Whether hc_boundary_pre_cluster covers hidden size D: D / 256 CTAs of one cluster."""
+    return D > 0 and D % PRE_CLUSTER_CHANNELS == 0 and D // PRE_CLUSTER_CHANNELS <= PRE_CLUSTER_MAX_CTAS
+
+
+def pre_cluster_ctas(D: int) -> int:
+    """CTAs of hc_boundary_pre_cluster's one cluster (each 1024 threads x <= 64 registers: a
+    whole SM's register file)."""
+    assert pre_cluster_ok(D), f"hc_boundary_pre_cluster: D = {D} not covered (pre_cluster_ok)"
+    return D // PRE_CLUSTER_CHANNELS
 
 
 def boundary_impl(impl: str | None = None) -> str:
@@ -292,7 +321,7 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
 
 
 def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, norm_eps: float, xn,
-                    x, pre, mixes, f=None, out=None, post_in=None, comb_in=None):
+                    x, pre, mixes, f=None, out=None, post_in=None, comb_in=None, handoff: str = "ticket"):
     """hc_boundary's critical half, one launch (kernels_cu/hc.cu hc_boundary_pre):
 
         f given:   out = hc_post(f, streams, post_in, comb_in); S = out
@@ -301,22 +330,36 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
 
     byte for byte hc_boundary's outputs of the same names; post / comb are left to
     hc_boundary_sinkhorn(mixes, ...).  post_in [1, 4] / comb_in [1, 4, 4] are required with f
-    (pure inputs: this kernel writes neither).  Uses the per-device split workspace (not
-    concurrently on two streams of one device).  Returns S (out or streams)."""
+    (pure inputs: this kernel writes neither).  handoff (PRE_HANDOFFS, the module docstring):
+    "ticket" uses the per-device split workspace (not concurrently on two streams of one device);
+    "cluster" (hc_boundary_pre_cluster; pre_cluster_ok(D), else ValueError) uses none.  Returns
+    S (out or streams)."""
+    if handoff not in PRE_HANDOFFS:
+        raise ValueError(f"hc_boundary_pre: handoff {handoff!r} is not one of {PRE_HANDOFFS}")
     D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary_pre")
+    if handoff == "cluster" and not pre_cluster_ok(D):
+        raise ValueError(f"hc_boundary_pre: handoff 'cluster' needs D % {PRE_CLUSTER_CHANNELS} == 0 and "
+                         f"D <= {PRE_CLUSTER_CHANNELS * PRE_CLUSTER_MAX_CTAS} (one cluster of D / "
+                         f"{PRE_CLUSTER_CHANNELS} CTAs), got D = {D}; use handoff 'ticket'")
     assert f is None or (post_in is not None and comb_in is not None), (
         "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
     out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary_pre")
+    null = np.uint64(0)
+    head = (null if f is None else f, streams, null if f is None else post_in,
+            null if f is None else comb_in, null if f is None else out, fn, scale, base,
+            norm_weight, mixes, pre, x, xn, i32(D), np.float32(hc_eps), np.float64(norm_eps))
+    if handoff == "cluster":
+        k = kernel(STEM, "hc_boundary_pre_cluster")
+        n_cta = pre_cluster_ctas(D)
+        smem = HC * n_cta * 32 * 8 + 2 * D  # the partials [nseg][32] doubles, x of all D channels
+        k((n_cta,), (PRE_CLUSTER_THREADS,), head, shared_mem=dynamic_smem(k, smem), cluster=(n_cta, 1, 1))
+        return src
     nseg = HC * D // SEG
     k = kernel(STEM, "hc_boundary_pre")
     ws, cnt = split_workspace(1, nseg)
     smem = 14 * D  # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D)
     dynamic_smem(k, smem + 1024)
-    null = np.uint64(0)
-    k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
-                        null if f is None else comb_in, null if f is None else out, fn, scale, base,
-                        norm_weight, mixes, pre, x, xn, i32(D), np.float32(hc_eps),
-                        np.float64(norm_eps), ws, cnt), shared_mem=smem)
+    k((nseg,), (256,), head + (ws, cnt), shared_mem=smem)
     return src
 
 
@@ -338,4 +381,5 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
-           "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS"]
+           "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS",
+           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas"]
