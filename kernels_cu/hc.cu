@@ -306,6 +306,23 @@ hc_post(const u16* __restrict__ f, const u16* __restrict__ R, const float* __res
     }
 }
 
+// Phase stamps of the boundary kernels (tools/hc_boundary_phases.py builds hc.cu with
+// -DMEMRA_HC_STAMPS; the production build compiles HC_STAMP away): thread `who` of each CTA writes
+// %globaltimer to hc_stamps[CTA][i] at phase point i (the points: the tool's table).
+#ifdef MEMRA_HC_STAMPS
+__device__ unsigned long long hc_stamps[128][16];
+#define HC_STAMP(who, i)                                                                          \
+    do {                                                                                          \
+        if (threadIdx.x == (who)) {                                                               \
+            unsigned long long t_;                                                                \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)::"memory");                    \
+            hc_stamps[blockIdx.x][i] = t_;                                                        \
+        }                                                                                         \
+    } while (0)
+#else
+#define HC_STAMP(who, i) do { } while (0)
+#endif
+
 // ------------------------------------------------------------------------- hc_boundary
 // One decode token's whole sub-layer boundary in one launch:
 //   [hc_post of the previous sub-layer] -> hc_pre (mixes, split, weighted sum) -> rmsnorm,
@@ -374,6 +391,7 @@ DEV BndFn bnd_fn_at(const float* __restrict__ fn, int D, int sg, int wid) {
     return r;
 }
 DEV BndFn bnd_fn_preload(const float* __restrict__ fn, int D) {
+    HC_STAMP(0, 0);
     const BndFn r = bnd_fn_at(fn, D, blockIdx.x, threadIdx.x >> 5);
     if (D < 0) __trap();
     return r;
@@ -533,9 +551,12 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     const int sg = blockIdx.x;
     // ---- phase A (the fn rows, the HBM stream, are requested first; hc_post once per element
     // when f is given: thread t makes element 256 sg + t and shares the segment in seg_s)
+    HC_STAMP(0, 1);
     const double val = bnd_phase_a(fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
+    HC_STAMP(0, 2);
     if (lane < 4) ws[sg * 32 + 4 * wid + lane] = val;  // slot 4w + 3: the same squares in every warp
     if (!last_cta_ticket(counter, (int)gridDim.x, is_last)) return;
+    HC_STAMP(0, 3);
     // ---- phase B: the last CTA
     __threadfence();
     const int nc = D >> 3;
@@ -562,6 +583,7 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
     __syncthreads();
+    HC_STAMP(0, 4);
     if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
         const int t = threadIdx.x;
         const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
@@ -577,6 +599,7 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
         mixes[threadIdx.x] = m;
     }
     __syncthreads();
+    HC_STAMP(0, 5);
     if (SINKHORN && wid == 0) {  // Sinkhorn on its own warp: comb / post are for the next hc_post only
         split_lanes(mix_s, scale, base, iters, hc_eps, lane, nullptr, pre_out, post_out, comb_out);
         return;
@@ -591,7 +614,9 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     }
     cp_async_wait<0>();
     bar_upper_half();
+    HC_STAMP(128, 6);
     bnd_wsum_norm(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
+    HC_STAMP(128, 7);
 }
 }  // namespace
 
@@ -900,6 +925,7 @@ DEV BncBars* bnc_bars() {
 DEV BndFn bnc_preload(const float* __restrict__ fn, const u16* __restrict__ norm_w, u16* w_s, int D) {
     const int q = threadIdx.x / BND_THREADS, wid8 = (threadIdx.x >> 5) & 7;
     const int C = gridDim.x, r = blockIdx.x, nseg = HC * C;
+    HC_STAMP(0, 0);
     const BndFn fr = bnd_fn_at(fn, D, q * C + r, wid8);
     if (threadIdx.x < MIX_SEG / 8) {
         cp_async16(w_s + 8 * threadIdx.x, norm_w + MIX_SEG * r + 8 * threadIdx.x, true);
@@ -935,12 +961,14 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
     u16* xall = reinterpret_cast<u16*>(bnc_smem + nseg * 32);     // [D]
     // ---- phase A: unit q = segment q C + r = stream q, channel d = 256 r + t
     const int d = MIX_SEG * r + t;
+    HC_STAMP(0, 1);
     {
         const u16 h = f != nullptr ? bnd_post_elem(f, R, post_in, comb_in, D, q, d) : R[(i64)q * D + d];
         if (f != nullptr) out[(i64)q * D + d] = h;
         seg_s[q][t] = h;
     }
     __syncthreads();
+    HC_STAMP(0, 2);
     {
         float xf[8];
         unpack8(*reinterpret_cast<const uint4*>(&seg_s[q][8 * lane]), xf);
@@ -948,7 +976,9 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
         if (lane < 4) stage[q * 32 + 4 * wid8 + lane] = v;  // slot 4 w + 3: the squares, every warp
     }
     __syncthreads();
+    HC_STAMP(0, 3);
     cluster_started();  // every CTA started, its mbarriers initialised: remote stores may begin
+    HC_STAMP(0, 4);
     // ---- 1. the 4 segments' slots to every CTA: chunk k (2 doubles) of 64, destination c
     for (int i = threadIdx.x; i < C * 64; i += BNC_THREADS) {
         const int c = i >> 6, k = i & 63, qq = k >> 4, slot = 2 * (k & 15);
@@ -957,8 +987,10 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
                             (u64)__double_as_longlong(src[0]), (u64)__double_as_longlong(src[1]));
     }
     // ---- 2. the mixes and pre (warp 0; every CTA the same bits)
+    HC_STAMP(0, 5);
     if (wid == 0) {
         mbar_wait_cluster(&bars->part, 0);
+        HC_STAMP(0, 6);
         const double tot = lane <= BND_ROWS ? bnd_chain(part, lane, nseg) : 0.0;
         const double tot_sq = __shfl_sync(0xffffffffu, tot, BND_ROWS);
         const float m = bnd_mix(tot, tot_sq, n, norm_eps);
@@ -970,6 +1002,7 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
         }
     }
     __syncthreads();
+    HC_STAMP(0, 7);
     // ---- 3. x of this CTA's channels (threads 0..255, channel t), to x_out and to every CTA
     if (threadIdx.x < MIX_SEG) {
         double acc = 0.0;
@@ -981,6 +1014,7 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
         xo_s[t] = (u16)f64_to_bf16(acc);
     }
     __syncthreads();
+    HC_STAMP(0, 8);
     for (int i = threadIdx.x; i < C * 32; i += BNC_THREADS) {  // chunk k (8 channels) to CTA c
         const int c = i >> 5, k = i & 31;
         const uint4 v = *reinterpret_cast<const uint4*>(xo_s + 8 * k);
@@ -989,9 +1023,11 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
     }
     if (threadIdx.x < MIX_SEG / 8)
         stg16(x_out + MIX_SEG * r + 8 * threadIdx.x, *reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x));
+    HC_STAMP(0, 9);
     if (threadIdx.x >= 128) return;
     // ---- 4. warps 0..3: the sum of squares of all of x (bnd_wsum_norm's partition and order)
     mbar_wait_cluster(&bars->x, 0);
+    HC_STAMP(0, 10);
     const int nc = D >> 3;
     double ss = 0.0;
     for (int c = threadIdx.x; c < nc; c += 128) {
@@ -1006,6 +1042,7 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
     ss = warp_sum(ss);
     if (lane == 0) red[wid] = ss;
     bar_lower_quarter();
+    HC_STAMP(0, 11);
     if (threadIdx.x >= MIX_SEG / 8) return;
     double s = red[0];
 #pragma unroll
@@ -1020,6 +1057,7 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
     for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], rr)));
     stg16(xn_out + MIX_SEG * r + 8 * threadIdx.x,
           make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+    HC_STAMP(0, 12);
 }
 }  // namespace
 
