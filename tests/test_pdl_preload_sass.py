@@ -25,7 +25,7 @@ PRELOAD_KERNELS = {
     "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512))
               + tuple(f"router_cluster_e{e}" for e in (32, 64, 128, 256)),
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),
-    "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre"),
+    "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_pre_cluster"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
@@ -134,3 +134,38 @@ def test_down_w2_preload_cp_async_before_the_wait(tmp_path):
     lines0 = _function(sass0, "gemv_mxfp4_down_combine_k2_f_w2")
     wait0 = _first(lines0, "ACQBULK")
     assert 0 <= wait0 and not any(re.search(r"\b(LDG|LDGSTS)\b", ln) for ln in lines0[:wait0]), wait0
+
+
+def _count(lines: list[str], pattern: str) -> int:
+    return sum(1 for ln in lines if re.search(pattern, ln))
+
+
+@need_tools
+def test_hc_cluster_preload_and_handoff_order(tmp_path):
+    """hc.cu hc_boundary_pre_cluster (cluster.cuh's handoff): before the PDL wait exactly its 6 fn
+    loads (3 rows x 2 float4, ld.global.nc: LDG.E.NA.128.CONSTANT), the norm weight's cp.async
+    (LDGSTS), both mbarriers' init + expect_tx (SYNCS.EXCH.64, SYNCS.ARRIVE.TRANS64, twice) and
+    then the relaxed cluster arrive (UCGABAR_ARV), with no global or remote store, no cluster wait
+    and no MEMBAR; after it, the cluster wait (UCGABAR_WAIT) before the first st.async (STAS) and an
+    mbarrier wait (SYNCS.PHASECHK) after it; no MEMBAR anywhere (barrier.cluster.arrive.release,
+    membar and fence.acq_rel would put one there)."""
+    lines = _function(_sass("hc", str(tmp_path)), "hc_boundary_pre_cluster")
+    wait = _first(lines, "ACQBULK")
+    assert wait >= 0 and _count(lines, r"\bACQBULK\b") == 1
+    pre = lines[:wait]
+    assert _count(pre, r"\bLDG\.E\.NA\.128\.CONSTANT\b") == 6 and _count(pre, r"\bLDG\b") == 6, pre
+    assert _count(pre, r"\bLDGSTS\b") == 1
+    assert _count(pre, r"\bSYNCS\.EXCH\.64\b") == 2 and _count(pre, r"\bSYNCS\.ARRIVE\.TRANS64\b") == 2
+    assert _count(pre, r"\bUCGABAR_ARV\b") == 1
+    arv = _first(pre, "UCGABAR_ARV")
+    last_ld = max(i for i, ln in enumerate(pre) if re.search(r"\b(LDG|LDGSTS)\b", ln))
+    syncs = [i for i, ln in enumerate(pre) if re.search(r"\bSYNCS\.", ln)]
+    assert last_ld < syncs[0] and syncs[-1] < arv, (last_ld, syncs, arv)
+    early = [ln.strip() for ln in pre if re.search(r"\b(STG|STAS|ST|ATOMG|RED|MEMBAR|UCGABAR_WAIT)\b", ln)
+             or re.search(r"\bSYNCS\.PHASECHK", ln)]
+    assert not early, early[:3]
+    post = lines[wait:]
+    cwait, stas = _first(post, "UCGABAR_WAIT"), _first(post, "STAS")
+    assert 0 <= cwait < stas and _count(post, r"\bUCGABAR_WAIT\b") == 1, (cwait, stas)
+    assert _count(post, r"\bSYNCS\.PHASECHK\.TRANS64") >= 2   # the partials' and x's mbarrier waits
+    assert not [ln.strip() for ln in lines if re.search(r"\bMEMBAR\b", ln)]

@@ -12,11 +12,13 @@ thread-block cluster through DSMEM (router_cluster_*, "cluster", E <= 256).  On 
 * kernel_loader: a kernel registered with cluster= comes out of get() as a pdl.ExKernel outside
   pdl_launches and as a PdlKernel inside (both take cluster=); cluster= naming an unregistered
   kernel is refused;
-* the kernel's source: rank 0's mbarrier set up before the PDL wait (init, expect E * 4 bytes,
-  fence.mbarrier_init, the cluster barrier's relaxed arrive), the arrive's wait before the rows'
-  st.async into rank 0's shared memory, rank 0's acquire wait on the mbarrier, no ticket, no
-  fence; the selection through select_topk_warp / select_weights_warp (router_select_*'s code)
-  and the row dot through rf_row_dot (router_fused_*'s), PDL_ENTRY_PRELOAD first.
+* the kernel's source: rank 0's mbarrier set up before the PDL wait (mbar_init_expect of E * 4
+  bytes, fence_mbarrier_init_cluster, the cluster barrier's relaxed arrive), the arrive's wait
+  before the rows' st.async into rank 0's shared memory, rank 0's acquire wait on the mbarrier
+  (mbar_wait_cluster), no ticket, no fence; those helpers' PTX in kernels_cu/cluster.cuh (shared
+  with hc.cu's hc_boundary_pre_cluster) and none of the global-fencing forms there; the
+  selection through select_topk_warp / select_weights_warp (router_select_*'s code) and the row
+  dot through rf_row_dot (router_fused_*'s), PDL_ENTRY_PRELOAD first.
 The bytes are the GPU tests' (tests/gpu/test_kernels_router.py router_cluster,
 tests/gpu/test_step_router_handoff_gpu.py); tests/test_pdl_preload_sass.py checks the SASS order."""
 from __future__ import annotations
@@ -188,14 +190,16 @@ def test_router_cluster_kernel_source_contract():
     for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "__ldcg", "counter", "barrier.cluster.arrive"):
         assert gone not in body, gone
     pre = _body(src, "DEV RcFirst<EPL> rc_preload(")
-    assert pre.index("__trap()") < pre.index("mbarrier.init.shared::cta.b64 [%0], 1;") \
-        < pre.index("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;") \
-        < pre.index("fence.mbarrier_init.release.cluster;") < pre.index("barrier.cluster.arrive.relaxed.aligned;")
-    assert '"r"(4 * E)' in pre   # rank 0 expects E scores of 4 bytes
-    assert "barrier.cluster.wait.aligned;" in _body(src, "DEV void cluster_started()")
-    st = _body(src, "DEV void st_async_cluster_f32(")
-    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32" in st and st.count("mapa.shared::cluster.u32") == 2
-    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in _body(src, "DEV void rc_wait_scores(")
+    # rank 0 expects E scores of 4 bytes: its mbarrier set up (kernels_cu/cluster.cuh), the init made
+    # visible to the cluster, then every thread's relaxed cluster arrive; all after the __trap
+    assert pre.index("__trap()") < pre.index("mbar_init_expect(rc_scores_bar(), 4 * E);") \
+        < pre.index("fence_mbarrier_init_cluster();") < pre.index("cluster_arrive_relaxed();")
+    assert "mbar_wait_cluster(bar, 0);" in _body(src, "DEV void rc_wait_scores(const u64* bar)")
+    assert '#include "cluster.cuh"' in src
+    for moved in ("DEV void cluster_started(", "DEV void st_async_cluster_f32(", "mbarrier.", "barrier.cluster",
+                  "st.async", "mapa.", "fence.mbarrier_init"):   # router.cu's cluster PTX: cluster.cuh only
+        assert moved not in re.sub(r"//[^\n]*", "", src), moved
+    _cluster_cuh_contract()
     # router_select_* and router_fused_* select through the same two functions
     tok = _body(src, "DEV void select_token_warp(")
     assert "select_topk_warp<EPL>(b, sel, E, k, lane)" in tok and "select_weights_warp(" in tok
@@ -204,6 +208,34 @@ def test_router_cluster_kernel_source_contract():
     assert set(RT._CLUSTER.values()) <= set(RT.KERNELS)
     from memra_dsv4.gpu import kernel_loader
     assert {("router", n) for n in RT._CLUSTER.values()} <= kernel_loader._CLUSTER
+
+
+def _cluster_cuh_contract():
+    """kernels_cu/cluster.cuh (the cluster kernels' shared PTX, router.cu and hc.cu): each helper's
+    PTX, and none of the forms that fence global memory (barrier.cluster.arrive.release compiles to
+    MEMBAR.ALL.GPU; membar; fence.acq_rel) anywhere outside the comments."""
+    from tests.test_shared_gateup_cpu import _body
+    src = open(os.path.join(ROOT, "kernels_cu", "cluster.cuh"), encoding="utf-8").read()
+    code = re.sub(r"//[^\n]*", "", src)
+    init = _body(code, "DEV void mbar_init_expect(u64* bar, u32 bytes)")
+    assert init.index("mbarrier.init.shared::cta.b64 [%0], 1;") \
+        < init.index('mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes)')
+    assert "fence.mbarrier_init.release.cluster;" in _body(code, "DEV void fence_mbarrier_init_cluster()")
+    assert "barrier.cluster.arrive.relaxed.aligned;" in _body(code, "DEV void cluster_arrive_relaxed()")
+    assert "barrier.cluster.wait.aligned;" in _body(code, "DEV void cluster_started()")
+    assert "mapa.shared::cluster.u32 %0, %1, %2;" in _body(code, "DEV u32 mapa_cluster(")
+    st = _body(code, "DEV void st_async_cluster_f32(")
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" in st
+    assert st.count("mapa_cluster(") == 2   # the data and the mbarrier, both in CTA rank
+    st16 = _body(code, "DEV void st_async_cluster_16(")
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b64 [%0], {%1, %2}, [%3];" in st16
+    assert st16.count("mapa_cluster(") == 2
+    wait = _body(code, "DEV void mbar_wait_cluster(const u64* bar, u32 parity)")
+    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%1], %2;" in wait
+    assert "while (!done)" in wait and "bra" not in wait   # a C++ loop: no PTX label to duplicate
+    for bad in ("barrier.cluster.arrive.release", "barrier.cluster.arrive;", "barrier.cluster.arrive.aligned",
+                "membar", "fence.acq_rel", "fence.sc"):
+        assert bad not in code, bad
 
 
 def _gateup_kw(monkeypatch, spare_env, handoff_env, shgu="on", E=256):

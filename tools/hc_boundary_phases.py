@@ -48,6 +48,7 @@ def main() -> int:
     mod = cp.RawModule(code=src, options=kernel_loader.nvrtc_options(kdir) + ("-DMEMRA_HC_STAMPS",))
     k_ticket = mod.get_function("hc_boundary_pre")
     k_cluster = mod.get_function("hc_boundary_pre_cluster")
+    k_ticket.max_dynamic_shared_size_bytes = 14 * D + 1024   # > 48 KB: opt in (as ops.hc does)
     stamps = cp.ndarray((128, 16), cp.uint64, mod.get_global("hc_stamps"))
 
     rs = cp.random.RandomState(5)
