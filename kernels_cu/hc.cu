@@ -475,6 +475,30 @@ DEV double bnd_phase_a(const BndFn& fr, const u16* __restrict__ f, const u16* __
     return bnd_seg_values(fr, xf, lane);
 }
 
+// hc_boundary's segment chain of value t (row t < 24, t == 24 the squares) over part [nseg][32]:
+// part[slot] + part[32 + slot] + ... in segment order.  The loads go out 8 at a time ahead of the
+// adds (the add order is the chain's; only the load schedule differs from a plain loop, whose
+// ~30-cycle shared-memory latency per step made 64 segments cost ~0.9 us: tools/hc_boundary_phases.py).
+DEV double bnd_chain(const double* part, int t, int nseg) {
+    const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
+    double a = part[slot];
+    int s = 1;
+    for (; s + 8 <= nseg; s += 8) {
+        double v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = part[(s + j) * 32 + slot];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a = __dadd_rn(a, v[j]);
+    }
+    for (; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
+    return a;
+}
+// mix value of row t from its chain and the squares' chain (hc_boundary's expression)
+DEV float bnd_mix(double tot_row, double tot_sq, int n, double norm_eps) {
+    const double rs = 1.0 / sqrt(tot_sq / (double)n + norm_eps);
+    return __double2float_rn(__dmul_rn(tot_row, rs));
+}
+
 // The last CTA's x = bf16(sum_i pre_i S_i) and rmsnorm_row<u16> (xn) by warps 4..7 over thread
 // vt's chunks (a thread reads only the chunks its own cp.async brought: the caller waited for
 // them). S [4][D] in shared memory, row 0 overwritten by x; wst [D] the norm weight; red [4]
@@ -529,6 +553,123 @@ DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16
                                          h[6] | (h[7] << 16)));
     }
 }
+// hc_boundary_pre's x / xn from S [4][D] and the weight [D] in shared memory (every thread's
+// cp.async landed and a block barrier passed): bnd_wsum_norm's bytes with all 256 threads where
+// the order allows it.  x: chunk c by thread c mod 256 (a per-element expression: any thread);
+// the sum of squares: rmsnorm_row's partition (chunk c by thread c mod 128 of warps 0..3, reading
+// x back from shared memory, warp_sum, the 4 warp partials in order); xn: chunk c by thread
+// c mod 256.  hc_boundary (warp 0 on the Sinkhorn) keeps bnd_wsum_norm on warps 4..7.
+DEV void bnd_wsum_norm256(const float* pre, u16* sst, const u16* wst, u16* x_out, u16* xn_out, double* red,
+                          int D, double norm_eps) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int nc = D >> 3;
+    for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
+        double acc[8];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            float xi[8];
+            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
+            const double p = pre[i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const double prod = __dmul_rn(p, (double)xi[e]);
+                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
+            }
+        }
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(acc[e]);
+        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                   h[6] | (h[7] << 16));
+        stg16(x_out + 8 * c, o);
+        *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
+    }
+    __syncthreads();
+    if (wid < 4) {
+        double ss = 0.0;
+        for (int c = threadIdx.x; c < nc; c += 128) {
+            float xv[8];
+            unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const double v = xv[e];
+                ss = __fma_rn(v, v, ss);
+            }
+        }
+        ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
+        if (lane == 0) red[wid] = ss;
+    }
+    __syncthreads();
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
+        float xv[8], wv[8];
+        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
+        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
+        u32 h[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
+        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                                         h[6] | (h[7] << 16)));
+    }
+}
+
+// hc_boundary_pre's last CTA after its ticket (and __threadfence): hc_boundary's phase B without
+// the Sinkhorn warp, with a shorter chain (tools/hc_boundary_phases.py measured the old one at
+// ~5 us: the chains 0.9, pre 0.6, the weighted sum and norm on 4 warps 2.6):
+//   * every thread issues its cp.async: the partials (group 1), then its chunks of S and of the
+//     weight (chunk c by thread c mod 256; group 2, in flight during the sums);
+//   * warp 0 alone: lane t <= 24 adds chain t (bnd_chain), the mixes (bnd_mix, the squares'
+//     chain by shuffle), lanes 0..3 pre (pre_value) -> mixes, pre_out, pre_s: no block barrier
+//     between the chains and pre;
+//   * one block barrier (every thread waited for its own cp.async), then bnd_wsum_norm256.
+// The same expressions in the same order as hc_boundary's last CTA: the same bytes.
+DEV void bnd_pre_tail(const u16* __restrict__ f, const u16* __restrict__ R, const u16* out,
+                      const float* __restrict__ scale, const float* __restrict__ base,
+                      const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out, u16* xn_out,
+                      int D, float hc_eps, double norm_eps, double* ws, int* counter) {
+    extern __shared__ double bnd_smem[];  // partials [nseg][32], S [4][D], weight [D]
+    __shared__ float pre_s[HC];
+    __shared__ double red[4];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int n = HC * D, nseg = n / MIX_SEG, nc = D >> 3;
+    double* part = bnd_smem;
+    u16* sst = reinterpret_cast<u16*>(bnd_smem + nseg * 32);
+    u16* wst = sst + HC * D;
+    for (int i = threadIdx.x; i < nseg * 16; i += BND_THREADS) cp_async16(part + 2 * i, ws + 2 * i, true);
+    cp_async_commit();
+    const u16* S = f != nullptr ? out : R;  // out was written by this launch's CTAs
+    for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
+#pragma unroll
+        for (int i = 0; i < HC; ++i) cp_async16(sst + i * D + 8 * c, S + (i64)i * D + 8 * c, true);
+        cp_async16(wst + 8 * c, norm_w + 8 * c, true);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // this thread's partials landed; S and the weight may still be in flight
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    __syncthreads();
+    HC_STAMP(0, 4);
+    if (wid == 0) {
+        const double tot = lane <= BND_ROWS ? bnd_chain(part, lane, nseg) : 0.0;
+        const double tot_sq = __shfl_sync(0xffffffffu, tot, BND_ROWS);
+        const float m = bnd_mix(tot, tot_sq, n, norm_eps);
+        if (lane < BND_ROWS) mixes[lane] = m;
+        if (lane < HC) {
+            const float p = pre_value(m, scale[0], base[lane], hc_eps);
+            pre_s[lane] = p;
+            pre_out[lane] = p;
+        }
+        HC_STAMP(0, 5);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    HC_STAMP(0, 6);
+    bnd_wsum_norm256(pre_s, sst, wst, x_out, xn_out, red, D, norm_eps);
+    HC_STAMP(0, 7);
+}
+
 // The last-CTA boundary of hc_boundary (SINKHORN) and hc_boundary_pre (!SINKHORN: no Sinkhorn
 // warp; warps 4..7 write pre_out, the same pre_value bits split_lanes writes; post_out / comb_out
 // / iters unused).  One body, so the split kernel stays hc_boundary minus warp 0 by construction.
@@ -559,6 +700,11 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     HC_STAMP(0, 3);
     // ---- phase B: the last CTA
     __threadfence();
+    if constexpr (!SINKHORN) {
+        bnd_pre_tail(f, R, out, scale, base, norm_w, mixes, pre_out, x_out, xn_out, D, hc_eps, norm_eps, ws,
+                     counter);
+        return;
+    }
     const int nc = D >> 3;
     const int vt = threadIdx.x - 128;                                 // warps 4..7: 0..127
     double* part = bnd_smem;                                          // [nseg][32] ws partials
@@ -585,11 +731,7 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
     __syncthreads();
     HC_STAMP(0, 4);
     if (threadIdx.x <= BND_ROWS) {  // value t: row t (slot 4(t/3) + t%3), t == 24 the squares
-        const int t = threadIdx.x;
-        const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
-        double a = part[slot];
-        for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
-        tot[t] = a;
+        tot[threadIdx.x] = bnd_chain(part, threadIdx.x, nseg);
     }
     __syncthreads();
     if (threadIdx.x < BND_ROWS) {
@@ -692,18 +834,6 @@ DEV u64 bnd_encode(double v) {
 }
 DEV double bnd_decode(u64 s) { return __longlong_as_double((long long)(s ^ BND_KEY)); }
 
-// hc_boundary's segment chain of value t (row t < 24, t == 24 the squares) over part [nseg][32]
-DEV double bnd_chain(const double* part, int t, int nseg) {
-    const int slot = t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3;
-    double a = part[slot];
-    for (int s = 1; s < nseg; ++s) a = __dadd_rn(a, part[s * 32 + slot]);
-    return a;
-}
-// mix value of row t from its chain and the squares' chain (hc_boundary's expression)
-DEV float bnd_mix(double tot_row, double tot_sq, int n, double norm_eps) {
-    const double rs = 1.0 / sqrt(tot_sq / (double)n + norm_eps);
-    return __double2float_rn(__dmul_rn(tot_row, rs));
-}
 
 // split_lanes' Sinkhorn with every lane of the warp: lane l holds comb entry (j, k) of
 // e = l & 15 = 4j + k; lanes 16..31 compute the same values as 0..15 (full-mask shuffles within
@@ -926,18 +1056,21 @@ DEV BndFn bnc_preload(const float* __restrict__ fn, const u16* __restrict__ norm
     const int q = threadIdx.x / BND_THREADS, wid8 = (threadIdx.x >> 5) & 7;
     const int C = gridDim.x, r = blockIdx.x, nseg = HC * C;
     HC_STAMP(0, 0);
-    const BndFn fr = bnd_fn_at(fn, D, q * C + r, wid8);
-    if (threadIdx.x < MIX_SEG / 8) {
-        cp_async16(w_s + 8 * threadIdx.x, norm_w + MIX_SEG * r + 8 * threadIdx.x, true);
-        cp_async_commit();
-    }
-    if (D < 0) __trap();  // ends the block: the wait stays below the loads (bnd_fn_preload's reason)
+    // the mbarriers first: fence.mbarrier_init (FENCE.VIEW.ASYNC.S) after the weight's cp.async
+    // held thread 0's warp until the copy landed, ~1 us of HBM latency before its post-wait loads
+    // (tools/hc_boundary_phases.py: entry -> wait 1.0-1.3 us against 0.5 for the ticket form)
     if (threadIdx.x == 0) {
         BncBars* b = bnc_bars();
         mbar_init_expect(&b->part, (u32)(nseg * 32 * sizeof(double)));
         mbar_init_expect(&b->x, (u32)(2 * D));
         fence_mbarrier_init_cluster();
     }
+    const BndFn fr = bnd_fn_at(fn, D, q * C + r, wid8);
+    if (threadIdx.x < MIX_SEG / 8) {
+        cp_async16(w_s + 8 * threadIdx.x, norm_w + MIX_SEG * r + 8 * threadIdx.x, true);
+        cp_async_commit();
+    }
+    if (D < 0) __trap();  // ends the block: the wait stays below the loads (bnd_fn_preload's reason)
     cluster_arrive_relaxed();
     return fr;
 }
