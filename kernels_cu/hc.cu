@@ -584,7 +584,9 @@ DEV void bnd_wsum_norm256(const float* pre, u16* sst, const u16* wst, u16* x_out
         stg16(x_out + 8 * c, o);
         *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
     }
+    HC_STAMP(0, 8);
     __syncthreads();
+    HC_STAMP(0, 9);
     if (wid < 4) {
         double ss = 0.0;
         for (int c = threadIdx.x; c < nc; c += 128) {
@@ -603,7 +605,9 @@ DEV void bnd_wsum_norm256(const float* pre, u16* sst, const u16* wst, u16* x_out
     double s = red[0];
 #pragma unroll
     for (int i = 1; i < 4; ++i) s += red[i];
+    HC_STAMP(0, 10);
     const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    HC_STAMP(0, 11);
     for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
         float xv[8], wv[8];
         unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
@@ -654,7 +658,9 @@ DEV void bnd_pre_tail(const u16* __restrict__ f, const u16* __restrict__ R, cons
     if (wid == 0) {
         const double tot = lane <= BND_ROWS ? bnd_chain(part, lane, nseg) : 0.0;
         const double tot_sq = __shfl_sync(0xffffffffu, tot, BND_ROWS);
+        HC_STAMP(0, 12);
         const float m = bnd_mix(tot, tot_sq, n, norm_eps);
+        HC_STAMP(0, 13);
         if (lane < BND_ROWS) mixes[lane] = m;
         if (lane < HC) {
             const float p = pre_value(m, scale[0], base[lane], hc_eps);

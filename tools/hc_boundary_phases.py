@@ -12,8 +12,9 @@ point), and checks that both kernels wrote the same bytes (x, xn, mixes, pre, ou
 
 Phase points (HC_STAMP in kernels_cu/hc.cu):
   ticket  0 entry (before the fn loads)  1 after the PDL wait  2 phase A done  3 last CTA: ticket
-          won  4 partials + S in shared memory  5 mixes formed  6 pre + S ready (warps 4..7)
-          7 x, xn stored
+          won  4 partials in shared memory  5 mixes + pre formed (warp 0)  6 pre + S ready (block
+          barrier)  7 x, xn stored; inside: 12 chains added  13 mixes formed  8 x of thread 0's
+          chunks formed  9 x barrier  10 sum of squares (second barrier)  11 rsqrt formed
   cluster 0 entry  1 after the wait  2 hc_post / S in shared memory  3 segment values staged
           4 cluster barrier passed  5 partials sent  6 all partials received (warp 0)  7 mixes /
           pre formed  8 x of the CTA's channels formed  9 x sent  10 all of x received
@@ -26,7 +27,8 @@ import os
 
 import numpy as np
 
-TICKET_POINTS = ("entry", "wait", "phaseA", "ticket", "part+S in", "mixes", "pre ready", "x,xn out")
+TICKET_POINTS = ("entry", "wait", "phaseA", "ticket", "part+S in", "mixes+pre", "pre ready", "x,xn out",
+                 "x own", "x barrier", "sumsq", "rsqrt", "chains", "mix")
 CLUSTER_POINTS = ("entry", "wait", "S smem", "seg vals", "cl barrier", "part sent", "part in",
                   "mixes/pre", "x own", "x sent", "x in", "sumsq", "xn out")
 
@@ -115,7 +117,7 @@ def main() -> int:
             t0 = live[:, 0].min()
             last = int(np.flatnonzero(live[:, 3])[0])
             per.append([live[:, 1].max() - t0, np.median(live[:, 2]) - t0, live[:, 2].max() - t0]
-                       + [live[last, i] - t0 for i in range(3, 8)])
+                       + [live[last, i] - t0 for i in range(3, 14)])
         med = np.median(np.array(per, np.float64), axis=0) / 1e3
         names = ["wait (latest CTA)", "phaseA (median CTA)", "phaseA (latest CTA)"] + list(TICKET_POINTS[3:])
         print(f"form={form:5s} ticket  (64 CTAs; us after the first entry, median of {a.reps}):")
