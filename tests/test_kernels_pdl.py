@@ -46,12 +46,17 @@ def test_rule_checker_finds_and_fixes_plain_templated_and_macro_kernels():
         'extern "C" __global__ void pf(const float* w, float* y) {\n'
         '    PDL_ENTRY_PREFETCH(hint(w));\n    y[0] = 0;\n}\n'
         'extern "C" __global__ void late(float* y) {\n    y[0] = 0; PDL_ENTRY_PREFETCH(hint(y));\n}\n'
+        'extern "C" __global__ void shdecl(float* y) {\n    __shared__ __align__(16) u16 w_s[256];\n'
+        '    PDL_ENTRY_PRELOAD(const F f = load(w_s));\n    y[0] = 0;\n}\n'
+        'extern "C" __global__ void shthen(float* y) {\n    __shared__ int c;\n    c = 1; PDL_ENTRY();\n}\n'
         '__global__ void declared_only(float* y);\n')
     names = [n for n, _ in pdl_entry.violations(src)]
-    assert names == ["plain", "templ", "NAME", "late"], names   # pf: the prefetch form opens it
+    # pf: the prefetch form opens it; shdecl: a __shared__ declaration (no code) may precede it;
+    # shthen: a statement after the declaration still breaks the rule
+    assert names == ["plain", "templ", "NAME", "late", "shthen"], names
     fixed = pdl_entry.fix(src)
     assert pdl_entry.violations(fixed) == []
-    assert fixed.count("PDL_ENTRY();") == 5
+    assert fixed.count("PDL_ENTRY();") == 7
     assert pdl_entry.fix(fixed) == fixed                       # idempotent
     assert "{ PDL_ENTRY();       \\\n" in fixed                  # the macro line keeps its continuation
 
