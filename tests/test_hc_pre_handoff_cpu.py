@@ -148,7 +148,7 @@ def test_hc_pre_cluster_wrapper_launch_and_checks(monkeypatch):
     assert HC.PRE_CLUSTER_THREADS == 4 * HC.PRE_CLUSTER_CHANNELS == 4 * HC.SEG
 
 
-def _hc_pre_calls(monkeypatch, env, D, with_f=False):
+def _hc_pre_calls(monkeypatch, env, D, with_f=False, split=True):
     """DeviceStep._hc_pre of the split boundary (seam hc_split on, eager: no graph branch) on the
     least it reads: cfg, S.v's boundary buffers (NumPy), L's fn / weight accessors (None), with
     ops.hc's hc_boundary_pre / hc_boundary_sinkhorn replaced by recorders.  env: the handoff
@@ -165,10 +165,11 @@ def _hc_pre_calls(monkeypatch, env, D, with_f=False):
     pres, sinks = [], []
     monkeypatch.setattr(HC, "hc_boundary_pre", lambda *a, **kw: pres.append(kw))
     monkeypatch.setattr(HC, "hc_boundary_sinkhorn", lambda *a, **kw: sinks.append(kw))
-    monkeypatch.setattr(HC, "hc_boundary", lambda *a, **kw: pytest.fail("the one-launch boundary"))
+    monkeypatch.setattr(HC, "hc_boundary", (lambda *a, **kw: pytest.fail("the one-launch boundary")) if split
+                        else (lambda *a, **kw: pres.append(kw)))
     ds = object.__new__(DeviceStep)   # no GPU, no model: only what _hc_pre reads
     ds.cfg = SimpleNamespace(hidden_size=D, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6)
-    ds.hostmath, ds._forking, ds._hc_split, ds._hc_branch = False, "", True, False
+    ds.hostmath, ds._forking, ds._hc_split, ds._hc_branch = False, "", split, False
     v = {"hc.post": np.zeros(4, np.float32), "hc.comb": np.zeros(16, np.float32),
          "hc.pre": np.zeros(4, np.float32), "dev.mix": np.zeros((1, 24), np.float32),
          "x": np.zeros(D, np.uint16), "xn": np.zeros(D, np.uint16)}
@@ -179,7 +180,7 @@ def _hc_pre_calls(monkeypatch, env, D, with_f=False):
         ds._hc_pre(S, L, streams, "ffn", f=np.zeros((1, D), np.uint16), out=np.zeros((1, 4, D), np.uint16))
     else:
         ds._hc_pre(S, L, streams, "attn")
-    assert len(pres) == 1 and len(sinks) == 1
+    assert len(pres) == 1 and len(sinks) == (1 if split else 0)
     return pres[0], sinks
 
 
@@ -197,6 +198,12 @@ def test_hc_pre_passes_the_handoff(monkeypatch):
         assert _hc_pre_calls(monkeypatch, "cluster", 256, with_f)[0]["handoff"] == "cluster"
     with pytest.raises(ValueError, match="MEMRA_DSV4_HC_PRE_HANDOFF='both'"):
         _hc_pre_calls(monkeypatch, "both", 4096)
+    # with the split off the one-launch boundary runs (no handoff to pass), but a bad value is
+    # still refused, not silently ignored
+    kw, _ = _hc_pre_calls(monkeypatch, "cluster", 4096, split=False)
+    assert "handoff" not in kw
+    with pytest.raises(ValueError, match="MEMRA_DSV4_HC_PRE_HANDOFF='both'"):
+        _hc_pre_calls(monkeypatch, "both", 4096, split=False)
 
 
 def _code(path: str) -> str:

@@ -484,15 +484,16 @@ class DeviceStep:
                          pre=v["hc.pre"].reshape(1, -1), post=v["hc.post"].reshape(1, -1),
                          comb=v["hc.comb"].reshape(1, 4, 4))
             return
+        # MEMRA_DSV4_HC_PRE_HANDOFF: the last-CTA ticket kernel or one thread-block cluster
+        # (D % 256 == 0, D <= 4096, else the ticket); the same bytes.  Read (and so validated)
+        # whether or not the split applies it.
+        handoff = hc_pre_handoff()
+        if handoff == "cluster" and not HC.pre_cluster_ok(D):
+            handoff = "ticket"
         if self._hc_split:
             post, comb = v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4)
             self._hc_join(S)   # K_{b-1} wrote post / comb: C_b reads them
             kw = dict(f=f, out=out, post_in=post, comb_in=comb) if f is not None else {}
-            # MEMRA_DSV4_HC_PRE_HANDOFF: the last-CTA ticket kernel or one thread-block cluster
-            # (D % 256 == 0, D <= 4096, else the ticket); the same bytes
-            handoff = hc_pre_handoff()
-            if handoff == "cluster" and not HC.pre_cluster_ok(D):
-                handoff = "ticket"
             HC.hc_boundary_pre(streams, L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
                                L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), hc_eps=cfg.hc_eps,
                                norm_eps=cfg.rms_norm_eps, xn=v["xn"].reshape(1, D),
