@@ -25,23 +25,18 @@ from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
 
 @pytest.mark.parametrize("experts", ["mxfp4", "nvfp4"])
 def test_step_full_path_bit_identical_flash_layer(experts):
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
+    from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
 
-    from memra_dsv4.gpu.model import Dsv4Gpu
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.gpu.step_device import shared_gateup_on
     from memra_dsv4.gpu.step import device_step
     from memra_dsv4.profiling.launches import record_launches
 
-    ck = _ckpt("flash-layers:1", experts, drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
-    cfg = ck.config
+    arms = ("general", "full_eager", "full_graph", "ring_eager", "ring_graph")
+    m, states, ids, prompt = flash_prefilled(1, arms, seed=7, experts=experts, dense=None)
+    cfg = m.config
     assert EX.gateup_full(cfg.moe_intermediate_size, cfg.hidden_size)
     assert EX.down_full(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(7).integers(2, cfg.vocab_size, prompt + steps).tolist()
-    arms = ("general", "full_eager", "full_graph", "ring_eager", "ring_graph")
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
 
     def step(a, t):
         saved = EX.GATEUP_RING

@@ -12,7 +12,6 @@ kernels_cu/rmsnorm_row.cuh).
   off == on (graphs), logits and caches."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
@@ -57,14 +56,8 @@ def test_multi_qnorm_device_hostmath_equals_legacy_tiny(monkeypatch):
 
 
 def test_multi_qnorm_step_bit_identical_flash_layer(monkeypatch):
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
-    assert ck.config.q_lora_rank == 1024
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(41).integers(2, ck.config.vocab_size, prompt + steps).tolist()
+    from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
     arms = {a: _ARMS[a] for a in ("off", "on")}
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    m, states, ids, prompt = flash_prefilled(1, arms, seed=41, dense=None)
+    assert m.config.q_lora_rank == 1024
     _interleave("flash-layers:1", m, states, ids[prompt:], arms, monkeypatch)

@@ -85,15 +85,9 @@ def test_qnorm_attn_device_hostmath_equals_legacy_tiny():
 
 
 def test_qnorm_attn_step_bit_identical_flash_layer():
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt")
-    cfg = ck.config
-    assert (cfg.num_attention_heads, cfg.head_dim) == (64, 512)
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(29).integers(2, cfg.vocab_size, prompt + steps).tolist()
+    from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
     arms = {a: _ARMS[a] for a in ("kernel", "attn", "attn+fused")}
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
+    m, states, ids, prompt = flash_prefilled(1, arms, seed=29, dense=None)
+    cfg = m.config
+    assert (cfg.num_attention_heads, cfg.head_dim) == (64, 512)
     _interleave("flash-layers:1", m, states, ids[prompt:], arms)

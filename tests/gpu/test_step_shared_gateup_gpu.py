@@ -14,7 +14,6 @@ must give the bits of "off":
 * tiny (the shapes do not qualify: the separate launch stays): on == off, 8 steps."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
@@ -42,15 +41,8 @@ def _first_eager(m, states, expect_fused: bool):
 
 @pytest.mark.parametrize("w2", ["fused", "gemv"])
 def test_shared_gateup_step_bit_identical_flash_layer(monkeypatch, w2):
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
-                     dense="bf16")
-    prompt, steps = 5, 8
-    ids = np.random.default_rng(43).integers(2, ck.config.vocab_size, prompt + steps).tolist()
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
+    m, states, ids, prompt = flash_prefilled(1, _ARMS, seed=43, steps=8)
     with step_forms(m, decode_shared_w2=w2):
         assert_arms_agree(f"flash-layers:1 shared SwiGLU in the gate/up (w2 {w2})", states, ids[prompt:],
                           env_arm_runner(m, states, ENV, _ARMS, monkeypatch,

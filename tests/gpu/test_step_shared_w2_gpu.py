@@ -12,7 +12,6 @@ the step must give the bits of ``gemv`` (the default).
 * device-hostmath with fused == legacy byte for byte (tiny, 5 steps)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
@@ -40,15 +39,8 @@ def _interleave(tag, m, states, ids, arms, check_fused_launch=False):
 
 
 def test_shared_w2_fused_step_bit_identical_flash_layer():
-    from test_prefill_gpu import _ckpt  # prepend import mode (tests/gpu on sys.path)
-
-    from memra_dsv4.gpu.model import Dsv4Gpu
-    ck = _ckpt("flash-layers:1", "mxfp4", drafter="none")
-    m = Dsv4Gpu.load(ck, devices=(0,), decode_path="device", max_seq_len=1024, prefill_attn="simt",
-                     dense="bf16")
-    prompt, steps = 5, 6
-    ids = np.random.default_rng(31).integers(2, ck.config.vocab_size, prompt + steps).tolist()
-    states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
+    from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
+    m, states, ids, prompt = flash_prefilled(1, _ARMS, seed=31)
     _interleave("flash-layers:1", m, states, ids[prompt:], _ARMS, check_fused_launch=True)
     assert m._step._graphs[id(states["fused"])][8] == "fused"
     assert m._step._graphs[id(states["gemv"])][8] == "gemv"
