@@ -499,6 +499,58 @@ DEV float bnd_mix(double tot_row, double tot_sq, int n, double norm_eps) {
     return __double2float_rn(__dmul_rn(tot_row, rs));
 }
 
+// The per-chunk expressions of the boundary's x / xn, one code for every kernel that forms them
+// (bnd_wsum_norm, bnd_wsum_norm256, hc_boundary_pre_cluster), so their bytes agree by construction.
+// x of chunk c (8 channels) = bf16(sum_i pre_i S_i), double, i ascending (weighted_streams'
+// expression); S [4][D] in shared memory.
+template <typename Pre>
+DEV uint4 bnd_x_chunk(const Pre& pre, const u16* sst, int D, int c) {
+    double acc[8];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) {
+        float xi[8];
+        unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
+        const double p = pre[i];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const double prod = __dmul_rn(p, (double)xi[e]);
+            acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
+        }
+    }
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(acc[e]);
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+}
+// rmsnorm_row's sum of squares over one chunk of x (8 bf16), continuing the thread's chain ss
+DEV double bnd_ss_chunk(const uint4& x, double ss) {
+    float xv[8];
+    unpack8(x, xv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const double v = xv[e];
+        ss = __fma_rn(v, v, ss);
+    }
+    return ss;
+}
+// rmsnorm_row's 1 / rms from the 4 warp partials of the sum of squares, added in warp order
+DEV double bnd_norm_rsqrt(const double* red, int D, double norm_eps) {
+    double s = red[0];
+#pragma unroll
+    for (int i = 1; i < 4; ++i) s += red[i];
+    return 1.0 / sqrt(s / (double)D + norm_eps);
+}
+// xn of one chunk: bf16(w * (x * r)) in double (rmsnorm_row's expression)
+DEV uint4 bnd_xn_chunk(const uint4& x, const uint4& w, double r) {
+    float xv[8], wv[8];
+    unpack8(x, xv);
+    unpack8(w, wv);
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+}
+
 // The last CTA's x = bf16(sum_i pre_i S_i) and rmsnorm_row<u16> (xn) by warps 4..7 over thread
 // vt's chunks (a thread reads only the chunks its own cp.async brought: the caller waited for
 // them). S [4][D] in shared memory, row 0 overwritten by x; wst [D] the norm weight; red [4]
@@ -511,47 +563,18 @@ DEV void bnd_wsum_norm(const Pre& pre, u16* sst, const u16* wst, u16* x_out, u16
     const int vt = threadIdx.x - 128, nc = D >> 3;
     double ss = 0.0;
     for (int c = vt; c < nc; c += 128) {
-        double acc[8];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float xi[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
-            const double p = pre[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double prod = __dmul_rn(p, (double)xi[e]);
-                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
-            }
-        }
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            h[e] = f64_to_bf16(acc[e]);
-            const double xv = bf16_to_f32(h[e]);
-            ss = __fma_rn(xv, xv, ss);
-        }
-        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                   h[6] | (h[7] << 16));
+        const uint4 o = bnd_x_chunk(pre, sst, D, c);
+        ss = bnd_ss_chunk(o, ss);
         stg16(x_out + 8 * c, o);
         *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
     }
     ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
     if (lane == 0) red[wid - 4] = ss;
     bar_upper_half();
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
-    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
-    for (int c = vt; c < nc; c += 128) {
-        float xv[8], wv[8];
-        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
-        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
-        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                         h[6] | (h[7] << 16)));
-    }
+    const double r = bnd_norm_rsqrt(red, D, norm_eps);
+    for (int c = vt; c < nc; c += 128)
+        stg16(xn_out + 8 * c, bnd_xn_chunk(*reinterpret_cast<const uint4*>(sst + 8 * c),
+                                           *reinterpret_cast<const uint4*>(wst + 8 * c), r));
 }
 // hc_boundary_pre's x / xn from S [4][D] and the weight [D] in shared memory (every thread's
 // cp.async landed and a block barrier passed): bnd_wsum_norm's bytes with all 256 threads where
@@ -564,23 +587,7 @@ DEV void bnd_wsum_norm256(const float* pre, u16* sst, const u16* wst, u16* x_out
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int nc = D >> 3;
     for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
-        double acc[8];
-#pragma unroll
-        for (int i = 0; i < HC; ++i) {
-            float xi[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + i * D + 8 * c), xi);
-            const double p = pre[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double prod = __dmul_rn(p, (double)xi[e]);
-                acc[e] = i == 0 ? prod : __dadd_rn(acc[e], prod);
-            }
-        }
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(acc[e]);
-        const uint4 o = make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                   h[6] | (h[7] << 16));
+        const uint4 o = bnd_x_chunk(pre, sst, D, c);
         stg16(x_out + 8 * c, o);
         *reinterpret_cast<uint4*>(sst + 8 * c) = o;  // x over S_0's chunk c (read above, same thread)
     }
@@ -589,35 +596,17 @@ DEV void bnd_wsum_norm256(const float* pre, u16* sst, const u16* wst, u16* x_out
     HC_STAMP(0, 9);
     if (wid < 4) {
         double ss = 0.0;
-        for (int c = threadIdx.x; c < nc; c += 128) {
-            float xv[8];
-            unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const double v = xv[e];
-                ss = __fma_rn(v, v, ss);
-            }
-        }
+        for (int c = threadIdx.x; c < nc; c += 128) ss = bnd_ss_chunk(*reinterpret_cast<const uint4*>(sst + 8 * c), ss);
         ss = warp_sum(ss);  // block_sum<4>'s order: xor tree, then the 4 warp partials in order
         if (lane == 0) red[wid] = ss;
     }
     __syncthreads();
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
     HC_STAMP(0, 10);
-    const double r = 1.0 / sqrt(s / (double)D + norm_eps);
+    const double r = bnd_norm_rsqrt(red, D, norm_eps);
     HC_STAMP(0, 11);
-    for (int c = threadIdx.x; c < nc; c += BND_THREADS) {
-        float xv[8], wv[8];
-        unpack8(*reinterpret_cast<const uint4*>(sst + 8 * c), xv);
-        unpack8(*reinterpret_cast<const uint4*>(wst + 8 * c), wv);
-        u32 h[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], r)));
-        stg16(xn_out + 8 * c, make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
-                                         h[6] | (h[7] << 16)));
-    }
+    for (int c = threadIdx.x; c < nc; c += BND_THREADS)
+        stg16(xn_out + 8 * c, bnd_xn_chunk(*reinterpret_cast<const uint4*>(sst + 8 * c),
+                                           *reinterpret_cast<const uint4*>(wst + 8 * c), r));
 }
 
 // hc_boundary_pre's last CTA after its ticket (and __threadfence): hc_boundary's phase B without
@@ -1169,33 +1158,16 @@ DEV void bnc_body(const BndFn& fr, const u16* __restrict__ f, const u16* __restr
     HC_STAMP(0, 10);
     const int nc = D >> 3;
     double ss = 0.0;
-    for (int c = threadIdx.x; c < nc; c += 128) {
-        float xv[8];
-        unpack8(*reinterpret_cast<const uint4*>(xall + 8 * c), xv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const double v = xv[e];
-            ss = __fma_rn(v, v, ss);
-        }
-    }
+    for (int c = threadIdx.x; c < nc; c += 128) ss = bnd_ss_chunk(*reinterpret_cast<const uint4*>(xall + 8 * c), ss);
     ss = warp_sum(ss);
     if (lane == 0) red[wid] = ss;
     bar_lower_quarter();
     HC_STAMP(0, 11);
     if (threadIdx.x >= MIX_SEG / 8) return;
-    double s = red[0];
-#pragma unroll
-    for (int i = 1; i < 4; ++i) s += red[i];
-    const double rr = 1.0 / sqrt(s / (double)D + norm_eps);
+    const double rr = bnd_norm_rsqrt(red, D, norm_eps);
     cp_async_wait<0>();  // this thread's chunk of the norm weight (bnc_preload)
-    float xv[8], wv[8];
-    unpack8(*reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x), xv);
-    unpack8(*reinterpret_cast<const uint4*>(w_s + 8 * threadIdx.x), wv);
-    u32 h[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = f64_to_bf16(__dmul_rn((double)wv[e], __dmul_rn((double)xv[e], rr)));
-    stg16(xn_out + MIX_SEG * r + 8 * threadIdx.x,
-          make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+    stg16(xn_out + MIX_SEG * r + 8 * threadIdx.x, bnd_xn_chunk(*reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x),
+                                                              *reinterpret_cast<const uint4*>(w_s + 8 * threadIdx.x), rr));
     HC_STAMP(0, 12);
 }
 }  // namespace
