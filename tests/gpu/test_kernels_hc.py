@@ -606,9 +606,13 @@ def _chain_state(B, S, k=None):
                 xn=cp.concatenate([B["xn"][i] for i in ks]))
 
 
-def test_hc_boundary_split_chain():
+@pytest.mark.parametrize("handoff,pdl", [("ticket", False), ("cluster", True)])
+def test_hc_boundary_split_chain(handoff, pdl):
     """Seven boundaries as DeviceStep._block runs them: the split chain == the hc_boundary chain
-    byte for byte after every boundary (post / comb carried through the Sinkhorn kernel)."""
+    byte for byte after every boundary (post / comb carried through the Sinkhorn kernel).  The
+    cluster form's chain runs with every split launch under the PDL attribute (the step's
+    launches), eager."""
+    from memra_dsv4.gpu.pdl import pdl_launches
     seed = fresh_seed()
     rng = rng_for(seed)
     D, n = 4096, 7
@@ -617,13 +621,14 @@ def test_hc_boundary_split_chain():
     for split in (False, True):
         B = _chain_bufs(D, n)
         seq = []
-        _run_chain(g["X"], params, fs, B, split,
-                   snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
+        with pdl_launches(pdl and split):
+            _run_chain(g["X"], params, fs, B, split, handoff=handoff,
+                       snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
         cp.cuda.Device().synchronize()
         _counters_zero("lastcta")
         runs[split] = seq
     for k, (got, want) in enumerate(zip(runs[True], runs[False])):
-        _assert_same_bytes(got, want, seed, split=True, boundary=k)
+        _assert_same_bytes(got, want, seed, split=True, handoff=handoff, pdl=pdl, boundary=k)
 
 
 @pytest.mark.parametrize("handoff", K.PRE_HANDOFFS)
@@ -699,34 +704,12 @@ def test_hc_boundary_pre_cluster_bitwise(D, with_post, in_place, wide):
                                handoff="cluster", vs="ticket")
 
 
-def test_hc_boundary_pre_cluster_chain_under_pdl():
-    """Seven boundaries, eager, every launch with the PDL attribute (the step's launches): the
-    cluster chain == the hc_boundary chain after every boundary."""
-    from memra_dsv4.gpu.pdl import pdl_launches
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    D, n = 4096, 7
-    g, params, fs = _chain_inputs(rng, D, n)
-    runs = {}
-    for split in (False, True):
-        B = _chain_bufs(D, n)
-        seq = []
-        with pdl_launches(split):
-            _run_chain(g["X"], params, fs, B, split, handoff="cluster",
-                       snap=lambda k, S, B=B, seq=seq: seq.append(_chain_state(B, S, k)))
-        cp.cuda.Device().synchronize()
-        runs[split] = seq
-    for k, (got, want) in enumerate(zip(runs[True], runs[False])):
-        _assert_same_bytes(got, want, seed, handoff="cluster", pdl=True, boundary=k)
-
-
 def test_hc_boundary_pre_cluster_refusals_and_occupancy():
     """D not covered by one cluster (7168: 28 CTAs; 192: not a multiple of 256) is refused
     before any launch (the outputs stay poisoned); the 16-CTA cluster of 1024 threads can be
     resident (cuOccupancyMaxActiveClusters >= 1, printed)."""
-    from cuda.bindings import driver as cu
-
     from memra_dsv4.gpu.ops._common import kernel
+    from memra_dsv4.gpu.ops.testing import max_active_clusters
     rng = rng_for(3)
     for D in (7168, 192):
         g = _dev(_boundary_case(rng, D))
@@ -738,21 +721,7 @@ def test_hc_boundary_pre_cluster_refusals_and_occupancy():
                               handoff="cluster")
         cp.cuda.Device().synchronize()
         assert bool(cp.all(xn == 0xFFFF)), f"a refused call wrote xn (D = {D})"
-    kern = kernel(K.STEM, "hc_boundary_pre_cluster")
-    func = cu.CUfunction(int(kern.kernel.ptr))
-    err, = cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    cfg = cu.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 16, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 1024, 1, 1
-    cfg.sharedMemBytes = 64 * 256 + 2 * 4096
-    ca = cu.CUlaunchAttribute()
-    ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = 16, 1, 1
-    cfg.attrs = [ca]
-    cfg.numAttrs = 1
-    err, n = cu.cuOccupancyMaxActiveClusters(func, cfg)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
+    n = max_active_clusters(kernel(K.STEM, "hc_boundary_pre_cluster"), 16, 1024, 64 * 256 + 2 * 4096)
     print(f"hc_boundary_pre_cluster: {n} clusters of 16 x 1024 threads resident at once")
     assert n >= 1
 

@@ -236,24 +236,10 @@ def test_router_cluster_graph_replay(hash_layer):
 def test_router_cluster_fits_one_gpc():
     """The 16-CTA cluster of 512 threads (E = 256) can be resident: cuOccupancyMaxActiveClusters
     >= 1 (printed: how many such clusters the GPU holds at once)."""
-    from cuda.bindings import driver as cu
-
     from memra_dsv4.gpu.ops._common import kernel
+    from memra_dsv4.gpu.ops.testing import max_active_clusters
     kern = kernel(K.STEM, "router_cluster_e256")
-    func = cu.CUfunction(int(kern.kernel.ptr))
-    err, = cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    cfg = cu.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 16, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 512, 1, 1
-    cfg.sharedMemBytes = 2 * 4096
-    ca = cu.CUlaunchAttribute()
-    ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = 16, 1, 1
-    cfg.attrs = [ca]
-    cfg.numAttrs = 1
-    err, n = cu.cuOccupancyMaxActiveClusters(func, cfg)
-    assert err == cu.CUresult.CUDA_SUCCESS, err
+    n = max_active_clusters(kern, 16, 512, 2 * 4096)
     regs = kern.attributes["num_regs"] if hasattr(kern, "attributes") else "?"
     print(f"router_cluster_e256: {n} clusters of 16 x 512 threads resident at once (regs {regs})")
     assert n >= 1

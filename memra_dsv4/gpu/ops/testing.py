@@ -17,7 +17,8 @@ from memra_dsv4.formats import decode_bf16, encode_bf16
 
 __all__ = ["fresh_seed", "rng_for", "bf16", "rand_bf16", "bits_of", "ulp_bf16", "ulp_dist_bf16",
            "ulp_dist_f32", "assert_bf16", "assert_f32", "assert_within", "describe", "snapshot_diff",
-           "assert_arms_agree", "eager_step_launches", "env_arm_runner", "attr_arm_runner", "arm_attrs_now", "step_forms"]
+           "assert_arms_agree", "eager_step_launches", "env_arm_runner", "attr_arm_runner", "arm_attrs_now", "step_forms",
+           "max_active_clusters"]
 
 
 def fresh_seed() -> int:
@@ -237,3 +238,27 @@ class step_forms:
     def __exit__(self, *exc) -> None:
         for k, v in self.old.items():
             setattr(self.m, k, v)
+
+
+def max_active_clusters(kern, ctas: int, block: int, shared_mem: int) -> int:
+    """cuOccupancyMaxActiveClusters of a one-cluster launch of ``kern`` (a kernel_loader kernel:
+    its ``.kernel.ptr`` is the CUfunction) as (ctas,) CTAs of ``block`` threads with
+    ``shared_mem`` dynamic bytes, the cluster (ctas, 1, 1); a cluster of more than 8 CTAs is
+    first allowed on the function (non-portable).  Asserts each driver call succeeds.  The
+    cluster kernels' occupancy tests (router_cluster_*, hc_boundary_pre_cluster) use it."""
+    from cuda.bindings import driver as cu
+    func = cu.CUfunction(int(kern.kernel.ptr))
+    err, = cu.cuFuncSetAttribute(func, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = ctas, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes = shared_mem
+    ca = cu.CUlaunchAttribute()
+    ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    ca.value.clusterDim.x, ca.value.clusterDim.y, ca.value.clusterDim.z = ctas, 1, 1
+    cfg.attrs = [ca]
+    cfg.numAttrs = 1
+    err, n = cu.cuOccupancyMaxActiveClusters(func, cfg)
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return n
