@@ -50,7 +50,8 @@ def main() -> int:
     mod = cp.RawModule(code=src, options=kernel_loader.nvrtc_options(kdir) + ("-DMEMRA_HC_STAMPS",))
     k_ticket = mod.get_function("hc_boundary_pre")
     k_cluster = mod.get_function("hc_boundary_pre_cluster")
-    k_ticket.max_dynamic_shared_size_bytes = 14 * D + 1024   # > 48 KB: opt in (as ops.hc does)
+    shape = {h: HC.pre_launch_shape(D, h) for h in HC.PRE_HANDOFFS}   # ops.hc's launches
+    k_ticket.max_dynamic_shared_size_bytes = shape["ticket"]["smem_optin"]   # > 48 KB: opt in
     stamps = cp.ndarray((128, 16), cp.uint64, mod.get_global("hc_stamps"))
 
     rs = cp.random.RandomState(5)
@@ -83,12 +84,13 @@ def main() -> int:
         head = (f if withf else null, X, post if withf else null, comb if withf else null,
                 o["out"] if withf else null, fn, scale, base, w, o["mixes"], o["pre"], o["x"], o["xn"],
                 np.int32(D), np.float32(1e-6), np.float64(1e-6))
+        sh = shape[kind]
         if kind == "ticket":
-            pdl.launch_ex(k_ticket, "hc_boundary_pre", (nseg,), (256,), head + (ws, cnt), shared_mem=14 * D,
-                          stream=s, pdl=False)
+            pdl.launch_ex(k_ticket, "hc_boundary_pre", sh["grid"], sh["block"], head + (ws, cnt),
+                          shared_mem=sh["shared_mem"], stream=s, pdl=False)
         else:
-            pdl.launch_ex(k_cluster, "hc_boundary_pre_cluster", (C,), (1024,), head,
-                          shared_mem=nseg * 256 + 2 * D, stream=s, pdl=False, cluster=(C, 1, 1))
+            pdl.launch_ex(k_cluster, "hc_boundary_pre_cluster", sh["grid"], sh["block"], head,
+                          shared_mem=sh["shared_mem"], stream=s, pdl=False, cluster=sh["cluster"])
 
     for form in ("post", "first"):
         res, bytes_of = {}, {}

@@ -83,6 +83,21 @@ def pre_cluster_ctas(D: int) -> int:
     return D // PRE_CLUSTER_CHANNELS
 
 
+def pre_launch_shape(D: int, handoff: str) -> dict:
+    """hc_boundary_pre's launch for hidden size D and a PRE_HANDOFFS form: grid, block, the
+    dynamic shared memory it uses (shared_mem), the opt-in it needs (smem_optin) and, for
+    "cluster", the cluster dims.  One place for the shapes (hc_boundary_pre, and
+    tools/hc_boundary_phases.py, which launches a stamped build of the same kernels)."""
+    if handoff == "cluster":
+        n_cta = pre_cluster_ctas(D)
+        smem = HC * n_cta * 32 * 8 + 2 * D  # the partials [nseg][32] doubles, x of all D channels
+        return dict(grid=(n_cta,), block=(PRE_CLUSTER_THREADS,), shared_mem=smem, smem_optin=smem,
+                    cluster=(n_cta, 1, 1))
+    # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D); 1 KB of headroom in
+    # the opt-in for the static shared memory
+    return dict(grid=(HC * D // SEG,), block=(256,), shared_mem=14 * D, smem_optin=14 * D + 1024, cluster=None)
+
+
 def boundary_impl(impl: str | None = None) -> str:
     """The hc_boundary implementation a call uses: ``impl``, else $MEMRA_DSV4_HC_BOUNDARY_IMPL
     (read now), else BOUNDARY_IMPL."""
@@ -348,18 +363,16 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
     head = (null if f is None else f, streams, null if f is None else post_in,
             null if f is None else comb_in, null if f is None else out, fn, scale, base,
             norm_weight, mixes, pre, x, xn, i32(D), np.float32(hc_eps), np.float64(norm_eps))
+    shape = pre_launch_shape(D, handoff)
     if handoff == "cluster":
         k = kernel(STEM, "hc_boundary_pre_cluster")
-        n_cta = pre_cluster_ctas(D)
-        smem = HC * n_cta * 32 * 8 + 2 * D  # the partials [nseg][32] doubles, x of all D channels
-        k((n_cta,), (PRE_CLUSTER_THREADS,), head, shared_mem=dynamic_smem(k, smem), cluster=(n_cta, 1, 1))
+        dynamic_smem(k, shape["smem_optin"])
+        k(shape["grid"], shape["block"], head, shared_mem=shape["shared_mem"], cluster=shape["cluster"])
         return src
-    nseg = HC * D // SEG
     k = kernel(STEM, "hc_boundary_pre")
-    ws, cnt = split_workspace(1, nseg)
-    smem = 14 * D  # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D)
-    dynamic_smem(k, smem + 1024)
-    k((nseg,), (256,), head + (ws, cnt), shared_mem=smem)
+    ws, cnt = split_workspace(1, shape["grid"][0])
+    dynamic_smem(k, shape["smem_optin"])
+    k(shape["grid"], shape["block"], head + (ws, cnt), shared_mem=shape["shared_mem"])
     return src
 
 
@@ -382,4 +395,4 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
            "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS",
-           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas"]
+           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas", "pre_launch_shape"]
