@@ -81,6 +81,11 @@ per-CTA %globaltimer records collected after each (profiling.device_trace); prin
 step's critical chain (kernel time vs dependency-edge time, per kernel) and every kernel's
 in-step busy time, and stores them in the JSON.  The trace build's own step time is the arm's
 median in that run: compare it with an untraced run before reading the timeline's totals.
+``--delay-probe US`` (device arms, trace build; ``--probe-rounds``, ``--probe-steps``): each
+kernel of the step in turn waits US microseconds per launch after its PDL wait, and the step is
+timed against undelayed blocks on both sides (profiling.delay_probe): per kernel the added time
+per step and its slope (added time / (launches x US): ~1 on the critical path, ~0 hidden).  Runs
+last for the arm and rewinds its state to one position for every block.
 JSON + PNG via harness.write_results (bench/results/).
 """
 from __future__ import annotations
@@ -370,6 +375,30 @@ def _device_trace(st, devices, steps: int) -> dict:
                 for L in ls]}
 
 
+def _delay_probe(st, devices, timer, delay_us: float, rounds: int, steps: int) -> dict:
+    """The delay probe (profiling.delay_probe) on this arm's graph-replayed step: the kernels of
+    one traced step, each made to wait ``delay_us`` per launch in turn; prints and returns the
+    table.  Rewinds the arm's state to its position at the start for every block (run it after
+    everything else that reads the state)."""
+    from memra_dsv4.profiling import delay_probe as DP
+    from memra_dsv4.profiling import device_trace as DT
+    DT.set_delay(None, 0, devices)
+    DT.reset(devices)
+    st.step()
+    sites = DT.kernel_sites(DT.collect(devices))
+    p0 = st.state.pos
+
+    def rewind() -> None:   # the same positions in every block; a fresh record counter
+        st.state.pos = p0
+        DT.reset(devices)
+
+    res = DP.run(st.step, rewind, timer, sites, lambda t, ns: DT.set_delay(t, ns, devices),
+                 int(round(delay_us * 1e3)), rounds=rounds, steps_per_block=steps,
+                 progress=lambda msg: print(msg, file=sys.stderr))
+    print(DP.format_rows(res))
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:flash")
@@ -397,6 +426,15 @@ def main(argv=None) -> int:
                     help="device arms: replay STEPS more steps with the kernels' %%globaltimer "
                          "records on (profiling.device_trace; needs MEMRA_DSV4_DEVICE_TRACE=on "
                          "from the start) and print the step's timeline and critical chain")
+    ap.add_argument("--delay-probe", type=float, default=0.0, metavar="US",
+                    help="device arms, trace build: make each kernel of the step in turn wait US "
+                         "microseconds per launch after its PDL wait and time the step against "
+                         "undelayed neighbours (profiling.delay_probe): which kernels set the "
+                         "step's length; 0 = off")
+    ap.add_argument("--probe-rounds", type=int, default=4, metavar="N",
+                    help="with --delay-probe: rounds of the schedule (each kernel once per round)")
+    ap.add_argument("--probe-steps", type=int, default=8, metavar="N",
+                    help="with --delay-probe: timed steps per block")
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
@@ -410,6 +448,16 @@ def main(argv=None) -> int:
         if env_value(SEAM_DEVICE_TRACE) != "on":
             raise SystemExit("--device-trace needs the trace build: set MEMRA_DSV4_DEVICE_TRACE=on "
                              "(the kernels must be compiled with it from the start)")
+    if a.delay_probe:
+        from memra_dsv4.seams import SEAM_DEVICE_TRACE, env_value
+        if not 0 < a.delay_probe <= 1000:
+            raise SystemExit(f"--delay-probe {a.delay_probe}: expected microseconds in (0, 1000]")
+        if a.probe_rounds < 1 or a.probe_steps < 1:
+            raise SystemExit(f"--probe-rounds {a.probe_rounds} / --probe-steps {a.probe_steps}: "
+                             f"expected >= 1")
+        if env_value(SEAM_DEVICE_TRACE) != "on":
+            raise SystemExit("--delay-probe needs the trace build: set MEMRA_DSV4_DEVICE_TRACE=on "
+                             "(the kernels must be compiled with it from the start)")
 
     import cupy as cp
     from bench.harness import (Arm, CudaEventTimer, floors, measure_copy_bandwidth,
@@ -420,6 +468,7 @@ def main(argv=None) -> int:
     devices = tuple(int(d) for d in a.devices.split(","))
     prof_configure("off")
     max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
+    max_seq += (a.device_trace + a.probe_steps + 2) if a.delay_probe else 0   # the probe rewinds
     m = _load(a.model, devices, max_seq, a.dense)
     cfg = m.config
     ids = np.random.default_rng(0).integers(2, cfg.vocab_size, a.ctx)
@@ -496,6 +545,10 @@ def main(argv=None) -> int:
         if a.device_trace and arm.settings.get("path") == "device":
             out_arms[arm.name]["device_trace"] = _device_trace(states[arm.name], devices,
                                                                a.device_trace)
+        if a.delay_probe and arm.settings.get("path") == "device":   # last: it rewinds the state
+            out_arms[arm.name]["delay_probe"] = _delay_probe(states[arm.name], devices, timer,
+                                                             a.delay_probe, a.probe_rounds,
+                                                             a.probe_steps)
         print(f"{arm.name}: median {summ['median']:.2f} ms/step (p10 {summ['p10']:.2f}, p90 "
               f"{summ['p90']:.2f}, iqr {summ['iqr']:.2f}), {summ['tok_s']:.1f} tok/s, x"
               f"{summ['median'] / base:.2f} vs first; {own_b / 1e9:.2f} GB/step read -> "

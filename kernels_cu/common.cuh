@@ -37,6 +37,12 @@ typedef long long i64;
 //       to 32 bits
 // One buffer and one counter per module (NVRTC builds each .cu as its own module); the host
 // zeroes the counter before the traced step and reads both afterwards (module.get_global).
+// The delay probe (memra_dsv4.profiling.delay_probe): memra_trace_delay = {line, ns} of the
+// module names one kernel (the __LINE__ of its PDL_ENTRY); every thread of each of its CTAs then
+// waits ns after its griddepcontrol.wait returns (after launch_dependents, so its successor's
+// pre-wait loads run as usual), in __nanosleep steps so co-resident kernels keep the issue
+// slots.  {0, 0} (the zeroed global): no kernel waits.  Thread 0 reads it before the wait (the
+// host writes it between replays, never a kernel), into the upper half of the slot word.
 #ifndef MEMRA_TRACE_MODULE
 #define MEMRA_TRACE_MODULE 0
 #endif
@@ -44,6 +50,7 @@ typedef long long i64;
 extern "C" {
 __device__ unsigned long long memra_trace_rec[4 * MEMRA_TRACE_CAP];
 __device__ unsigned int memra_trace_n;
+__device__ unsigned int memra_trace_delay[2];   // {PDL_ENTRY line, ns}; {0, 0}: none
 }
 namespace memra_trace {
 DEV unsigned long long now() {
@@ -56,17 +63,20 @@ DEV bool lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
 // static shared memory (not registers), so the trace build does not change the register
 // allocation of the kernel's body much
 DEV unsigned long long* state() {
-    __shared__ unsigned long long s[4];   // start time, slot, wait return, warps left
+    __shared__ unsigned long long s[4];   // start time, delay ns << 32 | slot, wait return, warps left
     return s;
 }
-DEV void enter() {
+DEV void enter(u32 line) {
     if (lead()) {
         unsigned long long* s = state();
         s[0] = now();
-        s[1] = atomicAdd(&memra_trace_n, 1u);
+        const u32 slot = atomicAdd(&memra_trace_n, 1u);
+        const u32 target = __ldcg(&memra_trace_delay[0]), ns = __ldcg(&memra_trace_delay[1]);
+        s[1] = (target == line ? (unsigned long long)ns << 32 : 0ull) | slot;
         s[3] = 0ull;
     }
 }
+DEV u32 slot_of(unsigned long long w) { return (u32)(w & 0xffffffffull); }
 DEV u32 clamp32(unsigned long long v) { return v > 0xffffffffull ? 0xffffffffu : (u32)v; }
 // The CTA's exit is its LAST thread's: a last-CTA kernel's thread 0 may leave long before the
 // warps that run the tail (hc_boundary_pre's warps 4..7).  At every return path (the destructor)
@@ -76,6 +86,11 @@ struct Scope {
     u32 line;   // a constant after inlining: the Scope costs no register
     __device__ __forceinline__ explicit Scope(u32 l) : line(l) {
         if (lead()) state()[2] = now();
+        const u32 delay = (u32)(state()[1] >> 32);   // written before MEMRA_TRACE_WAIT's barrier
+        if (delay != 0u) {
+            const unsigned long long until = now() + delay;
+            while (now() < until) __nanosleep(256);
+        }
     }
     __device__ __forceinline__ ~Scope() {
         const u32 active = __activemask();
@@ -88,12 +103,12 @@ struct Scope {
         if (left != threads) return;
         __threadfence_block();   // thread 0's stamps (written before its own count) are visible
         const unsigned long long end = now();
-        if (s[1] >= MEMRA_TRACE_CAP) return;
+        if (slot_of(s[1]) >= MEMRA_TRACE_CAP) return;
         unsigned long long grid;
         asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
         const unsigned long long cta =
             blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-        unsigned long long* r = memra_trace_rec + 4 * s[1];
+        unsigned long long* r = memra_trace_rec + 4 * slot_of(s[1]);
         r[0] = grid;
         r[1] = ((unsigned long long)MEMRA_TRACE_MODULE << 56) | ((unsigned long long)(line & 0xffffffu) << 32) |
                (cta & 0xffffffffull);
@@ -122,7 +137,7 @@ struct Scope {
 // on its predecessor pays for it while it waits; one __syncthreads() orders the exit count's
 // reset before any exit.  The counter and the records belong to no kernel's
 // data, so touching them before the wait cannot race with the predecessor.
-#define PDL_ENTRY() memra_trace::enter(); MEMRA_TRACE_WAIT()
+#define PDL_ENTRY() memra_trace::enter(__LINE__); MEMRA_TRACE_WAIT()
 // the wait and the scope after enter(): PDL_ENTRY_PREFETCH / _PRELOAD stamp the CTA's start
 // BEFORE their pre-wait statement (so "go" is when the CTA became resident, and a pre-wait loop
 // such as l2_prefetch_paced's shows in its busy time, not as a late start)
@@ -140,7 +155,7 @@ struct Scope {
 #ifndef MEMRA_TRACE
 #define PDL_ENTRY_PREFETCH(...) __VA_ARGS__; PDL_ENTRY()
 #else
-#define PDL_ENTRY_PREFETCH(...) memra_trace::enter(); __VA_ARGS__; MEMRA_TRACE_WAIT()
+#define PDL_ENTRY_PREFETCH(...) memra_trace::enter(__LINE__); __VA_ARGS__; MEMRA_TRACE_WAIT()
 #endif
 // The second exception: PDL_ENTRY_PRELOAD(stmt) runs stmt first in the kernel's own scope (no
 // do / while: what stmt declares stays visible after the wait), and stmt may only LOAD memory no
@@ -160,7 +175,7 @@ struct Scope {
 #ifndef MEMRA_TRACE
 #define PDL_ENTRY_PRELOAD(...) __VA_ARGS__; PDL_ENTRY()
 #else
-#define PDL_ENTRY_PRELOAD(...) memra_trace::enter(); __VA_ARGS__; MEMRA_TRACE_WAIT()
+#define PDL_ENTRY_PRELOAD(...) memra_trace::enter(__LINE__); __VA_ARGS__; MEMRA_TRACE_WAIT()
 #endif
 
 namespace memra {

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["CtaRecord", "Launch", "module_stems", "module_index", "kernel_at", "reset", "collect",
            "decode_records", "launches", "critical_chain", "summarize", "format_summary",
-           "RECORD_WORDS", "CAPACITY"]
+           "set_delay", "kernel_sites", "RECORD_WORDS", "CAPACITY"]
 
 RECORD_WORDS = 4          # u64 words per record (common.cuh)
 CAPACITY = 1 << 19        # records per module (common.cuh MEMRA_TRACE_CAP)
@@ -170,6 +170,52 @@ def reset(devices=None, loaders=None) -> None:
         with cp.cuda.Device(d):
             _global(module, "memra_trace_n", np.uint32, 1).fill(0)
             cp.cuda.Device(d).synchronize()
+
+
+def set_delay(target, ns: int, devices=None, loaders=None) -> None:
+    """Make one kernel of the trace build wait ``ns`` after its griddepcontrol.wait, in every CTA
+    (common.cuh memra_trace_delay; profiling.delay_probe): ``target`` = (stem, line), the module
+    and the __LINE__ of the kernel's PDL_ENTRY as its trace records carry them; None (or ns 0):
+    no kernel waits.  Written into every built module of ``devices`` (the others get {0, 0}), so
+    the graphs already captured follow it at their next replay.  Synchronous."""
+    ns = int(ns)
+    if not 0 <= ns < 1 << 32:
+        raise ValueError(f"device_trace.set_delay: ns = {ns} outside 0 .. 2^32-1")
+    if target is not None:
+        stem, line = target
+        if not isinstance(stem, str) or int(line) <= 0:
+            raise ValueError(f"device_trace.set_delay: target {target!r} is not (stem, line > 0)")
+    mods = list(_loader_modules(devices, loaders))   # refuses an untraced build before CuPy
+    if target is not None and ns and not any(stem == target[0] for _, stem, _, _ in mods):
+        raise KeyError(f"device_trace.set_delay: no built module {target[0]!r}")
+    import cupy as cp
+    import numpy as np
+    for d, stem, module, _ in mods:
+        on = target is not None and ns and stem == target[0]
+        with cp.cuda.Device(d):
+            cp.cuda.Device(d).synchronize()   # no replay in flight reads the old value
+            _global(module, "memra_trace_delay", np.uint32, 2).set(
+                np.array([int(target[1]), ns] if on else [0, 0], dtype=np.uint32))
+            cp.cuda.Device(d).synchronize()
+
+
+def kernel_sites(records, kernels_dir: str | None = None) -> list[dict]:
+    """The distinct kernels of ``records`` as delay-probe targets: {"stem", "line", "kernel",
+    "launches"} (launches = distinct %gridid per device summed), ordered by first appearance;
+    one (stem, line) can name several kernels only when they share a PDL_ENTRY line."""
+    from memra_dsv4.gpu.kernel_loader import KERNELS_DIR
+    seen: dict[tuple[str, int], dict] = {}
+    grids: dict[tuple[str, int], set] = {}
+    for r in sorted(records, key=lambda r: r.start):
+        key = (r.stem, int(r.line))
+        if key not in seen:
+            seen[key] = {"stem": r.stem, "line": int(r.line), "kernel": None, "launches": 0}
+            grids[key] = set()
+        grids[key].add((r.device, r.grid))
+    for key, row in seen.items():
+        row["launches"] = len(grids[key])
+        row["kernel"] = kernel_at(key[0], key[1], kernels_dir or KERNELS_DIR)
+    return list(seen.values())
 
 
 def decode_records(device: int, stems_by_index: list[str], words, kernels_dir: str,

@@ -7,6 +7,7 @@
   starting after the first ended (same stream, plain launches), and a reset empties the
   records.
 * The same under a PDL launch (gpu.pdl), the form the device step uses.
+* The delay probe's knob (set_delay) holds exactly the kernel it names.
 """
 from __future__ import annotations
 
@@ -63,3 +64,34 @@ def test_trace_build_records_every_cta(pdl):
     assert ls[1].go >= ls[0].end, "the second launch's CTAs passed the wait before the first ended"
     DT.reset(loaders=[loader])
     assert DT.collect(loaders=[loader]) == []
+
+
+def test_set_delay_holds_the_named_kernel_only():
+    """The delay probe's knob (device_trace.set_delay): the named kernel's CTAs each wait the
+    delay after their wait return (busy >= delay), its output unchanged; with the delay on a
+    line that names no kernel, and after set_delay(None), it runs undelayed."""
+    rng = rng_for(20261202)
+    x, w = _args(rng)
+    loader = KL.KernelLoader(0, trace=True)
+    k = loader.get_plain("rmsnorm", "rmsnorm_bf16_wbf16")
+    y0, y1, y2 = (cp.zeros_like(x) for _ in range(3))
+    DT.reset(loaders=[loader])
+    _launch(k, x, w, y0)
+    (site,) = DT.kernel_sites(DT.collect(loaders=[loader]))
+    assert site["kernel"] == "rmsnorm.rmsnorm_bf16_wbf16" and site["launches"] == 1
+    delay_ns = 200_000
+    DT.set_delay((site["stem"], site["line"]), delay_ns, loaders=[loader])
+    DT.reset(loaders=[loader])
+    _launch(k, x, w, y1)
+    (slow,) = DT.launches(DT.collect(loaders=[loader]))
+    DT.set_delay(("rmsnorm", site["line"] + 1), delay_ns, loaders=[loader])   # no kernel's line
+    DT.reset(loaders=[loader])
+    _launch(k, x, w, y2)
+    (other,) = DT.launches(DT.collect(loaders=[loader]))
+    DT.set_delay(None, 0, loaders=[loader])
+    DT.reset(loaders=[loader])
+    _launch(k, x, w, y2)
+    (fast,) = DT.launches(DT.collect(loaders=[loader]))
+    assert cp.array_equal(y0, y1) and cp.array_equal(y0, y2), "the delay changed the output"
+    assert slow.busy >= delay_ns, f"delayed launch busy {slow.busy} ns < {delay_ns}"
+    assert other.busy < delay_ns // 2 and fast.busy < delay_ns // 2, (other.busy, fast.busy)
