@@ -38,11 +38,15 @@ typedef long long i64;
 // One buffer and one counter per module (NVRTC builds each .cu as its own module); the host
 // zeroes the counter before the traced step and reads both afterwards (module.get_global).
 // The delay probe (memra_dsv4.profiling.delay_probe): memra_trace_delay = {line, ns} of the
-// module names one kernel (the __LINE__ of its PDL_ENTRY); every thread of each of its CTAs then
-// waits ns after its griddepcontrol.wait returns (after launch_dependents, so its successor's
-// pre-wait loads run as usual), in __nanosleep steps so co-resident kernels keep the issue
-// slots.  {0, 0} (the zeroed global): no kernel waits.  Thread 0 reads it before the wait (the
-// host writes it between replays, never a kernel), into the upper half of the slot word.
+// module names one kernel (the __LINE__ of its PDL_ENTRY); each LAUNCH of it is then held ns:
+// the first of its CTAs to pass griddepcontrol.wait sets the launch's deadline (its wait return
+// + ns, in memra_trace_deadline, tagged with the launch's %gridid), and every CTA of the launch
+// waits after its own wait return until that deadline (after launch_dependents, so the
+// successor's pre-wait loads run as usual), in __nanosleep steps so co-resident kernels keep
+// the issue slots.  A CTA resident after the deadline (a later wave) does not wait, so a launch
+// of many waves is held ns once, not ns per wave.  {0, 0} (the zeroed global): no kernel
+// waits.  Thread 0 reads the knob before the wait (the host writes it between replays, never
+// a kernel), into the upper half of the slot word.
 #ifndef MEMRA_TRACE_MODULE
 #define MEMRA_TRACE_MODULE 0
 #endif
@@ -51,6 +55,7 @@ extern "C" {
 __device__ unsigned long long memra_trace_rec[4 * MEMRA_TRACE_CAP];
 __device__ unsigned int memra_trace_n;
 __device__ unsigned int memra_trace_delay[2];   // {PDL_ENTRY line, ns}; {0, 0}: none
+__device__ unsigned long long memra_trace_deadline;   // (%gridid & 0xffff) << 48 | deadline ns mod 2^48
 }
 namespace memra_trace {
 DEV unsigned long long now() {
@@ -63,7 +68,8 @@ DEV bool lead() { return (threadIdx.x | threadIdx.y | threadIdx.z) == 0; }
 // static shared memory (not registers), so the trace build does not change the register
 // allocation of the kernel's body much
 DEV unsigned long long* state() {
-    __shared__ unsigned long long s[4];   // start time, delay ns << 32 | slot, wait return, warps left
+    // start time, delay ns << 32 | slot, wait return, the launch's remaining delay << 32 | warps left
+    __shared__ unsigned long long s[4];
     return s;
 }
 DEV void enter(u32 line) {
@@ -77,6 +83,23 @@ DEV void enter(u32 line) {
     }
 }
 DEV u32 slot_of(unsigned long long w) { return (u32)(w & 0xffffffffull); }
+// The delay probe: ns this CTA still waits so that its launch is held `delay` after the first
+// wait return of any of its CTAs (go: this CTA's wait return).  The first CTA installs its own
+// deadline; a CTA that finds another launch's tag (a stale or concurrent launch of the same
+// module) replaces it.  Times mod 2^48 ns (78 hours).
+DEV u32 launch_wait(u32 delay, unsigned long long go) {
+    constexpr unsigned long long M = (1ull << 48) - 1;
+    unsigned long long grid;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    const unsigned long long tag = (grid & 0xffffull) << 48, mine = tag | ((go + delay) & M);
+    unsigned long long w = __ldcg(&memra_trace_deadline);
+    if ((w & ~M) != tag) {
+        const unsigned long long prev = atomicCAS(&memra_trace_deadline, w, mine);
+        w = (prev == w || (prev & ~M) != tag) ? mine : prev;
+    }
+    const unsigned long long dl = w & M, g = go & M;
+    return dl > g ? (u32)min(dl - g, 0xffffffffull) : 0u;
+}
 DEV u32 clamp32(unsigned long long v) { return v > 0xffffffffull ? 0xffffffffu : (u32)v; }
 // The CTA's exit is its LAST thread's: a last-CTA kernel's thread 0 may leave long before the
 // warps that run the tail (hc_boundary_pre's warps 4..7).  At every return path (the destructor)
@@ -85,10 +108,18 @@ DEV u32 clamp32(unsigned long long v) { return v > 0xffffffffull ? 0xffffffffu :
 struct Scope {
     u32 line;   // a constant after inlining: the Scope costs no register
     __device__ __forceinline__ explicit Scope(u32 l) : line(l) {
-        if (lead()) state()[2] = now();
-        const u32 delay = (u32)(state()[1] >> 32);   // written before MEMRA_TRACE_WAIT's barrier
+        unsigned long long* s = state();
+        if (lead()) s[2] = now();
+        // the probe's knob: written by thread 0 before MEMRA_TRACE_WAIT's barrier, never again,
+        // so the branch is uniform and the barrier inside it is reached by every thread
+        const u32 delay = (u32)(s[1] >> 32);
         if (delay != 0u) {
-            const unsigned long long until = now() + delay;
+            // no warp has left yet (all are here), so s[3]'s count is 0: the upper half carries
+            // the wait; the exit compares the count's lower half only
+            if (lead()) s[3] = (unsigned long long)launch_wait(delay, s[2]) << 32;
+            __syncthreads();
+            const u32 wait = (u32)(s[3] >> 32);
+            const unsigned long long until = now() + wait;
             while (now() < until) __nanosleep(256);
         }
     }
@@ -100,7 +131,7 @@ struct Scope {
         const u32 threads = blockDim.x * blockDim.y * blockDim.z;
         __threadfence_block();
         const unsigned long long left = atomicAdd(&s[3], (unsigned long long)__popc(active)) + __popc(active);
-        if (left != threads) return;
+        if ((u32)left != threads) return;
         __threadfence_block();   // thread 0's stamps (written before its own count) are visible
         const unsigned long long end = now();
         if (slot_of(s[1]) >= MEMRA_TRACE_CAP) return;

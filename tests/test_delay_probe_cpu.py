@@ -139,6 +139,7 @@ def test_the_delay_lives_in_the_trace_build_only():
     a = src.index("#ifdef MEMRA_TRACE")
     b = src.index("#endif", src.index("}  // namespace memra_trace"))
     assert "memra_trace_delay" in src[a:b] and "__nanosleep" in src[a:b]
+    assert "memra_trace_deadline" in src[a:b] and "%%gridid" in src[a:b]   # once per launch
     assert "memra_trace_delay" not in src[:a] + src[b:]
     assert "memra_trace::enter();" not in src
     assert src.count("memra_trace::enter(__LINE__)") == 3

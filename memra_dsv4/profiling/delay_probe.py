@@ -4,10 +4,11 @@ A timeline (profiling.device_trace) draws when each launch ran, not which launch
 length depends on: under PDL the next GEMV's CTAs preload while a latency-bound launch runs,
 graph branches overlap, and earlier sessions saw launches shortened on the drawn chain while the
 step did not move.  This probe asks the step itself.  In the trace build (MEMRA_DSV4_DEVICE_TRACE
-=on) one kernel at a time is made to wait ``delay_ns`` after its griddepcontrol.wait, in every
-CTA of every launch of it (common.cuh memra_trace_delay, device_trace.set_delay; after its
-launch_dependents, so its successor's pre-wait loads run as usual), and the step is timed against
-the undelayed step measured right before and after it:
+=on) one kernel at a time is made to wait: every launch of it is held ``delay_ns`` from the first
+wait return of its CTAs (common.cuh memra_trace_delay / memra_trace_deadline,
+device_trace.set_delay; every CTA resident before that deadline waits for it, after its
+launch_dependents, so the successor's pre-wait loads run as usual; a later wave does not wait
+again), and the step is timed against the undelayed step measured right before and after it:
 
     delta  = step time with the delay - the mean of the two neighbouring baseline blocks
     slope  = delta / (launches of the kernel per step x delay)

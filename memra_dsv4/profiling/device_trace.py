@@ -173,8 +173,9 @@ def reset(devices=None, loaders=None) -> None:
 
 
 def set_delay(target, ns: int, devices=None, loaders=None) -> None:
-    """Make one kernel of the trace build wait ``ns`` after its griddepcontrol.wait, in every CTA
-    (common.cuh memra_trace_delay; profiling.delay_probe): ``target`` = (stem, line), the module
+    """Hold every launch of one kernel of the trace build ``ns`` from the first wait return of
+    its CTAs (common.cuh memra_trace_delay / memra_trace_deadline; profiling.delay_probe): every
+    CTA resident before that deadline waits for it.  ``target`` = (stem, line), the module
     and the __LINE__ of the kernel's PDL_ENTRY as its trace records carry them; None (or ns 0):
     no kernel waits.  Written into every built module of ``devices`` (the others get {0, 0}), so
     the graphs already captured follow it at their next replay.  Synchronous."""

@@ -7,7 +7,7 @@
   starting after the first ended (same stream, plain launches), and a reset empties the
   records.
 * The same under a PDL launch (gpu.pdl), the form the device step uses.
-* The delay probe's knob (set_delay) holds exactly the kernel it names.
+* The delay probe's knob (set_delay) holds exactly the kernel it names, once per launch.
 """
 from __future__ import annotations
 
@@ -95,3 +95,40 @@ def test_set_delay_holds_the_named_kernel_only():
     assert cp.array_equal(y0, y1) and cp.array_equal(y0, y2), "the delay changed the output"
     assert slow.busy >= delay_ns, f"delayed launch busy {slow.busy} ns < {delay_ns}"
     assert other.busy < delay_ns // 2 and fast.busy < delay_ns // 2, (other.busy, fast.busy)
+
+
+def test_set_delay_holds_a_many_wave_launch_once():
+    """A launch of more CTAs than fit at once is held the delay once (its first CTA's wait
+    return + delay is the deadline of every CTA), not once per wave; a second launch of the
+    same kernel gets its own deadline."""
+    rows = 16384                      # 16384 CTAs of 128 threads: several waves on an H200
+    rng = rng_for(20261203)
+    x = cp.asarray(bits_of(rand_bf16(rng, (rows, N))))
+    w = cp.asarray(bits_of(rand_bf16(rng, (N,))))
+    loader = KL.KernelLoader(0, trace=True)
+    k = loader.get_plain("rmsnorm", "rmsnorm_bf16_wbf16")
+    y = cp.zeros_like(x)
+
+    def launch():
+        k((rows,), (128,), (x, w, y, np.int32(N), np.float64(1e-6)))
+
+    DT.reset(loaders=[loader])
+    launch()
+    (site,) = DT.kernel_sites(DT.collect(loaders=[loader]))
+    DT.reset(loaders=[loader])
+    launch()
+    (plain,) = DT.launches(DT.collect(loaders=[loader]))
+    delay_ns = 200_000
+    DT.set_delay((site["stem"], site["line"]), delay_ns, loaders=[loader])
+    DT.reset(loaders=[loader])
+    launch()
+    launch()
+    held = DT.launches(DT.collect(loaders=[loader]))
+    DT.set_delay(None, 0, loaders=[loader])
+    assert len(held) == 2
+    late = [r for r in held if r.go_last - r.go > delay_ns]
+    assert late, "every CTA passed its wait within the delay: not several waves"
+    for L in held:
+        assert L.busy >= delay_ns, f"a held launch took {L.busy} ns < {delay_ns}"
+        assert L.busy < plain.busy + delay_ns + delay_ns // 2, (
+            f"held {L.busy} ns against {plain.busy} undelayed: more than one delay per launch")
