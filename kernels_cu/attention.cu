@@ -451,27 +451,113 @@ DEV void merge_partials4(const float* ws_ml, const float* ws_acc, const float* _
     *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
 }
 
-// grid (T, H), block D/4: thread owns 4 consecutive dims.
+// The combine kernels' static inputs, loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD): the head's
+// sink, and for the threads whose 4 dims fall in the inverse RoPE's last R dims, the token's
+// position and the cos / sin of their two dim pairs.  sink, cos and sin are static; the position
+// is written before the step's graph starts (the host's copy into the arena's pos, or a kernel
+// many launches back: common.cuh's "complete before this grid can launch"), read through L2.
+// merge_partials4's epilogue then uses these values: the same floats as out_rope's own loads.
+struct CombPre {
+    float sink;
+    float c[2], s[2];  // cos / sin of dim pairs (d0, d0+1) and (d0+2, d0+3); rope = false: unused
+    bool rope;
+};
+template <int D>
+DEV CombPre comb_preload(const float* __restrict__ sink, int h, i64 t, int d0, const OutRope& r) {
+    CombPre p;
+    p.sink = __ldg(sink + h);
+    p.c[0] = p.c[1] = p.s[0] = p.s[1] = 0.0f;
+    p.rope = r.pos != nullptr && d0 >= D - r.R;
+    if (p.rope) {
+        const i64 row = (i64)__ldcg(r.pos + t) * (r.R >> 1) + ((d0 - (D - r.R)) >> 1);
+        p.c[0] = __ldg(r.cos_t + row);
+        p.s[0] = __ldg(r.sin_t + row);
+        p.c[1] = __ldg(r.cos_t + row + 1);
+        p.s[1] = __ldg(r.sin_t + row + 1);
+    }
+    return p;
+}
+
+// The combine's partials staged in shared memory when they fit (COMB_STAGE_BYTES; the wrapper
+// gives n_tiles * (D + 2) floats of dynamic shared memory exactly when comb_staged): every
+// float4 the thread merges is issued at once as a cp.async (its own dims of every tile), the
+// tiles' (m, l) pairs by the first 2 n_tiles threads, one wait and one barrier, then
+// merge_partials4's loop over shared memory: the partials take one L2 round trip instead of
+// one per few tiles, and the merge sequence (and so every bit) is merge_partials4's.
+constexpr int COMB_STAGE_BYTES = 48 * 1024;
+template <int D>
+DEV bool comb_staged(int n_tiles) { return (i64)n_tiles * (D + 2) * 4 <= COMB_STAGE_BYTES; }
+
+template <int D>
+DEV void merge_partials4_staged(const float* ws_ml, const float* ws_acc, const CombPre& pre,
+                                u16* __restrict__ out, i64 t, int h, int H, int n_tiles, int d0) {
+    extern __shared__ __align__(16) float comb_smem[];
+    float* sacc = comb_smem;                   // [n_tiles][D]
+    float* sml = comb_smem + (i64)n_tiles * D;  // [n_tiles][2]
+    const i64 th = t * H + h;
+    for (int tile = 0; tile < n_tiles; ++tile)
+        cp_async16(sacc + tile * D + d0, ws_acc + (th * n_tiles + tile) * D + d0, true);
+    cp_async_commit();
+    for (int i = threadIdx.x; i < 2 * n_tiles; i += blockDim.x) sml[i] = __ldcg(ws_ml + 2 * th * n_tiles + i);
+    cp_async_wait<0>();
+    __syncthreads();
+    float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        const float mt = sml[2 * tile], lt = sml[2 * tile + 1];
+        const float4 at = *reinterpret_cast<const float4*>(sacc + tile * D + d0);
+        const float a4[4] = {at.x, at.y, at.z, at.w};
+        const float Mn = fmaxf(M, mt);
+        const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
+        Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
+        M = Mn;
+    }
+    const float den = __fadd_rn(Ls, expf(__fsub_rn(pre.sink, M)));
+    float o[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
+    if (pre.rope) {  // out_rope<4>'s rotation with the preloaded cos / sin
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+            rope_pair(o[i], o[i + 1], pre.c[i >> 1], pre.s[i >> 1], true);
+            o[i] = round_bf16(o[i]);
+            o[i + 1] = round_bf16(o[i + 1]);
+        }
+    }
+    *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
+}
+
+// grid (T, H), block D/4: thread owns 4 consecutive dims.  Dynamic shared memory n_tiles * (D + 2)
+// floats when comb_staged<D>(n_tiles), else none (merge_partials4 straight from L2).
 template <int D>
 DEV void sparse_attn_combine_body(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
                                   const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
-                                  OutRope orope) {
-    merge_partials4<D, false>(ws_ml, ws_acc, sink, out, blockIdx.x, blockIdx.y, H, n_tiles, threadIdx.x * 4, orope);
+                                  OutRope orope, const CombPre& pre) {
+    if (comb_staged<D>(n_tiles))
+        merge_partials4_staged<D>(ws_ml, ws_acc, pre, out, blockIdx.x, blockIdx.y, H, n_tiles, threadIdx.x * 4);
+    else
+        merge_partials4<D, false>(ws_ml, ws_acc, sink, out, blockIdx.x, blockIdx.y, H, n_tiles, threadIdx.x * 4, orope);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
 sparse_attn_combine_d512(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
                          const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
                          const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
-                         const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
-    sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
+                         const float* __restrict__ sin_t, int rope_R) {
+    PDL_ENTRY_PRELOAD(const CombPre pre = comb_preload<512>(sink, blockIdx.y, blockIdx.x, threadIdx.x * 4,
+                                                            OutRope{rope_pos, cos_t, sin_t, rope_R}));
+    sparse_attn_combine_body<512>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R}, pre);
 }
 extern "C" __global__ void __launch_bounds__(32)
 sparse_attn_combine_d128(const float* __restrict__ ws_ml, const float* __restrict__ ws_acc,
                          const float* __restrict__ sink, u16* __restrict__ out, int H, int n_tiles,
                          const int* __restrict__ rope_pos, const float* __restrict__ cos_t,
-                         const float* __restrict__ sin_t, int rope_R) { PDL_ENTRY();
-    sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R});
+                         const float* __restrict__ sin_t, int rope_R) {
+    PDL_ENTRY_PRELOAD(const CombPre pre = comb_preload<128>(sink, blockIdx.y, blockIdx.x, threadIdx.x * 4,
+                                                            OutRope{rope_pos, cos_t, sin_t, rope_R}));
+    sparse_attn_combine_body<128>(ws_ml, ws_acc, sink, out, H, n_tiles, OutRope{rope_pos, cos_t, sin_t, rope_R}, pre);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ KDIR = os.path.join(REPO, "kernels_cu")
 
 # module -> kernels that open with PDL_ENTRY_PRELOAD (the macro-generated names spelled out)
 PRELOAD_KERNELS = {
+    # the combine's sink and inverse-RoPE cos / sin (attention.cu comb_preload)
+    "attention": ("sparse_attn_combine_d512", "sparse_attn_combine_d128"),
     "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512))
               + tuple(f"router_cluster_e{e}" for e in (32, 64, 128, 256)),
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16"),

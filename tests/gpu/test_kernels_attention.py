@@ -7,7 +7,8 @@ where E_s = scale * LOGIT_TERMS * 2^-24 * max_j sum_d |q_d kv_jd| bounds the f32
 (LOGIT_TERMS = the longest f32 accumulation chain of a logit: 16 FMAs per lane + a 5-level tree;
 2^-16 covers the P.V chain: 32 FMAs per tile and <= 3 roundings per tile merge, and expf),
 and the reference class casts P to bf16 relative to each tile's max instead of the global one.
-Bitwise properties: fused (n_split = 1) == split (any n_split) == auto; a token alone == the
+Bitwise properties: fused (n_split = 1) == split (any n_split; the combine's partials staged in
+shared memory or merged from L2: flash_decode / flash_decode_long) == auto; a token alone == the
 same token in a batch (decode == prefill).
 Cases: Flash (H = 64, D = 512, window 128 as ring slots + 512 selected entries, decode offsets,
 -1 padding, window wrap) and tiny (H = 4, D = 128, K = 10, not a multiple of the 32-tile).
@@ -90,6 +91,9 @@ def _bound(q, kv, idx, sink, scale, want, probs_bf16, logit_terms=LOGIT_TERMS, p
 
 CASES = {
     "flash_decode": dict(T=3, H=64, D=512, W=128, topk=512, n_comp=1200, decode=True),
+    # 36 tiles: more partials than the combine stages in shared memory (ops.attention.combine_smem
+    # 0: it merges from L2); flash_decode's 20 tiles are staged
+    "flash_decode_long": dict(T=2, H=64, D=512, W=128, topk=1024, n_comp=2400, decode=True),
     "flash_prefill": dict(T=4, H=64, D=512, W=128, topk=512, n_comp=700, decode=False),
     "tiny": dict(T=6, H=4, D=128, W=8, topk=2, n_comp=5, decode=True),
     "small": dict(T=5, H=8, D=128, W=32, topk=8, n_comp=40, decode=True),
@@ -142,7 +146,7 @@ def test_sparse_attention_kv_cache_view_and_all_padding():
     assert_within(gotf, want, _bound(q, kv, idx, sink, scale, want, False), "attention on a cache view", seed)
 
 
-@pytest.mark.parametrize("case", ["flash_decode", "tiny"])
+@pytest.mark.parametrize("case", ["flash_decode", "flash_decode_long", "small", "tiny"])
 @pytest.mark.parametrize("n_split", [1, 3])
 def test_sparse_attention_inverse_rope_epilogue(case, n_split):
     """The fused inverse-RoPE epilogue == attention, then rope.rope(inverse=True), bit for bit."""

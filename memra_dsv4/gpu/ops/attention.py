@@ -168,8 +168,21 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
       (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
        i32(int(probs_bf16)), ws_ml, ws_acc) + rope_args + qn_args, shared_mem=smem)
     kernel(STEM, f"sparse_attn_combine_d{D}")((T, H), (D // 4,),
-                                              (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args)
+                                              (ws_ml, ws_acc, sink, out, i32(H), i32(nt)) + rope_args,
+                                              shared_mem=combine_smem(D, nt))
     return out
+
+
+# attention.cu COMB_STAGE_BYTES: the combine stages a head's partials in shared memory when they fit
+COMB_STAGE_BYTES = 48 * 1024
+
+
+def combine_smem(D: int, n_tiles: int) -> int:
+    """Dynamic shared memory of sparse_attn_combine_d{D} for n_tiles partials: n_tiles * (D + 2)
+    floats when that is at most COMB_STAGE_BYTES (the kernel stages them: comb_staged), else 0
+    (the kernel reads them from L2 as it merges).  The kernel decides by the same rule."""
+    b = int(n_tiles) * (int(D) + 2) * 4
+    return b if b <= COMB_STAGE_BYTES else 0
 
 
 # ----------------------------------------------------------------------------- decode form
