@@ -70,16 +70,51 @@ DEV i64 head_rms_rope_row(int p, int c, int n, int R) {
     return (i64)p * (R >> 1) + ((8 * c - (n - R)) >> 1);
 }
 
+// head_rms_bf16's RoPE rows loaded BEFORE its PDL wait (PDL_ENTRY_PRELOAD): the lane's first
+// rotated chunk c (c = lane + 32 k, the smallest k with 8 c >= n - R) and its 4 cos / 4 sin.  The
+// tables are static; the position is written before the step's graph starts (the host's copy into
+// the arena) or many launches back (common.cuh's "complete before this grid can launch"), read
+// through L2.  c = -1: none (no RoPE, no rotated chunk on this lane, or the row is out of range);
+// a lane's later rotated chunks (R > 256) load their rows in the loop as before.  The same floats
+// as the loop's own loads, so the same bits.
+struct HeadRope {
+    int c;
+    float cs[4], sn[4];
+};
+template <typename Tok>
+DEV HeadRope head_rope_preload(int n, const int* __restrict__ pos, const Tok& tok, const float* __restrict__ cos_t,
+                               const float* __restrict__ sin_t, int R, bool row_ok) {
+    HeadRope h;
+    h.c = -1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h.cs[i] = h.sn[i] = 0.0f;
+    if (pos != nullptr && row_ok && R > 0) {
+        const int lane = threadIdx.x & 31, nc = n >> 3, c0 = (n - R) >> 3;
+        const int c = lane >= c0 ? lane : lane + 32 * ((c0 - lane + 31) >> 5);
+        if (c < nc) {
+            const i64 trow = head_rms_rope_row(__ldcg(pos + tok()), c, n, R);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                h.cs[i] = __ldg(cos_t + trow + i);
+                h.sn[i] = __ldg(sin_t + trow + i);
+            }
+            h.c = c;
+        }
+    }
+    return h;
+}
+
 // xr: the row's n bf16 values (n % 8 == 0, 16-byte aligned; read through the read-only path, so
 // it must not be written during the call except by `store` of the same lane's chunk, after that
 // chunk's last read: y may alias x).  pos null: no RoPE; else the last R dims (R % 8 == 0,
 // R <= n) are rotated at position pos[tok()] with cos / sin [n_pos, R/2] f32 rows.  tok() is
 // evaluated only where a chunk is rotated.  store(c, v): chunk c's 8 outputs as packed bf16 (each
-// chunk of the row exactly once, by its owning lane).
+// chunk of the row exactly once, by its owning lane).  pre: this lane's preloaded RoPE rows
+// (head_rope_preload; its chunk skips the loads).
 template <typename Tok, typename Store>
 DEV void head_rms_warp_row(const u16* xr, int n, float eps, const int* __restrict__ pos, const Tok& tok,
                            const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R,
-                           const Store& store) {
+                           const Store& store, const HeadRope& pre) {
     const int lane = threadIdx.x & 31;
     const int nc = n >> 3;
     double ss = 0.0;
@@ -90,9 +125,13 @@ DEV void head_rms_warp_row(const u16* xr, int n, float eps, const int* __restric
         float f[8];
         head_rms_scale8(ldg16(xr + 8 * c), r, f);
         if (pos != nullptr && 8 * c >= n - R) {
-            const i64 trow = head_rms_rope_row(__ldg(pos + tok()), c, n, R);
-            head_rms_rope8(f, [&](int i) { return __ldg(cos_t + trow + i); },
-                           [&](int i) { return __ldg(sin_t + trow + i); });
+            if (c == pre.c) {
+                head_rms_rope8(f, [&](int i) { return pre.cs[i]; }, [&](int i) { return pre.sn[i]; });
+            } else {
+                const i64 trow = head_rms_rope_row(__ldg(pos + tok()), c, n, R);
+                head_rms_rope8(f, [&](int i) { return __ldg(cos_t + trow + i); },
+                               [&](int i) { return __ldg(sin_t + trow + i); });
+            }
         }
         store(c, pack8(f));
     }

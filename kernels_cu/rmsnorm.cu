@@ -42,10 +42,13 @@ rmsnorm_bf16_wbf16(const u16* x, const u16* __restrict__ w, u16* y,
 // rotated at position pos[t] (cos/sin [n_pos, R/2] f32), = oracle.ops.apply_rope(head_rms(q)).
 extern "C" __global__ void __launch_bounds__(128)
 head_rms_bf16(const u16* x, u16* y, int rows, int n, float eps, int H, const int* __restrict__ pos,
-              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) { PDL_ENTRY();
-    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+    // the RoPE rows (static tables at the step's position) before the wait: head_rope_preload
+    PDL_ENTRY_PRELOAD(const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);
+                      const HeadRope hr = head_rope_preload(n, pos, [&] { return row / H; }, cos_t, sin_t, R,
+                                                            row < rows));
     if (row >= rows) return;
     u16* yr = y + row * n;
     head_rms_warp_row(x + row * n, n, eps, pos, [&] { return row / H; }, cos_t, sin_t, R,
-                      [&](int c, const uint4& v) { stg16(yr + 8 * c, v); });
+                      [&](int c, const uint4& v) { stg16(yr + 8 * c, v); }, hr);
 }
