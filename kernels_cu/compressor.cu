@@ -161,14 +161,41 @@ namespace {
 
 enum { SIM_NONE = 0, SIM_FP8 = 1, SIM_HAD_FP4 = 2 };
 
+// norm_rope_sim_core's static inputs of one thread, loaded BEFORE the kernel's PDL wait
+// (PDL_ENTRY_PRELOAD): the norm weight of its dims d0 .. d0 + EPT - 1 and, for the RoPE slice's
+// threads, the cos / sin of their EPT / 2 pairs at the row's rope position.  w, cos and sin are
+// static; the positions (the decode step's arena pos, the legacy step's uploaded pos, the chunk
+// routine's arange) are written before the kernel's chain starts (common.cuh's "complete before
+// this grid can launch"), read through L2.  The same floats as the loads they replace.
+template <int EPT>
+struct NrsPre {
+    float w[EPT];
+    float c[EPT / 2], s[EPT / 2];
+};
+template <int D, int EPT>
+DEV void nrs_load(NrsPre<EPT>& pre, int d0, const float* __restrict__ w, const float* __restrict__ cos_t,
+                  const float* __restrict__ sin_t, int rope_p, int R, bool rope) {
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) pre.w[i] = __ldg(w + d0 + i);
+#pragma unroll
+    for (int i = 0; i < EPT / 2; ++i) pre.c[i] = pre.s[i] = 0.0f;
+    if (rope && d0 >= D - R) {
+        const i64 base = (i64)rope_p * (R >> 1) + ((d0 - (D - R)) >> 1);
+#pragma unroll
+        for (int i = 0; i < EPT / 2; ++i) {
+            pre.c[i] = __ldg(cos_t + base + i);
+            pre.s[i] = __ldg(sin_t + base + i);
+        }
+    }
+}
+
 // The post-processing of one row after its load: v[EPT] = this thread's dims d0 .. d0 + EPT - 1
-// (bf16 values in f32), rope_p = the row's rope position (read only by the rope slice's threads),
-// o_row = the output row.  bsum(x) = the sum of x over the row's D/EPT threads in block_sum's
-// order (warp_sum, then warp 0 + warp 1 + ...): every caller gets the same bits.
+// (bf16 values in f32), pre = this thread's norm weight and RoPE rows (nrs_load at the row's rope
+// position), o_row = the output row.  bsum(x) = the sum of x over the row's D/EPT threads in
+// block_sum's order (warp_sum, then warp 0 + warp 1 + ...): every caller gets the same bits.
 template <int D, int EPT, int SIM, typename BlockSum>
-DEV void norm_rope_sim_core(float* v, int d0, const float* __restrict__ w, double eps,
-                            const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rope_p,
-                            int R, u16* o_row, BlockSum bsum) {
+DEV void norm_rope_sim_core(float* v, int d0, const NrsPre<EPT>& pre, double eps, int R, u16* o_row,
+                            BlockSum bsum) {
     static_assert(SIM != SIM_HAD_FP4 || (D == 128 && EPT == 4), "Hadamard path is one warp of 4 dims");
     double ss = 0.0;
 #pragma unroll
@@ -177,15 +204,11 @@ DEV void norm_rope_sim_core(float* v, int d0, const float* __restrict__ w, doubl
     const double r = 1.0 / sqrt(ss / (double)D + eps);
 #pragma unroll
     for (int i = 0; i < EPT; ++i)
-        v[i] = bf16_to_f32(f64_to_bf16(__dmul_rn((double)__ldg(w + d0 + i), __dmul_rn((double)v[i], r))));
+        v[i] = bf16_to_f32(f64_to_bf16(__dmul_rn((double)pre.w[i], __dmul_rn((double)v[i], r))));
     if (d0 >= D - R) {  // rope slice (D - R is a multiple of EPT)
-        const int p = rope_p;
-        const int j0 = (d0 - (D - R)) >> 1;
 #pragma unroll
         for (int i = 0; i < EPT; i += 2) {
-            const float c = __ldg(cos_t + (i64)p * (R >> 1) + j0 + (i >> 1));
-            const float s = __ldg(sin_t + (i64)p * (R >> 1) + j0 + (i >> 1));
-            rope_pair(v[i], v[i + 1], c, s, false);
+            rope_pair(v[i], v[i + 1], pre.c[i >> 1], pre.s[i >> 1], false);
             v[i] = round_bf16(v[i]);
             v[i + 1] = round_bf16(v[i + 1]);
         }
@@ -222,13 +245,31 @@ DEV void norm_rope_sim_core(float* v, int d0, const float* __restrict__ w, doubl
     }
 }
 
+// norm_rope_sim_row's loads before the PDL wait: the gate position (gate_pos given) and nrs_load
+// at the row's rope position pos[row] (the RoPE slice's threads).
+template <int EPT>
+struct NrsRowPre {
+    int gp;
+    NrsPre<EPT> pre;
+};
+template <int D, int EPT>
+DEV NrsRowPre<EPT> nrs_row_preload(const float* __restrict__ w, const float* __restrict__ cos_t,
+                                   const float* __restrict__ sin_t, const int* __restrict__ pos, int R,
+                                   const int* __restrict__ gate_pos) {
+    NrsRowPre<EPT> f;
+    f.gp = gate_pos != nullptr ? __ldcg(gate_pos) : 0;
+    const int d0 = threadIdx.x * EPT;
+    const bool rope = d0 >= D - R;
+    nrs_load<D, EPT>(f.pre, d0, w, cos_t, sin_t, rope ? __ldcg(pos + blockIdx.x) : 0, R, rope);
+    return f;
+}
+
 template <int D, int EPT, bool IN_F32, int SIM>
-DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict__ w, double eps,
-                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                           const int* __restrict__ pos, int R, u16* out, int ld_out,
-                           const int* __restrict__ gate_pos, int gate_r, int row_mode, int n_rows) {
+DEV void norm_rope_sim_row(const void* in_v, int ld_in, double eps, int R, u16* out, int ld_out,
+                           const int* __restrict__ gate_pos, int gate_r, int row_mode, int n_rows,
+                           const NrsRowPre<EPT>& first) {
     if (gate_pos != nullptr) {
-        const int p = __ldg(gate_pos);
+        const int p = first.gp;
         if (row_mode == ROW_RING) {            // ring row p % r (the window cache), no gate
             out += (i64)(p % gate_r) * ld_out;
         } else {
@@ -264,8 +305,7 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, const float* __restrict_
             v[i + 2] = bf16lo(q.y); v[i + 3] = bf16hi(q.y);
         }
     }
-    const int rope_p = d0 >= D - R ? __ldg(pos + row) : 0;
-    norm_rope_sim_core<D, EPT, SIM>(v, d0, w, eps, cos_t, sin_t, rope_p, R, out + row * ld_out,
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, first.pre, eps, R, out + row * ld_out,
                                     [&](double x) { return block_sum<NW>(x, red); });
 }
 
@@ -295,9 +335,10 @@ DEV double block_sum_first_warps(double v, double* red) {
     NAME(const void* in, int ld_in, const float* __restrict__ w, double eps,                     \
          const float* __restrict__ cos_t, const float* __restrict__ sin_t,                        \
          const int* __restrict__ pos, int R, u16* out, int ld_out, const int* __restrict__ gate_pos, \
-         int gate_r, int row_mode, int n_rows) { PDL_ENTRY();                                                 \
-        norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, w, eps, cos_t, sin_t, pos, R, out, ld_out, \
-                                               gate_pos, gate_r, row_mode, n_rows);               \
+         int gate_r, int row_mode, int n_rows) {                                                  \
+        PDL_ENTRY_PRELOAD(const NrsRowPre<EPT> first = nrs_row_preload<D, EPT>(w, cos_t, sin_t, pos, R, gate_pos)); \
+        norm_rope_sim_row<D, EPT, IN_F32, SIM>(in, ld_in, eps, R, out, ld_out, gate_pos, gate_r, row_mode, \
+                                               n_rows, first);                                    \
     }
 
 NORM_ROPE_SIM(norm_rope_fp8_d512_f32in, 512, 8, true, SIM_FP8)
@@ -310,14 +351,31 @@ NORM_ROPE_SIM(norm_rope_hadfp4_d128_bf16in, 128, 4, false, SIM_HAD_FP4)
 namespace {
 
 // The decode emission chain (see the header): D = the pooled width, one CTA of D threads.
+// compress_emit's loads before the PDL wait: the position (the emission gate) and, when the
+// launch emits, nrs_load at the entry's rope position p + 1 - r (its norm threads).
+template <int EPT>
+struct EmitPre {
+    int p;
+    NrsPre<EPT> pre;
+};
+template <int D, int EPT>
+DEV EmitPre<EPT> emit_preload(const int* __restrict__ pos, int r, const float* __restrict__ w,
+                              const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+    EmitPre<EPT> f;
+    f.p = __ldcg(pos);
+    const bool emits = (f.p + 1) % r == 0 && threadIdx.x < D / EPT;
+    const int d0 = emits ? (int)threadIdx.x * EPT : 0;
+    nrs_load<D, EPT>(f.pre, d0, w, cos_t, sin_t, f.p + 1 - r, R, emits);
+    return f;
+}
+
 template <int D, int EPT, int SIM>
-DEV void compress_emit_body(const int* __restrict__ pos, int r, int ovl, float* kv, float* score,
-                            const float* __restrict__ w, double eps, const float* __restrict__ cos_t,
-                            const float* __restrict__ sin_t, int R, u16* out, int ld_out, int n_rows) {
+DEV void compress_emit_body(int r, int ovl, float* kv, float* score, double eps, int R, u16* out, int ld_out,
+                            int n_rows, const EmitPre<EPT>& first) {
     constexpr int NT = D / EPT;  // norm_rope_sim's threads
     constexpr int NW = NT / 32;
     static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
-    const int p = __ldg(pos);
+    const int p = first.p;
     if ((p + 1) % r != 0) return;  // the emission gate (uniform: the whole CTA leaves)
     __shared__ __align__(16) float pooled[D];
     __shared__ double red[NW];
@@ -366,7 +424,7 @@ DEV void compress_emit_body(const int* __restrict__ pos, int r, int ovl, float* 
         v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
         v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
     }
-    norm_rope_sim_core<D, EPT, SIM>(v, d0, w, eps, cos_t, sin_t, p + 1 - r, R, out + (i64)k * ld_out,
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, first.pre, eps, R, out + (i64)k * ld_out,
                                     [&](double x) { return block_sum_first_warps<NW>(x, red); });
 }
 
@@ -379,8 +437,9 @@ DEV void compress_emit_body(const int* __restrict__ pos, int r, int ovl, float* 
     extern "C" __global__ void __launch_bounds__(D)                                                 \
     NAME(const int* __restrict__ pos, int r, int ovl, float* kv, float* score, const float* __restrict__ w, \
          double eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R, u16* out, \
-         int ld_out, int n_rows) { PDL_ENTRY();                                                     \
-        compress_emit_body<D, EPT, SIM>(pos, r, ovl, kv, score, w, eps, cos_t, sin_t, R, out, ld_out, n_rows); \
+         int ld_out, int n_rows) {                                                                  \
+        PDL_ENTRY_PRELOAD(const EmitPre<EPT> first = emit_preload<D, EPT>(pos, r, w, cos_t, sin_t, R)); \
+        compress_emit_body<D, EPT, SIM>(r, ovl, kv, score, eps, R, out, ld_out, n_rows, first);     \
     }
 
 COMPRESS_EMIT(compress_emit_fp8_d512, 512, 8, SIM_FP8)

@@ -109,19 +109,38 @@ DEV void hadamard128_row(const u16* xr, u16* yr) {
 // Indexer q: RoPE of the last R dims of each 128-dim head at pos[row / H] (double math, stored
 // bf16), then Hadamard-128, then fp4 sim: = fp4_sim(hadamard(apply_rope(q)), 32) (M:411-416).
 // x, y: [T*H, 128] bf16 (y may alias x); pos [T] int32; cos/sin [n_pos, R/2] f32. One warp per row.
+// The RoPE lanes' position and cos / sin are loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD: static
+// tables; the position written before the chain starts, read through L2, as head_rope_preload).
+struct QsRope {
+    float c[2], s[2];
+};
+DEV QsRope rope_h128_preload(const int* __restrict__ pos, const float* __restrict__ cos_t,
+                             const float* __restrict__ sin_t, int R, i64 row, long long rows, int H) {
+    QsRope q;
+    q.c[0] = q.c[1] = q.s[0] = q.s[1] = 0.0f;
+    const int lane = threadIdx.x & 31;
+    if (row < rows && 4 * lane >= 128 - R) {
+        const i64 trow = (i64)__ldcg(pos + row / H) * (R >> 1) + ((4 * lane - (128 - R)) >> 1);
+        q.c[0] = __ldg(cos_t + trow);
+        q.s[0] = __ldg(sin_t + trow);
+        q.c[1] = __ldg(cos_t + trow + 1);
+        q.s[1] = __ldg(sin_t + trow + 1);
+    }
+    return q;
+}
 extern "C" __global__ void __launch_bounds__(256)
 rope_hadamard128_fp4_bf16(const u16* x, u16* y, long long rows, int H, const int* __restrict__ pos,
-                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) { PDL_ENTRY();
-    const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R) {
+    PDL_ENTRY_PRELOAD(const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+                      const QsRope rp = rope_h128_preload(pos, cos_t, sin_t, R, row, rows, H));
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
     const uint2 w = *reinterpret_cast<const uint2*>(x + row * 128 + 4 * lane);
     float f[4] = {bf16lo(w.x), bf16hi(w.x), bf16lo(w.y), bf16hi(w.y)};
     if (4 * lane >= 128 - R) {
-        const i64 trow = (i64)__ldg(pos + row / H) * (R >> 1) + ((4 * lane - (128 - R)) >> 1);
 #pragma unroll
         for (int i = 0; i < 4; i += 2) {
-            rope_pair(f[i], f[i + 1], __ldg(cos_t + trow + (i >> 1)), __ldg(sin_t + trow + (i >> 1)), false);
+            rope_pair(f[i], f[i + 1], rp.c[i >> 1], rp.s[i >> 1], false);
             f[i] = round_bf16(f[i]);
             f[i + 1] = round_bf16(f[i + 1]);
         }

@@ -22,6 +22,13 @@ KDIR = os.path.join(REPO, "kernels_cu")
 
 # module -> kernels that open with PDL_ENTRY_PRELOAD (the macro-generated names spelled out)
 PRELOAD_KERNELS = {
+    # the norm weight and RoPE rows of the kv norm and the compressor emission (compressor.cu
+    # nrs_row_preload, emit_preload)
+    "compressor": tuple(f"norm_rope_{s}_d{d}_{i}in" for s, d in (("fp8", 512), ("fp8", 128), ("hadfp4", 128))
+                        for i in ("f32", "bf16"))
+                  + ("compress_emit_fp8_d512", "compress_emit_fp8_d128", "compress_emit_hadfp4_d128"),
+    # the indexer q's RoPE rows (quant_sim.cu rope_h128_preload)
+    "quant_sim": ("rope_hadamard128_fp4_bf16",),
     # the combine's sink and inverse-RoPE cos / sin (attention.cu comb_preload)
     "attention": ("sparse_attn_combine_d512", "sparse_attn_combine_d128"),
     "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512))
