@@ -1259,10 +1259,12 @@ pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __re
     }
 }
 
+// The position is loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD): the step's arena pos is written
+// before its graph starts (read through L2); the selection (sel) stays after the wait.
 extern "C" __global__ void __launch_bounds__(256)
 build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict__ sel, int sel_w,
-           int* __restrict__ cand, int K) { PDL_ENTRY();
-    const int p = pos[0];
+           int* __restrict__ cand, int K) {
+    PDL_ENTRY_PRELOAD(const int p = __ldcg(pos));
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < K; j += gridDim.x * blockDim.x) {
         int v = -1;
         if (j < W) {

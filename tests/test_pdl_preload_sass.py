@@ -37,7 +37,7 @@ PRELOAD_KERNELS = {
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_pre_cluster"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
-               "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4"),
+               "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4", "build_cand"),
     # FP4_DN_PRELOAD = 2 (the default): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
     "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2",
                 # the shared expert's SwiGLU before the wait (MEMRA_DSV4_SHARED_GATEUP)
