@@ -143,3 +143,19 @@ def test_the_delay_lives_in_the_trace_build_only():
     assert "memra_trace_delay" not in src[:a] + src[b:]
     assert "memra_trace::enter();" not in src
     assert src.count("memra_trace::enter(__LINE__)") == 3
+
+
+def test_bench_refuses_a_probe_without_the_trace_build_or_with_bad_numbers(monkeypatch):
+    """bench.decode_step --delay-probe: refused before any GPU work without the trace build, for a
+    delay outside (0, 1000] us, and for rounds / steps below 1."""
+    from bench import decode_step
+    monkeypatch.delenv("MEMRA_DSV4_DEVICE_TRACE", raising=False)
+    with pytest.raises(SystemExit, match="trace build"):
+        decode_step.main(["--arms", "path=device", "--delay-probe", "4"])
+    monkeypatch.setenv("MEMRA_DSV4_DEVICE_TRACE", "on")
+    with pytest.raises(SystemExit, match="microseconds"):
+        decode_step.main(["--arms", "path=device", "--delay-probe", "-2"])
+    with pytest.raises(SystemExit, match="microseconds"):
+        decode_step.main(["--arms", "path=device", "--delay-probe", "5000"])
+    with pytest.raises(SystemExit, match="probe-rounds"):
+        decode_step.main(["--arms", "path=device", "--delay-probe", "4", "--probe-rounds", "0"])
