@@ -77,17 +77,25 @@ struct OutRope {
     int R;
 };
 
+// the inverse RoPE of N consecutive values (N / 2 pairs, pair i with cos cs(i) / sin sn(i)),
+// each rounded to bf16: out_rope's rotation, and the combine's with preloaded cos / sin
+template <int N, typename Cos, typename Sin>
+DEV void inv_rope_pairs(float* o, const Cos& cs, const Sin& sn) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+        rope_pair(o[i], o[i + 1], cs(i >> 1), sn(i >> 1), true);
+        o[i] = round_bf16(o[i]);
+        o[i + 1] = round_bf16(o[i + 1]);
+    }
+}
+
 // o: N consecutive bf16-valued output dims starting at d0 (N even, D - R a multiple of N)
 template <int N>
 DEV void out_rope(float* o, int d0, int D, i64 t, const OutRope& r) {
     if (r.pos == nullptr || d0 < D - r.R) return;
     const i64 row = (i64)__ldg(r.pos + t) * (r.R >> 1) + ((d0 - (D - r.R)) >> 1);
-#pragma unroll
-    for (int i = 0; i < N; i += 2) {
-        rope_pair(o[i], o[i + 1], __ldg(r.cos_t + row + (i >> 1)), __ldg(r.sin_t + row + (i >> 1)), true);
-        o[i] = round_bf16(o[i]);
-        o[i + 1] = round_bf16(o[i + 1]);
-    }
+    inv_rope_pairs<N>(o, [&](int i) { return __ldg(r.cos_t + row + i); },
+                      [&](int i) { return __ldg(r.sin_t + row + i); });
 }
 
 // The _qn kernels' q norm: eps, and the q RoPE of the last R dims (8 <= R <= D, R % 8 == 0) at
@@ -425,6 +433,24 @@ DEV float4 ld_part4(const float* p) {
     return CG ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
 }
 
+// One tile's partial (mt, lt, at) merged into the running (M, Ls, A) of 4 dims, and the final
+// o = bf16(A / (Ls + exp(sink - M))): the merge sequence of merge_partials4 and its staged form
+// (the fused path's, so every form gives the same bits).
+DEV void merge_tile4(float& M, float& Ls, float* A, float mt, float lt, const float4& at) {
+    const float a4[4] = {at.x, at.y, at.z, at.w};
+    const float Mn = fmaxf(M, mt);
+    const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
+    Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
+    M = Mn;
+}
+DEV void merge_finish4(const float* A, float Ls, float M, float sink, float* o) {
+    const float den = __fadd_rn(Ls, expf(__fsub_rn(sink, M)));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
+}
+
 template <int D, bool CG>
 DEV void merge_partials4(const float* ws_ml, const float* ws_acc, const float* __restrict__ sink,
                          u16* __restrict__ out, i64 t, int h, int H, int n_tiles, int d0, const OutRope& orope) {
@@ -433,20 +459,11 @@ DEV void merge_partials4(const float* ws_ml, const float* ws_acc, const float* _
 #pragma unroll 4
     for (int tile = 0; tile < n_tiles; ++tile) {
         const i64 slot = th * n_tiles + tile;
-        const float mt = ld_part<CG>(ws_ml + 2 * slot), lt = ld_part<CG>(ws_ml + 2 * slot + 1);
-        const float4 at = ld_part4<CG>(ws_acc + slot * D + d0);
-        const float a4[4] = {at.x, at.y, at.z, at.w};
-        const float Mn = fmaxf(M, mt);
-        const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
-        Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
-#pragma unroll
-        for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
-        M = Mn;
+        merge_tile4(M, Ls, A, ld_part<CG>(ws_ml + 2 * slot), ld_part<CG>(ws_ml + 2 * slot + 1),
+                    ld_part4<CG>(ws_acc + slot * D + d0));
     }
-    const float den = __fadd_rn(Ls, expf(__fsub_rn(__ldg(sink + h), M)));
     float o[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
+    merge_finish4(A, Ls, M, __ldg(sink + h), o);
     out_rope<4>(o, d0, D, t, orope);
     *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
 }
@@ -504,28 +521,13 @@ DEV void merge_partials4_staged(const float* ws_ml, const float* ws_acc, const C
     float M = f32_ninf(), Ls = 0.0f, A[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
     for (int tile = 0; tile < n_tiles; ++tile) {
-        const float mt = sml[2 * tile], lt = sml[2 * tile + 1];
-        const float4 at = *reinterpret_cast<const float4*>(sacc + tile * D + d0);
-        const float a4[4] = {at.x, at.y, at.z, at.w};
-        const float Mn = fmaxf(M, mt);
-        const float a = merge_scale(M, Mn), b = merge_scale(mt, Mn);
-        Ls = __fadd_rn(__fmul_rn(Ls, a), __fmul_rn(lt, b));
-#pragma unroll
-        for (int u = 0; u < 4; ++u) A[u] = __fadd_rn(__fmul_rn(A[u], a), __fmul_rn(a4[u], b));
-        M = Mn;
+        merge_tile4(M, Ls, A, sml[2 * tile], sml[2 * tile + 1],
+                    *reinterpret_cast<const float4*>(sacc + tile * D + d0));
     }
-    const float den = __fadd_rn(Ls, expf(__fsub_rn(pre.sink, M)));
     float o[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) o[u] = round_bf16(__fdiv_rn(A[u], den));
-    if (pre.rope) {  // out_rope<4>'s rotation with the preloaded cos / sin
-#pragma unroll
-        for (int i = 0; i < 4; i += 2) {
-            rope_pair(o[i], o[i + 1], pre.c[i >> 1], pre.s[i >> 1], true);
-            o[i] = round_bf16(o[i]);
-            o[i + 1] = round_bf16(o[i + 1]);
-        }
-    }
+    merge_finish4(A, Ls, M, pre.sink, o);
+    if (pre.rope)  // out_rope<4>'s rotation with the preloaded cos / sin
+        inv_rope_pairs<4>(o, [&](int i) { return pre.c[i]; }, [&](int i) { return pre.s[i]; });
     *reinterpret_cast<uint2*>(out + th * D + d0) = make_uint2(pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3]));
 }
 
