@@ -782,6 +782,110 @@ GEMV_MULTI_KERNEL(gemv_bf16_multi_r4, 4, 2, 1, 3)
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r4t2, 4, 2, 2, 2)   // 2 trips of 4 bf16 rows: 254 registers
 GEMV_MULTI_KERNEL(gemv_bf16_multi_r1t2, 1, 2, 2, GEMV_MINB)
 
+// gemv_bf16_multi_pl_r{R}[t{T}]: gemv_bf16_multi_r{R}[t{T}] (the same warps, rows, trips and
+// epilogue) whose bf16 warps load the weights of their first T trips (chunks lane + 32 u, u <
+// T GEMV_UNROLL, of the warp's R rows: 2 T R KB per warp) BEFORE griddepcontrol.wait, the form
+// gemv_bf16_pl_r{R} gives the plain GEMVs.  Why: the step's multi GEMV (the attention input's
+// 21-34 MB of projections) follows the latency-bound hc boundary, during which HBM is idle; its
+// resident warps (the first wave) then hold their first trips when x is ready.  The table and
+// the weights are static (the table is uploaded at setup, before any graph; common.cuh
+// PDL_ENTRY_PRELOAD), only x waits.  THE ORDER is unchanged: the preloaded chunks are the group
+// warp_rows_dot takes first (rows_trip<T> at c = lane, chunk u into partial u % GEMV_UNROLL in
+// ascending u, which is bf16_trip_fma per trip in trip order), and warp_rows_dot's bf16 loops
+// continue from c = lane + 128 T.  A warp of an FP8 segment (or K % 1024 != 0, or K < 1024 T)
+// loads nothing early and runs gemv_multi_rows' body.
+template <int R, int T>
+struct MultiFirst {
+    const void* wr[R];
+    uint4 raw[T][R][GEMV_UNROLL];   // trip t's chunk lane + 32 (GEMV_UNROLL t + u) of row r
+    int seg;                        // the warp's segment; -1: the warp has no rows
+    bool pre;                       // raw holds the first T trips (bf16, K % 1024 == 0, K >= 1024 T)
+};
+
+// Before the PDL wait: the static table and weights only.  It ends its basic block (the branch
+// on K, never taken), so ptxas cannot schedule the wait above the loads.
+template <int R, int T>
+DEV MultiFirst<R, T> multi_first(const GemvSeg* __restrict__ segs, int nseg, int K) {
+    MultiFirst<R, T> f;
+    const int lane = threadIdx.x & 31;
+    const int w = gemv_warp_id();
+    f.seg = -1;
+    f.pre = false;
+    if (w < segs[nseg].warp0) {
+        int s = 0;
+        while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+        f.seg = s;
+        const GemvSeg& g = segs[s];
+        f.pre = g.scale == nullptr && K % (32 * 8 * GEMV_UNROLL) == 0 && K >= 32 * 8 * GEMV_UNROLL * T;
+        if (f.pre) {
+            const int n = segs[s + 1].row0 - g.row0, r0 = (w - g.warp0) * R;
+#pragma unroll
+            for (int r = 0; r < R; ++r) f.wr[r] = w_row<false>(g.w, min(r0 + r, n - 1), K);
+#pragma unroll
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        f.raw[t][r][u] = load_raw<false>(f.wr[r], lane + 32 * (GEMV_UNROLL * t + u));
+        }
+    }
+    if (K < 0) __trap();
+    return f;
+}
+
+// After the wait: the preloaded group's products (x read now), the rest of the row, the epilogue.
+template <int R, int T, int T8>
+DEV void gemv_multi_rows_pl(const MultiFirst<R, T>& f, const GemvSeg* __restrict__ segs, int nseg,
+                            const u16* __restrict__ x, int K, const int* __restrict__ pos) {
+    if (f.seg < 0) return;
+    if (!f.pre) {   // FP8 segment (or short K): the register kernel's body
+        gemv_multi_rows<R, T8, T>(segs, nseg, x, K, pos);
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    const GemvSeg& g = segs[f.seg];
+    const int n = segs[f.seg + 1].row0 - g.row0, r0 = (gemv_warp_id() - g.warp0) * R;
+    uint4 xr[T][GEMV_UNROLL];
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) xr[t][u] = ldg16(x + (i64)(lane + 32 * (GEMV_UNROLL * t + u)) * 8);
+    float acc[R][GEMV_UNROLL];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc[r][u] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < T; ++t) bf16_trip_fma<R>(f.raw[t], xr[t], acc);
+    // warp_rows_dot's bf16 loops from c = lane + 128 T (K % 1024 == 0: no tail chunks)
+    const u8* sr[1] = {nullptr};
+    const int nc = K >> 3;
+    int c = lane + 32 * GEMV_UNROLL * T;
+    if constexpr (T > 1) {
+        for (; c + 32 * (T * GEMV_UNROLL - 1) < nc; c += T * 32 * GEMV_UNROLL)
+            rows_trip<false, R, 1, false, T>(f.wr, sr, x, c, lane, acc);
+    }
+    for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL)
+        rows_trip<false, R, 1, false, 1>(f.wr, sr, x, c, lane, acc);
+    float out[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) out[r] = partials_total(acc[r]);
+    if (lane != 0) return;
+    store_seg_rows<R>(g, n, r0, pos, out);
+}
+
+#define GEMV_MULTI_PL_KERNEL(NAME, R, T8, TB, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, MINB)                               \
+    NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ x, int K,             \
+         const int* __restrict__ pos) {                                                             \
+        PDL_ENTRY_PRELOAD(const MultiFirst<R, TB> first = multi_first<R, TB>(segs, nseg, K));      \
+        gemv_multi_rows_pl<R, TB, T8>(first, segs, nseg, x, K, pos);                               \
+    }
+GEMV_MULTI_PL_KERNEL(gemv_bf16_multi_pl_r1, 1, 1, 1, GEMV_MINB)
+GEMV_MULTI_PL_KERNEL(gemv_bf16_multi_pl_r4, 4, 2, 1, 3)
+GEMV_MULTI_PL_KERNEL(gemv_bf16_multi_pl_r1t2, 1, 2, 2, GEMV_MINB)
+
 // gemv_bf16_multi_r{R}[t{T}]_qn: the kernel above, then the decode q_norm in its LAST CTA:
 //   qn_y <- rmsnorm_bf16_wbf16(qn_y, qn_w, qn_eps) in place (rmsnorm_row, rmsnorm.cu's own row
 //   code: the same bits as that launch), where qn_y is one of the table's bf16 outputs (this

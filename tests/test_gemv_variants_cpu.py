@@ -93,7 +93,7 @@ def test_every_variant_launches(fake_launch):
     tabs = {R: DK.GemvTable(segs, K, rows_per_warp=R) for R in DK.MULTI_ROWS}
     assert tabs[4].fp8 and tabs[4].cls == "small"
     for vn in DK.gemv_variant_names("multi", True, new_only=False):
-        R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
+        R = 4 if vn == "default" else DK.parse_multi_variant(vn)[1]
         launched.clear()
         DK.gemv_bf16_multi(tabs[R], x, pos, variant=vn)
         (name, grid, args, smem), = launched
@@ -243,7 +243,7 @@ def test_multi_qnorm_launches(fake_launch, monkeypatch):
         tab = DK.GemvTable([(A(np.zeros((1024, K), np.uint16)), qr), (A(np.zeros((512, K), np.uint16)), kv)],
                            K, rows_per_warp=R)
         for vn in [v for v in DK.gemv_variant_names("multi", False, new_only=False)
-                   if v == "default" or DK._parse_variant(v, "r")[1] == R]:
+                   if v == "default" or DK.parse_multi_variant(v)[1] == R]:
             launched.clear()
             DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)), variant=vn,
                                qnorm=(qr, w, 1e-6))
@@ -252,7 +252,8 @@ def test_multi_qnorm_launches(fake_launch, monkeypatch):
                 assert launched[1][1] == (1,)
             else:
                 (name, grid, args, _), = launched
-                base = f"gemv_bf16_multi_r{R}" if vn == "default" else f"gemv_bf16_multi_{vn}"
+                # a pl variant has no _qn form: the register kernel of its R and T
+                base = f"gemv_bf16_multi_r{R}" if vn == "default" else f"gemv_bf16_multi_{vn.removeprefix('pl_')}"
                 assert name == base + "_qn" and len(args) == 10 and int(args[7]) == 1024, (vn, name)
         with pytest.raises(AssertionError, match="not one of the table's bf16 outputs"):
             DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)),
@@ -401,3 +402,40 @@ def test_l2_prefetch_paced_launches(fake_launch):
     with pytest.raises(AssertionError, match="chunk"):
         DK.l2_prefetch_paced([(w, 1024)], chunk=24)
     assert not launched
+
+
+def test_multi_pl_variant_launches(fake_launch, monkeypatch):
+    """The multi GEMV's preload variants (decode.cu gemv_bf16_multi_pl_r{R}[t{T}]): selected by
+    the env key multi.bf16 (the table's R from the name), launched with the register kernel's grid
+    and arguments; an explicit pl variant of another R, or of an (R, T) without a kernel, is
+    refused; the name parser refuses a bulk-shaped pl name."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    assert DK.parse_multi_variant("pl_r1t2") == ("pl", 1, 2)
+    assert DK.parse_multi_variant("pl_r4") == ("pl", 4, 1)
+    assert DK.parse_multi_variant("bulk_r4s3") == ("bulk", 4, 3)
+    assert DK.parse_multi_variant("r1t2") == ("reg", 1, 2)
+    with pytest.raises(ValueError, match="pl_rN"):
+        DK.parse_multi_variant("pl_bulk_r1s2")
+    with pytest.raises(ValueError, match="gemv variant"):
+        DK.parse_multi_variant("pl_q1")
+    K = 4096
+    ents = [(A(np.zeros((o, K), np.uint16)), A(np.zeros(o, np.float32))) for o in (1024, 512, 64)]
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "multi.bf16=pl_r1t2")
+    tab = DK.GemvTable(ents, K)
+    assert tab.R == 1 and tab.warps == 1600
+    x, pos = A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32))
+    DK.gemv_bf16_multi(tab, x, pos)
+    (name, grid, args, _), = launched[-1:]
+    assert name == "gemv_bf16_multi_pl_r1t2" and grid == (400,) and len(args) == 5
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "multi.bf16=pl_r4")
+    tab4 = DK.GemvTable(ents, K)
+    assert tab4.R == 4
+    DK.gemv_bf16_multi(tab4, x, pos)
+    assert launched[-1][0] == "gemv_bf16_multi_pl_r4" and launched[-1][1] == (100,)
+    with pytest.raises(AssertionError, match="not available"):
+        DK.gemv_bf16_multi(tab4, x, pos, variant="pl_r1t2")     # the table's R is 4
+    with pytest.raises(AssertionError, match="not available"):
+        DK.gemv_bf16_multi(tab4, x, pos, variant="pl_r4t2")     # no such kernel
+    assert {n for n in DK.KERNELS if "_multi_pl_" in n} == {
+        "gemv_bf16_multi_pl_r1", "gemv_bf16_multi_pl_r4", "gemv_bf16_multi_pl_r1t2"}

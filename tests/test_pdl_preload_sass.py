@@ -37,7 +37,8 @@ PRELOAD_KERNELS = {
     "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_pre_cluster"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
-               "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4", "build_cand"),
+               "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4", "build_cand",
+               "gemv_bf16_multi_pl_r1", "gemv_bf16_multi_pl_r4", "gemv_bf16_multi_pl_r1t2"),
     # FP4_DN_PRELOAD = 2 (the default): the full-shape down + combine (the NVFP4 _w2 keeps the plain entry)
     "experts": ("gemv_mxfp4_down_combine_k2_f", "gemv_nvfp4_down_combine_k2_f", "gemv_mxfp4_down_combine_k2_f_w2",
                 # the shared expert's SwiGLU before the wait (MEMRA_DSV4_SHARED_GATEUP)
@@ -179,3 +180,18 @@ def test_hc_cluster_preload_and_handoff_order(tmp_path):
     assert 0 <= cwait < stas < phase and _count(post, r"\bUCGABAR_WAIT\b") == 1, (cwait, stas, phase)
     assert _count(post, r"\bSYNCS\.PHASECHK\.TRANS64") >= 2   # the partials' and x's mbarrier waits
     assert not [ln.strip() for ln in lines if re.search(r"\bMEMBAR\b", ln)]
+
+
+@need_tools
+def test_multi_pl_weights_before_the_wait(tmp_path):
+    """gemv_bf16_multi_pl_r{R}[t{T}]: every one of the warp's first-trip weight loads (R rows x
+    T trips x 4 chunks, 16-byte streamed loads) is issued before griddepcontrol.wait, not only the
+    table's small loads (which the generic check above would also accept)."""
+    sass = _sass("decode", str(tmp_path))
+    for name, (R, T) in {"gemv_bf16_multi_pl_r1": (1, 1), "gemv_bf16_multi_pl_r4": (4, 1),
+                         "gemv_bf16_multi_pl_r1t2": (1, 2)}.items():
+        lines = _function(sass, name)
+        wait = _first(lines, "ACQBULK")
+        assert wait > 0, f"{name}: no ACQBULK"
+        early = [ln for ln in lines[:wait] if re.search(r"\bLDG\.E\.NA\.128", ln)]
+        assert len(early) == 4 * R * T, f"{name}: {len(early)} weight loads before the wait, expected {4 * R * T}"

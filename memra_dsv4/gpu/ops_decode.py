@@ -11,7 +11,8 @@ register kernels ``r{R}t{T}`` (plain; R rows per warp, T trips of loads at once)
 for FP8 rows, K <= 8192), and the persistent register-ring kernels ``ps_r{R}d{D}`` (plain bf16,
 K % 1024 == 0: each warp walks row groups with D trips of loads in flight; ninth session) and
 ``pl_r{R}`` (plain bf16, K % 1024 == 0: the warp's first trip of weights loaded before the PDL
-wait; ninth session).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
+wait; ninth session), and ``pl_r{R}[t{T}]`` of the multi GEMV (its bf16 warps' first T trips
+before the wait; twenty-fourth session).  Measured on the H200 (6089d42, ``tools/bench_gemv.py --dense-only
 --variants``, L2 flushed): every variant bit-identical to the default; the bulk kernels slower
 on every shape (wq_b bf16 24.3 vs 19.9 us, fp8 19.4 vs 13.4 us), the register variants 0.5-2 us
 faster on the small shapes only, and no change of the whole step (8.49 vs 8.50 ms), so the
@@ -54,6 +55,9 @@ MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
 # (R | P, bf16 trips at once) instantiated: gemv_bf16_multi_r{R}[t{T}], gemv_bf16_swiglu_p{P}[t{T}]
 MULTI_VARIANTS = ((1, 1), (4, 1), (1, 2), (4, 2))
+# (R, T) of gemv_bf16_multi_pl_r{R}[t{T}] (decode.cu gemv_multi_rows_pl: the register kernel r{R}t{T}
+# whose bf16 warps load their first T trips of weights before the PDL wait; variant pl_r{R}[t{T}])
+MULTI_PL = ((1, 1), (4, 1), (1, 2))
 SWIGLU_VARIANTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # TMA bulk streaming kernels (decode.cu gb_stream): (R | P, stages S, launch-bounds min CTAs)
 GEMV_BULK = {False: ((1, 4, 4), (2, 4, 3), (4, 3, 2)),   # gemv_bf16_bulk_r{R}s{S}
@@ -134,6 +138,7 @@ def _gemv_kernel_name(fp8: bool, R: int, T: int) -> str:
 GEMV_KERNELS = tuple(_gemv_kernel_name(f, r, t) for f in (False, True) for r, t in GEMV_VARIANTS[f]) + \
     tuple(f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") for r, t in MULTI_VARIANTS) + \
     tuple(f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in MULTI_VARIANTS) + \
+    tuple(f"gemv_bf16_multi_pl_r{r}" + (f"t{t}" if t > 1 else "") for r, t in MULTI_PL) + \
     tuple(f"gemv_bf16_swiglu_p{p}" + (f"t{t}" if t > 1 else "") for p, t in SWIGLU_VARIANTS) + \
     tuple(f"gemv_{'fp8' if f else 'bf16'}_bulk_r{r}s{st}" for f in (False, True) for r, st, _ in GEMV_BULK[f]) + \
     tuple(f"gemv_bf16_multi_bulk_r{r}s{st}" for r, st, _ in MULTI_BULK) + \
@@ -156,7 +161,8 @@ def gemv_variant_names(op: str, fp8: bool, new_only: bool = True) -> tuple:
                 *(() if fp8 else (f"pl_r{r}" for r in GEMV_PL)))
     if op == "multi":
         return ("default", *(() if new_only else ("r1", "r4")), "r1t2", "r4t2",
-                *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK))
+                *(f"bulk_r{r}s{st}" for r, st, _ in MULTI_BULK),
+                *(f"pl_r{r}" + (f"t{t}" if t > 1 else "") for r, t in MULTI_PL))
     if op == "swiglu":
         return ("default", *(() if new_only else ("p1", "p2")), "p1t2", "p2t2",
                 *(f"bulk_p{p}s{st}" for p, st, _ in SWIGLU_BULK))
@@ -221,6 +227,18 @@ def _parse_variant(v: str, letter: str):
         return False, int(a), int(b) if b else 1
     except (AssertionError, ValueError, IndexError):
         raise ValueError(f"gemv variant {v!r}: expected {letter}N[tT] or bulk_{letter}NsS") from None
+
+
+def parse_multi_variant(v: str):
+    """A multi variant name -> (kind, R, S): 'r4t2' -> ('reg', 4, 2), 'bulk_r4s3' -> ('bulk', 4,
+    3), 'pl_r1t2' -> ('pl', 1, 2) (S: bf16 trips at once, or the bulk ring's stages)."""
+    if v.startswith("pl_"):
+        bulk, R, T = _parse_variant(v[3:], "r")
+        if bulk:
+            raise ValueError(f"gemv variant {v!r}: expected pl_rN[tT]")
+        return "pl", R, T
+    bulk, R, S = _parse_variant(v, "r")
+    return ("bulk" if bulk else "reg"), R, S
 
 
 def parse_ps(v: str):
@@ -502,7 +520,7 @@ class GemvTable:
                                         for e in entries), K)
         if rows_per_warp is None:   # the R of the selected variant (a table serves that R only)
             v = gemv_selected("multi", self.fp8, self.cls)
-            rows_per_warp = 4 if v is None else _parse_variant(v, "r")[1]
+            rows_per_warp = 4 if v is None else parse_multi_variant(v)[1]
             if rows_per_warp not in MULTI_ROWS:
                 rows_per_warp = 4
         assert rows_per_warp in MULTI_ROWS, f"GemvTable: rows_per_warp {rows_per_warp} not in {MULTI_ROWS}"
@@ -572,12 +590,13 @@ def _check_qnorm(table: GemvTable, qnorm) -> tuple:
 
 def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None, qnorm=None):
     """Every projection of ``table`` applied to x (bf16 bits [K]) in one launch; pos int32 [1]
-    (read only by pending-row entries).  ``variant`` ('r{R}', 'bulk_r{R}s{S}', 'default'; R
-    must be the table's): the speed only, never the bits.
+    (read only by pending-row entries).  ``variant`` ('r{R}[t{T}]', 'bulk_r{R}s{S}',
+    'pl_r{R}[t{T}]', 'default'; R must be the table's): the speed only, never the bits.
     ``qnorm`` = (y, weight, eps): then also y <- rmsnorm(y, weight, eps) in place (y one of the
     table's bf16 outputs, weight bf16 bits): the register kernels' _qn forms do it in their last
     CTA (rmsnorm_bf16_wbf16's row code, so the bits of gemv_bf16_multi then ops.rmsnorm.rmsnorm);
-    a bulk variant launches the rmsnorm after it."""
+    a bulk variant launches the rmsnorm after it; a pl variant (no _qn form) runs as the register
+    kernel of its R and T with the norm in its last CTA."""
     check(x, "gemv_bf16_multi.x", np.uint16)
     check(pos, "gemv_bf16_multi.pos", np.int32, (1,))
     assert x.size == table.K, f"gemv_bf16_multi.x: {x.size} values, the table's K is {table.K}"
@@ -587,11 +606,13 @@ def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None, qno
     if variant is None:
         variant = gemv_selected("multi", table.fp8, table.cls)
     T = 1
+    pl = False
     if variant is not None and variant != "default":
-        bulk, R, S = _parse_variant(variant, "r")
+        kind, R, S = parse_multi_variant(variant)
+        bulk = kind == "bulk"
         ok = R == table.R and (any(r == R and st == S for r, st, _ in MULTI_BULK)
                                and _bulk_ok(table.K, table.fp8) if bulk
-                               else (R, S) in MULTI_VARIANTS)
+                               else (R, S) in (MULTI_PL if kind == "pl" else MULTI_VARIANTS))
         assert ok or not explicit, f"gemv_bf16_multi: variant {variant!r} not available (table R {table.R}, K {table.K})"
         if ok and bulk:
             minb = next(m for r, st, m in MULTI_BULK if r == R and st == S)
@@ -603,7 +624,8 @@ def gemv_bf16_multi(table: GemvTable, x, pos, *, variant: str | None = None, qno
             return
         if ok:
             T = S   # the register kernel's bf16 trips (FP8 rows keep the kernel's own depth)
-    name = f"gemv_bf16_multi_r{table.R}" + (f"t{T}" if T > 1 else "")
+            pl = kind == "pl" and qn is None
+    name = f"gemv_bf16_multi_{'pl_' if pl else ''}r{table.R}" + (f"t{T}" if T > 1 else "")
     args = (table.table, i32(table.nseg), x, i32(table.K), pos)
     if qn is not None:
         y, w, n, eps = qn

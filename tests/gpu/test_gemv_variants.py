@@ -109,7 +109,7 @@ def test_multi_variants_bit_identical(K):
     pos = cp.asarray(np.array([6], np.int32))
 
     def run(vn):
-        R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
+        R = 4 if vn == "default" else DK.parse_multi_variant(vn)[1]
         outs = [_filled(O + 4, cp.float32 if i % 2 == 0 else cp.uint16) for i, (O, _) in enumerate(shapes)]
         pend = _filled(8 * 72, cp.float32).reshape(8, 72)
         ent = [(w, o[:O]) for w, o, (O, _) in zip(ws, outs, shapes)]
@@ -182,7 +182,7 @@ def test_multi_qnorm_equals_multi_then_rmsnorm(K, n_q):
         return [cp.asnumpy(o).tobytes() for o in outs] + [cp.asnumpy(pend).tobytes()]
 
     for vn in DK.gemv_variant_names("multi", True, new_only=False):
-        R = 4 if vn == "default" else DK._parse_variant(vn, "r")[1]
+        R = 4 if vn == "default" else DK.parse_multi_variant(vn)[1]
         ref = run(vn, R, False)
         got = run(vn, R, True)
         for i, (a, b) in enumerate(zip(got, ref)):
