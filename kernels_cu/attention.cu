@@ -487,10 +487,7 @@ DEV CombPre comb_preload(const float* __restrict__ sink, int h, i64 t, int d0, c
     p.rope = r.pos != nullptr && d0 >= D - r.R;
     if (p.rope) {
         const i64 row = (i64)__ldcg(r.pos + t) * (r.R >> 1) + ((d0 - (D - r.R)) >> 1);
-        p.c[0] = __ldg(r.cos_t + row);
-        p.s[0] = __ldg(r.sin_t + row);
-        p.c[1] = __ldg(r.cos_t + row + 1);
-        p.s[1] = __ldg(r.sin_t + row + 1);
+        rope_pairs_ldg(r.cos_t, r.sin_t, row, p.c, p.s);
     }
     return p;
 }

@@ -540,6 +540,21 @@ DEV void rope_pair(float& a_io, float& b_io, float c, float s, bool inverse) {
     b_io = __double2float_rn(im);
 }
 
+// cos / sin of NP consecutive RoPE pairs from table index row (cos_t / sin_t [n_pos, R/2] f32,
+// row = pos * (R/2) + the first pair), c[i] and s[i] interleaved, through the read-only path.
+// For the PDL preloads (PDL_ENTRY_PRELOAD), which call it before griddepcontrol.wait: the tables
+// are static, and these are the same floats as the rotation loops' own loads.  The position in
+// row is the caller's, read through L2 (__ldcg).
+template <int NP>
+DEV void rope_pairs_ldg(const float* __restrict__ cos_t, const float* __restrict__ sin_t, i64 row, float (&c)[NP],
+                        float (&s)[NP]) {
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+        c[i] = __ldg(cos_t + row + i);
+        s[i] = __ldg(sin_t + row + i);
+    }
+}
+
 // Clamped SwiGLU of one element (twin oracle.ops.swiglu_clamped, then stored): silu in double,
 // rounded to f32, then the twin's f32 products. g, u are the bf16 linear outputs; limit <= 0: no clamp.
 DEV float swiglu_value(float g, float u, float ws, bool weighted, double limit) {

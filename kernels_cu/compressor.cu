@@ -181,11 +181,7 @@ DEV void nrs_load(NrsPre<EPT>& pre, int d0, const float* __restrict__ w, const f
     for (int i = 0; i < EPT / 2; ++i) pre.c[i] = pre.s[i] = 0.0f;
     if (rope && d0 >= D - R) {
         const i64 base = (i64)rope_p * (R >> 1) + ((d0 - (D - R)) >> 1);
-#pragma unroll
-        for (int i = 0; i < EPT / 2; ++i) {
-            pre.c[i] = __ldg(cos_t + base + i);
-            pre.s[i] = __ldg(sin_t + base + i);
-        }
+        rope_pairs_ldg(cos_t, sin_t, base, pre.c, pre.s);
     }
 }
 

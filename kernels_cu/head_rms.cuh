@@ -93,11 +93,7 @@ DEV HeadRope head_rope_preload(int n, const int* __restrict__ pos, const Tok& to
         const int c = lane >= c0 ? lane : lane + 32 * ((c0 - lane + 31) >> 5);
         if (c < nc) {
             const i64 trow = head_rms_rope_row(__ldcg(pos + tok()), c, n, R);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                h.cs[i] = __ldg(cos_t + trow + i);
-                h.sn[i] = __ldg(sin_t + trow + i);
-            }
+            rope_pairs_ldg(cos_t, sin_t, trow, h.cs, h.sn);
             h.c = c;
         }
     }

@@ -121,10 +121,7 @@ DEV QsRope rope_h128_preload(const int* __restrict__ pos, const float* __restric
     const int lane = threadIdx.x & 31;
     if (row < rows && 4 * lane >= 128 - R) {
         const i64 trow = (i64)__ldcg(pos + row / H) * (R >> 1) + ((4 * lane - (128 - R)) >> 1);
-        q.c[0] = __ldg(cos_t + trow);
-        q.s[0] = __ldg(sin_t + trow);
-        q.c[1] = __ldg(cos_t + trow + 1);
-        q.s[1] = __ldg(sin_t + trow + 1);
+        rope_pairs_ldg(cos_t, sin_t, trow, q.c, q.s);
     }
     return q;
 }
