@@ -98,12 +98,14 @@ from types import SimpleNamespace
 import numpy as np
 
 
-def _load(model: str, devices, max_seq_len: int, dense: str | None = None):
+def _load(model: str, devices, max_seq_len: int, dense: str | None = None,
+          expert_storage: str = "per-layer"):
     from memra_dsv4.gpu.model import Dsv4Gpu
     kw = {} if dense is None else {"dense": dense}
     if model.startswith("synthetic:"):
         return Dsv4Gpu.synthetic(model.split(":", 1)[1], devices=devices, seed=0,
-                                 max_seq_len=max_seq_len, decode_path="legacy", **kw)
+                                 max_seq_len=max_seq_len, decode_path="legacy",
+                                 expert_storage=expert_storage, **kw)
     from memra_dsv4.checkpoint import Checkpoint
     return Dsv4Gpu.load(Checkpoint.open(model), devices=devices, max_seq_len=max_seq_len,
                         decode_path="legacy", **kw)
@@ -419,6 +421,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", choices=("bf16", "fp8"), default=None,
                     help="dense weight form on the GPU (the MEMRA_DSV4_DENSE seam; default: "
                          "the seam's own default)")
+    ap.add_argument("--expert-storage", choices=("per-layer", "shared"), default="per-layer",
+                    help="synthetic models: shared = each stage's MoE layers alias its first MoE "
+                         "layer's routed experts (a full-depth Flash on one H200; the bytes read "
+                         "per step are the same)")
     ap.add_argument("--launch-profile", type=int, default=0, metavar="REPS",
                     help="device arms: time every kernel launch of one step alone as a graph "
                          "of REPS copies (profiling.launches); 0 = off")
@@ -439,6 +445,9 @@ def main(argv=None) -> int:
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
     arms_spec = check_arms(a.arms)   # before any GPU work
+    if a.expert_storage != "per-layer" and not a.model.startswith("synthetic:"):
+        raise SystemExit(f"--expert-storage {a.expert_storage}: synthetic models only (a checkpoint "
+                         f"stores its own experts), got --model {a.model}")
     for s in arms_spec:
         _kernels_dir(s, a.base_kernels, files=False)
     if a.device_trace:
@@ -469,7 +478,7 @@ def main(argv=None) -> int:
     prof_configure("off")
     max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
     max_seq += (a.device_trace + a.probe_steps + 2) if a.delay_probe else 0   # the probe rewinds
-    m = _load(a.model, devices, max_seq, a.dense)
+    m = _load(a.model, devices, max_seq, a.dense, a.expert_storage)
     cfg = m.config
     ids = np.random.default_rng(0).integers(2, cfg.vocab_size, a.ctx)
 
@@ -561,7 +570,8 @@ def main(argv=None) -> int:
     js, png = write_results({"config": {"model": a.model, "devices": list(devices),
                                         "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup,
                                         "fill": a.fill, "dense": _dense_of(m),
-                                        "phase_steps": a.phase_steps, "experts": fmt},
+                                        "phase_steps": a.phase_steps, "experts": fmt,
+                                        "expert_storage": a.expert_storage},
                              "copy_bw": bw, "arms": out_arms})
     print(f"results: {js} {png}")
     return 0

@@ -190,8 +190,14 @@ class Dsv4Gpu:
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
                   hc_split: str | None = None, decode_priority: str | None = None,
                   prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None) -> "Dsv4Gpu":
-        from memra_dsv4.gpu.weights import resolve_dense, synthetic_stage_weights
+                 decode_shared_w2: str | None = None, expert_storage: str = "per-layer") -> "Dsv4Gpu":
+        """A model of random weights for ``config_or_preset`` (a Dsv4Config or a preset name).
+        ``expert_storage`` "shared": each stage's MoE layers alias its first MoE layer's routed
+        experts (weights.EXPERT_STORAGE; for a full-depth model on one GPU), else "per-layer"."""
+        from memra_dsv4.gpu.weights import EXPERT_STORAGE, resolve_dense, synthetic_stage_weights
+
+        if expert_storage not in EXPERT_STORAGE:   # before any GPU work
+            raise ValueError(f"expert_storage = {expert_storage!r}: expected one of {EXPERT_STORAGE}")
         from memra_dsv4.tensors import expected_tensors
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -200,7 +206,7 @@ class Dsv4Gpu:
         plan = cls._plan(cfg, devices, experts, dense)
         bar = _bar(len(expected_tensors(cfg, experts)), "synthesising")
         stages = [synthetic_stage_weights(cfg, devices[i], layers, emb, head, seed, experts,
-                                          progress=bar, dense=dense)
+                                          progress=bar, dense=dense, expert_storage=expert_storage)
                   for i, layers, emb, head in plan]
         if bar is not None:
             bar.close()

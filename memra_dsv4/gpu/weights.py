@@ -295,20 +295,32 @@ def _synthetic_fp8(rs, shape, target_rms: float):
     return codes, scale
 
 
+# Expert storage of a synthetic stage: "per-layer" (every MoE layer its own routed-expert tensors,
+# as a checkpoint) or "shared" (the stage's first MoE layer's tensors, w1 / w2 / w3, aliased by
+# every later layer of the stage: a full-depth Flash fits one H200 for a one-GPU measurement of
+# the whole step; each layer's routed experts are still read from HBM, since the L2 holds a few
+# percent of what a layer streams between two reads of one expert's bytes).
+EXPERT_STORAGE = ("per-layer", "shared")
+
+
 def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_embed: bool,
                             has_head: bool, seed: int = 0, experts: str = "mxfp4",
-                            progress=None, dense: str = "bf16") -> StageWeights:
+                            progress=None, dense: str = "bf16",
+                            expert_storage: str = "per-layer") -> StageWeights:
     import cupy as cp
     from memra_dsv4.gpu.ops_glue import bf16_bits
     from memra_dsv4.synth import COMB_DIAGONAL_LOGIT
 
     _check_dense(dense)
+    if expert_storage not in EXPERT_STORAGE:
+        raise ValueError(f"expert_storage = {expert_storage!r}: expected one of {EXPERT_STORAGE}")
     sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense)
     hc = cfg.hc_mult
     E = cfg.n_routed_experts
     with cp.cuda.Device(device):
         rs = cp.random.RandomState(seed * 1000 + device + 1)
         done_experts: set[str] = set()
+        first_experts: dict = {}   # "w1" | "w2" | "w3" -> (packed, scale, ws2) (expert_storage "shared")
         for spec in _stage_specs(cfg, layers, has_embed, has_head, experts):
             name = spec.name
             m = _EXPERT.match(name)
@@ -321,6 +333,16 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                         raise AssertionError(f"unexpected expert spec order at {name}")
                     in_f = 2 * in_half
                     sw.expert_fmt[spec.layer] = experts
+                    alias = first_experts.get(m.group(3)) if expert_storage == "shared" else None
+                    if alias is not None:   # the stage's first MoE layer's arrays (no new bytes)
+                        packed, scale, ws2 = alias
+                        assert packed.shape == (E, out_f, in_half), f"{name}: shape {packed.shape}"
+                        sw.t[f"{key}.packed"], sw.t[f"{key}.scale"] = packed, scale
+                        if ws2 is not None:
+                            sw.ws2[key] = ws2
+                        if progress is not None:
+                            progress.update(1)
+                        continue
                     packed = rs.randint(0, 256, size=(E, out_f, in_half), dtype=cp.int32).astype(cp.uint8)
                     target = 1.0 / math.sqrt(in_f) / 2.3   # mean |e2m1| of random codes ~2.3
                     if experts == "mxfp4":
@@ -331,6 +353,7 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                         sw.ws2[key] = np.full(E, 2.0 ** int(round(math.log2(target))), np.float32)
                     sw._put(f"{key}.packed", packed)
                     sw._put(f"{key}.scale", scale)
+                    first_experts[m.group(3)] = (packed, scale, sw.ws2.get(key))
                 if progress is not None:
                     progress.update(1)
                 continue
