@@ -402,6 +402,7 @@ def _delay_probe(st, devices, timer, delay_us: float, rounds: int, steps: int) -
 
 
 def main(argv=None) -> int:
+    from memra_dsv4.gpu.weights import EXPERT_STORAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="synthetic:flash")
     ap.add_argument("--devices", default="0,1")
@@ -421,7 +422,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", choices=("bf16", "fp8"), default=None,
                     help="dense weight form on the GPU (the MEMRA_DSV4_DENSE seam; default: "
                          "the seam's own default)")
-    ap.add_argument("--expert-storage", choices=("per-layer", "shared"), default="per-layer",
+    ap.add_argument("--expert-storage", choices=EXPERT_STORAGE, default="per-layer",
                     help="synthetic models: shared = each stage's MoE layers alias its first MoE "
                          "layer's routed experts (a full-depth Flash on one H200; the bytes read "
                          "per step are the same)")

@@ -194,10 +194,9 @@ class Dsv4Gpu:
         """A model of random weights for ``config_or_preset`` (a Dsv4Config or a preset name).
         ``expert_storage`` "shared": each stage's MoE layers alias its first MoE layer's routed
         experts (weights.EXPERT_STORAGE; for a full-depth model on one GPU), else "per-layer"."""
-        from memra_dsv4.gpu.weights import EXPERT_STORAGE, resolve_dense, synthetic_stage_weights
+        from memra_dsv4.gpu.weights import check_expert_storage, resolve_dense, synthetic_stage_weights
 
-        if expert_storage not in EXPERT_STORAGE:   # before any GPU work
-            raise ValueError(f"expert_storage = {expert_storage!r}: expected one of {EXPERT_STORAGE}")
+        check_expert_storage(expert_storage)   # before any GPU work
         from memra_dsv4.tensors import expected_tensors
 
         dense = resolve_dense(dense)                           # read once, printed

@@ -303,6 +303,13 @@ def _synthetic_fp8(rs, shape, target_rms: float):
 EXPERT_STORAGE = ("per-layer", "shared")
 
 
+def check_expert_storage(value: str) -> str:
+    """``value`` if it is one of EXPERT_STORAGE, else ValueError naming it."""
+    if value not in EXPERT_STORAGE:
+        raise ValueError(f"expert_storage = {value!r}: expected one of {EXPERT_STORAGE}")
+    return value
+
+
 def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_embed: bool,
                             has_head: bool, seed: int = 0, experts: str = "mxfp4",
                             progress=None, dense: str = "bf16",
@@ -312,8 +319,7 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
     from memra_dsv4.synth import COMB_DIAGONAL_LOGIT
 
     _check_dense(dense)
-    if expert_storage not in EXPERT_STORAGE:
-        raise ValueError(f"expert_storage = {expert_storage!r}: expected one of {EXPERT_STORAGE}")
+    check_expert_storage(expert_storage)
     sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense)
     hc = cfg.hc_mult
     E = cfg.n_routed_experts
@@ -340,20 +346,19 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                         sw.t[f"{key}.packed"], sw.t[f"{key}.scale"] = packed, scale
                         if ws2 is not None:
                             sw.ws2[key] = ws2
-                        if progress is not None:
-                            progress.update(1)
-                        continue
-                    packed = rs.randint(0, 256, size=(E, out_f, in_half), dtype=cp.int32).astype(cp.uint8)
-                    target = 1.0 / math.sqrt(in_f) / 2.3   # mean |e2m1| of random codes ~2.3
-                    if experts == "mxfp4":
-                        b = 127 + int(round(math.log2(target)))
-                        scale = cp.full((E, out_f, in_f // 32), b, dtype=cp.uint8)
                     else:
-                        scale = cp.full((E, out_f, in_f // 16), 0x38, dtype=cp.uint8)  # e4m3 1.0
-                        sw.ws2[key] = np.full(E, 2.0 ** int(round(math.log2(target))), np.float32)
-                    sw._put(f"{key}.packed", packed)
-                    sw._put(f"{key}.scale", scale)
-                    first_experts[m.group(3)] = (packed, scale, sw.ws2.get(key))
+                        packed = rs.randint(0, 256, size=(E, out_f, in_half), dtype=cp.int32).astype(cp.uint8)
+                        target = 1.0 / math.sqrt(in_f) / 2.3   # mean |e2m1| of random codes ~2.3
+                        if experts == "mxfp4":
+                            b = 127 + int(round(math.log2(target)))
+                            scale = cp.full((E, out_f, in_f // 32), b, dtype=cp.uint8)
+                        else:
+                            scale = cp.full((E, out_f, in_f // 16), 0x38, dtype=cp.uint8)  # e4m3 1.0
+                            sw.ws2[key] = np.full(E, 2.0 ** int(round(math.log2(target))), np.float32)
+                        sw._put(f"{key}.packed", packed)
+                        sw._put(f"{key}.scale", scale)
+                        if expert_storage == "shared":
+                            first_experts[m.group(3)] = (packed, scale, sw.ws2.get(key))
                 if progress is not None:
                     progress.update(1)
                 continue
