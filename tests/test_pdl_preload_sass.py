@@ -34,7 +34,7 @@ PRELOAD_KERNELS = {
     "router": tuple(f"router_fused_e{e}" for e in (32, 64, 128, 256, 384, 512))
               + tuple(f"router_cluster_e{e}" for e in (32, 64, 128, 256)),
     "rmsnorm": ("rmsnorm_bf16_wf32", "rmsnorm_bf16_wbf16", "head_rms_bf16"),
-    "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_pre_cluster"),
+    "hc": ("hc_boundary", "hc_boundary_poll", "hc_boundary_pre", "hc_boundary_pre_cluster", "hc_boundary_pre_coop"),
     "decode": ("gemv_bf16_pl_r2", "gemv_bf16_pl_r4", "gemv_bf16_multi_r1_qn", "gemv_bf16_multi_r4_qn",
                "gemv_bf16_multi_r1t2_qn", "gemv_bf16_multi_r4t2_qn", "gemv_bf16_pl_r2_qn", "gemv_bf16_pl_r4_qn",
                "gemv_bf16_pl2_r2", "gemv_bf16_pl2_r4", "build_cand",

@@ -1,12 +1,13 @@
 """Where one decode boundary's critical launch spends its time: hc.cu built with
 -DMEMRA_HC_STAMPS (phase stamps of %globaltimer, compiled away in the production build), then
-hc_boundary_pre (the last-CTA ticket form) and hc_boundary_pre_cluster (one cluster of D / 256
-CTAs) launched alone, one at a time, each after a 256 MB memset that evicts the L2 (so fn, 1.5 MB
+hc_boundary_pre (the last-CTA ticket form), hc_boundary_pre_cluster (one cluster of D / 256
+CTAs) and hc_boundary_pre_coop (the ticket form's grid, every CTA polling tagged words) launched alone, one at a time, each after a 256 MB memset that evicts the L2 (so fn, 1.5 MB
 at D = 4096, comes from HBM as in the decode step), both forms ("post": with hc_post; "first":
 without).  Prints, per kernel and form, the median over --reps launches of each phase point in
 microseconds after the earliest CTA's entry (for the ticket form the spread of phase A's end over
-the 64 CTAs, then the last CTA's tail; for the cluster form the median and the latest CTA at each
-point), and checks that both kernels wrote the same bytes (x, xn, mixes, pre, out).
+the 64 CTAs, then the last CTA's tail; for the cluster and coop forms the median and the latest
+CTA at each point), and checks that every kernel wrote the ticket form's bytes (x, xn, mixes, pre,
+out).
 
     python tools/hc_boundary_phases.py [--dim 4096] [--reps 30]
 
@@ -19,6 +20,9 @@ Phase points (HC_STAMP in kernels_cu/hc.cu):
           4 cluster barrier passed  5 partials sent  6 all partials received (warp 0)  7 mixes /
           pre formed  8 x of the CTA's channels formed  9 x sent  10 all of x received
           11 sum of squares formed  12 xn stored
+  coop    0 entry  1 after the wait (epoch read)  2 phase A done, slots published  3 round 1
+          polled (block barrier)  4 mixes / pre formed  5 x formed, chains published  6 round 2
+          polled  7 xn stored
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ TICKET_POINTS = ("entry", "wait", "phaseA", "ticket", "part+S in", "mixes+pre", 
                  "x own", "x barrier", "sumsq", "rsqrt", "chains", "mix")
 CLUSTER_POINTS = ("entry", "wait", "S smem", "seg vals", "cl barrier", "part sent", "part in",
                   "mixes/pre", "x own", "x sent", "x in", "sumsq", "xn out")
+COOP_POINTS = ("entry", "wait", "phaseA+pub", "round1 in", "mixes/pre", "x+chains", "round2 in", "xn out")
 
 
 def main() -> int:
@@ -50,6 +55,8 @@ def main() -> int:
     mod = cp.RawModule(code=src, options=kernel_loader.nvrtc_options(kdir) + ("-DMEMRA_HC_STAMPS",))
     k_ticket = mod.get_function("hc_boundary_pre")
     k_cluster = mod.get_function("hc_boundary_pre_cluster")
+    k_coop = mod.get_function("hc_boundary_pre_coop") if HC.pre_coop_ok(D) else None
+    coop_slots = cp.zeros((HC.COOP_SLOT_INT32,), cp.int32)   # this module's own (tags start anew)
     shape = {h: HC.pre_launch_shape(D, h) for h in HC.PRE_HANDOFFS}   # ops.hc's launches
     k_ticket.max_dynamic_shared_size_bytes = shape["ticket"]["smem_optin"]   # > 48 KB: opt in
     stamps = cp.ndarray((128, 16), cp.uint64, mod.get_global("hc_stamps"))
@@ -88,13 +95,17 @@ def main() -> int:
         if kind == "ticket":
             pdl.launch_ex(k_ticket, "hc_boundary_pre", sh["grid"], sh["block"], head + (ws, cnt),
                           shared_mem=sh["shared_mem"], stream=s, pdl=False)
+        elif kind == "coop":
+            pdl.launch_ex(k_coop, "hc_boundary_pre_coop", sh["grid"], sh["block"], head + (coop_slots,),
+                          shared_mem=0, stream=s, pdl=False)
         else:
             pdl.launch_ex(k_cluster, "hc_boundary_pre_cluster", sh["grid"], sh["block"], head,
                           shared_mem=sh["shared_mem"], stream=s, pdl=False, cluster=sh["cluster"])
 
     for form in ("post", "first"):
         res, bytes_of = {}, {}
-        for kind in ("ticket", "cluster"):
+        kinds = ("ticket", "cluster") + (("coop",) if k_coop is not None else ())
+        for kind in kinds:
             rows = []
             o = outs()
             for rep in range(a.reps + 2):
@@ -107,11 +118,12 @@ def main() -> int:
                     rows.append(cp.asnumpy(stamps).astype(np.int64))
             res[kind] = rows
             bytes_of[kind] = {k: cp.asnumpy(v).tobytes() for k, v in o.items()}
-        bad = [k for k in bytes_of["ticket"] if bytes_of["ticket"][k] != bytes_of["cluster"][k]
-               and not (k == "out" and form == "first")]
-        if bad:
-            ok = False
-            print(f"*** MISMATCH *** form={form}: cluster != ticket in {bad}")
+        for kind in kinds[1:]:
+            bad = [k for k in bytes_of["ticket"] if bytes_of["ticket"][k] != bytes_of[kind][k]
+                   and not (k == "out" and form == "first")]
+            if bad:
+                ok = False
+                print(f"*** MISMATCH *** form={form}: {kind} != ticket in {bad}")
         # ticket: points relative to the earliest entry
         per = []
         for st in res["ticket"]:
@@ -134,7 +146,19 @@ def main() -> int:
         mx = np.median(np.array(per_max, np.float64), axis=0) / 1e3
         print(f"form={form:5s} cluster ({C} CTAs; us after the first entry, median CTA / latest CTA):")
         print("    " + "  ".join(f"{nm} {v:5.2f}/{x:5.2f}" for nm, v, x in zip(CLUSTER_POINTS, mm, mx)))
-    print(f"cluster == ticket bytes: {ok}")
+        if k_coop is None:
+            continue
+        per_med, per_max = [], []
+        for st in res["coop"]:
+            live = st[:nseg]
+            t0 = live[:, 0].min()
+            per_med.append([np.median(live[:, i]) - t0 for i in range(8)])
+            per_max.append([live[:, i].max() - t0 for i in range(8)])
+        mm = np.median(np.array(per_med, np.float64), axis=0) / 1e3
+        mx = np.median(np.array(per_max, np.float64), axis=0) / 1e3
+        print(f"form={form:5s} coop    ({nseg} CTAs; us after the first entry, median CTA / latest CTA):")
+        print("    " + "  ".join(f"{nm} {v:5.2f}/{x:5.2f}" for nm, v, x in zip(COOP_POINTS, mm, mx)))
+    print(f"cluster / coop == ticket bytes: {ok}")
     return 0 if ok else 1
 
 

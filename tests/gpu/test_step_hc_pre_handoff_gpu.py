@@ -9,7 +9,11 @@ form's bits:
   the reference), cluster (graph), cluster eager; logits of every step and every cache byte
   equal; the first eager cluster step launches hc_boundary_pre_cluster 2 x layers times and no
   hc_boundary_pre;
-* tiny (D = 256: a cluster of one CTA), 12 steps past the window wrap, the same arms."""
+* tiny (D = 256: a cluster of one CTA), 12 steps past the window wrap, the same arms;
+* MEMRA_DSV4_HC_PRE_HANDOFF=coop (hc_boundary_pre_coop: the ticket form's 64 CTAs polling
+  tagged words, no single-SM tail) on flash-layers:2 the same way: ticket (graph), coop (graph),
+  coop eager; the first eager coop step launches hc_boundary_pre_coop 2 x layers times and no
+  hc_boundary_pre (tiny's D = 256 falls back to the ticket form)."""
 from __future__ import annotations
 
 import pytest
@@ -46,4 +50,24 @@ def test_hc_pre_cluster_step_bit_identical_tiny(monkeypatch):
     assert_arms_agree("tiny hc boundary cluster handoff", states, ids[prompt:],
                       env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
                                      first_eager=_first_eager(m, states, m.config.num_hidden_layers)),
+                      pos0=prompt)
+
+
+_COOP_ARMS = {"ticket": ("ticket", True), "coop": ("coop", True), "coop+eager": ("coop", False)}
+
+
+def _first_eager_coop(m, states, n_layers: int):
+    def first(a, t):
+        logits, names = eager_step_launches(m, states[a], t)
+        assert names.count("hc_boundary_pre_coop") == 2 * n_layers, sorted(set(names))
+        assert "hc_boundary_pre" not in names, sorted(set(names))
+        return logits
+    return first
+
+
+def test_hc_pre_coop_step_bit_identical_flash_layers(monkeypatch):
+    m, states, ids, prompt = flash_prefilled(2, _COOP_ARMS, seed=71)
+    assert_arms_agree("flash-layers:2 hc boundary coop handoff", states, ids[prompt:],
+                      env_arm_runner(m, states, ENV, _COOP_ARMS, monkeypatch,
+                                     first_eager=_first_eager_coop(m, states, 2)),
                       pos0=prompt)
