@@ -56,9 +56,9 @@ device router's selection handed over through a ticket and L2 or inside one thre
 through DSMEM; bit-identical, step_device.router_handoff), ``shspare=router|grid|none``
 (MEMRA_DSV4_SHARED_GATEUP_SPARE: the routed gate/up's CTAs that land on the router cluster's SMs
 without shared-expert rows, or a gate/up grid sized for the other SMs; bit-identical,
-step_device.shared_gateup_spare), ``hchand=ticket|cluster|coop`` (MEMRA_DSV4_HC_PRE_HANDOFF: the
+step_device.shared_gateup_spare), ``hchand=ticket|cluster|coop|coopall`` (MEMRA_DSV4_HC_PRE_HANDOFF: the
 boundary's critical launch as the last-CTA ticket kernel, one thread-block cluster exchanging
-partials and x through DSMEM, or the cooperative grid polling tagged global words; bit-identical, step_device.hc_pre_handoff), and
+partials and x through DSMEM, or the cooperative grid polling tagged global words (8 tail CTAs, or all); bit-identical, step_device.hc_pre_handoff), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -161,7 +161,7 @@ _KERNEL_SETTINGS = {
     "mqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_MULTI_QNORM"),
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
     "rhand": SimpleNamespace(allowed=("ticket", "cluster"), env="MEMRA_DSV4_ROUTER_HANDOFF"),
-    "hchand": SimpleNamespace(allowed=("ticket", "cluster", "coop"), env="MEMRA_DSV4_HC_PRE_HANDOFF"),
+    "hchand": SimpleNamespace(allowed=("ticket", "cluster", "coop", "coopall"), env="MEMRA_DSV4_HC_PRE_HANDOFF"),
     "shspare": SimpleNamespace(allowed=("router", "grid", "none"), env="MEMRA_DSV4_SHARED_GATEUP_SPARE"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),

@@ -1187,50 +1187,51 @@ hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, co
 // ------------------------------------------------------------------------- the cooperative boundary
 // hc_boundary_pre_coop: hc_boundary_pre's outputs, byte for byte, from the ticket form's own grid
 // (G = n / 256 CTAs x 256 threads, one canonical segment each, fn loaded before the PDL wait: the
-// same phase A) with no single-SM tail.  The ticket form's last CTA spends ~4.9 us after its
-// ticket (tools/hc_boundary_phases.py, twenty-second session): the L2 re-read of 64 partial
-// blocks, the chains, then x, the sum of squares and xn of all D channels on one SM (~16 f32 <->
-// f64 conversions per clock).  Here every CTA waits for every other instead (all G co-resident:
-// "Forward progress" below), and the per-channel work is spread over the grid:
+// same phase A) with the single-SM tail spread over NT "tail" CTAs (n_tail: 8, or all G).  The
+// ticket form's last CTA spends ~4.9 us after its ticket (tools/hc_boundary_phases.py,
+// twenty-second session): the L2 re-read of 64 partial blocks, the chains, then x, the sum of
+// squares and xn of all D channels on one SM (~16 f32 <-> f64 conversions per clock).
 //
-// Ownership: CTA k owns threads [k T, k T + T) of rmsnorm_row's 128-thread partition (T = 128 / G;
-//   thread u's chunks are u, u + 128, u + 256, ... of the D / 8 chunks of 8 channels), i.e. 8
-//   chunks = 64 channels of every stream: local chunk j = u' M + m is global chunk
-//   k T + u' + 128 m (bco_chunk; M = D / 1024 chunks per thread).
-// 1. Phase A: the ticket form's (bnd_phase_a: hc_post -> out for segment k, the segment's 32 slot
-//    values), plus S of the CTA's own 256 stream elements (4 streams x 64 channels, thread i one
-//    element: bnd_post_elem's expression, so the bits the element's segment owner stores to out;
-//    R's element without f) into shared memory.
-// 2. Round 1: each CTA publishes its 32 slot values (tagged words, below); each CTA polls, over
-//    every segment, the slots it needs: rows 0..3 and the squares (for pre), and the mixes rows
-//    4 + k + G i < 24 it stores; warp 0 adds each chain in segment order (bnd_chain's sequence of
-//    double adds), forms the mixes (bnd_mix) and pre (pre_value); CTA 0 stores mixes[0..3] and
-//    pre_out.  Every CTA holds the same pre bits.
-// 3. x of the CTA's 64 channels (bnd_x_chunk's expression, per element) -> x_out; its T threads'
-//    sum-of-squares chains over their chunks in order (bnd_ss_chunk) are published in round 2.
-// 4. Round 2: each CTA polls the 128 chains, sums them as bnd_wsum_norm256 does (warp_sum over
-//    each warp's 32 chains, the 4 warp partials in order: bnd_norm_rsqrt), and writes xn of its 64
-//    channels (bnd_xn_chunk; the weight chunks were loaded before the PDL wait).
+// Ownership: tail CTA k < NT owns threads [k P, k P + P) of rmsnorm_row's 128-thread partition
+//   (P = 128 / NT; thread u's chunks are u, u + 128, u + 256, ... of the D / 8 chunks of 8
+//   channels): P M chunks, D / NT channels of every stream; local chunk j = u' M + m is global
+//   chunk k P + u' + 128 m (bco_chunk; M = D / 1024 chunks per thread).
+// 1. Phase A (every CTA): the ticket form's (bnd_phase_a: hc_post -> out for segment k, the
+//    segment's 32 slot values); the values go out as tagged words (below), the first of each
+//    lane's after a fence.acq_rel.gpu (release: the CTA's out, ordered by phase A's barrier).
+//    CTAs k >= NT are then done.
+// 2. Round 1 (tail CTAs): poll, over every segment, the slots the CTA needs: rows 0..3 and the
+//    squares (for pre) and the mixes rows 4 + k + NT i < 24 it stores; fence.acq_rel.gpu
+//    (acquire: the other CTAs' out); warps 1..7 copy S of the own channels (out, or R without f)
+//    and warp 0 adds each chain in segment order (bnd_chain's sequence of double adds), forms
+//    the mixes (bnd_mix) and pre (pre_value); CTA 0 stores mixes[0..3] and pre_out.  Every tail
+//    CTA holds the same pre bits.
+// 3. x of the own channels (bnd_x_chunk's expression, per element) -> x_out; the CTA's P
+//    threads' sum-of-squares chains over their chunks in order (bnd_ss_chunk) -> round 2.
+// 4. Round 2: each tail CTA polls the 128 chains, sums them as bnd_wsum_norm256 does (warp_sum
+//    over each warp's 32 chains, the 4 warp partials in order: bnd_norm_rsqrt), and writes xn of
+//    its channels (bnd_xn_chunk; the weight chunks were loaded before the PDL wait).
 // Tagged words: a double crosses as two u64 words (tag << 32) | half, st.relaxed.gpu, polled with
-//   ld.relaxed.gpu until the word carries this launch's tag.  Only the words themselves cross
-//   CTAs, so they need no fence, no ticket and no reset: the tag is the launch's epoch (the
-//   epoch word + 1, 0 skipped), read by every CTA after the PDL wait; CTA 0 stores it back after
-//   its round-2 poll (every CTA read it before publishing round 2); the next launch reads it only
-//   after this grid completed (stream order / the PDL wait).  Every launch rewrites every word it
-//   polls, so a stale word's tag is the previous launch's.
-// Forward progress: every CTA waits for all others, so all G must be co-resident: G <= 128 CTAs of
-//   256 threads with ~10 KB of static shared memory (one per SM suffices; an H200 has 132).  A
-//   dependent grid under PDL launches only after every CTA of this one ran launch_dependents
-//   (PDL_ENTRY: every CTA already resident); the kernels beside it on the step's other graph
-//   branches do not wait on it, so they leave their SMs.  One slot buffer per device: not for
-//   concurrent launches on two streams of one device.
-// Covers D in {1024, 2048, 4096, 8192} (D % 1024 == 0 and G | 128: ops.hc.pre_coop_ok); the host
-// uses the ticket form elsewhere.  post_in / comb_in: pure inputs.
-// Arguments: hc_boundary_pre's, with slots (int32 [COOP_SLOT_INT32], zero before the first
-// launch) in place of ws / counter.  grid (n / 256), block 256, no dynamic shared memory.
+//   ld.relaxed.gpu until the word carries this launch's tag.  No ticket and no reset: the tag is
+//   the launch's epoch (the epoch word + 1, 0 skipped), read by every CTA after the PDL wait;
+//   CTA 0 stores it back after its round-1 poll saw every segment's words (so every CTA had read
+//   it) and its round-2 poll; the next launch reads it only after this grid completed (stream
+//   order / the PDL wait).  Every launch rewrites every word it polls, so a stale word's tag is
+//   the previous launch's.
+// Forward progress: the tail CTAs wait for all G, so all G must be co-resident at some point:
+//   G <= 128 CTAs of 256 threads, ~20 KB of static shared memory (one per SM suffices; an H200
+//   has 132).  A dependent grid under PDL launches only after every CTA of this one ran
+//   launch_dependents (PDL_ENTRY: every CTA already resident); the kernels beside it on the
+//   step's other graph branches do not wait on it, so they leave their SMs.  One slot buffer per
+//   device: not for concurrent launches on two streams of one device.
+// Covers D in {1024, 2048, 4096, 8192} (D % 1024 == 0, G | 128) and NT in {8, G} (8 <= NT <= G,
+// NT | 128: ops.hc.pre_coop_ok); the host uses the ticket form elsewhere.  post_in / comb_in:
+// pure inputs.  Arguments: hc_boundary_pre's, then n_tail and slots (int32 [COOP_SLOT_INT32],
+// zero before the first launch) in place of ws / counter.  grid (n / 256), block 256, no dynamic
+// shared memory.
 namespace {
-constexpr int BCO_OWN = 8;                                // chunks of 8 channels per CTA
-constexpr int BCO_MAXV = 7;                               // polled values: rows 0..3, squares, <= 2 mixes rows
+constexpr int BCO_MAX_CH = 1024;                          // own channels per tail CTA (D / NT)
+constexpr int BCO_MAXV = 8;                               // polled values: rows 0..3, squares, <= 3 mixes rows
 constexpr int BCO_R1_WORDS = MIX_MAX_SEG * 32 * 2;        // round 1: [nseg][32 slots][2 halves] u64
 constexpr int BCO_R2_WORDS = 128 * 2;                     // round 2: [128 chains][2 halves] u64
 constexpr int BCO_POLL = (BCO_MAXV * MIX_MAX_SEG * 2 + BND_THREADS - 1) / BND_THREADS;  // words per thread
@@ -1252,28 +1253,29 @@ DEV void bco_publish(u64* w, double v, u32 tag) {
     st_relaxed_gpu_u64(w, t | (b & 0xffffffffull));
     st_relaxed_gpu_u64(w + 1, t | (b >> 32));
 }
-// global chunk of CTA k's local chunk j
-DEV int bco_chunk(int k, int j, int D) {
-    const int T = 128 / (int)gridDim.x, M = D >> 10;
-    return k * T + j / M + 128 * (j % M);
+// global chunk of tail CTA k's local chunk j (NT tail CTAs)
+DEV int bco_chunk(int k, int j, int D, int NT) {
+    const int P = 128 / NT, M = D >> 10;
+    return k * P + j / M + 128 * (j % M);
 }
-// the row of polled value v of CTA k: rows 0..3, then 24 (the squares), then the mixes rows
-// 4 + k + G i
-DEV int bco_row(int v, int k) { return v < HC ? v : v == HC ? BND_ROWS : HC + k + (int)gridDim.x * (v - HC - 1); }
+// the row of polled value v of tail CTA k: rows 0..3, then 24 (the squares), then the mixes rows
+// 4 + k + NT i
+DEV int bco_row(int v, int k, int NT) { return v < HC ? v : v == HC ? BND_ROWS : HC + k + NT * (v - HC - 1); }
 // the slot of row t (< 24), or of the squares (t == 24), in a segment's 32 (hc_boundary's layout)
 DEV int bco_slot(int t) { return t < BND_ROWS ? 4 * (t / 3) + t % 3 : 3; }
 
 struct BcoPre {
     BndFn fr;
-    uint4 w;  // threads < 8: the norm weight of own chunk threadIdx.x
+    uint4 w;  // tail CTAs, threads < own chunks: the norm weight of own chunk threadIdx.x
 };
 // before the PDL wait: static weights only (fn rows, the norm weight)
-DEV BcoPre bco_preload(const float* __restrict__ fn, const u16* __restrict__ norm_w, int D) {
+DEV BcoPre bco_preload(const float* __restrict__ fn, const u16* __restrict__ norm_w, int D, int NT) {
     HC_STAMP(0, 0);
     BcoPre p;
     p.fr = bnd_fn_at(fn, D, blockIdx.x, threadIdx.x >> 5);
     p.w = make_uint4(0u, 0u, 0u, 0u);
-    if (threadIdx.x < BCO_OWN) p.w = ldg16(norm_w + 8 * bco_chunk(blockIdx.x, threadIdx.x, D));
+    if ((int)blockIdx.x < NT && (int)threadIdx.x < D / (8 * NT))
+        p.w = ldg16(norm_w + 8 * bco_chunk(blockIdx.x, threadIdx.x, D, NT));
     if (D < 0) __trap();  // ends the block: the wait stays below the loads (bnd_fn_preload's reason)
     return p;
 }
@@ -1282,32 +1284,32 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
                   const float* __restrict__ post_in, const float* __restrict__ comb_in, u16* out,
                   const float* __restrict__ scale, const float* __restrict__ base,
                   const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out, u16* xn_out,
-                  int D, float hc_eps, double norm_eps, int* slots_i32) {
-    __shared__ __align__(16) u16 own_s[HC][BCO_OWN * 8];        // S of the own 64 channels
-    __shared__ __align__(16) u16 xo_s[BCO_OWN * 8];             // x of the own 64 channels
-    __shared__ __align__(16) u16 seg_s[MIX_SEG];                // phase A's segment
+                  int D, float hc_eps, double norm_eps, int NT, int* slots_i32) {
+    __shared__ __align__(16) u16 own_s[HC * BCO_MAX_CH];          // S of the own channels [4][D / NT]
+    __shared__ __align__(16) u16 xo_s[BCO_MAX_CH];                // x of the own channels
+    __shared__ __align__(16) u16 seg_s[MIX_SEG];                  // phase A's segment
     __shared__ __align__(16) u32 part32[BCO_MAXV][MIX_MAX_SEG][2];  // polled values [v][segment]
-    __shared__ __align__(16) u32 ss32[128][2];                  // the 128 chains
+    __shared__ __align__(16) u32 ss32[128][2];                    // the 128 chains
     __shared__ float pre_s[HC];
     __shared__ double red[4];
     u64* r1 = reinterpret_cast<u64*>(slots_i32);
     u64* r2 = r1 + BCO_R1_WORDS;
     u32* epoch_p = reinterpret_cast<u32*>(r2 + BCO_R2_WORDS);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int G = gridDim.x, k = blockIdx.x, n = HC * D, nseg = n / MIX_SEG;  // nseg == G
+    const int k = blockIdx.x, n = HC * D, nseg = n / MIX_SEG;  // nseg == G
+    const int own_ch = D / NT, own_chunks = own_ch >> 3;
     const u32 e = ld_relaxed_gpu_u32(epoch_p);
     const u32 tag = e + 1u == 0u ? 1u : e + 1u;
     HC_STAMP(0, 1);
-    {  // own S: thread i = stream i / 64, own channel i % 64
-        const int s = threadIdx.x >> 6, q = threadIdx.x & 63;
-        const int d = 8 * bco_chunk(k, q >> 3, D) + (q & 7);
-        own_s[s][q] = f != nullptr ? bnd_post_elem(f, R, post_in, comb_in, D, s, d) : R[(i64)s * D + d];
-    }
     const double val = bnd_phase_a(pl.fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
-    if (lane < 4) bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag);
+    if (lane < 4) {  // release: the CTA's out stores (ordered by bnd_phase_a's barrier) before the words
+        fence_acq_rel_gpu();
+        bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag);
+    }
     HC_STAMP(0, 2);
+    if (k >= NT) return;
     // ---- round 1: values v < nvals over every segment; word w = (v, segment, half)
-    const int nvals = HC + 1 + (k < BND_ROWS - HC ? (BND_ROWS - HC - 1 - k) / G + 1 : 0);
+    const int nvals = HC + 1 + (k < BND_ROWS - HC ? (BND_ROWS - HC - 1 - k) / NT + 1 : 0);
     {
         const int nw = nvals * nseg * 2;
         u32 missing = 0;
@@ -1319,8 +1321,9 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
 #pragma unroll
             for (int i = 0; i < BCO_POLL; ++i) {  // every missing word's load in flight at once
                 const int w = threadIdx.x + BND_THREADS * i, v = w / (2 * nseg), rem = w - v * 2 * nseg;
-                word[i] = (missing >> i & 1u) ? ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k))) + (rem & 1))
-                                              : 0ull;
+                word[i] = (missing >> i & 1u)
+                              ? ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k, NT))) + (rem & 1))
+                              : 0ull;
             }
 #pragma unroll
             for (int i = 0; i < BCO_POLL; ++i) {
@@ -1331,6 +1334,7 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
                 }
             }
         }
+        fence_acq_rel_gpu();  // acquire: every CTA's out (released with its words)
     }
     __syncthreads();
     HC_STAMP(0, 3);
@@ -1359,32 +1363,39 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
                 pre_out[lane] = p;
             }
         } else if (lane > HC && lane < nvals) {
-            mixes[bco_row(lane, k)] = m;
+            mixes[bco_row(lane, k, NT)] = m;
         }
+    } else {  // warps 1..7: S of the own chunks (4 streams) through L2 while warp 0 adds the chains
+        const u16* S = f != nullptr ? out : R;
+        for (int i = threadIdx.x - 32; i < HC * own_chunks; i += BND_THREADS - 32) {
+            const int st = i / own_chunks, j = i - st * own_chunks;
+            cp_async16(own_s + st * own_ch + 8 * j, S + (i64)st * D + 8 * bco_chunk(k, j, D, NT), true);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
     }
     __syncthreads();
     HC_STAMP(0, 4);
-    // ---- x of the own channels: thread q < 64 channel q (bnd_x_chunk's expression)
-    if (threadIdx.x < BCO_OWN * 8) {
-        const int q = threadIdx.x;
+    // ---- x of the own channels: channel q by thread q mod 256 (bnd_x_chunk's expression)
+    for (int q = threadIdx.x; q < own_ch; q += BND_THREADS) {
         double acc = 0.0;
 #pragma unroll
         for (int i = 0; i < HC; ++i) {
-            const double prod = __dmul_rn((double)pre_s[i], (double)bf16_to_f32(own_s[i][q]));
+            const double prod = __dmul_rn((double)pre_s[i], (double)bf16_to_f32(own_s[i * own_ch + q]));
             acc = i == 0 ? prod : __dadd_rn(acc, prod);
         }
         xo_s[q] = (u16)f64_to_bf16(acc);
     }
     __syncthreads();
-    const int T = 128 / G, M = D >> 10;
-    if (threadIdx.x < T) {  // thread u's chain over its chunks u M .. u M + M - 1 (global u + 128 m)
+    const int P = 128 / NT, M = D >> 10;
+    if ((int)threadIdx.x < P) {  // thread u's chain over its chunks u M .. u M + M - 1 (global u + 128 m)
         double ss = 0.0;
         for (int m = 0; m < M; ++m)
             ss = bnd_ss_chunk(*reinterpret_cast<const uint4*>(xo_s + 8 * (threadIdx.x * M + m)), ss);
-        bco_publish(r2 + 2 * (k * T + threadIdx.x), ss, tag);
+        bco_publish(r2 + 2 * (k * P + threadIdx.x), ss, tag);
     }
-    if (threadIdx.x < BCO_OWN)
-        stg16(x_out + 8 * bco_chunk(k, threadIdx.x, D), *reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x));
+    if ((int)threadIdx.x < own_chunks)  // own_chunks = D / (8 NT) <= 128
+        stg16(x_out + 8 * bco_chunk(k, threadIdx.x, D, NT), *reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x));
     HC_STAMP(0, 5);
     // ---- round 2: thread i polls word i of the 256
     {
@@ -1403,9 +1414,9 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
     }
     __syncthreads();
     if (k == 0 && threadIdx.x == 0) st_relaxed_gpu_u32(epoch_p, tag);  // every CTA has read the epoch
-    if (threadIdx.x < BCO_OWN) {
+    if ((int)threadIdx.x < own_chunks) {
         const double r = bnd_norm_rsqrt(red, D, norm_eps);
-        stg16(xn_out + 8 * bco_chunk(k, threadIdx.x, D),
+        stg16(xn_out + 8 * bco_chunk(k, threadIdx.x, D, NT),
               bnd_xn_chunk(*reinterpret_cast<const uint4*>(xo_s + 8 * threadIdx.x), pl.w, r));
     }
     HC_STAMP(0, 7);
@@ -1417,8 +1428,8 @@ hc_boundary_pre_coop(const u16* __restrict__ f, const u16* __restrict__ R, const
                      const float* __restrict__ comb_in, u16* out, const float* __restrict__ fn,
                      const float* __restrict__ scale, const float* __restrict__ base,
                      const u16* __restrict__ norm_w, float* mixes, float* pre_out, u16* x_out,
-                     u16* xn_out, int D, float hc_eps, double norm_eps, int* slots) {
-    PDL_ENTRY_PRELOAD(const BcoPre pl = bco_preload(fn, norm_w, D));
+                     u16* xn_out, int D, float hc_eps, double norm_eps, int n_tail, int* slots) {
+    PDL_ENTRY_PRELOAD(const BcoPre pl = bco_preload(fn, norm_w, D, n_tail));
     bco_body(pl, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, x_out, xn_out, D, hc_eps,
-             norm_eps, slots);
+             norm_eps, n_tail, slots);
 }

@@ -4,9 +4,10 @@ the last to draw a ticket runs the tail alone) or as one thread-block cluster of
 1024 threads handing the mixes partials and x to each other through DSMEM
 (hc_boundary_pre_cluster, "cluster", D % 256 == 0 and D <= 4096), or as the ticket form's grid
 where every CTA polls tagged global words for the partials and the norm's chains and writes its
-own channels (hc_boundary_pre_coop, "coop", D in 1024 .. 8192, powers of two).  On the CPU (no GPU):
+own channels (hc_boundary_pre_coop: "coop" with 8 tail CTAs, "coopall" with all; D in 1024 ..
+8192, powers of two).  On the CPU (no GPU):
 
-* the switch: unset -> HC_PRE_HANDOFF_DEFAULT; "ticket" / "cluster" / "coop"; anything else a ValueError
+* the switch: unset -> HC_PRE_HANDOFF_DEFAULT; "ticket" / "cluster" / "coop" / "coopall"; anything else a ValueError
   naming the variable; bench.decode_step's hchand arm sets it;
 * the wrapper on fake arrays, with and without f (the fused hc_post): hc_boundary_pre_cluster with
   grid D / 256, block 1024, dynamic smem 4 (D / 256) 256 + 2 D (the partials, x of all channels),
@@ -49,11 +50,11 @@ def test_hc_pre_handoff_switch(monkeypatch):
     assert SD.hc_pre_handoff() == SD.HC_PRE_HANDOFF_DEFAULT
     monkeypatch.setenv(SD.HC_PRE_HANDOFF_ENV, "")
     assert SD.hc_pre_handoff() == SD.HC_PRE_HANDOFF_DEFAULT
-    for v in ("ticket", "cluster", "coop"):
+    for v in ("ticket", "cluster", "coop", "coopall"):
         monkeypatch.setenv(SD.HC_PRE_HANDOFF_ENV, v)
         assert SD.hc_pre_handoff() == v
     monkeypatch.setenv(SD.HC_PRE_HANDOFF_ENV, "dsmem")
-    with pytest.raises(ValueError, match="MEMRA_DSV4_HC_PRE_HANDOFF='dsmem'.*ticket, cluster or coop"):
+    with pytest.raises(ValueError, match="MEMRA_DSV4_HC_PRE_HANDOFF='dsmem'.*ticket, cluster, coop or coopall"):
         SD.hc_pre_handoff()
 
 
@@ -62,6 +63,7 @@ def test_bench_decode_hchand_arm_sets_the_env():
     assert _kernel_env({"hchand": "cluster"}, None) == {"MEMRA_DSV4_HC_PRE_HANDOFF": "cluster"}
     assert _kernel_env({"hchand": "ticket"}, None) == {"MEMRA_DSV4_HC_PRE_HANDOFF": "ticket"}
     assert _kernel_env({"hchand": "coop"}, None) == {"MEMRA_DSV4_HC_PRE_HANDOFF": "coop"}
+    assert _kernel_env({"hchand": "coopall"}, None) == {"MEMRA_DSV4_HC_PRE_HANDOFF": "coopall"}
     with pytest.raises(SystemExit, match="hchand='dsmem'"):
         check_arms("path=device+hchand=dsmem")
 
@@ -103,7 +105,7 @@ def test_hc_pre_cluster_wrapper_launch_and_checks(monkeypatch):
     def call(a, kw, **extra):
         return HC.hc_boundary_pre(a["streams"], a["fn"], a["scale"], a["base"], a["norm_weight"], **kw, **extra)
 
-    assert HC.PRE_HANDOFFS == ("ticket", "cluster", "coop")
+    assert HC.PRE_HANDOFFS == ("ticket", "cluster", "coop", "coopall")
     for D in (4096, 2048, 1024, 256):
         C = D // 256
         for with_f in (False, True):
@@ -202,8 +204,10 @@ def test_hc_pre_passes_the_handoff(monkeypatch):
         # the cooperative grid covers D in 1024 .. 8192, powers of two: else the ticket kernel
         assert _hc_pre_calls(monkeypatch, "coop", 4096, with_f)[0]["handoff"] == "coop"
         assert _hc_pre_calls(monkeypatch, "coop", 1024, with_f)[0]["handoff"] == "coop"
+        assert _hc_pre_calls(monkeypatch, "coopall", 4096, with_f)[0]["handoff"] == "coopall"
         for D in (7168, 256, 3072):
             assert _hc_pre_calls(monkeypatch, "coop", D, with_f)[0]["handoff"] == "ticket", D
+            assert _hc_pre_calls(monkeypatch, "coopall", D, with_f)[0]["handoff"] == "ticket", D
     with pytest.raises(ValueError, match="MEMRA_DSV4_HC_PRE_HANDOFF='both'"):
         _hc_pre_calls(monkeypatch, "both", 4096)
     # with the split off the one-launch boundary runs (no handoff to pass), but a bad value is
@@ -291,9 +295,10 @@ def test_hc_pre_cluster_kernel_source_contract():
 
 
 def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
-    """handoff="coop": hc_boundary_pre_coop on the ticket form's grid (4 D / 256) and block (256),
-    no dynamic shared memory, the ticket form's 16 leading arguments then the per-device slots
-    (in place of ws / counter); D outside pre_coop_ok refused before any launch, naming D."""
+    """handoff="coop" / "coopall": hc_boundary_pre_coop on the ticket form's grid (4 D / 256) and
+    block (256), no dynamic shared memory, the ticket form's 16 leading arguments then n_tail (8;
+    all D / 64) and the per-device slots (in place of ws / counter); D outside pre_coop_ok refused
+    before any launch, naming D."""
     from tests.test_kernel_sources import _fake_cupy
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
@@ -309,6 +314,7 @@ def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
     monkeypatch.setattr(HC, "coop_slots", lambda: slots)
     u16 = lambda *s: A(np.zeros(s, np.uint16))
     f32 = lambda *s: A(np.zeros(s, np.float32))
+    assert HC.COOP_TAIL_CTAS == 8
     for D in (1024, 2048, 4096, 8192):
         for with_f in (False, True):
             a = dict(streams=u16(1, 4, D), fn=f32(24, 4 * D), scale=f32(3), base=f32(24), norm_weight=u16(D))
@@ -317,14 +323,16 @@ def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
                 kw.update(f=u16(1, D), out=u16(1, 4, D), post_in=f32(1, 4), comb_in=f32(1, 4, 4))
             call = lambda h: HC.hc_boundary_pre(a["streams"], a["fn"], a["scale"], a["base"], a["norm_weight"],
                                                 handoff=h, **kw)
-            got = call("coop")
-            stem, name, grid, block, ca, smem, ckw = rec[-1]
-            assert (stem, name, grid, block, smem, ckw) == ("hc", "hc_boundary_pre_coop", (D // 64,), (256,), 0, {})
-            assert got is (kw["out"] if with_f else a["streams"])
             call("ticket")
             ta = rec[-1][4]
-            assert len(ca) == 17 and ca[16] is slots
-            assert all(_same(x, y) for x, y in zip(ca[:16], ta[:16])), D
+            for h, n_tail in (("coop", 8), ("coopall", D // 64)):
+                got = call(h)
+                stem, name, grid, block, ca, smem, ckw = rec[-1]
+                assert (stem, name, grid, block, smem, ckw) == ("hc", "hc_boundary_pre_coop", (D // 64,), (256,), 0, {})
+                assert got is (kw["out"] if with_f else a["streams"])
+                assert len(ca) == 18 and _same(ca[16], np.int32(n_tail)) and ca[17] is slots, (h, D)
+                assert all(_same(x, y) for x, y in zip(ca[:16], ta[:16])), D
+                assert HC.coop_tail_ctas(D, h) == n_tail
     assert HC.pre_launch_shape(4096, "coop") == dict(grid=(64,), block=(256,), shared_mem=0, smem_optin=0,
                                                       cluster=None)
     for D in (1024, 2048, 4096, 8192):
@@ -334,60 +342,76 @@ def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
     for D in (7168, 256, 3072):   # the ticket form takes them, the cooperative grid refuses them
         a = dict(streams=u16(1, 4, D), fn=f32(24, 4 * D), scale=f32(3), base=f32(24), norm_weight=u16(D))
         kw = dict(hc_eps=1e-6, norm_eps=1e-5, xn=u16(1, D), x=u16(1, D), pre=f32(1, 4), mixes=f32(1, 24))
-        n = len(rec)
-        with pytest.raises(ValueError, match=rf"handoff 'coop' needs D in \(1024, 2048, 4096, 8192\) .* got D = {D}"):
-            HC.hc_boundary_pre(a["streams"], a["fn"], a["scale"], a["base"], a["norm_weight"], handoff="coop", **kw)
-        assert len(rec) == n   # nothing launched by a refused call
+        for h in ("coop", "coopall"):
+            n = len(rec)
+            with pytest.raises(ValueError, match=rf"handoff '{h}' needs D in \(1024, 2048, 4096, 8192\) .* got D = {D}"):
+                HC.hc_boundary_pre(a["streams"], a["fn"], a["scale"], a["base"], a["norm_weight"], handoff=h, **kw)
+            assert len(rec) == n   # nothing launched by a refused call
     # the slot buffer's size is the kernel's: round 1 [128][32][2] u64, round 2 [128][2] u64, epoch
     src = _code("hc.cu")
     assert "constexpr int BCO_R1_WORDS = MIX_MAX_SEG * 32 * 2;" in src and "constexpr int MIX_MAX_SEG = 128;" in src
     assert "constexpr int BCO_R2_WORDS = 128 * 2;" in src
     assert HC.COOP_SLOT_INT32 == 2 * (128 * 32 * 2 + 128 * 2) + 2
+    # the kernel's static bounds hold for every covered D and tail count: own channels D / NT <=
+    # BCO_MAX_CH, polled values 5 + ceil((20 - k) / NT) <= BCO_MAXV, NT | 128
+    assert "constexpr int BCO_MAX_CH = 1024;" in src and "constexpr int BCO_MAXV = 8;" in src
+    for D in (1024, 2048, 4096, 8192):
+        for h in ("coop", "coopall"):
+            nt = HC.coop_tail_ctas(D, h)
+            assert 128 % nt == 0 and D // nt <= 1024 and nt <= D // 64
+            assert max(5 + ((20 - k + nt - 1) // nt if k < 20 else 0) for k in range(nt)) <= 8
 
 
 def test_hc_pre_coop_kernel_source_contract():
     """hc_boundary_pre_coop: before the PDL wait only the static loads (fn rows, the norm weight of
-    the CTA's own chunks); the tag read after the wait; phase A is the ticket form's (bnd_phase_a)
-    and own S uses bnd_post_elem; the slot values are published tagged (no fence, no ticket, no
-    atomic); the chains, mixes, pre, x, the chains of the norm and xn use the ticket form's
-    expressions (bnd_mix, pre_value, bnd_ss_chunk, warp_sum, bnd_norm_rsqrt, bnd_xn_chunk); CTA 0
-    stores the epoch only after the round-2 poll and its barrier."""
+    a tail CTA's own chunks); the tag read after the wait; phase A is the ticket form's
+    (bnd_phase_a); each slot value goes out tagged after a release fence, and CTAs past the tail
+    leave; the tail polls, acquires, then copies S through L2 beside warp 0's chains, and uses the
+    ticket form's expressions (bnd_mix, pre_value, bnd_ss_chunk, warp_sum, bnd_norm_rsqrt,
+    bnd_xn_chunk); CTA 0 stores the epoch only after the round-2 poll and its barriers; no
+    ticket, no atomic."""
     from tests.test_shared_gateup_cpu import _body
     src = _code("hc.cu")
     kern = _body(src, 'extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)\nhc_boundary_pre_coop(')
     flat = re.sub(r"\s+", " ", kern)
-    assert flat == ("{ PDL_ENTRY_PRELOAD(const BcoPre pl = bco_preload(fn, norm_w, D)); "
+    assert flat == ("{ PDL_ENTRY_PRELOAD(const BcoPre pl = bco_preload(fn, norm_w, D, n_tail)); "
                     "bco_body(pl, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, x_out, xn_out, D, "
-                    "hc_eps, norm_eps, slots); }"), flat
+                    "hc_eps, norm_eps, n_tail, slots); }"), flat
     pre = _body(src, "DEV BcoPre bco_preload(")
     order = ["bnd_fn_at(fn, D, blockIdx.x, threadIdx.x >> 5)",
-             "ldg16(norm_w + 8 * bco_chunk(blockIdx.x, threadIdx.x, D))", "if (D < 0) __trap();", "return p;"]
+             "ldg16(norm_w + 8 * bco_chunk(blockIdx.x, threadIdx.x, D, NT))", "if (D < 0) __trap();", "return p;"]
     at = [pre.index(s) for s in order]
     assert at == sorted(at), list(zip(order, at))
-    for bad in ("R[", "f[", "post_in", "comb_in", "slots", "epoch", "stg16(", "ld_relaxed", "st_relaxed"):
+    for bad in ("R[", "f[", "post_in", "comb_in", "slots", "epoch", "stg16(", "ld_relaxed", "st_relaxed", "fence"):
         assert bad not in pre, bad
     body = _body(src, "DEV void bco_body(")
     seq = ["const u32 e = ld_relaxed_gpu_u32(epoch_p);",
-           "bnd_post_elem(f, R, post_in, comb_in, D, s, d)",
            "bnd_phase_a(pl.fr, f, R, post_in, comb_in, out, norm_w, D, seg_s)",
-           "bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag)",
-           "ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k))) + (rem & 1))",
+           "fence_acq_rel_gpu();", "bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag)",
+           "if (k >= NT) return;",
+           "ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k, NT))) + (rem & 1))",
+           "fence_acq_rel_gpu();",
            "tot = __dadd_rn(tot, v8[j])", "bnd_mix(tot, tot_sq, n, norm_eps)",
            "pre_value(m, scale[0], base[lane], hc_eps)",
-           "__dmul_rn((double)pre_s[i], (double)bf16_to_f32(own_s[i][q]))",
-           "bnd_ss_chunk(", "bco_publish(r2 + 2 * (k * T + threadIdx.x), ss, tag)",
+           "cp_async16(own_s + st * own_ch + 8 * j, S + (i64)st * D + 8 * bco_chunk(k, j, D, NT), true)",
+           "__dmul_rn((double)pre_s[i], (double)bf16_to_f32(own_s[i * own_ch + q]))",
+           "bnd_ss_chunk(", "bco_publish(r2 + 2 * (k * P + threadIdx.x), ss, tag)",
            "word = ld_relaxed_gpu(r2 + threadIdx.x);", "ss = warp_sum(ss);",
            "if (k == 0 && threadIdx.x == 0) st_relaxed_gpu_u32(epoch_p, tag);",
            "bnd_norm_rsqrt(red, D, norm_eps)", "bnd_xn_chunk("]
-    at = [body.index(s) for s in seq]
-    assert at == sorted(at), list(zip(seq, at))
-    # the epoch store follows the barrier after the round-2 poll (every CTA has read the epoch)
+    pos, at = 0, []
+    for t in seq:   # in this order, each after the previous one
+        i = body.index(t, pos)
+        at.append(i)
+        pos = i + 1
+    # the epoch store follows the barriers after the round-2 poll (every CTA has read the epoch)
     i_poll2, i_epoch = body.index("word = ld_relaxed_gpu(r2 + threadIdx.x);"), body.index("st_relaxed_gpu_u32(epoch_p")
     assert body[i_poll2:i_epoch].count("__syncthreads();") == 2
     assert "const u32 tag = e + 1u == 0u ? 1u : e + 1u;" in body   # tag 0 (zeroed slots) never used
-    for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "atomicExch", "counter", "ws[", "fence"):
+    assert "const u16* S = f != nullptr ? out : R;" in body
+    for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "atomicExch", "counter", "ws["):
         assert gone not in body, gone
     assert "if (k == 0) {" in body and "mixes[lane] = m;" in body and "pre_out[lane] = p;" in body
-    assert "mixes[bco_row(lane, k)] = m;" in body
+    assert "mixes[bco_row(lane, k, NT)] = m;" in body
     from memra_dsv4.gpu.ops import hc as HC
     assert "hc_boundary_pre_coop" in HC.KERNELS

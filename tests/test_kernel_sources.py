@@ -422,6 +422,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     M["hc"].hc_boundary_pre(u16(1, 4, 1024), f32(24, 4096), f32(3), f32(24), u16(1024), f=u16(1, 1024),
                             out=u16(1, 4, 1024), post_in=f32(1, 4), comb_in=f32(1, 4, 4), handoff="coop",
                             **bpre1k)
+    M["hc"].hc_boundary_pre(u16(1, 4, 1024), f32(24, 4096), f32(3), f32(24), u16(1024), handoff="coopall", **bpre1k)
     M["hc"].hc_boundary_sinkhorn(f32(1, 24), f32(3), f32(24), iters=20, hc_eps=1e-6, post=f32(1, 4),
                                  comb=f32(1, 4, 4))
     monkeypatch.setattr(M["hc"], "_BND_SLOTS", {0: i32(M["hc"]._BND_SLOT_WORDS)})  # hc_boundary_poll's slots

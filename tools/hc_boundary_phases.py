@@ -1,12 +1,13 @@
 """Where one decode boundary's critical launch spends its time: hc.cu built with
 -DMEMRA_HC_STAMPS (phase stamps of %globaltimer, compiled away in the production build), then
 hc_boundary_pre (the last-CTA ticket form), hc_boundary_pre_cluster (one cluster of D / 256
-CTAs) and hc_boundary_pre_coop (the ticket form's grid, every CTA polling tagged words) launched alone, one at a time, each after a 256 MB memset that evicts the L2 (so fn, 1.5 MB
+CTAs) and hc_boundary_pre_coop (the ticket form's grid publishing tagged words; "coop": 8 tail CTAs
+poll them and form x / xn, "coopall": every CTA) launched alone, one at a time, each after a 256 MB memset that evicts the L2 (so fn, 1.5 MB
 at D = 4096, comes from HBM as in the decode step), both forms ("post": with hc_post; "first":
 without).  Prints, per kernel and form, the median over --reps launches of each phase point in
 microseconds after the earliest CTA's entry (for the ticket form the spread of phase A's end over
 the 64 CTAs, then the last CTA's tail; for the cluster and coop forms the median and the latest
-CTA at each point), and checks that every kernel wrote the ticket form's bytes (x, xn, mixes, pre,
+CTA at each point; coop points 3..7 over the tail CTAs only), and checks that every kernel wrote the ticket form's bytes (x, xn, mixes, pre,
 out).
 
     python tools/hc_boundary_phases.py [--dim 4096] [--reps 30]
@@ -20,9 +21,9 @@ Phase points (HC_STAMP in kernels_cu/hc.cu):
           4 cluster barrier passed  5 partials sent  6 all partials received (warp 0)  7 mixes /
           pre formed  8 x of the CTA's channels formed  9 x sent  10 all of x received
           11 sum of squares formed  12 xn stored
-  coop    0 entry  1 after the wait (epoch read)  2 phase A done, slots published  3 round 1
-          polled (block barrier)  4 mixes / pre formed  5 x formed, chains published  6 round 2
-          polled  7 xn stored
+  coop    0 entry  1 after the wait (epoch read)  2 phase A done, slots published (every CTA)
+          3 round 1 polled  4 mixes / pre formed, S copied  5 x formed, chains published  6 round
+          2 polled  7 xn stored (tail CTAs)
 """
 from __future__ import annotations
 
@@ -95,16 +96,17 @@ def main() -> int:
         if kind == "ticket":
             pdl.launch_ex(k_ticket, "hc_boundary_pre", sh["grid"], sh["block"], head + (ws, cnt),
                           shared_mem=sh["shared_mem"], stream=s, pdl=False)
-        elif kind == "coop":
-            pdl.launch_ex(k_coop, "hc_boundary_pre_coop", sh["grid"], sh["block"], head + (coop_slots,),
-                          shared_mem=0, stream=s, pdl=False)
+        elif kind in ("coop", "coopall"):
+            pdl.launch_ex(k_coop, "hc_boundary_pre_coop", sh["grid"], sh["block"],
+                          head + (np.int32(HC.coop_tail_ctas(D, kind)), coop_slots), shared_mem=0, stream=s,
+                          pdl=False)
         else:
             pdl.launch_ex(k_cluster, "hc_boundary_pre_cluster", sh["grid"], sh["block"], head,
                           shared_mem=sh["shared_mem"], stream=s, pdl=False, cluster=sh["cluster"])
 
     for form in ("post", "first"):
         res, bytes_of = {}, {}
-        kinds = ("ticket", "cluster") + (("coop",) if k_coop is not None else ())
+        kinds = ("ticket", "cluster") + (("coop", "coopall") if k_coop is not None else ())
         for kind in kinds:
             rows = []
             o = outs()
@@ -146,18 +148,19 @@ def main() -> int:
         mx = np.median(np.array(per_max, np.float64), axis=0) / 1e3
         print(f"form={form:5s} cluster ({C} CTAs; us after the first entry, median CTA / latest CTA):")
         print("    " + "  ".join(f"{nm} {v:5.2f}/{x:5.2f}" for nm, v, x in zip(CLUSTER_POINTS, mm, mx)))
-        if k_coop is None:
-            continue
-        per_med, per_max = [], []
-        for st in res["coop"]:
-            live = st[:nseg]
-            t0 = live[:, 0].min()
-            per_med.append([np.median(live[:, i]) - t0 for i in range(8)])
-            per_max.append([live[:, i].max() - t0 for i in range(8)])
-        mm = np.median(np.array(per_med, np.float64), axis=0) / 1e3
-        mx = np.median(np.array(per_max, np.float64), axis=0) / 1e3
-        print(f"form={form:5s} coop    ({nseg} CTAs; us after the first entry, median CTA / latest CTA):")
-        print("    " + "  ".join(f"{nm} {v:5.2f}/{x:5.2f}" for nm, v, x in zip(COOP_POINTS, mm, mx)))
+        for kind in kinds[2:]:
+            nt = HC.coop_tail_ctas(D, kind)
+            per_med, per_max = [], []
+            for st in res[kind]:
+                live = st[:nseg]
+                t0 = live[:, 0].min()
+                rows = [live[:, i] if i < 3 else live[:nt, i] for i in range(8)]
+                per_med.append([np.median(r) - t0 for r in rows])
+                per_max.append([r.max() - t0 for r in rows])
+            mm = np.median(np.array(per_med, np.float64), axis=0) / 1e3
+            mx = np.median(np.array(per_max, np.float64), axis=0) / 1e3
+            print(f"form={form:5s} {kind:7s} ({nseg} CTAs, {nt} tail; us after the first entry, median CTA / latest CTA):")
+            print("    " + "  ".join(f"{nm} {v:5.2f}/{x:5.2f}" for nm, v, x in zip(COOP_POINTS, mm, mx)))
     print(f"cluster / coop == ticket bytes: {ok}")
     return 0 if ok else 1
 

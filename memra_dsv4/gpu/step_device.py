@@ -486,11 +486,12 @@ class DeviceStep:
                          comb=v["hc.comb"].reshape(1, 4, 4))
             return
         # MEMRA_DSV4_HC_PRE_HANDOFF: the last-CTA ticket kernel, one thread-block cluster
-        # (D % 256 == 0, D <= 4096, else the ticket) or the cooperative grid (D in 1024 .. 8192,
-        # powers of two, else the ticket); the same bytes.  Read (and so validated)
-        # whether or not the split applies it.
+        # (D % 256 == 0, D <= 4096, else the ticket) or the cooperative grid with 8 / all tail
+        # CTAs (D in 1024 .. 8192, powers of two, else the ticket); the same bytes.  Read (and so
+        # validated) whether or not the split applies it.
         handoff = hc_pre_handoff()
-        if (handoff == "cluster" and not HC.pre_cluster_ok(D)) or (handoff == "coop" and not HC.pre_coop_ok(D)):
+        if ((handoff == "cluster" and not HC.pre_cluster_ok(D))
+                or (handoff in ("coop", "coopall") and not HC.pre_coop_ok(D))):
             handoff = "ticket"
         if self._hc_split:
             post, comb = v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4)
@@ -1051,28 +1052,29 @@ def router_handoff() -> str:
     return _choice_env(ROUTER_HANDOFF_ENV, ("ticket", "cluster"), ROUTER_HANDOFF_DEFAULT)
 
 
-HC_PRE_HANDOFF_ENV = "MEMRA_DSV4_HC_PRE_HANDOFF"   # ticket | cluster | coop: hc_boundary_pre's form
+HC_PRE_HANDOFF_ENV = "MEMRA_DSV4_HC_PRE_HANDOFF"   # ticket | cluster | coop | coopall: hc_boundary_pre's form
 HC_PRE_HANDOFF_DEFAULT = "ticket"
 
 
 def hc_pre_handoff() -> str:
-    """MEMRA_DSV4_HC_PRE_HANDOFF = ticket | cluster | coop (HC_PRE_HANDOFF_DEFAULT), read when _hc_pre
-    launches (at graph capture), with the hc split: how the boundary's critical launch combines
+    """MEMRA_DSV4_HC_PRE_HANDOFF = ticket | cluster | coop | coopall (HC_PRE_HANDOFF_DEFAULT), read
+    when _hc_pre launches (at graph capture), with the hc split: how the boundary's critical launch combines
     its 64 segment partials.  "ticket": hc.cu hc_boundary_pre (64 CTAs; the last to draw a
     ticket re-reads the partials and the 4 streams through L2 and runs the segment sums, the
     weighted sum and the norm of all D channels on one SM); "cluster": hc_boundary_pre_cluster
     (one thread-block cluster of D / 256 CTAs x 1024 threads; partials and x cross CTAs by
     st.async into shared memory, every CTA sums them itself in the same order and writes its own
     256 channels; D % 256 == 0 and D <= 4096, else "ticket"); "coop": hc_boundary_pre_coop (the
-    ticket form's 64 CTAs and phase A; every CTA polls the partials it needs from tagged global
-    words, adds the chains itself, forms x of its own 64 channels and, after a second polled
-    round for the norm's 128 sum-of-squares chains, their xn; D in 1024 .. 8192, powers of two,
-    else "ticket").  Why: the boundary takes ~7.3 us
-    go -> exit twice per layer (twenty-first session's timeline), most of it the ticket and the
-    one-SM tail (~16 f32 <-> f64 conversions per clock per SM).  The same bytes either way
+    ticket form's 64 CTAs and phase A, each publishing its partials as tagged global words; 8
+    tail CTAs poll the partials they need, add the chains themselves, form x of their D / 8
+    channels and, after a second polled round for the norm's 128 sum-of-squares chains, their
+    xn; "coopall": every CTA a tail CTA; D in 1024 .. 8192, powers of two, else "ticket").  Why:
+    the boundary takes ~7.3 us go -> exit twice per layer (twenty-first session's timeline), most
+    of it the ticket and the one-SM tail (~16 f32 <-> f64 conversions per clock per SM).  The same bytes either way
     (tests/gpu/test_kernels_hc.py, tests/gpu/test_step_hc_pre_handoff_gpu.py); not a seam (bench
-    arm hchand=ticket|cluster|coop)."""
-    return _choice_env(HC_PRE_HANDOFF_ENV, ("ticket", "cluster", "coop"), HC_PRE_HANDOFF_DEFAULT)
+    arm hchand=ticket|cluster|coop|coopall)."""
+    return _choice_env(HC_PRE_HANDOFF_ENV, ("ticket", "cluster", "coop", "coopall"),
+                       HC_PRE_HANDOFF_DEFAULT)
 
 
 def multi_qnorm_on() -> bool:

@@ -606,7 +606,8 @@ def _chain_state(B, S, k=None):
                 xn=cp.concatenate([B["xn"][i] for i in ks]))
 
 
-@pytest.mark.parametrize("handoff,pdl", [("ticket", False), ("cluster", True), ("coop", True), ("coop", False)])
+@pytest.mark.parametrize("handoff,pdl", [("ticket", False), ("cluster", True), ("coop", True), ("coop", False),
+                                         ("coopall", True)])
 def test_hc_boundary_split_chain(handoff, pdl):
     """Seven boundaries as DeviceStep._block runs them: the split chain == the hc_boundary chain
     byte for byte after every boundary (post / comb carried through the Sinkhorn kernel).  The
@@ -727,37 +728,38 @@ def test_hc_boundary_pre_cluster_refusals_and_occupancy():
 
 
 # ------------------------------------------------------------------------- cooperative boundary
+@pytest.mark.parametrize("handoff", ["coop", "coopall"])
 @pytest.mark.parametrize("D,with_post,in_place,wide", [
     (4096, True, True, False), (4096, True, False, False), (4096, False, False, False),  # Flash: 64 CTAs
     (4096, True, True, True), (4096, False, False, True),                              # wide range
     (8192, True, True, True), (2048, True, False, False), (1024, True, True, True),    # 128 / 32 / 16 CTAs
     (1024, False, False, False),
 ])
-def test_hc_boundary_pre_coop_bitwise(D, with_post, in_place, wide):
-    """hc_boundary_pre's cooperative form (handoff "coop": hc_boundary_pre_coop, every CTA polling
-    tagged words for the partials and the norm's chains) + hc_boundary_sinkhorn == hc_boundary
-    byte for byte in every output, five fresh inputs per case (each launch a new tag: a stale
-    word of the previous launch must not be taken); at D = 4096 also == the unfused chain and ==
-    the ticket form on the same inputs."""
+def test_hc_boundary_pre_coop_bitwise(D, with_post, in_place, wide, handoff):
+    """hc_boundary_pre's cooperative form (hc_boundary_pre_coop: "coop" 8 tail CTAs, "coopall"
+    every CTA, polling tagged words for the partials and the norm's chains) + hc_boundary_sinkhorn
+    == hc_boundary byte for byte in every output, five fresh inputs per case (each launch a new
+    tag: a stale word of the previous launch must not be taken); at D = 4096 also == the unfused
+    chain and == the ticket form on the same inputs."""
     seed = fresh_seed()
     rng = rng_for(seed)
     for rep in range(5):
         g = _dev(_boundary_case(rng, D, wide))
         want = _fused(g, with_post, in_place, impl="lastcta")
-        got = _split(g, with_post, in_place, handoff="coop")
+        got = _split(g, with_post, in_place, handoff=handoff)
         cp.cuda.Device().synchronize()
-        _assert_same_bytes(got, want, seed, handoff="coop", D=D, with_post=with_post,
+        _assert_same_bytes(got, want, seed, handoff=handoff, D=D, with_post=with_post,
                            in_place=in_place, wide=wide, rep=rep)
         if rep == 0 and D == 4096:
-            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff="coop", vs="unfused")
+            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff=handoff, vs="unfused")
             _assert_same_bytes(got, _split(g, with_post, in_place, handoff="ticket"), seed,
-                               handoff="coop", vs="ticket")
+                               handoff=handoff, vs="ticket")
 
 
 def test_hc_boundary_pre_coop_many_launches_and_widths():
-    """200 launches in a row alternating D = 4096 / 1024 (different segment counts over one slot
-    buffer) under the PDL attribute, each == the ticket form; then the epoch word advanced by
-    exactly one per launch."""
+    """200 launches in a row cycling D = 4096 / 1024 and 8 / all tail CTAs (different segment and
+    tail counts over one slot buffer) under the PDL attribute, each == the ticket form; then the
+    epoch word advanced by exactly one per launch."""
     from memra_dsv4.gpu.pdl import pdl_launches
     seed = fresh_seed()
     rng = rng_for(seed)
@@ -768,11 +770,12 @@ def test_hc_boundary_pre_coop_many_launches_and_widths():
     e0 = int(cp.asnumpy(slots[-2:]).view(np.uint32)[0])
     for i in range(200):
         D = 4096 if i % 2 == 0 else 1024
+        handoff = "coop" if i % 4 < 2 else "coopall"
         with pdl_launches(True):
-            got = _split(cases[D], True, False, handoff="coop")
-        if i % 25 in (0, 1) or i >= 198:
+            got = _split(cases[D], True, False, handoff=handoff)
+        if i % 25 in (0, 1, 2, 3) or i >= 196:
             cp.cuda.Device().synchronize()
-            _assert_same_bytes(got, want[D], seed, handoff="coop", D=D, launch=i)
+            _assert_same_bytes(got, want[D], seed, handoff=handoff, D=D, launch=i)
     cp.cuda.Device().synchronize()
     e1 = int(cp.asnumpy(slots[-2:]).view(np.uint32)[0])
     assert e1 == e0 + 200, (e0, e1)
@@ -784,14 +787,15 @@ def test_hc_boundary_pre_coop_refusals():
     rng = rng_for(5)
     for D in (7168, 256, 3072):
         g = _dev(_boundary_case(rng, D))
-        xn = _poisoned((1, D), np.uint16)
-        with pytest.raises(ValueError, match=f"handoff 'coop' needs D in .* got D = {D}"):
-            K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
-                              norm_eps=NORM_EPS, xn=xn, x=_poisoned((1, D), np.uint16),
-                              pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32),
-                              handoff="coop")
-        cp.cuda.Device().synchronize()
-        assert bool(cp.all(xn == 0xFFFF)), f"a refused call wrote xn (D = {D})"
+        for handoff in ("coop", "coopall"):
+            xn = _poisoned((1, D), np.uint16)
+            with pytest.raises(ValueError, match=f"handoff '{handoff}' needs D in .* got D = {D}"):
+                K.hc_boundary_pre(g["X"], g["fn"], g["scale"], g["base"], g["w"], hc_eps=HC_EPS,
+                                  norm_eps=NORM_EPS, xn=xn, x=_poisoned((1, D), np.uint16),
+                                  pre=_poisoned((1, 4), np.float32), mixes=_poisoned((1, 24), np.float32),
+                                  handoff=handoff)
+            cp.cuda.Device().synchronize()
+            assert bool(cp.all(xn == 0xFFFF)), f"a refused call wrote xn (D = {D}, {handoff})"
 
 
 def test_hc_boundary_split_refusals():

@@ -10,10 +10,11 @@ form's bits:
   equal; the first eager cluster step launches hc_boundary_pre_cluster 2 x layers times and no
   hc_boundary_pre;
 * tiny (D = 256: a cluster of one CTA), 12 steps past the window wrap, the same arms;
-* MEMRA_DSV4_HC_PRE_HANDOFF=coop (hc_boundary_pre_coop: the ticket form's 64 CTAs polling
-  tagged words, no single-SM tail) on flash-layers:2 the same way: ticket (graph), coop (graph),
-  coop eager; the first eager coop step launches hc_boundary_pre_coop 2 x layers times and no
-  hc_boundary_pre (tiny's D = 256 falls back to the ticket form)."""
+* MEMRA_DSV4_HC_PRE_HANDOFF=coop / coopall (hc_boundary_pre_coop: the ticket form's 64 CTAs
+  publishing tagged words, 8 / all of them polling and forming x / xn, no single-SM tail) on
+  flash-layers:2 the same way: ticket (graph), coop (graph), coop eager, coopall (graph); the
+  first eager coop step launches hc_boundary_pre_coop 2 x layers times and no hc_boundary_pre
+  (tiny's D = 256 falls back to the ticket form)."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +54,8 @@ def test_hc_pre_cluster_step_bit_identical_tiny(monkeypatch):
                       pos0=prompt)
 
 
-_COOP_ARMS = {"ticket": ("ticket", True), "coop": ("coop", True), "coop+eager": ("coop", False)}
+_COOP_ARMS = {"ticket": ("ticket", True), "coop": ("coop", True), "coop+eager": ("coop", False),
+              "coopall": ("coopall", True)}
 
 
 def _first_eager_coop(m, states, n_layers: int):

@@ -24,13 +24,17 @@ hc_boundary_pre(..., handoff=)  the critical launch's two forms (PRE_HANDOFFS, t
                shared memory, every CTA runs the segment sums and the norm's sum of squares
                itself (the same order, the same bits) and writes its own channels: no ticket, no
                L2 round trip, no single-SM tail.
-    "coop"     hc_boundary_pre_coop: the ticket form's grid and phase A, then every CTA polls the
-               partials it needs from tagged global words (one L2 round trip, no ticket), adds
-               the chains itself (the same order, the same bits), forms x of its own 64 channels,
-               publishes its share of rmsnorm_row's 128 sum-of-squares chains, polls all 128
-               (a second round trip) and writes xn of its channels: no single-SM tail
-               (pre_coop_ok: D in {1024, 2048, 4096, 8192}; every CTA waits for all the others,
-               so the n / 256 CTAs must be co-resident: at most 128 of 256 threads).
+    "coop"     hc_boundary_pre_coop with 8 tail CTAs: the ticket form's grid and phase A (each CTA
+               publishes its partials as tagged global words after a release fence), then CTAs
+               0..7 poll the partials they need (one L2 round trip, no ticket), add the chains
+               themselves (the same order, the same bits), copy S of their D / 8 channels
+               through L2 meanwhile, form x, publish their share of rmsnorm_row's 128
+               sum-of-squares chains, poll all 128 (a second round trip) and write xn of their
+               channels: the one-SM tail spread over 8 SMs; the other CTAs leave after phase A.
+    "coopall"  the same kernel with every CTA a tail CTA (D / 64 channels each); measured slower
+               in the step than "ticket" (twenty-fifth session), kept to compare.
+    Both need pre_coop_ok(D): D in {1024, 2048, 4096, 8192} (the tail CTAs wait for all n / 256
+    CTAs, so those must be co-resident: at most 128 of 256 threads).
 
 Streams are [T, hc, D] bf16 (uint16) with hc = 4.
 
@@ -72,7 +76,8 @@ _BND_SLOTS: dict = {}       # device -> int32 [2 * 128 * 32] (u64 slots of hc_bo
 _BND_SLOT_WORDS = 2 * 128 * 32
 
 
-PRE_HANDOFFS = ("ticket", "cluster", "coop")
+PRE_HANDOFFS = ("ticket", "cluster", "coop", "coopall")
+COOP_TAIL_CTAS = 8            # hc_boundary_pre_coop's tail CTAs for handoff "coop" ("coopall": all)
 PRE_CLUSTER_MAX_CTAS = 16     # the largest (non-portable) cluster of an H100 / H200
 PRE_CLUSTER_CHANNELS = 256    # channels per CTA of hc_boundary_pre_cluster (one segment per stream)
 PRE_CLUSTER_THREADS = 1024    # 4 units of 256: one per stream
@@ -97,9 +102,16 @@ _COOP_SLOTS: dict = {}      # device -> int32 [COOP_SLOT_INT32]
 
 
 def pre_coop_ok(D: int) -> bool:
-    """Whether hc_boundary_pre_coop covers hidden size D: each of the G = D / 64 CTAs owns 128 / G
-    of rmsnorm_row's 128 threads (so G | 128) and 8 chunks of 8 channels (so D % 1024 == 0)."""
+    """Whether hc_boundary_pre_coop covers hidden size D (both tail counts): each of NT tail CTAs
+    (8 or G = D / 64) owns 128 / NT of rmsnorm_row's 128 threads (NT | 128, G <= 128) with
+    D / 1024 chunks each (D % 1024 == 0), and at most 1024 channels (D / 8 <= 1024)."""
     return D in (1024, 2048, 4096, 8192)
+
+
+def coop_tail_ctas(D: int, handoff: str) -> int:
+    """hc_boundary_pre_coop's n_tail for a coop handoff: COOP_TAIL_CTAS ("coop") or D / 64 ("coopall")."""
+    assert handoff in ("coop", "coopall") and pre_coop_ok(D), (handoff, D)
+    return COOP_TAIL_CTAS if handoff == "coop" else HC * D // SEG
 
 
 def coop_slots():
@@ -118,7 +130,7 @@ def pre_launch_shape(D: int, handoff: str) -> dict:
         smem = HC * n_cta * 32 * 8 + 2 * D  # the partials [nseg][32] doubles, x of all D channels
         return dict(grid=(n_cta,), block=(PRE_CLUSTER_THREADS,), shared_mem=smem, smem_optin=smem,
                     cluster=(n_cta, 1, 1))
-    if handoff == "coop":  # static shared memory only (~9.4 KB)
+    if handoff in ("coop", "coopall"):  # static shared memory only (~20 KB)
         return dict(grid=(HC * D // SEG,), block=(256,), shared_mem=0, smem_optin=0, cluster=None)
     # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D); 1 KB of headroom in
     # the opt-in for the static shared memory
@@ -374,9 +386,9 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
     hc_boundary_sinkhorn(mixes, ...).  post_in [1, 4] / comb_in [1, 4, 4] are required with f
     (pure inputs: this kernel writes neither).  handoff (PRE_HANDOFFS, the module docstring):
     "ticket" uses the per-device split workspace (not concurrently on two streams of one device);
-    "cluster" (hc_boundary_pre_cluster; pre_cluster_ok(D), else ValueError) uses none; "coop"
-    (hc_boundary_pre_coop; pre_coop_ok(D), else ValueError) the per-device coop_slots (not
-    concurrently on two streams of one device).  Returns S (out or streams)."""
+    "cluster" (hc_boundary_pre_cluster; pre_cluster_ok(D), else ValueError) uses none; "coop" /
+    "coopall" (hc_boundary_pre_coop with 8 / all tail CTAs; pre_coop_ok(D), else ValueError) the
+    per-device coop_slots (not concurrently on two streams of one device).  Returns S (out or streams)."""
     if handoff not in PRE_HANDOFFS:
         raise ValueError(f"hc_boundary_pre: handoff {handoff!r} is not one of {PRE_HANDOFFS}")
     D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary_pre")
@@ -384,8 +396,8 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
         raise ValueError(f"hc_boundary_pre: handoff 'cluster' needs D % {PRE_CLUSTER_CHANNELS} == 0 and "
                          f"D <= {PRE_CLUSTER_CHANNELS * PRE_CLUSTER_MAX_CTAS} (one cluster of D / "
                          f"{PRE_CLUSTER_CHANNELS} CTAs), got D = {D}; use handoff 'ticket'")
-    if handoff == "coop" and not pre_coop_ok(D):
-        raise ValueError(f"hc_boundary_pre: handoff 'coop' needs D in (1024, 2048, 4096, 8192) (D / 64 "
+    if handoff in ("coop", "coopall") and not pre_coop_ok(D):
+        raise ValueError(f"hc_boundary_pre: handoff {handoff!r} needs D in (1024, 2048, 4096, 8192) (D / 64 "
                          f"CTAs owning 128 / (D / 64) norm threads each), got D = {D}; use handoff 'ticket'")
     assert f is None or (post_in is not None and comb_in is not None), (
         "hc_boundary_pre: f given needs post_in / comb_in (the previous boundary's post / comb)")
@@ -400,9 +412,10 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
         dynamic_smem(k, shape["smem_optin"])
         k(shape["grid"], shape["block"], head, shared_mem=shape["shared_mem"], cluster=shape["cluster"])
         return src
-    if handoff == "coop":
+    if handoff in ("coop", "coopall"):
         slots = coop_slots()
-        kernel(STEM, "hc_boundary_pre_coop")(shape["grid"], shape["block"], head + (slots,))
+        kernel(STEM, "hc_boundary_pre_coop")(shape["grid"], shape["block"],
+                                             head + (i32(coop_tail_ctas(D, handoff)), slots))
         return src
     k = kernel(STEM, "hc_boundary_pre")
     ws, cnt = split_workspace(1, shape["grid"][0])
@@ -430,5 +443,5 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
            "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS",
-           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas", "pre_coop_ok", "coop_slots",
+           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas", "pre_coop_ok", "coop_tail_ctas", "coop_slots",
            "pre_launch_shape"]
