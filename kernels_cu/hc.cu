@@ -1197,22 +1197,21 @@ hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, co
 //   channels): P M chunks, D / NT channels of every stream; local chunk j = u' M + m is global
 //   chunk k P + u' + 128 m (bco_chunk; M = D / 1024 chunks per thread).
 // 1. Phase A (every CTA): the ticket form's (bnd_phase_a: hc_post -> out for segment k, the
-//    segment's 32 slot values); the values go out as tagged words (below), the first of each
-//    lane's after a fence.acq_rel.gpu (release: the CTA's out, ordered by phase A's barrier).
-//    CTAs k >= NT are then done.
-// 2. Round 1 (tail CTAs): poll, over every segment, the slots the CTA needs: rows 0..3 and the
-//    squares (for pre) and the mixes rows 4 + k + NT i < 24 it stores; fence.acq_rel.gpu
-//    (acquire: the other CTAs' out); warps 1..7 copy S of the own channels (out, or R without f)
-//    and warp 0 adds each chain in segment order (bnd_chain's sequence of double adds), forms
-//    the mixes (bnd_mix) and pre (pre_value); CTA 0 stores mixes[0..3] and pre_out.  Every tail
-//    CTA holds the same pre bits.
+//    segment's 32 slot values), which go out as tagged words (below); CTAs k >= NT are then done.
+// 2. Round 1 (tail CTAs): S of the own 4 x D / NT stream elements (bnd_post_elem: the bits the
+//    elements' segment owners store to out; R's without f) into shared memory, its loads in
+//    flight during the poll; poll, over every segment, the slots the CTA needs: rows 0..3 and
+//    the squares (for pre) and the mixes rows 4 + k + NT i < 24 it stores; warp 0 adds each chain
+//    in segment order (bnd_chain's sequence of double adds), forms the mixes (bnd_mix) and pre
+//    (pre_value); CTA 0 stores mixes[0..3] and pre_out.  Every tail CTA holds the same pre bits.
 // 3. x of the own channels (bnd_x_chunk's expression, per element) -> x_out; the CTA's P
 //    threads' sum-of-squares chains over their chunks in order (bnd_ss_chunk) -> round 2.
 // 4. Round 2: each tail CTA polls the 128 chains, sums them as bnd_wsum_norm256 does (warp_sum
 //    over each warp's 32 chains, the 4 warp partials in order: bnd_norm_rsqrt), and writes xn of
 //    its channels (bnd_xn_chunk; the weight chunks were loaded before the PDL wait).
 // Tagged words: a double crosses as two u64 words (tag << 32) | half, st.relaxed.gpu, polled with
-//   ld.relaxed.gpu until the word carries this launch's tag.  No ticket and no reset: the tag is
+//   ld.relaxed.gpu until the word carries this launch's tag.  Only these words cross CTAs (no
+//   CTA reads another's out), so no fence, no ticket and no reset: the tag is
 //   the launch's epoch (the epoch word + 1, 0 skipped), read by every CTA after the PDL wait;
 //   CTA 0 stores it back after its round-1 poll saw every segment's words (so every CTA had read
 //   it) and its round-2 poll; the next launch reads it only after this grid completed (stream
@@ -1302,12 +1301,18 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
     const u32 tag = e + 1u == 0u ? 1u : e + 1u;
     HC_STAMP(0, 1);
     const double val = bnd_phase_a(pl.fr, f, R, post_in, comb_in, out, norm_w, D, seg_s);
-    if (lane < 4) {  // release: the CTA's out stores (ordered by bnd_phase_a's barrier) before the words
-        fence_acq_rel_gpu();
-        bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag);
-    }
+    if (lane < 4) bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag);
     HC_STAMP(0, 2);
     if (k >= NT) return;
+    // S of the own channels, in flight during the round-1 poll: element i = (stream i / own_ch,
+    // channel i % own_ch) by bnd_post_elem (the bits its segment owner stored to out), or R's
+    // without f.  Only the tagged words cross CTAs: no fence.
+#pragma unroll 8
+    for (int i = threadIdx.x; i < HC * own_ch; i += BND_THREADS) {
+        const int st = i / own_ch, q = i - st * own_ch;
+        const int d = 8 * bco_chunk(k, q >> 3, D, NT) + (q & 7);
+        own_s[i] = f != nullptr ? bnd_post_elem(f, R, post_in, comb_in, D, st, d) : R[(i64)st * D + d];
+    }
     // ---- round 1: values v < nvals over every segment; word w = (v, segment, half)
     const int nvals = HC + 1 + (k < BND_ROWS - HC ? (BND_ROWS - HC - 1 - k) / NT + 1 : 0);
     {
@@ -1334,7 +1339,6 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
                 }
             }
         }
-        fence_acq_rel_gpu();  // acquire: every CTA's out (released with its words)
     }
     __syncthreads();
     HC_STAMP(0, 3);
@@ -1365,14 +1369,6 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
         } else if (lane > HC && lane < nvals) {
             mixes[bco_row(lane, k, NT)] = m;
         }
-    } else {  // warps 1..7: S of the own chunks (4 streams) through L2 while warp 0 adds the chains
-        const u16* S = f != nullptr ? out : R;
-        for (int i = threadIdx.x - 32; i < HC * own_chunks; i += BND_THREADS - 32) {
-            const int st = i / own_chunks, j = i - st * own_chunks;
-            cp_async16(own_s + st * own_ch + 8 * j, S + (i64)st * D + 8 * bco_chunk(k, j, D, NT), true);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
     }
     __syncthreads();
     HC_STAMP(0, 4);

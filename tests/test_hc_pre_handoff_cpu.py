@@ -365,9 +365,9 @@ def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
 def test_hc_pre_coop_kernel_source_contract():
     """hc_boundary_pre_coop: before the PDL wait only the static loads (fn rows, the norm weight of
     a tail CTA's own chunks); the tag read after the wait; phase A is the ticket form's
-    (bnd_phase_a); each slot value goes out tagged after a release fence, and CTAs past the tail
-    leave; the tail polls, acquires, then copies S through L2 beside warp 0's chains, and uses the
-    ticket form's expressions (bnd_mix, pre_value, bnd_ss_chunk, warp_sum, bnd_norm_rsqrt,
+    (bnd_phase_a); each slot value goes out tagged, and CTAs past the tail leave; a tail CTA forms
+    S of its own channels with bnd_post_elem (no CTA reads another's out: no fence), polls, and
+    uses the ticket form's expressions (bnd_mix, pre_value, bnd_ss_chunk, warp_sum, bnd_norm_rsqrt,
     bnd_xn_chunk); CTA 0 stores the epoch only after the round-2 poll and its barriers; no
     ticket, no atomic."""
     from tests.test_shared_gateup_cpu import _body
@@ -387,13 +387,12 @@ def test_hc_pre_coop_kernel_source_contract():
     body = _body(src, "DEV void bco_body(")
     seq = ["const u32 e = ld_relaxed_gpu_u32(epoch_p);",
            "bnd_phase_a(pl.fr, f, R, post_in, comb_in, out, norm_w, D, seg_s)",
-           "fence_acq_rel_gpu();", "bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag)",
+           "bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag)",
            "if (k >= NT) return;",
+           "bnd_post_elem(f, R, post_in, comb_in, D, st, d) : R[(i64)st * D + d]",
            "ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k, NT))) + (rem & 1))",
-           "fence_acq_rel_gpu();",
            "tot = __dadd_rn(tot, v8[j])", "bnd_mix(tot, tot_sq, n, norm_eps)",
            "pre_value(m, scale[0], base[lane], hc_eps)",
-           "cp_async16(own_s + st * own_ch + 8 * j, S + (i64)st * D + 8 * bco_chunk(k, j, D, NT), true)",
            "__dmul_rn((double)pre_s[i], (double)bf16_to_f32(own_s[i * own_ch + q]))",
            "bnd_ss_chunk(", "bco_publish(r2 + 2 * (k * P + threadIdx.x), ss, tag)",
            "word = ld_relaxed_gpu(r2 + threadIdx.x);", "ss = warp_sum(ss);",
@@ -408,8 +407,9 @@ def test_hc_pre_coop_kernel_source_contract():
     i_poll2, i_epoch = body.index("word = ld_relaxed_gpu(r2 + threadIdx.x);"), body.index("st_relaxed_gpu_u32(epoch_p")
     assert body[i_poll2:i_epoch].count("__syncthreads();") == 2
     assert "const u32 tag = e + 1u == 0u ? 1u : e + 1u;" in body   # tag 0 (zeroed slots) never used
-    assert "const u16* S = f != nullptr ? out : R;" in body
-    for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "atomicExch", "counter", "ws["):
+    # only the tagged words cross CTAs: no CTA reads another's out, so no fence and no copy of out
+    for gone in ("last_cta_ticket", "__threadfence", "atomicAdd", "atomicExch", "counter", "ws[", "fence",
+                 "cp_async", " out[", "(out", " out +"):
         assert gone not in body, gone
     assert "if (k == 0) {" in body and "mixes[lane] = m;" in body and "pre_out[lane] = p;" in body
     assert "mixes[bco_row(lane, k, NT)] = m;" in body

@@ -25,12 +25,13 @@ hc_boundary_pre(..., handoff=)  the critical launch's two forms (PRE_HANDOFFS, t
                itself (the same order, the same bits) and writes its own channels: no ticket, no
                L2 round trip, no single-SM tail.
     "coop"     hc_boundary_pre_coop with 8 tail CTAs: the ticket form's grid and phase A (each CTA
-               publishes its partials as tagged global words after a release fence), then CTAs
-               0..7 poll the partials they need (one L2 round trip, no ticket), add the chains
-               themselves (the same order, the same bits), copy S of their D / 8 channels
-               through L2 meanwhile, form x, publish their share of rmsnorm_row's 128
-               sum-of-squares chains, poll all 128 (a second round trip) and write xn of their
-               channels: the one-SM tail spread over 8 SMs; the other CTAs leave after phase A.
+               publishes its partials as tagged global words), then CTAs 0..7 form S of their
+               D / 8 channels themselves (hc_post's expression, the same bits) while they poll
+               the partials they need (one L2 round trip, no ticket, no fence), add the chains
+               themselves (the same order, the same bits), form x, publish their share of
+               rmsnorm_row's 128 sum-of-squares chains, poll all 128 (a second round trip) and
+               write xn of their channels: the one-SM tail spread over 8 SMs; the other CTAs
+               leave after phase A.
     "coopall"  the same kernel with every CTA a tail CTA (D / 64 channels each); measured slower
                in the step than "ticket" (twenty-fifth session), kept to compare.
     Both need pre_coop_ok(D): D in {1024, 2048, 4096, 8192} (the tail CTAs wait for all n / 256
