@@ -425,6 +425,14 @@ DEV double bnd_seg_values(const BndFn& fr, const float* xf, int lane) {
 }
 
 // hc_post's new element of stream j at channel d (double, i ascending; hc_post's expression)
+// hc_post's value of one element from its bf16 inputs (f's and the 4 streams' at its channel; any
+// bits above the low 16 ignored): double, i ascending (hc_post's expression)
+DEV u16 bnd_post_value(double pj, const double* cj, u32 fb, const u32* rb) {
+    double acc = __dmul_rn(pj, (double)bf16_to_f32(fb & 0xffffu));
+#pragma unroll
+    for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i] & 0xffffu)));
+    return (u16)f64_to_bf16(acc);
+}
 DEV u16 bnd_post_elem(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
                       const float* comb_in, int D, int j, int d) {
     // every load before any arithmetic
@@ -436,10 +444,35 @@ DEV u16 bnd_post_elem(const u16* __restrict__ f, const u16* __restrict__ R, cons
     double cj[HC];
 #pragma unroll
     for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
-    double acc = __dmul_rn(pj, (double)bf16_to_f32(fb));
+    return bnd_post_value(pj, cj, fb, rb);
+}
+
+// hc_post's 8 new elements of stream j at chunk c (channels 8c .. 8c + 7): bnd_post_elem's value per
+// element, from one 16-byte load of f and of each stream (every load before any arithmetic)
+DEV uint4 bnd_post_chunk(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
+                         const float* comb_in, int D, int j, int c) {
+    const uint4 fv = ldg16(f + 8 * c);
+    uint4 rv[HC];
 #pragma unroll
-    for (int i = 0; i < HC; ++i) acc = __dadd_rn(acc, __dmul_rn(cj[i], (double)bf16_to_f32(rb[i])));
-    return (u16)f64_to_bf16(acc);
+    for (int i = 0; i < HC; ++i) rv[i] = ldg16(R + (i64)i * D + 8 * c);
+    const double pj = post_in[j];
+    double cj[HC];
+#pragma unroll
+    for (int i = 0; i < HC; ++i) cj[i] = comb_in[i * HC + j];
+    const u32 fw[4] = {fv.x, fv.y, fv.z, fv.w};
+    u32 h[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int sh = 16 * (e & 1);
+        u32 rb[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i) {
+            const u32 rw[4] = {rv[i].x, rv[i].y, rv[i].z, rv[i].w};
+            rb[i] = rw[e >> 1] >> sh;
+        }
+        h[e] = bnd_post_value(pj, cj, fw[e >> 1] >> sh, rb);
+    }
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
 }
 
 // hc_boundary's / hc_boundary_poll's phase A for CTA sg: writes out (f given), returns lane l < 4
@@ -1198,7 +1231,7 @@ hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, co
 //   chunk k P + u' + 128 m (bco_chunk; M = D / 1024 chunks per thread).
 // 1. Phase A (every CTA): the ticket form's (bnd_phase_a: hc_post -> out for segment k, the
 //    segment's 32 slot values), which go out as tagged words (below); CTAs k >= NT are then done.
-// 2. Round 1 (tail CTAs): S of the own 4 x D / NT stream elements (bnd_post_elem: the bits the
+// 2. Round 1 (tail CTAs): S of the own 4 x D / NT stream elements (bnd_post_chunk: the bits the
 //    elements' segment owners store to out; R's without f) into shared memory, its loads in
 //    flight during the poll; poll, over every segment, the slots the CTA needs: rows 0..3 and
 //    the squares (for pre) and the mixes rows 4 + k + NT i < 24 it stores; warp 0 adds each chain
@@ -1304,14 +1337,14 @@ DEV void bco_body(const BcoPre& pl, const u16* __restrict__ f, const u16* __rest
     if (lane < 4) bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag);
     HC_STAMP(0, 2);
     if (k >= NT) return;
-    // S of the own channels, in flight during the round-1 poll: element i = (stream i / own_ch,
-    // channel i % own_ch) by bnd_post_elem (the bits its segment owner stored to out), or R's
-    // without f.  Only the tagged words cross CTAs: no fence.
-#pragma unroll 8
-    for (int i = threadIdx.x; i < HC * own_ch; i += BND_THREADS) {
-        const int st = i / own_ch, q = i - st * own_ch;
-        const int d = 8 * bco_chunk(k, q >> 3, D, NT) + (q & 7);
-        own_s[i] = f != nullptr ? bnd_post_elem(f, R, post_in, comb_in, D, st, d) : R[(i64)st * D + d];
+    // S of the own channels, in flight during the round-1 poll: (stream st, own chunk j) by thread
+    // i = st * own_chunks + j (one per thread at 8 tail CTAs): bnd_post_chunk (bnd_post_elem's
+    // bits, those its segment owner stored to out), or R's chunk without f.  Only the tagged words
+    // cross CTAs: no fence.
+    for (int i = threadIdx.x; i < HC * own_chunks; i += BND_THREADS) {
+        const int st = i / own_chunks, j = i - st * own_chunks, c = bco_chunk(k, j, D, NT);
+        *reinterpret_cast<uint4*>(own_s + st * own_ch + 8 * j) =
+            f != nullptr ? bnd_post_chunk(f, R, post_in, comb_in, D, st, c) : ldg16(R + (i64)st * D + 8 * c);
     }
     // ---- round 1: values v < nvals over every segment; word w = (v, segment, half)
     const int nvals = HC + 1 + (k < BND_ROWS - HC ? (BND_ROWS - HC - 1 - k) / NT + 1 : 0);

@@ -366,7 +366,7 @@ def test_hc_pre_coop_kernel_source_contract():
     """hc_boundary_pre_coop: before the PDL wait only the static loads (fn rows, the norm weight of
     a tail CTA's own chunks); the tag read after the wait; phase A is the ticket form's
     (bnd_phase_a); each slot value goes out tagged, and CTAs past the tail leave; a tail CTA forms
-    S of its own channels with bnd_post_elem (no CTA reads another's out: no fence), polls, and
+    S of its own channels with bnd_post_chunk (no CTA reads another's out: no fence), polls, and
     uses the ticket form's expressions (bnd_mix, pre_value, bnd_ss_chunk, warp_sum, bnd_norm_rsqrt,
     bnd_xn_chunk); CTA 0 stores the epoch only after the round-2 poll and its barriers; no
     ticket, no atomic."""
@@ -389,7 +389,7 @@ def test_hc_pre_coop_kernel_source_contract():
            "bnd_phase_a(pl.fr, f, R, post_in, comb_in, out, norm_w, D, seg_s)",
            "bco_publish(r1 + 2 * (k * 32 + 4 * wid + lane), val, tag)",
            "if (k >= NT) return;",
-           "bnd_post_elem(f, R, post_in, comb_in, D, st, d) : R[(i64)st * D + d]",
+           "bnd_post_chunk(f, R, post_in, comb_in, D, st, c) : ldg16(R + (i64)st * D + 8 * c)",
            "ld_relaxed_gpu(r1 + 2 * ((rem >> 1) * 32 + bco_slot(bco_row(v, k, NT))) + (rem & 1))",
            "tot = __dadd_rn(tot, v8[j])", "bnd_mix(tot, tot_sq, n, norm_eps)",
            "pre_value(m, scale[0], base[lane], hc_eps)",
@@ -413,5 +413,11 @@ def test_hc_pre_coop_kernel_source_contract():
         assert gone not in body, gone
     assert "if (k == 0) {" in body and "mixes[lane] = m;" in body and "pre_out[lane] = p;" in body
     assert "mixes[bco_row(lane, k, NT)] = m;" in body
+    # S of the own chunks is hc_post's arithmetic of phase A: bnd_post_elem and bnd_post_chunk
+    # both end in bnd_post_value, the one place of the expression
+    pe, pc = _body(src, "DEV u16 bnd_post_elem("), _body(src, "DEV uint4 bnd_post_chunk(")
+    assert "return bnd_post_value(pj, cj, fb, rb);" in pe and "bnd_post_value(pj, cj, fw[e >> 1] >> sh, rb)" in pc
+    for b in (pe, pc):
+        assert "__dmul_rn" not in b and "__dadd_rn" not in b
     from memra_dsv4.gpu.ops import hc as HC
     assert "hc_boundary_pre_coop" in HC.KERNELS
