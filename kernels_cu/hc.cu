@@ -1224,6 +1224,8 @@ hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, co
 // ticket form's last CTA spends ~4.9 us after its ticket (tools/hc_boundary_phases.py,
 // twenty-second session): the L2 re-read of 64 partial blocks, the chains, then x, the sum of
 // squares and xn of all D channels on one SM (~16 f32 <-> f64 conversions per clock).
+// Measured (docs/decode_perf.md, twenty-fifth session): up to ~0.5 us shorter alone, neutral in
+// the step with 8 tail CTAs, 0.9-1.7 % slower with all 64 (held resident for ~7 us): opt-in.
 //
 // Ownership: tail CTA k < NT owns threads [k P, k P + P) of rmsnorm_row's 128-thread partition
 //   (P = 128 / NT; thread u's chunks are u, u + 128, u + 256, ... of the D / 8 chunks of 8
@@ -1244,15 +1246,14 @@ hc_boundary_pre_cluster(const u16* __restrict__ f, const u16* __restrict__ R, co
 //    its channels (bnd_xn_chunk; the weight chunks were loaded before the PDL wait).
 // Tagged words: a double crosses as two u64 words (tag << 32) | half, st.relaxed.gpu, polled with
 //   ld.relaxed.gpu until the word carries this launch's tag.  Only these words cross CTAs (no
-//   CTA reads another's out), so no fence, no ticket and no reset: the tag is
-//   the launch's epoch (the epoch word + 1, 0 skipped), read by every CTA after the PDL wait;
+//   CTA reads another's out), so no fence, no ticket and no reset: the tag is the launch's epoch (the epoch word + 1, 0 skipped), read by every CTA after the PDL wait;
 //   CTA 0 stores it back after its round-1 poll saw every segment's words (so every CTA had read
 //   it) and its round-2 poll; the next launch reads it only after this grid completed (stream
 //   order / the PDL wait).  Every launch rewrites every word it polls, so a stale word's tag is
 //   the previous launch's.
-// Forward progress: the tail CTAs wait for all G, so all G must be co-resident at some point:
-//   G <= 128 CTAs of 256 threads, ~20 KB of static shared memory (one per SM suffices; an H200
-//   has 132).  A dependent grid under PDL launches only after every CTA of this one ran
+// Forward progress: the tail CTAs wait for every CTA's words while holding their SMs, so the
+//   other CTAs must find SMs beside them (with NT = G: all G co-resident): G <= 128 CTAs of 256
+//   threads, ~20 KB of static shared memory (one per SM suffices; an H200 has 132).  A dependent grid under PDL launches only after every CTA of this one ran
 //   launch_dependents (PDL_ENTRY: every CTA already resident); the kernels beside it on the
 //   step's other graph branches do not wait on it, so they leave their SMs.  One slot buffer per
 //   device: not for concurrent launches on two streams of one device.

@@ -31,7 +31,8 @@ hc_boundary_pre(..., handoff=)  the critical launch's two forms (PRE_HANDOFFS, t
                themselves (the same order, the same bits), form x, publish their share of
                rmsnorm_row's 128 sum-of-squares chains, poll all 128 (a second round trip) and
                write xn of their channels: the one-SM tail spread over 8 SMs; the other CTAs
-               leave after phase A.
+               leave after phase A.  Up to ~0.5 us shorter alone, neutral in the step
+               (twenty-fifth session): opt-in.
     "coopall"  the same kernel with every CTA a tail CTA (D / 64 channels each); measured slower
                in the step than "ticket" (twenty-fifth session), kept to compare.
     Both need pre_coop_ok(D): D in {1024, 2048, 4096, 8192} (the tail CTAs wait for all n / 256
