@@ -690,19 +690,26 @@ def test_hc_boundary_pre_cluster_bitwise(D, with_post, in_place, wide):
     byte for byte in every output (streams, mixes, x, pre, post, comb, xn), three fresh inputs
     per case (each launch's mbarriers start anew); at D = 4096 also == the unfused chain and ==
     the ticket form on the same inputs."""
+    _split_form_bitwise("cluster", D, with_post, in_place, wide, reps=3)
+
+
+def _split_form_bitwise(handoff: str, D: int, with_post: bool, in_place: bool, wide: bool, reps: int):
+    """hc_boundary_pre(handoff=...) + hc_boundary_sinkhorn == hc_boundary (lastcta) byte for byte in
+    every output over ``reps`` fresh inputs; at D = 4096 also == the unfused chain and == the
+    ticket form on the first input."""
     seed = fresh_seed()
     rng = rng_for(seed)
-    for rep in range(3):
+    for rep in range(reps):
         g = _dev(_boundary_case(rng, D, wide))
         want = _fused(g, with_post, in_place, impl="lastcta")
-        got = _split(g, with_post, in_place, handoff="cluster")
+        got = _split(g, with_post, in_place, handoff=handoff)
         cp.cuda.Device().synchronize()
-        _assert_same_bytes(got, want, seed, handoff="cluster", D=D, with_post=with_post,
+        _assert_same_bytes(got, want, seed, handoff=handoff, D=D, with_post=with_post,
                            in_place=in_place, wide=wide, rep=rep)
         if rep == 0 and D == 4096:
-            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff="cluster", vs="unfused")
+            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff=handoff, vs="unfused")
             _assert_same_bytes(got, _split(g, with_post, in_place, handoff="ticket"), seed,
-                               handoff="cluster", vs="ticket")
+                               handoff=handoff, vs="ticket")
 
 
 def test_hc_boundary_pre_cluster_refusals_and_occupancy():
@@ -741,19 +748,7 @@ def test_hc_boundary_pre_coop_bitwise(D, with_post, in_place, wide, handoff):
     == hc_boundary byte for byte in every output, five fresh inputs per case (each launch a new
     tag: a stale word of the previous launch must not be taken); at D = 4096 also == the unfused
     chain and == the ticket form on the same inputs."""
-    seed = fresh_seed()
-    rng = rng_for(seed)
-    for rep in range(5):
-        g = _dev(_boundary_case(rng, D, wide))
-        want = _fused(g, with_post, in_place, impl="lastcta")
-        got = _split(g, with_post, in_place, handoff=handoff)
-        cp.cuda.Device().synchronize()
-        _assert_same_bytes(got, want, seed, handoff=handoff, D=D, with_post=with_post,
-                           in_place=in_place, wide=wide, rep=rep)
-        if rep == 0 and D == 4096:
-            _assert_same_bytes(got, _unfused(g, with_post), seed, handoff=handoff, vs="unfused")
-            _assert_same_bytes(got, _split(g, with_post, in_place, handoff="ticket"), seed,
-                               handoff=handoff, vs="ticket")
+    _split_form_bitwise(handoff, D, with_post, in_place, wide, reps=5)
 
 
 def test_hc_boundary_pre_coop_many_launches_and_widths():

@@ -29,10 +29,12 @@ ENV = "MEMRA_DSV4_HC_PRE_HANDOFF"
 _ARMS = {"ticket": ("ticket", True), "cluster": ("cluster", True), "cluster+eager": ("cluster", False)}
 
 
-def _first_eager(m, states, n_layers: int):
+def _first_eager(m, states, n_layers: int, form: str = "hc_boundary_pre_cluster"):
+    """The first eager step of an arm: ``form`` launched at both boundaries of every layer, the
+    ticket kernel (hc_boundary_pre) never."""
     def first(a, t):
         logits, names = eager_step_launches(m, states[a], t)
-        assert names.count("hc_boundary_pre_cluster") == 2 * n_layers, sorted(set(names))
+        assert names.count(form) == 2 * n_layers, sorted(set(names))
         assert "hc_boundary_pre" not in names, sorted(set(names))
         return logits
     return first
@@ -58,18 +60,9 @@ _COOP_ARMS = {"ticket": ("ticket", True), "coop": ("coop", True), "coop+eager": 
               "coopall": ("coopall", True)}
 
 
-def _first_eager_coop(m, states, n_layers: int):
-    def first(a, t):
-        logits, names = eager_step_launches(m, states[a], t)
-        assert names.count("hc_boundary_pre_coop") == 2 * n_layers, sorted(set(names))
-        assert "hc_boundary_pre" not in names, sorted(set(names))
-        return logits
-    return first
-
-
 def test_hc_pre_coop_step_bit_identical_flash_layers(monkeypatch):
     m, states, ids, prompt = flash_prefilled(2, _COOP_ARMS, seed=71)
     assert_arms_agree("flash-layers:2 hc boundary coop handoff", states, ids[prompt:],
                       env_arm_runner(m, states, ENV, _COOP_ARMS, monkeypatch,
-                                     first_eager=_first_eager_coop(m, states, 2)),
+                                     first_eager=_first_eager(m, states, 2, "hc_boundary_pre_coop")),
                       pos0=prompt)
