@@ -339,6 +339,14 @@ def test_hc_pre_coop_wrapper_launch_and_checks(monkeypatch):
         assert HC.pre_coop_ok(D)
     for D in (0, 64, 256, 512, 3072, 6144, 7168, 16384):
         assert not HC.pre_coop_ok(D), D
+    # the step's fallback asks pre_handoff_covers: every D for the ticket form, else the form's own
+    for D in (64, 192, 256, 1024, 3072, 4096, 7168, 8192):
+        assert HC.pre_handoff_covers(D, "ticket")
+        assert HC.pre_handoff_covers(D, "cluster") == HC.pre_cluster_ok(D)
+        for h in HC.COOP_HANDOFFS:
+            assert HC.pre_handoff_covers(D, h) == HC.pre_coop_ok(D), (h, D)
+    with pytest.raises(AssertionError, match="handoff 'dsmem' is not one of"):
+        HC.pre_handoff_covers(4096, "dsmem")
     for D in (7168, 256, 3072):   # the ticket form takes them, the cooperative grid refuses them
         a = dict(streams=u16(1, 4, D), fn=f32(24, 4 * D), scale=f32(3), base=f32(24), norm_weight=u16(D))
         kw = dict(hc_eps=1e-6, norm_eps=1e-5, xn=u16(1, D), x=u16(1, D), pre=f32(1, 4), mixes=f32(1, 24))

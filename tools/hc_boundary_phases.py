@@ -96,7 +96,7 @@ def main() -> int:
         if kind == "ticket":
             pdl.launch_ex(k_ticket, "hc_boundary_pre", sh["grid"], sh["block"], head + (ws, cnt),
                           shared_mem=sh["shared_mem"], stream=s, pdl=False)
-        elif kind in ("coop", "coopall"):
+        elif kind in HC.COOP_HANDOFFS:
             pdl.launch_ex(k_coop, "hc_boundary_pre_coop", sh["grid"], sh["block"],
                           head + (np.int32(HC.coop_tail_ctas(D, kind)), coop_slots), shared_mem=0, stream=s,
                           pdl=False)
@@ -106,7 +106,7 @@ def main() -> int:
 
     for form in ("post", "first"):
         res, bytes_of = {}, {}
-        kinds = ("ticket", "cluster") + (("coop", "coopall") if k_coop is not None else ())
+        kinds = ("ticket", "cluster") + (HC.COOP_HANDOFFS if k_coop is not None else ())
         for kind in kinds:
             rows = []
             o = outs()

@@ -490,8 +490,7 @@ class DeviceStep:
         # CTAs (D in 1024 .. 8192, powers of two, else the ticket); the same bytes.  Read (and so
         # validated) whether or not the split applies it.
         handoff = hc_pre_handoff()
-        if ((handoff == "cluster" and not HC.pre_cluster_ok(D))
-                or (handoff in ("coop", "coopall") and not HC.pre_coop_ok(D))):
+        if not HC.pre_handoff_covers(D, handoff):
             handoff = "ticket"
         if self._hc_split:
             post, comb = v["hc.post"].reshape(1, -1), v["hc.comb"].reshape(1, 4, 4)

@@ -78,7 +78,8 @@ _BND_SLOTS: dict = {}       # device -> int32 [2 * 128 * 32] (u64 slots of hc_bo
 _BND_SLOT_WORDS = 2 * 128 * 32
 
 
-PRE_HANDOFFS = ("ticket", "cluster", "coop", "coopall")
+COOP_HANDOFFS = ("coop", "coopall")   # hc_boundary_pre_coop with 8 / all tail CTAs
+PRE_HANDOFFS = ("ticket", "cluster") + COOP_HANDOFFS
 COOP_TAIL_CTAS = 8            # hc_boundary_pre_coop's tail CTAs for handoff "coop" ("coopall": all)
 PRE_CLUSTER_MAX_CTAS = 16     # the largest (non-portable) cluster of an H100 / H200
 PRE_CLUSTER_CHANNELS = 256    # channels per CTA of hc_boundary_pre_cluster (one segment per stream)
@@ -110,9 +111,20 @@ def pre_coop_ok(D: int) -> bool:
     return D in (1024, 2048, 4096, 8192)
 
 
+def pre_handoff_covers(D: int, handoff: str) -> bool:
+    """Whether the PRE_HANDOFFS form ``handoff`` covers hidden size D (the ticket form: every D
+    hc_boundary_pre takes)."""
+    if handoff == "cluster":
+        return pre_cluster_ok(D)
+    if handoff in COOP_HANDOFFS:
+        return pre_coop_ok(D)
+    assert handoff == "ticket", f"hc_boundary_pre: handoff {handoff!r} is not one of {PRE_HANDOFFS}"
+    return True
+
+
 def coop_tail_ctas(D: int, handoff: str) -> int:
     """hc_boundary_pre_coop's n_tail for a coop handoff: COOP_TAIL_CTAS ("coop") or D / 64 ("coopall")."""
-    assert handoff in ("coop", "coopall") and pre_coop_ok(D), (handoff, D)
+    assert handoff in COOP_HANDOFFS and pre_coop_ok(D), (handoff, D)
     return COOP_TAIL_CTAS if handoff == "coop" else HC * D // SEG
 
 
@@ -132,7 +144,7 @@ def pre_launch_shape(D: int, handoff: str) -> dict:
         smem = HC * n_cta * 32 * 8 + 2 * D  # the partials [nseg][32] doubles, x of all D channels
         return dict(grid=(n_cta,), block=(PRE_CLUSTER_THREADS,), shared_mem=smem, smem_optin=smem,
                     cluster=(n_cta, 1, 1))
-    if handoff in ("coop", "coopall"):  # static shared memory only (~20 KB)
+    if handoff in COOP_HANDOFFS:  # static shared memory only (~20 KB)
         return dict(grid=(HC * D // SEG,), block=(256,), shared_mem=0, smem_optin=0, cluster=None)
     # as hc_boundary: partials (4D), the streams (8D), the norm weight (2D); 1 KB of headroom in
     # the opt-in for the static shared memory
@@ -398,7 +410,7 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
         raise ValueError(f"hc_boundary_pre: handoff 'cluster' needs D % {PRE_CLUSTER_CHANNELS} == 0 and "
                          f"D <= {PRE_CLUSTER_CHANNELS * PRE_CLUSTER_MAX_CTAS} (one cluster of D / "
                          f"{PRE_CLUSTER_CHANNELS} CTAs), got D = {D}; use handoff 'ticket'")
-    if handoff in ("coop", "coopall") and not pre_coop_ok(D):
+    if handoff in COOP_HANDOFFS and not pre_coop_ok(D):
         raise ValueError(f"hc_boundary_pre: handoff {handoff!r} needs D in (1024, 2048, 4096, 8192) (D / 64 "
                          f"CTAs owning 128 / (D / 64) norm threads each), got D = {D}; use handoff 'ticket'")
     assert f is None or (post_in is not None and comb_in is not None), (
@@ -414,7 +426,7 @@ def hc_boundary_pre(streams, fn, scale, base, norm_weight, *, hc_eps: float, nor
         dynamic_smem(k, shape["smem_optin"])
         k(shape["grid"], shape["block"], head, shared_mem=shape["shared_mem"], cluster=shape["cluster"])
         return src
-    if handoff in ("coop", "coopall"):
+    if handoff in COOP_HANDOFFS:
         slots = coop_slots()
         kernel(STEM, "hc_boundary_pre_coop")(shape["grid"], shape["block"],
                                              head + (i32(coop_tail_ctas(D, handoff)), slots))
@@ -445,5 +457,6 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
            "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS",
-           "PRE_HANDOFFS", "pre_cluster_ok", "pre_cluster_ctas", "pre_coop_ok", "coop_tail_ctas", "coop_slots",
+           "PRE_HANDOFFS", "COOP_HANDOFFS", "pre_handoff_covers", "pre_cluster_ok", "pre_cluster_ctas",
+           "pre_coop_ok", "coop_tail_ctas", "coop_slots",
            "pre_launch_shape"]
