@@ -58,7 +58,9 @@ through DSMEM; bit-identical, step_device.router_handoff), ``shspare=router|grid
 without shared-expert rows, or a gate/up grid sized for the other SMs; bit-identical,
 step_device.shared_gateup_spare), ``hchand=ticket|cluster|coop|coopall`` (MEMRA_DSV4_HC_PRE_HANDOFF: the
 boundary's critical launch as the last-CTA ticket kernel, one thread-block cluster exchanging
-partials and x through DSMEM, or the cooperative grid polling tagged global words (8 tail CTAs, or all); bit-identical, step_device.hc_pre_handoff), and
+partials and x through DSMEM, or the cooperative grid polling tagged global words (8 tail CTAs, or all); bit-identical, step_device.hc_pre_handoff),
+``attnhg=auto|16|8|4`` (MEMRA_DSV4_DECODE_ATTN_HG: the split attention kernel's heads per CTA, a group
+below the default with every tile in its own CTA; bit-identical, step_device.decode_attn_head_group), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -162,6 +164,7 @@ _KERNEL_SETTINGS = {
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
     "rhand": SimpleNamespace(allowed=("ticket", "cluster"), env="MEMRA_DSV4_ROUTER_HANDOFF"),
     "hchand": SimpleNamespace(allowed=("ticket", "cluster", "coop", "coopall"), env="MEMRA_DSV4_HC_PRE_HANDOFF"),
+    "attnhg": SimpleNamespace(allowed=("auto", "16", "8", "4"), env="MEMRA_DSV4_DECODE_ATTN_HG"),
     "shspare": SimpleNamespace(allowed=("router", "grid", "none"), env="MEMRA_DSV4_SHARED_GATEUP_SPARE"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),

@@ -205,6 +205,42 @@ DEV void q_norm_rows(const u16* __restrict__ qw, i64 t, const QNorm& qn,
     }
 }
 
+// Whether any candidate of tiles [tile0, tile1) exists (cand(j) >= 0): one vote per warp, the
+// same answer in every warp of the CTA.
+template <typename Cand>
+DEV bool tiles_have_candidates(const Cand& cand, int tile0, int tile1) {
+    const int lane = threadIdx.x & 31;
+    bool any = false;
+    for (int tile = tile0; tile < tile1; ++tile) any |= cand(tile * TJ + lane) >= 0;
+    return __any_sync(0xffffffffu, any);
+}
+
+// The split path's tile partial of the warp's HPW heads (slot0: head h0's slot of this tile;
+// head h0 + hh is slot0 + hh * n_tiles): (m_t, l_t) by lane 0, the lane's dims of a_t.
+template <int D, int HPW>
+DEV void store_tile_partial(float* __restrict__ ws_ml, float* __restrict__ ws_acc, i64 slot0, int n_tiles,
+                            const float (&mt)[HPW], const float (&lt)[HPW],
+                            const float (&at)[HPW][Lanes<D>::NCH][Lanes<D>::U]) {
+    using L = Lanes<D>;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int hh = 0; hh < HPW; ++hh) {
+        const i64 slot = slot0 + (i64)hh * n_tiles;
+        if (lane == 0) {
+            ws_ml[2 * slot] = mt[hh];
+            ws_ml[2 * slot + 1] = lt[hh];
+        }
+#pragma unroll
+        for (int ch = 0; ch < L::NCH; ++ch) {
+            float* dst = ws_acc + slot * D + L::dim(lane, ch);
+#pragma unroll
+            for (int u = 0; u < L::U; u += 4)
+                *reinterpret_cast<float4*>(dst + u) =
+                    make_float4(at[hh][ch][u], at[hh][ch][u + 1], at[hh][ch][u + 2], at[hh][ch][u + 3]);
+        }
+    }
+}
+
 // QN: q is the raw q (the _qn kernels): normed + roped by q_norm_rows at the load.
 template <int D, int HPW, int NW, bool QN = false, typename Cand>
 DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv, int ld_kv,
@@ -222,6 +258,29 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     const int tps = (n_tiles + n_split - 1) / n_split;
     const int tile0 = blockIdx.z * tps;
     const int tile1 = min(n_tiles, tile0 + tps);
+
+    // A split CTA whose tiles hold no candidate (the -1 tail of a candidate list sized for the
+    // longest context: at 1K a Flash HCA list has 8 of 13 tiles empty) writes what the full path
+    // computes for such a tile and leaves: zero-filled rows, s_j = -inf, so m_t = -inf, l_t = +0,
+    // every a_t dim +0 (fma(0, 0, +0)).  The same partial bytes; no gather, no q load, no FMAs,
+    // so a small head group's empty CTAs do not take issue slots from the full ones on their SM.
+    // Uniform over the CTA (every warp votes on the same candidates), so no barrier is skipped.
+    // Not in the _qn forms (opt-in; with it ptxas spills 4 B in sparse_attn_decode_d512_hg4_qn).
+    if (!QN && n_split > 1 && tile0 < tile1 && !tiles_have_candidates(cand, tile0, tile1)) {
+        float mt[HPW], lt[HPW], at[HPW][NCH][U];
+#pragma unroll
+        for (int hh = 0; hh < HPW; ++hh) {
+            mt[hh] = f32_ninf();
+            lt[hh] = 0.0f;
+#pragma unroll
+            for (int ch = 0; ch < NCH; ++ch)
+#pragma unroll
+                for (int u = 0; u < U; ++u) at[hh][ch][u] = 0.0f;
+        }
+        for (int tile = tile0; tile < tile1; ++tile)
+            store_tile_partial<D, HPW>(ws_ml, ws_acc, (t * H + h0) * (i64)n_tiles + tile, n_tiles, mt, lt, at);
+        return;
+    }
 
     float qf[HPW][NCH][U];
     if constexpr (!QN) {
@@ -330,22 +389,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
                 M[hh] = Mn;
             }
         } else {  // write the tile partial
-#pragma unroll
-            for (int hh = 0; hh < HPW; ++hh) {
-                const i64 slot = (t * H + h0 + hh) * (i64)n_tiles + tile;
-                if (lane == 0) {
-                    ws_ml[2 * slot] = mt[hh];
-                    ws_ml[2 * slot + 1] = lt[hh];
-                }
-#pragma unroll
-                for (int ch = 0; ch < NCH; ++ch) {
-                    float* dst = ws_acc + slot * D + L::dim(lane, ch);
-#pragma unroll
-                    for (int u = 0; u < U; u += 4)
-                        *reinterpret_cast<float4*>(dst + u) =
-                            make_float4(at[hh][ch][u], at[hh][ch][u + 1], at[hh][ch][u + 2], at[hh][ch][u + 3]);
-                }
-            }
+            store_tile_partial<D, HPW>(ws_ml, ws_acc, (t * H + h0) * (i64)n_tiles + tile, n_tiles, mt, lt, at);
         }
     }
 

@@ -804,8 +804,13 @@ class DeviceStep:
                 AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
                                            out=o, workspace=v["dev.attn_ws"], inverse_rope=rope, **qn)
             else:                # "split": the split kernel + combine over cand (sel_path)
+                # MEMRA_DSV4_DECODE_ATTN_HG: the split kernel's heads per CTA; a group below the
+                # default puts every tile in its own CTA (n_split = the tile count)
+                hg = decode_attn_head_group(H)
+                split = AT.n_tiles(K) if hg != AT.head_group(H) else None
                 AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
-                                    n_split=None, workspace=v["dev.attn_ws"], inverse_rope=rope, **qn)
+                                    n_split=split, workspace=v["dev.attn_ws"], inverse_rope=rope,
+                                    head_group=hg, **qn)
         with phase(f"{ap}/output"):
             # site "out": no side branch runs beside these two (ops_decode.gemv_selected)
             w, sc = L.lin("attn.wo_a")
@@ -1074,6 +1079,29 @@ def hc_pre_handoff() -> str:
     arm hchand=ticket|cluster|coop|coopall)."""
     return _choice_env(HC_PRE_HANDOFF_ENV, ("ticket", "cluster", "coop", "coopall"),
                        HC_PRE_HANDOFF_DEFAULT)
+
+
+DECODE_ATTN_HG_ENV = "MEMRA_DSV4_DECODE_ATTN_HG"   # auto | 16 | 8 | 4: the split attention's heads per CTA
+DECODE_ATTN_HG_DEFAULT = "auto"
+
+
+def decode_attn_head_group(H: int) -> int:
+    """MEMRA_DSV4_DECODE_ATTN_HG = auto | 16 | 8 | 4 (DECODE_ATTN_HG_DEFAULT), read when the
+    attention launches (at graph capture), with MEMRA_DSV4_DECODE_ATTN = split: the heads per CTA
+    of the split attention kernel (ops.attention.sparse_attention(head_group=)); "auto" is
+    ops.attention.head_group(H) (16 for Flash's 64 heads).  A smaller group also gives every
+    tile its own CTA.  Why: one token's attention is a grid of H / 16 x tiles CTAs of 8 warps,
+    each warp computing 2 heads' dots and P.V over a tile of 32 rows (~3.6 K instructions, 2
+    warps per scheduler on the ~20-50 SMs the grid takes), while the rest of the GPU idles:
+    8.6 us go -> exit in a Flash layer (twenty-first session's timeline) for ~70 KB of rows.  With
+    4 heads per CTA each warp has one head (about half the instructions) and the grid covers 4x
+    as many SMs; empty tiles (the -1 tail of the list) leave at once (attention.cu).  The head
+    group never changes a head's arithmetic: the same bytes (tests/gpu/test_kernels_attention.py,
+    tests/gpu/test_step_attn_hg_gpu.py); not a seam (bench arm attnhg=auto|16|8|4).  A group that
+    does not divide H is refused by the wrapper, naming it."""
+    from memra_dsv4.gpu.ops import attention as AT
+    v = _choice_env(DECODE_ATTN_HG_ENV, ("auto", "16", "8", "4"), DECODE_ATTN_HG_DEFAULT)
+    return AT.head_group(H) if v == "auto" else AT.head_group(H, int(v))
 
 
 def multi_qnorm_on() -> bool:

@@ -146,6 +146,70 @@ def test_sparse_attention_kv_cache_view_and_all_padding():
     assert_within(gotf, want, _bound(q, kv, idx, sink, scale, want, False), "attention on a cache view", seed)
 
 
+def _holed(idx):
+    """idx with whole 32-candidate tiles of -1: tile 1 and every third tile from 3 on (where the
+    list has them), plus two all -1 tiles appended: the split CTAs that write the empty partial
+    without a gather (attention.cu tiles_have_candidates), between and after tiles with rows."""
+    T, K = idx.shape
+    out = np.concatenate([idx, np.full((T, 64), -1, np.int32)], axis=1)
+    for tile in [1] + list(range(3, (K + 31) // 32, 3)):
+        out[:, 32 * tile:32 * tile + 32] = -1
+    # a lone candidate in the last tile of the original list keeps a mostly empty tile non-empty
+    out[:, ((K - 1) // 32) * 32] = idx[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("case", ["flash_decode", "flash_decode_long", "small", "tiny"])
+@pytest.mark.parametrize("probs_bf16", [False, True])
+def test_sparse_attention_head_groups_and_empty_tiles(case, probs_bf16):
+    """Every head group of ops.attention.HEAD_GROUPS that divides H, split one tile per CTA, by
+    auto_split for that group and in 2 CTAs, == the default group's fused path (n_split = 1) bit
+    for bit, on candidate lists with whole tiles of -1 in the middle and at the end (_holed); the
+    fused path is also within the twin's bound there.  (A head's dots, tile statistics and merge
+    do not depend on the group; an empty tile's partial is (-inf, +0, +0) in both forms.)"""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    c = CASES[case]
+    q, kv, idx, sink = _case(rng, c["T"], c["H"], c["D"], c["W"], c["topk"], c["n_comp"], c["decode"])
+    idx = _holed(idx)
+    scale = c["D"] ** -0.5
+    H = c["H"]
+    qg, kvg, ig, sg = cp.asarray(bits_of(q)), cp.asarray(bits_of(kv)), cp.asarray(idx), cp.asarray(sink)
+    ref = K.sparse_attention(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, n_split=1)
+    pol = POLICIES["reference" if probs_bf16 else "bf16"]
+    want = O.sparse_attention_with_sinks(q, kv, idx, sink, scale, pol=pol)
+    reff = (ref.get().astype(np.uint32) << 16).view(np.float32)
+    assert_within(reff, want, _bound(q, kv, idx, sink, scale, want, probs_bf16), "holed attention", seed,
+                  case=case)
+    nt = K.n_tiles(idx.shape[1])
+    groups = [hg for hg in K.HEAD_GROUPS if H % hg == 0]
+    assert groups and groups[0] == K.head_group(H)
+    for hg in groups:
+        for n_split in (nt, None, 2, 1):
+            got = K.sparse_attention(qg, kvg, ig, sg, scale, probs_bf16=probs_bf16, n_split=n_split, head_group=hg)
+            assert cp.array_equal(got, ref), f"head_group {hg}, n_split {n_split} != default fused {describe(seed, case=case)}"
+
+
+def test_sparse_attention_head_group_refusals():
+    """A head group outside HEAD_GROUPS, one that does not divide H, or not an int: refused with
+    the value named, before any launch (the output keeps its bytes)."""
+    rng = rng_for(fresh_seed())
+    H, D = 4, 128
+    q = cp.asarray(bits_of(rand_bf16(rng, (1, H, D), 1.0)))
+    kv = cp.asarray(bits_of(rand_bf16(rng, (40, D), 1.0)))
+    idx = cp.asarray(np.arange(40, dtype=np.int32).reshape(1, 40))
+    sink = cp.zeros((H,), cp.float32)
+    out = cp.full((1, H, D), 0x7fc1, cp.uint16)
+    for hg, msg in ((3, "head_group 3 is not one of"), (32, "head_group 32 is not one of"),
+                    (8, "head_group 8 does not divide H = 4"), (16, "head_group 16 does not divide H = 4"),
+                    (True, "head_group must be an int"), (4.0, "head_group must be an int")):
+        with pytest.raises(AssertionError, match=msg):
+            K.sparse_attention(q, kv, idx, sink, D ** -0.5, out=out, n_split=2, head_group=hg)
+        assert bool((out == 0x7fc1).all()), f"head_group {hg!r}: the refused call wrote out"
+    got = K.sparse_attention(q, kv, idx, sink, D ** -0.5, out=out, n_split=2, head_group=4)
+    assert got is out and not bool((out == 0x7fc1).all())
+
+
 @pytest.mark.parametrize("case", ["flash_decode", "flash_decode_long", "small", "tiny"])
 @pytest.mark.parametrize("n_split", [1, 3])
 def test_sparse_attention_inverse_rope_epilogue(case, n_split):

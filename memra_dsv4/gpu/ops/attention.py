@@ -91,11 +91,31 @@ def _qnorm_args(q_norm, T: int, D: int, name: str) -> tuple:
     return (np.float32(eps), qpos, qcos, qsin, i32(R))
 
 
-def head_group(H: int) -> int:
-    for hg in (16, 8, 4):
+HEAD_GROUPS = (16, 8, 4)   # the kernels' heads per CTA (sparse_attn_*_hg{HG})
+
+
+def head_group(H: int, hg: int | None = None) -> int:
+    """Heads per CTA: the largest of HEAD_GROUPS dividing H (the bandwidth-friendly layout: every
+    gathered kv row serves HG heads), or the given hg, refused unless it is one of HEAD_GROUPS
+    and divides H.  The group never changes a head's arithmetic (its dots, tile statistics and
+    merge are per head), so every group gives the same bits."""
+    if hg is not None:
+        hg = int(hg)
+        assert hg in HEAD_GROUPS, f"sparse_attention: head_group {hg} is not one of {HEAD_GROUPS}"
+        assert H % hg == 0, f"sparse_attention: head_group {hg} does not divide H = {H}"
+        return hg
+    for hg in HEAD_GROUPS:
         if H % hg == 0:
             return hg
     raise AssertionError(f"sparse_attention: H = {H} must be a multiple of 4")
+
+
+def _head_group_arg(H: int, hg) -> int:
+    """head_group(H, hg) for a caller's head_group argument: None or an int (a bool or a float is
+    refused, naming the value)."""
+    if hg is not None and (isinstance(hg, bool) or not isinstance(hg, (int, np.integer))):
+        raise AssertionError(f"sparse_attention: head_group must be an int or None, got {hg!r}")
+    return head_group(H, hg)
 
 
 def n_tiles(K: int) -> int:
@@ -107,9 +127,10 @@ def workspace_size(T: int, H: int, D: int, K: int) -> int:
     return int(T) * int(H) * n_tiles(K) * (2 + int(D))
 
 
-def auto_split(T: int, H: int, K: int) -> int:
-    """Enough CTAs for ~2 waves when the fused grid is small (decode); 1 otherwise."""
-    ctas = T * (H // head_group(H))
+def auto_split(T: int, H: int, K: int, hg: int | None = None) -> int:
+    """Enough CTAs for ~2 waves when the fused grid is small (decode); 1 otherwise (hg: the
+    head group, head_group(H, hg))."""
+    ctas = T * (H // head_group(H, hg))
     target = 2 * sm_count()
     if ctas >= target:
         return 1
@@ -117,10 +138,13 @@ def auto_split(T: int, H: int, K: int) -> int:
 
 
 def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bool = False,
-                     n_split: int | None = 1, workspace=None, inverse_rope=None, q_norm=None):
+                     n_split: int | None = 1, workspace=None, inverse_rope=None, q_norm=None,
+                     head_group: int | None = None):
     """q [T, H, D] bf16; kv [N, D] bf16 rows (K = V; last axis contiguous, e.g. a cache view);
     idx [T, K] int32 (-1 = skip); sink [H] f32 -> out [T, H, D] bf16.  D in {128, 512}.
-    n_split None = auto_split.  inverse_rope = (pos [T] int32, cos, sin [n_pos, R/2] f32): apply
+    head_group: heads per CTA (None: the largest of HEAD_GROUPS dividing H; the same bits with
+    any).  n_split None = auto_split (for the head group: every tile its own CTA when the
+    groups are few, as in decode).  inverse_rope = (pos [T] int32, cos, sin [n_pos, R/2] f32): apply
     the inverse RoPE of the output's last R dims in the epilogue (= rope.rope(out, ..., inverse=True)).
     q_norm = (eps, pos [T] int32 | None, cos, sin [n_pos, R/2] f32 | None): q is the raw q, normed
     (+ roped) per head inside the kernel = rmsnorm.head_rms(q, eps, rope=(pos, cos, sin)) first,
@@ -137,11 +161,11 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
     K = idx.shape[1]
     check(sink, "sparse_attention.sink", np.float32, (H,))
     out = out_array(out, "sparse_attention.out", (T, H, D), np.uint16)
+    hg = _head_group_arg(H, head_group)   # refused before any launch, T = 0 included
     if T == 0:
         return out
-    hg = head_group(H)
     if n_split is None:
-        n_split = auto_split(T, H, K)
+        n_split = auto_split(T, H, K, hg)
     nt = n_tiles(K)
     n_split = max(1, min(int(n_split), max(1, nt)))
     rope_args = _rope_args(inverse_rope, T, D, "sparse_attention")

@@ -1,0 +1,55 @@
+"""MEMRA_DSV4_DECODE_ATTN_HG (step_device.decode_attn_head_group): the device step's split
+attention kernel with 8 or 4 heads per CTA instead of 16, every 32-row tile in its own CTA.  A
+head's dots, tile statistics and merge do not depend on the head group, and a CTA whose tile
+holds no candidate writes the partial the full path computes for it (attention.cu), so the
+step must give the default's bits:
+
+* flash-layers:4 (two window-only layers, one CSA, one HCA: K = 128, 384 and 136 at max_seq_len 1024, so the 6
+  steps after a 5-token prefill run tiles with candidates beside empty ones in every kind),
+  arms interleaved step by step: auto (graph; the reference, 16 heads per CTA), 4 (graph),
+  4 eager, 8 (graph); logits of every step and every cache byte equal; the first eager hg4
+  step launches sparse_attn_d512_hg4 once per layer with grid (1, 16, tiles of the layer's
+  list) and never sparse_attn_d512_hg16."""
+from __future__ import annotations
+
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner  # noqa: E402
+from step_models import flash_prefilled  # noqa: E402  (tests/gpu on sys.path)
+
+ENV = "MEMRA_DSV4_DECODE_ATTN_HG"
+_ARMS = {"auto": ("auto", True), "hg4": ("4", True), "hg4+eager": ("4", False), "hg8": ("8", True)}
+
+
+def _first_eager(m, states, n_layers: int):
+    """The first eager hg4 step: one sparse_attn_d512_hg4 launch per layer, each with 16 head
+    groups and one CTA per tile of its candidate list; no hg16 launch."""
+    from memra_dsv4.gpu.ops import attention as AT
+    from memra_dsv4.gpu.step import device_step
+    from memra_dsv4.profiling.launches import record_launches
+
+    def first(a, t):
+        out = []
+        recs = record_launches(lambda: out.append(device_step(m, states[a], int(t), graph=False)),
+                               ("step_device.py",))
+        attn = [r for r in recs if r.kernel.split(".", 1)[1].startswith("sparse_attn_d512_hg")]
+        names = [r.kernel.split(".", 1)[1] for r in attn]
+        assert names == ["sparse_attn_d512_hg4"] * n_layers, names
+        W = m.config.sliding_window
+        for r, ratio in zip(attn, m.config.compress_ratios[:n_layers]):
+            # step.step_ws_plan's widths at max_seq_len 1024: the CSA selection min(topk, 1024 / 4)
+            K = W if ratio == 0 else (W + min(m.config.index_topk, 256) if ratio == 4 else W + 1024 // ratio)
+            assert r.grid == (1, 16, AT.n_tiles(K)), (ratio, r.grid)
+        return out[0]
+    return first
+
+
+def test_attn_head_group_step_bit_identical_flash_layers(monkeypatch):
+    m, states, ids, prompt = flash_prefilled(4, _ARMS, seed=83)
+    assert_arms_agree("flash-layers:4 attention head group", states, ids[prompt:],
+                      env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
+                                     first_eager=_first_eager(m, states, 4)),
+                      pos0=prompt)
