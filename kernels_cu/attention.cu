@@ -249,6 +249,7 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
                           float* __restrict__ ws_acc, OutRope orope, const QNorm& qn = QNorm{}) {
     using L = Lanes<D>;
     constexpr int U = L::U, NCH = L::NCH, NT = 32 * NW, HG = HPW * NW;
+    constexpr bool SKIP_EMPTY = !QN && HG < 16;   // the empty-tile exit below
     extern __shared__ __align__(16) u16 smem[];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const i64 t = blockIdx.x;
@@ -265,8 +266,11 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     // every a_t dim +0 (fma(0, 0, +0)).  The same partial bytes; no gather, no q load, no FMAs,
     // so a small head group's empty CTAs do not take issue slots from the full ones on their SM.
     // Uniform over the CTA (every warp votes on the same candidates), so no barrier is skipped.
-    // Not in the _qn forms (opt-in; with it ptxas spills 4 B in sparse_attn_decode_d512_hg4_qn).
-    if (!QN && n_split > 1 && tile0 < tile1 && !tiles_have_candidates(cand, tile0, tile1)) {
+    // Only in the 8- and 4-head kernels (HG < 16): in the 16-head ones, the default of Flash's
+    // decode, it measured no faster (+0.3 %, twenty-sixth session: the vote puts the candidate
+    // load's round trip before the q loads), so their code is the previous one.  Not in the _qn
+    // forms (opt-in; with it ptxas spills 4 B in sparse_attn_decode_d512_hg4_qn).
+    if (SKIP_EMPTY && n_split > 1 && tile0 < tile1 && !tiles_have_candidates(cand, tile0, tile1)) {
         float mt[HPW], lt[HPW], at[HPW][NCH][U];
 #pragma unroll
         for (int hh = 0; hh < HPW; ++hh) {

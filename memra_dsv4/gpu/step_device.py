@@ -1095,7 +1095,12 @@ def decode_attn_head_group(H: int) -> int:
     warps per scheduler on the ~20-50 SMs the grid takes), while the rest of the GPU idles:
     8.6 us go -> exit in a Flash layer (twenty-first session's timeline) for ~70 KB of rows.  With
     4 heads per CTA each warp has one head (about half the instructions) and the grid covers 4x
-    as many SMs; empty tiles (the -1 tail of the list) leave at once (attention.cu).  The head
+    as many SMs; in the 8- and 4-head kernels the CTAs of empty tiles (the -1 tail of the list)
+    leave at once (attention.cu).  Measured (twenty-sixth session, one H200): "4" against "auto"
+    at 1K on 20 Flash layers 3.53 vs 3.54 ms (4 first), 3.51 vs 3.52 (1200 steps); full depth
+    7.16 -> 7.12, 7.09 vs 7.13 (4 first), 6.97 -> 6.97 (1200 steps); 32K 3.69 -> 3.72 ms; the
+    timeline (trace build) HCA attention 8.9 -> 6.7 us, CSA 9.1 -> 7.5 us with its combine 4.8 ->
+    7.3 us: neutral, so "auto" stays the default (docs/decode_perf.md).  The head
     group never changes a head's arithmetic: the same bytes (tests/gpu/test_kernels_attention.py,
     tests/gpu/test_step_attn_hg_gpu.py); not a seam (bench arm attnhg=auto|16|8|4).  A group that
     does not divide H is refused by the wrapper, naming it."""

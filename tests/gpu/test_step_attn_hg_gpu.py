@@ -9,7 +9,10 @@ step must give the default's bits:
   arms interleaved step by step: auto (graph; the reference, 16 heads per CTA), 4 (graph),
   4 eager, 8 (graph); logits of every step and every cache byte equal; the first eager hg4
   step launches sparse_attn_d512_hg4 once per layer with grid (1, 16, tiles of the layer's
-  list) and never sparse_attn_d512_hg16."""
+  list) and never sparse_attn_d512_hg16;
+* in the same interleave, 4 heads per CTA with the seam MEMRA_DSV4_DECODE_QNORM = attn (graph):
+  the _qn kernels (sparse_attn_d512_hg4_qn: each warp norms + ropes its one head's raw q row, no
+  head_rms_bf16 launch), the same bits as well."""
 from __future__ import annotations
 
 import pytest
@@ -17,11 +20,28 @@ import pytest
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from memra_dsv4.gpu.ops.testing import assert_arms_agree, env_arm_runner  # noqa: E402
+from memra_dsv4.gpu.ops.testing import assert_arms_agree, step_forms  # noqa: E402
 from step_models import flash_prefilled  # noqa: E402  (tests/gpu on sys.path)
 
 ENV = "MEMRA_DSV4_DECODE_ATTN_HG"
-_ARMS = {"auto": ("auto", True), "hg4": ("4", True), "hg4+eager": ("4", False), "hg8": ("8", True)}
+# arm -> (MEMRA_DSV4_DECODE_ATTN_HG, the model's decode_qnorm seam, graph)
+_ARMS = {"auto": ("auto", "kernel", True), "hg4": ("4", "kernel", True), "hg4+eager": ("4", "kernel", False),
+         "hg8": ("8", "kernel", True), "hg4+qn": ("4", "attn", True)}
+
+
+def _runner(m, states, monkeypatch, first_eager):
+    """``run`` for assert_arms_agree: the arm's head group (env) and q norm form (model attribute)
+    set, then its state's device step (graph replay or eager; the first eager step by
+    first_eager).  Each state's graph is captured at its first step, with its arm's settings."""
+    def run(a, i, t):
+        from memra_dsv4.gpu.step import device_step
+        hg, qn, graph = _ARMS[a]
+        monkeypatch.setenv(ENV, hg)
+        m.decode_qnorm = qn
+        if i == 0 and not graph:
+            return first_eager(a, t)
+        return device_step(m, states[a], int(t), graph=graph)
+    return run
 
 
 def _first_eager(m, states, n_layers: int):
@@ -49,7 +69,6 @@ def _first_eager(m, states, n_layers: int):
 
 def test_attn_head_group_step_bit_identical_flash_layers(monkeypatch):
     m, states, ids, prompt = flash_prefilled(4, _ARMS, seed=83)
-    assert_arms_agree("flash-layers:4 attention head group", states, ids[prompt:],
-                      env_arm_runner(m, states, ENV, _ARMS, monkeypatch,
-                                     first_eager=_first_eager(m, states, 4)),
-                      pos0=prompt)
+    with step_forms(m, decode_qnorm=m.decode_qnorm):
+        assert_arms_agree("flash-layers:4 attention head group", states, ids[prompt:],
+                          _runner(m, states, monkeypatch, _first_eager(m, states, 4)), pos0=prompt)
