@@ -260,8 +260,9 @@ DEV void sparse_attn_body(const u16* __restrict__ q, const u16* __restrict__ kv,
     const int tile0 = blockIdx.z * tps;
     const int tile1 = min(n_tiles, tile0 + tps);
 
-    // A split CTA whose tiles hold no candidate (the -1 tail of a candidate list sized for the
-    // longest context: at 1K a Flash HCA list has 8 of 13 tiles empty) writes what the full path
+    // A split CTA whose tiles hold no candidate (the -1 tail of a decode list sized for
+    // max_seq_len: a CSA list past the entries selected so far, an HCA list past the compressed
+    // rows so far; and a window not yet filled) writes what the full path
     // computes for such a tile and leaves: zero-filled rows, s_j = -inf, so m_t = -inf, l_t = +0,
     // every a_t dim +0 (fma(0, 0, +0)).  The same partial bytes; no gather, no q load, no FMAs,
     // so a small head group's empty CTAs do not take issue slots from the full ones on their SM.
