@@ -65,7 +65,7 @@ def fake_at(monkeypatch):
     from memra_dsv4.gpu.ops import attention as AT
     launched = []
     monkeypatch.setattr(AT, "kernel", registered_fake_kernels(
-        kernel_signatures(), lambda name, grid, block, args, smem: launched.append((name, tuple(grid), tuple(block)))))
+        kernel_signatures(), lambda name, grid, block, args, smem: launched.append((name, tuple(grid), tuple(block), smem))))
     monkeypatch.setattr(_common, "_SMEM_SET", set())
     monkeypatch.setattr(AT, "sm_count", lambda: 132)
     return fake, AT, launched
@@ -91,13 +91,22 @@ def test_sparse_attention_head_group_launches(fake_at):
                 _call(fake, AT, 1, H, D, K, n_split=n_split, head_group=hg)
                 ns = nt if n_split == nt else AT.auto_split(1, H, K, g)
                 ns = max(1, min(ns, nt))
-                want = [(f"sparse_attn_d{D}_hg{g}", (1, H // g, ns), (threads[g],))]
+                # one tile buffer where every CTA has one tile and the group is below H's own
+                bufs = 1 if g < AT.head_group(H) and -(-nt // ns) == 1 else 2
+                assert AT.tile_buffers(H, g, nt, ns) == bufs
+                want = [(f"sparse_attn_d{D}_hg{g}", (1, H // g, ns), (threads[g],), bufs * 32 * D * 2)]
                 if ns > 1:
-                    want.append((f"sparse_attn_combine_d{D}", (1, H), (D // 4,)))
+                    want.append((f"sparse_attn_combine_d{D}", (1, H), (D // 4,), AT.combine_smem(D, nt)))
                 assert launched == want, (H, D, K, hg, n_split, launched)
     # auto_split counts the group's CTAs: 64 heads in 4-head groups at 20 tiles -> 17 per group
     assert AT.auto_split(1, 64, 640) == 20 and AT.auto_split(1, 64, 640, 4) == 17
     assert AT.auto_split(1, 64, 640, 16) == 20
+    # the buffers: 64 heads in groups of 4 / 8, one tile per CTA -> 1; two tiles per CTA, the
+    # fused path of a longer list, or H's own group (16 for 64, 4 for 4 heads) -> 2
+    assert AT.tile_buffers(64, 4, 12, 12) == 1 and AT.tile_buffers(64, 8, 5, 5) == 1
+    assert AT.tile_buffers(64, 4, 20, 17) == 2 and AT.tile_buffers(64, 4, 12, 1) == 2
+    assert AT.tile_buffers(64, 16, 12, 12) == 2 and AT.tile_buffers(4, 4, 12, 12) == 2
+    assert AT.tile_buffers(64, 4, 1, 1) == 1   # a one-tile list: the fused path's only tile
 
 
 def test_sparse_attention_head_group_refusals(fake_at):

@@ -118,6 +118,18 @@ def _head_group_arg(H: int, hg) -> int:
     return head_group(H, hg)
 
 
+def tile_buffers(H: int, hg: int, nt: int, n_split: int) -> int:
+    """Tile buffers (TILE rows of D bf16 each) of sparse_attn_d*_hg{hg}'s dynamic shared memory
+    for H heads: two (the gather of tile i + 1 beside the math of tile i), or one where every CTA
+    has a single tile (ceil(nt / n_split) == 1: sparse_attn_body touches only buffer 0) and the
+    group was chosen below H's own (head_group(H)), as the device step does with
+    MEMRA_DSV4_DECODE_ATTN_HG (every tile its own CTA): half the shared memory, so more of them,
+    the combine's CTAs and the next GEMV's fit beside each other.  Every launch at H's own group
+    keeps two buffers, as measured.  Not GPU-measured yet (twenty-sixth session)."""
+    single = -(-int(nt) // max(1, int(n_split))) == 1
+    return 1 if single and int(hg) < head_group(int(H)) else 2
+
+
 def n_tiles(K: int) -> int:
     return (int(K) + TILE - 1) // TILE
 
@@ -175,7 +187,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
         assert out.data.ptr != q.data.ptr, "sparse_attention: with q_norm, out must not alias q"
         qn_args, qn = _qnorm_args(q_norm, T, D, "sparse_attention"), "_qn"
     k = kernel(STEM, f"sparse_attn_d{D}_hg{hg}{qn}")
-    smem = dynamic_smem(k, 2 * TILE * D * 2)
+    smem = dynamic_smem(k, tile_buffers(H, hg, nt, n_split) * TILE * D * 2)
     if n_split == 1:
         k((T, H // hg, 1), (_HG_THREADS[hg],),
           (q, kv, i32(row_stride(kv)), idx, i32(K), sink, np.float32(scale), out, i32(H),
