@@ -125,7 +125,8 @@ def tile_buffers(H: int, hg: int, nt: int, n_split: int) -> int:
     group was chosen below H's own (head_group(H)), as the device step does with
     MEMRA_DSV4_DECODE_ATTN_HG (every tile its own CTA): half the shared memory, so more of them,
     the combine's CTAs and the next GEMV's fit beside each other.  Every launch at H's own group
-    keeps two buffers, as measured.  Not GPU-measured yet (twenty-sixth session)."""
+    keeps two buffers, as measured.  The bytes: GPU-tested (tests/gpu/test_kernels_attention.py
+    head-group tests, twenty-sixth session call 6); the speed not measured yet."""
     single = -(-int(nt) // max(1, int(n_split))) == 1
     return 1 if single and int(hg) < head_group(int(H)) else 2
 
