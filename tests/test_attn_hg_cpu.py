@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -58,16 +57,10 @@ def test_bench_decode_attnhg_arm_sets_the_env():
 
 @pytest.fixture
 def fake_at(monkeypatch):
-    from tests.test_kernel_sources import _fake_cupy, kernel_signatures, registered_fake_kernels
-    fake = _fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    from memra_dsv4.gpu.ops import _common
-    from memra_dsv4.gpu.ops import attention as AT
+    from tests.test_kernel_sources import fake_ops_module
     launched = []
-    monkeypatch.setattr(AT, "kernel", registered_fake_kernels(
-        kernel_signatures(), lambda name, grid, block, args, smem: launched.append((name, tuple(grid), tuple(block), smem))))
-    monkeypatch.setattr(_common, "_SMEM_SET", set())
-    monkeypatch.setattr(AT, "sm_count", lambda: 132)
+    fake, AT = fake_ops_module(monkeypatch, "attention", lambda name, grid, block, args, smem: launched.append(
+        (name, tuple(grid), tuple(block), smem)))
     return fake, AT, launched
 
 

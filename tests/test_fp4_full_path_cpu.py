@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
-from tests.test_kernel_sources import KDIR, _fake_cupy, kernel_signatures, registered_fake_kernels
+from tests.test_kernel_sources import KDIR, fake_ops_module
 
 SRC = open(os.path.join(KDIR, "experts.cu"), encoding="utf-8").read()
 FULL = {"gemv_mxfp4_gateup_k4_f", "gemv_nvfp4_gateup_k4_f", "gemv_mxfp4_down_combine_k2_f",
@@ -30,15 +29,8 @@ FULL = {"gemv_mxfp4_gateup_k4_f", "gemv_nvfp4_gateup_k4_f", "gemv_mxfp4_down_com
 
 @pytest.fixture
 def fake_ex(monkeypatch):
-    fake = _fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    from memra_dsv4.gpu.ops import _common
-    from memra_dsv4.gpu.ops import experts as EX
-
     launched = []
-    monkeypatch.setattr(EX, "kernel", registered_fake_kernels(kernel_signatures(), lambda n, *a: launched.append(n)))
-    monkeypatch.setattr(_common, "_SMEM_SET", set())
-    monkeypatch.setattr(EX, "sm_count", lambda: 132)
+    fake, EX = fake_ops_module(monkeypatch, "experts", lambda n, *a: launched.append(n))
     return fake, EX, launched
 
 

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
-from tests.test_kernel_sources import KDIR, _fake_cupy, braced, kernel_signatures, registered_fake_kernels
+from tests.test_kernel_sources import KDIR, braced, fake_ops_module, kernel_signatures
 
 SRC = open(os.path.join(KDIR, "indexer.cu"), encoding="utf-8").read()
 
@@ -100,16 +99,9 @@ def test_bench_decode_idxsel_arm_sets_the_env():
 # ---------------------------------------------------------------------------------- the launches
 @pytest.fixture
 def fake_ix(monkeypatch):
-    fake = _fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    from memra_dsv4.gpu.ops import _common
-    from memra_dsv4.gpu.ops import indexer as IX
-
     launched = []
-    monkeypatch.setattr(IX, "kernel", registered_fake_kernels(
-        kernel_signatures(), lambda n, grid, block, args, smem: launched.append((n, grid, block, args, smem))))
-    monkeypatch.setattr(_common, "_SMEM_SET", set())
-    monkeypatch.setattr(IX, "sm_count", lambda: 132)
+    fake, IX = fake_ops_module(monkeypatch, "indexer",
+                               lambda n, grid, block, args, smem: launched.append((n, grid, block, args, smem)))
     monkeypatch.setattr(IX, "_WS", {})
     hist = fake.asarray(np.zeros(256, np.int32))       # the fake CuPy has no streams: a fixed workspace
     monkeypatch.setattr(IX, "hist_workspace", lambda: hist)

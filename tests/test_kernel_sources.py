@@ -344,6 +344,23 @@ class FakeKernel:
         self.record(self.name, grid, block, args, shared_mem)
 
 
+def fake_ops_module(monkeypatch, name: str, record, check=None, sms: int = 132):
+    """The CPU wrapper tests' setup for ops module ``name`` (memra_dsv4.gpu.ops.<name>): the fake
+    CuPy in sys.modules, the module's kernel() handing out FakeKernels
+    (registered_fake_kernels(kernel_signatures(), record, check)), dynamic_smem's cache cleared
+    (it keys on id(kernel): fresh kernels) and sm_count() = sms.  Returns (fake cupy, module)."""
+    import importlib
+
+    fake = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from memra_dsv4.gpu.ops import _common
+    mod = importlib.import_module(f"memra_dsv4.gpu.ops.{name}")
+    monkeypatch.setattr(mod, "kernel", registered_fake_kernels(kernel_signatures(), record, check))
+    monkeypatch.setattr(_common, "_SMEM_SET", set())
+    monkeypatch.setattr(mod, "sm_count", lambda: sms)
+    return fake, mod
+
+
 def registered_fake_kernels(sigs, record, check=None):
     """A ``kernel(stem, name)`` stand-in: registered kernels only (asserted), one FakeKernel per
     name (so a raised shared-memory limit sticks, as on the loader's cached kernels)."""

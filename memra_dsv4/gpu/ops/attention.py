@@ -96,10 +96,13 @@ HEAD_GROUPS = (16, 8, 4)   # the kernels' heads per CTA (sparse_attn_*_hg{HG})
 
 def head_group(H: int, hg: int | None = None) -> int:
     """Heads per CTA: the largest of HEAD_GROUPS dividing H (the bandwidth-friendly layout: every
-    gathered kv row serves HG heads), or the given hg, refused unless it is one of HEAD_GROUPS
-    and divides H.  The group never changes a head's arithmetic (its dots, tile statistics and
-    merge are per head), so every group gives the same bits."""
+    gathered kv row serves HG heads), or the given hg, refused unless it is an int (a bool or a
+    float is refused, naming the value), one of HEAD_GROUPS and divides H.  The group never
+    changes a head's arithmetic (its dots, tile statistics and merge are per head), so every
+    group gives the same bits."""
     if hg is not None:
+        if isinstance(hg, bool) or not isinstance(hg, (int, np.integer)):
+            raise AssertionError(f"sparse_attention: head_group must be an int or None, got {hg!r}")
         hg = int(hg)
         assert hg in HEAD_GROUPS, f"sparse_attention: head_group {hg} is not one of {HEAD_GROUPS}"
         assert H % hg == 0, f"sparse_attention: head_group {hg} does not divide H = {H}"
@@ -110,12 +113,7 @@ def head_group(H: int, hg: int | None = None) -> int:
     raise AssertionError(f"sparse_attention: H = {H} must be a multiple of 4")
 
 
-def _head_group_arg(H: int, hg) -> int:
-    """head_group(H, hg) for a caller's head_group argument: None or an int (a bool or a float is
-    refused, naming the value)."""
-    if hg is not None and (isinstance(hg, bool) or not isinstance(hg, (int, np.integer))):
-        raise AssertionError(f"sparse_attention: head_group must be an int or None, got {hg!r}")
-    return head_group(H, hg)
+_head_group = head_group   # for sparse_attention, whose head_group argument shadows the function
 
 
 def tile_buffers(H: int, hg: int, nt: int, n_split: int) -> int:
@@ -174,7 +172,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, out=None, *, probs_bf16: bo
     K = idx.shape[1]
     check(sink, "sparse_attention.sink", np.float32, (H,))
     out = out_array(out, "sparse_attention.out", (T, H, D), np.uint16)
-    hg = _head_group_arg(H, head_group)   # refused before any launch, T = 0 included
+    hg = _head_group(H, head_group)   # refused before any launch, T = 0 included
     if T == 0:
         return out
     if n_split is None:
