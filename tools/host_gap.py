@@ -1,0 +1,153 @@
+"""How much of a timed decode step is host time, not GPU time (device path, graphs).
+
+bench.decode_step times each step as the bench's arm runs it: a CUDA event on the idle compute
+stream, then the host uploads token / pos, launches the stage graphs, reads the logits back
+(pinned D2H, one host wait), copies them, and the arm takes its argmax on the host; then the end
+event.  Everything the host does between the two events while the GPU has nothing queued is in
+the step's time.  This tool splits it (one process, one model, the device arm at its defaults,
+every sample after a warm-up):
+
+  bench      the bench's sample: CudaEventTimer around the arm's step (decode_step + argmax)
+  step       CudaEventTimer around decode_step alone (the argmax after the end event)
+  replay+d2h N graph replays of the same captured step, each followed by its logits D2H into
+             the pinned buffer, queued back to back (one sync at the end), events around / N
+  replay     the same without the D2H
+  launch     host wall time of one replay call (cuGraphLaunch) while the GPU is busy
+  host_pre   host wall time of decode_step from its call to the readback's wait (its Python,
+             the two 4-byte uploads, the launch)
+
+bench - replay is what the host adds to every sample; replay is the GPU's own step.  The replays
+re-run the step at one position (the pos buffer is not advanced): the same launches, the same
+bytes, the same cache row rewritten.  Prints one table and writes JSON to --json when given.
+
+  python3 tools/host_gap.py --model synthetic:flash-layers:20 --ctx 1024 --steps 300
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(xs) -> float:
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="synthetic:flash-layers:20")
+    ap.add_argument("--devices", default="0")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=300, help="samples per measure (>= 10)")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.steps < 10:
+        raise SystemExit(f"--steps {a.steps}: need >= 10")
+    if a.ctx < 1:
+        raise SystemExit(f"--ctx {a.ctx}: need >= 1")
+
+    import cupy as cp
+    from bench.decode_step import _ArmState, _load
+    from bench.harness import CudaEventTimer
+
+    devices = tuple(int(d) for d in a.devices.split(","))
+    # room for every step this tool runs at advancing positions (the replays do not advance)
+    max_seq = a.ctx + a.warmup + 4 * a.steps + 16
+    m = _load(a.model, devices, max_seq, None, a.expert_storage)
+    ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
+    st = _ArmState(m, "device", ids, max_seq)
+    for _ in range(a.warmup):
+        st.step()
+    step_obj = m._step
+    gs = step_obj._graphs.get(id(st.state))
+    if gs is None:
+        raise SystemExit("no captured graph for the arm's state (is the path 'device'?)")
+    if len(step_obj.stages) != 1:
+        raise SystemExit("the replay measures need one stage (--devices with one id)")
+    S, g = step_obj.stages[0], gs[1][0]
+    first = m.stages[0].device
+    rt = cp.cuda.runtime
+    out = {}
+    with cp.cuda.Device(first):
+        timer = CudaEventTimer(m.devs[first].compute)
+        if m.devs[first].compute.ptr != S.stream.ptr:
+            raise SystemExit("the step's stream is not the timer's stream")
+        out["bench"] = _median_ms([timer(st.step) for _ in range(a.steps)])
+
+        def step_only():
+            st.apply()
+            st.logits = m.decode_step(st.state, st.tok)
+        samples = []
+        for _ in range(a.steps):
+            samples.append(timer(step_only))
+            st.tok = int(np.argmax(st.logits))
+        out["step"] = _median_ms(samples)
+
+        # host_pre: wall time of decode_step up to its readback wait, with the GPU idle before it
+        orig_sync = S.stream.synchronize
+        pre = []
+
+        class _Stamp:
+            t = None
+        def stamped_sync():
+            _Stamp.t = time.perf_counter()
+            return orig_sync()
+        try:   # an instance attribute on this Stream object only (cupy's Stream is a Python class)
+            S.stream.synchronize = stamped_sync
+        except AttributeError:
+            out["host_pre"] = float("nan")
+        else:
+            try:
+                for _ in range(a.steps):
+                    st.apply()
+                    t0 = time.perf_counter()
+                    logits = m.decode_step(st.state, st.tok)
+                    pre.append((_Stamp.t - t0) * 1e3)
+                    st.tok = int(np.argmax(logits))
+            finally:
+                del S.stream.synchronize
+            out["host_pre"] = _median_ms(pre)
+
+        src = S.v["head.logits"]
+        host = step_obj._logits_host
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+
+        def replay(n: int, d2h: bool) -> tuple[float, float]:
+            launch_wall = []
+            S.stream.synchronize()
+            e0.record(S.stream)
+            for _ in range(n):
+                t0 = time.perf_counter()
+                g.launch(S.stream)
+                launch_wall.append((time.perf_counter() - t0) * 1e3)
+                if d2h:
+                    rt.memcpyAsync(host.ctypes.data, src.data.ptr, src.nbytes,
+                                   rt.memcpyDeviceToHost, S.stream.ptr)
+            e1.record(S.stream)
+            e1.synchronize()
+            return cp.cuda.get_elapsed_time(e0, e1) / n, _median_ms(launch_wall)
+
+        reps = max(5, a.steps // 20)
+        n = 20
+        rd = [replay(n, True) for _ in range(reps)]
+        r = [replay(n, False) for _ in range(reps)]
+        out["replay+d2h"] = _median_ms([x[0] for x in rd])
+        out["replay"] = _median_ms([x[0] for x in r])
+        out["launch"] = _median_ms([x[1] for x in r])
+    out["host_added"] = out["bench"] - out["replay"]
+    print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n})")
+    for k in ("bench", "step", "replay+d2h", "replay", "host_added", "launch", "host_pre"):
+        print(f"  {k:<11} {out[k]:8.3f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "ms": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
