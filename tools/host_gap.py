@@ -13,8 +13,13 @@ every sample after a warm-up):
              the pinned buffer, queued back to back (one sync at the end), events around / N
   replay     the same without the D2H
   launch     host wall time of one replay call (cuGraphLaunch) while the GPU is busy
-  host_pre   host wall time of decode_step from its call to the readback's wait (its Python,
-             the two 4-byte uploads, the launch)
+  split.*    one more run of samples, stamped (medians, ms): host_py_pre (decode_step's call
+             to its graph launch), launch_idle (cuGraphLaunch on the idle GPU), host_post_launch
+             (launch to the readback's wait: the D2H enqueue), sync_wait, copy_return (the
+             wait's return to decode_step's: the logits copy), argmax (the arm's), gpu_pre (GPU
+             time from the start event to an event recorded just before the launch: what the
+             GPU idles before the graph), gpu_launch_to_end (that event to the end event),
+             sample (start to end)
 
 bench - replay is what the host adds to every sample; replay is the GPU's own step.  The replays
 re-run the step at one position (the pos buffer is not advanced): the same launches, the same
@@ -45,6 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="then N steps under cProfile; prints the top 30 functions by own time")
     a = ap.parse_args(argv)
     if a.steps < 10:
         raise SystemExit(f"--steps {a.steps}: need >= 10")
@@ -57,7 +64,7 @@ def main(argv=None) -> int:
 
     devices = tuple(int(d) for d in a.devices.split(","))
     # room for every step this tool runs at advancing positions (the replays do not advance)
-    max_seq = a.ctx + a.warmup + 4 * a.steps + 16
+    max_seq = a.ctx + a.warmup + 4 * a.steps + a.cprofile + 16
     m = _load(a.model, devices, max_seq, None, a.expert_storage)
     ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
     st = _ArmState(m, "device", ids, max_seq)
@@ -88,30 +95,63 @@ def main(argv=None) -> int:
             st.tok = int(np.argmax(st.logits))
         out["step"] = _median_ms(samples)
 
-        # host_pre: wall time of decode_step up to its readback wait, with the GPU idle before it
+        # the split: host stamps through one sample, and a GPU event recorded just before the
+        # graph launch (the captured graph wrapped; the stream's synchronize stamped)
         orig_sync = S.stream.synchronize
-        pre = []
+        stamps = {}
 
-        class _Stamp:
-            t = None
         def stamped_sync():
-            _Stamp.t = time.perf_counter()
-            return orig_sync()
+            stamps["sync_call"] = time.perf_counter()
+            orig_sync()
+            stamps["sync_ret"] = time.perf_counter()
+
+        class _StampedGraph:
+            def __init__(self, graph):
+                self.graph, self.ev = graph, cp.cuda.Event()
+
+            def launch(self, stream):
+                self.ev.record(stream)   # the GPU passes it just before the graph's work
+                stamps["launch"] = time.perf_counter()
+                self.graph.launch(stream)
+                stamps["launched"] = time.perf_counter()
+
+        wrapped = _StampedGraph(g)
+        step_obj._graphs[id(st.state)] = (gs[0], [wrapped]) + tuple(gs[2:])
+        split = {k: [] for k in ("host_py_pre", "launch_idle", "host_post_launch", "sync_wait",
+                                 "copy_return", "argmax", "gpu_pre", "gpu_launch_to_end", "sample")}
+        e_start, e_end = cp.cuda.Event(), cp.cuda.Event()
         try:   # an instance attribute on this Stream object only (cupy's Stream is a Python class)
             S.stream.synchronize = stamped_sync
         except AttributeError:
-            out["host_pre"] = float("nan")
-        else:
+            print("cannot stamp the stream's synchronize: the host split is skipped")
+            split = None
+        if split is not None:
             try:
                 for _ in range(a.steps):
                     st.apply()
+                    e_start.record(S.stream)
                     t0 = time.perf_counter()
                     logits = m.decode_step(st.state, st.tok)
-                    pre.append((_Stamp.t - t0) * 1e3)
+                    t_ret = time.perf_counter()
                     st.tok = int(np.argmax(logits))
+                    t_arg = time.perf_counter()
+                    e_end.record(S.stream)
+                    e_end.synchronize()
+                    ms = lambda x, y: (y - x) * 1e3
+                    split["host_py_pre"].append(ms(t0, stamps["launch"]))
+                    split["launch_idle"].append(ms(stamps["launch"], stamps["launched"]))
+                    split["host_post_launch"].append(ms(stamps["launched"], stamps["sync_call"]))
+                    split["sync_wait"].append(ms(stamps["sync_call"], stamps["sync_ret"]))
+                    split["copy_return"].append(ms(stamps["sync_ret"], t_ret))
+                    split["argmax"].append(ms(t_ret, t_arg))
+                    split["gpu_pre"].append(cp.cuda.get_elapsed_time(e_start, wrapped.ev))
+                    split["gpu_launch_to_end"].append(cp.cuda.get_elapsed_time(wrapped.ev, e_end))
+                    split["sample"].append(cp.cuda.get_elapsed_time(e_start, e_end))
             finally:
                 del S.stream.synchronize
-            out["host_pre"] = _median_ms(pre)
+                step_obj._graphs[id(st.state)] = gs
+            for k, v in split.items():
+                out["split." + k] = _median_ms(v)
 
         src = S.v["head.logits"]
         host = step_obj._logits_host
@@ -140,9 +180,19 @@ def main(argv=None) -> int:
         out["replay"] = _median_ms([x[0] for x in r])
         out["launch"] = _median_ms([x[1] for x in r])
     out["host_added"] = out["bench"] - out["replay"]
+    if a.cprofile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(a.cprofile):
+            st.step()
+        prof.disable()
+        print(f"cProfile of {a.cprofile} arm steps (decode_step + argmax), by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n})")
-    for k in ("bench", "step", "replay+d2h", "replay", "host_added", "launch", "host_pre"):
-        print(f"  {k:<11} {out[k]:8.3f} ms")
+    for k in out:
+        print(f"  {k:<24} {out[k]:8.3f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "ms": out}, f, indent=1)
