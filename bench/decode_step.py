@@ -185,7 +185,7 @@ def _arm_settings() -> dict:
             "l2pf": seams.SEAM_L2_PREFETCH, "fork": seams.SEAM_DECODE_FORK,
             "hcsplit": seams.SEAM_HC_SPLIT, "prio": seams.SEAM_DECODE_PRIORITY,
             "qnorm": seams.SEAM_DECODE_QNORM, "w2": seams.SEAM_DECODE_SHARED_W2, **_KERNEL_SETTINGS,
-            "kernels": _KERNELS_TREE}
+            "kernels": _KERNELS_TREE, "feed": _FEED}
 
 
 def _kernel_env(s: dict, gemv_pick: str | None) -> dict:
@@ -225,6 +225,12 @@ class _ArmOnlySetting:   # an arm setting that is neither a seam nor an env vari
 
 
 _KERNELS_TREE = _ArmOnlySetting(("tree", "base"), "--base-kernels DIR, kernel_loader.use_kernels_dir")
+# feed=host|token|device: how the arm's steps get their tokens.  host (the default, every session
+# before the twenty-seventh): decode_step returns the logits, the arm takes np.argmax on the host;
+# token: decode_step(readback="token"), the head's greedy argmax read back as 4 bytes; device:
+# decode_greedy over --feed-chunk steps per sample (the next token fed on the device, one host
+# wait per chunk), the sample divided by the chunk: ms per token with the host off the chain
+_FEED = _ArmOnlySetting(("host", "token", "device"), "bench arm only: Dsv4Gpu.decode_step / decode_greedy")
 KERNEL_ENVS = tuple(s.env for s in _KERNEL_SETTINGS.values())
 _START_ENV = {k: os.environ.get(k) for k in KERNEL_ENVS}
 
@@ -283,9 +289,10 @@ class _ArmState:
                  pdl: str | None = None, attn: str | None = None, kernel_env: dict | None = None,
                  l2pf: str | None = None, fork: str | None = None, hcsplit: str | None = None,
                  prio: str | None = None, qnorm: str | None = None, w2: str | None = None,
-                 kernels_dir: str | None = None):
+                 kernels_dir: str | None = None, feed: str = "host", feed_chunk: int = 1):
         from memra_dsv4.gpu.decode import resolve_decode_path
         self.kernels_dir = kernels_dir   # None: this checkout's tree (kernels=tree)
+        self.feed, self.feed_chunk = feed, int(feed_chunk)   # see _FEED
         # env var -> value set before each step: every KERNEL_ENVS variable, so a setting the arm
         # does not name is the process's start value, not the previous arm's
         self.kernel_env = complete_kernel_env(kernel_env or {})
@@ -325,7 +332,12 @@ class _ArmState:
 
     def step(self) -> None:
         self.apply()
-        self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
+        if self.feed == "device":   # one sample = feed_chunk tokens (main() divides)
+            self.tok = int(self.m.decode_greedy(self.state, self.tok, self.feed_chunk)[-1])
+        elif self.feed == "token":
+            self.tok = int(self.m.decode_step(self.state, self.tok, readback="token"))
+        else:
+            self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
@@ -445,10 +457,14 @@ def main(argv=None) -> int:
                     help="with --delay-probe: rounds of the schedule (each kernel once per round)")
     ap.add_argument("--probe-steps", type=int, default=8, metavar="N",
                     help="with --delay-probe: timed steps per block")
+    ap.add_argument("--feed-chunk", type=int, default=16, metavar="N",
+                    help="feed=device arms: greedy steps per sample (the sample is divided by N)")
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
     arms_spec = check_arms(a.arms)   # before any GPU work
+    if a.feed_chunk < 1:
+        raise SystemExit(f"--feed-chunk {a.feed_chunk}: expected >= 1")
     if a.expert_storage != "per-layer" and not a.model.startswith("synthetic:"):
         raise SystemExit(f"--expert-storage {a.expert_storage}: synthetic models only (a checkpoint "
                          f"stores its own experts), got --model {a.model}")
@@ -480,7 +496,8 @@ def main(argv=None) -> int:
 
     devices = tuple(int(d) for d in a.devices.split(","))
     prof_configure("off")
-    max_seq = a.ctx + a.warmup + a.steps + a.phase_steps + 8
+    chunk = a.feed_chunk if any(s.get("feed") == "device" for s in arms_spec) else 1
+    max_seq = a.ctx + (a.warmup + a.steps + 1) * chunk + a.phase_steps + 8
     max_seq += (a.device_trace + a.probe_steps + 2) if a.delay_probe else 0   # the probe rewinds
     m = _load(a.model, devices, max_seq, a.dense, a.expert_storage)
     cfg = m.config
@@ -505,7 +522,8 @@ def main(argv=None) -> int:
         name = arm_label(s)
         st = _ArmState(m, s.get("path", "legacy"), ids, max_seq, a.fill, s.get("pdl"), s.get("attn"),
                        _kernel_env(s, a.gemv_pick), s.get("l2pf"), s.get("fork"), s.get("hcsplit"),
-                       s.get("prio"), s.get("qnorm"), s.get("w2"), kdir)
+                       s.get("prio"), s.get("qnorm"), s.get("w2"), kdir,
+                       feed=s.get("feed", "host"), feed_chunk=a.feed_chunk)
         try:
             st.step()                                   # probe (also the first warmup)
         except NotImplementedError as e:
@@ -520,13 +538,19 @@ def main(argv=None) -> int:
     with cp.cuda.Device(first):
         timer = CudaEventTimer(m.devs[first].compute)
         samples = run_interleaved(arms, a.steps, a.warmup, timer)
+    for arm in arms:   # a feed=device sample timed feed_chunk tokens
+        if states[arm.name].feed == "device":
+            samples[arm.name] = [x / a.feed_chunk for x in samples[arm.name]]
 
-    mid = a.ctx + a.warmup + a.steps // 2
     fmt = _expert_fmt(m)
-    own_b = total_step_bytes(cfg, mid, _stages(m), dense=_dense_of(m), experts=fmt)
-    nat_b = total_step_bytes(cfg, mid, _stages(m), dense="fp8", experts=fmt)
     out_arms, base = {}, None
     for arm in arms:
+        # the position at the arm's middle sample (a feed=device arm advances feed_chunk per
+        # sample, so its context, and the KV its steps read, grows faster than a host arm's)
+        per = a.feed_chunk if states[arm.name].feed == "device" else 1
+        mid = a.ctx + (a.warmup + 1 + a.steps // 2) * per
+        own_b = total_step_bytes(cfg, mid, _stages(m), dense=_dense_of(m), experts=fmt)
+        nat_b = total_step_bytes(cfg, mid, _stages(m), dense="fp8", experts=fmt)
         summ = summarize(samples[arm.name])
         base = base or summ["median"]
         prof_configure("events")
@@ -545,7 +569,8 @@ def main(argv=None) -> int:
                          "attn": states[arm.name].attn, "l2pf": states[arm.name].l2pf,
                          "fork": states[arm.name].fork, "hcsplit": states[arm.name].hcsplit,
                          "prio": states[arm.name].prio, "qnorm": states[arm.name].qnorm,
-                         "w2": states[arm.name].w2,
+                         "w2": states[arm.name].w2, "feed": states[arm.name].feed,
+                         "feed_chunk": states[arm.name].feed_chunk,
                          "kernels_dir": states[arm.name].kernels_dir or "(this checkout)"},
             "ratio_to_first": summ["median"] / base,
             "bytes_per_step": own_b, "native_bytes_per_step": nat_b,

@@ -29,6 +29,8 @@
 // embed_gather:   streams[j, :] = embed[tok[0], :] for the hc streams (bf16 bits).
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
+// greedy_argmax_f32: tok[0] = np.argmax(logits) (first maximum; a NaN is the greatest), one CTA;
+//                 the device step's last launch (see the kernel).
 // ring_write, pending_write, entry_commit: the standalone data moves below.  The device step no
 //                 longer launches them (gemv_bf16_multi writes pending rows in its epilogue,
 //                 compressor.cu's norm_rope_sim writes ring / compressed rows in place); they
@@ -1384,5 +1386,54 @@ build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict_
             }
         }
         cand[j] = v;
+    }
+}
+
+// greedy_argmax_f32: tok[0] = the index of the greatest of logits[0, n), np.argmax's rule: the
+// first occurrence of the maximum, and a NaN counts as greater than every number (the first NaN
+// wins).  The device step's head ends with it (DeviceStep: the step's token readback is these 4
+// bytes, and DeviceStep.greedy feeds them to the next step's embed_gather without the host).
+// One CTA of 1024 threads: the logits were just written by the head GEMV (Flash: 517 KB, in L2),
+// so the launch is one SM's latency, not bandwidth.  Thread t keeps the best of t, t + 1024, ...
+// (ascending, so a tie keeps the lower index), then a warp butterfly and one warp over the 32
+// warp winners, both under argmax_ahead, a strict total order on (value, index) pairs (indices
+// are distinct), so every lane of the butterfly ends with the same winner.
+namespace {
+DEV bool argmax_ahead(float va, int ia, float vb, int ib) {   // (va, ia) before (vb, ib)?
+    const bool na = va != va, nb = vb != vb;
+    if (na || nb) return na && (!nb || ia < ib);
+    return va > vb || (va == vb && ia < ib);
+}
+
+DEV void argmax_warp(float& v, int& i) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, off);
+        if (argmax_ahead(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(1024)
+greedy_argmax_f32(const float* __restrict__ logits, int n, int* __restrict__ tok) { PDL_ENTRY();
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    float v = f32_ninf();
+    int i = 0x7fffffff;   // loses to every element (n >= 1): a tie on -inf keeps the element
+#pragma unroll 8
+    for (int j = threadIdx.x; j < n; j += 1024) {
+        const float x = logits[j];
+        if (argmax_ahead(x, j, v, i)) { v = x; i = j; }
+    }
+    argmax_warp(v, i);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { wv[w] = v; wi[w] = i; }
+    __syncthreads();
+    if (w == 0) {
+        v = wv[lane];
+        i = wi[lane];
+        argmax_warp(v, i);
+        if (lane == 0) tok[0] = i;
     }
 }

@@ -345,7 +345,8 @@ class FakeKernel:
 
 
 def fake_ops_module(monkeypatch, name: str, record, check=None, sms: int = 132):
-    """The CPU wrapper tests' setup for ops module ``name`` (memra_dsv4.gpu.ops.<name>): the fake
+    """The CPU wrapper tests' setup for ops module ``name`` (memra_dsv4.gpu.ops.<name>, or a dotted
+    module path such as memra_dsv4.gpu.ops_decode): the fake
     CuPy in sys.modules, the module's kernel() handing out FakeKernels
     (registered_fake_kernels(kernel_signatures(), record, check)), dynamic_smem's cache cleared
     (it keys on id(kernel): fresh kernels) and sm_count() = sms.  Returns (fake cupy, module)."""
@@ -354,7 +355,8 @@ def fake_ops_module(monkeypatch, name: str, record, check=None, sms: int = 132):
     fake = _fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     from memra_dsv4.gpu.ops import _common
-    mod = importlib.import_module(f"memra_dsv4.gpu.ops.{name}")
+    # a bare family name is memra_dsv4.gpu.ops.<name>; a dotted one is imported as given
+    mod = importlib.import_module(name if "." in name else f"memra_dsv4.gpu.ops.{name}")
     monkeypatch.setattr(mod, "kernel", registered_fake_kernels(kernel_signatures(), record, check))
     monkeypatch.setattr(_common, "_SMEM_SET", set())
     monkeypatch.setattr(mod, "sm_count", lambda: sms)

@@ -8,6 +8,10 @@ the step's time.  This tool splits it (one process, one model, the device arm at
 every sample after a warm-up):
 
   bench      the bench's sample: CudaEventTimer around the arm's step (decode_step + argmax)
+  token      CudaEventTimer around decode_step(readback="token"): host-fed, the head's greedy
+             argmax read back as 4 bytes (no logits D2H, copy or host argmax)
+  greedy     CudaEventTimer around decode_greedy(--chunk steps) / chunk: the tokens fed on the
+             device, the host's uploads and launches enqueued ahead, one wait per call
   step       CudaEventTimer around decode_step alone (the argmax after the end event)
   replay+d2h N graph replays of the same captured step, each followed by its logits D2H into
              the pinned buffer, queued back to back (one sync at the end), events around / N
@@ -50,11 +54,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--chunk", type=int, default=20, help="greedy: steps per decode_greedy call")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="then N steps under cProfile; prints the top 30 functions by own time")
     a = ap.parse_args(argv)
     if a.steps < 10:
         raise SystemExit(f"--steps {a.steps}: need >= 10")
+    if a.chunk < 1:
+        raise SystemExit(f"--chunk {a.chunk}: need >= 1")
     if a.ctx < 1:
         raise SystemExit(f"--ctx {a.ctx}: need >= 1")
 
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
 
     devices = tuple(int(d) for d in a.devices.split(","))
     # room for every step this tool runs at advancing positions (the replays do not advance)
-    max_seq = a.ctx + a.warmup + 4 * a.steps + a.cprofile + 16
+    max_seq = a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk + a.cprofile + 16
     m = _load(a.model, devices, max_seq, None, a.expert_storage)
     ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
     st = _ArmState(m, "device", ids, max_seq)
@@ -85,6 +92,17 @@ def main(argv=None) -> int:
         if m.devs[first].compute.ptr != S.stream.ptr:
             raise SystemExit("the step's stream is not the timer's stream")
         out["bench"] = _median_ms([timer(st.step) for _ in range(a.steps)])
+
+        def token_step():   # host-fed, the head's greedy argmax read back as 4 bytes
+            st.apply()
+            st.tok = int(m.decode_step(st.state, st.tok, readback="token"))
+        out["token"] = _median_ms([timer(token_step) for _ in range(a.steps)])
+
+        def greedy_chunk():   # fed on the device, one host wait per chunk
+            st.apply()
+            st.tok = int(m.decode_greedy(st.state, st.tok, a.chunk)[-1])
+        out["greedy"] = _median_ms([timer(greedy_chunk) / a.chunk
+                                    for _ in range(max(10, a.steps // a.chunk))])
 
         def step_only():
             st.apply()

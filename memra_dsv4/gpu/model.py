@@ -323,9 +323,13 @@ class Dsv4Gpu:
             self._step.invalidate()
         return forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_chunk")
 
-    def decode_step(self, state, token):
-        """Consume one token at position state.pos; logits float32 NumPy [vocab].  The path is
-        ``self.decode_path`` (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
+    def decode_step(self, state, token, *, readback: str = "logits"):
+        """Consume one token at position state.pos; logits float32 NumPy [vocab], or with
+        ``readback="token"`` the greedy next token (int, np.argmax's rule: on the device path
+        the head's greedy_argmax_f32, read back as 4 bytes).  The path is ``self.decode_path``
+        (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
+        if readback not in ("logits", "token"):
+            raise ValueError(f"decode_step: readback={readback!r}; expected 'logits' or 'token'")
         from memra_dsv4.gpu.decode import forward_chunk
         from memra_dsv4.oracle.decode import check_no_journal, check_room
         self._check_state(state)
@@ -336,9 +340,45 @@ class Dsv4Gpu:
         ids = self.check_ids(t.reshape(1))
         check_room(state, 1, "decode_step")
         if self.decode_path == "legacy":   # the one-token dispatch (gpu.decode module doc)
-            return forward_chunk(self, state, ids, ph="decode", one_token=True)
+            logits = forward_chunk(self, state, ids, ph="decode", one_token=True)
+            if readback == "token":
+                from memra_dsv4.host.sampling import greedy_token
+                return greedy_token(logits)
+            return logits
         from memra_dsv4.gpu.step import device_step
-        return device_step(self, state, int(ids[0]))
+        return device_step(self, state, int(ids[0]), readback=readback)
+
+    def decode_greedy(self, state, token, n: int):
+        """``n`` greedy decode steps from ``token`` at state.pos: step i consumes the token step
+        i-1 picked (np.argmax of its logits: host.sampling.greedy_token's rule).  Returns int32
+        NumPy [n], the picked tokens (the last one not yet consumed); state.pos advances by n.
+        On the ``device`` path with graphs the tokens are fed on the device (the head's
+        greedy_argmax_f32 writes the next step's tok; DeviceStep.greedy enqueues all n steps and
+        waits once); on ``legacy`` and ``device-hostmath`` it is n host-fed steps.  Everything is
+        validated before any device work: the token, n (an int >= 1) and the room for n
+        positions; a refused call leaves the state as it was."""
+        from memra_dsv4.host.sampling import greedy_token
+        from memra_dsv4.oracle.decode import check_no_journal, check_room
+        self._check_state(state)
+        check_no_journal(state, "decode_greedy")
+        t = np.asarray(token)
+        if t.ndim != 0:
+            raise ValueError(f"token must be one integer id, got shape {t.shape}")
+        ids = self.check_ids(t.reshape(1))
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"decode_greedy: n must be an integer >= 1, got {n!r}")
+        n = int(n)
+        check_room(state, n, "decode_greedy")
+        if self.decode_path == "legacy":
+            out = np.empty(n, np.int32)
+            tok = int(ids[0])
+            for i in range(n):
+                tok = out[i] = greedy_token(self.decode_step(state, tok))
+            return out
+        from memra_dsv4.gpu.step_device import DeviceStep
+        if self._step is None:
+            self._step = DeviceStep(self, state.max_seq_len)
+        return self._step.greedy(state, int(ids[0]), n)
 
     def verify(self, state, tokens) -> np.ndarray:
         """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;

@@ -292,7 +292,7 @@ def _stream_variant(variant: str, fp8: bool, O: int, K: int, rpg: int):
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
-                          "pending_advance", "build_cand", "l2_prefetch_paced")
+                          "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32")
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
@@ -300,7 +300,7 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
-           "entry_commit", "pending_advance", "build_cand", "KERNELS", "STEM"]
+           "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "KERNELS", "STEM"]
 
 
 def _blocks(n: int) -> int:
@@ -690,6 +690,18 @@ def step_scalars(pos, aux, ratios):
     assert len(r) == 4 and aux.size >= 5, f"step_scalars: ratios {ratios}, aux {aux.size}"
     kernel(STEM, "step_scalars")((1,), (32,), (pos, aux, i32(r[0]), i32(r[1]), i32(r[2]), i32(r[3])))
     return aux
+
+
+def greedy_argmax(logits, tok):
+    """tok[0] = np.argmax(logits) on the device (decode.cu greedy_argmax_f32; NumPy twin
+    memra_dsv4.host.sampling.greedy_token): the first index of the maximum, a NaN counting as
+    the greatest value.  logits f32 [n] (n >= 1, contiguous), tok int32 [1].  One CTA."""
+    check(logits, "greedy_argmax.logits", np.float32)
+    check(tok, "greedy_argmax.tok", np.int32, (1,))
+    n = logits.size
+    assert 1 <= n < 2 ** 31 - 1, f"greedy_argmax: {n} logits (need 1 .. 2^31 - 2)"
+    kernel(STEM, "greedy_argmax_f32")((1,), (1024,), (logits, i32(n), tok))
+    return tok
 
 
 def ring_write(pos, src, ring):

@@ -35,8 +35,9 @@ from memra_dsv4.gpu.arena import ArenaPlan
 __all__ = ["device_step", "step_ws_plan", "step_bytes", "total_step_bytes"]
 
 
-def device_step(model, state, token: int, *, graph: bool | None = None):
-    """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab].
+def device_step(model, state, token: int, *, graph: bool | None = None, readback: str = "logits"):
+    """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab]
+    (``readback="token"``: the greedy next token, int, the head's greedy_argmax_f32).
     graph None/True: replay the per-stage CUDA graphs (captured once per state); False: the
     same launches eagerly.  On ``device-hostmath`` the step always runs eagerly and without
     PDL, whatever ``graph`` says: its host round trips (read the island inputs, apply the host
@@ -46,7 +47,8 @@ def device_step(model, state, token: int, *, graph: bool | None = None):
     from memra_dsv4.gpu.step_device import DeviceStep
     if model._step is None:
         model._step = DeviceStep(model, state.max_seq_len)
-    return model._step.step(state, int(token), True if graph is None else bool(graph))
+    return model._step.step(state, int(token), True if graph is None else bool(graph),
+                            readback=readback)
 
 
 # --------------------------------------------------------------------------- StepWs plan

@@ -114,6 +114,8 @@ class DeviceStep:
                 # enqueues without a staging copy (rewritten only after the previous step's
                 # final synchronize, when its uploads have run)
                 S.host = cupyx.zeros_pinned(2, np.int32)
+                S.tok_host = cupyx.zeros_pinned(1, np.int32)   # step(readback="token")'s D2H
+                S.greedy_ev = cp.cuda.Event(disable_timing=True)   # greedy(): the last stage's step done
                 S.event = cp.cuda.Event(disable_timing=True)
                 # MEMRA_DSV4_WQB_QNORM on CSA layers: the indexer's q GEMV (side2) waits for wq_b
                 # (main), which writes the normed qr (_attention)
@@ -187,16 +189,16 @@ class DeviceStep:
         """Prefill rewrote the caches in place (same addresses): graphs stay valid."""
 
     # ------------------------------------------------------------------ the step
-    def step(self, state, token: int, graph: bool = True):
+    def step(self, state, token: int, graph: bool = True, readback: str = "logits"):
+        """One step of ``token`` at state.pos; returns the logits (f32 NumPy [vocab], a copy) or,
+        with ``readback="token"``, the greedy next token (int: the head's greedy_argmax_f32,
+        np.argmax's rule) read back as 4 bytes instead of the vocab's logits."""
         import cupy as cp
         import cupyx
         rt = cp.cuda.runtime
-        if state.max_seq_len != self.msl:
-            raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
-                             f"StepWs built for {self.msl}")
-        attn = self.attn_form()   # validated before any device work
-        qnorm = self.qnorm_form()
-        w2 = self.shared_w2_form()
+        if readback not in ("logits", "token"):
+            raise ValueError(f"device step: readback={readback!r}; expected 'logits' or 'token'")
+        gs, forms = self._prepare(state, graph)   # validated before any device work
         pos = int(state.pos)
         for S in self.stages:
             S.host[0], S.host[1] = token, pos
@@ -205,54 +207,20 @@ class DeviceStep:
                                S.stream.ptr)
                 rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
                                rt.memcpyHostToDevice, S.stream.ptr)
-        self._ensure_tables(state)
-        from memra_dsv4.gpu.ops_decode import set_l2_prefetch
-        for S in self.stages:   # the GEMVs' prefetch budget (a constant: graphs follow it)
-            set_l2_prefetch(S.dev, getattr(self.m, "l2_prefetch", "off"))
-        pdl_on = getattr(self.m, "pdl", "off") == "on"
-        if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
-            graph, pdl_on = False, False
+        if self.hostmath:
             self._tok, self._pos = int(token), pos
-        hc_split = self.hc_split_form() == "on" and not self.hostmath
-        if graph:
-            fork, prio = self.fork_form(), self.priority_form()
-            gs = self._graphs.get(id(state))
-            if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                    or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
-                    or gs[7] != qnorm or gs[8] != w2):
-                gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
-                      pdl_on, attn, fork, hc_split, prio, qnorm, w2)
-                if len(self._graphs) >= 8:
-                    self._graphs.pop(next(iter(self._graphs)))
-                self._graphs[id(state)] = gs
-            for S, g in zip(self.stages, gs[1]):
-                with cp.cuda.Device(S.dev):
-                    if S.si > 0:
-                        S.stream.wait_event(self.stages[S.si - 1].event)
-                    g.launch(S.stream)
-                    if S.si + 1 < len(self.stages):
-                        S.event.record(S.stream)
-        else:
-            from memra_dsv4.gpu.pdl import pdl_launches
-            self._hc_split, self._hc_branch = hc_split, False   # eager: one stream, same order
-            self._qnorm = qnorm
-            self._w2 = w2
-            try:
-                for S in self.stages:
-                    with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
-                        if S.si > 0:
-                            S.stream.wait_event(self.stages[S.si - 1].event)
-                        self._enqueue(S, state, attn)
-                        if S.si + 1 < len(self.stages):
-                            S.event.record(S.stream)
-            finally:
-                self._hc_split = False
-                self._qnorm = "kernel"
-                self._w2 = "gemv"
+        self._launch(state, gs, forms)
         last = self.stages[-1]
-        # the token readback (the step's one host wait): D2H on the last stage's stream into a
-        # pinned buffer (no driver staging of a pageable destination), then a host copy, since
-        # the buffer is rewritten by the next step and the caller keeps the returned array
+        # the readback (the step's one host wait): D2H on the last stage's stream into a pinned
+        # buffer (no driver staging of a pageable destination), then a host copy, since the
+        # buffer is rewritten by the next step and the caller keeps the returned array
+        if readback == "token":   # the head's greedy_argmax_f32 wrote it over the stage's tok
+            with cp.cuda.Device(last.dev):
+                rt.memcpyAsync(last.tok_host.ctypes.data, last.v["tok"].data.ptr, 4,
+                               rt.memcpyDeviceToHost, last.stream.ptr)
+            last.stream.synchronize()
+            state.pos = pos + 1
+            return int(last.tok_host[0])
         src = last.v["head.logits"]
         if self._logits_host is None or self._logits_host.size != src.size:
             self._logits_host = cupyx.empty_pinned(src.shape, src.dtype)
@@ -263,6 +231,128 @@ class DeviceStep:
         logits = self._logits_host.copy()
         state.pos = pos + 1
         return logits
+
+    def greedy(self, state, token: int, n: int, graph: bool = True):
+        """``n`` greedy steps from ``token`` at state.pos, fed on the device: step i's input token
+        is step i-1's greedy_argmax_f32 output, already in the arena's tok (single stage) or
+        copied there from the last stage (peer copy, enqueued), so the host enqueues every
+        step's position upload, graph launch and 4-byte token readback ahead and waits once, at
+        the end.  Returns int32 NumPy [n]: the token each step picked (the last one not yet
+        consumed: state.pos advances by n).  The same launches and bytes as ``n`` host-fed
+        steps whose host picks np.argmax of the logits (tests/gpu/test_step_greedy_gpu.py).
+        On device-hostmath (eager host islands) or with graph=False the steps are host-fed
+        (step(readback="token") in a loop).  The caller validated token, n >= 1 and the room."""
+        import cupy as cp
+        import cupyx
+        from memra_dsv4.gpu import runtime
+        rt = cp.cuda.runtime
+        n = int(n)
+        if self.hostmath or not graph:
+            out = np.empty(n, np.int32)
+            tok = int(token)
+            for i in range(n):
+                tok = out[i] = self.step(state, tok, graph, readback="token")
+            return out
+        gs, forms = self._prepare(state, graph)
+        pos0 = int(state.pos)
+        last = self.stages[-1]
+        # pinned host rings: one position per step per stage (read by the H2D copies when they
+        # run, so never rewritten during the call) and one token per step (written by the D2H)
+        pos_ring = cupyx.zeros_pinned(n, np.int32)
+        pos_ring[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        tok_ring = cupyx.zeros_pinned(n, np.int32)
+        for S in self.stages:
+            S.host[0] = token
+            with cp.cuda.Device(S.dev):
+                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
+                               S.stream.ptr)
+        for i in range(n):
+            if i > 0 and len(self.stages) > 1:
+                # step i-1 has finished on every stage once the last one has (each stage waited
+                # for its predecessor): its token goes from the last stage's tok to the others',
+                # copied on the last stage's stream after its graph (as a stage boundary's copy)
+                with cp.cuda.Device(last.dev):
+                    for S in self.stages[:-1]:
+                        runtime.boundary_copy(S.v["tok"], last.v["tok"], 4, last.stream,
+                                              dst_stream=S.stream, force_bounce=self.m.force_bounce)
+                    last.greedy_ev.record(last.stream)
+                for S in self.stages[:-1]:
+                    with cp.cuda.Device(S.dev):
+                        S.stream.wait_event(last.greedy_ev)
+            for S in self.stages:
+                with cp.cuda.Device(S.dev):
+                    rt.memcpyAsync(S.v["pos"].data.ptr, pos_ring.ctypes.data + 4 * i, 4,
+                                   rt.memcpyHostToDevice, S.stream.ptr)
+            self._launch(state, gs, forms)
+            with cp.cuda.Device(last.dev):
+                rt.memcpyAsync(tok_ring.ctypes.data + 4 * i, last.v["tok"].data.ptr, 4,
+                               rt.memcpyDeviceToHost, last.stream.ptr)
+        last.stream.synchronize()
+        state.pos = pos0 + n
+        return np.array(tok_ring, dtype=np.int32)
+
+    def _prepare(self, state, graph: bool):
+        """Validate the step's forms, build the state's tables and (graph) capture or find its
+        graphs, before any of the step's device work.  Returns (graphs or None, forms)."""
+        import cupy as cp
+        if state.max_seq_len != self.msl:
+            raise ValueError(f"device step: state max_seq_len {state.max_seq_len} != the "
+                             f"StepWs built for {self.msl}")
+        attn = self.attn_form()
+        qnorm = self.qnorm_form()
+        w2 = self.shared_w2_form()
+        self._ensure_tables(state)
+        from memra_dsv4.gpu.ops_decode import set_l2_prefetch
+        for S in self.stages:   # the GEMVs' prefetch budget (a constant: graphs follow it)
+            set_l2_prefetch(S.dev, getattr(self.m, "l2_prefetch", "off"))
+        pdl_on = getattr(self.m, "pdl", "off") == "on"
+        if self.hostmath:   # host round trips inside the step: eager, no PDL (gpu.hostmath)
+            graph, pdl_on = False, False
+        hc_split = self.hc_split_form() == "on" and not self.hostmath
+        forms = (pdl_on, attn, qnorm, w2, hc_split)
+        if not graph:
+            return None, forms
+        fork, prio = self.fork_form(), self.priority_form()
+        gs = self._graphs.get(id(state))
+        if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
+                or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
+                or gs[7] != qnorm or gs[8] != w2):
+            gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
+                  pdl_on, attn, fork, hc_split, prio, qnorm, w2)
+            if len(self._graphs) >= 8:
+                self._graphs.pop(next(iter(self._graphs)))
+            self._graphs[id(state)] = gs
+        return gs, forms
+
+    def _launch(self, state, gs, forms) -> None:
+        """The step's launches on every stage: the captured graphs (gs) or, gs None, eagerly."""
+        import cupy as cp
+        pdl_on, attn, qnorm, w2, hc_split = forms
+        if gs is not None:
+            for S, g in zip(self.stages, gs[1]):
+                with cp.cuda.Device(S.dev):
+                    if S.si > 0:
+                        S.stream.wait_event(self.stages[S.si - 1].event)
+                    g.launch(S.stream)
+                    if S.si + 1 < len(self.stages):
+                        S.event.record(S.stream)
+            return
+        from memra_dsv4.gpu.pdl import pdl_launches
+        self._hc_split, self._hc_branch = hc_split, False   # eager: one stream, same order
+        self._qnorm = qnorm
+        self._w2 = w2
+        try:
+            for S in self.stages:
+                with cp.cuda.Device(S.dev), S.stream, pdl_launches(pdl_on):  # S.stream current: phase events
+                    if S.si > 0:
+                        S.stream.wait_event(self.stages[S.si - 1].event)
+                    self._enqueue(S, state, attn)
+                    if S.si + 1 < len(self.stages):
+                        S.event.record(S.stream)
+        finally:
+            self._hc_split = False
+            self._qnorm = "kernel"
+            self._w2 = "gemv"
 
     def fork_form(self) -> str:
         """``model.decode_fork`` (seam MEMRA_DSV4_DECODE_FORK; its default when the model has none),
@@ -441,6 +531,10 @@ class DeviceStep:
                                    mixes=v["dev.head_mix"])
                     RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
                     DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
+                    # the greedy next token over the stage's tok (its readers, embed_gather and
+                    # the hash routers, ran earlier in this step; every branch has joined): the
+                    # 4-byte readback of step(readback="token") and greedy()'s device feed
+                    DK.greedy_argmax(v["head.logits"], v["tok"])
             if S.si + 1 < len(self.stages):
                 nxt = self.stages[S.si + 1]
                 with phase(f"{sp}/boundary_copy"):

@@ -1,0 +1,132 @@
+"""The device step's greedy token: decode.cu greedy_argmax_f32 against its NumPy twin
+(host.sampling.greedy_token = np.argmax's rule), and the two feeds that use it:
+
+* the kernel on random logits of several lengths (1, below / above / at multiples of its 1024
+  threads, Flash's vocab) and on the cases where the rule matters: ties (the first index), NaN (the
+  first NaN beats +inf), all -inf, -0.0 against +0.0; a wrong dtype or tok shape is refused;
+* ``decode_step(readback="token")`` and ``decode_greedy`` (tokens fed on the device: the head's
+  argmax writes the next step's tok, one host wait per call) against host-fed steps that take
+  greedy_token of the returned logits, on tiny and flash-layers:2, from one prefill: the same
+  tokens, every cache byte equal after the steps, and the next step's logits bit for bit; the
+  greedy steps in two calls (chunks 5 + 7) so a call boundary is crossed;
+* refusals before any device work (state.pos unchanged): n = 0, n = True, n past max_seq_len,
+  a token id out of range, readback not 'logits' / 'token'."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from memra_dsv4.host.sampling import greedy_token  # noqa: E402
+from memra_dsv4.gpu.ops.testing import snapshot_diff  # noqa: E402
+
+
+def _argmax_dev(x: np.ndarray) -> int:
+    from memra_dsv4.gpu import ops_decode as DK
+    tok = cp.full((1,), -7, cp.int32)
+    DK.greedy_argmax(cp.asarray(x, dtype=cp.float32), tok)
+    return int(tok.get()[0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 1000, 1024, 1025, 4097, 129280])
+def test_greedy_argmax_random(n):
+    rng = np.random.default_rng(n)
+    for scale in (1.0, 1e-30, 1e30):
+        x = (rng.standard_normal(n) * scale).astype(np.float32)
+        assert _argmax_dev(x) == greedy_token(x), f"n {n} scale {scale}"
+
+
+def test_greedy_argmax_rule_cases():
+    n = 5000
+    cases = {}
+    x = np.zeros(n, np.float32)
+    cases["all equal"] = x.copy()
+    x = np.full(n, -1.0, np.float32); x[3000] = 2.0; x[7] = 2.0
+    cases["tie: first index"] = x
+    x = np.full(n, -1.0, np.float32); x[1030] = 2.0; x[6] = 2.0; x[4099] = 2.0
+    cases["tie across threads and warps"] = x
+    x = np.full(n, -np.inf, np.float32)
+    cases["all -inf"] = x
+    x = np.full(n, -1.0, np.float32); x[99] = np.inf; x[200] = np.nan; x[4000] = np.nan
+    cases["NaN beats +inf, first NaN"] = x
+    x = np.full(n, -1.0, np.float32); x[5] = -0.0; x[3] = 0.0
+    cases["+0.0 first, -0.0 tie"] = x
+    x = np.full(n, -1.0, np.float32); x[3] = -0.0; x[5] = 0.0
+    cases["-0.0 first, +0.0 tie"] = x
+    x = np.full(n, -np.inf, np.float32); x[n - 1] = -3.0e38
+    cases["last element"] = x
+    for name, x in cases.items():
+        assert _argmax_dev(x) == greedy_token(x), name
+
+
+def test_greedy_argmax_refusals():
+    from memra_dsv4.gpu import ops_decode as DK
+    tok = cp.zeros((1,), cp.int32)
+    with pytest.raises(AssertionError, match="logits: dtype"):
+        DK.greedy_argmax(cp.zeros(8, cp.float16), tok)
+    with pytest.raises(AssertionError, match="tok: shape"):
+        DK.greedy_argmax(cp.zeros(8, cp.float32), cp.zeros((2,), cp.int32))
+    with pytest.raises(AssertionError, match="1 .. 2"):
+        DK.greedy_argmax(cp.zeros(0, cp.float32), tok)
+
+
+def _models(kind: str):
+    arms = ("host", "token", "greedy")
+    if kind == "tiny":
+        from step_models import tiny_prefilled  # noqa: E402  (tests/gpu on sys.path)
+        return tiny_prefilled(arms, seed=31)
+    from step_models import flash_prefilled
+    return flash_prefilled(2, arms, seed=32)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "flash-layers:2"])
+def test_greedy_feeds_agree(kind):
+    m, states, ids, prompt = _models(kind)
+    assert m.decode_path == "device"
+    t0 = int(ids[prompt])
+    pos0 = states["host"].pos
+    n1, n2 = 5, 7
+    host, tok = [], t0
+    for _ in range(n1 + n2):   # host-fed, logits read back, the host's argmax
+        tok = greedy_token(m.decode_step(states["host"], tok))
+        host.append(tok)
+    token, tok = [], t0
+    for _ in range(n1 + n2):   # host-fed, the head's argmax read back as 4 bytes
+        tok = m.decode_step(states["token"], tok, readback="token")
+        assert isinstance(tok, int)
+        token.append(tok)
+    g1 = m.decode_greedy(states["greedy"], t0, n1)
+    g2 = m.decode_greedy(states["greedy"], int(g1[-1]), n2)
+    assert g1.dtype == np.int32 and g1.shape == (n1,) and g2.shape == (n2,)
+    greedy = g1.tolist() + g2.tolist()
+    assert token == host, f"{kind}: readback=token picked {token}, the host's argmax {host}"
+    assert greedy == host, f"{kind}: decode_greedy picked {greedy}, the host's argmax {host}"
+    for a in ("token", "greedy"):
+        assert states[a].pos == pos0 + n1 + n2, (a, states[a].pos)
+        diff = snapshot_diff(states["host"].snapshot(), states[a].snapshot())
+        assert not diff, f"{kind}: caches of {a} differ from host's: {diff}"
+    nxt = {a: m.decode_step(states[a], host[-1]) for a in ("host", "greedy")}
+    assert np.array_equal(nxt["greedy"].view(np.uint32), nxt["host"].view(np.uint32)), \
+        f"{kind}: the step after decode_greedy differs from the host-fed one's"
+
+
+def test_greedy_refusals_leave_the_state():
+    m, states, ids, prompt = _models("tiny")
+    st = states["greedy"]
+    pos0 = st.pos
+    snap = st.snapshot()
+    V = m.config.vocab_size
+    for bad_n, msg in ((0, "n must be an integer >= 1"), (True, "n must be an integer >= 1"),
+                       (2.0, "n must be an integer >= 1"),
+                       (st.max_seq_len - pos0 + 1, "exceed max_seq_len")):
+        with pytest.raises(ValueError, match=msg):
+            m.decode_greedy(st, int(ids[prompt]), bad_n)
+    for bad_tok in (-1, V, 2 ** 40):
+        with pytest.raises(ValueError):
+            m.decode_greedy(st, bad_tok, 2)
+    with pytest.raises(ValueError, match="readback"):
+        m.decode_step(st, int(ids[prompt]), readback="argmax")
+    assert st.pos == pos0
+    assert not snapshot_diff(snap, st.snapshot())

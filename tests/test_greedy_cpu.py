@@ -1,0 +1,125 @@
+"""The greedy token on the CPU: host.sampling.greedy_token (np.argmax's rule and its refusals), a
+NumPy run of decode.cu greedy_argmax_f32's reduction order (per-thread strided scan, warp
+butterfly, one warp over the warp winners, all under argmax_ahead) against that rule, the wrapper's
+launch (ops_decode.greedy_argmax on FakeKernels: one CTA of 1024 threads, the .cu signature), the
+kernel's source contract, and the bench's feed arm setting (check_arms, --feed-chunk)."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memra_dsv4.host.sampling import greedy_token
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cases(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    yield "random", rng.standard_normal(n).astype(np.float32)
+    yield "equal", np.zeros(n, np.float32)
+    yield "-inf", np.full(n, -np.inf, np.float32)
+    if n >= 3:
+        x = np.full(n, -1.0, np.float32); x[n - 1] = 5.0; x[n // 2] = 5.0
+        yield "tie", x
+        x = rng.standard_normal(n).astype(np.float32); x[n // 3] = np.inf; x[n - 1] = np.nan; x[n // 2] = np.nan
+        yield "nan", x
+        x = np.full(n, -1.0, np.float32); x[n - 1] = 0.0; x[1] = -0.0
+        yield "signed zero", x
+
+
+def _ahead(va, ia, vb, ib) -> bool:   # the kernel's argmax_ahead
+    na, nb = math.isnan(va), math.isnan(vb)
+    if na or nb:
+        return na and (not nb or ia < ib)
+    return va > vb or (va == vb and ia < ib)
+
+
+def _kernel_order(x: np.ndarray) -> int:
+    """greedy_argmax_f32's reduction, step for step: 1024 threads, 32 warps."""
+    n = x.size
+    best = []
+    for t in range(1024):
+        v, i = -math.inf, 0x7FFFFFFF
+        for j in range(t, n, 1024):
+            if _ahead(float(x[j]), j, v, i):
+                v, i = float(x[j]), j
+        best.append((v, i))
+
+    def butterfly(lanes):
+        lanes = list(lanes)
+        off = 16
+        while off:
+            nxt = []
+            for l in range(32):
+                ov, oi = lanes[l ^ off]
+                v, i = lanes[l]
+                nxt.append((ov, oi) if _ahead(ov, oi, v, i) else (v, i))
+            lanes, off = nxt, off >> 1
+        assert len(set(lanes)) == 1 or all(math.isnan(a) for a, _ in lanes), lanes[:2]
+        return lanes[0]
+
+    winners = [butterfly(best[32 * w:32 * w + 32]) for w in range(32)]
+    return butterfly(winners)[1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 1000, 1024, 1025, 3000])
+def test_kernel_order_is_np_argmax(n):
+    for name, x in _cases(n, n):
+        assert _kernel_order(x) == greedy_token(x) == int(np.argmax(x)), (n, name)
+
+
+def test_greedy_token_refusals():
+    with pytest.raises(ValueError, match=r"shape \(0,\)"):
+        greedy_token(np.zeros(0, np.float32))
+    with pytest.raises(ValueError, match=r"shape \(2, 3\)"):
+        greedy_token(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="floating point, got int32"):
+        greedy_token(np.zeros(4, np.int32))
+    assert greedy_token(np.array([1.0, np.nan, 3.0, np.nan])) == 1
+
+
+def test_wrapper_launch(monkeypatch):
+    from test_kernel_sources import fake_ops_module
+    launched = []
+    fake, DK = fake_ops_module(monkeypatch, "memra_dsv4.gpu.ops_decode",
+                               lambda name, grid, block, args, smem: launched.append((name, grid, block, args)))
+    logits = fake.zeros((129280,), np.float32)
+    tok = fake.zeros((1,), np.int32)
+    assert DK.greedy_argmax(logits, tok) is tok
+    (name, grid, block, args), = launched
+    assert name == "greedy_argmax_f32" and tuple(grid) == (1,) and tuple(block) == (1024,)
+    assert args[1] == 129280 and isinstance(args[1], np.int32)
+    with pytest.raises(AssertionError, match="logits: dtype"):
+        DK.greedy_argmax(fake.zeros((8,), np.float16), tok)
+    with pytest.raises(AssertionError, match="tok: shape"):
+        DK.greedy_argmax(logits, fake.zeros((2,), np.int32))
+    with pytest.raises(AssertionError, match="1 .. 2"):
+        DK.greedy_argmax(fake.zeros((0,), np.float32), tok)
+    assert len(launched) == 1   # nothing launched by a refused call
+
+
+def test_kernel_source_contract():
+    src = (ROOT / "kernels_cu" / "decode.cu").read_text()
+    body = src[src.index("greedy_argmax_f32(const float*"):]
+    body = body[:body.index("\n}\n")]
+    assert "__launch_bounds__(1024)" in src[src.index("greedy_argmax_f32(const float*") - 80:
+                                             src.index("greedy_argmax_f32(const float*")]
+    assert body.count("PDL_ENTRY();") == 1
+    assert re.search(r"j < n; j \+= 1024", body), "the per-thread scan is strided by the 1024 threads"
+    assert "tok[0] = i" in body
+    from memra_dsv4.gpu import ops_decode
+    assert "greedy_argmax_f32" in ops_decode.KERNELS
+
+
+def test_bench_feed_setting():
+    from bench.decode_step import check_arms, main
+    arms = check_arms("path=device,path=device+feed=token,path=device+feed=device")
+    assert [a.get("feed", "host") for a in arms] == ["host", "token", "device"]
+    with pytest.raises(SystemExit, match=r"feed='gpu'; expected one of host, token, device"):
+        check_arms("path=device+feed=gpu")
+    with pytest.raises(SystemExit, match="--feed-chunk 0: expected >= 1"):
+        main(["--arms", "path=device+feed=device", "--feed-chunk", "0"])
