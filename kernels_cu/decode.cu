@@ -30,7 +30,7 @@
 // step_scalars:   aux[0] = (pos + 1) / 4 (indexer n_valid), aux[1 + i] = max(pos + 1 - r_i, 0)
 //                 (the position of the block an emission at pos closes), i < 4.
 // greedy_argmax_f32: tok[0] = np.argmax(logits) (first maximum; a NaN is the greatest), one CTA;
-//                 the device step's last launch (see the kernel).
+//                 then hist[pos + 1] = tok[0] and pos[0] += 1; the device step's last launch.
 // ring_write, pending_write, entry_commit: the standalone data moves below.  The device step no
 //                 longer launches them (gemv_bf16_multi writes pending rows in its epilogue,
 //                 compressor.cu's norm_rope_sim writes ring / compressed rows in place); they
@@ -1391,8 +1391,13 @@ build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict_
 
 // greedy_argmax_f32: tok[0] = the index of the greatest of logits[0, n), np.argmax's rule: the
 // first occurrence of the maximum, and a NaN counts as greater than every number (the first NaN
-// wins).  The device step's head ends with it (DeviceStep: the step's token readback is these 4
-// bytes, and DeviceStep.greedy feeds them to the next step's embed_gather without the host).
+// wins).  With pos (may be null): hist[pos[0] + 1] = tok[0] when that entry is < hist_len, then
+// pos[0] += 1.  The device step's head ends with it: the step's token readback is tok's 4 bytes,
+// and DeviceStep.greedy replays the stage graph n times with nothing from the host in between
+// (the next step's embed_gather reads tok, every position-dependent kernel reads the advanced
+// pos) and reads the n picks back from hist at the end.  Writing tok and pos is safe here: it
+// is the step's last launch and every reader of them ran earlier in the step (every branch has
+// joined before the head); a host-fed step uploads both before its next launch anyway.
 // One CTA of 1024 threads: the logits were just written by the head GEMV (Flash: 517 KB, in L2),
 // so the launch is one SM's latency, not bandwidth.  Thread t keeps the best of t, t + 1024, ...
 // (ascending, so a tie keeps the lower index), then a warp butterfly and one warp over the 32
@@ -1416,7 +1421,8 @@ DEV void argmax_warp(float& v, int& i) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(1024)
-greedy_argmax_f32(const float* __restrict__ logits, int n, int* __restrict__ tok) { PDL_ENTRY();
+greedy_argmax_f32(const float* __restrict__ logits, int n, int* __restrict__ tok, int* __restrict__ pos,
+                  int* __restrict__ hist, int hist_len) { PDL_ENTRY();
     __shared__ float wv[32];
     __shared__ int wi[32];
     float v = f32_ninf();
@@ -1434,6 +1440,13 @@ greedy_argmax_f32(const float* __restrict__ logits, int n, int* __restrict__ tok
         v = wv[lane];
         i = wi[lane];
         argmax_warp(v, i);
-        if (lane == 0) tok[0] = i;
+        if (lane == 0) {
+            tok[0] = i;
+            if (pos != nullptr) {
+                const int p1 = pos[0] + 1;
+                if (hist != nullptr && p1 >= 0 && p1 < hist_len) hist[p1] = i;
+                pos[0] = p1;
+            }
+        }
     }
 }

@@ -93,6 +93,18 @@ def test_wrapper_launch(monkeypatch):
     (name, grid, block, args), = launched
     assert name == "greedy_argmax_f32" and tuple(grid) == (1,) and tuple(block) == (1024,)
     assert args[1] == 129280 and isinstance(args[1], np.int32)
+    assert args[3] == 0 and args[4] == 0 and args[5] == 0   # no pos, no history
+    pos, hist = fake.zeros((1,), np.int32), fake.zeros((33,), np.int32)
+    DK.greedy_argmax(logits, tok, pos, hist)
+    args = launched[-1][3]
+    assert args[3] is pos and args[4] is hist and args[5] == 33 and isinstance(args[5], np.int32)
+    with pytest.raises(AssertionError, match="hist needs pos"):
+        DK.greedy_argmax(logits, tok, None, hist)
+    with pytest.raises(AssertionError, match="pos: shape"):
+        DK.greedy_argmax(logits, tok, fake.zeros((2,), np.int32), hist)
+    with pytest.raises(AssertionError, match="hist: dtype"):
+        DK.greedy_argmax(logits, tok, pos, fake.zeros((4,), np.int64))
+    launched[:] = launched[:1]
     with pytest.raises(AssertionError, match="logits: dtype"):
         DK.greedy_argmax(fake.zeros((8,), np.float16), tok)
     with pytest.raises(AssertionError, match="tok: shape"):
@@ -111,6 +123,8 @@ def test_kernel_source_contract():
     assert body.count("PDL_ENTRY();") == 1
     assert re.search(r"j < n; j \+= 1024", body), "the per-thread scan is strided by the 1024 threads"
     assert "tok[0] = i" in body
+    # the history entry and the advance come after the pick, on the one lane that writes tok
+    assert body.index("tok[0] = i") < body.index("hist[p1] = i") < body.index("pos[0] = p1")
     from memra_dsv4.gpu import ops_decode
     assert "greedy_argmax_f32" in ops_decode.KERNELS
 

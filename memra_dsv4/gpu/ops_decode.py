@@ -692,15 +692,24 @@ def step_scalars(pos, aux, ratios):
     return aux
 
 
-def greedy_argmax(logits, tok):
+def greedy_argmax(logits, tok, pos=None, hist=None):
     """tok[0] = np.argmax(logits) on the device (decode.cu greedy_argmax_f32; NumPy twin
     memra_dsv4.host.sampling.greedy_token): the first index of the maximum, a NaN counting as
-    the greatest value.  logits f32 [n] (n >= 1, contiguous), tok int32 [1].  One CTA."""
+    the greatest value.  logits f32 [n] (n >= 1, contiguous), tok int32 [1].  With ``pos`` (int32
+    [1]): then hist[pos + 1] = tok[0] (``hist`` int32 [L], entries past L - 1 not written; None:
+    no history) and pos[0] += 1 (the device-fed greedy step's advance).  One CTA."""
     check(logits, "greedy_argmax.logits", np.float32)
     check(tok, "greedy_argmax.tok", np.int32, (1,))
     n = logits.size
     assert 1 <= n < 2 ** 31 - 1, f"greedy_argmax: {n} logits (need 1 .. 2^31 - 2)"
-    kernel(STEM, "greedy_argmax_f32")((1,), (1024,), (logits, i32(n), tok))
+    assert hist is None or pos is not None, "greedy_argmax: hist needs pos"
+    if pos is not None:
+        check(pos, "greedy_argmax.pos", np.int32, (1,))
+    if hist is not None:
+        check(hist, "greedy_argmax.hist", np.int32)
+        assert hist.ndim == 1 and 1 <= hist.size < 2 ** 31, f"greedy_argmax: hist shape {hist.shape}"
+    kernel(STEM, "greedy_argmax_f32")((1,), (1024,), (logits, i32(n), tok, null_or(pos),
+                                                      null_or(hist), i32(0 if hist is None else hist.size)))
     return tok
 
 

@@ -118,6 +118,9 @@ def step_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
         p.add("head.y", (D,), "bf16")
         p.add("head.yn", (D,), "bf16")
         p.add("head.logits", (cfg.vocab_size,), "f32")
+        # the greedy token history: entry p + 1 = the token the head's greedy_argmax_f32 picked at
+        # position p (DeviceStep.greedy reads a call's entries back with one copy at its end)
+        p.add("head.tok_hist", (max_seq_len + 1,), "i32")
     p.check()
     return p
 

@@ -233,14 +233,17 @@ class DeviceStep:
         return logits
 
     def greedy(self, state, token: int, n: int, graph: bool = True):
-        """``n`` greedy steps from ``token`` at state.pos, fed on the device: step i's input token
-        is step i-1's greedy_argmax_f32 output, already in the arena's tok (single stage) or
-        copied there from the last stage (peer copy, enqueued), so the host enqueues every
-        step's position upload, graph launch and 4-byte token readback ahead and waits once, at
-        the end.  Returns int32 NumPy [n]: the token each step picked (the last one not yet
-        consumed: state.pos advances by n).  The same launches and bytes as ``n`` host-fed
-        steps whose host picks np.argmax of the logits (tests/gpu/test_step_greedy_gpu.py).
-        On device-hostmath (eager host islands) or with graph=False the steps are host-fed
+        """``n`` greedy steps from ``token`` at state.pos, fed on the device.  The head's
+        greedy_argmax_f32 ends every step by writing the next token over the stage's tok, its
+        history entry (head.tok_hist[pos + 1]) and pos + 1, so one stage's graph is replayed n
+        times with nothing from the host in between (the token and position uploaded once before,
+        the n picks read back with one copy after: one host wait per call).  With several stages
+        each step after the first also copies the last stage's tok to the others' and uploads
+        every stage's position (all enqueued ahead; a stage waits for the previous step's last
+        stage).  Returns int32 NumPy [n]: the token each step picked (the last one not yet
+        consumed: state.pos advances by n).  The same launches and bytes as n host-fed steps
+        whose host takes np.argmax of the logits (tests/gpu/test_step_greedy_gpu.py).  On
+        device-hostmath (eager host islands) or with graph=False the steps are host-fed
         (step(readback="token") in a loop).  The caller validated token, n >= 1 and the room."""
         import cupy as cp
         import cupyx
@@ -256,18 +259,21 @@ class DeviceStep:
         gs, forms = self._prepare(state, graph)
         pos0 = int(state.pos)
         last = self.stages[-1]
-        # pinned host rings: one position per step per stage (read by the H2D copies when they
-        # run, so never rewritten during the call) and one token per step (written by the D2H)
+        multi = len(self.stages) > 1
+        # pinned: every stage's position per step (multi-stage; read by the H2D copies when they
+        # run, so never rewritten during the call) and the n picks
         pos_ring = cupyx.zeros_pinned(n, np.int32)
         pos_ring[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        tok_ring = cupyx.zeros_pinned(n, np.int32)
+        picks = cupyx.zeros_pinned(n, np.int32)
         for S in self.stages:
-            S.host[0] = token
+            S.host[0], S.host[1] = token, pos0
             with cp.cuda.Device(S.dev):
                 rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
                                S.stream.ptr)
+                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
+                               rt.memcpyHostToDevice, S.stream.ptr)
         for i in range(n):
-            if i > 0 and len(self.stages) > 1:
+            if i > 0 and multi:
                 # step i-1 has finished on every stage once the last one has (each stage waited
                 # for its predecessor): its token goes from the last stage's tok to the others',
                 # copied on the last stage's stream after its graph (as a stage boundary's copy)
@@ -279,17 +285,16 @@ class DeviceStep:
                 for S in self.stages[:-1]:
                     with cp.cuda.Device(S.dev):
                         S.stream.wait_event(last.greedy_ev)
-            for S in self.stages:
-                with cp.cuda.Device(S.dev):
-                    rt.memcpyAsync(S.v["pos"].data.ptr, pos_ring.ctypes.data + 4 * i, 4,
-                                   rt.memcpyHostToDevice, S.stream.ptr)
+                        rt.memcpyAsync(S.v["pos"].data.ptr, pos_ring.ctypes.data + 4 * i, 4,
+                                       rt.memcpyHostToDevice, S.stream.ptr)
             self._launch(state, gs, forms)
-            with cp.cuda.Device(last.dev):
-                rt.memcpyAsync(tok_ring.ctypes.data + 4 * i, last.v["tok"].data.ptr, 4,
-                               rt.memcpyDeviceToHost, last.stream.ptr)
+        hist = last.v["head.tok_hist"]
+        with cp.cuda.Device(last.dev):
+            rt.memcpyAsync(picks.ctypes.data, hist.data.ptr + 4 * (pos0 + 1), 4 * n,
+                           rt.memcpyDeviceToHost, last.stream.ptr)
         last.stream.synchronize()
         state.pos = pos0 + n
-        return np.array(tok_ring, dtype=np.int32)
+        return np.array(picks, dtype=np.int32)
 
     def _prepare(self, state, graph: bool):
         """Validate the step's forms, build the state's tables and (graph) capture or find its
@@ -531,10 +536,11 @@ class DeviceStep:
                                    mixes=v["dev.head_mix"])
                     RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
                     DK.gemv_bf16(st["head.weight"], yn, v["head.logits"])
-                    # the greedy next token over the stage's tok (its readers, embed_gather and
-                    # the hash routers, ran earlier in this step; every branch has joined): the
-                    # 4-byte readback of step(readback="token") and greedy()'s device feed
-                    DK.greedy_argmax(v["head.logits"], v["tok"])
+                    # the greedy next token over the stage's tok, its history entry and pos + 1
+                    # (their readers, embed_gather, the hash routers and every position-dependent
+                    # kernel, ran earlier in this step; every branch has joined): the 4-byte
+                    # readback of step(readback="token") and greedy()'s device feed
+                    DK.greedy_argmax(v["head.logits"], v["tok"], v["pos"], v["head.tok_hist"])
             if S.si + 1 < len(self.stages):
                 nxt = self.stages[S.si + 1]
                 with phase(f"{sp}/boundary_copy"):

@@ -3,7 +3,8 @@
 
 * the kernel on random logits of several lengths (1, below / above / at multiples of its 1024
   threads, Flash's vocab) and on the cases where the rule matters: ties (the first index), NaN (the
-  first NaN beats +inf), all -inf, -0.0 against +0.0; a wrong dtype or tok shape is refused;
+  first NaN beats +inf), all -inf, -0.0 against +0.0; with pos / hist: hist[pos + 1] = the pick
+  (not written past its end or below 0), pos + 1; a wrong dtype or shape is refused;
 * ``decode_step(readback="token")`` and ``decode_greedy`` (tokens fed on the device: the head's
   argmax writes the next step's tok, one host wait per call) against host-fed steps that take
   greedy_token of the returned logits, on tiny and flash-layers:2, from one prefill: the same
@@ -61,6 +62,26 @@ def test_greedy_argmax_rule_cases():
         assert _argmax_dev(x) == greedy_token(x), name
 
 
+def test_greedy_argmax_history_and_advance():
+    from memra_dsv4.gpu import ops_decode as DK
+    x = np.random.default_rng(5).standard_normal(3000).astype(np.float32)
+    want = greedy_token(x)
+    for p0, L in ((5, 16), (14, 16), (15, 16), (-1, 16)):
+        tok = cp.full((1,), -7, cp.int32)
+        pos = cp.full((1,), p0, cp.int32)
+        hist = cp.full((L,), -3, cp.int32)
+        DK.greedy_argmax(cp.asarray(x), tok, pos, hist)
+        h = hist.get()
+        exp = np.full(L, -3, np.int32)
+        if 0 <= p0 + 1 < L:
+            exp[p0 + 1] = want
+        assert int(tok.get()[0]) == want and int(pos.get()[0]) == p0 + 1, p0
+        assert np.array_equal(h, exp), (p0, h)
+    tok, pos = cp.zeros((1,), cp.int32), cp.full((1,), 9, cp.int32)
+    DK.greedy_argmax(cp.asarray(x), tok, pos)   # no history: the advance alone
+    assert int(pos.get()[0]) == 10 and int(tok.get()[0]) == want
+
+
 def test_greedy_argmax_refusals():
     from memra_dsv4.gpu import ops_decode as DK
     tok = cp.zeros((1,), cp.int32)
@@ -103,6 +124,8 @@ def test_greedy_feeds_agree(kind):
     greedy = g1.tolist() + g2.tolist()
     assert token == host, f"{kind}: readback=token picked {token}, the host's argmax {host}"
     assert greedy == host, f"{kind}: decode_greedy picked {greedy}, the host's argmax {host}"
+    # the arena's pos after decode_greedy: advanced on the device by each step's argmax
+    assert int(m._step.stages[-1].v["pos"].get()[0]) == pos0 + n1 + n2
     for a in ("token", "greedy"):
         assert states[a].pos == pos0 + n1 + n2, (a, states[a].pos)
         diff = snapshot_diff(states["host"].snapshot(), states[a].snapshot())
@@ -130,3 +153,22 @@ def test_greedy_refusals_leave_the_state():
         m.decode_step(st, int(ids[prompt]), readback="argmax")
     assert st.pos == pos0
     assert not snapshot_diff(snap, st.snapshot())
+
+
+def test_greedy_two_stages_agree():
+    """Two stages (tiny over GPUs 0 and 1): decode_greedy's per-step token copy from the last
+    stage and position uploads against host-fed steps on the same model."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    from test_decode_gpu import _ids, _model
+    ck, m = _model("tiny", (0, 1), "device")
+    ids = _ids(ck.config, 6, seed=33)
+    st = {a: m.prefill(ids[:5], m.new_state())[1] for a in ("host", "greedy")}
+    host, tok = [], int(ids[5])
+    for _ in range(9):
+        tok = greedy_token(m.decode_step(st["host"], tok))
+        host.append(tok)
+    greedy = m.decode_greedy(st["greedy"], int(ids[5]), 9).tolist()
+    assert greedy == host
+    diff = snapshot_diff(st["host"].snapshot(), st["greedy"].snapshot())
+    assert not diff, f"two stages: caches of greedy differ from host's: {diff}"
