@@ -14,7 +14,10 @@ every sample after a warm-up):
              device, the host's uploads and launches enqueued ahead, one wait per call
   step       CudaEventTimer around decode_step alone (the argmax after the end event)
   replay+d2h N graph replays of the same captured step, each followed by its logits D2H into
-             the pinned buffer, queued back to back (one sync at the end), events around / N
+             the pinned buffer, queued back to back (one sync at the end), events around / N;
+             each replay's last launch (greedy_argmax_f32) advances the position and feeds its
+             token to the next, so this is the device feed without decode_greedy's uploads and
+             readback
   replay     the same without the D2H
   launch     host wall time of one replay call (cuGraphLaunch) while the GPU is busy
   split.*    one more run of samples, stamped (medians, ms): host_py_pre (decode_step's call
@@ -25,9 +28,7 @@ every sample after a warm-up):
              GPU idles before the graph), gpu_launch_to_end (that event to the end event),
              sample (start to end)
 
-bench - replay is what the host adds to every sample; replay is the GPU's own step.  The replays
-re-run the step at one position (the pos buffer is not advanced): the same launches, the same
-bytes, the same cache row rewritten.  Prints one table and writes JSON to --json when given.
+bench - replay is what the host adds to every sample; replay is the GPU's own step.  Prints one table and writes JSON to --json when given.
 
   python3 tools/host_gap.py --model synthetic:flash-layers:20 --ctx 1024 --steps 300
 """
@@ -71,7 +72,11 @@ def main(argv=None) -> int:
 
     devices = tuple(int(d) for d in a.devices.split(","))
     # room for every step this tool runs at advancing positions (the replays do not advance)
-    max_seq = a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk + a.cprofile + 16
+    # the replays advance the position too (the head's greedy_argmax_f32 ends every step with
+    # pos + 1 on the device): 2 measures x reps x 20 of them
+    reps, n_rep = max(5, a.steps // 20), 20
+    max_seq = (a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk
+               + 2 * reps * n_rep + a.cprofile + 16)
     m = _load(a.model, devices, max_seq, None, a.expert_storage)
     ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
     st = _ArmState(m, "device", ids, max_seq)
@@ -190,8 +195,7 @@ def main(argv=None) -> int:
             e1.synchronize()
             return cp.cuda.get_elapsed_time(e0, e1) / n, _median_ms(launch_wall)
 
-        reps = max(5, a.steps // 20)
-        n = 20
+        n = n_rep
         rd = [replay(n, True) for _ in range(reps)]
         r = [replay(n, False) for _ in range(reps)]
         out["replay+d2h"] = _median_ms([x[0] for x in rd])
