@@ -72,6 +72,18 @@ def test_kernel_order_is_np_argmax(n):
         assert _kernel_order(x) == greedy_token(x) == int(np.argmax(x)), (n, name)
 
 
+def test_greedy_token_is_the_oracle_greedy_on_valid_logits():
+    from memra_dsv4.oracle.sampling import greedy
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 1000):
+        x = rng.standard_normal(n).astype(np.float32)
+        if n > 1:
+            x[rng.integers(0, n)] = -np.inf
+        assert greedy_token(x) == greedy(x)
+    x = np.array([0.5, 2.0, -1.0, 2.0], np.float32)   # a tie: both the lower id
+    assert greedy_token(x) == greedy(x) == 1
+
+
 def test_greedy_token_refusals():
     with pytest.raises(ValueError, match=r"shape \(0,\)"):
         greedy_token(np.zeros(0, np.float32))

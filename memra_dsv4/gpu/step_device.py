@@ -2,7 +2,11 @@
 (gpu.step.step_ws_plan, one cudaMalloc per stage, made once), kernels only, every
 position-dependent decision taken on the device from ``pos`` (int32 [1] in the arena):
 
-* tok / pos: two 4-byte H2D copies per stage before the step (the only host input);
+* tok / pos: two 4-byte H2D copies per stage before the step (the only host input); the step's
+  last launch (decode.cu greedy_argmax_f32, after the head GEMV) writes the greedy next token
+  over tok, its entry head.tok_hist[pos + 1] and pos + 1, so ``step(readback="token")`` reads 4
+  bytes back and ``greedy`` replays one stage's graph n times with nothing from the host in
+  between (Dsv4Gpu.decode_greedy);
 * embed gather (decode.cu); every sub-layer boundary in ONE launch (hc.cu hc_boundary: the
   previous sub-layer's hc_post + hc_pre + the input rmsnorm, bit-identical to those kernels
   run apart); bf16 GEMVs (decode.cu: warp per row, 4 weight loads in flight per lane);
@@ -43,7 +47,7 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
   (hc.cu hc_boundary_pre: the sub-layer's input; hc_boundary_sinkhorn: post / comb, read only by
   the next boundary), the Sinkhorn captured on a side stream beside the sub-layer (_hc_pre);
 * hc_post ping-pong (fused into the next boundary; alone after a stage's last layer), hc_head +
-  final norm + head GEMV on the last stage;
+  final norm + head GEMV + greedy_argmax_f32 on the last stage;
 * stage boundary: runtime.boundary_copy (memcpyAsync peer copy, captured in the source stage's
   graph) into the next stage's streams.a, ordered by an event created at setup.
 Graphs: one per stage, captured on the stage's compute stream the first time a state is

@@ -10,6 +10,10 @@ Contract
   the device step; ``Dsv4Gpu.decode_greedy`` on every other path and the bench's host-fed arms
   apply this function to the returned logits, so both feeds pick the same token from the same
   logits.
+* oracle.sampling.greedy is the same rule on the logits a sampler accepts (it refuses NaN, +inf
+  and all -inf rows, naming them); this one picks on any float input, as the kernel must, since
+  a device-fed step has no host to refuse to.  tests/test_greedy_cpu.py checks they agree where
+  both apply.
 """
 
 from __future__ import annotations
