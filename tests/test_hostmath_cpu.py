@@ -143,9 +143,59 @@ def test_decode_step_plumbing(monkeypatch):
     monkeypatch.setattr(decode, "forward_chunk",
                         lambda model, state, ids, **kw: seen.append(("legacy", list(ids), kw)) or 1)
     monkeypatch.setattr(step, "device_step",
-                        lambda model, state, tok: seen.append((model.decode_path, tok)) or 2)
+                        lambda model, state, tok, readback="logits": seen.append((model.decode_path, tok, readback)) or 2)
     m.decode_path = "legacy"
     assert m.decode_step(st, 7) == 1
     m.decode_path = "device-hostmath"
     assert m.decode_step(st, 8) == 2
-    assert seen == [("legacy", [7], {"ph": "decode", "one_token": True}), ("device-hostmath", 8)]
+    assert m.decode_step(st, 9, readback="token") == 2
+    assert seen == [("legacy", [7], {"ph": "decode", "one_token": True}), ("device-hostmath", 8, "logits"),
+                    ("device-hostmath", 9, "token")]
+    with pytest.raises(ValueError, match="readback='all'; expected 'logits' or 'token'"):
+        m.decode_step(st, 9, readback="all")
+
+
+def test_decode_greedy_plumbing_and_refusals(monkeypatch):
+    """decode_greedy (fakes: no GPU): legacy is n host-fed steps taking greedy_token of each
+    step's logits; the device paths go to DeviceStep.greedy; every refusal names the problem
+    before any step, and leaves pos."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu import decode
+    from memra_dsv4.gpu.cache import DecodeState
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    m = object.__new__(Dsv4Gpu)
+    m.config, m.max_seq_len = preset("tiny"), 64
+    V = m.config.vocab_size
+    st = object.__new__(DecodeState)
+    st.owner, st.journal, st.pos, st.max_seq_len = m, None, 5, 64
+    fed = []
+
+    def fake_chunk(model, state, ids, **kw):   # logits whose argmax is (token + 3) % V
+        fed.append(int(ids[0]))
+        state.pos += 1
+        lg = np.zeros(V, np.float32)
+        lg[(int(ids[0]) + 3) % V] = 1.0
+        return lg
+    monkeypatch.setattr(decode, "forward_chunk", fake_chunk)
+    m.decode_path = "legacy"
+    out = m.decode_greedy(st, 7, 4)
+    assert out.dtype == np.int32 and out.tolist() == [10, 13, 16, 19] and fed == [7, 10, 13, 16]
+    assert st.pos == 9
+
+    class FakeStep:
+        def greedy(self, state, token, n):
+            fed.append(("device", token, n))
+            return np.arange(n, dtype=np.int32)
+    m.decode_path, m._step = "device", FakeStep()
+    assert m.decode_greedy(st, 3, np.int64(2)).tolist() == [0, 1]
+    assert fed[-1] == ("device", 3, 2)
+    n_fed = len(fed)
+    for n, msg in ((0, "n must be an integer >= 1"), (True, "n must be an integer >= 1"),
+                   (2.0, "n must be an integer >= 1"), ("3", "n must be an integer >= 1"),
+                   (64 - 9 + 1, "exceed max_seq_len")):
+        with pytest.raises(ValueError, match=msg):
+            m.decode_greedy(st, 3, n)
+    for tok in (-1, V, [1, 2]):
+        with pytest.raises(ValueError):
+            m.decode_greedy(st, tok, 1)
+    assert len(fed) == n_fed and st.pos == 9
