@@ -60,7 +60,11 @@ step_device.shared_gateup_spare), ``hchand=ticket|cluster|coop|coopall`` (MEMRA_
 boundary's critical launch as the last-CTA ticket kernel, one thread-block cluster exchanging
 partials and x through DSMEM, or the cooperative grid polling tagged global words (8 tail CTAs, or all); bit-identical, step_device.hc_pre_handoff),
 ``attnhg=auto|16|8|4`` (MEMRA_DSV4_DECODE_ATTN_HG: the split attention kernel's heads per CTA, a group
-below the default with every tile in its own CTA; bit-identical, step_device.decode_attn_head_group), and
+below the default with every tile in its own CTA; bit-identical, step_device.decode_attn_head_group),
+``feed=host|token|device`` (how the arm's steps get their tokens: host, the default, reads the logits
+back and takes np.argmax on the host; token, decode_step(readback="token"), 4 bytes back; device,
+Dsv4Gpu.decode_greedy over --feed-chunk steps per sample, the tokens fed on the device and one host
+wait per sample, the sample divided by the chunk; its bytes and floors at its own middle position), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
 before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
@@ -465,6 +469,11 @@ def main(argv=None) -> int:
     arms_spec = check_arms(a.arms)   # before any GPU work
     if a.feed_chunk < 1:
         raise SystemExit(f"--feed-chunk {a.feed_chunk}: expected >= 1")
+    fed = [s for s in arms_spec if s.get("feed") == "device"]
+    if fed and (a.device_trace or a.delay_probe or a.launch_profile):
+        # those read one step per call of the arm's step; a feed=device call is --feed-chunk steps
+        raise SystemExit(f"arm {fed[0]}: feed=device runs --feed-chunk steps per sample; "
+                         f"--device-trace / --delay-probe / --launch-profile need host-fed arms")
     if a.expert_storage != "per-layer" and not a.model.startswith("synthetic:"):
         raise SystemExit(f"--expert-storage {a.expert_storage}: synthetic models only (a checkpoint "
                          f"stores its own experts), got --model {a.model}")

@@ -149,3 +149,6 @@ def test_bench_feed_setting():
         check_arms("path=device+feed=gpu")
     with pytest.raises(SystemExit, match="--feed-chunk 0: expected >= 1"):
         main(["--arms", "path=device+feed=device", "--feed-chunk", "0"])
+    for opt in (["--device-trace", "5"], ["--delay-probe", "4"], ["--launch-profile", "10"]):
+        with pytest.raises(SystemExit, match="feed=device runs --feed-chunk steps per sample"):
+            main(["--arms", "path=device,path=device+feed=device"] + opt)
