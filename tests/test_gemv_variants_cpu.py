@@ -8,21 +8,15 @@ test_gemv_variants.py)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 import pytest
 
-from tests.test_kernel_sources import (KDIR, _fake_cupy, declared_kernels, kernel_signatures,
-                                      registered_fake_kernels)
+from tests.test_kernel_sources import KDIR, declared_kernels, fake_ops_module
 
 
 @pytest.fixture
 def fake_launch(monkeypatch):
-    fake = _fake_cupy()
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    from memra_dsv4.gpu import ops_decode as DK
-
     launched = []
 
     def launch_ok(name, grid, block, shared_mem):
@@ -32,10 +26,7 @@ def fake_launch(monkeypatch):
     def record(name, grid, block, args, shared_mem):
         launched.append((name, tuple(grid), args, shared_mem))
 
-    monkeypatch.setattr(DK, "kernel", registered_fake_kernels(kernel_signatures(), record, launch_ok))
-    from memra_dsv4.gpu.ops import _common
-    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
-    monkeypatch.setattr(DK, "sm_count", lambda: 132)
+    fake, DK = fake_ops_module(monkeypatch, "memra_dsv4.gpu.ops_decode", record, launch_ok)
     monkeypatch.delenv(DK.GEMV_VARIANT_ENV, raising=False)
     return fake, DK, launched
 
