@@ -152,3 +152,16 @@ def test_bench_feed_setting():
     for opt in (["--device-trace", "5"], ["--delay-probe", "4"], ["--launch-profile", "10"]):
         with pytest.raises(SystemExit, match="feed=device runs --feed-chunk steps per sample"):
             main(["--arms", "path=device,path=device+feed=device"] + opt)
+
+
+def test_host_gap_refusals():
+    """tools/host_gap.py refuses its bad arguments before importing CuPy."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("host_gap", ROOT / "tools" / "host_gap.py")
+    hg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hg)
+    for argv, msg in ((["--steps", "9"], "--steps 9: need >= 10"), (["--chunk", "0"], "--chunk 0"),
+                      (["--ctx", "0"], "--ctx 0"), (["--warmup", "0"], "--warmup 0"),
+                      (["--cprofile", "-1"], "--cprofile -1"), (["--devices", "0,1"], "one device")):
+        with pytest.raises(SystemExit, match=msg):
+            hg.main(argv)

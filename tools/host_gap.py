@@ -65,15 +65,21 @@ def main(argv=None) -> int:
         raise SystemExit(f"--chunk {a.chunk}: need >= 1")
     if a.ctx < 1:
         raise SystemExit(f"--ctx {a.ctx}: need >= 1")
+    if a.cprofile < 0 or a.warmup < 1:
+        raise SystemExit(f"--cprofile {a.cprofile} / --warmup {a.warmup}: need >= 0 / >= 1 "
+                         f"(the warm-up captures the graph the replays launch)")
+    if "," in a.devices:
+        raise SystemExit(f"--devices {a.devices}: one device (the replay measures launch one "
+                         f"stage's graph)")
 
     import cupy as cp
     from bench.decode_step import _ArmState, _load
     from bench.harness import CudaEventTimer
 
     devices = tuple(int(d) for d in a.devices.split(","))
-    # room for every step this tool runs at advancing positions (the replays do not advance)
-    # the replays advance the position too (the head's greedy_argmax_f32 ends every step with
-    # pos + 1 on the device): 2 measures x reps x 20 of them
+    # room for every step this tool runs at advancing positions; the replays advance the
+    # position too (the head's greedy_argmax_f32 ends every step with pos + 1 on the device):
+    # 2 measures x reps x 20 of them
     reps, n_rep = max(5, a.steps // 20), 20
     max_seq = (a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk
                + 2 * reps * n_rep + a.cprofile + 16)
