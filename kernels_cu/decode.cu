@@ -1397,7 +1397,10 @@ build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict_
 // (the next step's embed_gather reads tok, every position-dependent kernel reads the advanced
 // pos) and reads the n picks back from hist at the end.  Writing tok and pos is safe here: it
 // is the step's last launch and every reader of them ran earlier in the step (every branch has
-// joined before the head); a host-fed step uploads both before its next launch anyway.
+// joined before the head); a host-fed step uploads both before its next launch anyway.  The next
+// replay's pre-wait loads of pos (PDL_ENTRY_PRELOAD) see the advanced value: a graph launch starts
+// after the previous work on its stream has completed (programmatic edges are captured inside one
+// graph only).  Not timed alone; one SM's strided scan of L2-resident logits.
 // One CTA of 1024 threads: the logits were just written by the head GEMV (Flash: 517 KB, in L2),
 // so the launch is one SM's latency, not bandwidth.  Thread t keeps the best of t, t + 1024, ...
 // (ascending, so a tie keeps the lower index), then a warp butterfly and one warp over the 32
