@@ -331,13 +331,8 @@ class Dsv4Gpu:
         if readback not in ("logits", "token"):
             raise ValueError(f"decode_step: readback={readback!r}; expected 'logits' or 'token'")
         from memra_dsv4.gpu.decode import forward_chunk
-        from memra_dsv4.oracle.decode import check_no_journal, check_room
-        self._check_state(state)
-        check_no_journal(state, "decode_step")
-        t = np.asarray(token)
-        if t.ndim != 0:
-            raise ValueError(f"token must be one integer id, got shape {t.shape}")
-        ids = self.check_ids(t.reshape(1))
+        from memra_dsv4.oracle.decode import check_room
+        ids = self._step_ids(state, token, "decode_step")
         check_room(state, 1, "decode_step")
         if self.decode_path == "legacy":   # the one-token dispatch (gpu.decode module doc)
             logits = forward_chunk(self, state, ids, ph="decode", one_token=True)
@@ -357,14 +352,8 @@ class Dsv4Gpu:
         waits once); on ``legacy`` and ``device-hostmath`` it is n host-fed steps.  Everything is
         validated before any device work: the token, n (an int >= 1) and the room for n
         positions; a refused call leaves the state as it was."""
-        from memra_dsv4.host.sampling import greedy_token
-        from memra_dsv4.oracle.decode import check_no_journal, check_room
-        self._check_state(state)
-        check_no_journal(state, "decode_greedy")
-        t = np.asarray(token)
-        if t.ndim != 0:
-            raise ValueError(f"token must be one integer id, got shape {t.shape}")
-        ids = self.check_ids(t.reshape(1))
+        from memra_dsv4.oracle.decode import check_room
+        ids = self._step_ids(state, token, "decode_greedy")
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"decode_greedy: n must be an integer >= 1, got {n!r}")
         n = int(n)
@@ -373,12 +362,21 @@ class Dsv4Gpu:
             out = np.empty(n, np.int32)
             tok = int(ids[0])
             for i in range(n):
-                tok = out[i] = greedy_token(self.decode_step(state, tok))
+                tok = out[i] = self.decode_step(state, tok, readback="token")
             return out
-        from memra_dsv4.gpu.step_device import DeviceStep
-        if self._step is None:
-            self._step = DeviceStep(self, state.max_seq_len)
-        return self._step.greedy(state, int(ids[0]), n)
+        from memra_dsv4.gpu.step import device_greedy
+        return device_greedy(self, state, int(ids[0]), n)
+
+    def _step_ids(self, state, token, what: str) -> np.ndarray:
+        """The checks of a call that consumes one token, before any work: the state is this
+        model's, holds no uncommitted verify, and ``token`` is one integer id in range; int64 [1]."""
+        from memra_dsv4.oracle.decode import check_no_journal
+        self._check_state(state)
+        check_no_journal(state, what)
+        t = np.asarray(token)
+        if t.ndim != 0:
+            raise ValueError(f"token must be one integer id, got shape {t.shape}")
+        return self.check_ids(t.reshape(1))
 
     def verify(self, state, tokens) -> np.ndarray:
         """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;

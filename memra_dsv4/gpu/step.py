@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from memra_dsv4.gpu.arena import ArenaPlan
 
-__all__ = ["device_step", "step_ws_plan", "step_bytes", "total_step_bytes"]
+__all__ = ["device_step", "device_greedy", "step_ws_plan", "step_bytes", "total_step_bytes"]
 
 
 def device_step(model, state, token: int, *, graph: bool | None = None, readback: str = "logits"):
@@ -44,11 +44,25 @@ def device_step(model, state, token: int, *, graph: bool | None = None, readback
     rule, upload the result) cannot be captured."""
     from memra_dsv4.oracle.decode import check_no_journal
     check_no_journal(state, "device_step")
+    return _device_step_of(model, state).step(state, int(token), True if graph is None else bool(graph),
+                                              readback=readback)
+
+
+def device_greedy(model, state, token: int, n: int):
+    """``n`` greedy steps from ``token`` at state.pos on the device path, the tokens fed on the
+    device (gpu.step_device.DeviceStep.greedy); int32 NumPy [n], the picks."""
+    from memra_dsv4.oracle.decode import check_no_journal
+    check_no_journal(state, "device_greedy")
+    return _device_step_of(model, state).greedy(state, int(token), int(n))
+
+
+def _device_step_of(model, state):
+    """The model's DeviceStep (StepWs arenas), made at its first use for the state's
+    max_seq_len."""
     from memra_dsv4.gpu.step_device import DeviceStep
     if model._step is None:
         model._step = DeviceStep(model, state.max_seq_len)
-    return model._step.step(state, int(token), True if graph is None else bool(graph),
-                            readback=readback)
+    return model._step
 
 
 # --------------------------------------------------------------------------- StepWs plan

@@ -204,13 +204,7 @@ class DeviceStep:
             raise ValueError(f"device step: readback={readback!r}; expected 'logits' or 'token'")
         gs, forms = self._prepare(state, graph)   # validated before any device work
         pos = int(state.pos)
-        for S in self.stages:
-            S.host[0], S.host[1] = token, pos
-            with cp.cuda.Device(S.dev):
-                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
-                               S.stream.ptr)
-                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
-                               rt.memcpyHostToDevice, S.stream.ptr)
+        self._upload(token, pos)
         if self.hostmath:
             self._tok, self._pos = int(token), pos
         self._launch(state, gs, forms)
@@ -264,18 +258,13 @@ class DeviceStep:
         pos0 = int(state.pos)
         last = self.stages[-1]
         multi = len(self.stages) > 1
-        # pinned: every stage's position per step (multi-stage; read by the H2D copies when they
-        # run, so never rewritten during the call) and the n picks
-        pos_ring = cupyx.zeros_pinned(n, np.int32)
-        pos_ring[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        # pinned: the n picks and (several stages) every step's position, read by the H2D copies
+        # when they run, so never rewritten during the call
         picks = cupyx.zeros_pinned(n, np.int32)
-        for S in self.stages:
-            S.host[0], S.host[1] = token, pos0
-            with cp.cuda.Device(S.dev):
-                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
-                               S.stream.ptr)
-                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
-                               rt.memcpyHostToDevice, S.stream.ptr)
+        if multi:
+            pos_ring = cupyx.zeros_pinned(n, np.int32)
+            pos_ring[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._upload(token, pos0)
         for i in range(n):
             if i > 0 and multi:
                 # step i-1 has finished on every stage once the last one has (each stage waited
@@ -299,6 +288,20 @@ class DeviceStep:
         last.stream.synchronize()
         state.pos = pos0 + n
         return np.array(picks, dtype=np.int32)
+
+    def _upload(self, token: int, pos: int) -> None:
+        """The step's host input: token and position into every stage's arena tok / pos (two
+        4-byte H2D copies per stage from its pinned host pair, on its compute stream; the pair
+        is rewritten only after the previous step's final synchronize, when its copies ran)."""
+        import cupy as cp
+        rt = cp.cuda.runtime
+        for S in self.stages:
+            S.host[0], S.host[1] = token, pos
+            with cp.cuda.Device(S.dev):
+                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
+                               S.stream.ptr)
+                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
+                               rt.memcpyHostToDevice, S.stream.ptr)
 
     def _prepare(self, state, graph: bool):
         """Validate the step's forms, build the state's tables and (graph) capture or find its
