@@ -162,6 +162,7 @@ def test_host_gap_refusals():
     spec.loader.exec_module(hg)
     for argv, msg in ((["--steps", "9"], "--steps 9: need >= 10"), (["--chunk", "0"], "--chunk 0"),
                       (["--ctx", "0"], "--ctx 0"), (["--warmup", "0"], "--warmup 0"),
-                      (["--cprofile", "-1"], "--cprofile -1"), (["--devices", "0,1"], "one device")):
+                      (["--cprofile", "-1"], "--cprofile -1"), (["--devices", "0,1"], "one device"),
+                      (["--host-loops", "0"], "--host-loops 0")):
         with pytest.raises(SystemExit, match=msg):
             hg.main(argv)

@@ -199,3 +199,41 @@ def test_decode_greedy_plumbing_and_refusals(monkeypatch):
         with pytest.raises(ValueError):
             m.decode_greedy(st, tok, 1)
     assert len(fed) == n_fed and st.pos == 9
+
+
+def test_generate_is_prefill_then_one_decode_greedy(monkeypatch):
+    """generate (fakes: no GPU): the first token is np.argmax of the prefill's logits, the other
+    max_new - 1 come from ONE decode_greedy call fed that token; max_new and the room are checked
+    before the prefill runs."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    m = object.__new__(Dsv4Gpu)
+    m.config, m.max_seq_len = preset("tiny"), 16
+    V = m.config.vocab_size
+    calls = []
+
+    def fake_prefill(ids, state=None):
+        calls.append(("prefill", [int(t) for t in ids]))
+        lg = np.zeros(V, np.float32)
+        lg[[4, 9]] = 2.0   # a tie: np.argmax takes the first
+        return lg, "state"
+
+    def fake_greedy(state, token, n):
+        calls.append(("greedy", state, token, n))
+        return np.arange(100, 100 + n, dtype=np.int32)
+    m.prefill, m.decode_greedy = fake_prefill, fake_greedy
+    assert m.generate([1, 2, 3], 5) == [4, 100, 101, 102, 103]
+    assert calls == [("prefill", [1, 2, 3]), ("greedy", "state", 4, 4)]
+    calls.clear()
+    assert m.generate([1, 2, 3], 1) == [4] and calls == [("prefill", [1, 2, 3])]
+    calls.clear()
+    assert m.generate([1, 2, 3], 0) == [] and calls == []
+    assert m.generate([1, 2, 3], 14) and calls[-1] == ("greedy", "state", 4, 13)   # 3 + 13 = 16
+    calls.clear()
+    for bad, msg in ((15, "exceed max_seq_len"), (-1, "non-negative integer"),
+                     (True, "non-negative integer"), (2.0, "non-negative integer")):
+        with pytest.raises(ValueError, match=msg):
+            m.generate([1, 2, 3], bad)
+    with pytest.raises(ValueError):
+        m.generate([1, V], 2)
+    assert calls == []

@@ -56,11 +56,15 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--chunk", type=int, default=20, help="greedy: steps per decode_greedy call")
+    ap.add_argument("--host-loops", type=int, default=2000,
+                    help="calls per host piece in the host_us.* measures (>= 1)")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="then N steps under cProfile; prints the top 30 functions by own time")
     a = ap.parse_args(argv)
     if a.steps < 10:
         raise SystemExit(f"--steps {a.steps}: need >= 10")
+    if a.host_loops < 1:
+        raise SystemExit(f"--host-loops {a.host_loops}: need >= 1")
     if a.chunk < 1:
         raise SystemExit(f"--chunk {a.chunk}: need >= 1")
     if a.ctx < 1:
@@ -182,6 +186,25 @@ def main(argv=None) -> int:
             for k, v in split.items():
                 out["split." + k] = _median_ms(v)
 
+        # the host-fed step's Python pieces alone, each in a loop of a.host_loops calls with no
+        # step between (ids: the token checks; prepare: the forms, tables, graph lookup; upload:
+        # the two 4-byte H2D copies per stage, re-uploading the values the next step would;
+        # apply: the bench arm's environment), microseconds per call
+        from memra_dsv4.oracle.decode import check_room
+        parts = {"ids": lambda: (m._step_ids(st.state, st.tok, "decode_step"),
+                                 check_room(st.state, 1, "decode_step")),
+                 "prepare": lambda: step_obj._prepare(st.state, True),
+                 "upload": lambda: step_obj._upload(st.tok, st.state.pos),
+                 "apply": st.apply}
+        S.stream.synchronize()
+        for k, fn in parts.items():
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(a.host_loops):
+                fn()
+            out[f"host_us.{k}"] = (time.perf_counter() - t0) / a.host_loops * 1e6
+        S.stream.synchronize()
+
         src = S.v["head.logits"]
         host = step_obj._logits_host
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -220,7 +243,8 @@ def main(argv=None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n})")
     for k in out:
-        print(f"  {k:<24} {out[k]:8.3f} ms")
+        unit = "us" if k.startswith("host_us.") else "ms"
+        print(f"  {k:<24} {out[k]:8.3f} {unit}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "ms": out}, f, indent=1)

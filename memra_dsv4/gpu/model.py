@@ -390,15 +390,24 @@ class Dsv4Gpu:
         commit(self, state, n_accepted)
 
     def generate(self, token_ids, max_new: int) -> list[int]:
-        """Greedy continuation: prefill once, then one decode_step per new token."""
-        if not isinstance(max_new, (int, np.integer)) or max_new < 0:
+        """Greedy continuation: prefill once (the first token is np.argmax of its last logits),
+        then the other max_new - 1 tokens by one decode_greedy call: on the ``device`` path the
+        tokens are fed on the device and read back once; on ``legacy`` / ``device-hostmath``
+        they are host-fed steps with the same argmax rule.  max_new and the room for the
+        prompt plus max_new - 1 positions are checked before any work."""
+        if (isinstance(max_new, (bool, np.bool_)) or not isinstance(max_new, (int, np.integer))
+                or max_new < 0):
             raise ValueError(f"max_new = {max_new!r} must be a non-negative integer")
         if max_new == 0:
             return []
-        logits, state = self.prefill(token_ids)
+        ids = self.check_ids(token_ids)
+        if ids.shape[0] + max_new - 1 > self.max_seq_len:
+            raise ValueError(f"generate: a prompt of {ids.shape[0]} tokens and {max_new} new "
+                             f"tokens exceed max_seq_len {self.max_seq_len}")
+        logits, state = self.prefill(ids)
         out = [int(np.argmax(logits))]
-        while len(out) < max_new:
-            out.append(int(np.argmax(self.decode_step(state, out[-1]))))
+        if max_new > 1:
+            out += self.decode_greedy(state, out[0], max_new - 1).tolist()
         return out
 
     def _boundary(self, streams, si: int, ph: str = "prefill"):

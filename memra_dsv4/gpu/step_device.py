@@ -95,6 +95,15 @@ class DeviceStep:
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
         self._logits_host = None   # pinned [vocab] f32 of the readback (made on first use)
+        # greedy(): pinned, made once here so a call allocates nothing.  _picks_host receives a
+        # call's picks (one D2H from head.tok_hist); _pos_host[p] = p is the static source of the
+        # several-stage position uploads (a copy reads its entry whenever it runs, and no entry
+        # is ever rewritten, so calls need no ring and no wait before reusing it)
+        self._picks_host = cupyx.zeros_pinned(self.msl, np.int32)
+        self._pos_host = (cupyx.empty_pinned(self.msl, np.int32)
+                          if len(model.stages) > 1 else None)
+        if self._pos_host is not None:
+            self._pos_host[:] = np.arange(self.msl, dtype=np.int32)
         self._forking = ""   # the fork form ("on" / "all") while capturing (_attention, _moe)
         self._qr_normed = "attn.qr"   # the arena buffer of the normed qr (_attention: attn.qrn with WQB_QNORM)
         self._hc_split = False   # this step's boundaries in two launches (seam MEMRA_DSV4_HC_SPLIT)
@@ -244,7 +253,6 @@ class DeviceStep:
         device-hostmath (eager host islands) or with graph=False the steps are host-fed
         (step(readback="token") in a loop).  The caller validated token, n >= 1 and the room."""
         import cupy as cp
-        import cupyx
         from memra_dsv4.gpu import runtime
         rt = cp.cuda.runtime
         n = int(n)
@@ -256,14 +264,10 @@ class DeviceStep:
             return out
         gs, forms = self._prepare(state, graph)
         pos0 = int(state.pos)
+        assert 1 <= n and pos0 + n <= self.msl, (pos0, n, self.msl)   # the caller checked the room
         last = self.stages[-1]
         multi = len(self.stages) > 1
-        # pinned: the n picks and (several stages) every step's position, read by the H2D copies
-        # when they run, so never rewritten during the call
-        picks = cupyx.zeros_pinned(n, np.int32)
-        if multi:
-            pos_ring = cupyx.zeros_pinned(n, np.int32)
-            pos_ring[:] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        picks = self._picks_host[:n]   # the previous call's picks were copied out after its wait
         self._upload(token, pos0)
         for i in range(n):
             if i > 0 and multi:
@@ -278,8 +282,8 @@ class DeviceStep:
                 for S in self.stages[:-1]:
                     with cp.cuda.Device(S.dev):
                         S.stream.wait_event(last.greedy_ev)
-                        rt.memcpyAsync(S.v["pos"].data.ptr, pos_ring.ctypes.data + 4 * i, 4,
-                                       rt.memcpyHostToDevice, S.stream.ptr)
+                        rt.memcpyAsync(S.v["pos"].data.ptr, self._pos_host.ctypes.data
+                                       + 4 * (pos0 + i), 4, rt.memcpyHostToDevice, S.stream.ptr)
             self._launch(state, gs, forms)
         hist = last.v["head.tok_hist"]
         with cp.cuda.Device(last.dev):

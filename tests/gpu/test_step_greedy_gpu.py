@@ -11,7 +11,11 @@
   tokens, every cache byte equal after the steps, and the next step's logits bit for bit; the
   greedy steps in two calls (chunks 5 + 7) so a call boundary is crossed;
 * refusals before any device work (state.pos unchanged): n = 0, n = True, n past max_seq_len,
-  a token id out of range, readback not 'logits' / 'token'."""
+  a token id out of range, readback not 'logits' / 'token';
+* decode_greedy allocates nothing once the step exists (no CuPy device-pool request, no pinned
+  host allocation: its picks buffer and position table are the DeviceStep's);
+* ``generate`` (prefill, then one decode_greedy call) equals prefill + host-fed decode_step with
+  np.argmax, for max_new 1 and 7, and refuses a prompt + max_new past max_seq_len up front."""
 from __future__ import annotations
 
 import numpy as np
@@ -172,3 +176,45 @@ def test_greedy_two_stages_agree():
     assert greedy == host
     diff = snapshot_diff(st["host"].snapshot(), st["greedy"].snapshot())
     assert not diff, f"two stages: caches of greedy differ from host's: {diff}"
+
+
+def test_greedy_allocates_nothing():
+    """After a first call (graphs captured), decode_greedy requests no device memory from CuPy's
+    pools and no pinned host memory."""
+    from memra_dsv4.gpu.arena import count_allocations
+    m, states, ids, prompt = _models("tiny")
+    st = states["greedy"]
+    tok = int(m.decode_greedy(st, int(ids[prompt]), 2)[-1])
+    pool = cp.get_default_pinned_memory_pool()
+    pinned = []
+
+    def counting_pinned(size):
+        pinned.append(int(size))
+        return pool.malloc(size)
+    cp.cuda.set_pinned_memory_allocator(counting_pinned)
+    try:
+        with count_allocations() as c:
+            for n in (3, 4):
+                tok = int(m.decode_greedy(st, tok, n)[-1])
+    finally:
+        cp.cuda.set_pinned_memory_allocator(pool.malloc)
+    assert c.total == 0, f"{c} device allocations in two decode_greedy calls"
+    assert not pinned, f"pinned host allocations in two decode_greedy calls: {pinned}"
+    assert st.pos == prompt + 2 + 3 + 4
+
+
+def test_generate_is_prefill_then_device_greedy():
+    m, states, ids, prompt = _models("tiny")
+    assert m.decode_path == "device"
+    p = [int(t) for t in ids[:prompt]]
+    logits, st = m.prefill(p)
+    ref = [greedy_token(logits)]
+    for _ in range(6):
+        ref.append(greedy_token(m.decode_step(st, ref[-1])))
+    assert m.generate(p, 7) == ref
+    assert m.generate(p, 1) == ref[:1]
+    assert m.generate(p, 0) == []
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        m.generate(p, m.max_seq_len - prompt + 2)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        m.generate(p, True)
