@@ -42,6 +42,19 @@ import time
 import numpy as np
 
 
+# cudaDeviceSchedule* (cuda_runtime_api.h): how a host thread waits for the device
+SCHED_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "blocking": 4}
+
+
+def _set_sched(name: str, device: int) -> None:
+    """cudaSetDeviceFlags(cudaDeviceSchedule<name>) on ``device`` before CuPy touches it."""
+    from cuda.bindings import runtime as cudart
+    err, = cudart.cudaSetDevice(device)
+    err2, = cudart.cudaSetDeviceFlags(SCHED_FLAGS[name])
+    err3, flags = cudart.cudaGetDeviceFlags()
+    print(f"sched {name}: cudaSetDevice {err}, cudaSetDeviceFlags {err2}, flags now {flags:#x}")
+
+
 def _median_ms(xs) -> float:
     return float(np.median(np.asarray(xs, dtype=np.float64)))
 
@@ -56,6 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--chunk", type=int, default=20, help="greedy: steps per decode_greedy call")
+    ap.add_argument("--sched", default="auto", choices=tuple(SCHED_FLAGS),
+                    help="the CUDA context's host wait (cudaSetDeviceFlags before any CUDA work): "
+                         "auto (the default context's), spin, yield or blocking")
+    ap.add_argument("--wait", default="sync", choices=("sync", "query"),
+                    help="the split's readback wait: the stream's synchronize (as decode_step) "
+                         "or a Python loop on cudaStreamQuery (keeps the interpreter running)")
     ap.add_argument("--host-loops", type=int, default=2000,
                     help="calls per host piece in the host_us.* measures (>= 1)")
     ap.add_argument("--cprofile", type=int, default=0,
@@ -76,6 +95,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--devices {a.devices}: one device (the replay measures launch one "
                          f"stage's graph)")
 
+    if a.sched != "auto":
+        _set_sched(a.sched, int(a.devices))
     import cupy as cp
     from bench.decode_step import _ArmState, _load
     from bench.harness import CudaEventTimer
@@ -135,7 +156,11 @@ def main(argv=None) -> int:
 
         def stamped_sync():
             stamps["sync_call"] = time.perf_counter()
-            orig_sync()
+            if a.wait == "query":   # the host spins in Python on cudaStreamQuery instead
+                while not S.stream.done:
+                    pass
+            else:
+                orig_sync()
             stamps["sync_ret"] = time.perf_counter()
 
         class _StampedGraph:
@@ -150,8 +175,21 @@ def main(argv=None) -> int:
 
         wrapped = _StampedGraph(g)
         step_obj._graphs[id(st.state)] = (gs[0], [wrapped]) + tuple(gs[2:])
+
+        def stamped(name, fn):   # an instance attribute over DeviceStep's method, removed after
+            def run(*args, **kw):
+                stamps[name + "_in"] = time.perf_counter()
+                r = fn(*args, **kw)
+                stamps[name + "_out"] = time.perf_counter()
+                return r
+            return run
+        pieces = ("_prepare", "_upload", "_launch")
+        for name in pieces:
+            setattr(step_obj, name, stamped(name, getattr(step_obj, name)))
         split = {k: [] for k in ("host_py_pre", "launch_idle", "host_post_launch", "sync_wait",
-                                 "copy_return", "argmax", "gpu_pre", "gpu_launch_to_end", "sample")}
+                                 "copy_return", "argmax", "gpu_pre", "gpu_launch_to_end", "sample",
+                                 "pre.to_prepare", "pre.prepare", "pre.to_upload", "pre.upload",
+                                 "pre.to_launch", "pre.launch_to_graph")}
         e_start, e_end = cp.cuda.Event(), cp.cuda.Event()
         try:   # an instance attribute on this Stream object only (cupy's Stream is a Python class)
             S.stream.synchronize = stamped_sync
@@ -180,8 +218,17 @@ def main(argv=None) -> int:
                     split["gpu_pre"].append(cp.cuda.get_elapsed_time(e_start, wrapped.ev))
                     split["gpu_launch_to_end"].append(cp.cuda.get_elapsed_time(wrapped.ev, e_end))
                     split["sample"].append(cp.cuda.get_elapsed_time(e_start, e_end))
+                    # where the Python before the launch goes (host_py_pre, in this order)
+                    split["pre.to_prepare"].append(ms(t0, stamps["_prepare_in"]))
+                    split["pre.prepare"].append(ms(stamps["_prepare_in"], stamps["_prepare_out"]))
+                    split["pre.to_upload"].append(ms(stamps["_prepare_out"], stamps["_upload_in"]))
+                    split["pre.upload"].append(ms(stamps["_upload_in"], stamps["_upload_out"]))
+                    split["pre.to_launch"].append(ms(stamps["_upload_out"], stamps["_launch_in"]))
+                    split["pre.launch_to_graph"].append(ms(stamps["_launch_in"], stamps["launch"]))
             finally:
                 del S.stream.synchronize
+                for name in pieces:
+                    delattr(step_obj, name)
                 step_obj._graphs[id(st.state)] = gs
             for k, v in split.items():
                 out["split." + k] = _median_ms(v)
