@@ -67,12 +67,15 @@ Dsv4Gpu.decode_greedy over --feed-chunk steps per sample, the tokens fed on the 
 wait per sample, the sample divided by the chunk; its bytes and floors at its own middle position), and
 ``kernels=tree|base`` (the arm's kernels from this checkout's kernels_cu or from ``--base-kernels
 DIR``, e.g. the tree of the commit before a kernel change: kernel_loader.use_kernels_dir); the arm sets these variables
-before each of its steps, so its graphs are captured with its kernels (give a kernel setting in
+before each of its steps (outside the timed sample: harness.Arm.setup), so its graphs are captured with its kernels (give a kernel setting in
 every arm: one an arm leaves out keeps the previous arm's value).  A setting an arm leaves out is the
 model's (its seam's) value; the JSON records each arm's settings as given and as resolved.
 Timing: arms interleaved round-robin in one process (harness.run_interleaved) with
 CudaEventTimer on the first stage's compute stream; the step ends in the host readback of
-the logits after every device synchronised, so each sample is the whole step.
+the logits after every device synchronised, so each sample is the whole step as a caller of
+decode_step pays it.  The arm's own setup (its env variables and model attributes, which the
+in-process A/B needs and an engine does not) runs before the sample's start event (since
+the twenty-eighth session; before it, ~30 us of it per host-fed sample were timed).
 Per arm: median ms/step, p10/p90/iqr, tok/s, ratio to the first arm, bytes the step must read
 (gpu.step.step_bytes summed over stages at the mid position: weights one token touches as this
 runtime stores them (dense bf16, experts stored FP4), the KV it attends, pending compressor
@@ -335,7 +338,13 @@ class _ArmState:
         self.m.decode_shared_w2 = self.w2
 
     def step(self) -> None:
+        """apply(), then run(): one sample of this arm from any arm's state."""
         self.apply()
+        self.run()
+
+    def run(self) -> None:
+        """One sample of this arm, its settings already the model's (apply): what the bench
+        times (the A/B's own apply runs before the timed region, harness.Arm.setup)."""
         if self.feed == "device":   # one sample = feed_chunk tokens (main() divides)
             self.tok = int(self.m.decode_greedy(self.state, self.tok, self.feed_chunk)[-1])
         elif self.feed == "token":
@@ -539,7 +548,7 @@ def main(argv=None) -> int:
             print(f"arm {name}: dropped ({e})", file=sys.stderr)
             continue
         states[name] = st
-        arms.append(Arm(name=name, step=st.step, settings=dict(s)))
+        arms.append(Arm(name=name, step=st.run, settings=dict(s), setup=st.apply))
     if not arms:
         raise SystemExit("no arm could run")
 

@@ -96,6 +96,10 @@ class Arm:
     name: str
     step: Callable[[], None]  # one decode step; the timer measures it
     settings: dict[str, str] = field(default_factory=dict)
+    # run before every step, warm-up ones included, OUTSIDE the timed region: what the in-process
+    # A/B itself needs (e.g. making this arm's settings the shared model's), not what a caller
+    # of the measured API would pay
+    setup: Callable[[], None] | None = None
 
 
 class Timer(Protocol):
@@ -157,10 +161,14 @@ def run_interleaved(
               file=sys.stderr) as bar:
         for _ in range(warmup):
             for arm in arms:
+                if arm.setup is not None:
+                    arm.setup()
                 arm.step()
                 bar.update()
         for _ in range(steps):
             for arm in arms:
+                if arm.setup is not None:
+                    arm.setup()
                 samples[arm.name].append(float(timer(arm.step)))
                 bar.update()
     return samples

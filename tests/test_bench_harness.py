@@ -368,3 +368,20 @@ def test_decode_step_arm_apply_sets_env_and_model(monkeypatch):
                           "decode_shared_w2": "fused"}
     import os
     assert os.environ["MEMRA_DSV4_FP4_FULL"] == "0" and "MEMRA_DSV4_GEMV_VARIANT" not in os.environ
+
+
+def test_run_interleaved_runs_setup_outside_the_timed_region():
+    """An arm's setup runs before each of its steps (warm-up included), never inside timer(fn)."""
+    log = []
+
+    class LoggingTimer:
+        def __call__(self, fn):
+            log.append("start")
+            fn()
+            log.append("end")
+            return 1.0
+    arms = [Arm("A", lambda: log.append("A"), setup=lambda: log.append("setA")),
+            Arm("B", lambda: log.append("B"))]
+    samples = run_interleaved(arms, steps=2, warmup=1, timer=LoggingTimer(), progress=False)
+    assert samples == {"A": [1.0, 1.0], "B": [1.0, 1.0]}
+    assert log == ["setA", "A", "B"] + ["setA", "start", "A", "end", "start", "B", "end"] * 2

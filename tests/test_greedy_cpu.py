@@ -166,3 +166,34 @@ def test_host_gap_refusals():
                       (["--host-loops", "0"], "--host-loops 0")):
         with pytest.raises(SystemExit, match=msg):
             hg.main(argv)
+
+
+def test_bench_arm_run_is_the_feed_alone():
+    """_ArmState.run is what the bench times (the feed's call alone); step = apply + run; the
+    bench's Arm takes run as its step and apply as its untimed setup."""
+    import inspect
+    from bench import decode_step as B
+    calls = []
+
+    class FakeModel:
+        def decode_step(self, state, tok, readback="logits"):
+            calls.append(("step", tok, readback))
+            return 5 if readback == "token" else np.eye(8, dtype=np.float32)[3]
+
+        def decode_greedy(self, state, tok, n):
+            calls.append(("greedy", tok, n))
+            return np.array([6] * n, np.int32)
+    st = object.__new__(B._ArmState)
+    st.m, st.state, st.tok, st.feed_chunk = FakeModel(), None, 1, 4
+    st.apply = lambda: calls.append("apply")
+    for feed, want, tok in (("host", ("step", 1, "logits"), 3), ("token", ("step", 3, "token"), 5),
+                            ("device", ("greedy", 5, 4), 6)):
+        st.feed = feed
+        calls.clear()
+        st.run()
+        assert calls == [want] and st.tok == tok, (feed, calls)
+    calls.clear()
+    st.step()
+    assert calls[0] == "apply" and len(calls) == 2
+    src = inspect.getsource(B.main)
+    assert "Arm(name=name, step=st.run, settings=dict(s), setup=st.apply)" in src

@@ -26,7 +26,15 @@ every sample after a warm-up):
              wait's return to decode_step's: the logits copy), argmax (the arm's), gpu_pre (GPU
              time from the start event to an event recorded just before the launch: what the
              GPU idles before the graph), gpu_launch_to_end (that event to the end event),
-             sample (start to end)
+             sample (start to end); pre.* splits host_py_pre at DeviceStep's _prepare,
+             _upload and _launch (stamped inside the real sequence, right after a wait)
+  host_us.*  the same host pieces alone, each in a loop of --host-loops calls with nothing
+             between (warm caches): ids (token checks), prepare, upload, apply (the bench
+             arm's own setup, outside every timed sample)
+
+Every sample starts after the arm's setup (its env and model settings), as the bench's do.
+--sched sets the CUDA context's host-wait flag before any CUDA work (auto, spin, yield,
+blocking); --wait query makes the split's readback wait a Python loop on cudaStreamQuery.
 
 bench - replay is what the host adds to every sample; replay is the GPU's own step.  Prints one table and writes JSON to --json when given.
 
@@ -127,25 +135,25 @@ def main(argv=None) -> int:
         timer = CudaEventTimer(m.devs[first].compute)
         if m.devs[first].compute.ptr != S.stream.ptr:
             raise SystemExit("the step's stream is not the timer's stream")
-        out["bench"] = _median_ms([timer(st.step) for _ in range(a.steps)])
+        def timed(fn):   # the arm's setup untimed, as the bench does (harness.Arm.setup)
+            st.apply()
+            return timer(fn)
+        out["bench"] = _median_ms([timed(st.run) for _ in range(a.steps)])
 
         def token_step():   # host-fed, the head's greedy argmax read back as 4 bytes
-            st.apply()
             st.tok = int(m.decode_step(st.state, st.tok, readback="token"))
-        out["token"] = _median_ms([timer(token_step) for _ in range(a.steps)])
+        out["token"] = _median_ms([timed(token_step) for _ in range(a.steps)])
 
         def greedy_chunk():   # fed on the device, one host wait per chunk
-            st.apply()
             st.tok = int(m.decode_greedy(st.state, st.tok, a.chunk)[-1])
-        out["greedy"] = _median_ms([timer(greedy_chunk) / a.chunk
+        out["greedy"] = _median_ms([timed(greedy_chunk) / a.chunk
                                     for _ in range(max(10, a.steps // a.chunk))])
 
         def step_only():
-            st.apply()
             st.logits = m.decode_step(st.state, st.tok)
         samples = []
         for _ in range(a.steps):
-            samples.append(timer(step_only))
+            samples.append(timed(step_only))
             st.tok = int(np.argmax(st.logits))
         out["step"] = _median_ms(samples)
 
