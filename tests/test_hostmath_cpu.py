@@ -143,7 +143,7 @@ def test_decode_step_plumbing(monkeypatch):
     monkeypatch.setattr(decode, "forward_chunk",
                         lambda model, state, ids, **kw: seen.append(("legacy", list(ids), kw)) or 1)
     monkeypatch.setattr(step, "device_step",
-                        lambda model, state, tok, readback="logits": seen.append((model.decode_path, tok, readback)) or 2)
+                        lambda model, state, tok, readback="logits", out=None: seen.append((model.decode_path, tok, readback)) or 2)
     m.decode_path = "legacy"
     assert m.decode_step(st, 7) == 1
     m.decode_path = "device-hostmath"
@@ -237,3 +237,46 @@ def test_generate_is_prefill_then_one_decode_greedy(monkeypatch):
     with pytest.raises(ValueError):
         m.generate([1, V], 2)
     assert calls == []
+
+
+def test_decode_step_out_array(monkeypatch):
+    """decode_step(out=): the logits land in the caller's float32 [vocab] array, which is
+    returned (legacy: copied; device: handed to device_step); a wrong out is refused, naming
+    the problem, before any step (pos unchanged)."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu import decode, step
+    from memra_dsv4.gpu.cache import DecodeState
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    m = object.__new__(Dsv4Gpu)
+    m.config, m.max_seq_len = preset("tiny"), 64
+    V = m.config.vocab_size
+    st = object.__new__(DecodeState)
+    st.owner, st.journal, st.pos, st.max_seq_len = m, None, 5, 64
+    ran = []
+
+    def fake_chunk(model, state, ids, **kw):
+        ran.append(int(ids[0]))
+        state.pos += 1
+        return np.arange(V, dtype=np.float32)
+    monkeypatch.setattr(decode, "forward_chunk", fake_chunk)
+    got = []
+    monkeypatch.setattr(step, "device_step",
+                        lambda model, state, tok, readback="logits", out=None: got.append(out) or out)
+    buf = np.full(V, -1, np.float32)
+    m.decode_path = "legacy"
+    assert m.decode_step(st, 7, out=buf) is buf and np.array_equal(buf, np.arange(V))
+    m.decode_path = "device"
+    assert m.decode_step(st, 8, out=buf) is buf and got == [buf]
+    n_ran, pos = len(ran), st.pos
+    bad = [(np.zeros(V, np.float64), "float32"), (np.zeros(V + 1, np.float32), "float32"),
+           (np.zeros((1, V), np.float32), "float32"), ([0.0] * V, "NumPy float32 array"),
+           (np.zeros(2 * V, np.float32)[::2], "C-contiguous and writeable")]
+    ro = np.zeros(V, np.float32)
+    ro.flags.writeable = False
+    bad.append((ro, "C-contiguous and writeable"))
+    for arr, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            m.decode_step(st, 9, out=arr)
+    with pytest.raises(ValueError, match="out= receives logits"):
+        m.decode_step(st, 9, readback="token", out=buf)
+    assert len(ran) == n_ran and len(got) == 1 and st.pos == pos

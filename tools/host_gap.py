@@ -8,6 +8,7 @@ the step's time.  This tool splits it (one process, one model, the device arm at
 every sample after a warm-up):
 
   bench      the bench's sample: CudaEventTimer around the arm's step (decode_step + argmax)
+  bench_out  the same with decode_step(out=a preallocated array): no new logits array per step
   token      CudaEventTimer around decode_step(readback="token"): host-fed, the head's greedy
              argmax read back as 4 bytes (no logits D2H, copy or host argmax)
   greedy     CudaEventTimer around decode_greedy(--chunk steps) / chunk: the tokens fed on the
@@ -139,6 +140,12 @@ def main(argv=None) -> int:
             st.apply()
             return timer(fn)
         out["bench"] = _median_ms([timed(st.run) for _ in range(a.steps)])
+
+        out_buf = np.empty(m.config.vocab_size, np.float32)
+
+        def out_step():   # host-fed, the logits into the caller's array (decode_step(out=))
+            st.tok = int(np.argmax(m.decode_step(st.state, st.tok, out=out_buf)))
+        out["bench_out"] = _median_ms([timed(out_step) for _ in range(a.steps)])
 
         def token_step():   # host-fed, the head's greedy argmax read back as 4 bytes
             st.tok = int(m.decode_step(st.state, st.tok, readback="token"))

@@ -323,13 +323,18 @@ class Dsv4Gpu:
             self._step.invalidate()
         return forward_chunk(self, state, ids, all_logits=all_logits, ph="prefill_chunk")
 
-    def decode_step(self, state, token, *, readback: str = "logits"):
+    def decode_step(self, state, token, *, readback: str = "logits", out=None):
         """Consume one token at position state.pos; logits float32 NumPy [vocab], or with
         ``readback="token"`` the greedy next token (int, np.argmax's rule: on the device path
-        the head's greedy_argmax_f32, read back as 4 bytes).  The path is ``self.decode_path``
-        (seam MEMRA_DSV4_DECODE_PATH, resolved at construction)."""
+        the head's greedy_argmax_f32, read back as 4 bytes).  ``out``: a caller's writeable
+        C-contiguous float32 NumPy [vocab] that receives the logits and is returned (no new
+        array per step; the device path copies its pinned readback buffer into it); refused
+        with readback="token".  The path is ``self.decode_path`` (seam MEMRA_DSV4_DECODE_PATH,
+        resolved at construction).  Every check runs before any work."""
         if readback not in ("logits", "token"):
             raise ValueError(f"decode_step: readback={readback!r}; expected 'logits' or 'token'")
+        if out is not None:
+            self._check_logits_out(out, readback)
         from memra_dsv4.gpu.decode import forward_chunk
         from memra_dsv4.oracle.decode import check_room
         ids = self._step_ids(state, token, "decode_step")
@@ -339,9 +344,26 @@ class Dsv4Gpu:
             if readback == "token":
                 from memra_dsv4.host.sampling import greedy_token
                 return greedy_token(logits)
+            if out is not None:
+                np.copyto(out, logits.reshape(out.shape))
+                return out
             return logits
         from memra_dsv4.gpu.step import device_step
-        return device_step(self, state, int(ids[0]), readback=readback)
+        return device_step(self, state, int(ids[0]), readback=readback, out=out)
+
+    def _check_logits_out(self, out, readback: str) -> None:
+        V = self.config.vocab_size
+        if readback != "logits":
+            raise ValueError(f"decode_step: out= receives logits; readback={readback!r} returns "
+                             f"a token")
+        if not isinstance(out, np.ndarray):
+            raise ValueError(f"decode_step: out must be a NumPy float32 array [{V}], got "
+                             f"{type(out).__name__}")
+        if out.dtype != np.float32 or out.shape != (V,):
+            raise ValueError(f"decode_step: out must be float32 [{V}], got {out.dtype} "
+                             f"{list(out.shape)}")
+        if not (out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError("decode_step: out must be C-contiguous and writeable")
 
     def decode_greedy(self, state, token, n: int):
         """``n`` greedy decode steps from ``token`` at state.pos: step i consumes the token step

@@ -35,9 +35,12 @@ from memra_dsv4.gpu.arena import ArenaPlan
 __all__ = ["device_step", "device_greedy", "step_ws_plan", "step_bytes", "total_step_bytes"]
 
 
-def device_step(model, state, token: int, *, graph: bool | None = None, readback: str = "logits"):
+def device_step(model, state, token: int, *, graph: bool | None = None, readback: str = "logits",
+                out=None):
     """One decode step of ``token`` at state.pos on the device path; logits f32 NumPy [vocab]
-    (``readback="token"``: the greedy next token, int, the head's greedy_argmax_f32).
+    (``readback="token"``: the greedy next token, int, the head's greedy_argmax_f32; ``out``: a
+    float32 [vocab] array the logits are copied into and that is returned, checked by the
+    caller, Dsv4Gpu.decode_step).
     graph None/True: replay the per-stage CUDA graphs (captured once per state); False: the
     same launches eagerly.  On ``device-hostmath`` the step always runs eagerly and without
     PDL, whatever ``graph`` says: its host round trips (read the island inputs, apply the host
@@ -45,7 +48,7 @@ def device_step(model, state, token: int, *, graph: bool | None = None, readback
     from memra_dsv4.oracle.decode import check_no_journal
     check_no_journal(state, "device_step")
     return _device_step_of(model, state).step(state, int(token), True if graph is None else bool(graph),
-                                              readback=readback)
+                                              readback=readback, out=out)
 
 
 def device_greedy(model, state, token: int, n: int):

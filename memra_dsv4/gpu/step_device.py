@@ -202,9 +202,10 @@ class DeviceStep:
         """Prefill rewrote the caches in place (same addresses): graphs stay valid."""
 
     # ------------------------------------------------------------------ the step
-    def step(self, state, token: int, graph: bool = True, readback: str = "logits"):
-        """One step of ``token`` at state.pos; returns the logits (f32 NumPy [vocab], a copy) or,
-        with ``readback="token"``, the greedy next token (int: the head's greedy_argmax_f32,
+    def step(self, state, token: int, graph: bool = True, readback: str = "logits", out=None):
+        """One step of ``token`` at state.pos; returns the logits (f32 NumPy [vocab], a copy;
+        with ``out``, copied into that caller-checked array, which is returned) or, with
+        ``readback="token"``, the greedy next token (int: the head's greedy_argmax_f32,
         np.argmax's rule) read back as 4 bytes instead of the vocab's logits."""
         import cupy as cp
         import cupyx
@@ -235,7 +236,11 @@ class DeviceStep:
             rt.memcpyAsync(self._logits_host.ctypes.data, src.data.ptr, src.nbytes,
                            rt.memcpyDeviceToHost, last.stream.ptr)
         last.stream.synchronize()
-        logits = self._logits_host.copy()
+        if out is not None:   # the caller's array: no allocation (and no page faults) per step
+            np.copyto(out, self._logits_host)
+            logits = out
+        else:
+            logits = self._logits_host.copy()
         state.pos = pos + 1
         return logits
 

@@ -218,3 +218,20 @@ def test_generate_is_prefill_then_device_greedy():
         m.generate(p, m.max_seq_len - prompt + 2)
     with pytest.raises(ValueError, match="non-negative integer"):
         m.generate(p, True)
+
+
+def test_decode_step_out_array_same_bits():
+    """decode_step(out=buf) on the device path: the logits land in buf (returned as buf), bit for
+    bit those of decode_step without it, over several steps from one prefill."""
+    m, states, ids, prompt = _models("tiny")
+    V = m.config.vocab_size
+    buf = np.full(V, np.nan, np.float32)
+    tok_a = tok_b = int(ids[prompt])
+    for i in range(4):
+        a = m.decode_step(states["host"], tok_a)
+        b = m.decode_step(states["token"], tok_b, out=buf)
+        assert b is buf
+        assert np.array_equal(a.view(np.uint32), buf.view(np.uint32)), f"step {i}"
+        tok_a = tok_b = greedy_token(a)
+    with pytest.raises(ValueError, match="float32"):
+        m.decode_step(states["token"], tok_b, out=np.zeros(V, np.float64))
