@@ -17,6 +17,8 @@ import subprocess
 
 import pytest
 
+from memra_dsv4.cuda_tools import nvdisasm
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KDIR = os.path.join(REPO, "kernels_cu")
 
@@ -45,25 +47,7 @@ PRELOAD_KERNELS = {
                 "gemv_mxfp4_gateup_k4_f_sh", "gemv_nvfp4_gateup_k4_f_sh"),
 }
 
-def _nvdisasm() -> str | None:
-    """nvdisasm on PATH, else the one the nvidia-cuda-nvdisasm wheel installs (the test extra:
-    nvidia/cu*/bin/nvdisasm inside the nvidia namespace package)."""
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    import glob
-    for root in getattr(nvidia, "__path__", []):
-        for cand in sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm"))):
-            if os.access(cand, os.X_OK):
-                return cand
-    return None
-
-
-NVDISASM = _nvdisasm()
+NVDISASM = nvdisasm()
 need_tools = pytest.mark.skipif(shutil.which("nvcc") is None or NVDISASM is None,
                                 reason="nvcc / nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
 

@@ -41,6 +41,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)   # run as a script from a checkout: the package beside it
+from memra_dsv4.cuda_tools import require_nvdisasm  # noqa: E402
+
 SRC = os.path.join(REPO, "kernels_cu", "experts.cu")
 DEFAULT_KERNELS = ("gemv_mxfp4_gateup_k4", "gemv_mxfp4_gateup_k4_f", "gemv_nvfp4_gateup_k4",
                    "gemv_nvfp4_gateup_k4_f", "gemv_mxfp4_down_combine_k2", "gemv_mxfp4_down_combine_k2_f",
@@ -94,7 +97,7 @@ def ptxas_info(log: str) -> dict:
 
 def disassemble(cubin: str) -> dict:
     """kernel -> list of (addr, opcode, full text) and its label -> addr map."""
-    text = subprocess.run(["nvdisasm", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([require_nvdisasm(), "-c", cubin], capture_output=True, text=True, check=True).stdout
     funcs, cur, pending = {}, None, []
     for line in text.splitlines():
         if line.startswith(".text."):
