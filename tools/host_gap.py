@@ -33,6 +33,13 @@ every sample after a warm-up):
              between (warm caches): ids (token checks), prepare, upload, apply (the bench
              arm's own setup, outside every timed sample)
 
+  wake_us.*  (--wake) two fixed host workloads, microseconds: py (a pure-Python loop) and ids
+             (decode_step's token checks), each timed right after a graph replay's synchronize
+             (after_gpu: the host-fed step's situation without its D2H), after time.sleep of the
+             same length (after_sleep), after a Python busy loop of that length (after_spin),
+             and back to back (warm): whether the post-wait slowness of pre.* is the CUDA wait's,
+             any idle wait's, or the code's own
+
 Every sample starts after the arm's setup (its env and model settings), as the bench's do.
 --sched sets the CUDA context's host-wait flag before any CUDA work (auto, spin, yield,
 blocking); --wait query makes the split's readback wait a Python loop on cudaStreamQuery.
@@ -64,6 +71,15 @@ def _set_sched(name: str, device: int) -> None:
     print(f"sched {name}: cudaSetDevice {err}, cudaSetDeviceFlags {err2}, flags now {flags:#x}")
 
 
+def _py_work() -> int:
+    """A fixed pure-Python workload (~5-10 us warm: integer arithmetic, a dict and an attribute
+    per iteration), the wake.* measures' interpreter-only probe."""
+    d, acc = {"k": 1}, 0
+    for i in range(300):
+        acc += (i * 7) % 5 + d["k"] + len(__name__)
+    return acc
+
+
 def _median_ms(xs) -> float:
     return float(np.median(np.asarray(xs, dtype=np.float64)))
 
@@ -86,6 +102,10 @@ def main(argv=None) -> int:
                          "or a Python loop on cudaStreamQuery (keeps the interpreter running)")
     ap.add_argument("--host-loops", type=int, default=2000,
                     help="calls per host piece in the host_us.* measures (>= 1)")
+    ap.add_argument("--wake", action="store_true",
+                    help="also the wake.* measures: two fixed host workloads timed right after a "
+                         "graph replay's synchronize, after time.sleep and after a Python busy "
+                         "loop of the same length, and warm (see the module doc)")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="then N steps under cProfile; prints the top 30 functions by own time")
     a = ap.parse_args(argv)
@@ -116,7 +136,7 @@ def main(argv=None) -> int:
     # 2 measures x reps x 20 of them
     reps, n_rep = max(5, a.steps // 20), 20
     max_seq = (a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk
-               + 2 * reps * n_rep + a.cprofile + 16)
+               + 2 * reps * n_rep + (2 * a.steps if a.wake else 0) + a.cprofile + 16)
     m = _load(a.model, devices, max_seq, None, a.expert_storage)
     ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
     st = _ArmState(m, "device", ids, max_seq)
@@ -292,6 +312,40 @@ def main(argv=None) -> int:
         out["replay+d2h"] = _median_ms([x[0] for x in rd])
         out["replay"] = _median_ms([x[0] for x in r])
         out["launch"] = _median_ms([x[1] for x in r])
+
+        if a.wake:
+            from memra_dsv4.oracle.decode import check_room as _room
+            step_s = out["replay"] * 1e-3
+            work = {"py": _py_work,
+                    "ids": lambda: (m._step_ids(st.state, st.tok, "decode_step"),
+                                    _room(st.state, 1, "decode_step"))}
+
+            def after_gpu():     # one replay (the step's GPU time, no D2H), the stream's wait
+                g.launch(S.stream)
+                S.stream.synchronize()
+
+            def after_spin():    # the CPU busy in Python for as long, the GPU idle
+                t_end = time.perf_counter() + step_s
+                while time.perf_counter() < t_end:
+                    pass
+            before = {"gpu": after_gpu, "sleep": lambda: time.sleep(step_s), "spin": after_spin}
+            for wk, fn in work.items():
+                for bk, wait in before.items():
+                    xs = []
+                    for _ in range(a.steps):
+                        wait()
+                        t0 = time.perf_counter()
+                        fn()
+                        xs.append((time.perf_counter() - t0) * 1e6)
+                    out[f"wake_us.{wk}.after_{bk}"] = _median_ms(xs)
+                fn()
+                xs = []
+                for _ in range(a.steps):
+                    t0 = time.perf_counter()
+                    fn()
+                    xs.append((time.perf_counter() - t0) * 1e6)
+                out[f"wake_us.{wk}.warm"] = _median_ms(xs)
+            S.stream.synchronize()
     out["host_added"] = out["bench"] - out["replay"]
     if a.cprofile:
         import cProfile
@@ -305,7 +359,7 @@ def main(argv=None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n})")
     for k in out:
-        unit = "us" if k.startswith("host_us.") else "ms"
+        unit = "us" if k.startswith(("host_us.", "wake_us.")) else "ms"
         print(f"  {k:<24} {out[k]:8.3f} {unit}")
     if a.json:
         with open(a.json, "w") as f:
