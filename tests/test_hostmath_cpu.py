@@ -280,3 +280,43 @@ def test_decode_step_out_array(monkeypatch):
     with pytest.raises(ValueError, match="out= receives logits"):
         m.decode_step(st, 9, readback="token", out=buf)
     assert len(ran) == n_ran and len(got) == 1 and st.pos == pos
+
+
+def test_step_token_checks_a_scalar_without_numpy(monkeypatch):
+    """Dsv4Gpu._step_token: a Python int or NumPy integer scalar is checked in plain Python (no
+    NumPy call: it runs right after the previous step's host wait), with check_ids' own
+    out-of-range message; anything else still goes through check_ids and is refused as before."""
+    from memra_dsv4.config import preset
+    from memra_dsv4.gpu import model as gm
+    from memra_dsv4.gpu.cache import DecodeState
+    m = object.__new__(gm.Dsv4Gpu)
+    m.config, m.max_seq_len = preset("tiny"), 64
+    V = m.config.vocab_size
+    st = object.__new__(DecodeState)
+    st.owner, st.journal, st.pos, st.max_seq_len = m, None, 5, 64
+
+    class NoArrays:   # the module's np during the fast path: integer only, any array call fails
+        integer = np.integer
+
+        def __getattr__(self, name):
+            raise AssertionError(f"np.{name} called on the scalar path")
+    slow = {tok: m._step_token(st, tok, "decode_step") for tok in (0, 7, V - 1)}
+    monkeypatch.setattr(gm, "np", NoArrays())
+    for tok in (0, 7, V - 1, np.int64(7), np.int32(V - 1), np.uint16(3)):
+        got = m._step_token(st, tok, "decode_step")
+        assert type(got) is int and got == int(tok) and slow.get(got, got) == got
+    for tok in (-1, V, np.int64(V), np.uint64(2 ** 63 + 1)):
+        with pytest.raises(ValueError, match=rf"token_ids\[0\] = {int(tok)} is outside the "
+                                             rf"vocabulary 0..{V - 1} \(1 ids out of range\)"):
+            m._step_token(st, tok, "decode_step")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=rf"token_ids\[0\] = {V} is outside the vocabulary"):
+        m._step_token(st, np.asarray(V), "decode_step")   # the check_ids path: the same message
+    assert m._step_token(st, np.asarray(9), "decode_step") == 9
+    for bad, msg in ((True, "booleans"), (np.bool_(True), "booleans"), (2.0, "integers"),
+                     ([1, 2], "one integer id"), ("3", "must be integers, got dtype")):
+        with pytest.raises(ValueError, match=msg):
+            m._step_token(st, bad, "decode_step")
+    st.journal = type("J", (), {"k": 2, "p0": 4})()
+    with pytest.raises(ValueError, match="uncommitted verify"):
+        m._step_token(st, 7, "decode_step")

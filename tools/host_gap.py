@@ -19,6 +19,8 @@ every sample after a warm-up):
              each replay's last launch (greedy_argmax_f32) advances the position and feeds its
              token to the next, so this is the device feed without decode_greedy's uploads and
              readback
+  bench_np_token  bench with the token handed over as a 0-d array (the token checks' NumPy
+             route, every token's before Dsv4Gpu._step_token's scalar path): in-process A/B
   replay     the same without the D2H
   launch     host wall time of one replay call (cuGraphLaunch) while the GPU is busy
   split.*    one more run of samples, stamped (medians, ms): host_py_pre (decode_step's call
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     # position too (the head's greedy_argmax_f32 ends every step with pos + 1 on the device):
     # 2 measures x reps x 20 of them
     reps, n_rep = max(5, a.steps // 20), 20
-    max_seq = (a.ctx + a.warmup + 5 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk
+    max_seq = (a.ctx + a.warmup + 6 * a.steps + max(10, a.steps // max(a.chunk, 1)) * a.chunk
                + 2 * reps * n_rep + (2 * a.steps if a.wake else 0) + a.cprofile + 16)
     m = _load(a.model, devices, max_seq, None, a.expert_storage)
     ids = np.random.default_rng(0).integers(2, m.config.vocab_size, a.ctx)
@@ -166,6 +168,12 @@ def main(argv=None) -> int:
         def out_step():   # host-fed, the logits into the caller's array (decode_step(out=))
             st.tok = int(np.argmax(m.decode_step(st.state, st.tok, out=out_buf)))
         out["bench_out"] = _median_ms([timed(out_step) for _ in range(a.steps)])
+
+        def np_token_step():   # host-fed as bench, the token handed over as a 0-d array: the
+            # checks' NumPy route (np.asarray + check_ids), which every token took before the
+            # scalar path of Dsv4Gpu._step_token
+            st.tok = int(np.argmax(m.decode_step(st.state, np.asarray(st.tok))))
+        out["bench_np_token"] = _median_ms([timed(np_token_step) for _ in range(a.steps)])
 
         def token_step():   # host-fed, the head's greedy argmax read back as 4 bytes
             st.tok = int(m.decode_step(st.state, st.tok, readback="token"))
@@ -273,7 +281,7 @@ def main(argv=None) -> int:
         # the two 4-byte H2D copies per stage, re-uploading the values the next step would;
         # apply: the bench arm's environment), microseconds per call
         from memra_dsv4.oracle.decode import check_room
-        parts = {"ids": lambda: (m._step_ids(st.state, st.tok, "decode_step"),
+        parts = {"ids": lambda: (m._step_token(st.state, st.tok, "decode_step"),
                                  check_room(st.state, 1, "decode_step")),
                  "prepare": lambda: step_obj._prepare(st.state, True),
                  "upload": lambda: step_obj._upload(st.tok, st.state.pos),
@@ -317,7 +325,7 @@ def main(argv=None) -> int:
             from memra_dsv4.oracle.decode import check_room as _room
             step_s = out["replay"] * 1e-3
             work = {"py": _py_work,
-                    "ids": lambda: (m._step_ids(st.state, st.tok, "decode_step"),
+                    "ids": lambda: (m._step_token(st.state, st.tok, "decode_step"),
                                     _room(st.state, 1, "decode_step"))}
 
             def after_gpu():     # one replay (the step's GPU time, no D2H), the stream's wait

@@ -335,12 +335,13 @@ class Dsv4Gpu:
             raise ValueError(f"decode_step: readback={readback!r}; expected 'logits' or 'token'")
         if out is not None:
             self._check_logits_out(out, readback)
-        from memra_dsv4.gpu.decode import forward_chunk
         from memra_dsv4.oracle.decode import check_room
-        ids = self._step_ids(state, token, "decode_step")
+        tok = self._step_token(state, token, "decode_step")
         check_room(state, 1, "decode_step")
         if self.decode_path == "legacy":   # the one-token dispatch (gpu.decode module doc)
-            logits = forward_chunk(self, state, ids, ph="decode", one_token=True)
+            from memra_dsv4.gpu.decode import forward_chunk
+            logits = forward_chunk(self, state, np.array([tok], np.int64), ph="decode",
+                                   one_token=True)
             if readback == "token":
                 from memra_dsv4.host.sampling import greedy_token
                 return greedy_token(logits)
@@ -349,7 +350,7 @@ class Dsv4Gpu:
                 return out
             return logits
         from memra_dsv4.gpu.step import device_step
-        return device_step(self, state, int(ids[0]), readback=readback, out=out)
+        return device_step(self, state, tok, readback=readback, out=out)
 
     def _check_logits_out(self, out, readback: str) -> None:
         V = self.config.vocab_size
@@ -375,30 +376,42 @@ class Dsv4Gpu:
         validated before any device work: the token, n (an int >= 1) and the room for n
         positions; a refused call leaves the state as it was."""
         from memra_dsv4.oracle.decode import check_room
-        ids = self._step_ids(state, token, "decode_greedy")
+        tok = self._step_token(state, token, "decode_greedy")
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"decode_greedy: n must be an integer >= 1, got {n!r}")
         n = int(n)
         check_room(state, n, "decode_greedy")
         if self.decode_path == "legacy":
             out = np.empty(n, np.int32)
-            tok = int(ids[0])
             for i in range(n):
                 tok = out[i] = self.decode_step(state, tok, readback="token")
             return out
         from memra_dsv4.gpu.step import device_greedy
-        return device_greedy(self, state, int(ids[0]), n)
+        return device_greedy(self, state, tok, n)
 
-    def _step_ids(self, state, token, what: str) -> np.ndarray:
+    def _step_token(self, state, token, what: str) -> int:
         """The checks of a call that consumes one token, before any work: the state is this
-        model's, holds no uncommitted verify, and ``token`` is one integer id in range; int64 [1]."""
+        model's, holds no uncommitted verify, and ``token`` is one integer id in range; returns
+        it as a Python int.  A Python int or a NumPy integer scalar (what a sampler hands over)
+        is checked in plain Python: this runs right after the previous step's host wait, where
+        the few NumPy operations of check_ids took ~100 us against ~8 us back to back (cold
+        caches; host_gap --wake, docs/decode_perf.md twenty-ninth session).  Anything else (a
+        0-d array, a bool, a float, a list) goes through check_ids, which refuses it as before;
+        the out-of-range message is check_ids' own."""
         from memra_dsv4.oracle.decode import check_no_journal
         self._check_state(state)
         check_no_journal(state, what)
+        if type(token) is int or isinstance(token, np.integer):   # not bool (check_ids refuses it)
+            t = int(token)
+            V = self.config.vocab_size
+            if not 0 <= t < V:
+                raise ValueError(f"token_ids[0] = {t} is outside the vocabulary 0..{V - 1} "
+                                 f"(1 ids out of range)")
+            return t
         t = np.asarray(token)
         if t.ndim != 0:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
-        return self.check_ids(t.reshape(1))
+        return int(self.check_ids(t.reshape(1))[0])
 
     def verify(self, state, tokens) -> np.ndarray:
         """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;

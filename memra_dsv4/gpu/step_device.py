@@ -95,6 +95,7 @@ class DeviceStep:
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
         self._logits_host = None   # pinned [vocab] f32 of the readback (made on first use)
+        self._logits_ptrs = None   # its (host, device, nbytes) for the D2H, made with it
         # greedy(): pinned, made once here so a call allocates nothing.  _picks_host receives a
         # call's picks (one D2H from head.tok_hist); _pos_host[p] = p is the static source of the
         # several-stage position uploads (a copy reads its entry whenever it runs, and no entry
@@ -128,6 +129,15 @@ class DeviceStep:
                 # final synchronize, when its uploads have run)
                 S.host = cupyx.zeros_pinned(2, np.int32)
                 S.tok_host = cupyx.zeros_pinned(1, np.int32)   # step(readback="token")'s D2H
+                # what a host-fed step touches, resolved once: the pinned words as memoryviews
+                # (a store or load is a few C instructions, no NumPy item machinery) and the
+                # host / device addresses of the 4-byte copies (no .ctypes / .data objects per
+                # step).  The step's Python runs right after the previous step's host wait, when
+                # every code path it takes is cold (docs/decode_perf.md, twenty-ninth session):
+                # the less it touches, the less that costs.
+                S.host_words, S.tok_host_words = memoryview(S.host), memoryview(S.tok_host)
+                S.host_ptr, S.tok_host_ptr = S.host.ctypes.data, S.tok_host.ctypes.data
+                S.tok_dev_ptr, S.pos_dev_ptr = S.v["tok"].data.ptr, S.v["pos"].data.ptr
                 S.greedy_ev = cp.cuda.Event(disable_timing=True)   # greedy(): the last stage's step done
                 S.event = cp.cuda.Event(disable_timing=True)
                 # MEMRA_DSV4_WQB_QNORM on CSA layers: the indexer's q GEMV (side2) waits for wq_b
@@ -224,17 +234,18 @@ class DeviceStep:
         # buffer is rewritten by the next step and the caller keeps the returned array
         if readback == "token":   # the head's greedy_argmax_f32 wrote it over the stage's tok
             with cp.cuda.Device(last.dev):
-                rt.memcpyAsync(last.tok_host.ctypes.data, last.v["tok"].data.ptr, 4,
-                               rt.memcpyDeviceToHost, last.stream.ptr)
+                rt.memcpyAsync(last.tok_host_ptr, last.tok_dev_ptr, 4, rt.memcpyDeviceToHost,
+                               last.stream.ptr)
             last.stream.synchronize()
             state.pos = pos + 1
-            return int(last.tok_host[0])
+            return last.tok_host_words[0]
         src = last.v["head.logits"]
         if self._logits_host is None or self._logits_host.size != src.size:
             self._logits_host = cupyx.empty_pinned(src.shape, src.dtype)
+            self._logits_ptrs = (self._logits_host.ctypes.data, src.data.ptr, src.nbytes)
         with cp.cuda.Device(last.dev):
-            rt.memcpyAsync(self._logits_host.ctypes.data, src.data.ptr, src.nbytes,
-                           rt.memcpyDeviceToHost, last.stream.ptr)
+            host_ptr, dev_ptr, nbytes = self._logits_ptrs
+            rt.memcpyAsync(host_ptr, dev_ptr, nbytes, rt.memcpyDeviceToHost, last.stream.ptr)
         last.stream.synchronize()
         if out is not None:   # the caller's array: no allocation (and no page faults) per step
             np.copyto(out, self._logits_host)
@@ -305,12 +316,12 @@ class DeviceStep:
         import cupy as cp
         rt = cp.cuda.runtime
         for S in self.stages:
-            S.host[0], S.host[1] = token, pos
+            words = S.host_words
+            words[0], words[1] = token, pos
             with cp.cuda.Device(S.dev):
-                rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4, rt.memcpyHostToDevice,
+                rt.memcpyAsync(S.tok_dev_ptr, S.host_ptr, 4, rt.memcpyHostToDevice, S.stream.ptr)
+                rt.memcpyAsync(S.pos_dev_ptr, S.host_ptr + 4, 4, rt.memcpyHostToDevice,
                                S.stream.ptr)
-                rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4, 4,
-                               rt.memcpyHostToDevice, S.stream.ptr)
 
     def _prepare(self, state, graph: bool):
         """Validate the step's forms, build the state's tables and (graph) capture or find its
