@@ -287,6 +287,25 @@ def gpu_name(device: int = 0) -> str:
 _query_gpu_name = gpu_name  # write_results has a parameter of that name
 
 
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host CPU's model name and logical CPU count ("<model> (<n> logical CPUs)"), for the
+    results' meta: a host-fed step's time includes the host's Python after each wait, which
+    depends on the CPU (docs/decode_perf.md, twenty-ninth session).  platform.processor() where
+    there is no cpuinfo; "unknown" where neither names one."""
+    import platform
+    model = ""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or "unknown"
+    return f"{model} ({os.cpu_count() or '?'} logical CPUs)"
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
@@ -307,7 +326,7 @@ def write_results(
 ) -> tuple[Path, Path | None]:
     """Write the payload as JSON plus its PNG (module doc); returns (json_path, png_path).
 
-    `meta` (date, gpu, commit, and `dirty` when the commit was looked up here) is added to the
+    `meta` (date, gpu, commit, host_cpu, and `dirty` when the commit was looked up here) is added to the
     document; keys of the payload's own `meta` win. The JSON is written first; if matplotlib is missing (the GPU machine may lack it) the PNG
     is skipped with a note on stderr and png_path is None: `python -m bench.plot <json>`
     draws it later from the JSON alone.
@@ -315,7 +334,7 @@ def write_results(
     gpu = gpu_name if gpu_name is not None else _query_gpu_name()
     commit7 = (commit if commit is not None else git_commit_short())[:7]
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    meta = {"date": date, "gpu": gpu, "commit": commit7}
+    meta = {"date": date, "gpu": gpu, "commit": commit7, "host_cpu": host_cpu()}
     if commit is None:
         # A copy told its commit by MEMRA_DSV4_COMMIT (the GPU machine: no .git, or one that
         # does not match the copied tree) cannot judge its own cleanliness: say so, not "dirty".

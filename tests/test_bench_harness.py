@@ -175,6 +175,7 @@ def test_write_results_json_and_png(tmp_path):
     doc = json.loads(json_path.read_text())
     assert doc["arms"]["path=device"]["phases_us"]["head"] == 100.0
     assert doc["meta"]["gpu"] == "NVIDIA H200" and doc["meta"]["commit"] == "abcdef0"
+    assert doc["meta"]["host_cpu"].endswith("logical CPUs)")
     assert json_path.name.startswith(doc["meta"]["date"])
     assert png_path == json_path.with_suffix(".png")
     assert png_path.read_bytes()[:8] == PNG_MAGIC
@@ -385,3 +386,11 @@ def test_run_interleaved_runs_setup_outside_the_timed_region():
     samples = run_interleaved(arms, steps=2, warmup=1, timer=LoggingTimer(), progress=False)
     assert samples == {"A": [1.0, 1.0], "B": [1.0, 1.0]}
     assert log == ["setA", "A", "B"] + ["setA", "start", "A", "end", "start", "B", "end"] * 2
+
+
+def test_host_cpu_names_the_model(tmp_path):
+    from bench.harness import host_cpu
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU 9000\nflags\t: a b\n")
+    assert host_cpu(str(info)).startswith("Some CPU 9000 (") and host_cpu(str(info)).endswith(" logical CPUs)")
+    assert host_cpu(str(tmp_path / "absent")).endswith(" logical CPUs)")   # platform's name or unknown

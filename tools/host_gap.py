@@ -365,13 +365,15 @@ def main(argv=None) -> int:
         prof.disable()
         print(f"cProfile of {a.cprofile} arm steps (decode_step + argmax), by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-    print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n})")
+    from bench.harness import host_cpu
+    print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n}); "
+          f"host {host_cpu()}")
     for k in out:
         unit = "us" if k.startswith(("host_us.", "wake_us.")) else "ms"
         print(f"  {k:<24} {out[k]:8.3f} {unit}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "ms": out}, f, indent=1)
+            json.dump({"args": vars(a), "host_cpu": host_cpu(), "ms": out}, f, indent=1)
     return 0
 
 
