@@ -301,7 +301,9 @@ def test_step_token_checks_a_scalar_without_numpy(monkeypatch):
         def __getattr__(self, name):
             raise AssertionError(f"np.{name} called on the scalar path")
     slow = {tok: m._step_token(st, tok, "decode_step") for tok in (0, 7, V - 1)}
+    from memra_dsv4.oracle import model as om   # check_token_scalar's module
     monkeypatch.setattr(gm, "np", NoArrays())
+    monkeypatch.setattr(om, "np", NoArrays())
     for tok in (0, 7, V - 1, np.int64(7), np.int32(V - 1), np.uint16(3)):
         got = m._step_token(st, tok, "decode_step")
         assert type(got) is int and got == int(tok) and slow.get(got, got) == got

@@ -393,20 +393,17 @@ class Dsv4Gpu:
         """The checks of a call that consumes one token, before any work: the state is this
         model's, holds no uncommitted verify, and ``token`` is one integer id in range; returns
         it as a Python int.  A Python int or a NumPy integer scalar (what a sampler hands over)
-        is checked in plain Python: this runs right after the previous step's host wait, where
-        the few NumPy operations of check_ids took ~100 us against ~8 us back to back (cold
-        caches; host_gap --wake, docs/decode_perf.md twenty-ninth session).  Anything else (a
-        0-d array, a bool, a float, a list) goes through check_ids, which refuses it as before;
-        the out-of-range message is check_ids' own."""
+        is checked in plain Python (oracle.model.check_token_scalar): this runs right after the
+        previous step's host wait, where the few NumPy operations of check_ids took ~100 us
+        against ~8 us back to back (cold caches; host_gap --wake, docs/decode_perf.md
+        twenty-ninth session).  Anything else (a 0-d array, a bool, a float, a list) goes
+        through check_ids, which refuses it as before; the messages are check_token_ids'."""
         from memra_dsv4.oracle.decode import check_no_journal
+        from memra_dsv4.oracle.model import check_token_scalar
         self._check_state(state)
         check_no_journal(state, what)
-        if type(token) is int or isinstance(token, np.integer):   # not bool (check_ids refuses it)
-            t = int(token)
-            V = self.config.vocab_size
-            if not 0 <= t < V:
-                raise ValueError(f"token_ids[0] = {t} is outside the vocabulary 0..{V - 1} "
-                                 f"(1 ids out of range)")
+        t = check_token_scalar(token, self.config.vocab_size)
+        if t is not None:
             return t
         t = np.asarray(token)
         if t.ndim != 0:

@@ -94,7 +94,7 @@ from memra_dsv4.oracle.decode import DecodeMixin, block_chunk, run_chunk
 from memra_dsv4.oracle.state import CompressorState, LayerCache
 from memra_dsv4.seams import NumericsPolicy, policy
 
-__all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids"]
+__all__ = ["Oracle", "ForwardOut", "MtpOut", "check_token_ids", "check_token_scalar"]
 
 # The lm head runs over vocab slices of about this many weight elements (16M: 64 MB float32,
 # 128 MB float64 per slice).
@@ -141,9 +141,27 @@ def check_token_ids(token_ids, vocab: int, what: str = "token_ids") -> np.ndarra
     bad = (a < 0) | (a >= vocab)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{what}[{i}] = {int(a[i])} is outside the vocabulary 0..{vocab - 1} "
-                         f"({int(bad.sum())} ids out of range)")
+        raise _outside_vocab(what, i, int(a[i]), vocab, int(bad.sum()))
     return a.astype(np.int64)
+
+
+def check_token_scalar(token, vocab: int, what: str = "token_ids") -> int | None:
+    """A Python int or NumPy integer scalar (not a bool) checked in plain Python, no NumPy
+    operation: the id as an int, or check_token_ids' error for ``[token]`` when it is out of
+    range.  None for any other input, which the caller sends through check_token_ids.  For a
+    per-step caller (gpu Dsv4Gpu._step_token): right after a host wait NumPy's first operations
+    cost tens of microseconds (docs/decode_perf.md, twenty-ninth session)."""
+    if type(token) is not int and not isinstance(token, np.integer):
+        return None
+    t = int(token)
+    if not 0 <= t < vocab:
+        raise _outside_vocab(what, 0, t, vocab, 1)
+    return t
+
+
+def _outside_vocab(what: str, i: int, value: int, vocab: int, n_bad: int) -> ValueError:
+    return ValueError(f"{what}[{i}] = {value} is outside the vocabulary 0..{vocab - 1} "
+                      f"({n_bad} ids out of range)")
 
 
 def _forced(value, shape, name: str, where: str) -> np.ndarray:
