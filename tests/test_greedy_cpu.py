@@ -200,14 +200,17 @@ def test_bench_arm_run_is_the_feed_alone():
 
 
 def test_host_gap_wake_probe_is_fixed_work():
-    """host_gap's wake.* probe: the pure-Python workload is the same work every call (its value
-    fixed), and --wake reserves room for its replays (one per after_gpu sample and workload)."""
+    """host_gap's wake.* probe: the pure-Python workload (host_wake.py_work) is the same work
+    every call (its value fixed), and --wake reserves room for its replays (one per after_gpu
+    sample and workload)."""
     import importlib.util
     import inspect
-    spec = importlib.util.spec_from_file_location("host_gap", ROOT / "tools" / "host_gap.py")
-    hg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hg)
-    want = sum((i * 7) % 5 + 1 + len("host_gap") for i in range(300))
-    assert hg._py_work() == hg._py_work() == want
-    src = inspect.getsource(hg.main)
-    assert "(2 * a.steps if a.wake else 0)" in src and src.count('"py": _py_work') == 1
+    mods = {}
+    for name in ("host_gap", "host_wake"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    want = sum((i * 7) % 5 + 1 for i in range(300))
+    assert mods["host_wake"].py_work() == mods["host_wake"].py_work() == want
+    src = inspect.getsource(mods["host_gap"].main)
+    assert "(2 * a.steps if a.wake else 0)" in src and src.count('"py": host_wake.py_work') == 1

@@ -35,7 +35,8 @@ every sample after a warm-up):
              between (warm caches): ids (token checks), prepare, upload, apply (the bench
              arm's own setup, outside every timed sample)
 
-  wake_us.*  (--wake) two fixed host workloads, microseconds: py (a pure-Python loop) and ids
+  wake_us.*  (--wake) two fixed host workloads, microseconds: py (tools/host_wake.py's
+             pure-Python loop) and ids
              (decode_step's token checks), each timed right after a graph replay's synchronize
              (after_gpu: the host-fed step's situation without its D2H), after time.sleep of the
              same length (after_sleep), after a Python busy loop of that length (after_spin),
@@ -71,15 +72,6 @@ def _set_sched(name: str, device: int) -> None:
     err2, = cudart.cudaSetDeviceFlags(SCHED_FLAGS[name])
     err3, flags = cudart.cudaGetDeviceFlags()
     print(f"sched {name}: cudaSetDevice {err}, cudaSetDeviceFlags {err2}, flags now {flags:#x}")
-
-
-def _py_work() -> int:
-    """A fixed pure-Python workload (~5-10 us warm: integer arithmetic, a dict and an attribute
-    per iteration), the wake.* measures' interpreter-only probe."""
-    d, acc = {"k": 1}, 0
-    for i in range(300):
-        acc += (i * 7) % 5 + d["k"] + len(__name__)
-    return acc
 
 
 def _median_ms(xs) -> float:
@@ -281,8 +273,10 @@ def main(argv=None) -> int:
         # the two 4-byte H2D copies per stage, re-uploading the values the next step would;
         # apply: the bench arm's environment), microseconds per call
         from memra_dsv4.oracle.decode import check_room
-        parts = {"ids": lambda: (m._step_token(st.state, st.tok, "decode_step"),
-                                 check_room(st.state, 1, "decode_step")),
+
+        def ids_checks():   # decode_step's token and room checks
+            return m._step_token(st.state, st.tok, "decode_step"), check_room(st.state, 1, "decode_step")
+        parts = {"ids": ids_checks,
                  "prepare": lambda: step_obj._prepare(st.state, True),
                  "upload": lambda: step_obj._upload(st.tok, st.state.pos),
                  "apply": st.apply}
@@ -321,38 +315,18 @@ def main(argv=None) -> int:
         out["replay"] = _median_ms([x[0] for x in r])
         out["launch"] = _median_ms([x[1] for x in r])
 
-        if a.wake:
-            from memra_dsv4.oracle.decode import check_room as _room
+        if a.wake:   # host_wake's workloads, waits and timing loop, plus the GPU's wait
+            import host_wake   # tools/ (this script's folder, first on sys.path)
             step_s = out["replay"] * 1e-3
-            work = {"py": _py_work,
-                    "ids": lambda: (m._step_token(st.state, st.tok, "decode_step"),
-                                    _room(st.state, 1, "decode_step"))}
 
             def after_gpu():     # one replay (the step's GPU time, no D2H), the stream's wait
                 g.launch(S.stream)
                 S.stream.synchronize()
-
-            def after_spin():    # the CPU busy in Python for as long, the GPU idle
-                t_end = time.perf_counter() + step_s
-                while time.perf_counter() < t_end:
-                    pass
-            before = {"gpu": after_gpu, "sleep": lambda: time.sleep(step_s), "spin": after_spin}
-            for wk, fn in work.items():
-                for bk, wait in before.items():
-                    xs = []
-                    for _ in range(a.steps):
-                        wait()
-                        t0 = time.perf_counter()
-                        fn()
-                        xs.append((time.perf_counter() - t0) * 1e6)
-                    out[f"wake_us.{wk}.after_{bk}"] = _median_ms(xs)
-                fn()
-                xs = []
-                for _ in range(a.steps):
-                    t0 = time.perf_counter()
-                    fn()
-                    xs.append((time.perf_counter() - t0) * 1e6)
-                out[f"wake_us.{wk}.warm"] = _median_ms(xs)
+            host_waits = host_wake.waits(step_s)
+            wake = host_wake.measure({"py": host_wake.py_work, "ids": ids_checks},
+                                     {"after_gpu": after_gpu, "after_sleep": host_waits["after_sleep"],
+                                      "after_spin": host_waits["after_spin_py"]}, a.steps)
+            out.update({f"wake_us.{k}": v for k, v in wake.items()})
             S.stream.synchronize()
     out["host_added"] = out["bench"] - out["replay"]
     if a.cprofile:
@@ -366,14 +340,15 @@ def main(argv=None) -> int:
         print(f"cProfile of {a.cprofile} arm steps (decode_step + argmax), by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     from bench.harness import host_cpu
+    cpu = host_cpu()
     print(f"model {a.model}, ctx {a.ctx}, {a.steps} samples per measure (replays: {reps} x {n}); "
-          f"host {host_cpu()}")
+          f"host {cpu}")
     for k in out:
         unit = "us" if k.startswith(("host_us.", "wake_us.")) else "ms"
         print(f"  {k:<24} {out[k]:8.3f} {unit}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "host_cpu": host_cpu(), "ms": out}, f, indent=1)
+            json.dump({"args": vars(a), "host_cpu": cpu, "ms": out}, f, indent=1)
     return 0
 
 

@@ -29,14 +29,13 @@ import numpy as np  # noqa: E402
 
 
 def cpu_summary() -> dict:
-    """model name and the avx512 flags of /proc/cpuinfo (empty where absent), NumPy's dispatched
-    CPU features."""
-    model, flags = "?", []
+    """The CPU (bench.harness.host_cpu: model and logical CPUs), its avx512 flags in
+    /proc/cpuinfo (empty where absent), NumPy's dispatched CPU features."""
+    from bench.harness import host_cpu
+    flags = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and model == "?":
-                    model = line.split(":", 1)[1].strip()
                 if line.startswith("flags"):
                     flags = sorted(x for x in line.split(":", 1)[1].split() if x.startswith("avx512"))
                     break
@@ -47,8 +46,17 @@ def cpu_summary() -> dict:
     except ImportError:  # NumPy 1.x
         from numpy.core._multiarray_umath import __cpu_features__ as feats
     on = sorted(k for k, v in feats.items() if v and (k.startswith("AVX512") or k in ("AVX2", "FMA3")))
-    return {"cpu": model, "avx512_flags": flags, "numpy_features": on,
+    return {"cpu": host_cpu(), "avx512_flags": flags, "numpy_features": on,
             "NPY_DISABLE_CPU_FEATURES": os.environ.get("NPY_DISABLE_CPU_FEATURES", "")}
+
+
+def py_work() -> int:
+    """A fixed pure-Python workload (integer arithmetic and a dict lookup per iteration, a small
+    code footprint): the interpreter-only probe here and in host_gap's wake measures."""
+    d, acc = {"k": 1}, 0
+    for i in range(300):
+        acc += (i * 7) % 5 + d["k"]
+    return acc
 
 
 def workloads(vocab: int = 129280) -> dict:
@@ -56,18 +64,12 @@ def workloads(vocab: int = 129280) -> dict:
     one = np.asarray([5])
     logits = np.random.default_rng(0).standard_normal(vocab).astype(np.float32)
 
-    def py():
-        d, acc = {"k": 1}, 0
-        for i in range(300):
-            acc += (i * 7) % 5 + d["k"]
-        return acc
-
     def np_small():   # check_token_ids's operations, inline
         a = np.asarray(one)
         bad = (a < 0) | (a >= vocab)
         return bool(bad.any()) or a.astype(np.int64)
 
-    return {"py": py, "np_small": np_small, "np_vec": lambda: int(np.argmax(logits)),
+    return {"py": py_work, "np_small": np_small, "np_vec": lambda: int(np.argmax(logits)),
             "ids": lambda: check_token_ids(np.asarray(7).reshape(1), vocab)}
 
 
