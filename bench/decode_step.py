@@ -75,7 +75,10 @@ CudaEventTimer on the first stage's compute stream; the step ends in the host re
 the logits after every device synchronised, so each sample is the whole step as a caller of
 decode_step pays it.  The arm's own setup (its env variables and model attributes, which the
 in-process A/B needs and an engine does not) runs before the sample's start event (since
-the twenty-eighth session; before it, ~30 us of it per host-fed sample were timed).
+the twenty-eighth session; before it, ~30 us of it per host-fed sample were timed), and so do
+``--prime N`` untimed one-token steps of the arm (default 1 with several arms): a sample starts
+with its arm's graph just run, not with the switch from another arm's graphs (on an H100 at full
+depth, 12-13 arms in one process made every sample ~100 ms slower without it; thirtieth session).
 Per arm: median ms/step, p10/p90/iqr, tok/s, ratio to the first arm, bytes the step must read
 (gpu.step.step_bytes summed over stages at the mid position: weights one token touches as this
 runtime stores them (dense bf16, experts stored FP4), the KV it attends, pending compressor
@@ -271,6 +274,15 @@ def complete_kernel_env(own: dict) -> dict:
     return env
 
 
+def _arm_setup(st: "_ArmState", prime: int):
+    """The untimed part of an arm's sample (harness.Arm.setup): its settings made the model's,
+    then ``prime`` primed steps (_ArmState.prime)."""
+    def setup() -> None:
+        st.apply()
+        st.prime(prime)
+    return setup
+
+
 def check_arms(spec: str) -> list[dict]:
     """``--arms`` parsed (bench.harness.parse_arms) and validated before any GPU work: only the
     settings path / pdl / attn, each with a value its seam allows; SystemExit naming the arm,
@@ -351,6 +363,22 @@ class _ArmState:
             self.tok = int(self.m.decode_step(self.state, self.tok, readback="token"))
         else:
             self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
+
+    def prime(self, n: int) -> None:
+        """``n`` untimed one-token steps of this arm's feed (device: decode_greedy of 1 token;
+        token: readback="token"; host: the logits and np.argmax), each ending in its host wait,
+        so the GPU is idle again when the timed sample starts.  Why (thirtieth session): with
+        many arms in one process each sample is the first launch of its arm's graph since the
+        other arms' graphs ran; on an H100 at full depth 12-13 arms cost ~100 ms per sample
+        more than 6-8 arms did (20 against 8 ms per token), so without a primed step an arm's
+        number includes the switch from the arm before it, which no engine pays."""
+        for _ in range(n):
+            if self.feed == "device":
+                self.tok = int(self.m.decode_greedy(self.state, self.tok, 1)[-1])
+            elif self.feed == "token":
+                self.tok = int(self.m.decode_step(self.state, self.tok, readback="token"))
+            else:
+                self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
@@ -472,12 +500,25 @@ def main(argv=None) -> int:
                     help="with --delay-probe: timed steps per block")
     ap.add_argument("--feed-chunk", type=int, default=16, metavar="N",
                     help="feed=device arms: greedy steps per sample (the sample is divided by N)")
+    ap.add_argument("--prime", type=int, default=None, metavar="N",
+                    help="untimed one-token steps of an arm before each of its samples (and "
+                         "warm-up rounds), outside the timed region: the switch between arms' "
+                         "graphs is not the arm's cost (_ArmState.prime); default 1 with "
+                         "several arms, 0 with one")
     ap.add_argument("--flush-mb", type=int, default=0,
                     help="with --launch-profile: memset this many MB between copies (L2 flush)")
     a = ap.parse_args(argv)
     arms_spec = check_arms(a.arms)   # before any GPU work
     if a.feed_chunk < 1:
         raise SystemExit(f"--feed-chunk {a.feed_chunk}: expected >= 1")
+    if a.prime is None:   # the probes and profiles below time their own steps
+        a.prime = int(len(arms_spec) > 1 and not (a.device_trace or a.delay_probe
+                                                  or a.launch_profile))
+    if not 0 <= a.prime <= 64:
+        raise SystemExit(f"--prime {a.prime}: expected 0 .. 64 untimed steps per sample")
+    if a.prime and (a.device_trace or a.delay_probe or a.launch_profile):
+        raise SystemExit(f"--prime {a.prime}: --device-trace / --delay-probe / --launch-profile "
+                         f"time their own steps; give --prime 0 with them")
     fed = [s for s in arms_spec if s.get("feed") == "device"]
     if fed and (a.device_trace or a.delay_probe or a.launch_profile):
         # those read one step per call of the arm's step; a feed=device call is --feed-chunk steps
@@ -515,7 +556,8 @@ def main(argv=None) -> int:
     devices = tuple(int(d) for d in a.devices.split(","))
     prof_configure("off")
     chunk = a.feed_chunk if any(s.get("feed") == "device" for s in arms_spec) else 1
-    max_seq = a.ctx + (a.warmup + a.steps + 1) * chunk + a.phase_steps + 8
+    max_seq = a.ctx + (a.warmup + a.steps + 1) * chunk + (a.warmup + a.steps) * a.prime \
+        + a.phase_steps + 8
     max_seq += (a.device_trace + a.probe_steps + 2) if a.delay_probe else 0   # the probe rewinds
     m = _load(a.model, devices, max_seq, a.dense, a.expert_storage)
     cfg = m.config
@@ -548,7 +590,7 @@ def main(argv=None) -> int:
             print(f"arm {name}: dropped ({e})", file=sys.stderr)
             continue
         states[name] = st
-        arms.append(Arm(name=name, step=st.run, settings=dict(s), setup=st.apply))
+        arms.append(Arm(name=name, step=st.run, settings=dict(s), setup=_arm_setup(st, a.prime)))
     if not arms:
         raise SystemExit("no arm could run")
 
@@ -566,7 +608,7 @@ def main(argv=None) -> int:
         # the position at the arm's middle sample (a feed=device arm advances feed_chunk per
         # sample, so its context, and the KV its steps read, grows faster than a host arm's)
         per = a.feed_chunk if states[arm.name].feed == "device" else 1
-        mid = a.ctx + (a.warmup + 1 + a.steps // 2) * per
+        mid = a.ctx + (a.warmup + 1 + a.steps // 2) * per + (a.warmup + a.steps // 2) * a.prime
         own_b = total_step_bytes(cfg, mid, _stages(m), dense=_dense_of(m), experts=fmt)
         nat_b = total_step_bytes(cfg, mid, _stages(m), dense="fp8", experts=fmt)
         summ = summarize(samples[arm.name])
@@ -615,7 +657,7 @@ def main(argv=None) -> int:
                 print(f"  {'  ' * r.depth}{r.label:30s} {r.per_step_us / 1e3:9.3f} ms/step "
                       f"{100 * r.share:5.1f}%")
     js, png = write_results({"config": {"model": a.model, "devices": list(devices),
-                                        "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup,
+                                        "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup, "prime": a.prime,
                                         "fill": a.fill, "dense": _dense_of(m),
                                         "phase_steps": a.phase_steps, "experts": fmt,
                                         "expert_storage": a.expert_storage},

@@ -196,7 +196,32 @@ def test_bench_arm_run_is_the_feed_alone():
     st.step()
     assert calls[0] == "apply" and len(calls) == 2
     src = inspect.getsource(B.main)
-    assert "Arm(name=name, step=st.run, settings=dict(s), setup=st.apply)" in src
+    assert "Arm(name=name, step=st.run, settings=dict(s), setup=_arm_setup(st, a.prime))" in src
+    # the primed steps: one token of the arm's own feed each, outside the timed sample
+    for feed, want, tok in (("host", ("step", 6, "logits"), 3), ("token", ("step", 3, "token"), 5),
+                            ("device", ("greedy", 5, 1), 6)):
+        st.feed = feed
+        calls.clear()
+        st.prime(2)
+        assert calls[0] == want and len(calls) == 2 and st.tok == tok, (feed, calls)
+    calls.clear()
+    st.prime(0)
+    assert calls == []
+    st.feed = "device"
+    B._arm_setup(st, 3)()
+    assert calls == ["apply", ("greedy", 6, 1), ("greedy", 6, 1), ("greedy", 6, 1)]
+
+
+def test_bench_prime_refusals():
+    """--prime: 0 .. 64, refused (before any GPU work) with the probes / profiles that time
+    their own steps."""
+    from bench.decode_step import main
+    for bad in ("-1", "65"):
+        with pytest.raises(SystemExit, match=f"--prime {bad}: expected 0 .. 64"):
+            main(["--arms", "path=device,path=device+feed=device", "--prime", bad])
+    for opt in (["--device-trace", "5"], ["--delay-probe", "4"], ["--launch-profile", "10"]):
+        with pytest.raises(SystemExit, match="--prime 1: --device-trace / --delay-probe"):
+            main(["--arms", "path=device,path=device+pdl=off", "--prime", "1"] + opt)
 
 
 def test_host_gap_wake_probe_is_fixed_work():
