@@ -137,12 +137,12 @@ def main(argv=None) -> int:
     for _ in range(a.warmup):
         st.step()
     step_obj = m._step
-    gs = step_obj._graphs.get(id(st.state))
+    gs = step_obj._graphs.get(st.state)
     if gs is None:
         raise SystemExit("no captured graph for the arm's state (is the path 'device'?)")
     if len(step_obj.stages) != 1:
         raise SystemExit("the replay measures need one stage (--devices with one id)")
-    S, g = step_obj.stages[0], gs[1][0]
+    S, g = step_obj.stages[0], gs.graphs[0]
     first = m.stages[0].device
     rt = cp.cuda.runtime
     out = {}
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                 stamps["launched"] = time.perf_counter()
 
         wrapped = _StampedGraph(g)
-        step_obj._graphs[id(st.state)] = (gs[0], [wrapped]) + tuple(gs[2:])
+        step_obj._graphs[st.state] = gs._replace(graphs=[wrapped])
 
         def stamped(name, fn):   # an instance attribute over DeviceStep's method, removed after
             def run(*args, **kw):
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                 del S.stream.synchronize
                 for name in pieces:
                     delattr(step_obj, name)
-                step_obj._graphs[id(st.state)] = gs
+                step_obj._graphs[st.state] = gs
             for k, v in split.items():
                 out["split." + k] = _median_ms(v)
 

@@ -62,6 +62,9 @@ the node priorities (graphs.capture).
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import numpy as np
 
 from memra_dsv4.host.rope import layer_cos_sin
@@ -71,6 +74,19 @@ __all__ = ["DeviceStep"]
 
 class _Layer:
     pass
+
+
+class GraphEntry(NamedTuple):
+    """A state's captured step: one graph per stage and the forms it was captured with (a step
+    with any other form recaptures)."""
+    graphs: list
+    pdl: bool
+    attn: str
+    fork: str
+    hc_split: bool
+    prio: str
+    qnorm: str
+    w2: str
 
 
 class _Stage:
@@ -89,8 +105,15 @@ class DeviceStep:
         self.cfg = cfg = model.config
         self.msl = int(max_seq_len)
         self.stages: list[_Stage] = []
-        self._graphs: dict[int, tuple] = {}
-        self._tables: dict[int, tuple] = {}
+        # Per state, as long as the state lives (weak keys: a state that is dropped takes its
+        # graphs and GEMV tables with it, and none is ever rebuilt while its state lives).  Up
+        # to the thirtieth session these were dicts keyed by id(state) holding the state, FIFO-
+        # bounded at 8 entries: with nine or more states stepped in turn every step recaptured
+        # its graphs (~80 ms per step at full depth on an H100, docs/decode_perf.md), and the
+        # evicted states' caches were kept alive by the dicts until then.  Values never refer
+        # to their state (a value that did would keep its key alive).
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> GraphEntry
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # state -> {lid: GemvTable}
         # device-hostmath: the same launches except the four islands (gpu.hostmath), eager
         self.hostmath = getattr(model, "decode_path", "") == "device-hostmath"
         self._tok = self._pos = 0
@@ -345,15 +368,11 @@ class DeviceStep:
         if not graph:
             return None, forms
         fork, prio = self.fork_form(), self.priority_form()
-        gs = self._graphs.get(id(state))
-        if (gs is None or gs[0] is not state or gs[2] != pdl_on or gs[3] != attn
-                or gs[4] != fork or gs[5] != hc_split or gs[6] != prio
-                or gs[7] != qnorm or gs[8] != w2):
-            gs = (state, self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
-                  pdl_on, attn, fork, hc_split, prio, qnorm, w2)
-            if len(self._graphs) >= 8:
-                self._graphs.pop(next(iter(self._graphs)))
-            self._graphs[id(state)] = gs
+        gs = self._graphs.get(state)
+        if gs is None or gs[1:] != (pdl_on, attn, fork, hc_split, prio, qnorm, w2):
+            gs = GraphEntry(self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
+                            pdl_on, attn, fork, hc_split, prio, qnorm, w2)
+            self._graphs[state] = gs
         return gs, forms
 
     def _launch(self, state, gs, forms) -> None:
@@ -361,7 +380,7 @@ class DeviceStep:
         import cupy as cp
         pdl_on, attn, qnorm, w2, hc_split = forms
         if gs is not None:
-            for S, g in zip(self.stages, gs[1]):
+            for S, g in zip(self.stages, gs.graphs):
                 with cp.cuda.Device(S.dev):
                     if S.si > 0:
                         S.stream.wait_event(self.stages[S.si - 1].event)
@@ -444,8 +463,7 @@ class DeviceStep:
         enqueue: for every layer the GemvTable of its projections of the attention input xn
         (wq_a, wkv, compressor and indexer-compressor wkv / wgate written straight into the
         pending rows with ape, indexer weights_proj).  Built once; never inside a capture."""
-        t = self._tables.get(id(state))
-        if t is not None and t[0] is state:
+        if state in self._tables:
             return
         import cupy as cp
         from memra_dsv4.gpu import ops_decode as DK
@@ -464,12 +482,8 @@ class DeviceStep:
                         ent += self._pending_entries(L, c.idx_state, "attn.indexer.compressor")
                         ent.append((L.lin("attn.indexer.weights_proj"), v["idx.w"]))
                     tabs[L.lid] = DK.GemvTable(ent, D)
-        if len(self._tables) >= 8:  # a graph bakes its table's address: drop both together
-            old = next(iter(self._tables))
-            self._tables.pop(old)
-            self._graphs.pop(old, None)
-        self._graphs.pop(id(state), None)
-        self._tables[id(state)] = (state, tabs)
+        self._graphs.pop(state, None)   # a graph bakes its table's address: never one without it
+        self._tables[state] = tabs
         # each GemvTable was uploaded by cp.asarray on the current stream (pinned staging, then
         # an async H2D): order the compute streams, whose gemv_bf16_multi reads it, after that
         self.m.devs.order_after_current()
@@ -544,7 +558,7 @@ class DeviceStep:
             if st.has_embed:
                 with phase(f"{sp}/embed"):
                     DK.embed_gather(v["tok"], st["embed.weight"], cur)
-            tabs = self._tables[id(state)][1]
+            tabs = self._tables[state]
             for L in S.layers:
                 with phase(f"{sp}/block"):
                     cur, oth = self._block(S, L, cur, oth, state.cache(L.lid), tabs[L.lid], attn)

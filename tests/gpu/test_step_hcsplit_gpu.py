@@ -38,8 +38,8 @@ def _run_arms(name, devices, steps=14, prompt=5):
         assert_arms_agree(f"{name} hc split", states, ids[prompt:prompt + steps],
                           attr_arm_runner(m, states, _ARMS), pos0=prompt)
     # switching the seam recaptured: the last graph of the "on" state was captured split
-    assert m._step._graphs[id(states["on"])][5] is True
-    assert m._step._graphs[id(states["off"])][5] is False
+    assert m._step._graphs[states["on"]].hc_split is True
+    assert m._step._graphs[states["off"]].hc_split is False
 
 
 def test_hc_split_step_bit_identical_tiny():

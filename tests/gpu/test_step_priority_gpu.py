@@ -32,8 +32,8 @@ def _run(name, devices, steps=14, prompt=5):
     with step_forms(m, hc_split="on", **arm_attrs_now(m, _ARMS)):
         assert_arms_agree(f"{name} priority", states, ids[prompt:prompt + steps],
                           attr_arm_runner(m, states, _ARMS), pos0=prompt)
-    gs = m._step._graphs[id(states["side"])]
-    assert gs[6] == "side" and all(isinstance(g, graphs.PriorityGraph) for g in gs[1])
+    gs = m._step._graphs[states["side"]]
+    assert gs.prio == "side" and all(isinstance(g, graphs.PriorityGraph) for g in gs.graphs)
 
 
 def test_priority_graph_bit_identical_tiny():

@@ -65,8 +65,8 @@ def test_qnorm_attn_step_bit_identical_tiny():
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in _ARMS}
     _interleave("tiny", m, states, ids[prompt:prompt + steps], _ARMS, check_launches=True)
     # the cached graphs record the form they were captured with (a switch recaptures)
-    assert m._step._graphs[id(states["attn"])][7] == "attn"
-    assert m._step._graphs[id(states["kernel"])][7] == "kernel"
+    assert m._step._graphs[states["attn"]].qnorm == "attn"
+    assert m._step._graphs[states["kernel"]].qnorm == "kernel"
     # an eager kernel step launches head_rms_bf16 and the plain kernels (and the same bits)
     extra = {a: states[a] for a in ("kernel", "attn")}
     t = ids[prompt + steps]

@@ -42,8 +42,8 @@ def test_shared_w2_fused_step_bit_identical_flash_layer():
     from step_models import flash_prefilled  # prepend import mode (tests/gpu on sys.path)
     m, states, ids, prompt = flash_prefilled(1, _ARMS, seed=31)
     _interleave("flash-layers:1", m, states, ids[prompt:], _ARMS, check_fused_launch=True)
-    assert m._step._graphs[id(states["fused"])][8] == "fused"
-    assert m._step._graphs[id(states["gemv"])][8] == "gemv"
+    assert m._step._graphs[states["fused"]].w2 == "fused"
+    assert m._step._graphs[states["gemv"]].w2 == "gemv"
 
 
 def test_shared_w2_fused_step_tiny_falls_back():

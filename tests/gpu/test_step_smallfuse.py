@@ -142,10 +142,10 @@ def test_device_step_decode_attn_split_equals_fused(name, L, steps):
         tail = ids[L + steps:L + steps + 6]
         m.decode_attn = "fused"
         a = [device_step(m, sa, t, graph=True) for t in tail[:3]]
-        assert m._step._graphs[id(sa)][3] == "fused", "switching decode_attn did not recapture"
+        assert m._step._graphs[sa].attn == "fused", "switching decode_attn did not recapture"
         m.decode_attn = "split"
         a += [device_step(m, sa, t, graph=True) for t in tail[3:]]
-        assert m._step._graphs[id(sa)][3] == "split", "switching decode_attn back did not recapture"
+        assert m._step._graphs[sa].attn == "split", "switching decode_attn back did not recapture"
         m.decode_attn = "fused"
         b = [device_step(m, sb, t, graph=True) for t in tail]
         bad = [i for i, (x, y) in enumerate(zip(a, b)) if not np.array_equal(x, y)]
