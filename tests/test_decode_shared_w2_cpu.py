@@ -70,7 +70,7 @@ def test_device_step_shared_w2_form_and_graph_key():
     with pytest.raises(ValueError, match=r"model.decode_shared_w2 \(env MEMRA_DSV4_DECODE_SHARED_W2\).*gemv, fused"):
         ds.shared_w2_form()
     step = inspect.getsource(DeviceStep._prepare)   # the graph cache key's last field, and the capture's argument
-    assert "gs[8] != w2" in step and "prio, qnorm, w2)" in step
+    assert "gs[1:] != (pdl_on, attn, fork, hc_split, prio, qnorm, w2)" in step and "prio, qnorm, w2)" in step
     assert "w2" in inspect.signature(DeviceStep._capture).parameters
 
 
