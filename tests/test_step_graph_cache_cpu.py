@@ -107,3 +107,19 @@ def test_the_real_table_build_drops_graphs_and_keys_by_state():
     tsrc = inspect.getsource(DeviceStep._ensure_tables)
     assert "self._graphs.pop(state, None)" in tsrc and "self._tables[state] = tabs" in tsrc
     assert ">= 8" not in src
+
+
+def test_graph_switch_tool_refusals():
+    """tools/graph_switch.py refuses its bad arguments, naming them, before importing CuPy."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "graph_switch.py"
+    spec = importlib.util.spec_from_file_location("graph_switch", path)
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    for argv, msg in ((["--graphs", "4,x"], "--graphs '4,x': expected comma-separated counts"),
+                      (["--graphs", "4,0"], "--graphs 4,0: every count must be >= 1"),
+                      (["--nodes", "0"], "--nodes 0: expected >= 1"),
+                      (["--rounds", "0"], "--rounds 0: expected >= 1 timed rounds")):
+        with pytest.raises(SystemExit, match=msg):
+            gs.main(argv)

@@ -23,9 +23,16 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", default="4,8,9,12,16")
     ap.add_argument("--rounds", type=int, default=20)
     a = ap.parse_args(argv)
-    counts = [int(x) for x in a.graphs.split(",")]
-    if a.nodes < 1 or a.rounds < 2 or min(counts) < 1:
-        raise SystemExit("--nodes >= 1, --rounds >= 2, --graphs counts >= 1")
+    try:
+        counts = [int(x) for x in a.graphs.split(",")]
+    except ValueError:
+        raise SystemExit(f"--graphs {a.graphs!r}: expected comma-separated counts, e.g. 4,8,9") from None
+    if min(counts) < 1:
+        raise SystemExit(f"--graphs {a.graphs}: every count must be >= 1")
+    if a.nodes < 1:
+        raise SystemExit(f"--nodes {a.nodes}: expected >= 1")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: expected >= 1 timed rounds")
     import cupy as cp
     k = cp.RawKernel(r'''extern "C" __global__ void bump(int* p) { if (threadIdx.x == 0) p[blockIdx.x] += 1; }''', "bump")
     buf = cp.zeros(64, cp.int32)
@@ -51,7 +58,7 @@ def main(argv=None) -> int:
 
     for G in counts:
         rot, warm = [], []
-        for r in range(a.rounds + 1):
+        for r in range(a.rounds + 1):   # round 0 untimed: every graph launched once
             for i in range(G):
                 t = timed(graphs[i])
                 if r:
