@@ -358,7 +358,7 @@ def fake_ops_module(monkeypatch, name: str, record, check=None, sms: int = 132):
     # a bare family name is memra_dsv4.gpu.ops.<name>; a dotted one is imported as given
     mod = importlib.import_module(name if "." in name else f"memra_dsv4.gpu.ops.{name}")
     monkeypatch.setattr(mod, "kernel", registered_fake_kernels(kernel_signatures(), record, check))
-    monkeypatch.setattr(_common, "_SMEM_SET", set())
+    monkeypatch.setattr(_common, "_SMEM_SET", {})
     monkeypatch.setattr(mod, "sm_count", lambda: sms)
     return fake, mod
 
@@ -391,7 +391,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
         assert all(int(g) >= 1 for g in grid) and 1 <= int(np.prod(block)) <= 1024, f"{name}: launch {grid} {block}"
 
     fake_kernel = registered_fake_kernels(sigs, lambda name, *_: launched.append(name), launch_ok)
-    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
+    monkeypatch.setattr(_common, "_SMEM_SET", {})   # dynamic_smem keys on id(kernel): fresh ones
 
     mods = {f: importlib.import_module(f"memra_dsv4.gpu.ops.{f}") for f in FAMILIES}
     monkeypatch.setattr(_common, "sm_count", lambda: 132)
@@ -692,7 +692,7 @@ def test_routed_moe_device_dispatch_launch_sequence(monkeypatch, gemm):
         launched.append((name, tuple(int(g) for g in grid), args))
 
     monkeypatch.setattr(_common, "sm_count", lambda: 132)
-    monkeypatch.setattr(_common, "_SMEM_SET", set())   # dynamic_smem keys on id(kernel): fresh ones
+    monkeypatch.setattr(_common, "_SMEM_SET", {})   # dynamic_smem keys on id(kernel): fresh ones
     cache = {}
     for m in (MO, PM):
         monkeypatch.setattr(m, "kernel", lambda stem, name: cache.setdefault(name, FakeKernel(name, sigs, record)))

@@ -181,7 +181,7 @@ def _record_moe(monkeypatch, run):
             m.setattr(mod, "kernel", lambda stem, name: kernels.setdefault(name, K(name)))
             m.setattr(mod, "check", counted(mod.check))
         m.setattr(_common, "sm_count", lambda: 132)
-        m.setattr(_common, "_SMEM_SET", set())
+        m.setattr(_common, "_SMEM_SET", {})
         y = run()
     return launches, n_checks[0], y
 

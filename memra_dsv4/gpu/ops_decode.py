@@ -87,7 +87,9 @@ _SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small"
 
 # L2 prefetch before the PDL wait (decode.cu memra_l2_prefetch_bytes; seam MEMRA_DSV4_L2_PREFETCH)
 L2_PREFETCH_SYMBOL = "memra_l2_prefetch_bytes"
-_l2_prefetch_set: dict = {}    # (device, id(module)) -> bytes last written to its constant
+# (device, id(module)) -> (the module, bytes last written to its constant); the module is kept so
+# a rebuilt module never inherits a freed one's entry through a reused id
+_l2_prefetch_set: dict = {}
 
 
 def l2_prefetch_bytes(value) -> int:
@@ -111,14 +113,15 @@ def set_l2_prefetch(device_id: int, value) -> int:
     nbytes = l2_prefetch_bytes(value)
     mod = kernel_loader.get_loader(device_id).module(STEM)   # a rebuilt module starts at 0
     key = (device_id, id(mod))
-    if _l2_prefetch_set.get(key) == nbytes:
+    hit = _l2_prefetch_set.get(key)
+    if hit is not None and hit[0] is mod and hit[1] == nbytes:
         return nbytes
     import cupy as cp
     with cp.cuda.Device(device_id):
         ptr = mod.get_global(L2_PREFETCH_SYMBOL)
         host = np.array([nbytes], dtype=np.uint64)
         cp.cuda.runtime.memcpy(ptr.ptr, host.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
-    _l2_prefetch_set[key] = nbytes
+    _l2_prefetch_set[key] = (mod, nbytes)
     return nbytes
 
 

@@ -17,7 +17,10 @@ import numpy as np
 from memra_dsv4.gpu import kernel_loader
 
 _SM_COUNT: dict[int, int] = {}
-_SMEM_SET: set[tuple[int, int]] = set()
+# (id(kernel), bytes) -> the kernel whose limit was raised.  The kernel is kept so its id is
+# never reused by another object while the entry stands (a kernel of a rebuilt module, or a
+# test's stand-in, with the id of a freed one would otherwise be taken as already raised).
+_SMEM_SET: dict[tuple[int, int], object] = {}
 _MODULES = sys.modules
 
 
@@ -50,9 +53,9 @@ def sm_count() -> int:
 def dynamic_smem(kern, nbytes: int) -> int:
     """Allow ``nbytes`` of dynamic shared memory for ``kern`` (once per kernel and size)."""
     key = (id(kern), int(nbytes))
-    if nbytes > 48 * 1024 and key not in _SMEM_SET:
+    if nbytes > 48 * 1024 and _SMEM_SET.get(key) is not kern:
         kern.max_dynamic_shared_size_bytes = int(nbytes)
-        _SMEM_SET.add(key)
+        _SMEM_SET[key] = kern
     return int(nbytes)
 
 
