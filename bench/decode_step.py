@@ -77,8 +77,7 @@ decode_step pays it.  The arm's own setup (its env variables and model attribute
 in-process A/B needs and an engine does not) runs before the sample's start event (since
 the twenty-eighth session; before it, ~30 us of it per host-fed sample were timed), and so do
 ``--prime N`` untimed one-token steps of the arm (default 1 with several arms): a sample starts
-with its arm's graph just run, not with the switch from another arm's graphs (on an H100 at full
-depth, 12-13 arms in one process made every sample ~100 ms slower without it; thirtieth session).
+with its arm's graph just run, not with the switch from another arm's graphs (_ArmState.prime).
 Per arm: median ms/step, p10/p90/iqr, tok/s, ratio to the first arm, bytes the step must read
 (gpu.step.step_bytes summed over stages at the mid position: weights one token touches as this
 runtime stores them (dense bf16, experts stored FP4), the KV it attends, pending compressor
@@ -367,11 +366,12 @@ class _ArmState:
     def prime(self, n: int) -> None:
         """``n`` untimed one-token steps of this arm's feed (device: decode_greedy of 1 token;
         token: readback="token"; host: the logits and np.argmax), each ending in its host wait,
-        so the GPU is idle again when the timed sample starts.  Why (thirtieth session): with
-        many arms in one process each sample is the first launch of its arm's graph since the
-        other arms' graphs ran; on an H100 at full depth 12-13 arms cost ~100 ms per sample
-        more than 6-8 arms did (20 against 8 ms per token), so without a primed step an arm's
-        number includes the switch from the arm before it, which no engine pays."""
+        so the GPU is idle again when the timed sample starts.  Why: in an interleaved A/B each
+        sample would otherwise be the first run of its arm's graph right after the other arms'
+        ran, so whatever that switch costs (the other arm's L2 / TLB contents; in the thirtieth
+        session, with nine or more arms, a recapture per sample from DeviceStep's then 8-state
+        graph cache: ~70 ms per sample at full depth, since fixed) lands in the arm's number,
+        while an engine stepping one sequence never pays it."""
         for _ in range(n):
             if self.feed == "device":
                 self.tok = int(self.m.decode_greedy(self.state, self.tok, 1)[-1])
@@ -657,7 +657,8 @@ def main(argv=None) -> int:
                 print(f"  {'  ' * r.depth}{r.label:30s} {r.per_step_us / 1e3:9.3f} ms/step "
                       f"{100 * r.share:5.1f}%")
     js, png = write_results({"config": {"model": a.model, "devices": list(devices),
-                                        "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup, "prime": a.prime,
+                                        "steps": a.steps, "ctx": a.ctx, "warmup": a.warmup,
+                                        "prime": a.prime,
                                         "fill": a.fill, "dense": _dense_of(m),
                                         "phase_steps": a.phase_steps, "experts": fmt,
                                         "expert_storage": a.expert_storage},
