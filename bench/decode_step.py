@@ -356,8 +356,13 @@ class _ArmState:
     def run(self) -> None:
         """One sample of this arm, its settings already the model's (apply): what the bench
         times (the A/B's own apply runs before the timed region, harness.Arm.setup)."""
-        if self.feed == "device":   # one sample = feed_chunk tokens (main() divides)
-            self.tok = int(self.m.decode_greedy(self.state, self.tok, self.feed_chunk)[-1])
+        self._feed(self.feed_chunk)   # feed=device: one sample = feed_chunk tokens (main() divides)
+
+    def _feed(self, chunk: int) -> None:
+        """One call of this arm's feed: decode_greedy of ``chunk`` tokens (device), or one step
+        with the token read back (token) or the logits and np.argmax (host)."""
+        if self.feed == "device":
+            self.tok = int(self.m.decode_greedy(self.state, self.tok, chunk)[-1])
         elif self.feed == "token":
             self.tok = int(self.m.decode_step(self.state, self.tok, readback="token"))
         else:
@@ -373,12 +378,7 @@ class _ArmState:
         graph cache: ~70 ms per sample at full depth, since fixed) lands in the arm's number,
         while an engine stepping one sequence never pays it."""
         for _ in range(n):
-            if self.feed == "device":
-                self.tok = int(self.m.decode_greedy(self.state, self.tok, 1)[-1])
-            elif self.feed == "token":
-                self.tok = int(self.m.decode_step(self.state, self.tok, readback="token"))
-            else:
-                self.tok = int(np.argmax(self.m.decode_step(self.state, self.tok)))
+            self._feed(1)
 
     def eager_step(self) -> None:
         """One step for the phase report: the same launches as step(), issued eagerly so the
