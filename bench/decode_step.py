@@ -45,7 +45,7 @@ _MB, _NS: a paced L2 prefetch of wq_b's / wo_a's first MB on the hc side stream;
 boundary or into the attention / down + combine, or the Sinkhorn run first on the attention's /
 the shared expert's side stream; bit-identical, step_device.hc_join_form),
 ``idxpair=on|off`` (MEMRA_DSV4_IDXQ_PAIR: the CSA indexer's q GEMV inside wq_b's launch or its own;
-bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
+on is the default since the thirty-first session; bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
 the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
 shared-memory carveout, pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
@@ -59,8 +59,10 @@ without shared-expert rows, or a gate/up grid sized for the other SMs; bit-ident
 step_device.shared_gateup_spare), ``hchand=ticket|cluster|coop|coopall`` (MEMRA_DSV4_HC_PRE_HANDOFF: the
 boundary's critical launch as the last-CTA ticket kernel, one thread-block cluster exchanging
 partials and x through DSMEM, or the cooperative grid polling tagged global words (8 tail CTAs, or all); bit-identical, step_device.hc_pre_handoff),
-``attnhg=auto|16|8|4`` (MEMRA_DSV4_DECODE_ATTN_HG: the split attention kernel's heads per CTA, a group
-below the default with every tile in its own CTA; bit-identical, step_device.decode_attn_head_group),
+``attnhg=auto|own|16|8|4`` (MEMRA_DSV4_DECODE_ATTN_HG: the split attention kernel's heads per CTA, a group
+below H's own with every tile in its own CTA; auto, the default, is 8 for Flash's 64 heads, own
+the largest group dividing H, 16 for Flash: the default before the thirty-first session, when arms
+named auto meant own; bit-identical, step_device.decode_attn_head_group),
 ``feed=host|token|device`` (how the arm's steps get their tokens: host, the default, reads the logits
 back and takes np.argmax on the host; token, decode_step(readback="token"), 4 bytes back; device,
 Dsv4Gpu.decode_greedy over --feed-chunk steps per sample, the tokens fed on the device and one host
@@ -173,7 +175,7 @@ _KERNEL_SETTINGS = {
     "shgu": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_SHARED_GATEUP"),
     "rhand": SimpleNamespace(allowed=("ticket", "cluster"), env="MEMRA_DSV4_ROUTER_HANDOFF"),
     "hchand": SimpleNamespace(allowed=("ticket", "cluster", "coop", "coopall"), env="MEMRA_DSV4_HC_PRE_HANDOFF"),
-    "attnhg": SimpleNamespace(allowed=("auto", "16", "8", "4"), env="MEMRA_DSV4_DECODE_ATTN_HG"),
+    "attnhg": SimpleNamespace(allowed=("auto", "own", "16", "8", "4"), env="MEMRA_DSV4_DECODE_ATTN_HG"),
     "shspare": SimpleNamespace(allowed=("router", "grid", "none"), env="MEMRA_DSV4_SHARED_GATEUP_SPARE"),
     "wqbqn": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_WQB_QNORM"),
     "idxpair": SimpleNamespace(allowed=("on", "off"), env="MEMRA_DSV4_IDXQ_PAIR"),

@@ -1,9 +1,10 @@
 """MEMRA_DSV4_DECODE_ATTN_HG (step_device.decode_attn_head_group) and ops.attention's head_group
 argument, on the CPU (no GPU):
 
-* the switch: unset / empty -> DECODE_ATTN_HG_DEFAULT ("auto": head_group(H), 16 for Flash's 64
-  heads); "16" / "8" / "4"; anything else a ValueError naming the variable; a group that does not
-  divide H refused by head_group, naming it; bench.decode_step's attnhg arm sets the variable;
+* the switch: unset / empty -> DECODE_ATTN_HG_DEFAULT ("auto": 8 where head_group(H) is larger,
+  so 8 for Flash's 64 heads, else head_group(H): 8 heads -> 8, 4 -> 4, 12 -> 4); "own" ->
+  head_group(H) for any H; "16" / "8" / "4"; anything else a ValueError naming the variable; an
+  explicit group that does not divide H refused by head_group, naming it; bench.decode_step's attnhg arm sets the variable;
 * the wrapper on fake arrays (tests/test_kernel_sources.py's FakeKernel checks every launch's
   arguments against attention.cu's signature): head_group g launches sparse_attn_d{D}_hg{g}
   with grid (T, H / g, n_split) and the group's block, the combine unchanged; head_group None
@@ -29,27 +30,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_decode_attn_hg_switch(monkeypatch):
     from memra_dsv4.gpu import step_device as SD
     assert SD.DECODE_ATTN_HG_ENV == "MEMRA_DSV4_DECODE_ATTN_HG"
-    assert SD.DECODE_ATTN_HG_DEFAULT == "auto"
+    assert SD.DECODE_ATTN_HG_DEFAULT == "auto" and SD.DECODE_ATTN_HG_AUTO == 8
     monkeypatch.delenv(SD.DECODE_ATTN_HG_ENV, raising=False)
-    assert SD.decode_attn_head_group(64) == 16
+    # the default: 8 below a larger own group (Flash 64 heads, 128 for Pro), else the own group
+    assert SD.decode_attn_head_group(64) == 8 and SD.decode_attn_head_group(128) == 8
+    assert SD.decode_attn_head_group(16) == 8
     assert SD.decode_attn_head_group(8) == 8 and SD.decode_attn_head_group(4) == 4
+    assert SD.decode_attn_head_group(12) == 4 and SD.decode_attn_head_group(24) == 8
     monkeypatch.setenv(SD.DECODE_ATTN_HG_ENV, "")
-    assert SD.decode_attn_head_group(64) == 16
-    for v, want in (("auto", 16), ("16", 16), ("8", 8), ("4", 4)):
+    assert SD.decode_attn_head_group(64) == 8
+    for v, want in (("auto", 8), ("own", 16), ("16", 16), ("8", 8), ("4", 4)):
         monkeypatch.setenv(SD.DECODE_ATTN_HG_ENV, v)
         assert SD.decode_attn_head_group(64) == want
+    monkeypatch.setenv(SD.DECODE_ATTN_HG_ENV, "own")
+    assert [SD.decode_attn_head_group(h) for h in (4, 8, 12, 24)] == [4, 8, 4, 8]
     monkeypatch.setenv(SD.DECODE_ATTN_HG_ENV, "16")
     with pytest.raises(AssertionError, match="head_group 16 does not divide H = 8"):
         SD.decode_attn_head_group(8)
     for bad in ("2", "32", "four"):
         monkeypatch.setenv(SD.DECODE_ATTN_HG_ENV, bad)
-        with pytest.raises(ValueError, match=f"MEMRA_DSV4_DECODE_ATTN_HG='{bad}'.*auto, 16, 8 or 4"):
+        with pytest.raises(ValueError, match=f"MEMRA_DSV4_DECODE_ATTN_HG='{bad}'.*auto, own, 16, 8 or 4"):
             SD.decode_attn_head_group(64)
 
 
 def test_bench_decode_attnhg_arm_sets_the_env():
     from bench.decode_step import _kernel_env, check_arms
-    for v in ("auto", "16", "8", "4"):
+    for v in ("auto", "own", "16", "8", "4"):
         assert _kernel_env({"attnhg": v}, None) == {"MEMRA_DSV4_DECODE_ATTN_HG": v}
     with pytest.raises(SystemExit, match="attnhg='2'"):
         check_arms("path=device+attnhg=2")

@@ -20,12 +20,16 @@ def test_carveout_env(monkeypatch):
             smem_carveout()
 
 
-@pytest.mark.parametrize("env,fn,bad", [("MEMRA_DSV4_WQB_QNORM", "wqb_qnorm_on", "yes"),
-                                          ("MEMRA_DSV4_IDXQ_PAIR", "idxq_pair_on", "1")])
-def test_on_off_switch_env(monkeypatch, env, fn, bad):
+@pytest.mark.parametrize("env,fn,bad,default", [("MEMRA_DSV4_WQB_QNORM", "wqb_qnorm_on", "yes", False),
+                                                  ("MEMRA_DSV4_IDXQ_PAIR", "idxq_pair_on", "1", True)])
+def test_on_off_switch_env(monkeypatch, env, fn, bad, default):
     from memra_dsv4.gpu import step_device
     on = getattr(step_device, fn)
     monkeypatch.delenv(env, raising=False)
+    assert on() is default   # IDXQ_PAIR on by default since the thirty-first session
+    monkeypatch.setenv(env, "")
+    assert on() is default
+    monkeypatch.setenv(env, "off")
     assert on() is False
     monkeypatch.setenv(env, "on")
     assert on() is True

@@ -945,8 +945,9 @@ class DeviceStep:
                 AT.sparse_attention_decode(q, cache.kv, pos, W, L.ratio, sel, K, sink, hd ** -0.5,
                                            out=o, workspace=v["dev.attn_ws"], inverse_rope=rope, **qn)
             else:                # "split": the split kernel + combine over cand (sel_path)
-                # MEMRA_DSV4_DECODE_ATTN_HG: the split kernel's heads per CTA; a group below the
-                # default puts every tile in its own CTA (n_split = the tile count)
+                # MEMRA_DSV4_DECODE_ATTN_HG: the split kernel's heads per CTA (Flash: 8 by
+                # default); a group below H's own puts every tile in its own CTA (n_split = the
+                # tile count)
                 hg = decode_attn_head_group(H)
                 split = AT.n_tiles(K) if hg != AT.head_group(H) else None
                 AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5, out=o,
@@ -1222,32 +1223,43 @@ def hc_pre_handoff() -> str:
                        HC_PRE_HANDOFF_DEFAULT)
 
 
-DECODE_ATTN_HG_ENV = "MEMRA_DSV4_DECODE_ATTN_HG"   # auto | 16 | 8 | 4: the split attention's heads per CTA
+DECODE_ATTN_HG_ENV = "MEMRA_DSV4_DECODE_ATTN_HG"   # auto | own | 16 | 8 | 4: the split attention's heads per CTA
 DECODE_ATTN_HG_DEFAULT = "auto"
+DECODE_ATTN_HG_AUTO = 8   # "auto": this group where H's own group is larger (Flash: 64 heads, own 16)
 
 
 def decode_attn_head_group(H: int) -> int:
-    """MEMRA_DSV4_DECODE_ATTN_HG = auto | 16 | 8 | 4 (DECODE_ATTN_HG_DEFAULT), read when the
+    """MEMRA_DSV4_DECODE_ATTN_HG = auto | own | 16 | 8 | 4 (DECODE_ATTN_HG_DEFAULT), read when the
     attention launches (at graph capture), with MEMRA_DSV4_DECODE_ATTN = split: the heads per CTA
-    of the split attention kernel (ops.attention.sparse_attention(head_group=)); "auto" is
-    ops.attention.head_group(H) (16 for Flash's 64 heads).  A smaller group also gives every
-    tile its own CTA.  Why: one token's attention is a grid of H / 16 x tiles CTAs of 8 warps,
-    each warp computing 2 heads' dots and P.V over a tile of 32 rows (~3.6 K instructions, 2
-    warps per scheduler on the ~20-50 SMs the grid takes), while the rest of the GPU idles:
-    8.6 us go -> exit in a Flash layer (twenty-first session's timeline) for ~70 KB of rows.  With
-    4 heads per CTA each warp has one head (about half the instructions) and the grid covers 4x
+    of the split attention kernel (ops.attention.sparse_attention(head_group=)).  "own" is
+    ops.attention.head_group(H), the largest group dividing H (16 for Flash's 64 heads; the
+    default until the thirty-first session); "auto" is DECODE_ATTN_HG_AUTO (8) where H's own
+    group is larger, else H's own group (tiny: 4, small: 8).  A group below H's own also gives
+    every tile its own CTA (the caller's n_split) with one tile buffer (ops.attention.tile_buffers).
+    Why: one token's attention at H's own group is a grid of H / 16 x tiles CTAs of 8 warps, each
+    warp computing 2 heads' dots and P.V over a tile of 32 rows (~3.6 K instructions, 2 warps per
+    scheduler on the ~20-80 SMs the grid takes), while the rest of the GPU idles (8.6-8.9 us go ->
+    exit in a Flash layer); with 8 heads per CTA each warp has one head and the grid covers twice
     as many SMs; in the 8- and 4-head kernels the CTAs of empty tiles (the -1 tail of the list)
-    leave at once (attention.cu).  Measured (twenty-sixth session, one H200): "4" against "auto"
-    at 1K on 20 Flash layers 3.53 vs 3.54 ms (4 first), 3.51 vs 3.52 (1200 steps); full depth
-    7.16 -> 7.12, 7.09 vs 7.13 (4 first), 6.97 -> 6.97 (1200 steps); 32K 3.69 -> 3.72 ms; the
-    timeline (trace build) HCA attention 8.9 -> 6.7 us, CSA 9.1 -> 7.5 us with its combine 4.8 ->
-    7.3 us: neutral, so "auto" stays the default (docs/decode_perf.md).  The head
-    group never changes a head's arithmetic: the same bytes (tests/gpu/test_kernels_attention.py,
-    tests/gpu/test_step_attn_hg_gpu.py); not a seam (bench arm attnhg=auto|16|8|4).  A group that
-    does not divide H is refused by the wrapper, naming it."""
+    leave at once (attention.cu).  Measured (docs/decode_perf.md, twenty-sixth and thirty-first
+    sessions): the traced layer (20 Flash layers, 1K, one H100) CSA 203.1 -> 199.3 us and HCA
+    173.7 -> 172.4 us with 8 (4: 200.6 / 173.6): the attention 8.9 -> 7.2 us; its combine slower
+    (5.7 -> 6.3 us; 7.9 with 4) while the CSA layer's wo_a / wo_b run ~1.5 us faster each.  The
+    production step, full depth, 1K, one H100, in-process both orders: own 8.11 / 8.13, 8: 8.08 /
+    8.09, 4: 8.09 / 8.10 ms (with the IDXQ_PAIR default on: 8.07 / 8.07 and 8.08 / 8.08); 32K:
+    own 8.51 / 8.51, 8 + pair 8.48 ms.  On one H200 (twenty-sixth session) 4 measured 0.0 to -0.6 %
+    at full depth and 8 neutral on 20 layers.  The head group never changes a head's arithmetic:
+    the same bytes (tests/gpu/test_kernels_attention.py, tests/gpu/test_step_attn_hg_gpu.py); not a
+    seam (bench arm attnhg=auto|own|16|8|4).  An explicit group that does not divide H is refused
+    by the wrapper, naming it."""
     from memra_dsv4.gpu.ops import attention as AT
-    v = _choice_env(DECODE_ATTN_HG_ENV, ("auto", "16", "8", "4"), DECODE_ATTN_HG_DEFAULT)
-    return AT.head_group(H) if v == "auto" else AT.head_group(H, int(v))
+    v = _choice_env(DECODE_ATTN_HG_ENV, ("auto", "own", "16", "8", "4"), DECODE_ATTN_HG_DEFAULT)
+    own = AT.head_group(H)
+    if v == "own":
+        return own
+    if v == "auto":
+        return DECODE_ATTN_HG_AUTO if own > DECODE_ATTN_HG_AUTO else own
+    return AT.head_group(H, int(v))
 
 
 def multi_qnorm_on() -> bool:
@@ -1329,7 +1341,7 @@ def hc_join_early() -> bool:
 
 
 IDXQ_PAIR_ENV = "MEMRA_DSV4_IDXQ_PAIR"   # "on": the CSA indexer's q GEMV inside wq_b's launch (A/B)
-IDXQ_PAIR_DEFAULT = "off"
+IDXQ_PAIR_DEFAULT = "on"   # since the thirty-first session (idxq_pair_on)
 
 
 def idxq_pair_on() -> bool:
@@ -1340,8 +1352,13 @@ def idxq_pair_on() -> bool:
     (16 MB, ~9 us at a third of the copy bandwidth) on the CSA layers' path from wq_b to the
     attention, since its CTAs get no SM until wq_b's are dispatched; inside wq_b's launch its
     bytes stream at wq_b's rate.  The indexer's branch then waits for wq_b before the q RoPE.
-    Ignored with MEMRA_DSV4_WQB_QNORM on and with decode_fork "lead" / "single".  The same
-    bytes; not a seam (bench arm idxpair=on|off)."""
+    Ignored with MEMRA_DSV4_WQB_QNORM on and with decode_fork "lead" / "single"; where wq_b does
+    not run as pl_r{R} with bf16 weights (FP8 dense) ops_decode.gemv_bf16_pair makes the two
+    launches.  The default since the thirty-first session: on one H100 at full depth, 1K, in
+    process, off 8.11 -> on 8.09 ms (twice), and with 8 heads per attention CTA (the
+    DECODE_ATTN_HG default) 8.08 / 8.09 -> 8.07 / 8.07 ms; on 2x H200 (fourteenth session, 20
+    layers) 3.51 -> 3.50 and 3.52 -> 3.51 ms, 32K 3.84 -> 3.83 ms.  The same bytes; not a seam
+    (bench arm idxpair=on|off)."""
     return _on_off_env(IDXQ_PAIR_ENV, IDXQ_PAIR_DEFAULT) == "on"
 
 

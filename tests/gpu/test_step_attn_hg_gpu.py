@@ -6,8 +6,9 @@ step must give the default's bits:
 
 * flash-layers:4 (two window-only layers, one CSA, one HCA: K = 128, 384 and 136 at max_seq_len 1024, so the 6
   steps after a 5-token prefill run tiles with candidates beside empty ones in every kind),
-  arms interleaved step by step: auto (graph; the reference, 16 heads per CTA), 4 (graph),
-  4 eager, 8 (graph); logits of every step and every cache byte equal; the first eager hg4
+  arms interleaved step by step: own (graph; the reference, 16 heads per CTA, the default until
+  the thirty-first session), auto (graph; the default, 8 for Flash's 64 heads), 4 (graph), 4
+  eager, 8 (graph); logits of every step and every cache byte equal; the first eager hg4
   step launches sparse_attn_d512_hg4 once per layer with grid (1, 16, tiles of the layer's
   list) and never sparse_attn_d512_hg16;
 * in the same interleave, 4 heads per CTA with the seam MEMRA_DSV4_DECODE_QNORM = attn (graph):
@@ -25,8 +26,8 @@ from step_models import flash_prefilled  # noqa: E402  (tests/gpu on sys.path)
 
 ENV = "MEMRA_DSV4_DECODE_ATTN_HG"
 # arm -> (MEMRA_DSV4_DECODE_ATTN_HG, the model's decode_qnorm seam, graph)
-_ARMS = {"auto": ("auto", "kernel", True), "hg4": ("4", "kernel", True), "hg4+eager": ("4", "kernel", False),
-         "hg8": ("8", "kernel", True), "hg4+qn": ("4", "attn", True)}
+_ARMS = {"own": ("own", "kernel", True), "auto": ("auto", "kernel", True), "hg4": ("4", "kernel", True),
+         "hg4+eager": ("4", "kernel", False), "hg8": ("8", "kernel", True), "hg4+qn": ("4", "attn", True)}
 
 
 def _runner(m, states, monkeypatch, first_eager):

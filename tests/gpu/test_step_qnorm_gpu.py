@@ -11,7 +11,7 @@ must give the bits of ``kernel`` (head_rms_bf16 after wq_b, the default).
   Switching the seam recaptures (the cached graph records its q norm form).
 * device-hostmath with attn == legacy byte for byte (tiny, 5 steps): the device-hostmath path's
   contract holds with the seam on.
-* one Flash-sized layer (flash-layers:1: H = 64, D = 512, the hg16 kernels; a sliding-window
+* one Flash-sized layer (flash-layers:1: H = 64, D = 512, the default hg8 kernels; a sliding-window
   layer), 5-token prefill, 6 steps: kernel == attn == attn + fused (graphs), logits and caches.
   Host cost: the checkpoint is ~5 GB of NumPy arrays (as tests/gpu/test_step_fp4full_gpu.py)."""
 from __future__ import annotations
