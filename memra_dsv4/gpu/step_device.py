@@ -23,7 +23,8 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * compressor emission, gated on the device (a no-op unless (pos + 1) % r == 0), one launch per
   compressor (compressor.emit): pool (overlap / plain) over the pending rows, norm_rope_sim at
   kpos = pos + 1 - r straight into compressed row (pos + 1) / r - 1, pending_advance;
-* indexer: q GEMV + RoPE/Hadamard/FP4, then scores over the key rows with
+* indexer: q GEMV (by default inside wq_b's launch, MEMRA_DSV4_IDXQ_PAIR: idxq_pair_on) +
+  RoPE/Hadamard/FP4, then scores over the key rows with
   n_valid = (pos + 1) // 4 from the device and the top-k in index order: ops.indexer.scores_topk
   in its default form 'auto' (MEMRA_DSV4_INDEXER_SELECT): when the key rows can hold more than
   index_topk keys, indexer_scores_tiles_d128 (scores + the high-byte histogram in a per-device
@@ -32,8 +33,9 @@ position-dependent decision taken on the device from ``pos`` (int32 [1] in the a
 * sparse attention with the inverse-RoPE epilogue, in the form ``model.decode_attn`` names (seam
   MEMRA_DSV4_DECODE_ATTN; the two are bit-identical):
   ``split`` (default): build_cand (window chronological, then the compressed segment, -1 padded,
-  into the arena's attn.cand), then attention.sparse_attention split over CTAs (n_split auto)
-  and its combine kernel: three launches (two where auto_split gives 1: no combine);
+  into the arena's attn.cand), then attention.sparse_attention split over CTAs with the heads
+  per CTA of decode_attn_head_group (Flash: 8, every tile its own CTA; n_split auto at H's own
+  group) and its combine kernel: three launches (two where auto_split gives 1: no combine);
   ``fused``: ONE launch (attention.sparse_attention_decode: the same candidate list computed in
   the kernel, split over CTAs, the partials merged by the CTAs that finish last through a
   per-device ticket counter).  Both use the arena's dev.attn_ws as the split workspace;
