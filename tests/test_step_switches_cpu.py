@@ -1,5 +1,6 @@
 """The step's non-seam A/B switches read from the environment, on the CPU: the preferred
-shared-memory carveout of the PDL launches (MEMRA_DSV4_SMEM_CARVEOUT, pdl.smem_carveout) and the
+shared-memory carveout of the PDL launches (MEMRA_DSV4_SMEM_CARVEOUT, pdl.smem_carveout; its
+per-launch form fit1, pdl.fit1_carveout) and the
 q_norm inside wq_b (MEMRA_DSV4_WQB_QNORM, step_device.wqb_qnorm_on) and the CSA indexer's q GEMV
 inside wq_b's launch (MEMRA_DSV4_IDXQ_PAIR, step_device.idxq_pair_on): values and refusals."""
 from __future__ import annotations
@@ -11,7 +12,8 @@ def test_carveout_env(monkeypatch):
     from memra_dsv4.gpu.pdl import smem_carveout
     monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
     assert smem_carveout() is None
-    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("50", 50), ("0", 0), ("100", 100)):
+    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"), ("50", 50), ("0", 0),
+                    ("100", 100)):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
         assert smem_carveout() == want, v
     for bad in ("101", "-1", "half"):
@@ -87,3 +89,60 @@ def test_carveout_read_once_per_pdl_block(monkeypatch):
         with pdl.pdl_launches(False):      # PDL off: no PdlKernel launches, the value is kept
             assert pdl._CARVE == 100
     assert pdl._CARVE is None
+
+
+def test_fit1_carveout_holds_one_cta_of_a_one_wave_launch():
+    """MEMRA_DSV4_SMEM_CARVEOUT=fit1 (pdl.fit1_carveout): a launch with shared memory and no more
+    CTAs than SMs prefers the smallest carveout holding one CTA (dynamic + static + the per-block
+    reservation, in percent of the SM's shared memory, rounded up); a launch without shared
+    memory or with more CTAs than SMs gets no preference (the driver's choice)."""
+    from memra_dsv4.gpu.pdl import fit1_carveout
+    h = dict(sm_count=132, smem_per_sm=233472, reserved_per_block=1024)   # an H100 / H200 SM
+    # hc_boundary_pre: 64 CTAs, 57 KB dynamic -> (58368 + 1024) / 233472 = 25.4 % -> 26
+    assert fit1_carveout(64, 58368, 0, **h) == 26
+    # the 8-head attention's one-buffer CTAs (32 KB) and the combine's staged partials (41 KB)
+    assert fit1_carveout(104, 32768, 0, **h) == 15
+    assert fit1_carveout(64, 20 * 514 * 4, 0, **h) == 19   # 18.05 % rounds up
+    assert fit1_carveout(132, 0, 4096, **h) == 3          # static shared memory counts too
+    assert fit1_carveout(1, 1, 0, **h) == 1
+    assert fit1_carveout(1, 232448, 0, **h) == 100        # the largest CTA: the whole share
+    assert fit1_carveout(64, 0, 0, **h) is None           # no shared memory: no preference
+    assert fit1_carveout(133, 58368, 0, **h) is None      # more CTAs than SMs: the driver's choice
+    assert fit1_carveout(4096, 0, 0, **h) is None
+    with pytest.raises(AssertionError):
+        fit1_carveout(0, 1024, 0, **h)
+
+
+def test_fit1_env_and_block(monkeypatch):
+    from memra_dsv4.gpu import pdl
+    monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit1")
+    assert pdl.smem_carveout() == pdl.FIT1 == "fit1"
+    with pdl.pdl_launches(True):
+        assert pdl._CARVE == "fit1"
+    assert pdl._CARVE is None
+    monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit2")
+    with pytest.raises(ValueError, match="maxl1, fit1 or a percentage"):
+        pdl.smem_carveout()
+
+
+def test_fit1_for_reads_the_kernel_and_the_device_once(monkeypatch):
+    """pdl._fit1_for: the kernel's static shared memory at each call (no cache a rebuilt module
+    could inherit), the device's three attributes once per device."""
+    import sys
+    from types import SimpleNamespace
+    from memra_dsv4.gpu import pdl
+    asked = []
+
+    def get(attr, dev):
+        asked.append((attr, dev))
+        return {16: 132, 81: 233472, 111: 1024}[attr]
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 3,
+                                                                        deviceGetAttribute=get)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(pdl, "_DEVICE_SMEM", {})
+    k = SimpleNamespace(shared_size_bytes=0)
+    assert pdl._fit1_for(k, 58368, 64) == 26
+    k.shared_size_bytes = 4096
+    assert pdl._fit1_for(k, 58368, 64) == 28        # (58368 + 4096 + 1024) / 233472 -> 27.3 -> 28
+    assert pdl._fit1_for(k, 58368, 200) is None
+    assert sorted(asked) == [(16, 3), (81, 3), (111, 3)]

@@ -41,30 +41,84 @@ import ctypes
 import numpy as np
 
 __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout", "launch_ex",
-           "ExKernel"]
+           "ExKernel", "FIT1", "fit1_carveout"]
 
 _ACTIVE = False
-_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it)
+_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1 or None
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
 
 
-def smem_carveout() -> int | None:
+FIT1 = "fit1"   # smem_carveout's per-launch form: fit1_carveout
+
+
+def fit1_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, *, sm_count: int,
+                  smem_per_sm: int, reserved_per_block: int) -> int | None:
+    """The carveout preference (percent of ``smem_per_sm``, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_
+    PER_MULTIPROCESSOR) of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fit1: None (no preference, the
+    driver's choice) for a launch that uses no shared memory or has more CTAs than SMs (a
+    many-wave grid keeps the occupancy the driver sizes for it); else the smallest percentage
+    whose share holds one CTA: its dynamic + static shared memory + the per-block reservation
+    (CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK), rounded up (the driver rounds the
+    preference up to a supported configuration; never below what the kernel needs)."""
+    n_ctas, dyn, static = int(n_ctas), int(dynamic_smem), int(static_smem)
+    assert n_ctas >= 1 and dyn >= 0 and static >= 0, (n_ctas, dyn, static)
+    assert sm_count >= 1 and smem_per_sm >= 1 and reserved_per_block >= 0, (sm_count, smem_per_sm)
+    if dyn + static == 0 or n_ctas > sm_count:
+        return None
+    need = dyn + static + reserved_per_block
+    return min(100, max(1, -(-100 * need // smem_per_sm)))
+
+
+_DEVICE_SMEM: dict[int, tuple[int, int, int]] = {}   # device -> (SMs, smem per SM, reserved per block)
+
+
+def _fit1_for(raw_kernel, shared_mem: int, n_ctas: int) -> int | None:
+    """fit1_carveout of one launch of ``raw_kernel`` (a cupy.RawKernel: its static shared memory,
+    read at each call, so no cache can outlive a rebuilt module) on the current device (SM
+    count, shared memory per SM and the per-block reservation, read once per device)."""
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    info = _DEVICE_SMEM.get(dev)
+    if info is None:
+        get = cupy.cuda.runtime.deviceGetAttribute
+        # cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
+        # cudaDevAttrReservedSharedMemoryPerBlock = 111 (driver_types.h; 1 KB on sm_80 / sm_90)
+        info = _DEVICE_SMEM[dev] = (int(get(16, dev)), int(get(81, dev)), int(get(111, dev)))
+    sms, per_sm, reserved = info
+    return fit1_carveout(n_ctas, shared_mem, int(raw_kernel.shared_size_bytes), sm_count=sms,
+                         smem_per_sm=per_sm, reserved_per_block=reserved)
+
+
+def smem_carveout() -> int | str | None:
     """MEMRA_DSV4_SMEM_CARVEOUT, read when a pdl_launches(True) block is entered (the device step
     enters one per step, so also at graph capture) and given to its PdlKernel launches: unset or
     "default": no carveout attribute (the driver picks each kernel's L1 / shared split from its
     own needs); "max": 100; "maxl1": 0; an integer 0..100: that percentage of the maximum shared
-    memory, passed as the launch's CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT.  Why:
-    an SM runs CTAs of one carveout configuration at a time, so a kernel whose configuration
-    differs from the CTAs still resident (the 57 KB hc_boundary_pre or the 64 KB sparse attention
-    after a GEMV that needs none) may have to wait for the SM to drain instead of starting under
-    PDL; one preference for every kernel of the step makes the configurations equal.  Schedule
-    only: the same bytes.  Not a seam (bench arm carve=)."""
+    memory, passed as the launch's CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; "fit1"
+    (FIT1): per launch, only a launch that uses shared memory and has no more CTAs than the
+    device has SMs gets a preference, the smallest carveout that holds one of its CTAs
+    (fit1_carveout); every other launch none.  Why: an SM runs CTAs of one carveout configuration
+    at a time, so a kernel whose configuration differs from the CTAs still resident (the 57 KB
+    hc_boundary_pre or the 64 KB sparse attention after a GEMV that needs none) may have to wait
+    for the SM to drain instead of starting under PDL; one preference for every kernel of the step
+    makes the configurations equal (measured slower: max +5 %, 50 +1.5 %, maxl1 +2.8 %: it also
+    cuts the occupancy of the many-wave kernels that use shared memory).  "fit1" asks only the
+    one-wave latency-bound kernels for a small carveout: with PDL the SMs they held never idle, so
+    the next kernels' CTAs keep running in the configuration the driver chose for them (a large
+    shared share, little L1, for the occupancy those grids never use), and L1 also stages the
+    streaming GEMVs' loads in flight.  The thirty-first session's trace (H100) had wo_a and wo_b
+    each ~1.5 us slower in the CSA layers after the 52 CTAs of 64 KB of the 16-head attention and
+    not after 20 of them (HCA), their CTAs resident early and nothing beside them; "fit1" is the
+    A/B of that hypothesis (not GPU-run when written).  Schedule only: the same bytes.  Not a seam
+    (bench arm carve=)."""
     import os
     v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
     if v in ("", "default"):
         return None
+    if v == FIT1:
+        return FIT1
     if v == "max":
         return 100
     if v == "maxl1":
@@ -74,7 +128,7 @@ def smem_carveout() -> int | None:
     except ValueError:
         n = -1
     if not 0 <= n <= 100:
-        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1 or a percentage 0..100")
+        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1, fit1 or a percentage 0..100")
     return n
 
 
@@ -177,6 +231,8 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
         carve = _CARVE
+        if carve == FIT1:       # this launch's own preference, or none (fit1_carveout)
+            carve = _fit1_for(raw_kernel, int(shared_mem), gx * gy * gz)
         if carve is not None:   # captured into the graph node with the launch
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
