@@ -125,9 +125,10 @@ def test_fit1_env_and_block(monkeypatch):
         pdl.smem_carveout()
 
 
-def test_fit1_for_reads_the_kernel_and_the_device_once(monkeypatch):
-    """pdl._fit1_for: the kernel's static shared memory at each call (no cache a rebuilt module
-    could inherit), the device's three attributes once per device."""
+def test_fit1_for_reads_the_device_once(monkeypatch):
+    """pdl._fit1_for: the launch's static shared memory as given (launch_ex reads it from the
+    driver at each fit1 launch: no cache a rebuilt module could inherit), the device's three
+    attributes once per device."""
     import sys
     from types import SimpleNamespace
     from memra_dsv4.gpu import pdl
@@ -140,9 +141,7 @@ def test_fit1_for_reads_the_kernel_and_the_device_once(monkeypatch):
                                                                         deviceGetAttribute=get)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(pdl, "_DEVICE_SMEM", {})
-    k = SimpleNamespace(shared_size_bytes=0)
-    assert pdl._fit1_for(k, 58368, 64) == 26
-    k.shared_size_bytes = 4096
-    assert pdl._fit1_for(k, 58368, 64) == 28        # (58368 + 4096 + 1024) / 233472 -> 27.3 -> 28
-    assert pdl._fit1_for(k, 58368, 200) is None
+    assert pdl._fit1_for(0, 58368, 64) == 26
+    assert pdl._fit1_for(4096, 58368, 64) == 28     # (58368 + 4096 + 1024) / 233472 -> 27.3 -> 28
+    assert pdl._fit1_for(4096, 58368, 200) is None
     assert sorted(asked) == [(16, 3), (81, 3), (111, 3)]

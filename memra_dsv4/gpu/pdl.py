@@ -74,10 +74,11 @@ def fit1_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, *, sm_count:
 _DEVICE_SMEM: dict[int, tuple[int, int, int]] = {}   # device -> (SMs, smem per SM, reserved per block)
 
 
-def _fit1_for(raw_kernel, shared_mem: int, n_ctas: int) -> int | None:
-    """fit1_carveout of one launch of ``raw_kernel`` (a cupy.RawKernel: its static shared memory,
-    read at each call, so no cache can outlive a rebuilt module) on the current device (SM
-    count, shared memory per SM and the per-block reservation, read once per device)."""
+def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
+    """fit1_carveout of one launch on the current device, given the function's static shared
+    memory (launch_ex reads it from the driver at each fit1 launch, so no cache can outlive a
+    rebuilt module) and its dynamic shared memory and CTA count; the device's SM count, shared
+    memory per SM and per-block reservation are read once per device."""
     import cupy
     dev = cupy.cuda.runtime.getDevice()
     info = _DEVICE_SMEM.get(dev)
@@ -87,8 +88,8 @@ def _fit1_for(raw_kernel, shared_mem: int, n_ctas: int) -> int | None:
         # cudaDevAttrReservedSharedMemoryPerBlock = 111 (driver_types.h; 1 KB on sm_80 / sm_90)
         info = _DEVICE_SMEM[dev] = (int(get(16, dev)), int(get(81, dev)), int(get(111, dev)))
     sms, per_sm, reserved = info
-    return fit1_carveout(n_ctas, shared_mem, int(raw_kernel.shared_size_bytes), sm_count=sms,
-                         smem_per_sm=per_sm, reserved_per_block=reserved)
+    return fit1_carveout(n_ctas, shared_mem, static_smem, sm_count=sms, smem_per_sm=per_sm,
+                         reserved_per_block=reserved)
 
 
 def smem_carveout() -> int | str | None:
@@ -232,7 +233,10 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attrs.append(attr)
         carve = _CARVE
         if carve == FIT1:       # this launch's own preference, or none (fit1_carveout)
-            carve = _fit1_for(raw_kernel, int(shared_mem), gx * gy * gz)
+            err, static = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                fail("cuFuncGetAttribute(SHARED_SIZE_BYTES)", err)
+            carve = _fit1_for(int(static), int(shared_mem), gx * gy * gz)
         if carve is not None:   # captured into the graph node with the launch
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
