@@ -370,10 +370,11 @@ class DeviceStep:
         if not graph:
             return None, forms
         fork, prio = self.fork_form(), self.priority_form()
-        now = (pdl_on, attn, fork, hc_split, prio, qnorm, w2)   # GraphEntry's fields after graphs
         gs = self._graphs.get(state)
-        if gs is None or gs[1:] != now:
-            gs = self._graphs[state] = GraphEntry(self._capture(state, *now), *now)
+        if gs is None or gs[1:] != (pdl_on, attn, fork, hc_split, prio, qnorm, w2):
+            gs = GraphEntry(self._capture(state, pdl_on, attn, fork, hc_split, prio, qnorm, w2),
+                            pdl_on, attn, fork, hc_split, prio, qnorm, w2)
+            self._graphs[state] = gs
         return gs, forms
 
     def _launch(self, state, gs, forms) -> None:
