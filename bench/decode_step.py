@@ -46,7 +46,7 @@ boundary or into the attention / down + combine, or the Sinkhorn run first on th
 the shared expert's side stream; bit-identical, step_device.hc_join_form),
 ``idxpair=on|off`` (MEMRA_DSV4_IDXQ_PAIR: the CSA indexer's q GEMV inside wq_b's launch or its own;
 on is the default since the thirty-first session; bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
-the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|fit1|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
+the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|max|maxl1|fit1|fitocc|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: every PDL launch's preferred
 shared-memory carveout, or with fit1 the one-wave launches that use shared memory only, the
 smallest carveout holding one CTA; pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
@@ -184,7 +184,7 @@ _KERNEL_SETTINGS = {
     "l2mb": SimpleNamespace(allowed=("8", "16", "24", "32", "48"), env="MEMRA_DSV4_L2_SIDE_MB"),
     "l2ns": SimpleNamespace(allowed=("0", "100", "200", "400", "800"), env="MEMRA_DSV4_L2_SIDE_NS"),
     "hcjoin": SimpleNamespace(allowed=("boundary", "early", "ride", "ride_attn"), env="MEMRA_DSV4_HC_JOIN"),
-    "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "fit1", "25", "50", "75"),
+    "carve": SimpleNamespace(allowed=("default", "max", "maxl1", "fit1", "fitocc", "25", "50", "75"),
                              env="MEMRA_DSV4_SMEM_CARVEOUT")}
 
 

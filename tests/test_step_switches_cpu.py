@@ -1,6 +1,6 @@
 """The step's non-seam A/B switches read from the environment, on the CPU: the preferred
 shared-memory carveout of the PDL launches (MEMRA_DSV4_SMEM_CARVEOUT, pdl.smem_carveout; its
-per-launch form fit1, pdl.fit1_carveout) and the
+per-launch forms fit1 and fitocc, pdl.fit1_carveout / fitocc_carveout) and the
 q_norm inside wq_b (MEMRA_DSV4_WQB_QNORM, step_device.wqb_qnorm_on) and the CSA indexer's q GEMV
 inside wq_b's launch (MEMRA_DSV4_IDXQ_PAIR, step_device.idxq_pair_on): values and refusals."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ def test_carveout_env(monkeypatch):
     from memra_dsv4.gpu.pdl import smem_carveout
     monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
     assert smem_carveout() is None
-    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"), ("50", 50), ("0", 0),
+    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"), ("fitocc", "fitocc"),
+                    ("50", 50), ("0", 0),
                     ("100", 100)):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
         assert smem_carveout() == want, v
@@ -121,7 +122,7 @@ def test_fit1_env_and_block(monkeypatch):
         assert pdl._CARVE == "fit1"
     assert pdl._CARVE is None
     monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit2")
-    with pytest.raises(ValueError, match="maxl1, fit1 or a percentage"):
+    with pytest.raises(ValueError, match="maxl1, fit1, fitocc or a percentage"):
         pdl.smem_carveout()
 
 
@@ -144,4 +145,28 @@ def test_fit1_for_reads_the_device_once(monkeypatch):
     assert pdl._fit1_for(0, 58368, 64) == 26
     assert pdl._fit1_for(4096, 58368, 64) == 28     # (58368 + 4096 + 1024) / 233472 -> 27.3 -> 28
     assert pdl._fit1_for(4096, 58368, 200) is None
+    assert pdl._fitocc_for(0, 58368, 64, 3) == 26   # one wave: fit1's share
+    assert pdl._fitocc_for(0, 58368, 200, 3) == 51  # two CTAs per SM: 2 * 59392 / 233472 -> 50.9 -> 51
     assert sorted(asked) == [(16, 3), (81, 3), (111, 3)]
+
+
+def test_fitocc_carveout_holds_the_ctas_an_sm_must_hold():
+    """MEMRA_DSV4_SMEM_CARVEOUT=fitocc (pdl.fitocc_carveout): every launch with shared memory
+    prefers the smallest carveout holding min(occupancy, ceil(CTAs / SMs)) CTAs (at least one);
+    a one-wave launch gets fit1's share, a launch without shared memory no preference, and the
+    largest share is 100 %."""
+    from memra_dsv4.gpu.pdl import fit1_carveout, fitocc_carveout
+    h = dict(sm_count=132, smem_per_sm=233472, reserved_per_block=1024)
+    for n, dyn, st in ((64, 58368, 0), (104, 32768, 0), (132, 0, 4096), (1, 1, 0), (1, 232448, 0)):
+        assert fitocc_carveout(n, dyn, st, 4, **h) == fit1_carveout(n, dyn, st, **h), (n, dyn, st)
+    # a persistent grid of 2 CTAs per SM of 40 KB: 2 * 41 KB -> 35.1 % -> 36
+    assert fitocc_carveout(264, 40960, 0, 2, **h) == 36
+    # many waves at occupancy 3: three CTAs' share, not more (ceil(4096 / 132) = 32 > 3)
+    assert fitocc_carveout(4096, 16384, 1024, 3, **h) == -(-100 * 3 * 18432 // 233472) == 24
+    # more waves than the occupancy allows at once are capped by the whole share
+    assert fitocc_carveout(4096, 100000, 0, 8, **h) == 100
+    # occupancy 0 (the driver says it cannot fit): still one CTA's share, never below the need
+    assert fitocc_carveout(500, 58368, 0, 0, **h) == 26
+    assert fitocc_carveout(4096, 0, 0, 8, **h) is None     # no shared memory: no preference
+    with pytest.raises(AssertionError):
+        fitocc_carveout(1, 1024, 0, -1, **h)

@@ -41,44 +41,59 @@ import ctypes
 import numpy as np
 
 __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout", "launch_ex",
-           "ExKernel", "FIT1", "fit1_carveout"]
+           "ExKernel", "FIT1", "FITOCC", "fit1_carveout", "fitocc_carveout"]
 
 _ACTIVE = False
-_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1 or None
+_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1, FITOCC or None
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
 
 
-FIT1 = "fit1"   # smem_carveout's per-launch form: fit1_carveout
+FIT1 = "fit1"       # smem_carveout's per-launch form: fit1_carveout
+FITOCC = "fitocc"   # smem_carveout's per-launch form for every grid: fitocc_carveout
+
+
+def fitocc_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, max_blocks_per_sm: int, *,
+                    sm_count: int, smem_per_sm: int, reserved_per_block: int) -> int | None:
+    """The carveout preference (percent of ``smem_per_sm``, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_
+    PER_MULTIPROCESSOR) of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fitocc: None (no preference, the
+    driver's choice) for a launch that uses no shared memory; else the smallest percentage whose
+    share holds the CTAs one SM must hold at once, min(max_blocks_per_sm, ceil(n_ctas /
+    sm_count)) of them (at least 1), each its dynamic + static shared memory + the per-block
+    reservation (CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK), rounded up (the driver
+    rounds the preference up to a supported configuration; never below what the kernel needs).
+    ``max_blocks_per_sm``: the occupancy the driver computes for the launch with all of the
+    shared memory (cuOccupancyMaxActiveBlocksPerMultiprocessor), so a many-wave grid keeps its
+    occupancy and gives up only the shared memory it can never use."""
+    n_ctas, dyn, static, occ = int(n_ctas), int(dynamic_smem), int(static_smem), int(max_blocks_per_sm)
+    assert n_ctas >= 1 and dyn >= 0 and static >= 0 and occ >= 0, (n_ctas, dyn, static, occ)
+    assert sm_count >= 1 and smem_per_sm >= 1 and reserved_per_block >= 0, (sm_count, smem_per_sm)
+    if dyn + static == 0:
+        return None
+    blocks = max(1, min(occ, -(-n_ctas // sm_count)))
+    need = blocks * (dyn + static + reserved_per_block)
+    return min(100, max(1, -(-100 * need // smem_per_sm)))
 
 
 def fit1_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, *, sm_count: int,
                   smem_per_sm: int, reserved_per_block: int) -> int | None:
-    """The carveout preference (percent of ``smem_per_sm``, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_
-    PER_MULTIPROCESSOR) of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fit1: None (no preference, the
-    driver's choice) for a launch that uses no shared memory or has more CTAs than SMs (a
-    many-wave grid keeps the occupancy the driver sizes for it); else the smallest percentage
-    whose share holds one CTA: its dynamic + static shared memory + the per-block reservation
-    (CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK), rounded up (the driver rounds the
-    preference up to a supported configuration; never below what the kernel needs)."""
-    n_ctas, dyn, static = int(n_ctas), int(dynamic_smem), int(static_smem)
-    assert n_ctas >= 1 and dyn >= 0 and static >= 0, (n_ctas, dyn, static)
-    assert sm_count >= 1 and smem_per_sm >= 1 and reserved_per_block >= 0, (sm_count, smem_per_sm)
-    if dyn + static == 0 or n_ctas > sm_count:
+    """The carveout preference of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fit1: None (no
+    preference, the driver's choice) for a launch that uses no shared memory or has more CTAs
+    than SMs (a many-wave grid keeps the configuration the driver sizes for it); else
+    fitocc_carveout's one-CTA share: the smallest percentage holding one CTA's dynamic + static
+    shared memory + the per-block reservation, rounded up."""
+    if int(n_ctas) > sm_count:
         return None
-    need = dyn + static + reserved_per_block
-    return min(100, max(1, -(-100 * need // smem_per_sm)))
+    return fitocc_carveout(n_ctas, dynamic_smem, static_smem, 1, sm_count=sm_count, smem_per_sm=smem_per_sm,
+                           reserved_per_block=reserved_per_block)
 
 
 _DEVICE_SMEM: dict[int, tuple[int, int, int]] = {}   # device -> (SMs, smem per SM, reserved per block)
 
 
-def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
-    """fit1_carveout of one launch on the current device, given the function's static shared
-    memory (launch_ex reads it from the driver at each fit1 launch, so no cache can outlive a
-    rebuilt module) and its dynamic shared memory and CTA count; the device's SM count, shared
-    memory per SM and per-block reservation are read once per device."""
+def _device_smem() -> tuple[int, int, int]:
+    """(SMs, shared memory per SM, per-block reservation) of the current device, read once."""
     import cupy
     dev = cupy.cuda.runtime.getDevice()
     info = _DEVICE_SMEM.get(dev)
@@ -87,9 +102,25 @@ def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
         # cudaDevAttrMultiProcessorCount = 16, cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
         # cudaDevAttrReservedSharedMemoryPerBlock = 111 (driver_types.h; 1 KB on sm_80 / sm_90)
         info = _DEVICE_SMEM[dev] = (int(get(16, dev)), int(get(81, dev)), int(get(111, dev)))
-    sms, per_sm, reserved = info
+    return info
+
+
+def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
+    """fit1_carveout of one launch on the current device, given the function's static shared
+    memory (launch_ex reads it from the driver at each fit1 launch, so no cache can outlive a
+    rebuilt module) and its dynamic shared memory and CTA count; the device's SM count, shared
+    memory per SM and per-block reservation are read once per device."""
+    sms, per_sm, reserved = _device_smem()
     return fit1_carveout(n_ctas, shared_mem, static_smem, sm_count=sms, smem_per_sm=per_sm,
                          reserved_per_block=reserved)
+
+
+def _fitocc_for(static_smem: int, shared_mem: int, n_ctas: int, max_blocks_per_sm: int) -> int | None:
+    """fitocc_carveout of one launch on the current device (static shared memory and occupancy
+    read from the driver by launch_ex at each fitocc launch)."""
+    sms, per_sm, reserved = _device_smem()
+    return fitocc_carveout(n_ctas, shared_mem, static_smem, max_blocks_per_sm, sm_count=sms,
+                           smem_per_sm=per_sm, reserved_per_block=reserved)
 
 
 def smem_carveout() -> int | str | None:
@@ -112,14 +143,19 @@ def smem_carveout() -> int | str | None:
     streaming GEMVs' loads in flight.  The thirty-first session's trace (H100) had wo_a and wo_b
     each ~1.5 us slower in the CSA layers after the 52 CTAs of 64 KB of the 16-head attention and
     not after 20 of them (HCA), their CTAs resident early and nothing beside them; "fit1" is the
-    A/B of that hypothesis (not GPU-run when written).  Schedule only: the same bytes.  Not a seam
+    A/B of that hypothesis (the thirty-second session, H100, full depth: −1.2 % with 8 heads per
+    attention CTA, −0.5 % with 16).  "fitocc" (FITOCC): every launch that uses shared memory, any
+    grid, prefers the smallest carveout holding the CTAs one SM must hold at once at the
+    occupancy the driver computes for it (fitocc_carveout; a one-wave launch: fit1's share), so
+    the many-wave shared-memory kernels (the FP4 expert GEMVs' staging and rings) give up only
+    the shared memory they never use.  Schedule only: the same bytes.  Not a seam
     (bench arm carve=)."""
     import os
     v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
     if v in ("", "default"):
         return None
-    if v == FIT1:
-        return FIT1
+    if v in (FIT1, FITOCC):
+        return v
     if v == "max":
         return 100
     if v == "maxl1":
@@ -129,7 +165,7 @@ def smem_carveout() -> int | str | None:
     except ValueError:
         n = -1
     if not 0 <= n <= 100:
-        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1, fit1 or a percentage 0..100")
+        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1, fit1, fitocc or a percentage 0..100")
     return n
 
 
@@ -232,11 +268,21 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
         carve = _CARVE
-        if carve == FIT1:       # this launch's own preference, or none (fit1_carveout)
+        if carve in (FIT1, FITOCC):   # this launch's own preference, or none (fit1 / fitocc_carveout)
             err, static = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
             if err != cu.CUresult.CUDA_SUCCESS:
                 fail("cuFuncGetAttribute(SHARED_SIZE_BYTES)", err)
-            carve = _fit1_for(int(static), int(shared_mem), gx * gy * gz)
+            if carve == FIT1:
+                carve = _fit1_for(int(static), int(shared_mem), gx * gy * gz)
+            elif int(static) + int(shared_mem) == 0:
+                carve = None
+            else:   # a cluster launch (the router's one cluster) is sized for one CTA per SM
+                occ = 1
+                if cluster is None:
+                    err, occ = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, bx * by * bz, int(shared_mem))
+                    if err != cu.CUresult.CUDA_SUCCESS:
+                        fail("cuOccupancyMaxActiveBlocksPerMultiprocessor", err)
+                carve = _fitocc_for(int(static), int(shared_mem), gx * gy * gz, int(occ))
         if carve is not None:   # captured into the graph node with the launch
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
