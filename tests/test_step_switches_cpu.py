@@ -11,9 +11,9 @@ import pytest
 def test_carveout_env(monkeypatch):
     from memra_dsv4.gpu.pdl import smem_carveout
     monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
-    assert smem_carveout() is None
-    for v, want in (("default", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"), ("fitocc", "fitocc"),
-                    ("50", 50), ("0", 0),
+    assert smem_carveout() == "fit1"   # the default since the thirty-second session
+    for v, want in (("default", "fit1"), ("driver", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"),
+                    ("fitocc", "fitocc"), ("50", 50), ("0", 0),
                     ("100", 100)):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
         assert smem_carveout() == want, v
@@ -122,7 +122,7 @@ def test_fit1_env_and_block(monkeypatch):
         assert pdl._CARVE == "fit1"
     assert pdl._CARVE is None
     monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit2")
-    with pytest.raises(ValueError, match="maxl1, fit1, fitocc or a percentage"):
+    with pytest.raises(ValueError, match="driver, max, maxl1, fit1, fitocc or a percentage"):
         pdl.smem_carveout()
 
 

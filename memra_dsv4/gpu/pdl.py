@@ -41,7 +41,8 @@ import ctypes
 import numpy as np
 
 __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout", "launch_ex",
-           "ExKernel", "FIT1", "FITOCC", "fit1_carveout", "fitocc_carveout"]
+           "ExKernel", "FIT1", "FITOCC", "DRIVER", "SMEM_CARVEOUT_DEFAULT", "fit1_carveout",
+           "fitocc_carveout"]
 
 _ACTIVE = False
 _CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1, FITOCC or None
@@ -123,36 +124,42 @@ def _fitocc_for(static_smem: int, shared_mem: int, n_ctas: int, max_blocks_per_s
                            smem_per_sm=per_sm, reserved_per_block=reserved)
 
 
+SMEM_CARVEOUT_DEFAULT = FIT1   # since the thirty-second session (smem_carveout)
+DRIVER = "driver"              # smem_carveout's value for no carveout attribute at all
+
+
 def smem_carveout() -> int | str | None:
     """MEMRA_DSV4_SMEM_CARVEOUT, read when a pdl_launches(True) block is entered (the device step
-    enters one per step, so also at graph capture) and given to its PdlKernel launches: unset or
-    "default": no carveout attribute (the driver picks each kernel's L1 / shared split from its
-    own needs); "max": 100; "maxl1": 0; an integer 0..100: that percentage of the maximum shared
-    memory, passed as the launch's CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; "fit1"
-    (FIT1): per launch, only a launch that uses shared memory and has no more CTAs than the
-    device has SMs gets a preference, the smallest carveout that holds one of its CTAs
-    (fit1_carveout); every other launch none.  Why: an SM runs CTAs of one carveout configuration
-    at a time, so a kernel whose configuration differs from the CTAs still resident (the 57 KB
-    hc_boundary_pre or the 64 KB sparse attention after a GEMV that needs none) may have to wait
-    for the SM to drain instead of starting under PDL; one preference for every kernel of the step
-    makes the configurations equal (measured slower: max +5 %, 50 +1.5 %, maxl1 +2.8 %: it also
-    cuts the occupancy of the many-wave kernels that use shared memory).  "fit1" asks only the
-    one-wave latency-bound kernels for a small carveout: with PDL the SMs they held never idle, so
-    the next kernels' CTAs keep running in the configuration the driver chose for them (a large
-    shared share, little L1, for the occupancy those grids never use), and L1 also stages the
-    streaming GEMVs' loads in flight.  The thirty-first session's trace (H100) had wo_a and wo_b
-    each ~1.5 us slower in the CSA layers after the 52 CTAs of 64 KB of the 16-head attention and
-    not after 20 of them (HCA), their CTAs resident early and nothing beside them; "fit1" is the
-    A/B of that hypothesis (the thirty-second session, H100, full depth: −1.2 % with 8 heads per
-    attention CTA, −0.5 % with 16).  "fitocc" (FITOCC): every launch that uses shared memory, any
-    grid, prefers the smallest carveout holding the CTAs one SM must hold at once at the
-    occupancy the driver computes for it (fitocc_carveout; a one-wave launch: fit1's share), so
-    the many-wave shared-memory kernels (the FP4 expert GEMVs' staging and rings) give up only
-    the shared memory they never use.  Schedule only: the same bytes.  Not a seam
-    (bench arm carve=)."""
+    enters one per step, so also at graph capture) and given to its PdlKernel launches.  Values:
+    unset or "default": SMEM_CARVEOUT_DEFAULT ("fit1" since the thirty-second session);
+    "driver" (DRIVER, returned as None): no carveout attribute, the driver picks each kernel's
+    L1 / shared split from its own needs (the default before; bench arms named carve=default
+    before that session meant this); "max": 100; "maxl1": 0; an integer 0..100: that percentage
+    of the maximum shared memory on every PDL launch, passed as the launch's
+    CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; "fit1" (FIT1): per launch, only a launch
+    that uses shared memory and has no more CTAs than the device has SMs gets a preference, the
+    smallest carveout that holds one of its CTAs (fit1_carveout); every other launch none;
+    "fitocc" (FITOCC): every launch that uses shared memory, any grid, the smallest carveout
+    holding the CTAs one SM must hold at once at its occupancy (fitocc_carveout; a one-wave
+    launch: fit1's share).
+    Why fit1: an SM runs CTAs of one carveout configuration at a time, and under PDL the SMs that
+    held a one-wave latency-bound kernel with shared memory (the hc boundary's 57 KB, the
+    attention's 32-64 KB, the combine's staged partials) never idle, so the driver's choice for
+    it (the largest shared share, for an occupancy those grids never use) stays on them while the
+    next kernels run, with little L1 left for the streaming GEMVs' loads in flight.  The
+    thirty-first session's trace (H100) had wo_a and wo_b each ~1.5 us slower after the 52 CTAs
+    of 64 KB of the 16-head attention; with fit1 (thirty-second session, H100, 20 layers) the
+    CSA layer's combine ran 6.3 -> 4.9 us and its wo_a / wo_b 22.9 / 22.7 -> 22.4 / 21.4 us, and at
+    full depth the device-fed step 8.06-8.08 -> 7.97-7.98 ms at 1K in two processes and
+    7.98-7.99 -> 7.89 in a third (both orders), and 8.49 -> 8.33 ms at 32K.  One preference on every launch is slower (max +5 %,
+    maxl1 +2.8 %, 50 +1.5 %: it also cuts the occupancy of the many-wave kernels that use shared
+    memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule only: the same
+    bytes.  Not a seam (bench arm carve=)."""
     import os
     v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
     if v in ("", "default"):
+        v = SMEM_CARVEOUT_DEFAULT
+    if v == DRIVER:
         return None
     if v in (FIT1, FITOCC):
         return v
@@ -165,7 +172,8 @@ def smem_carveout() -> int | str | None:
     except ValueError:
         n = -1
     if not 0 <= n <= 100:
-        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, max, maxl1, fit1, fitocc or a percentage 0..100")
+        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, driver, max, maxl1, fit1, fitocc or a "
+                         f"percentage 0..100")
     return n
 
 

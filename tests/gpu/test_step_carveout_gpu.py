@@ -1,10 +1,11 @@
 """MEMRA_DSV4_SMEM_CARVEOUT (pdl.smem_carveout): every PDL launch of the step carries a preferred
 shared-memory carveout.  Only the SMs' L1 / shared split (and so which CTAs may share an SM)
 changes, so the step must give the same bits: tiny (1 stage, CSA + HCA layers) with fork "all"
-and hc split on, graph replay with the carveout at max, at 50, per launch (fit1: the one-wave
-launches with shared memory, one CTA's share; fitocc: every launch with shared memory, its
-occupancy's share) against the default, and the eager step at max, the arms interleaved step by step (each captures its own graphs: the
-variable is read at each launch, so at capture), logits and every cache byte equal."""
+and hc split on, graph replay with no carveout attribute (driver), the default (fit1: the
+one-wave launches with shared memory, one CTA's share), max, 50 and fitocc (every launch with
+shared memory, its occupancy's share), and the eager step at max, the arms interleaved step by
+step (each captures its own graphs: the variable is read at each launch, so at capture), logits
+and every cache byte equal."""
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,8 @@ def test_carveout_bit_identical_tiny(monkeypatch):
     assert m.pdl == "on", "the carveout rides on the PDL launches"
     prompt, steps = 5, 12
     ids = _ids(ck.config, prompt + steps + 1, seed=31)
-    arms = {"default": ("default", True), "max": ("max", True), "50": ("50", True),
-            "fit1": ("fit1", True), "fitocc": ("fitocc", True), "max_eager": ("max", False)}
+    arms = {"driver": ("driver", True), "default": ("default", True), "max": ("max", True), "50": ("50", True),
+            "fitocc": ("fitocc", True), "max_eager": ("max", False)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     with step_forms(m, decode_fork="all", hc_split="on"):
         assert_arms_agree("carveout", states, ids[prompt:prompt + steps],
