@@ -170,3 +170,119 @@ def test_fitocc_carveout_holds_the_ctas_an_sm_must_hold():
     assert fitocc_carveout(4096, 0, 0, 8, **h) is None     # no shared memory: no preference
     with pytest.raises(AssertionError):
         fitocc_carveout(1, 1024, 0, -1, **h)
+
+
+def test_func_value_is_computed_once_per_kernel_object(monkeypatch):
+    """pdl._func_value (launch_ex's static shared memory and occupancy for fit1 / fitocc): one
+    driver query per function, not per launch; a different RawKernel at a reused handle
+    recomputes (the entry keeps its kernel and compares identity); an occupancy of 0 is not kept."""
+    from memra_dsv4.gpu import pdl
+    monkeypatch.setattr(pdl, "_FUNC_VALUES", {})
+    calls = []
+
+    def q(v):
+        def f():
+            calls.append(v)
+            return v
+        return f
+    k1, k2 = object(), object()
+    assert pdl._func_value(k1, (77, "static"), q(1024)) == 1024
+    assert pdl._func_value(k1, (77, "static"), q(9)) == 1024          # cached for k1
+    assert pdl._func_value(k2, (77, "static"), q(2048)) == 2048       # same handle, another kernel
+    assert pdl._func_value(k2, (77, "static"), q(9)) == 2048
+    assert pdl._func_value(k2, (77, "occ", 256, 4096), q(0)) == 0      # not kept
+    assert pdl._func_value(k2, (77, "occ", 256, 4096), q(3)) == 3
+    assert pdl._func_value(k2, (77, "occ", 256, 4096), q(9)) == 3
+    assert pdl._func_value(k2, (77, "static"), q(0)) == 2048
+    assert calls == [1024, 2048, 0, 3]
+    assert pdl._func_value(k1, (78, "static"), q(0)) == 0             # a static 0 is kept
+    assert pdl._func_value(k1, (78, "static"), q(5)) == 0
+
+
+def _fake_driver(calls, static=0, occ=2):
+    """A cuda.bindings.driver stand-in for launch_ex on the CPU: records the driver calls and the
+    launch config's attributes."""
+    import types
+    from types import SimpleNamespace as NS
+    ok = NS(name="CUDA_SUCCESS")
+    cu = types.ModuleType("cuda.bindings.driver")
+    cu.CUresult = NS(CUDA_SUCCESS=ok)
+    cu.CUfunction = lambda p: int(p)
+    cu.CUstream = lambda p: int(p)
+    cu.CUfunction_attribute = NS(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES="SHARED_SIZE_BYTES",
+                                 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED="NONPORTABLE")
+    cu.CUlaunchAttributeID = NS(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION="PDL",
+                                CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT="CARVE",
+                                CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION="CLUSTER")
+
+    class Attr:
+        def __init__(self):
+            self.id = None
+            self.value = NS(clusterDim=NS())
+    cu.CUlaunchAttribute = Attr
+    cu.CUlaunchConfig = lambda: NS()
+
+    def get_attr(what, func):
+        calls.append(("attr", what, func))
+        return ok, static
+
+    def occupancy(func, threads, smem):
+        calls.append(("occ", func, threads, smem))
+        return ok, occ
+
+    def launch(cfg, func, params, extra):
+        calls.append(("launch", func, [(a.id, getattr(a.value, "sharedMemCarveout", None)) for a in cfg.attrs]))
+        return (ok,)
+    cu.cuFuncGetAttribute = get_attr
+    cu.cuOccupancyMaxActiveBlocksPerMultiprocessor = occupancy
+    cu.cuLaunchKernelEx = launch
+    cu.cuGetErrorString = lambda err: (ok, b"fake")
+    return cu
+
+
+@pytest.mark.parametrize("carve", ["fit1", "fitocc", "driver", "50"])
+def test_launch_ex_carveout_attribute(monkeypatch, carve):
+    """launch_ex under each carveout form, with a fake driver on the CPU: the PDL attribute on
+    every launch; the carveout attribute with fit1's one-CTA share for a one-wave launch with
+    shared memory (and none for a many-wave one under fit1, the occupancy's share under fitocc,
+    none with driver, the percentage with 50); the function's static shared memory and occupancy
+    asked of the driver once per kernel object, not per launch; no attribute query without PDL."""
+    import sys
+    import types
+    from types import SimpleNamespace as NS
+    from tests.test_kernel_sources import _fake_cupy
+    from memra_dsv4.gpu import pdl
+    calls = []
+    cu = _fake_driver(calls, static=0, occ=2)
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = cu
+    cuda = types.ModuleType("cuda")
+    cuda.bindings = bindings
+    fake = _fake_cupy()
+    fake.cuda.runtime.deviceGetAttribute = lambda attr, dev: {16: 132, 81: 233472, 111: 1024}[attr]
+    for name, mod in (("cupy", fake), ("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.driver", cu)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(pdl, "_FUNC_VALUES", {})
+    monkeypatch.setattr(pdl, "_DEVICE_SMEM", {})
+    monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", carve)
+    raw = NS(kernel=NS(ptr=4242))
+    stream = NS(ptr=7)
+    with pdl.pdl_launches(True):
+        for _ in range(3):   # hc_boundary_pre's shape: 64 CTAs, 57 KB
+            pdl.launch_ex(raw, "hc.k", (64,), (256,), (), shared_mem=58368, stream=stream, pdl=True)
+        pdl.launch_ex(raw, "hc.k", (300,), (256,), (), shared_mem=58368, stream=stream, pdl=True)
+    pdl.launch_ex(raw, "hc.k", (64,), (256,), (), shared_mem=58368, stream=stream, pdl=False)
+    launches = [c for c in calls if c[0] == "launch"]
+    queries = [c for c in calls if c[0] != "launch"]
+    one_wave = {"fit1": 26, "fitocc": 26, "driver": None, "50": 50}[carve]
+    many_wave = {"fit1": None, "fitocc": 51, "driver": None, "50": 50}[carve]   # fitocc: 2 CTAs per SM
+    for attrs, want in zip([l[2] for l in launches], [one_wave] * 3 + [many_wave] + ["no pdl"]):
+        if want == "no pdl":
+            assert attrs == []
+        else:
+            assert attrs[0] == ("PDL", None)
+            assert attrs[1:] == ([] if want is None else [("CARVE", want)]), (carve, attrs)
+    want_q = {"fit1": [("attr", "SHARED_SIZE_BYTES", 4242)],
+              "fitocc": [("attr", "SHARED_SIZE_BYTES", 4242), ("occ", 4242, 256, 58368)],
+              "driver": [], "50": []}[carve]
+    assert queries == want_q

@@ -124,6 +124,27 @@ def _fitocc_for(static_smem: int, shared_mem: int, n_ctas: int, max_blocks_per_s
                            smem_per_sm=per_sm, reserved_per_block=reserved)
 
 
+_FUNC_VALUES: dict[tuple, tuple[object, int]] = {}   # (CUfunction handle, what...) -> (its RawKernel, value)
+
+
+def _func_value(raw_kernel, key: tuple, compute) -> int:
+    """A per-function driver value (static shared memory, occupancy) that launch_ex needs for the
+    fit1 / fitocc carveouts, computed once per function: the carveout is read at every PDL launch
+    (graph capture, and every eager step's ~900 launches), so a driver query per launch would be
+    host time on the eager paths.  The entry keeps the RawKernel whose function it describes and
+    is used only for that same object, so a rebuilt module's function (a new RawKernel) never
+    inherits a freed one's value through a reused handle (the id-keyed caches' rule,
+    tests/test_id_keyed_caches_cpu.py).  An occupancy of 0 (the function's shared-memory limit not
+    raised yet) is not kept."""
+    ent = _FUNC_VALUES.get(key)
+    if ent is not None and ent[0] is raw_kernel:
+        return ent[1]
+    v = int(compute())
+    if v > 0 or key[1] == "static":
+        _FUNC_VALUES[key] = (raw_kernel, v)
+    return v
+
+
 SMEM_CARVEOUT_DEFAULT = FIT1   # since the thirty-second session (smem_carveout)
 DRIVER = "driver"              # smem_carveout's value for no carveout attribute at all
 
@@ -277,20 +298,26 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attrs.append(attr)
         carve = _CARVE
         if carve in (FIT1, FITOCC):   # this launch's own preference, or none (fit1 / fitocc_carveout)
-            err, static = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                fail("cuFuncGetAttribute(SHARED_SIZE_BYTES)", err)
+            def static_smem():
+                err, v = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    fail("cuFuncGetAttribute(SHARED_SIZE_BYTES)", err)
+                return int(v)
+            static = _func_value(raw_kernel, (int(func), "static"), static_smem)
             if carve == FIT1:
-                carve = _fit1_for(int(static), int(shared_mem), gx * gy * gz)
-            elif int(static) + int(shared_mem) == 0:
+                carve = _fit1_for(static, int(shared_mem), gx * gy * gz)
+            elif static + int(shared_mem) == 0:
                 carve = None
             else:   # a cluster launch (the router's one cluster) is sized for one CTA per SM
                 occ = 1
                 if cluster is None:
-                    err, occ = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, bx * by * bz, int(shared_mem))
-                    if err != cu.CUresult.CUDA_SUCCESS:
-                        fail("cuOccupancyMaxActiveBlocksPerMultiprocessor", err)
-                carve = _fitocc_for(int(static), int(shared_mem), gx * gy * gz, int(occ))
+                    def occupancy():
+                        err, v = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, bx * by * bz, int(shared_mem))
+                        if err != cu.CUresult.CUDA_SUCCESS:
+                            fail("cuOccupancyMaxActiveBlocksPerMultiprocessor", err)
+                        return int(v)
+                    occ = _func_value(raw_kernel, (int(func), "occ", bx * by * bz, int(shared_mem)), occupancy)
+                carve = _fitocc_for(static, int(shared_mem), gx * gy * gz, occ)
         if carve is not None:   # captured into the graph node with the launch
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
