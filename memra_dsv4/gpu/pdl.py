@@ -108,9 +108,10 @@ def _device_smem() -> tuple[int, int, int]:
 
 def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
     """fit1_carveout of one launch on the current device, given the function's static shared
-    memory (launch_ex reads it from the driver at each fit1 launch, so no cache can outlive a
-    rebuilt module) and its dynamic shared memory and CTA count; the device's SM count, shared
-    memory per SM and per-block reservation are read once per device."""
+    memory (launch_ex asks the driver once per function, _func_value, whose entries serve only
+    their own RawKernel, so no value outlives a rebuilt module) and its dynamic shared memory and
+    CTA count; the device's SM count, shared memory per SM and per-block reservation are read once
+    per device."""
     sms, per_sm, reserved = _device_smem()
     return fit1_carveout(n_ctas, shared_mem, static_smem, sm_count=sms, smem_per_sm=per_sm,
                          reserved_per_block=reserved)
@@ -118,7 +119,7 @@ def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
 
 def _fitocc_for(static_smem: int, shared_mem: int, n_ctas: int, max_blocks_per_sm: int) -> int | None:
     """fitocc_carveout of one launch on the current device (static shared memory and occupancy
-    read from the driver by launch_ex at each fitocc launch)."""
+    from the driver through launch_ex's _func_value, once per function)."""
     sms, per_sm, reserved = _device_smem()
     return fitocc_carveout(n_ctas, shared_mem, static_smem, max_blocks_per_sm, sm_count=sms,
                            smem_per_sm=per_sm, reserved_per_block=reserved)
@@ -171,10 +172,11 @@ def smem_carveout() -> int | str | None:
     thirty-first session's trace (H100) had wo_a and wo_b each ~1.5 us slower after the 52 CTAs
     of 64 KB of the 16-head attention; with fit1 (thirty-second session, H100, 20 layers) the
     CSA layer's combine ran 6.3 -> 4.9 us and its wo_a / wo_b 22.9 / 22.7 -> 22.4 / 21.4 us, and at
-    full depth the device-fed step 8.06-8.08 -> 7.97-7.98 ms at 1K in two processes and
-    7.98-7.99 -> 7.89 in a third (both orders), and 8.49 -> 8.33 ms at 32K.  One preference on every launch is slower (max +5 %,
-    maxl1 +2.8 %, 50 +1.5 %: it also cuts the occupancy of the many-wave kernels that use shared
-    memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule only: the same
+    full depth the device-fed step 8.06-8.08 -> 7.97-7.98 ms at 1K in three processes and
+    7.98-7.99 -> 7.89 in a fourth (both orders), and 8.49 -> 8.33 ms at 32K.  The mechanism is a
+    hypothesis these numbers fit, not observed directly.  One preference on every launch is
+    slower (max +5 %, maxl1 +2.8 %, 50 +1.5 %: it also cuts the occupancy of the many-wave kernels
+    that use shared memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule only: the same
     bytes.  Not a seam (bench arm carve=)."""
     import os
     v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
