@@ -304,6 +304,15 @@ def check_arms(spec: str) -> list[dict]:
                 raise SystemExit(f"arm {s}: {key}={s[key]!r}; expected one of "
                                  f"{', '.join(seam.allowed)} "
                                  f"({'' if isinstance(seam, _ArmOnlySetting) else 'seam '}{seam.env})")
+    # the samples are keyed by the arm's name (harness.arm_label): two arms with the same
+    # settings would be refused by run_interleaved only after every arm was set up (each
+    # prefills and captures its own state: ~15 s per arm at full depth), so refuse them here
+    from bench.harness import arm_label
+    labels = [arm_label(s) for s in arms]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise SystemExit(f"--arms: arm(s) {', '.join(dup)} given more than once (the samples are keyed by the "
+                         f"arm's name; to repeat a setting, add a no-op one, e.g. attnhg=auto)")
     return arms
 
 

@@ -64,3 +64,52 @@ def test_steps_parser_refuses_a_malformed_line(tmp_path):
     bad.write_text("# comment\n60 warm python3 x.py\nwarm python3 y.py\n", encoding="utf-8")
     with pytest.raises(AssertionError, match="next_bad.txt:3: not 'SECONDS NAME COMMAND'"):
         steps(str(bad))
+
+
+def arm_specs(command: str) -> list[str]:
+    """Every --arms value a step's command gives bench.decode_step, with the shell variable F
+    (F=...; before it) and a for-loop's quoted list (for A in "..." "..."; ... --arms $A)
+    expanded, as the shell would."""
+    out = []
+    f = re.search(r"\bF=(\S+?);", command)
+    for m in re.finditer(r"--arms ([^\s;]+)", command):
+        spec = m.group(1)
+        if spec == "$A":
+            loop = re.search(r"for A in ((?:\"[^\"]*\"\s*)+);", command)
+            assert loop, f"--arms $A without a for A in list: {command[:80]!r}"
+            specs = re.findall(r"\"([^\"]*)\"", loop.group(1))
+        else:
+            specs = [spec]
+        for s in specs:
+            if f is not None:
+                s = s.replace("$F", f.group(1))
+            assert "$" not in s, f"unexpanded shell variable in --arms {s!r}"
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("path", QUEUED, ids=[os.path.basename(p) for p in QUEUED])
+def test_queued_batch_arms_pass_the_bench_check(path):
+    """Each queued bench.decode_step's --arms passes the bench's own check (known settings,
+    allowed values, no arm given twice), which the bench makes only on the GPU machine: the
+    thirty-second session lost a warm machine's setup to a repeated arm."""
+    from bench.decode_step import check_arms
+    for _, name, cmd in steps(path):
+        if "bench.decode_step" not in cmd:
+            continue
+        for spec in arm_specs(cmd):
+            try:
+                check_arms(spec)
+            except SystemExit as e:
+                raise AssertionError(f"{os.path.basename(path)} step {name}: --arms {spec}: {e}") from None
+
+
+def test_arm_specs_expands_f_and_for_lists():
+    cmd = ('F=path=device+feed=device; for A in "$F,$F+carve=driver" "$F+carve=driver,$F"; do '
+           'python3 -m bench.decode_step --arms $A; done')
+    assert arm_specs(cmd) == ["path=device+feed=device,path=device+feed=device+carve=driver",
+                              "path=device+feed=device+carve=driver,path=device+feed=device"]
+    assert arm_specs("python3 -m bench.decode_step --arms path=device,path=legacy") == ["path=device,path=legacy"]
+    from bench.decode_step import check_arms
+    with pytest.raises(SystemExit, match="given more than once"):
+        check_arms(arm_specs("F=path=device; x --arms $F+carve=driver,$F,$F+carve=driver")[0])

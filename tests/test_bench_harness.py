@@ -73,6 +73,12 @@ def test_decode_step_arms_take_attn_and_refuse_bad_values():
     # main refuses before it imports CuPy or loads a model
     with pytest.raises(SystemExit, match="attn='fused2'"):
         decode_step.main(["--arms", "path=device+attn=split,path=device+attn=fused2"])
+    # two arms with the same settings (the same name): refused before any GPU work, naming it
+    with pytest.raises(SystemExit, match=r"--arms: arm\(s\) path=device\+pdl=off given more than once"):
+        decode_step.check_arms("path=device+pdl=off,path=device,path=device+pdl=off")
+    with pytest.raises(SystemExit, match="given more than once"):
+        decode_step.main(["--arms", "path=device,path=device"])
+    assert len(decode_step.check_arms("path=device+carve=driver,path=device,path=device+carve=driver+attnhg=auto")) == 3
 
 
 def test_arm_label_inverts_parse():
