@@ -29,6 +29,11 @@ Contract
   the PDL attribute); both take ``cluster=(cx, cy, cz)`` and add CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
   allowing a non-portable size (> 8, up to 16 on an H200) on the function first
   (``launch_ex``).  router_cluster_* uses it.
+* Carveout: a PdlKernel launch also carries the preferred shared-memory carveout that
+  ``smem_carveout()`` (MEMRA_DSV4_SMEM_CARVEOUT, read on entering the block) asks for; the
+  default ``fit1`` sets it only on one-wave launches that use shared memory (the smallest share
+  holding one CTA), with the function's static shared memory asked of the driver once per
+  function (``_func_value``).  A schedule attribute: the same bytes.
 * The seam ``MEMRA_DSV4_PDL`` (``on``/``off``, ``Dsv4Gpu.load(pdl=)``) decides whether the device
   step enters the context; the bench can A/B it in one process (arm setting ``pdl=on|off``).
 """
