@@ -181,8 +181,8 @@ def smem_carveout() -> int | str | None:
     7.98-7.99 -> 7.89 in a fourth (both orders), and 8.49 -> 8.33 ms at 32K.  The mechanism is a
     hypothesis these numbers fit, not observed directly.  One preference on every launch is
     slower (max +5 %, maxl1 +2.8 %, 50 +1.5 %: it also cuts the occupancy of the many-wave kernels
-    that use shared memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule only: the same
-    bytes.  Not a seam (bench arm carve=)."""
+    that use shared memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule
+    only: the same bytes.  Not a seam (bench arm carve=)."""
     import os
     v = os.environ.get(SMEM_CARVEOUT_ENV, "").strip().lower()
     if v in ("", "default"):
