@@ -14,10 +14,10 @@ def test_carveout_env(monkeypatch):
     assert smem_carveout() == "fit1"   # the default since the thirty-second session
     for v, want in (("default", "fit1"), ("driver", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"),
                     ("fitocc", "fitocc"), ("50", 50), ("0", 0),
-                    ("100", 100)):
+                    ("100", 100), ("fit1h16", "fit1h16"), ("FIT1H08", "fit1h8"), ("fit1h228", "fit1h228")):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
         assert smem_carveout() == want, v
-    for bad in ("101", "-1", "half"):
+    for bad in ("101", "-1", "half", "fit1h", "fit1h0", "fit1h229", "fit1h-4", "fit1hx"):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", bad)
         with pytest.raises(ValueError, match="MEMRA_DSV4_SMEM_CARVEOUT"):
             smem_carveout()
@@ -122,7 +122,7 @@ def test_fit1_env_and_block(monkeypatch):
         assert pdl._CARVE == "fit1"
     assert pdl._CARVE is None
     monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit2")
-    with pytest.raises(ValueError, match="driver, max, maxl1, fit1, fitocc or a percentage"):
+    with pytest.raises(ValueError, match="driver, max, maxl1, fit1, fit1hK, fitocc or a percentage"):
         pdl.smem_carveout()
 
 
@@ -170,6 +170,24 @@ def test_fitocc_carveout_holds_the_ctas_an_sm_must_hold():
     assert fitocc_carveout(4096, 0, 0, 8, **h) is None     # no shared memory: no preference
     with pytest.raises(AssertionError):
         fitocc_carveout(1, 1024, 0, -1, **h)
+
+
+def test_fit1h_adds_headroom_for_the_next_kernels_ctas():
+    """fit1hK (pdl.fit1_carveout's headroom): one CTA's share plus K KB, so the next kernel's CTAs
+    (each the 1 KB reservation) fit beside it under PDL; still none for a many-wave grid or a
+    launch without shared memory, and capped at 100."""
+    from memra_dsv4.gpu.pdl import fit1_carveout
+    h = dict(sm_count=132, smem_per_sm=233472, reserved_per_block=1024)
+    # the hc boundary's 57 KB CTA: fit1 26 % (59.3 KB: the 64 KB configuration, 6 KB left);
+    # fit1h16 (58368 + 1024 + 16384) / 233472 -> 32.5 -> 33
+    assert fit1_carveout(64, 58368, 0, **h) == 26
+    assert fit1_carveout(64, 58368, 0, headroom=16384, **h) == 33
+    assert fit1_carveout(64, 58368, 0, headroom=32768, **h) == 40
+    assert fit1_carveout(300, 58368, 0, headroom=16384, **h) is None
+    assert fit1_carveout(64, 0, 0, headroom=16384, **h) is None
+    assert fit1_carveout(1, 232448, 0, headroom=16384, **h) == 100
+    with pytest.raises(AssertionError):
+        fit1_carveout(1, 1024, 0, headroom=-1, **h)
 
 
 def test_func_value_is_computed_once_per_kernel_object(monkeypatch):
@@ -240,7 +258,7 @@ def _fake_driver(calls, static=0, occ=2):
     return cu
 
 
-@pytest.mark.parametrize("carve", ["fit1", "fitocc", "driver", "50"])
+@pytest.mark.parametrize("carve", ["fit1", "fit1h16", "fitocc", "driver", "50"])
 def test_launch_ex_carveout_attribute(monkeypatch, carve):
     """launch_ex under each carveout form, with a fake driver on the CPU: the PDL attribute on
     every launch; the carveout attribute with fit1's one-CTA share for a one-wave launch with
@@ -274,15 +292,15 @@ def test_launch_ex_carveout_attribute(monkeypatch, carve):
     pdl.launch_ex(raw, "hc.k", (64,), (256,), (), shared_mem=58368, stream=stream, pdl=False)
     launches = [c for c in calls if c[0] == "launch"]
     queries = [c for c in calls if c[0] != "launch"]
-    one_wave = {"fit1": 26, "fitocc": 26, "driver": None, "50": 50}[carve]
-    many_wave = {"fit1": None, "fitocc": 51, "driver": None, "50": 50}[carve]   # fitocc: 2 CTAs per SM
+    one_wave = {"fit1": 26, "fit1h16": 33, "fitocc": 26, "driver": None, "50": 50}[carve]
+    many_wave = {"fit1": None, "fit1h16": None, "fitocc": 51, "driver": None, "50": 50}[carve]   # fitocc: 2 CTAs per SM
     for attrs, want in zip([l[2] for l in launches], [one_wave] * 3 + [many_wave] + ["no pdl"]):
         if want == "no pdl":
             assert attrs == []
         else:
             assert attrs[0] == ("PDL", None)
             assert attrs[1:] == ([] if want is None else [("CARVE", want)]), (carve, attrs)
-    want_q = {"fit1": [("attr", "SHARED_SIZE_BYTES", 4242)],
+    want_q = {"fit1": [("attr", "SHARED_SIZE_BYTES", 4242)], "fit1h16": [("attr", "SHARED_SIZE_BYTES", 4242)],
               "fitocc": [("attr", "SHARED_SIZE_BYTES", 4242), ("occ", 4242, 256, 58368)],
               "driver": [], "50": []}[carve]
     assert queries == want_q

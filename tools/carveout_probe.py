@@ -15,7 +15,8 @@ a few µs of work (one wave, like the hc boundary, the attention, the combine); 
 GEMVs' ldg_stream16; 4 loads in flight per thread, 1024 CTAs of 128 threads), no shared memory.
 Forms, each timed as the median over --rounds replays (µs per link and the stream's GB/s over
 the link): the stream alone; hold with no shared memory; hold with S KB and no carveout
-attribute (driver); with fit1's preference (one CTA's share; pdl.fit1_carveout); with max (100).
+attribute (driver); with fit1's preference (one CTA's share; pdl.fit1_carveout); with fit1h16 /
+fit1h32 (that share plus 16 / 32 KB of headroom for the stream's CTAs); with max (100).
 The weights buffer is 2 x --mb (the two halves alternate per link) so L2 (50 MB) holds neither.
 No memra_dsv4 kernel: the effect, if any, is the hardware's / driver's.  Prints a table; exits
 non-zero only on an error.
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
             ns = timed(capture("driver", c, 0))
             print(f"hold {c:>3} CTAs, no shared memory: {ns:7.2f} us per link")
             for kb in smem_kb:
-                row = {carve: timed(capture(carve, c, kb)) for carve in ("driver", "fit1", "max")}
+                row = {carve: timed(capture(carve, c, kb)) for carve in ("driver", "fit1", "fit1h16", "fit1h32", "max")}
                 print(f"hold {c:>3} CTAs, {kb:>3} KB: " + "  ".join(f"{k} {v:7.2f}" for k, v in row.items())
                       + f"  us per link; driver - fit1 {row['driver'] - row['fit1']:+.2f} us")
     finally:

@@ -46,11 +46,11 @@ import ctypes
 import numpy as np
 
 __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carveout", "launch_ex",
-           "ExKernel", "FIT1", "FITOCC", "DRIVER", "SMEM_CARVEOUT_DEFAULT", "fit1_carveout",
+           "ExKernel", "FIT1", "FIT1H", "FITOCC", "DRIVER", "SMEM_CARVEOUT_DEFAULT", "fit1_carveout",
            "fitocc_carveout"]
 
 _ACTIVE = False
-_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1, FITOCC or None
+_CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1, "fit1h<K>", FITOCC or None
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
@@ -58,10 +58,18 @@ SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
 
 FIT1 = "fit1"       # smem_carveout's per-launch form: fit1_carveout
 FITOCC = "fitocc"   # smem_carveout's per-launch form for every grid: fitocc_carveout
+FIT1H = "fit1h"     # smem_carveout's "fit1h<K>": fit1 with K KB of headroom (fit1_carveout's headroom)
+
+
+def _fit1h_headroom(carve) -> int | None:
+    """The headroom in bytes of a "fit1h<K>" value of smem_carveout(), else None."""
+    if isinstance(carve, str) and carve.startswith(FIT1H):
+        return int(carve[len(FIT1H):]) * 1024
+    return None
 
 
 def fitocc_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, max_blocks_per_sm: int, *,
-                    sm_count: int, smem_per_sm: int, reserved_per_block: int) -> int | None:
+                    sm_count: int, smem_per_sm: int, reserved_per_block: int, headroom: int = 0) -> int | None:
     """The carveout preference (percent of ``smem_per_sm``, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_
     PER_MULTIPROCESSOR) of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fitocc: None (no preference, the
     driver's choice) for a launch that uses no shared memory; else the smallest percentage whose
@@ -71,28 +79,36 @@ def fitocc_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, max_blocks
     rounds the preference up to a supported configuration; never below what the kernel needs).
     ``max_blocks_per_sm``: the occupancy the driver computes for the launch with all of the
     shared memory (cuOccupancyMaxActiveBlocksPerMultiprocessor), so a many-wave grid keeps its
-    occupancy and gives up only the shared memory it can never use."""
+    occupancy and gives up only the shared memory it can never use.  ``headroom``: bytes added to
+    that share (fit1hK: room for the next kernel's CTAs, see fit1_carveout)."""
     n_ctas, dyn, static, occ = int(n_ctas), int(dynamic_smem), int(static_smem), int(max_blocks_per_sm)
-    assert n_ctas >= 1 and dyn >= 0 and static >= 0 and occ >= 0, (n_ctas, dyn, static, occ)
+    assert n_ctas >= 1 and dyn >= 0 and static >= 0 and occ >= 0 and headroom >= 0, (n_ctas, dyn, static, occ, headroom)
     assert sm_count >= 1 and smem_per_sm >= 1 and reserved_per_block >= 0, (sm_count, smem_per_sm)
     if dyn + static == 0:
         return None
     blocks = max(1, min(occ, -(-n_ctas // sm_count)))
-    need = blocks * (dyn + static + reserved_per_block)
+    need = blocks * (dyn + static + reserved_per_block) + int(headroom)
     return min(100, max(1, -(-100 * need // smem_per_sm)))
 
 
 def fit1_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, *, sm_count: int,
-                  smem_per_sm: int, reserved_per_block: int) -> int | None:
+                  smem_per_sm: int, reserved_per_block: int, headroom: int = 0) -> int | None:
     """The carveout preference of a launch under MEMRA_DSV4_SMEM_CARVEOUT=fit1: None (no
     preference, the driver's choice) for a launch that uses no shared memory or has more CTAs
     than SMs (a many-wave grid keeps the configuration the driver sizes for it); else
     fitocc_carveout's one-CTA share: the smallest percentage holding one CTA's dynamic + static
-    shared memory + the per-block reservation, rounded up."""
+    shared memory + the per-block reservation, rounded up.
+    ``headroom`` (fit1hK: K KB): bytes added to that share for the next kernel's CTAs.  Under PDL
+    they become resident beside this CTA on the configuration it chose, and each needs the
+    per-block reservation (1 KB) plus its static shared memory; fit1 on the hc boundary's 57 KB
+    CTA leaves 6 KB of its 64 KB configuration, room for 6 of them.  tools/carveout_probe.py
+    (thirty-third session, H100) timed exactly that case slower than no preference (a 57 KB hold
+    then a 1024 x 128-thread 64 MB stream: +0.3 us at 64 CTAs, +1.6 to +2.8 us at 128-132 CTAs,
+    per 24 us link) while 32 / 41 KB (22-31 KB left) gained 0.4 us at 64 CTAs."""
     if int(n_ctas) > sm_count:
         return None
     return fitocc_carveout(n_ctas, dynamic_smem, static_smem, 1, sm_count=sm_count, smem_per_sm=smem_per_sm,
-                           reserved_per_block=reserved_per_block)
+                           reserved_per_block=reserved_per_block, headroom=headroom)
 
 
 _DEVICE_SMEM: dict[int, tuple[int, int, int]] = {}   # device -> (SMs, smem per SM, reserved per block)
@@ -111,7 +127,7 @@ def _device_smem() -> tuple[int, int, int]:
     return info
 
 
-def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
+def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int, headroom: int = 0) -> int | None:
     """fit1_carveout of one launch on the current device, given the function's static shared
     memory (launch_ex asks the driver once per function, _func_value, whose entries serve only
     their own RawKernel, so no value outlives a rebuilt module) and its dynamic shared memory and
@@ -119,7 +135,7 @@ def _fit1_for(static_smem: int, shared_mem: int, n_ctas: int) -> int | None:
     per device."""
     sms, per_sm, reserved = _device_smem()
     return fit1_carveout(n_ctas, shared_mem, static_smem, sm_count=sms, smem_per_sm=per_sm,
-                         reserved_per_block=reserved)
+                         reserved_per_block=reserved, headroom=headroom)
 
 
 def _fitocc_for(static_smem: int, shared_mem: int, n_ctas: int, max_blocks_per_sm: int) -> int | None:
@@ -166,6 +182,9 @@ def smem_carveout() -> int | str | None:
     CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; "fit1" (FIT1): per launch, only a launch
     that uses shared memory and has no more CTAs than the device has SMs gets a preference, the
     smallest carveout that holds one of its CTAs (fit1_carveout); every other launch none;
+    "fit1hK" (K = 1..228, returned as "fit1h<K>"): fit1 with K KB more in the share, room for the
+    next kernel's CTAs to become resident beside the one-wave CTA under PDL (fit1_carveout's
+    headroom; opt-in, measured in the thirty-third session);
     "fitocc" (FITOCC): every launch that uses shared memory, any grid, the smallest carveout
     holding the CTAs one SM must hold at once at its occupancy (fitocc_carveout; a one-wave
     launch: fit1's share).
@@ -191,6 +210,11 @@ def smem_carveout() -> int | str | None:
         return None
     if v in (FIT1, FITOCC):
         return v
+    if v.startswith(FIT1H):
+        kb = v[len(FIT1H):]
+        if not (kb.isdigit() and 1 <= int(kb) <= 228):
+            raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: fit1hK takes K, the headroom in KB, 1..228")
+        return f"{FIT1H}{int(kb)}"
     if v == "max":
         return 100
     if v == "maxl1":
@@ -200,8 +224,8 @@ def smem_carveout() -> int | str | None:
     except ValueError:
         n = -1
     if not 0 <= n <= 100:
-        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, driver, max, maxl1, fit1, fitocc or a "
-                         f"percentage 0..100")
+        raise ValueError(f"{SMEM_CARVEOUT_ENV}={v!r}: expected default, driver, max, maxl1, fit1, fit1hK, fitocc "
+                         f"or a percentage 0..100")
     return n
 
 
@@ -304,15 +328,16 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
         carve = _CARVE
-        if carve in (FIT1, FITOCC):   # this launch's own preference, or none (fit1 / fitocc_carveout)
+        headroom = _fit1h_headroom(carve)
+        if carve in (FIT1, FITOCC) or headroom is not None:   # this launch's own preference, or none
             def static_smem():
                 err, v = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
                 if err != cu.CUresult.CUDA_SUCCESS:
                     fail("cuFuncGetAttribute(SHARED_SIZE_BYTES)", err)
                 return int(v)
             static = _func_value(raw_kernel, (int(func), "static"), static_smem)
-            if carve == FIT1:
-                carve = _fit1_for(static, int(shared_mem), gx * gy * gz)
+            if carve != FITOCC:   # fit1 / fit1hK
+                carve = _fit1_for(static, int(shared_mem), gx * gy * gz, headroom or 0)
             elif static + int(shared_mem) == 0:
                 carve = None
             else:   # a cluster launch (the router's one cluster) is sized for one CTA per SM

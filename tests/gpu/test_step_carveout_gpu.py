@@ -2,8 +2,8 @@
 shared-memory carveout.  Only the SMs' L1 / shared split (and so which CTAs may share an SM)
 changes, so the step must give the same bits: tiny (1 stage, CSA + HCA layers) with fork "all"
 and hc split on, graph replay with no carveout attribute (driver), the default (fit1: the
-one-wave launches with shared memory, one CTA's share), max, 50 and fitocc (every launch with
-shared memory, its occupancy's share), and the eager step at max, the arms interleaved step by
+one-wave launches with shared memory, one CTA's share), max, 50, fitocc (every launch with
+shared memory, its occupancy's share) and fit1h16 (fit1's share plus 16 KB), and the eager step at max, the arms interleaved step by
 step (each captures its own graphs: the variable is read at each launch, so at capture), logits
 and every cache byte equal."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_carveout_bit_identical_tiny(monkeypatch):
     prompt, steps = 5, 12
     ids = _ids(ck.config, prompt + steps + 1, seed=31)
     arms = {"driver": ("driver", True), "default": ("default", True), "max": ("max", True), "50": ("50", True),
-            "fitocc": ("fitocc", True), "max_eager": ("max", False)}
+            "fitocc": ("fitocc", True), "fit1h16": ("fit1h16", True), "max_eager": ("max", False)}
     states = {a: m.prefill(ids[:prompt], m.new_state())[1] for a in arms}
     with step_forms(m, decode_fork="all", hc_split="on"):
         assert_arms_agree("carveout", states, ids[prompt:prompt + steps],
