@@ -46,12 +46,13 @@ boundary or into the attention / down + combine, or the Sinkhorn run first on th
 the shared expert's side stream; bit-identical, step_device.hc_join_form),
 ``idxpair=on|off`` (MEMRA_DSV4_IDXQ_PAIR: the CSA indexer's q GEMV inside wq_b's launch or its own;
 on is the default since the thirty-first session; bit-identical, step_device.idxq_pair_on), ``wqbqn=on|off`` (MEMRA_DSV4_WQB_QNORM: the attention's q_norm inside wq_b, every CTA norming
-the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|driver|max|maxl1|fit1|fit1h8|fit1h16|fit1h32|fitocc|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: default = fit1
-since the thirty-second session, the one-wave launches that use shared memory each prefer the
-smallest carveout holding one CTA; driver: no preference, the default before (arms named
-carve=default before then meant driver); fit1hK: fit1 with K KB of headroom for the next
-kernel's CTAs; fitocc: every launch with shared memory its
-occupancy's share; max / maxl1 / a percentage: every PDL launch; pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
+the raw row, or as its own launch; bit-identical, step_device.wqb_qnorm_on), ``carve=default|driver|max|maxl1|fit1|fit1h8|fit1h16|fit1h32|fitocc|25|50|75`` (MEMRA_DSV4_SMEM_CARVEOUT: default = fit1h16
+since the thirty-third session, the one-wave launches that use shared memory each prefer the
+smallest carveout holding one CTA plus 16 KB for the next kernel's CTAs; fit1: without the
+headroom, the default in the thirty-second session (arms named carve=default then meant fit1);
+fit1h8 / fit1h32: other headrooms; driver: no preference, the default before (arms named
+carve=default before the thirty-second session meant driver); fitocc: every launch with shared
+memory its occupancy's share; max / maxl1 / a percentage: every PDL launch; pdl.smem_carveout), ``mqn=on|off`` (MEMRA_DSV4_MULTI_QNORM: the attention's q_norm in the multi GEMV's last CTA or as its
 own rmsnorm launch; bit-identical, step_device.multi_qnorm_on), ``shgu=on|off``
 (MEMRA_DSV4_SHARED_GATEUP: the shared expert's SwiGLU computed by the routed gate/up's launch
 before its PDL wait, or as its own launch on the MoE side branch; bit-identical,

@@ -11,8 +11,8 @@ import pytest
 def test_carveout_env(monkeypatch):
     from memra_dsv4.gpu.pdl import smem_carveout
     monkeypatch.delenv("MEMRA_DSV4_SMEM_CARVEOUT", raising=False)
-    assert smem_carveout() == "fit1"   # the default since the thirty-second session
-    for v, want in (("default", "fit1"), ("driver", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"),
+    assert smem_carveout() == "fit1h16"   # the default since the thirty-third session (fit1 before)
+    for v, want in (("default", "fit1h16"), ("driver", None), ("max", 100), ("maxl1", 0), ("fit1", "fit1"),
                     ("fitocc", "fitocc"), ("50", 50), ("0", 0),
                     ("100", 100), ("fit1h16", "fit1h16"), ("FIT1H08", "fit1h8"), ("fit1h228", "fit1h228")):
         monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", v)
@@ -258,7 +258,7 @@ def _fake_driver(calls, static=0, occ=2):
     return cu
 
 
-@pytest.mark.parametrize("carve", ["fit1", "fit1h16", "fitocc", "driver", "50"])
+@pytest.mark.parametrize("carve", ["default", "fit1", "fit1h16", "fitocc", "driver", "50"])
 def test_launch_ex_carveout_attribute(monkeypatch, carve):
     """launch_ex under each carveout form, with a fake driver on the CPU: the PDL attribute on
     every launch; the carveout attribute with fit1's one-CTA share for a one-wave launch with
@@ -292,8 +292,8 @@ def test_launch_ex_carveout_attribute(monkeypatch, carve):
     pdl.launch_ex(raw, "hc.k", (64,), (256,), (), shared_mem=58368, stream=stream, pdl=False)
     launches = [c for c in calls if c[0] == "launch"]
     queries = [c for c in calls if c[0] != "launch"]
-    one_wave = {"fit1": 26, "fit1h16": 33, "fitocc": 26, "driver": None, "50": 50}[carve]
-    many_wave = {"fit1": None, "fit1h16": None, "fitocc": 51, "driver": None, "50": 50}[carve]   # fitocc: 2 CTAs per SM
+    one_wave = {"default": 33, "fit1": 26, "fit1h16": 33, "fitocc": 26, "driver": None, "50": 50}[carve]
+    many_wave = {"default": None, "fit1": None, "fit1h16": None, "fitocc": 51, "driver": None, "50": 50}[carve]   # fitocc: 2 CTAs per SM
     for attrs, want in zip([l[2] for l in launches], [one_wave] * 3 + [many_wave] + ["no pdl"]):
         if want == "no pdl":
             assert attrs == []
@@ -301,6 +301,7 @@ def test_launch_ex_carveout_attribute(monkeypatch, carve):
             assert attrs[0] == ("PDL", None)
             assert attrs[1:] == ([] if want is None else [("CARVE", want)]), (carve, attrs)
     want_q = {"fit1": [("attr", "SHARED_SIZE_BYTES", 4242)], "fit1h16": [("attr", "SHARED_SIZE_BYTES", 4242)],
+              "default": [("attr", "SHARED_SIZE_BYTES", 4242)],
               "fitocc": [("attr", "SHARED_SIZE_BYTES", 4242), ("occ", 4242, 256, 58368)],
               "driver": [], "50": []}[carve]
     assert queries == want_q

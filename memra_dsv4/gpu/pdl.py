@@ -31,8 +31,8 @@ Contract
   (``launch_ex``).  router_cluster_* uses it.
 * Carveout: a PdlKernel launch also carries the preferred shared-memory carveout that
   ``smem_carveout()`` (MEMRA_DSV4_SMEM_CARVEOUT, read on entering the block) asks for; the
-  default ``fit1`` sets it only on one-wave launches that use shared memory (the smallest share
-  holding one CTA), with the function's static shared memory asked of the driver once per
+  default ``fit1h16`` sets it only on one-wave launches that use shared memory (the smallest share
+  holding one CTA and 16 KB for the next kernel's CTAs), with the function's static shared memory asked of the driver once per
   function (``_func_value``).  A schedule attribute: the same bytes.
 * The seam ``MEMRA_DSV4_PDL`` (``on``/``off``, ``Dsv4Gpu.load(pdl=)``) decides whether the device
   step enters the context; the bench can A/B it in one process (arm setting ``pdl=on|off``).
@@ -167,14 +167,15 @@ def _func_value(raw_kernel, key: tuple, compute) -> int:
     return v
 
 
-SMEM_CARVEOUT_DEFAULT = FIT1   # since the thirty-second session (smem_carveout)
+SMEM_CARVEOUT_DEFAULT = "fit1h16"   # since the thirty-third session (fit1 in the thirty-second; smem_carveout)
 DRIVER = "driver"              # smem_carveout's value for no carveout attribute at all
 
 
 def smem_carveout() -> int | str | None:
     """MEMRA_DSV4_SMEM_CARVEOUT, read when a pdl_launches(True) block is entered (the device step
     enters one per step, so also at graph capture) and given to its PdlKernel launches.  Values:
-    unset or "default": SMEM_CARVEOUT_DEFAULT ("fit1" since the thirty-second session);
+    unset or "default": SMEM_CARVEOUT_DEFAULT ("fit1h16" since the thirty-third session, "fit1"
+    in the thirty-second: bench arms named carve=default there meant fit1);
     "driver" (DRIVER, returned as None): no carveout attribute, the driver picks each kernel's
     L1 / shared split from its own needs (the default before; bench arms named carve=default
     before that session meant this); "max": 100; "maxl1": 0; an integer 0..100: that percentage
@@ -184,7 +185,7 @@ def smem_carveout() -> int | str | None:
     smallest carveout that holds one of its CTAs (fit1_carveout); every other launch none;
     "fit1hK" (K = 1..228, returned as "fit1h<K>"): fit1 with K KB more in the share, room for the
     next kernel's CTAs to become resident beside the one-wave CTA under PDL (fit1_carveout's
-    headroom; opt-in, measured in the thirty-third session);
+    headroom); fit1h16 the default;
     "fitocc" (FITOCC): every launch that uses shared memory, any grid, the smallest carveout
     holding the CTAs one SM must hold at once at its occupancy (fitocc_carveout; a one-wave
     launch: fit1's share).
@@ -197,8 +198,17 @@ def smem_carveout() -> int | str | None:
     of 64 KB of the 16-head attention; with fit1 (thirty-second session, H100, 20 layers) the
     CSA layer's combine ran 6.3 -> 4.9 us and its wo_a / wo_b 22.9 / 22.7 -> 22.4 / 21.4 us, and at
     full depth the device-fed step 8.06-8.08 -> 7.97-7.98 ms at 1K in three processes and
-    7.98-7.99 -> 7.89 in a fourth (both orders), and 8.49 -> 8.33 ms at 32K.  The mechanism is a
-    hypothesis these numbers fit, not observed directly.  One preference on every launch is
+    7.98-7.99 -> 7.89 in a fourth (both orders), and 8.49 -> 8.33 ms at 32K.  The thirty-third
+    session's probe (tools/carveout_probe.py, H100: a one-wave hold with shared memory, then a
+    64 MB stream, under PDL) saw the L1 effect only in part: a 64-CTA hold of 32 / 41 KB slowed
+    the link 0.4-0.6 us without a preference and not with fit1, but 128-132 CTAs showed none.  It
+    also found fit1's own loss: a 57 KB hold (the hc boundary's CTA) under fit1 lands on the 64 KB
+    configuration with 6 KB left, and the stream's CTAs (1 KB reserved each) could not become
+    resident beside it (+0.3 us at 64 CTAs, +1.6-2.8 us at 128-132, per 24 us link).  Why
+    fit1h16: 16 KB of headroom removed that loss in the probe and kept fit1's gains (no case
+    slower than fit1 by more than 0.03 us); at full depth it measured level or ahead of fit1 in
+    four in-process A/Bs (1K 7.98 / 7.99, 7.96 / 7.97, 7.95 / 7.97 ms; 32K 8.34 / 8.34), fit1h32
+    and fit1h8 level.  One preference on every launch is
     slower (max +5 %, maxl1 +2.8 %, 50 +1.5 %: it also cuts the occupancy of the many-wave kernels
     that use shared memory); fitocc measured level with fit1 (7.97-7.98 ms; 32K 8.31).  Schedule
     only: the same bytes.  Not a seam (bench arm carve=)."""

@@ -1,9 +1,9 @@
 """MEMRA_DSV4_SMEM_CARVEOUT (pdl.smem_carveout): every PDL launch of the step carries a preferred
 shared-memory carveout.  Only the SMs' L1 / shared split (and so which CTAs may share an SM)
 changes, so the step must give the same bits: tiny (1 stage, CSA + HCA layers) with fork "all"
-and hc split on, graph replay with no carveout attribute (driver), the default (fit1: the
-one-wave launches with shared memory, one CTA's share), max, 50, fitocc (every launch with
-shared memory, its occupancy's share) and fit1h16 (fit1's share plus 16 KB), and the eager step at max, the arms interleaved step by
+and hc split on, graph replay with no carveout attribute (driver), the default (fit1h16 since the
+thirty-third session, fit1 before: the one-wave launches with shared memory, one CTA's share plus
+16 KB), max, 50, fitocc (every launch with shared memory, its occupancy's share) and fit1h16, and the eager step at max, the arms interleaved step by
 step (each captures its own graphs: the variable is read at each launch, so at capture), logits
 and every cache byte equal."""
 from __future__ import annotations
