@@ -101,7 +101,7 @@ def fit1_carveout(n_ctas: int, dynamic_smem: int, static_smem: int, *, sm_count:
     ``headroom`` (fit1hK: K KB): bytes added to that share for the next kernel's CTAs.  Under PDL
     they become resident beside this CTA on the configuration it chose, and each needs the
     per-block reservation (1 KB) plus its static shared memory; fit1 on the hc boundary's 57 KB
-    CTA leaves 6 KB of its 64 KB configuration, room for 6 of them.  tools/carveout_probe.py
+    CTA leaves 6 KB of its 64 KB configuration (sm_90's table), room for 6 of them.  tools/carveout_probe.py
     (thirty-third session, H100) timed exactly that case slower than no preference (a 57 KB hold
     then a 1024 x 128-thread 64 MB stream: +0.3 us at 64 CTAs, +1.6 to +2.8 us at 128-132 CTAs,
     per 24 us link) while 32 / 41 KB (22-31 KB left) gained 0.4 us at 64 CTAs."""
@@ -203,8 +203,8 @@ def smem_carveout() -> int | str | None:
     64 MB stream, under PDL) saw the L1 effect only in part: a 64-CTA hold of 32 / 41 KB slowed
     the link 0.4-0.6 us without a preference and not with fit1, but 128-132 CTAs showed none.  It
     also found fit1's own loss: a 57 KB hold (the hc boundary's CTA) under fit1 lands on the 64 KB
-    configuration with 6 KB left, and the stream's CTAs (1 KB reserved each) could not become
-    resident beside it (+0.3 us at 64 CTAs, +1.6-2.8 us at 128-132, per 24 us link).  Why
+    configuration with 6 KB left, room for only 6 of the stream's CTAs (1 KB reserved each)
+    beside it (inferred, not observed): +0.3 us at 64 CTAs, +1.6-2.8 us at 128-132, per 24 us link.  Why
     fit1h16: 16 KB of headroom removed that loss in the probe and kept fit1's gains (no case
     slower than fit1 by more than 0.03 us); at full depth it measured level or ahead of fit1 in
     four in-process A/Bs (1K 7.98 / 7.99, 7.96 / 7.97, 7.95 / 7.97 ms; 32K 8.34 / 8.34), fit1h32
