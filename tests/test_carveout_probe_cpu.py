@@ -1,6 +1,7 @@
 """tools/carveout_probe.py on the CPU: its refusals name the bad argument before CuPy is imported,
 and its CUDA source compiles for sm_90a with nvcc (where nvcc is installed, as in CI), with no
-stack or spills, the stream kernel's weight loads the production GEMVs' form."""
+stack or spills, the stream kernel's weight loads the production GEMVs' form, and the --residency
+kernels' marks ordered as their counts need."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,7 +30,8 @@ def test_carveout_probe_refusals():
                       (["--mb", "0"], "--mb 0: expected >= 1"),
                       (["--pairs", "0"], "--pairs 0: expected >= 1"),
                       (["--rounds", "2"], "--rounds 2: expected >= 3"),
-                      (["--iters", "-1"], "--iters -1: expected >= 0")):
+                      (["--iters", "-1"], "--iters -1: expected >= 0"),
+                      (["--residency", "--residency-iters", "0"], "--residency-iters 0: expected >= 1")):
         with pytest.raises(SystemExit, match=msg):
             cp.main(argv)
 
@@ -40,9 +42,16 @@ def test_carveout_probe_source_compiles(tmp_path):
     # the production weight load (common.cuh ldg_stream16 with MEMRA_L2_EVICT_FIRST = 1)
     assert "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in src
     assert "createpolicy.fractional.L2::evict_first.b64" in src
-    for k in ("hold", "hold_nosmem", "stream"):   # every kernel a PDL one, wait before trigger
+    for k in ("hold", "hold_nosmem", "stream", "hold_mark", "stream_count"):   # PDL kernels, wait before trigger
         body = src[src.index(f'__global__ void {k}('):]
         assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
+    # --residency: the hold's start mark precedes its trigger (no stream CTA can arrive before
+    # it), and the stream CTA reads the marks before its own PDL wait (on arrival)
+    mark = src[src.index("__global__ void hold_mark("):]
+    assert mark.index("atomicExch(&sm_state[2 * sm], epoch)") < mark.index("__syncthreads()") \
+        < mark.index("griddepcontrol.launch_dependents")
+    count = src[src.index("__global__ void stream_count("):]
+    assert count.index("counts[3 * sm + 1]") < count.index("griddepcontrol.wait")
     cu = tmp_path / "probe.cu"
     cu.write_text(src)
     r = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "probe.cubin"), str(cu),

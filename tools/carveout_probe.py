@@ -20,6 +20,15 @@ fit1h32 (that share plus 16 / 32 KB of headroom for the stream's CTAs); with max
 The weights buffer is 2 x --mb (the two halves alternate per link) so L2 (50 MB) holds neither.
 No memra_dsv4 kernel: the effect, if any, is the hardware's / driver's.  Prints a table; exits
 non-zero only on an error.
+
+--residency (instead of timing; thirty-third session, not GPU-run yet): observe what the timing
+only implies, how many CTAs of the next kernel become resident beside a one-wave CTA that still
+runs on their SM under each form (the hold marks its SM with %smid when it starts, before its
+trigger, and when it ends; each stream CTA reads the marks on arrival, before its PDL wait).  The
+inference it tests: fit1 on a 57 KB CTA leaves its 64 KB configuration room for only 6 of the
+stream's CTAs (1 KB reserved each), fit1h16 for all of them.
+
+    python tools/carveout_probe.py --residency --smem-kb 32,57,64 --ctas 132 --pairs 20
 """
 
 from __future__ import annotations
@@ -72,6 +81,58 @@ extern "C" __global__ void stream(const uint4* __restrict__ w, long long n16, un
     for (; i < n16; i += stride) { uint4 a = ldg_stream16(w + i, pol); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
     if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;   // keeps the loads; practically never taken
 }
+// --residency: which stream CTAs become resident beside a hold that is still running on their SM.
+// sm_state[2 sm] = the epoch of the hold that started on SM sm, [2 sm + 1] = the epoch of the one
+// that finished there; the start mark is written before the CTA triggers its dependents (the
+// __syncthreads orders it), so no stream CTA can arrive before it.  counts[3 sm + 0]: stream CTAs
+// that arrived on SM sm, [+1]: of them, those that arrived while this epoch's hold still ran there,
+// [+2]: hold CTAs that ran there.
+extern "C" __global__ void hold_mark(float* x, int n, int iters, unsigned* sm_state, unsigned epoch,
+                                     unsigned* counts) {
+    extern __shared__ float sh[];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    if (threadIdx.x == 0) {
+        atomicExch(&sm_state[2 * sm], epoch);
+        atomicAdd(&counts[3 * sm + 2], 1u);
+        __threadfence();
+    }
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = i < n ? x[i] : 0.0f;
+    for (int k = 0; k < iters; ++k) v = v * 0.999f + 1.0f;
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    if (i < n) x[i] = sh[(threadIdx.x + 1) % blockDim.x] * 0.5f;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(&sm_state[2 * sm + 1], epoch);
+    }
+}
+extern "C" __global__ void stream_count(const uint4* __restrict__ w, long long n16, unsigned* out,
+                                        const unsigned* sm_state, unsigned epoch, unsigned* counts) {
+    if (threadIdx.x == 0) {   // before the PDL wait: what this CTA finds on arrival
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        unsigned started = atomicAdd((unsigned*)&sm_state[2 * sm], 0u);
+        unsigned done = atomicAdd((unsigned*)&sm_state[2 * sm + 1], 0u);
+        atomicAdd(&counts[3 * sm], 1u);
+        if (started == epoch && done != epoch) atomicAdd(&counts[3 * sm + 1], 1u);
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
+        uint4 a = ldg_stream16(w + i, pol);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;
+}
 '''
 
 
@@ -93,12 +154,19 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=40, help="hold + stream links per graph")
     ap.add_argument("--rounds", type=int, default=30, help="timed replays per form")
     ap.add_argument("--iters", type=int, default=400, help="the hold kernel's busy loop")
+    ap.add_argument("--residency", action="store_true",
+                    help="instead of timing: count the stream CTAs that become resident beside a "
+                         "hold still running on their SM, per form (eager PDL launches, --pairs links)")
+    ap.add_argument("--residency-iters", type=int, default=200000,
+                    help="the hold's busy loop under --residency (long, so every stream CTA that "
+                         "fits beside it arrives while it runs)")
     a = ap.parse_args(argv)
     smem_kb = _ints("--smem-kb", a.smem_kb, 1)
     ctas = _ints("--ctas", a.ctas, 1)
     if max(smem_kb) > 227:
         raise SystemExit(f"--smem-kb {a.smem_kb}: at most 227 KB per CTA")
-    for flag, v, lo in (("--mb", a.mb, 1), ("--pairs", a.pairs, 1), ("--rounds", a.rounds, 3), ("--iters", a.iters, 0)):
+    for flag, v, lo in (("--mb", a.mb, 1), ("--pairs", a.pairs, 1), ("--rounds", a.rounds, 3), ("--iters", a.iters, 0),
+                         ("--residency-iters", a.residency_iters, 1)):
         if v < lo:
             raise SystemExit(f"{flag} {v}: expected >= {lo}")
 
@@ -157,6 +225,15 @@ def main(argv=None) -> int:
         return statistics.median(ts)
 
     prev = os.environ.get("MEMRA_DSV4_SMEM_CARVEOUT")
+    if a.residency:
+        try:
+            residency(cp, np, mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s, PdlKernel, pdl_launches)
+        finally:
+            if prev is None:
+                os.environ.pop("MEMRA_DSV4_SMEM_CARVEOUT", None)
+            else:
+                os.environ["MEMRA_DSV4_SMEM_CARVEOUT"] = prev
+        return 0
     try:
         base = timed(capture("driver", 1, None))
         print(f"stream alone: {base:7.2f} us per link ({a.mb} MB: {a.mb * 1.048576e6 / base / 1e3:7.1f} GB/s)")
@@ -164,7 +241,7 @@ def main(argv=None) -> int:
             ns = timed(capture("driver", c, 0))
             print(f"hold {c:>3} CTAs, no shared memory: {ns:7.2f} us per link")
             for kb in smem_kb:
-                row = {carve: timed(capture(carve, c, kb)) for carve in ("driver", "fit1", "fit1h16", "fit1h32", "max")}
+                row = {carve: timed(capture(carve, c, kb)) for carve in FORMS}
                 print(f"hold {c:>3} CTAs, {kb:>3} KB: " + "  ".join(f"{k} {v:7.2f}" for k, v in row.items())
                       + f"  us per link; driver - fit1 {row['driver'] - row['fit1']:+.2f} us")
     finally:
@@ -173,6 +250,48 @@ def main(argv=None) -> int:
         else:
             os.environ["MEMRA_DSV4_SMEM_CARVEOUT"] = prev
     return 0
+
+
+FORMS = ("driver", "fit1", "fit1h16", "fit1h32", "max")
+
+
+def residency(cp, np, mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s, PdlKernel, pdl_launches):
+    """--residency: per hold shape and carveout form, --pairs eager PDL links "hold_mark (a long
+    busy loop); stream_count" (1024 CTAs of 128 threads, as the timed stream), and per link the
+    stream CTAs that arrived on an SM while that link's hold still ran there.  With a hold on every
+    SM (--ctas = the SM count) the stream can only start beside the holds, so the count per hold
+    SM is what the carveout leaves room for; with fewer hold CTAs the scheduler may place the
+    stream on the free SMs first.  Prints one line per form."""
+    hold = PdlKernel(mod.get_function("hold_mark"), "probe.hold_mark")
+    stream = PdlKernel(mod.get_function("stream_count"), "probe.stream_count")
+    hold.max_dynamic_shared_size_bytes = max(smem_kb) * 1024
+    sm_state = cp.zeros(2 * sms, cp.uint32)
+    counts = cp.zeros(3 * sms, cp.uint32)
+    half = w[:n16 * 4]
+    epoch = 0
+    print(f"residency: {a.pairs} links per form, hold busy loop {a.residency_iters}, stream 1024 x 128 "
+          f"threads over {a.mb} MB")
+    for c in ctas:
+        for kb in smem_kb:
+            for carve in FORMS:
+                os.environ["MEMRA_DSV4_SMEM_CARVEOUT"] = carve
+                counts.fill(0)
+                with cp.cuda.Device(dev), s, pdl_launches(True):
+                    for _ in range(a.pairs):
+                        epoch += 1
+                        hold((c,), (256,), (x, np.int32(c * 256), np.int32(a.residency_iters), sm_state,
+                                            np.uint32(epoch), counts), shared_mem=kb * 1024, stream=s)
+                        stream((1024,), (128,), (half, np.int64(n16), out, sm_state, np.uint32(epoch), counts),
+                               stream=s)
+                s.synchronize()
+                k = counts.get().reshape(sms, 3).astype(np.int64)
+                arrived, beside, holds = k[:, 0], k[:, 1], k[:, 2]
+                hold_sms = holds > 0
+                per_sm = beside[hold_sms] / a.pairs
+                print(f"hold {c:>3} CTAs, {kb:>3} KB, {carve:>7}: stream CTAs beside a running hold "
+                      f"{beside.sum() / a.pairs:7.1f} of {arrived.sum() / a.pairs:6.1f} per link; per hold SM "
+                      f"median {np.median(per_sm):5.2f}, min {per_sm.min():5.2f}, max {per_sm.max():5.2f} "
+                      f"({int(hold_sms.sum())} SMs held, {holds.max() / a.pairs:.0f} hold CTAs on the fullest)")
 
 
 if __name__ == "__main__":
