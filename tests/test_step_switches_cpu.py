@@ -119,8 +119,16 @@ def test_fit1_env_and_block(monkeypatch):
     monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit1")
     assert pdl.smem_carveout() == pdl.FIT1 == "fit1"
     with pdl.pdl_launches(True):
-        assert pdl._CARVE == "fit1"
+        assert pdl._CARVE == "fit1" and pdl._HEADROOM is None
     assert pdl._CARVE is None
+    monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit1h16")
+    with pdl.pdl_launches(True):   # the headroom parsed once, on entry
+        assert pdl._CARVE == "fit1h16" and pdl._HEADROOM == 16384
+        monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit1h32")
+        with pdl.pdl_launches(True):
+            assert pdl._HEADROOM == 32768
+        assert pdl._HEADROOM == 16384
+    assert pdl._CARVE is None and pdl._HEADROOM is None
     monkeypatch.setenv("MEMRA_DSV4_SMEM_CARVEOUT", "fit2")
     with pytest.raises(ValueError, match="driver, max, maxl1, fit1, fit1hK, fitocc or a percentage"):
         pdl.smem_carveout()

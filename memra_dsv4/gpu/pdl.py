@@ -51,6 +51,7 @@ __all__ = ["pdl_active", "pdl_launches", "PdlKernel", "marshal_args", "smem_carv
 
 _ACTIVE = False
 _CARVE = None   # smem_carveout() of the active pdl_launches block (read on entering it): int, FIT1, "fit1h<K>", FITOCC or None
+_HEADROOM = None   # _fit1h_headroom(_CARVE), parsed on entering the block, not at every launch
 
 
 SMEM_CARVEOUT_ENV = "MEMRA_DSV4_SMEM_CARVEOUT"
@@ -246,15 +247,16 @@ def pdl_active() -> bool:
 @contextlib.contextmanager
 def pdl_launches(enabled: bool = True):
     """Kernels looked up (KernelLoader.get) inside the block launch with the PDL attribute."""
-    global _ACTIVE, _CARVE
-    was, carve_was = _ACTIVE, _CARVE
+    global _ACTIVE, _CARVE, _HEADROOM
+    was, carve_was, headroom_was = _ACTIVE, _CARVE, _HEADROOM
     _ACTIVE = bool(enabled)
     if _ACTIVE:   # the carveout of this block's launches: read once here, not at every launch
         _CARVE = smem_carveout()
+        _HEADROOM = _fit1h_headroom(_CARVE)
     try:
         yield
     finally:
-        _ACTIVE, _CARVE = was, carve_was
+        _ACTIVE, _CARVE, _HEADROOM = was, carve_was, headroom_was
 
 
 def marshal_args(args) -> tuple[list, "ctypes.Array"]:
@@ -337,8 +339,7 @@ def launch_ex(raw_kernel, name: str, grid, block, args, *, shared_mem: int = 0, 
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
-        carve = _CARVE
-        headroom = _fit1h_headroom(carve)
+        carve, headroom = _CARVE, _HEADROOM
         if carve in (FIT1, FITOCC) or headroom is not None:   # this launch's own preference, or none
             def static_smem():
                 err, v = cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func)
