@@ -39,16 +39,20 @@ import statistics
 import sys
 
 SRC = r'''
-extern "C" __global__ void hold(float* x, int n, int iters) {
-    extern __shared__ float sh[];
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+// the hold's work (after its PDL trigger): a dependent busy loop, then a pass through shared memory
+__device__ __forceinline__ void hold_work(float* x, int n, int iters, float* sh) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     float v = i < n ? x[i] : 0.0f;
     for (int k = 0; k < iters; ++k) v = v * 0.999f + 1.0f;
     sh[threadIdx.x] = v;
     __syncthreads();
     if (i < n) x[i] = sh[(threadIdx.x + 1) % blockDim.x] * 0.5f;
+}
+extern "C" __global__ void hold(float* x, int n, int iters) {
+    extern __shared__ float sh[];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    hold_work(x, n, iters, sh);
 }
 extern "C" __global__ void hold_nosmem(float* x, int n, int iters) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -64,10 +68,9 @@ __device__ __forceinline__ uint4 ldg_stream16(const void* p, unsigned long long 
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
     return v;
 }
-// each thread: 4 independent 16-byte loads per trip, grid-stride over n16 chunks
-extern "C" __global__ void stream(const uint4* __restrict__ w, long long n16, unsigned* out) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+// the stream's work (after its PDL trigger): each thread 4 independent 16-byte loads per trip,
+// grid-stride over n16 chunks
+__device__ __forceinline__ void stream_loads(const uint4* __restrict__ w, long long n16, unsigned* out) {
     unsigned long long pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     const long long stride = (long long)gridDim.x * blockDim.x;
@@ -80,6 +83,11 @@ extern "C" __global__ void stream(const uint4* __restrict__ w, long long n16, un
     }
     for (; i < n16; i += stride) { uint4 a = ldg_stream16(w + i, pol); acc ^= a.x ^ a.y ^ a.z ^ a.w; }
     if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;   // keeps the loads; practically never taken
+}
+extern "C" __global__ void stream(const uint4* __restrict__ w, long long n16, unsigned* out) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    stream_loads(w, n16, out);
 }
 // --residency: which stream CTAs become resident beside a hold that is still running on their SM.
 // sm_state[2 sm] = the epoch of the hold that started on SM sm, [2 sm + 1] = the epoch of the one
@@ -100,12 +108,7 @@ extern "C" __global__ void hold_mark(float* x, int n, int iters, unsigned* sm_st
     }
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    float v = i < n ? x[i] : 0.0f;
-    for (int k = 0; k < iters; ++k) v = v * 0.999f + 1.0f;
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    if (i < n) x[i] = sh[(threadIdx.x + 1) % blockDim.x] * 0.5f;
+    hold_work(x, n, iters, sh);
     if (threadIdx.x == 0) {
         __threadfence();
         atomicExch(&sm_state[2 * sm + 1], epoch);
@@ -123,15 +126,7 @@ extern "C" __global__ void stream_count(const uint4* __restrict__ w, long long n
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    unsigned acc = 0;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += stride) {
-        uint4 a = ldg_stream16(w + i, pol);
-        acc ^= a.x ^ a.y ^ a.z ^ a.w;
-    }
-    if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;
+    stream_loads(w, n16, out);   // the timed stream's loads: its registers, so its residency
 }
 '''
 
@@ -225,16 +220,10 @@ def main(argv=None) -> int:
         return statistics.median(ts)
 
     prev = os.environ.get("MEMRA_DSV4_SMEM_CARVEOUT")
-    if a.residency:
-        try:
-            residency(cp, np, mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s, PdlKernel, pdl_launches)
-        finally:
-            if prev is None:
-                os.environ.pop("MEMRA_DSV4_SMEM_CARVEOUT", None)
-            else:
-                os.environ["MEMRA_DSV4_SMEM_CARVEOUT"] = prev
-        return 0
-    try:
+    try:   # every form sets the variable; the caller's value comes back, whatever happens
+        if a.residency:
+            residency(mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s)
+            return 0
         base = timed(capture("driver", 1, None))
         print(f"stream alone: {base:7.2f} us per link ({a.mb} MB: {a.mb * 1.048576e6 / base / 1e3:7.1f} GB/s)")
         for c in ctas:
@@ -255,13 +244,16 @@ def main(argv=None) -> int:
 FORMS = ("driver", "fit1", "fit1h16", "fit1h32", "max")
 
 
-def residency(cp, np, mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s, PdlKernel, pdl_launches):
+def residency(mod, a, dev, sms, smem_kb, ctas, w, n16, out, x, s):
     """--residency: per hold shape and carveout form, --pairs eager PDL links "hold_mark (a long
     busy loop); stream_count" (1024 CTAs of 128 threads, as the timed stream), and per link the
     stream CTAs that arrived on an SM while that link's hold still ran there.  With a hold on every
     SM (--ctas = the SM count) the stream can only start beside the holds, so the count per hold
     SM is what the carveout leaves room for; with fewer hold CTAs the scheduler may place the
     stream on the free SMs first.  Prints one line per form."""
+    import cupy as cp
+    import numpy as np
+    from memra_dsv4.gpu.pdl import PdlKernel, pdl_launches
     hold = PdlKernel(mod.get_function("hold_mark"), "probe.hold_mark")
     stream = PdlKernel(mod.get_function("stream_count"), "probe.stream_count")
     hold.max_dynamic_shared_size_bytes = max(smem_kb) * 1024
