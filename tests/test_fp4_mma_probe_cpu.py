@@ -1,0 +1,124 @@
+"""tools/fp4_mma_probe.py on the CPU: its refusals name the bad argument before CuPy is imported;
+its lane / fragment mapping (emulate_tile: every lane's words and x fragments as the kernel loads
+them, each HMMA by m16n8k16's fragment layout, the per-block folds) reproduces the dequantised
+GEMV for both weight layouts, and fails when the x order does not match the words' pairs; the
+f16 words are e2m1 * 2^-14; the `quad` layout is a permutation inside every 64 bytes; and the CUDA
+source compiles for sm_90a with no stack or spills (where nvcc is installed, as in CI)."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "fp4_mma_probe.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("fp4_mma_probe", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fp4_mma_probe_refusals():
+    p = _tool()
+    for argv, msg in ((["--shape", "gateup,up"], "--shape 'up': not one of gateup, down"),
+                      (["--kernels", "fp4mma_quad_d3"], "--kernels 'fp4mma_quad_d3': not one of"),
+                      (["--ksplit", "0"], "--ksplit 0: expected >= 1"),
+                      (["--ksplit", "x"], "--ksplit 'x': expected an integer"),
+                      (["--shape", "down", "--ksplit", "32"], "--ksplit 32: K = 2048 of --shape down is not a "
+                                                             "multiple of 128 x 32"),
+                      (["--ctas-per-sm", "0"], "--ctas-per-sm 0: expected >= 1"),
+                      (["--rounds", "2"], "--rounds 2: expected >= 3")):
+        with pytest.raises(SystemExit, match=msg):
+            p.main(argv)
+
+
+def _problem(rng, O=16, K=512):
+    stored = rng.integers(0, 256, size=(O, K // 2), dtype=np.uint8)
+    scale = rng.integers(116, 124, size=(O, K // 32), dtype=np.uint8)
+    x = rng.standard_normal(K).astype(np.float32)
+    x = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)     # bf16 values
+    return stored, scale, x
+
+
+@pytest.mark.parametrize("quad", [True, False])
+def test_emulated_tile_is_the_gemv(quad):
+    p = _tool()
+    rng = np.random.default_rng(7)
+    stored, scale, x = _problem(rng, O=32, K=512)
+    xh, c, exact = p.x_half(x)
+    assert exact
+    ref = p.dequant(stored, scale) @ x.astype(np.float64)
+    for row0 in (0, 16):
+        y = p.emulate_tile(stored, scale, xh, c, row0, 0, 4, quad)           # all of K
+        np.testing.assert_allclose(y, ref[row0:row0 + 16], rtol=1e-12, atol=1e-12)
+    # a task over part of K (ksplit 2: steps 2..3) is that part's sum
+    part = p.dequant(stored, scale)[:16, 256:] @ x[256:].astype(np.float64)
+    np.testing.assert_allclose(p.emulate_tile(stored, scale, xh, c, 0, 2, 2, quad), part, rtol=1e-12, atol=1e-12)
+
+
+def test_emulated_tile_fails_with_x_in_stored_order():
+    """The B fragments must follow the words' pairs (0,4) (1,5) ...: x in plain order is wrong."""
+    p = _tool()
+    rng = np.random.default_rng(8)
+    stored, scale, x = _problem(rng)
+    xh, c, _ = p.x_half(x)
+    plain = xh.view(np.float16).reshape(-1, 8)[:, np.argsort(p.X_ORDER)].reshape(-1).view(np.uint16)
+    ref = p.dequant(stored, scale) @ x.astype(np.float64)
+    assert np.allclose(p.emulate_tile(stored, scale, xh, c, 0, 0, 4, True), ref[:16], rtol=1e-12)
+    assert not np.allclose(p.emulate_tile(stored, scale, plain, c, 0, 0, 4, True), ref[:16], rtol=1e-3)
+
+
+def test_fp4_words_are_e2m1_times_2_to_minus_14():
+    p = _tool()
+    for w in (0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567):
+        h = p.fp4_words(w)
+        got = []
+        for word in h:
+            got.extend(p._f16x2(word))
+        nib = [(w >> (4 * e)) & 15 for e in range(8)]
+        want = [p.E2M1[nib[e]] * 2.0 ** -14 for e in (0, 4, 1, 5, 2, 6, 3, 7)]
+        assert got == want, (hex(w), got, want)
+
+
+def test_quad_layout_is_a_word_transpose():
+    p = _tool()
+    a = np.arange(2 * 128, dtype=np.uint32).astype(np.uint8).reshape(2, 128)
+    q = p.quad_layout(a)
+    assert sorted(q[0].tolist()) == sorted(a[0].tolist())
+    np.testing.assert_array_equal(p.quad_layout(q), a)                     # a 4 x 4 transpose: its own inverse
+    # lane t's 16 bytes of the first 64: word t of blocks 0..3
+    for t in range(4):
+        np.testing.assert_array_equal(q[0, 16 * t:16 * t + 16],
+                                      np.concatenate([a[0, 16 * i + 4 * t:16 * i + 4 * t + 4] for i in range(4)]))
+    with pytest.raises(AssertionError, match="not a multiple of 64"):
+        p.quad_layout(np.zeros((1, 96), dtype=np.uint8))
+
+
+def test_x_half_reports_inexact():
+    p = _tool()
+    x = np.array([1.0, 2.0 ** -40] + [0.5] * 6, dtype=np.float32)   # 2^-40 is below f16 at c = 14
+    _, c, exact = p.x_half(x)
+    assert c == 14 and not exact
+    _, _, exact = p.x_half(np.array([1.0, -0.75, 3.0, 2.0 ** -10] + [0.0] * 4, dtype=np.float32))
+    assert exact
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_fp4_mma_probe_source_compiles(tmp_path):
+    p = _tool()
+    cu = tmp_path / "fp4_mma_probe.cu"
+    cu.write_text(p.SRC)
+    r = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-o", str(tmp_path / "probe.cubin"), str(cu),
+                        "-Xptxas", "-v"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for k in p.KERNELS:
+        assert f"Compiling entry function '{k}'" in r.stderr
+    assert "bytes spill stores" in r.stderr
+    assert all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+               for line in r.stderr.splitlines() if "spill" in line), r.stderr

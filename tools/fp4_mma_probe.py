@@ -1,0 +1,391 @@
+"""Probe (GPU): how close to the copy bandwidth can a tensor-core MXFP4 GEMV at one token get?
+The thirty-fourth session measured the decode step's CUDA-core FP4 expert GEMVs taking the same
+time on an H100 and an H200 (gate/up 25.9 / 23.8 µs for 52.6 MB): bound by instruction issue at
+~4 instructions per weight, they leave ~half the H200's bandwidth unused.  This probe times the
+inner loop that counts ~2 per weight, before the production family (gate/up + SwiGLU, down +
+combine, the seam, the legacy path) is built on it.
+
+    python tools/fp4_mma_probe.py                      # gate/up and down shapes, every variant
+    python tools/fp4_mma_probe.py --shape gateup --depth 4 --ctas-per-sm 2
+
+The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a persistent grid):
+* A = the weights as f16 words of e2m1 * 2^-14 (experts.cu FP4_PRMT's placement: 9 operations per
+  8 weights), B = x as f16 (x * 2^c, c a power of two the host picks), mma.sync m16n8k16 with f32
+  accumulation; D restarts at every 32-k block and is folded with the block's e8m0 scale
+  (acc = fma(D, 2^(S-127+14-c), acc)), so the scale never enters the f16 operands.
+* Every HMMA sums k slots of the four lanes of a quad, which must therefore share one scale block:
+  lane t of quad g takes word t (8 nibbles) of the 16-byte block of rows g and g + 8.  Layout
+  `quad`: the host transposes the 4-byte words inside every 64 bytes of a row (word t of blocks
+  4j..4j+3 contiguous), so a lane's 16-byte load holds its word of four blocks (the bound of the
+  design: one LDG.128 per row and step); `natural`: the stored layout, four LDG.32 per row and
+  step (what the checkpoint bytes give without a relayout).
+* x is staged once per CTA in shared memory in the order the B fragments take (within every 8
+  elements: 0 4 1 5 2 6 3 7), one LDS.128 per block and lane.
+* --depth steps (each 4 blocks of both rows: 128 B of weights per lane) are in flight per warp
+  (a register ring), across task boundaries.
+* Each task writes its rows' partial sums (KS partials per row, summed on the host): the probe
+  times the GEMV, not a reduction.
+
+Numerics (a different contract from the production kernels, reported, not hidden): products are
+exact (e2m1 * 2^-14 times an f16 x), the tensor core's f32 accumulation order is its own, and x in
+f16 is exact only for elements within the f16 range of x * 2^c (the host reports whether it was).
+The check compares y with a float64 reference of the same dequantised weights and x (relative L2,
+and the worst row); `emulate_tile` is the same lane / fragment mapping in NumPy (CPU-tested).
+
+Timing: --rounds medians of --reps back-to-back launches over --sets weight copies in rotation
+(so the L2 holds none of the next launch's weights), against the device-to-device copy bandwidth
+measured in the same process (bench.harness.measure_copy_bandwidth).  Prints one line per
+variant; exits non-zero if a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+SRC = r'''
+typedef unsigned int u32; typedef unsigned char u8; typedef unsigned short u16; typedef long long i64;
+#define DEV __device__ __forceinline__
+
+DEV void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// experts.cu FP4_PRMT: the f16 words of e2m1 * 2^-14 for element pairs (0,4) (1,5) (2,6) (3,7)
+// of the 8 nibbles of w (element 2j = low nibble of byte j; a pair's first element in the low half)
+DEV void fp4_words(u32 w, u32 (&h)[4]) {
+    const u32 qo = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);
+    const u32 qe = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u);
+    h[0] = __byte_perm(qe, 0u, 0x2404u);
+    h[1] = __byte_perm(qo, 0u, 0x2404u);
+    h[2] = qe & 0xff00ff00u;
+    h[3] = qo & 0xff00ff00u;
+}
+DEV uint4 ldg16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+DEV u32 ldg4(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+DEV u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// a warp's walk over its tasks (task w, w + nw, ...; each spt steps of 128 k) with the lane's
+// pointers: its word of the step's 4 blocks of rows g and g + 8, and those rows' 4 scale bytes
+// (the same u32 for the quad's four lanes).  The row arithmetic (one division by KS) once per
+// task; a step only advances the pointers.
+template <bool QUAD>
+struct Cursor {
+    int task, s, row, kstep;
+    const u8* wa;
+    const u8* sa;
+    DEV void set(int tk, const u8* W, const u8* S, int K, int KS, int spt, int g, int t) {
+        task = tk;
+        s = 0;
+        row = (tk / KS) * 16 + g;
+        kstep = (tk % KS) * spt;
+        wa = W + (i64)row * (K / 2) + 64 * kstep + (QUAD ? 16 : 4) * t;
+        sa = S + (i64)row * (K / 32) + 4 * kstep;
+    }
+    DEV void next(const u8* W, const u8* S, int K, int KS, int spt, int g, int t, int nw) {
+        if (++s == spt) {
+            set(task + nw, W, S, K, KS, spt, g, t);
+        } else {
+            ++kstep;
+            wa += 64;
+            sa += 4;
+        }
+    }
+    // the step's loads: rows g and g + 8 are K/2 and K/32 bytes apart (8 rows)
+    DEV void load(int K, uint4& a, uint4& b, u32& qa, u32& qb) const {
+        const u8* wb = wa + (i64)4 * K;
+        if (QUAD) {
+            a = ldg16(wa);
+            b = ldg16(wb);
+        } else {
+            a = make_uint4(ldg4(wa), ldg4(wa + 16), ldg4(wa + 32), ldg4(wa + 48));
+            b = make_uint4(ldg4(wb), ldg4(wb + 16), ldg4(wb + 32), ldg4(wb + 48));
+        }
+        qa = ldg4(sa);
+        qb = ldg4(sa + K / 4);
+    }
+};
+
+// W [O, K/2] e2m1 (layout QUAD or stored), S [O, K/32] e8m0, xh [K] f16 bits of x * 2^c in the
+// B-fragment order (within every 8: 0 4 1 5 2 6 3 7), part [KS, O] f32.  O % 16 == 0,
+// K % (128 KS) == 0, dynamic shared memory 2 K bytes, block 256.
+template <int DEPTH, bool QUAD>
+DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __restrict__ xh,
+              float* __restrict__ part, int O, int K, int KS, int c) {
+    extern __shared__ uint4 xs[];
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
+    const int spt = K / KS / 128, ntasks = (O / 16) * KS;
+    const int total = w < ntasks ? ((ntasks - w + nw - 1) / nw) * spt : 0;
+    uint4 ra[DEPTH], rb[DEPTH];
+    u32 sa[DEPTH], sb[DEPTH];
+    Cursor<QUAD> ld, cm;   // the loads run DEPTH steps ahead of the compute
+    ld.set(w, W, S, K, KS, spt, g, t);
+    cm = ld;
+#pragma unroll
+    for (int r = 0; r < DEPTH; ++r)
+        if (r < total) {
+            ld.load(K, ra[r], rb[r], sa[r], sb[r]);
+            ld.next(W, S, K, KS, spt, g, t, nw);
+        }
+    float acc0 = 0.0f, acc1 = 0.0f;
+    const u32 ebias = (u32)(14 - c);
+    for (int n0 = 0; n0 < total; n0 += DEPTH) {
+#pragma unroll
+        for (int r = 0; r < DEPTH; ++r) {
+            if (n0 + r >= total) break;  // warp-uniform
+            const uint4 wa = ra[r], wb = rb[r];
+            const u32 qa = sa[r], qb = sb[r];
+            if (n0 + r + DEPTH < total) {
+                ld.load(K, ra[r], rb[r], sa[r], sb[r]);
+                ld.next(W, S, K, KS, spt, g, t, nw);
+            }
+            const uint4* xk = xs + 16 * cm.kstep + t;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // block 4 kstep + i
+                u32 ha[4], hb[4];
+                fp4_words(word_of(wa, i), ha);
+                fp4_words(word_of(wb, i), hb);
+                const uint4 xv = xk[4 * i];   // x[128 kstep + 32 i + 8 t ..] in B order
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);  // elements (0,4), (1,5)
+                mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);  // elements (2,6), (3,7)
+                const float fa = __uint_as_float((((qa >> (8 * i)) & 0xffu) + ebias) << 23);
+                const float fb = __uint_as_float((((qb >> (8 * i)) & 0xffu) + ebias) << 23);
+                acc0 = __fmaf_rn(d[0], fa, acc0);  // D row g, column 2t (every column holds the dot)
+                acc1 = __fmaf_rn(d[2], fb, acc1);  // row g + 8
+            }
+            if (cm.s == spt - 1) {
+                if (t == 0) {
+                    const int ks = cm.task % KS;
+                    part[(i64)ks * O + cm.row] = acc0;
+                    part[(i64)ks * O + cm.row + 8] = acc1;
+                }
+                acc0 = acc1 = 0.0f;
+            }
+            cm.next(W, S, K, KS, spt, g, t, nw);
+        }
+    }
+}
+
+#define PROBE(NAME, DEPTH, QUAD)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                \
+    NAME(const u8* W, const u8* S, const u16* xh, float* part, int O, int K, int KS, int c) {        \
+        gemv<DEPTH, QUAD>(W, S, xh, part, O, K, KS, c);                                              \
+    }
+PROBE(fp4mma_quad_d2, 2, true)
+PROBE(fp4mma_quad_d4, 4, true)
+PROBE(fp4mma_quad_d8, 8, true)
+PROBE(fp4mma_natural_d4, 4, false)
+'''
+
+KERNELS = ("fp4mma_quad_d2", "fp4mma_quad_d4", "fp4mma_quad_d8", "fp4mma_natural_d4")
+# the decode step's expert GEMV shapes at one token: six routed experts stacked
+SHAPES = {"gateup": (6 * 2 * 2048, 4096), "down": (6 * 4096, 2048)}
+X_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # B-fragment order within every 8 elements of x
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+# ------------------------------------------------------------------------------------ host model
+def quad_layout(packed: np.ndarray) -> np.ndarray:
+    """[O, K/2] stored bytes -> the `quad` layout: inside every 64 bytes of a row, 4-byte word t of
+    block i moves to position 4 t + i (a 4 x 4 word transpose), so lane t's 16 bytes are its word
+    of four consecutive blocks."""
+    O, H = packed.shape
+    assert H % 64 == 0, f"row of {H} bytes: not a multiple of 64"
+    return packed.reshape(O, H // 64, 4, 4, 4).transpose(0, 1, 3, 2, 4).reshape(O, H)
+
+
+def dequant(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """[O, K/2] stored e2m1 bytes and [O, K/32] e8m0 -> [O, K] float64 (the checkpoint's values)."""
+    lo, hi = packed & 15, packed >> 4
+    codes = np.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
+    s = np.exp2(scale.astype(np.float64) - 127.0)
+    return E2M1[codes] * np.repeat(s, 32, axis=1)
+
+
+def x_half(x: np.ndarray) -> tuple[np.ndarray, int, bool]:
+    """x (float32 values of bf16) -> (f16 bits of x * 2^c in X_ORDER, c, exact): c puts the largest
+    |x| just below 2^15."""
+    m = float(np.max(np.abs(x))) if x.size else 0.0
+    c = 14 - int(np.ceil(np.log2(m))) if m > 0 else 0
+    xs = (x.astype(np.float64) * 2.0 ** c).astype(np.float16)
+    exact = bool(np.array_equal(xs.astype(np.float64) * 2.0 ** -c, x.astype(np.float64)))
+    perm = xs.reshape(-1, 8)[:, X_ORDER].reshape(-1)
+    return perm.view(np.uint16), c, exact
+
+
+def fp4_words(w: int) -> list[int]:
+    """fp4_words of SRC on one u32 (the f16 pairs (0,4) (1,5) (2,6) (3,7))."""
+    m = 0xFFFFFFFF
+    qo = ((w >> 3) & 0x0E0E0E0E) | (w & 0x80808080)
+    qe = (((w << 1) & m) & 0x0E0E0E0E) | (((w << 4) & m) & 0x80808080)
+
+    def perm2404(q):  # __byte_perm(q, 0, 0x2404): bytes (0, q.b0, 0, q.b2)
+        return ((q & 0xFF) << 8) | (((q >> 16) & 0xFF) << 24)
+    return [perm2404(qe), perm2404(qo), qe & 0xFF00FF00, qo & 0xFF00FF00]
+
+
+def _f16x2(v: int) -> tuple[float, float]:
+    a = np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+    return float(a[0]), float(a[1])
+
+
+def emulate_tile(stored: np.ndarray, scale: np.ndarray, xh: np.ndarray, c: int, row0: int,
+                 kstep0: int, ksteps: int, quad: bool) -> np.ndarray:
+    """The kernel's lane / fragment mapping for one 16-row tile over ksteps steps from kstep0, in
+    NumPy (float64, so the mapping, not the rounding): every lane's words and x fragments as the
+    kernel loads them (from the `quad` layout when quad, else the stored one), each HMMA as
+    m16n8k16's fragment layout defines it, the folds.  Returns the 16 rows' sums [16]."""
+    W = quad_layout(stored) if quad else stored
+    K = stored.shape[1] * 2
+    acc = np.zeros(16)
+    for kstep in range(kstep0, kstep0 + ksteps):
+        for i in range(4):
+            A = [np.zeros((16, 16)) for _ in range(2)]
+            B = [np.zeros((16, 8)) for _ in range(2)]
+            scl = np.zeros(16)
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                words = []
+                for r in (row0 + g, row0 + g + 8):
+                    base = 64 * kstep
+                    off = base + 16 * t + 4 * i if quad else base + 16 * i + 4 * t
+                    words.append(fp4_words(int.from_bytes(W[r, off:off + 4].tobytes(), "little")))
+                    scl[r - row0] = 2.0 ** (int(scale[r, 4 * kstep + i]) - 127 + 14 - c)
+                xv = xh[kstep * 128 + 32 * i + 8 * t: kstep * 128 + 32 * i + 8 * t + 8]
+                xf = xv.view(np.float16).astype(np.float64)
+                for h in range(2):   # HMMA h: a0 a2 = row g words 2h, 2h+1; a1 a3 = row g+8's
+                    a0, a2 = _f16x2(words[0][2 * h]), _f16x2(words[0][2 * h + 1])
+                    a1, a3 = _f16x2(words[1][2 * h]), _f16x2(words[1][2 * h + 1])
+                    A[h][g, 2 * t:2 * t + 2] = a0
+                    A[h][g + 8, 2 * t:2 * t + 2] = a1
+                    A[h][g, 2 * t + 8:2 * t + 10] = a2
+                    A[h][g + 8, 2 * t + 8:2 * t + 10] = a3
+                    B[h][2 * t:2 * t + 2, g] = xf[4 * h:4 * h + 2]          # b0
+                    B[h][2 * t + 8:2 * t + 10, g] = xf[4 * h + 2:4 * h + 4]  # b1
+            D = A[0] @ B[0] + A[1] @ B[1]
+            assert np.all(D == D[:, :1]), "B's columns differ: a lane's x fragment depends on its quad"
+            acc += D[:, 0] * scl
+    return acc
+
+
+# -------------------------------------------------------------------------------------- the probe
+def _int(flag: str, text: str, lo: int) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: expected an integer") from None
+    if v < lo:
+        raise SystemExit(f"{flag} {v}: expected >= {lo}")
+    return v
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="gateup,down", help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list of " + ", ".join(KERNELS))
+    ap.add_argument("--ksplit", default="4", help="tasks per 16-row tile (K / ksplit per task)")
+    ap.add_argument("--ctas-per-sm", default="2")
+    ap.add_argument("--sets", default="3", help="weight copies in rotation (> L2 together)")
+    ap.add_argument("--reps", default="20")
+    ap.add_argument("--rounds", default="15")
+    ap.add_argument("--device", default="0")
+    a = ap.parse_args(argv)
+    shapes = [s.strip() for s in a.shape.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"--shape {s!r}: not one of {', '.join(SHAPES)}")
+    kernels = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    for k in kernels:
+        if k not in KERNELS:
+            raise SystemExit(f"--kernels {k!r}: not one of {', '.join(KERNELS)}")
+    ks = _int("--ksplit", a.ksplit, 1)
+    for s in shapes:
+        O, K = SHAPES[s]
+        if K % (128 * ks):
+            raise SystemExit(f"--ksplit {ks}: K = {K} of --shape {s} is not a multiple of 128 x {ks}")
+    return dict(shapes=shapes, kernels=kernels, ksplit=ks, per_sm=_int("--ctas-per-sm", a.ctas_per_sm, 1),
+                sets=_int("--sets", a.sets, 1), reps=_int("--reps", a.reps, 1),
+                rounds=_int("--rounds", a.rounds, 3), device=_int("--device", a.device, 0))
+
+
+def main(argv=None) -> int:
+    o = parse(argv)
+    import cupy as cp
+    from bench.harness import measure_copy_bandwidth
+
+    dev = cp.cuda.Device(o["device"])
+    dev.use()
+    sms = dev.attributes["MultiProcessorCount"]
+    bw = measure_copy_bandwidth(o["device"])["copy_bw_Bps"]
+    print(f"device {o['device']}: {cp.cuda.runtime.getDeviceProperties(o['device'])['name'].decode()}, "
+          f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; ksplit {o['ksplit']}, {o['per_sm']} CTAs per SM")
+    mod = cp.RawModule(code=SRC, options=("-arch=sm_90a", "-std=c++17"))
+    rng = np.random.default_rng(0)
+    ok = True
+    for shape in o["shapes"]:
+        O, K = SHAPES[shape]
+        x = rng.standard_normal(K).astype(np.float32)
+        x = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)          # bf16 values
+        xh, c, exact = x_half(x)
+        stored = [rng.integers(0, 256, size=(O, K // 2), dtype=np.uint8) for _ in range(o["sets"])]
+        scale = [rng.integers(116, 124, size=(O, K // 32), dtype=np.uint8) for _ in range(o["sets"])]
+        ref = np.concatenate([dequant(stored[0][r:r + 2048], scale[0][r:r + 2048]) @ x.astype(np.float64)
+                              for r in range(0, O, 2048)])   # float64, 2048 rows at a time
+        nbytes = O * K // 2 + O * K // 32
+        S_d = [cp.asarray(s) for s in scale]
+        xh_d = cp.asarray(xh)
+        part = cp.zeros((o["ksplit"], O), dtype=cp.float32)
+        print(f"{shape}: O {O}, K {K}, {nbytes / 1e6:.1f} MB per launch; x in f16 exact: {exact}")
+        for name in o["kernels"]:
+            quad = "_quad_" in name
+            W_d = [cp.asarray(quad_layout(s) if quad else s) for s in stored]
+            f = mod.get_function(name)
+            grid, block, smem = (sms * o["per_sm"],), (256,), 2 * K
+            f.max_dynamic_shared_size_bytes = smem
+
+            def launch(j):
+                f(grid, block, (W_d[j], S_d[j], xh_d, part, np.int32(O), np.int32(K), np.int32(o["ksplit"]),
+                                np.int32(c)), shared_mem=smem)
+            part.fill(np.nan)
+            launch(0)
+            y = cp.asnumpy(part).astype(np.float64).sum(axis=0)
+            rel = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+            worst = float(np.max(np.abs(y - ref) / np.maximum(np.abs(ref), 1e-30)))
+            good = bool(np.isfinite(y).all()) and rel < 1e-5
+            ok &= good
+            times = []
+            for _ in range(o["rounds"]):
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                for r in range(o["reps"]):
+                    launch(r % o["sets"])
+                e1.record()
+                e1.synchronize()
+                times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / o["reps"])
+            us = statistics.median(times)
+            print(f"  {name:20s} {us:8.2f} us  {nbytes / us / 1e3:7.1f} GB/s  {nbytes / us * 1e6 / bw * 100:5.1f} % "
+                  f"of copy bw; relL2 {rel:.1e}, worst row {worst:.1e}{'' if good else '  CHECK FAILED'}",
+                  flush=True)
+            del W_d
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
