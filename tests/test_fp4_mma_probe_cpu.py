@@ -33,7 +33,8 @@ def test_fp4_mma_probe_refusals():
                       (["--shape", "down", "--ksplit", "32"], "--ksplit 32: K = 2048 of --shape down is not a "
                                                              "multiple of 128 x 32"),
                       (["--ctas-per-sm", "0"], "--ctas-per-sm 0: expected >= 1"),
-                      (["--rounds", "2"], "--rounds 2: expected >= 3")):
+                      (["--reps", "0"], "--reps 0: expected >= 1"),
+                      (["--iters", "2"], "--iters 2: expected >= 3")):
         with pytest.raises(SystemExit, match=msg):
             p.main(argv)
 

@@ -32,15 +32,17 @@ f16 is exact only for elements within the f16 range of x * 2^c (the host reports
 The check compares y with a float64 reference of the same dequantised weights and x (relative L2,
 and the worst row); `emulate_tile` is the same lane / fragment mapping in NumPy (CPU-tested).
 
-Timing: --rounds medians of --reps back-to-back launches over --sets weight copies in rotation
-(so the L2 holds none of the next launch's weights), against the device-to-device copy bandwidth
-measured in the same process (bench.harness.measure_copy_bandwidth).  Prints one line per
-variant; exits non-zero if a check fails.
+Timing: each launch as tools/bench_gemv.py times the decode kernels (profiling.launches.time_launches:
+a graph of --reps copies with a 256 MB L2 flush between them, the flush's own graph subtracted,
+the median of --iters replays), against the device-to-device copy bandwidth measured in the same
+process (bench.harness.measure_copy_bandwidth), and beside the decode step's CUDA-core kernels at
+the same shapes timed the same way in the same process (ops.experts gate/up and down + combine,
+six of 256 stacked experts; --no-production skips them).  Prints one line per kernel; exits
+non-zero if a check fails.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import numpy as np
@@ -302,9 +304,10 @@ def parse(argv):
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list of " + ", ".join(KERNELS))
     ap.add_argument("--ksplit", default="4", help="tasks per 16-row tile (K / ksplit per task)")
     ap.add_argument("--ctas-per-sm", default="2")
-    ap.add_argument("--sets", default="3", help="weight copies in rotation (> L2 together)")
-    ap.add_argument("--reps", default="20")
-    ap.add_argument("--rounds", default="15")
+    ap.add_argument("--reps", default="20", help="launches per timed graph (profiling.launches.time_launches)")
+    ap.add_argument("--iters", default="5", help="timed replays per graph (the median)")
+    ap.add_argument("--no-production", action="store_true",
+                    help="skip the decode step's CUDA-core kernels (ops.experts) in the same process")
     ap.add_argument("--device", default="0")
     a = ap.parse_args(argv)
     shapes = [s.strip() for s in a.shape.split(",") if s.strip()]
@@ -321,69 +324,97 @@ def parse(argv):
         if K % (128 * ks):
             raise SystemExit(f"--ksplit {ks}: K = {K} of --shape {s} is not a multiple of 128 x {ks}")
     return dict(shapes=shapes, kernels=kernels, ksplit=ks, per_sm=_int("--ctas-per-sm", a.ctas_per_sm, 1),
-                sets=_int("--sets", a.sets, 1), reps=_int("--reps", a.reps, 1),
-                rounds=_int("--rounds", a.rounds, 3), device=_int("--device", a.device, 0))
+                reps=_int("--reps", a.reps, 1), iters=_int("--iters", a.iters, 3),
+                production=not a.no_production, device=_int("--device", a.device, 0))
+
+
+def production_launches(device: int) -> dict:
+    """The decode step's CUDA-core kernels at the probe's shapes, as bench_gemv.py times them
+    (six of 256 stacked MXFP4 experts, ops.experts; down without the shared expert): shape ->
+    (label, recorded launches)."""
+    import cupy as cp
+    from memra_dsv4.gpu.ops import experts as EX
+    from memra_dsv4.profiling.launches import record_launches
+
+    rng = cp.random.default_rng(1)
+    E, I, D, k = 256, 2048, 4096, 6
+    packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
+              (("w1", (I, D // 2)), ("w3", (I, D // 2)), ("w2", (D, I // 2)))}
+    scale = {m: cp.full((E, p.shape[1], p.shape[2] * 2 // 32), 120, cp.uint8) for m, p in packed.items()}
+    wp = {m: EX.stacked_pointer_table(p) for m, p in packed.items()}
+    sp = {m: EX.stacked_pointer_table(s) for m, s in scale.items()}
+    ids = cp.asarray(np.array([3, 77, 12, 200, 150, 9], np.int32))
+    wts = cp.full(k, 0.5, cp.float32)
+    bf16 = lambda *sh: (rng.standard_normal(sh, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    xe, h, sh, out = bf16(1, D), cp.empty((k, I), cp.uint16), bf16(1, D), cp.empty((1, D), cp.uint16)
+    keep = (packed, scale, wp, sp, ids, wts, xe, h, sh, out)   # the recorded launches' arrays
+    gate = record_launches(lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"], sp["w3"],
+                                                      I, D, weight=wts, limit=10.0, out=h, x_div=k),
+                           ("fp4_mma_probe.py",))
+    down = record_launches(lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"],
+                                                            D, I, shared=sh, out=out), ("fp4_mma_probe.py",))
+    return {"gateup": ("ops.experts gate/up (CUDA cores)", gate, keep),
+            "down": ("ops.experts down + combine (CUDA cores)", down, keep)}
 
 
 def main(argv=None) -> int:
     o = parse(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
+    from memra_dsv4.profiling.launches import Launch, time_launches
 
     dev = cp.cuda.Device(o["device"])
     dev.use()
     sms = dev.attributes["MultiProcessorCount"]
     bw = measure_copy_bandwidth(o["device"])["copy_bw_Bps"]
     print(f"device {o['device']}: {cp.cuda.runtime.getDeviceProperties(o['device'])['name'].decode()}, "
-          f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; ksplit {o['ksplit']}, {o['per_sm']} CTAs per SM")
+          f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; ksplit {o['ksplit']}, {o['per_sm']} CTAs per SM; "
+          f"each launch timed as bench_gemv.py does (graphs of {o['reps']} with a 256 MB L2 flush between, "
+          f"the flush subtracted)", flush=True)
+    flush = 256 << 20
+
+    def line(label, nbytes, us, base=None):
+        rel = f"  x{us / base:5.2f} the CUDA-core kernel's time" if base else ""
+        return f"  {label:42s} {us:8.2f} us {nbytes / us / 1e3:7.1f} GB/s {nbytes / us * 1e6 / bw * 100:5.1f} % of copy bw{rel}"
+
+    prod = production_launches(o["device"]) if o["production"] else {}
     mod = cp.RawModule(code=SRC, options=("-arch=sm_90a", "-std=c++17"))
     rng = np.random.default_rng(0)
     ok = True
     for shape in o["shapes"]:
         O, K = SHAPES[shape]
+        nbytes = O * K // 2 + O * K // 32
         x = rng.standard_normal(K).astype(np.float32)
         x = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)          # bf16 values
         xh, c, exact = x_half(x)
-        stored = [rng.integers(0, 256, size=(O, K // 2), dtype=np.uint8) for _ in range(o["sets"])]
-        scale = [rng.integers(116, 124, size=(O, K // 32), dtype=np.uint8) for _ in range(o["sets"])]
-        ref = np.concatenate([dequant(stored[0][r:r + 2048], scale[0][r:r + 2048]) @ x.astype(np.float64)
+        stored = rng.integers(0, 256, size=(O, K // 2), dtype=np.uint8)
+        scale = rng.integers(116, 124, size=(O, K // 32), dtype=np.uint8)
+        ref = np.concatenate([dequant(stored[r:r + 2048], scale[r:r + 2048]) @ x.astype(np.float64)
                               for r in range(0, O, 2048)])   # float64, 2048 rows at a time
-        nbytes = O * K // 2 + O * K // 32
-        S_d = [cp.asarray(s) for s in scale]
-        xh_d = cp.asarray(xh)
+        S_d, xh_d = cp.asarray(scale), cp.asarray(xh)
         part = cp.zeros((o["ksplit"], O), dtype=cp.float32)
-        print(f"{shape}: O {O}, K {K}, {nbytes / 1e6:.1f} MB per launch; x in f16 exact: {exact}")
+        print(f"{shape}: O {O}, K {K}, {nbytes / 1e6:.1f} MB per launch; x in f16 exact: {exact}", flush=True)
+        base = None
+        if shape in prod:
+            label, recs, _ = prod[shape]
+            base = sum(time_launches(recs, reps=o["reps"], iters=o["iters"], flush_bytes=flush))
+            print(line(label, nbytes, base), flush=True)
         for name in o["kernels"]:
-            quad = "_quad_" in name
-            W_d = [cp.asarray(quad_layout(s) if quad else s) for s in stored]
+            W_d = cp.asarray(quad_layout(stored) if "_quad_" in name else stored)
             f = mod.get_function(name)
             grid, block, smem = (sms * o["per_sm"],), (256,), 2 * K
-            f.max_dynamic_shared_size_bytes = smem
-
-            def launch(j):
-                f(grid, block, (W_d[j], S_d[j], xh_d, part, np.int32(O), np.int32(K), np.int32(o["ksplit"]),
-                                np.int32(c)), shared_mem=smem)
+            args = (W_d, S_d, xh_d, part, np.int32(O), np.int32(K), np.int32(o["ksplit"]), np.int32(c))
             part.fill(np.nan)
-            launch(0)
+            f(grid, block, args, shared_mem=smem)
             y = cp.asnumpy(part).astype(np.float64).sum(axis=0)
             rel = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
             worst = float(np.max(np.abs(y - ref) / np.maximum(np.abs(ref), 1e-30)))
             good = bool(np.isfinite(y).all()) and rel < 1e-5
             ok &= good
-            times = []
-            for _ in range(o["rounds"]):
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record()
-                for r in range(o["reps"]):
-                    launch(r % o["sets"])
-                e1.record()
-                e1.synchronize()
-                times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / o["reps"])
-            us = statistics.median(times)
-            print(f"  {name:20s} {us:8.2f} us  {nbytes / us / 1e3:7.1f} GB/s  {nbytes / us * 1e6 / bw * 100:5.1f} % "
-                  f"of copy bw; relL2 {rel:.1e}, worst row {worst:.1e}{'' if good else '  CHECK FAILED'}",
-                  flush=True)
-            del W_d
+            ln = Launch(f"fp4_mma_probe.{name}", grid, block, o["device"], "probe", f, args, {"shared_mem": smem})
+            us = time_launches([ln], reps=o["reps"], iters=o["iters"], flush_bytes=flush)[0]
+            print(line(name, nbytes, us, base) + f"; relL2 {rel:.1e}, worst row {worst:.1e}"
+                  + ("" if good else "  CHECK FAILED"), flush=True)
     return 0 if ok else 1
 
 
