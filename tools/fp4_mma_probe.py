@@ -1,12 +1,12 @@
 """Probe (GPU): how close to the copy bandwidth can a tensor-core MXFP4 GEMV at one token get?
 The thirty-fourth session measured the decode step's CUDA-core FP4 expert GEMVs taking the same
-time on an H100 and an H200 (gate/up 25.9 / 23.8 µs for 52.6 MB): bound by instruction issue at
+time on an H100 and an H200 (gate/up 25.9 / 23.8 µs for 53.5 MB): bound by instruction issue at
 ~4 instructions per weight, they leave ~half the H200's bandwidth unused.  This probe times the
 inner loop that counts ~2 per weight, before the production family (gate/up + SwiGLU, down +
 combine, the seam, the legacy path) is built on it.
 
     python tools/fp4_mma_probe.py                      # gate/up and down shapes, every variant
-    python tools/fp4_mma_probe.py --shape gateup --depth 4 --ctas-per-sm 2
+    python tools/fp4_mma_probe.py --shape gateup --kernels fp4mma_quad_d4 --ksplit 4 --ctas-per-sm 2
 
 The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a persistent grid):
 * A = the weights as f16 words of e2m1 * 2^-14 (experts.cu FP4_PRMT's placement: 9 operations per
@@ -21,8 +21,8 @@ The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a per
   step (what the checkpoint bytes give without a relayout).
 * x is staged once per CTA in shared memory in the order the B fragments take (within every 8
   elements: 0 4 1 5 2 6 3 7), one LDS.128 per block and lane.
-* --depth steps (each 4 blocks of both rows: 128 B of weights per lane) are in flight per warp
-  (a register ring), across task boundaries.
+* DEPTH steps (kernels _d2 / _d4 / _d8; a step is 4 blocks of both rows: 32 B of weights per
+  lane, 1 KB per warp) are in flight per warp (a register ring), across task boundaries.
 * Each task writes its rows' partial sums (KS partials per row, summed on the host): the probe
   times the GEMV, not a reduction.
 
@@ -302,8 +302,8 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="gateup,down", help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list of " + ", ".join(KERNELS))
-    ap.add_argument("--ksplit", default="4", help="tasks per 16-row tile (K / ksplit per task)")
-    ap.add_argument("--ctas-per-sm", default="2")
+    ap.add_argument("--ksplit", default="2,4", help="comma list: tasks per 16-row tile (K / ksplit per task)")
+    ap.add_argument("--ctas-per-sm", default="1,2", help="comma list: the persistent grid's CTAs per SM")
     ap.add_argument("--reps", default="20", help="launches per timed graph (profiling.launches.time_launches)")
     ap.add_argument("--iters", default="5", help="timed replays per graph (the median)")
     ap.add_argument("--no-production", action="store_true",
@@ -318,12 +318,14 @@ def parse(argv):
     for k in kernels:
         if k not in KERNELS:
             raise SystemExit(f"--kernels {k!r}: not one of {', '.join(KERNELS)}")
-    ks = _int("--ksplit", a.ksplit, 1)
-    for s in shapes:
-        O, K = SHAPES[s]
-        if K % (128 * ks):
-            raise SystemExit(f"--ksplit {ks}: K = {K} of --shape {s} is not a multiple of 128 x {ks}")
-    return dict(shapes=shapes, kernels=kernels, ksplit=ks, per_sm=_int("--ctas-per-sm", a.ctas_per_sm, 1),
+    ksplits = [_int("--ksplit", v, 1) for v in a.ksplit.split(",")]
+    for ks in ksplits:
+        for s in shapes:
+            O, K = SHAPES[s]
+            if K % (128 * ks):
+                raise SystemExit(f"--ksplit {ks}: K = {K} of --shape {s} is not a multiple of 128 x {ks}")
+    per_sm = [_int("--ctas-per-sm", v, 1) for v in a.ctas_per_sm.split(",")]
+    return dict(shapes=shapes, kernels=kernels, ksplit=ksplits, per_sm=per_sm,
                 reps=_int("--reps", a.reps, 1), iters=_int("--iters", a.iters, 3),
                 production=not a.no_production, device=_int("--device", a.device, 0))
 
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
     sms = dev.attributes["MultiProcessorCount"]
     bw = measure_copy_bandwidth(o["device"])["copy_bw_Bps"]
     print(f"device {o['device']}: {cp.cuda.runtime.getDeviceProperties(o['device'])['name'].decode()}, "
-          f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; ksplit {o['ksplit']}, {o['per_sm']} CTAs per SM; "
+          f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; "
           f"each launch timed as bench_gemv.py does (graphs of {o['reps']} with a 256 MB L2 flush between, "
           f"the flush subtracted)", flush=True)
     flush = 256 << 20
@@ -392,7 +394,7 @@ def main(argv=None) -> int:
         ref = np.concatenate([dequant(stored[r:r + 2048], scale[r:r + 2048]) @ x.astype(np.float64)
                               for r in range(0, O, 2048)])   # float64, 2048 rows at a time
         S_d, xh_d = cp.asarray(scale), cp.asarray(xh)
-        part = cp.zeros((o["ksplit"], O), dtype=cp.float32)
+        part = cp.zeros((max(o["ksplit"]), O), dtype=cp.float32)
         print(f"{shape}: O {O}, K {K}, {nbytes / 1e6:.1f} MB per launch; x in f16 exact: {exact}", flush=True)
         base = None
         if shape in prod:
@@ -402,19 +404,23 @@ def main(argv=None) -> int:
         for name in o["kernels"]:
             W_d = cp.asarray(quad_layout(stored) if "_quad_" in name else stored)
             f = mod.get_function(name)
-            grid, block, smem = (sms * o["per_sm"],), (256,), 2 * K
-            args = (W_d, S_d, xh_d, part, np.int32(O), np.int32(K), np.int32(o["ksplit"]), np.int32(c))
-            part.fill(np.nan)
-            f(grid, block, args, shared_mem=smem)
-            y = cp.asnumpy(part).astype(np.float64).sum(axis=0)
-            rel = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-            worst = float(np.max(np.abs(y - ref) / np.maximum(np.abs(ref), 1e-30)))
-            good = bool(np.isfinite(y).all()) and rel < 1e-5
-            ok &= good
-            ln = Launch(f"fp4_mma_probe.{name}", grid, block, o["device"], "probe", f, args, {"shared_mem": smem})
-            us = time_launches([ln], reps=o["reps"], iters=o["iters"], flush_bytes=flush)[0]
-            print(line(name, nbytes, us, base) + f"; relL2 {rel:.1e}, worst row {worst:.1e}"
-                  + ("" if good else "  CHECK FAILED"), flush=True)
+            for ks in o["ksplit"]:
+                for per_sm in o["per_sm"]:
+                    grid, block, smem = (sms * per_sm,), (256,), 2 * K
+                    args = (W_d, S_d, xh_d, part, np.int32(O), np.int32(K), np.int32(ks), np.int32(c))
+                    part.fill(np.nan)
+                    f(grid, block, args, shared_mem=smem)
+                    y = cp.asnumpy(part[:ks]).astype(np.float64).sum(axis=0)
+                    rel = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+                    worst = float(np.max(np.abs(y - ref) / np.maximum(np.abs(ref), 1e-30)))
+                    good = bool(np.isfinite(y).all()) and rel < 1e-5
+                    ok &= good
+                    ln = Launch(f"fp4_mma_probe.{name}", grid, block, o["device"], "probe", f, args,
+                                {"shared_mem": smem})
+                    us = time_launches([ln], reps=o["reps"], iters=o["iters"], flush_bytes=flush)[0]
+                    print(line(f"{name} ksplit {ks}, {per_sm}/SM", nbytes, us, base)
+                          + f"; relL2 {rel:.1e}, worst row {worst:.1e}" + ("" if good else "  CHECK FAILED"),
+                          flush=True)
     return 0 if ok else 1
 
 
