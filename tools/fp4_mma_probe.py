@@ -18,7 +18,10 @@ The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a per
   `quad`: the host transposes the 4-byte words inside every 64 bytes of a row (word t of blocks
   4j..4j+3 contiguous), so a lane's 16-byte load holds its word of four blocks (the bound of the
   design: one LDG.128 per row and step); `natural`: the stored layout, four LDG.32 per row and
-  step (what the checkpoint bytes give without a relayout).
+  step (what the checkpoint bytes give without a relayout); `natsm`: the stored layout with one
+  LDG.128 per row and step (lane t loads block t) and the quad's 4 x 4 word transpose through a
+  per-warp shared-memory scratch (two STS.128 and eight conflict-free LDS.32 per step).  The lanes
+  end with the same words in `natural` and `natsm` (emulate_tile(quad=False) is both).
 * x is staged once per CTA in shared memory in the order the B fragments take (within every 8
   elements: 0 4 1 5 2 6 3 7), one LDS.128 per block and lane.
 * DEPTH steps (kernels _d2 / _d4 / _d8; a step is 4 blocks of both rows: 32 B of weights per
@@ -84,7 +87,10 @@ DEV u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i 
 // pointers: its word of the step's 4 blocks of rows g and g + 8, and those rows' 4 scale bytes
 // (the same u32 for the quad's four lanes).  The row arithmetic (one division by KS) once per
 // task; a step only advances the pointers.
-template <bool QUAD>
+// LAYOUT: 0 quad (transposed words, one LDG.128 per row and step), 1 stored (four LDG.32),
+// 2 stored with one LDG.128 per row and step (the lane's own block) and the quad's 4 x 4 word
+// transpose through a per-warp shared-memory scratch
+template <int LAYOUT>
 struct Cursor {
     int task, s, row, kstep;
     const u8* wa;
@@ -94,7 +100,7 @@ struct Cursor {
         s = 0;
         row = (tk / KS) * 16 + g;
         kstep = (tk % KS) * spt;
-        wa = W + (i64)row * (K / 2) + 64 * kstep + (QUAD ? 16 : 4) * t;
+        wa = W + (i64)row * (K / 2) + 64 * kstep + (LAYOUT == 1 ? 4 : 16) * t;
         sa = S + (i64)row * (K / 32) + 4 * kstep;
     }
     DEV void next(const u8* W, const u8* S, int K, int KS, int spt, int g, int t, int nw) {
@@ -109,7 +115,7 @@ struct Cursor {
     // the step's loads: rows g and g + 8 are K/2 and K/32 bytes apart (8 rows)
     DEV void load(int K, uint4& a, uint4& b, u32& qa, u32& qb) const {
         const u8* wb = wa + (i64)4 * K;
-        if (QUAD) {
+        if (LAYOUT != 1) {
             a = ldg16(wa);
             b = ldg16(wb);
         } else {
@@ -121,13 +127,14 @@ struct Cursor {
     }
 };
 
-// W [O, K/2] e2m1 (layout QUAD or stored), S [O, K/32] e8m0, xh [K] f16 bits of x * 2^c in the
+// W [O, K/2] e2m1 (layout 0: quad, else stored), S [O, K/32] e8m0, xh [K] f16 bits of x * 2^c in the
 // B-fragment order (within every 8: 0 4 1 5 2 6 3 7), part [KS, O] f32.  O % 16 == 0,
-// K % (128 KS) == 0, dynamic shared memory 2 K bytes, block 256.
-template <int DEPTH, bool QUAD>
+// K % (128 KS) == 0, dynamic shared memory 2 K bytes (+ 10 KB for LAYOUT 2), block 256.
+template <int DEPTH, int LAYOUT>
 DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __restrict__ xh,
               float* __restrict__ part, int O, int K, int KS, int c) {
     extern __shared__ uint4 xs[];
+    u8* scratch = reinterpret_cast<u8*>(xs + K / 8);   // LAYOUT 2: 8 warps x 16 rows x 80 B
     for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
     __syncthreads();
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -136,7 +143,7 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
     const int total = w < ntasks ? ((ntasks - w + nw - 1) / nw) * spt : 0;
     uint4 ra[DEPTH], rb[DEPTH];
     u32 sa[DEPTH], sb[DEPTH];
-    Cursor<QUAD> ld, cm;   // the loads run DEPTH steps ahead of the compute
+    Cursor<LAYOUT> ld, cm;   // the loads run DEPTH steps ahead of the compute
     ld.set(w, W, S, K, KS, spt, g, t);
     cm = ld;
 #pragma unroll
@@ -151,11 +158,21 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
 #pragma unroll
         for (int r = 0; r < DEPTH; ++r) {
             if (n0 + r >= total) break;  // warp-uniform
-            const uint4 wa = ra[r], wb = rb[r];
+            uint4 wa = ra[r], wb = rb[r];
             const u32 qa = sa[r], qb = sb[r];
             if (n0 + r + DEPTH < total) {
                 ld.load(K, ra[r], rb[r], sa[r], sb[r]);
                 ld.next(W, S, K, KS, spt, g, t, nw);
+            }
+            if (LAYOUT == 2) {  // wa / wb: block t of rows g / g + 8 -> word t of blocks 0..3
+                u8* sc = scratch + (threadIdx.x >> 5) * 1280 + g * 80;   // 80 B per row: no bank conflicts below
+                *reinterpret_cast<uint4*>(sc + 16 * t) = wa;
+                *reinterpret_cast<uint4*>(sc + 640 + 16 * t) = wb;
+                __syncwarp();
+                const u32* s32 = reinterpret_cast<const u32*>(sc) + t;
+                wa = make_uint4(s32[0], s32[4], s32[8], s32[12]);
+                wb = make_uint4(s32[160], s32[164], s32[168], s32[172]);
+                __syncwarp();   // every lane has read before the next step's stores
             }
             const uint4* xk = xs + 16 * cm.kstep + t;
 #pragma unroll
@@ -185,18 +202,21 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
     }
 }
 
-#define PROBE(NAME, DEPTH, QUAD)                                                                     \
+#define PROBE(NAME, DEPTH, LAYOUT)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                \
     NAME(const u8* W, const u8* S, const u16* xh, float* part, int O, int K, int KS, int c) {        \
-        gemv<DEPTH, QUAD>(W, S, xh, part, O, K, KS, c);                                              \
+        gemv<DEPTH, LAYOUT>(W, S, xh, part, O, K, KS, c);                                              \
     }
-PROBE(fp4mma_quad_d2, 2, true)
-PROBE(fp4mma_quad_d4, 4, true)
-PROBE(fp4mma_quad_d8, 8, true)
-PROBE(fp4mma_natural_d4, 4, false)
+PROBE(fp4mma_quad_d2, 2, 0)
+PROBE(fp4mma_quad_d4, 4, 0)
+PROBE(fp4mma_quad_d8, 8, 0)
+PROBE(fp4mma_natural_d4, 4, 1)
+PROBE(fp4mma_natsm_d4, 4, 2)
+PROBE(fp4mma_natsm_d8, 8, 2)
 '''
 
-KERNELS = ("fp4mma_quad_d2", "fp4mma_quad_d4", "fp4mma_quad_d8", "fp4mma_natural_d4")
+KERNELS = ("fp4mma_quad_d2", "fp4mma_quad_d4", "fp4mma_quad_d8", "fp4mma_natural_d4", "fp4mma_natsm_d4",
+           "fp4mma_natsm_d8")
 # the decode step's expert GEMV shapes at one token: six routed experts stacked
 SHAPES = {"gateup": (6 * 2 * 2048, 4096), "down": (6 * 4096, 2048)}
 X_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # B-fragment order within every 8 elements of x
@@ -406,7 +426,7 @@ def main(argv=None) -> int:
             f = mod.get_function(name)
             for ks in o["ksplit"]:
                 for per_sm in o["per_sm"]:
-                    grid, block, smem = (sms * per_sm,), (256,), 2 * K
+                    grid, block, smem = (sms * per_sm,), (256,), 2 * K + (10240 if "_natsm_" in name else 0)
                     args = (W_d, S_d, xh_d, part, np.int32(O), np.int32(K), np.int32(ks), np.int32(c))
                     part.fill(np.nan)
                     f(grid, block, args, shared_mem=smem)
