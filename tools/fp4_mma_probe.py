@@ -275,7 +275,6 @@ def emulate_tile(stored: np.ndarray, scale: np.ndarray, xh: np.ndarray, c: int, 
     kernel loads them (from the `quad` layout when quad, else the stored one), each HMMA as
     m16n8k16's fragment layout defines it, the folds.  Returns the 16 rows' sums [16]."""
     W = quad_layout(stored) if quad else stored
-    K = stored.shape[1] * 2
     acc = np.zeros(16)
     for kstep in range(kstep0, kstep0 + ksteps):
         for i in range(4):
