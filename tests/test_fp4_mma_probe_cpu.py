@@ -87,6 +87,21 @@ def test_fp4_words_are_e2m1_times_2_to_minus_14():
         assert got == want, (hex(w), got, want)
 
 
+def test_fp4_words_are_experts_cu_fp4_prmt_placement():
+    """The probe's kernel is standalone (NVRTC, no repo header), so its decode is a copy: the same
+    six lines as experts.cu's FP4_PRMT form of e2m1x8_to_f16x2, kept so by this test."""
+    p = _tool()
+    body = p.SRC[p.SRC.index("DEV void fp4_words("):]
+    body = body[body.index("{") + 1:body.index("\n}")]
+    lines = [ln.strip() for ln in body.strip().splitlines()]
+    assert len(lines) == 6
+    experts = (Path(__file__).resolve().parents[1] / "kernels_cu" / "experts.cu").read_text()
+    prmt = experts[experts.index("DEV void e2m1x8_to_f16x2("):]
+    prmt = prmt[prmt.index("#if FP4_MMA_PRMT"):]
+    prmt = prmt[:prmt.index("return;")]
+    assert [ln.strip() for ln in prmt.splitlines()[1:7]] == lines
+
+
 def test_quad_layout_is_a_word_transpose():
     p = _tool()
     a = np.arange(2 * 128, dtype=np.uint32).astype(np.uint8).reshape(2, 128)

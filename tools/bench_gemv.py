@@ -66,6 +66,51 @@ import argparse
 import numpy as np
 
 
+def fp4_experts(rng, EX):
+    """The decode step's routed-expert MXFP4 kernels at the Flash shapes, ready to call: six of 256
+    stacked experts (w1 / w3 [2048, 4096], w2 [4096, 2048], random bytes, scale 2^-7), k = 6 fixed
+    ids, one token.  rng: a cupy.random Generator (its draws, in this order: the packed weights,
+    x, the shared expert's output, the shared w2 and its input).  Returns a namespace of
+    gateup(impl=None), down(impl=None) (shared expert's output added), down_w2() (the shared w2
+    rows fused in: the step's form, MEMRA_DSV4_DECODE_SHARED_W2 = fused) and their weight bytes.
+    Used by this tool and tools/fp4_mma_probe.py."""
+    import types
+
+    import cupy as cp
+
+    def bf16(*shape):
+        return (rng.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+
+    E, I, D, k = 256, 2048, 4096, 6
+    packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
+              (("w1", (I, D // 2)), ("w3", (I, D // 2)), ("w2", (D, I // 2)))}
+    scale = {m: cp.full((E, p.shape[1], p.shape[2] * 2 // 32), 120, cp.uint8)
+             for m, p in packed.items()}
+    wp = {m: EX.stacked_pointer_table(p) for m, p in packed.items()}
+    sp = {m: EX.stacked_pointer_table(s) for m, s in scale.items()}
+    ids = cp.asarray(np.array([3, 77, 12, 200, 150, 9], np.int32))
+    wts = cp.full(k, 0.5, cp.float32)
+    xe, h = bf16(1, D), cp.empty((k, I), cp.uint16)
+    sh, out = bf16(1, D), cp.empty((1, D), cp.uint16)
+    w2_sh, shx = bf16(D, EX.DOWN_W2_K), bf16(1, EX.DOWN_W2_K)
+    fp4 = lambda o, i: o * i // 2 + o * i // 32
+
+    def gateup(impl=None):
+        return EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"], sp["w3"], I, D, weight=wts,
+                                  limit=10.0, out=h, x_div=k, impl=impl)
+
+    def down(impl=None):
+        return EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"], D, I, shared=sh,
+                                        out=out, impl=impl)
+
+    def down_w2():
+        return EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"], D, I,
+                                        shared_w2=(w2_sh, shx), out=out)
+
+    return types.SimpleNamespace(gateup=gateup, down=down, down_w2=down_w2, gateup_bytes=k * 2 * fp4(I, D),
+                                 down_bytes=k * fp4(D, I), down_w2_bytes=k * fp4(D, I) + 2 * D * EX.DOWN_W2_K)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", type=int, default=0)
@@ -222,42 +267,17 @@ def main(argv=None) -> int:
         if a.suggest:
             _suggest(meta, times, a.suggest)
         return _mismatch_report(mismatches) or rc
-    # routed experts, MXFP4, k = 6 of 256
-    E, I, D, k = 256, 2048, 4096, 6
-    packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
-              (("w1", (I, D // 2)), ("w3", (I, D // 2)), ("w2", (D, I // 2)))}
-    scale = {m: cp.full((E, p.shape[1], p.shape[2] * 2 // 32), 120, cp.uint8)
-             for m, p in packed.items()}
-    wp = {m: EX.stacked_pointer_table(p) for m, p in packed.items()}
-    sp = {m: EX.stacked_pointer_table(s) for m, s in scale.items()}
-    ids = cp.asarray(np.array([3, 77, 12, 200, 150, 9], np.int32))
-    wts = cp.full(k, 0.5, cp.float32)
-    xe, h = bf16(1, D), cp.empty((k, I), cp.uint16)
-    sh, out = bf16(1, D), cp.empty((1, D), cp.uint16)
-    fp4 = lambda o, i: o * i // 2 + o * i // 32
-    cases.append(("gemv_fp4_gateup mxfp4 6x[2x2048x4096]", k * 2 * fp4(I, D),
-                  lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"],
-                                             sp["w3"], I, D, weight=wts, limit=10.0, out=h,
-                                             x_div=k)))
-    cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", k * fp4(D, I),
-                  lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
-                                                   sp["w2"], D, I, shared=sh, out=out)))
-    # the step's form: the shared expert's w2 rows fused into the down + combine (_k2_f_w2;
-    # MEMRA_DSV4_DECODE_SHARED_W2 = fused), + the 16.8 MB of w2 bf16
-    w2_sh, shx = bf16(D, EX.DOWN_W2_K), bf16(1, EX.DOWN_W2_K)
-    cases.append(("gemv_fp4_down_combine_w2 mxfp4 6x[4096x2048] + w2 bf16 [4096x2048]",
-                  k * fp4(D, I) + 2 * D * EX.DOWN_W2_K,
-                  lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"], D, I,
-                                                   shared_w2=(w2_sh, shx), out=out)))
+    fx = fp4_experts(rng, EX)
+    cases.append(("gemv_fp4_gateup mxfp4 6x[2x2048x4096]", fx.gateup_bytes, fx.gateup))
+    cases.append(("gemv_fp4_down_combine mxfp4 6x[4096x2048]", fx.down_bytes, fx.down))
+    cases.append(("gemv_fp4_down_combine_w2 mxfp4 6x[4096x2048] + w2 bf16 [4096x2048]", fx.down_w2_bytes,
+                  fx.down_w2))
     n_simt = len(cases)
     if a.fp4_mma:
-        cases.append(("gemv_fp4_gateup mxfp4 mma 6x[2x2048x4096]", k * 2 * fp4(I, D),
-                      lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"],
-                                                 sp["w3"], I, D, weight=wts, limit=10.0, out=h,
-                                                 x_div=k, impl="mma")))
-        cases.append(("gemv_fp4_down_combine mxfp4 mma 6x[4096x2048]", k * fp4(D, I),
-                      lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"],
-                                                       sp["w2"], D, I, shared=sh, out=out, impl="mma")))
+        cases.append(("gemv_fp4_gateup mxfp4 mma 6x[2x2048x4096]", fx.gateup_bytes,
+                      lambda: fx.gateup(impl="mma")))
+        cases.append(("gemv_fp4_down_combine mxfp4 mma 6x[4096x2048]", fx.down_bytes,
+                      lambda: fx.down(impl="mma")))
     rc = _run(cases, a, bw, n_dense, EX, n_simt)
     return _mismatch_report(mismatches) or rc
 

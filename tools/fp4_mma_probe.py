@@ -349,41 +349,24 @@ def parse(argv):
                 production=not a.no_production, device=_int("--device", a.device, 0))
 
 
-def production_launches(device: int) -> dict:
-    """The decode step's CUDA-core kernels at the probe's shapes, as bench_gemv.py times them
-    (six of 256 stacked MXFP4 experts, ops.experts; down without the shared expert), and the
-    fifteenth session's opt-in tensor-core forms (impl="mma"): shape -> [(label, recorded
-    launches)], the default kernel first; "keep": the arrays the launches read."""
+def production_launches() -> dict:
+    """The decode step's CUDA-core kernels at the probe's shapes, set up and timed as
+    tools/bench_gemv.py does (its fp4_experts: six of 256 stacked MXFP4 experts; down with the
+    shared expert's output added), and the fifteenth session's opt-in tensor-core forms
+    (impl="mma"): shape -> [(label, recorded launches)], the default kernel first; "keep": the
+    namespace whose arrays the launches read."""
     import cupy as cp
+    from bench_gemv import fp4_experts   # tools/ is this script's directory
     from memra_dsv4.gpu.ops import experts as EX
     from memra_dsv4.profiling.launches import record_launches
 
-    rng = cp.random.default_rng(1)
-    E, I, D, k = 256, 2048, 4096, 6
-    packed = {m: rng.integers(0, 255, (E, *sh), dtype=cp.uint8) for m, sh in
-              (("w1", (I, D // 2)), ("w3", (I, D // 2)), ("w2", (D, I // 2)))}
-    scale = {m: cp.full((E, p.shape[1], p.shape[2] * 2 // 32), 120, cp.uint8) for m, p in packed.items()}
-    wp = {m: EX.stacked_pointer_table(p) for m, p in packed.items()}
-    sp = {m: EX.stacked_pointer_table(s) for m, s in scale.items()}
-    ids = cp.asarray(np.array([3, 77, 12, 200, 150, 9], np.int32))
-    wts = cp.full(k, 0.5, cp.float32)
-    bf16 = lambda *sh: (rng.standard_normal(sh, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-    xe, h, sh, out = bf16(1, D), cp.empty((k, I), cp.uint16), bf16(1, D), cp.empty((1, D), cp.uint16)
-    keep = (packed, scale, wp, sp, ids, wts, xe, h, sh, out)   # the recorded launches' arrays
-    gate = record_launches(lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"], sp["w3"],
-                                                      I, D, weight=wts, limit=10.0, out=h, x_div=k),
-                           ("fp4_mma_probe.py",))
-    down = record_launches(lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"],
-                                                            D, I, shared=sh, out=out), ("fp4_mma_probe.py",))
-    gate_mma = record_launches(lambda: EX.gemv_fp4_gateup("mxfp4", xe, ids, wp["w1"], sp["w1"], wp["w3"], sp["w3"],
-                                                          I, D, weight=wts, limit=10.0, out=h, x_div=k,
-                                                          impl="mma"), ("fp4_mma_probe.py",))
-    down_mma = record_launches(lambda: EX.gemv_fp4_down_combine("mxfp4", h, ids.reshape(1, k), wp["w2"], sp["w2"],
-                                                                D, I, shared=sh, out=out, impl="mma"),
-                               ("fp4_mma_probe.py",))
-    return {"gateup": [("ops.experts gate/up (CUDA cores)", gate), ("ops.experts gate/up impl=mma", gate_mma)],
-            "down": [("ops.experts down + combine (CUDA cores)", down),
-                     ("ops.experts down + combine impl=mma", down_mma)], "keep": keep}
+    fx = fp4_experts(cp.random.default_rng(1), EX)
+    rec = lambda fn: record_launches(fn, ("fp4_mma_probe.py",))
+    return {"gateup": [("ops.experts gate/up (CUDA cores)", rec(fx.gateup)),
+                       ("ops.experts gate/up impl=mma", rec(lambda: fx.gateup(impl="mma")))],
+            "down": [("ops.experts down + combine (CUDA cores)", rec(fx.down)),
+                     ("ops.experts down + combine impl=mma", rec(lambda: fx.down(impl="mma")))],
+            "keep": fx}
 
 
 def main(argv=None) -> int:
@@ -409,7 +392,7 @@ def main(argv=None) -> int:
     prod = {}
     if o["production"]:
         try:   # the probe's own kernels are the point: a failure here is reported, not fatal
-            prod = production_launches(o["device"])
+            prod = production_launches()
         except Exception as e:  # noqa: BLE001
             print(f"production kernels not timed: {type(e).__name__}: {e}", flush=True)
     mod = cp.RawModule(code=SRC, options=("-arch=sm_90a", "-std=c++17"))
