@@ -138,3 +138,49 @@ def test_fp4_mma_probe_source_compiles(tmp_path):
     assert "bytes spill stores" in r.stderr
     assert all(line.strip().startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
                for line in r.stderr.splitlines() if "spill" in line), r.stderr
+
+
+def test_ring_copies_cover_a_step_once_and_read_the_natural_words():
+    """gemv_ring's copies (ring_copies: two 16-byte granules and a scale word per lane) fill every
+    byte of a step's 16 x 64 B tile and its 16 scale words exactly once (lanes 16..31's scale
+    words land in the sink), no two copies overlap, and lane (g, t)'s reads
+    from the image are the natural layout's words of rows g, g + 8 (what emulate_tile(quad=False)
+    multiplies) and their scale words; the 32 lanes' LDS.32 of one block hit 32 distinct banks."""
+    p = _tool()
+    cp = p.ring_copies()
+    weights = sorted((row, off) for _, row, off, _ in cp if off >= 0)
+    assert weights == [(r, o) for r in range(16) for o in range(0, 64, 16)]
+    img_end = 16 * p.RING_ROW + 64      # the image; the sink after it takes lanes 16..31's scale words
+    assert sorted(row for _, row, off, d in cp if off < 0 and d < img_end) == list(range(16))
+    assert all(d >= img_end for lane, _, off, d in cp if off < 0 and lane >= 16)
+    dsts = sorted((d, 16 if off >= 0 else 4) for _, _, off, d in cp)
+    assert all(a + n <= b for (a, n), (b, _) in zip(dsts, dsts[1:])), "copies overlap in the image"
+    assert max(d + n for d, n in dsts) <= p.RING_STEP and all(d % n == 0 for d, n in dsts)
+    rng = np.random.default_rng(11)
+    stored, scale, _ = _problem(rng, O=32, K=512)
+    for row0, kstep in ((0, 0), (16, 3)):
+        img = p.ring_image(stored, scale, row0, kstep)
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            a, b, qa, qb = p.ring_words(img, g, t)
+            for words, r in ((a, row0 + g), (b, row0 + g + 8)):
+                want = [int.from_bytes(stored[r, 64 * kstep + 16 * i + 4 * t:64 * kstep + 16 * i + 4 * t + 4]
+                                       .tobytes(), "little") for i in range(4)]
+                assert words == want, (row0, kstep, lane)
+            assert qa == int.from_bytes(scale[row0 + g, 4 * kstep:4 * kstep + 4].tobytes(), "little")
+            assert qb == int.from_bytes(scale[row0 + g + 8, 4 * kstep:4 * kstep + 4].tobytes(), "little")
+    for i in range(4):
+        for half in (0, 8):
+            banks = {((g + half) * p.RING_ROW // 4 + 4 * i + t) % 32 for g in range(8) for t in range(4)}
+            assert len(banks) == 32, (i, half, sorted(banks))
+
+
+def test_smem_bytes():
+    p = _tool()
+    assert p.smem_bytes("fp4mma_quad_d4", 4096) == 8192
+    assert p.smem_bytes("fp4mma_natsm_d8", 2048) == 4096 + 10240
+    assert p.smem_bytes("fp4mma_ring_r8", 4096) == 8192 + 8 * 8 * 1408
+    assert p.smem_bytes("fp4mma_ring_r16", 4096) + 1024 <= 232448      # one CTA fits an H100 / H200 SM
+    assert 2 * (p.smem_bytes("fp4mma_ring_r16", 4096) + 1024) > 233472  # two do not (skipped)
+    with pytest.raises(AssertionError):
+        p.smem_bytes("fp4mma_ring_r3", 4096)

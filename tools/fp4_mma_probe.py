@@ -22,6 +22,13 @@ The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a per
   LDG.128 per row and step (lane t loads block t) and the quad's 4 x 4 word transpose through a
   per-warp shared-memory scratch (two STS.128 and eight conflict-free LDS.32 per step).  The lanes
   end with the same words in `natural` and `natsm` (emulate_tile(quad=False) is both).
+* Layout `ring` (kernels _ring_r4 / _r8 / _r16, the thirty-fifth session): the stored bytes again,
+  but streamed by cp.async into a per-warp shared-memory ring of RING steps (RING - 1 steps, 1 KB
+  each, in flight per warp without holding registers: the deep weight ring the sixteenth session's
+  latency-bound _mma kernels lacked); lanes read their words with LDS.32 from rows 80 B apart
+  (conflict-free), the natural layout's words (ring_image / ring_words, CPU-tested).  Shared
+  memory per CTA 2 K + 8 x RING x 1408 B: r16 fits one CTA per SM; configurations that do not fit
+  an SM are skipped with a line saying so.
 * x is staged once per CTA in shared memory in the order the B fragments take (within every 8
   elements: 0 4 1 5 2 6 3 7), one LDS.128 per block and lane.
 * DEPTH steps (kernels _d2 / _d4 / _d8; a step is 4 blocks of both rows: 32 B of weights per
@@ -69,6 +76,11 @@ DEV void fp4_words(u32 w, u32 (&h)[4]) {
     h[1] = __byte_perm(qo, 0u, 0x2404u);
     h[2] = qe & 0xff00ff00u;
     h[3] = qo & 0xff00ff00u;
+}
+// the fold factor of block i of a row's scale word q: 2^(S - 127 + 14 - c) as f32 bits, i.e.
+// (S + 14 - c) << 23 with eb23 = (14 - c) << 23: one PRMT (byte i to bits 0..7) and one LEA
+DEV float fold_scale(u32 q, int i, u32 eb23) {
+    return __uint_as_float((__byte_perm(q, 0u, 0x4440u + (u32)i) << 23) + eb23);
 }
 DEV uint4 ldg16(const void* p) {
     uint4 v;
@@ -153,7 +165,7 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
             ld.next(W, S, K, KS, spt, g, t, nw);
         }
     float acc0 = 0.0f, acc1 = 0.0f;
-    const u32 ebias = (u32)(14 - c);
+    const u32 eb23 = (u32)(14 - c) << 23;
     for (int n0 = 0; n0 < total; n0 += DEPTH) {
 #pragma unroll
         for (int r = 0; r < DEPTH; ++r) {
@@ -184,10 +196,8 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
                 float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);  // elements (0,4), (1,5)
                 mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);  // elements (2,6), (3,7)
-                const float fa = __uint_as_float((((qa >> (8 * i)) & 0xffu) + ebias) << 23);
-                const float fb = __uint_as_float((((qb >> (8 * i)) & 0xffu) + ebias) << 23);
-                acc0 = __fmaf_rn(d[0], fa, acc0);  // D row g, column 2t (every column holds the dot)
-                acc1 = __fmaf_rn(d[2], fb, acc1);  // row g + 8
+                acc0 = __fmaf_rn(d[0], fold_scale(qa, i, eb23), acc0);  // D row g, column 2t (every column holds the dot)
+                acc1 = __fmaf_rn(d[2], fold_scale(qb, i, eb23), acc1);  // row g + 8
             }
             if (cm.s == spt - 1) {
                 if (t == 0) {
@@ -201,6 +211,136 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
         }
     }
 }
+
+// Layout `ring`: the stored bytes streamed by cp.async into a per-warp shared-memory ring of RING
+// steps (RING - 1 in flight: 1 KB of weights per step and warp, no registers held for them).  A
+// step's image (RING_STEP bytes): the task tile's 16 rows x 64 B at rows 80 B apart (1280 B), then
+// the 16 rows' 4 scale bytes (64 B), then a 64 B sink.  Lane L copies granules L and L + 32 of the
+// 64 (16 B part L % 4 of rows L / 4 and L / 4 + 8) and row L % 16's scale word (lanes 16..31 into
+// the sink: no branch).  Lane (g, t) then reads word t
+// of blocks 0..3 of rows g and g + 8 with LDS.32 (80 B rows: the 32 lanes hit 32 banks), i.e. the
+// natural layout's words (emulate_tile(quad=False); ring_image / ring_words in NumPy).
+#define RING_ROW 80
+#define RING_STEP (16 * RING_ROW + 128)   // + 64 B of scale words + the 64 B sink
+DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+DEV void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+DEV void cp_async4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+DEV void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+DEV void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// a warp's walk over its tasks, as Cursor; `src` / `ssrc`: this lane's copy sources of the step
+// (weights of row crow at byte cpart of the step; the scale word of row crow2), advanced by 64 / 4
+// bytes a step, recomputed (one division) once per task
+struct RingCursor {
+    int task, s, row0, kstep;
+    const u8* src;
+    const u8* ssrc;
+    DEV void set(int tk, const u8* W, const u8* S, int K, int KS, int spt, int crow, int cpart, int crow2) {
+        task = tk;
+        s = 0;
+        row0 = (tk / KS) * 16;
+        kstep = (tk % KS) * spt;
+        src = W + (i64)(row0 + crow) * (K / 2) + 64 * kstep + cpart;
+        ssrc = S + (i64)(row0 + crow2) * (K / 32) + 4 * kstep;
+    }
+    DEV void next(const u8* W, const u8* S, int K, int KS, int spt, int nw, int crow, int cpart, int crow2) {
+        if (++s == spt) {
+            set(task + nw, W, S, K, KS, spt, crow, cpart, crow2);
+        } else {
+            ++kstep;
+            src += 64;
+            ssrc += 4;
+        }
+    }
+};
+
+// dynamic shared memory 2 K + 8 warps x RING x RING_STEP bytes, block 256; otherwise as gemv
+template <int RING>
+DEV void gemv_ring(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __restrict__ xh,
+                   float* __restrict__ part, int O, int K, int KS, int c) {
+    static_assert(RING >= 2 && (RING & (RING - 1)) == 0, "RING: a power of two >= 2");
+    extern __shared__ uint4 xs[];
+    u8* ring = reinterpret_cast<u8*>(xs + K / 8) + (threadIdx.x >> 5) * RING * RING_STEP;
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
+    const int spt = K / KS / 128, ntasks = (O / 16) * KS;
+    const int total = w < ntasks ? ((ntasks - w + nw - 1) / nw) * spt : 0;
+    const i64 hk8 = (i64)4 * K;                   // 8 rows of W
+    // this lane's copies: weight rows crow and crow + 8 at byte cpart; the scale word of row
+    // crow2, to the image (lanes 0..15) or to the step's 64 B sink (lanes 16..31: branch-free)
+    const int crow = lane >> 2, cpart = 16 * (lane & 3), crow2 = lane & 15;
+    const u32 ring_s = smem_addr(ring);
+    const u32 wdst = ring_s + crow * RING_ROW + cpart, sdst = ring_s + 16 * RING_ROW + 4 * lane;
+    RingCursor ld, cm;
+    ld.set(w, W, S, K, KS, spt, crow, cpart, crow2);
+    cm = ld;
+    u32 o = 0;   // the image offset of the next slot to fill (slots in order, wrapping)
+    auto issue = [&]() {   // step ld into slot o; then ld and o advance
+        cp_async16(wdst + o, ld.src);
+        cp_async16(wdst + o + 8 * RING_ROW, ld.src + hk8);
+        cp_async4(sdst + o, ld.ssrc);
+        ld.next(W, S, K, KS, spt, nw, crow, cpart, crow2);
+        o = o == (RING - 1) * RING_STEP ? 0u : o + RING_STEP;
+    };
+#pragma unroll
+    for (int r = 0; r < RING - 1; ++r) {
+        if (r < total) issue();
+        cp_commit();   // one group per step, empty past the end: the wait count below stays uniform
+    }
+    float acc0 = 0.0f, acc1 = 0.0f;
+    const u32 eb23 = (u32)(14 - c) << 23;
+    for (int n = 0; n < total; ++n) {
+        cp_wait<RING - 2>();   // this lane's copies of step n (group n) have landed
+        __syncwarp();          // ... and every lane's; every lane has also finished reading step n - 1
+        if (n + RING - 1 < total) issue();   // slot (n + RING - 1) % RING: the one step n - 1 used
+        cp_commit();
+        const u8* img = ring + (n & (RING - 1)) * RING_STEP;
+        const u32* ra = reinterpret_cast<const u32*>(img + g * RING_ROW) + t;
+        const u32* rb = reinterpret_cast<const u32*>(img + (g + 8) * RING_ROW) + t;
+        const uint4 wa = make_uint4(ra[0], ra[4], ra[8], ra[12]), wb = make_uint4(rb[0], rb[4], rb[8], rb[12]);
+        const u32 qa = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g];
+        const u32 qb = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g + 8];
+        const uint4* xk = xs + 16 * cm.kstep + t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // block 4 kstep + i, as gemv
+            u32 ha[4], hb[4];
+            fp4_words(word_of(wa, i), ha);
+            fp4_words(word_of(wb, i), hb);
+            const uint4 xv = xk[4 * i];
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);
+            mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);
+            acc0 = __fmaf_rn(d[0], fold_scale(qa, i, eb23), acc0);
+            acc1 = __fmaf_rn(d[2], fold_scale(qb, i, eb23), acc1);
+        }
+        if (cm.s == spt - 1) {
+            if (t == 0) {
+                const int ks = cm.task % KS;
+                part[(i64)ks * O + cm.row0 + g] = acc0;
+                part[(i64)ks * O + cm.row0 + g + 8] = acc1;
+            }
+            acc0 = acc1 = 0.0f;
+        }
+        cm.next(W, S, K, KS, spt, nw, crow, cpart, crow2);
+    }
+    cp_wait<0>();   // no copy outstanding at exit (the empty tail groups)
+}
+
+#define PROBE_RING(NAME, RING)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                                 \
+    NAME(const u8* W, const u8* S, const u16* xh, float* part, int O, int K, int KS, int c) {         \
+        gemv_ring<RING>(W, S, xh, part, O, K, KS, c);                                                   \
+    }
+PROBE_RING(fp4mma_ring_r4, 4)
+PROBE_RING(fp4mma_ring_r8, 8)
+PROBE_RING(fp4mma_ring_r16, 16)
 
 #define PROBE(NAME, DEPTH, LAYOUT)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                \
@@ -216,7 +356,8 @@ PROBE(fp4mma_natsm_d8, 8, 2)
 '''
 
 KERNELS = ("fp4mma_quad_d2", "fp4mma_quad_d4", "fp4mma_quad_d8", "fp4mma_natural_d4", "fp4mma_natsm_d4",
-           "fp4mma_natsm_d8")
+           "fp4mma_natsm_d8", "fp4mma_ring_r4", "fp4mma_ring_r8", "fp4mma_ring_r16")
+RING_ROW, RING_STEP = 80, 16 * 80 + 128   # SRC's ring image: 16 rows 80 B apart, 16 scale words, a 64 B sink
 # the decode step's expert GEMV shapes at one token: six routed experts stacked
 SHAPES = {"gateup": (6 * 2 * 2048, 4096), "down": (6 * 4096, 2048)}
 X_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])   # B-fragment order within every 8 elements of x
@@ -231,6 +372,52 @@ def quad_layout(packed: np.ndarray) -> np.ndarray:
     O, H = packed.shape
     assert H % 64 == 0, f"row of {H} bytes: not a multiple of 64"
     return packed.reshape(O, H // 64, 4, 4, 4).transpose(0, 1, 3, 2, 4).reshape(O, H)
+
+
+def smem_bytes(name: str, K: int) -> int:
+    """Dynamic shared memory of kernel `name` at K: x in f16 (2 K), plus the natsm transpose scratch
+    (8 warps x 1280 B) or the ring (8 warps x RING steps x RING_STEP)."""
+    assert name in KERNELS, name
+    if "_natsm_" in name:
+        return 2 * K + 8 * 1280
+    if "_ring_r" in name:
+        return 2 * K + 8 * int(name.rsplit("_r", 1)[1]) * RING_STEP
+    return 2 * K
+
+
+def ring_copies() -> list[tuple[int, int, int]]:
+    """SRC gemv_ring's copies of one step, per lane: (lane, row of the tile, byte offset in the row,
+    image offset) for the two 16-byte weight granules, and the scale word as (lane, row, -1, image
+    offset): row lane % 16, lanes 16..31 into the sink after the 16 scale words."""
+    out = []
+    for lane in range(32):
+        crow, cpart = lane >> 2, 16 * (lane & 3)
+        out.append((lane, crow, cpart, crow * RING_ROW + cpart))
+        out.append((lane, crow + 8, cpart, (crow + 8) * RING_ROW + cpart))
+        out.append((lane, lane & 15, -1, 16 * RING_ROW + 4 * lane))
+    return out
+
+
+def ring_image(stored: np.ndarray, scale: np.ndarray, row0: int, kstep: int) -> np.ndarray:
+    """The bytes of one ring step as ring_copies() builds it from the stored layout ([RING_STEP];
+    the padding between rows stays 0xEE; the sink holds scale words again)."""
+    img = np.full(RING_STEP, 0xEE, dtype=np.uint8)
+    for _, row, off, dst in ring_copies():
+        if off < 0:
+            img[dst:dst + 4] = scale[row0 + row, 4 * kstep:4 * kstep + 4]
+        else:
+            img[dst:dst + 16] = stored[row0 + row, 64 * kstep + off:64 * kstep + off + 16]
+    return img
+
+
+def ring_words(img: np.ndarray, g: int, t: int) -> tuple[list[int], list[int], int, int]:
+    """Lane (g, t)'s reads of a ring image as gemv_ring does them: word t of blocks 0..3 of rows g
+    and g + 8 (u32 offsets 4 i + t from each row's start) and the two rows' scale words; with the
+    byte offsets of the weight reads (bank = offset / 4 % 32)."""
+    w32 = img.view(np.uint32)
+    a = [int(w32[(g * RING_ROW) // 4 + 4 * i + t]) for i in range(4)]
+    b = [int(w32[((g + 8) * RING_ROW) // 4 + 4 * i + t]) for i in range(4)]
+    return a, b, int(w32[(16 * RING_ROW) // 4 + g]), int(w32[(16 * RING_ROW) // 4 + g + 8])
 
 
 def dequant(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -378,6 +565,7 @@ def main(argv=None) -> int:
     dev = cp.cuda.Device(o["device"])
     dev.use()
     sms = dev.attributes["MultiProcessorCount"]
+    sm_smem = dev.attributes["MaxSharedMemoryPerMultiprocessor"]
     bw = measure_copy_bandwidth(o["device"])["copy_bw_Bps"]
     print(f"device {o['device']}: {cp.cuda.runtime.getDeviceProperties(o['device'])['name'].decode()}, "
           f"{sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; "
@@ -421,7 +609,13 @@ def main(argv=None) -> int:
             f = mod.get_function(name)
             for ks in o["ksplit"]:
                 for per_sm in o["per_sm"]:
-                    grid, block, smem = (sms * per_sm,), (256,), 2 * K + (10240 if "_natsm_" in name else 0)
+                    grid, block, smem = (sms * per_sm,), (256,), smem_bytes(name, K)
+                    if per_sm * (smem + 1024) > sm_smem:   # 1 KB per CTA the driver reserves
+                        print(f"  {name} ksplit {ks}, {per_sm}/SM: skipped, {per_sm} x {smem} B of shared "
+                              f"memory do not fit one SM's {sm_smem} B", flush=True)
+                        continue
+                    if smem > 48 * 1024:
+                        f.max_dynamic_shared_size_bytes = smem
                     args = (W_d, S_d, xh_d, part, np.int32(O), np.int32(K), np.int32(ks), np.int32(c))
                     part.fill(np.nan)
                     f(grid, block, args, shared_mem=smem)
