@@ -145,7 +145,8 @@ def test_ring_copies_cover_a_step_once_and_read_the_natural_words():
     byte of a step's 16 x 64 B tile and its 16 scale words exactly once (lanes 16..31's scale
     words land in the sink), no two copies overlap, and lane (g, t)'s reads
     from the image are the natural layout's words of rows g, g + 8 (what emulate_tile(quad=False)
-    multiplies) and their scale words; the 32 lanes' LDS.32 of one block hit 32 distinct banks."""
+    multiplies) and their scale words (ldmatrix's fragment rule); each matrix's 8 rows hit 32
+    distinct banks."""
     p = _tool()
     cp = p.ring_copies()
     weights = sorted((row, off) for _, row, off, _ in cp if off >= 0)
@@ -169,10 +170,12 @@ def test_ring_copies_cover_a_step_once_and_read_the_natural_words():
                 assert words == want, (row0, kstep, lane)
             assert qa == int.from_bytes(scale[row0 + g, 4 * kstep:4 * kstep + 4].tobytes(), "little")
             assert qb == int.from_bytes(scale[row0 + g + 8, 4 * kstep:4 * kstep + 4].tobytes(), "little")
-    for i in range(4):
-        for half in (0, 8):
-            banks = {((g + half) * p.RING_ROW // 4 + 4 * i + t) % 32 for g in range(8) for t in range(4)}
-            assert len(banks) == 32, (i, half, sorted(banks))
+    for half in (0, 1):   # each matrix's 8 rows of 16 B (one ldmatrix phase) cover 32 distinct banks
+        addrs = p.ldsm_row_addresses(half)
+        for j in range(4):
+            assert all(a % 16 == 0 for a in addrs[8 * j:8 * j + 8])
+            banks = {(a // 4 + k) % 32 for a in addrs[8 * j:8 * j + 8] for k in range(4)}
+            assert len(banks) == 32, (half, j, sorted(banks))
 
 
 def test_smem_bytes():

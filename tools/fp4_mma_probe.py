@@ -25,8 +25,8 @@ The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a per
 * Layout `ring` (kernels _ring_r4 / _r8 / _r16, the thirty-fifth session): the stored bytes again,
   but streamed by cp.async into a per-warp shared-memory ring of RING steps (RING - 1 steps, 1 KB
   each, in flight per warp without holding registers: the deep weight ring the sixteenth session's
-  latency-bound _mma kernels lacked); lanes read their words with LDS.32 from rows 80 B apart
-  (conflict-free), the natural layout's words (ring_image / ring_words, CPU-tested).  Shared
+  latency-bound _mma kernels lacked); lanes get their words from two ldmatrix.x4 per step (rows
+  80 B apart: conflict-free), the natural layout's words (ring_image / ring_words, CPU-tested).  Shared
   memory per CTA 2 K + 8 x RING x 1408 B: r16 fits one CTA per SM; configurations that do not fit
   an SM are skipped with a line saying so.
 * x is staged once per CTA in shared memory in the order the B fragments take (within every 8
@@ -217,9 +217,9 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
 // step's image (RING_STEP bytes): the task tile's 16 rows x 64 B at rows 80 B apart (1280 B), then
 // the 16 rows' 4 scale bytes (64 B), then a 64 B sink.  Lane L copies granules L and L + 32 of the
 // 64 (16 B part L % 4 of rows L / 4 and L / 4 + 8) and row L % 16's scale word (lanes 16..31 into
-// the sink: no branch).  Lane (g, t) then reads word t
-// of blocks 0..3 of rows g and g + 8 with LDS.32 (80 B rows: the 32 lanes hit 32 banks), i.e. the
-// natural layout's words (emulate_tile(quad=False); ring_image / ring_words in NumPy).
+// the sink: no branch).  Lane (g, t) then gets word t of blocks 0..3 of rows g and g + 8 from two
+// ldmatrix.x4 (matrix j = block j of 8 rows; rows 80 B apart: conflict-free), i.e. the natural
+// layout's words (emulate_tile(quad=False); ring_image / ring_words in NumPy).
 #define RING_ROW 80
 #define RING_STEP (16 * RING_ROW + 128)   // + 64 B of scale words + the 64 B sink
 DEV u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -231,7 +231,15 @@ DEV void cp_async4(u32 dst, const void* src) {
 }
 DEV void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-DEV void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+DEV void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// four 8 x 8 b16 matrices (lanes 8 j .. 8 j + 7 give the row addresses of matrix j); lane l gets
+// word l % 4 of row l / 4 of matrix j in r[j]
+DEV uint4 ldsm_x4(u32 addr) {
+    uint4 r;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr) : "memory");
+    return r;
+}
 
 // a warp's walk over its tasks, as Cursor; `src` / `ssrc`: this lane's copy sources of the step
 // (weights of row crow at byte cpart of the step; the scale word of row crow2), advanced by 64 / 4
@@ -302,9 +310,10 @@ DEV void gemv_ring(const u8* __restrict__ W, const u8* __restrict__ S, const u16
         if (n + RING - 1 < total) issue();   // slot (n + RING - 1) % RING: the one step n - 1 used
         cp_commit();
         const u8* img = ring + (n & (RING - 1)) * RING_STEP;
-        const u32* ra = reinterpret_cast<const u32*>(img + g * RING_ROW) + t;
-        const u32* rb = reinterpret_cast<const u32*>(img + (g + 8) * RING_ROW) + t;
-        const uint4 wa = make_uint4(ra[0], ra[4], ra[8], ra[12]), wb = make_uint4(rb[0], rb[4], rb[8], rb[12]);
+        // ldmatrix: matrix j = block j of 8 rows, so lane (g, t) gets word t of blocks 0..3 of row g
+        // (rows 8..15 in the second); the 8 rows' 16 B are 80 B apart: conflict-free
+        const u32 lsm = smem_addr(img) + (lane & 7) * RING_ROW + 16 * (lane >> 3);
+        const uint4 wa = ldsm_x4(lsm), wb = ldsm_x4(lsm + 8 * RING_ROW);
         const u32 qa = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g];
         const u32 qb = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g + 8];
         const uint4* xk = xs + 16 * cm.kstep + t;
@@ -410,14 +419,23 @@ def ring_image(stored: np.ndarray, scale: np.ndarray, row0: int, kstep: int) -> 
     return img
 
 
+def ldsm_row_addresses(half: int) -> list[int]:
+    """The image offsets the 32 lanes give gemv_ring's ldmatrix.x4 for rows 8 half .. 8 half + 7:
+    lane l -> row l % 8 of matrix l / 8 (= block l / 8)."""
+    return [(8 * half + (lane & 7)) * RING_ROW + 16 * (lane >> 3) for lane in range(32)]
+
+
 def ring_words(img: np.ndarray, g: int, t: int) -> tuple[list[int], list[int], int, int]:
-    """Lane (g, t)'s reads of a ring image as gemv_ring does them: word t of blocks 0..3 of rows g
-    and g + 8 (u32 offsets 4 i + t from each row's start) and the two rows' scale words; with the
-    byte offsets of the weight reads (bank = offset / 4 % 32)."""
+    """Lane (g, t)'s reads of a ring image as gemv_ring does them: register j of each ldmatrix.x4
+    (PTX: lane l receives word l % 4 of row l / 4 of matrix j, whose rows start at the addresses
+    lanes 8 j .. 8 j + 7 gave) for rows g and g + 8, and the two rows' scale words."""
+    lane = 4 * g + t
     w32 = img.view(np.uint32)
-    a = [int(w32[(g * RING_ROW) // 4 + 4 * i + t]) for i in range(4)]
-    b = [int(w32[((g + 8) * RING_ROW) // 4 + 4 * i + t]) for i in range(4)]
-    return a, b, int(w32[(16 * RING_ROW) // 4 + g]), int(w32[(16 * RING_ROW) // 4 + g + 8])
+
+    def ldsm(half):
+        addrs = ldsm_row_addresses(half)
+        return [int(w32[addrs[8 * j + lane // 4] // 4 + lane % 4]) for j in range(4)]
+    return ldsm(0), ldsm(1), int(w32[(16 * RING_ROW) // 4 + g]), int(w32[(16 * RING_ROW) // 4 + g + 8])
 
 
 def dequant(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
