@@ -187,3 +187,78 @@ def test_smem_bytes():
     assert 2 * (p.smem_bytes("fp4mma_ring_r16", 4096) + 1024) > 233472  # two do not (skipped)
     with pytest.raises(AssertionError):
         p.smem_bytes("fp4mma_ring_r3", 4096)
+
+
+class _FakeProbeKernel:
+    """A probe kernel on the CPU: each (16-row tile, K part) task's partial sums by emulate_tile,
+    the kernel's lane mapping, written to part[ks, rows] as the kernel writes them."""
+
+    def __init__(self, p, name):
+        self.p, self.name, self.max_dynamic_shared_size_bytes, self.launches = p, name, 0, []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        W, S, xh, part, O, K, KS, c = args
+        O, K, KS, c = int(O), int(K), int(KS), int(c)
+        assert block == (256,) and shared_mem == self.p.smem_bytes(self.name, K)
+        assert shared_mem <= 48 * 1024 or self.max_dynamic_shared_size_bytes >= shared_mem, "smem attribute unset"
+        quad = "_quad_" in self.name
+        stored = self.p.quad_layout(W) if quad else W          # the layout is its own inverse
+        spt = K // KS // 128
+        for tile in range(O // 16):
+            for ks in range(KS):
+                part[ks, 16 * tile:16 * tile + 16] = self.p.emulate_tile(stored, S, xh, c, 16 * tile, ks * spt,
+                                                                         spt, quad)
+        self.launches.append((grid, KS))
+
+
+def test_probe_main_on_a_fake_device(monkeypatch, capsys):
+    """main() end to end with CuPy replaced by NumPy and the kernels by emulate_tile: every kernel,
+    ksplit and CTAs-per-SM configuration passes its float64 check, the ring r16 at 2 CTAs per SM
+    is skipped for shared memory (one SM's 228 KB), the shared-memory attribute is raised where a
+    kernel needs more than 48 KB, and each shape ends with its best line."""
+    import sys
+    import types
+
+    import bench.harness
+    import memra_dsv4.profiling.launches as launches
+
+    p = _tool()
+    kernels = {}
+    fake = types.ModuleType("cupy")
+    fake.float32 = np.float32
+    fake.asarray, fake.asnumpy = np.array, np.asarray
+    fake.zeros = lambda shape, dtype: np.zeros(shape, dtype)
+
+    class _Dev:
+        attributes = {"MultiProcessorCount": 2, "MaxSharedMemoryPerMultiprocessor": 233472}
+
+        def __init__(self, i):
+            pass
+
+        def use(self):
+            pass
+
+    class _Mod:
+        def __init__(self, code, options):
+            assert code == p.SRC and "-arch=sm_90a" in options
+
+        def get_function(self, name):
+            return kernels.setdefault(name, _FakeProbeKernel(p, name))
+
+    fake.cuda = types.SimpleNamespace(Device=_Dev, runtime=types.SimpleNamespace(
+        getDeviceProperties=lambda d: {"name": b"Fake GPU"}))
+    fake.RawModule = _Mod
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(bench.harness, "measure_copy_bandwidth", lambda d: {"copy_bw_Bps": 3.0e12})
+    monkeypatch.setattr(launches, "time_launches", lambda lns, reps, iters, flush_bytes: [10.0] * len(lns))
+    monkeypatch.setattr(p, "SHAPES", {"gateup": (32, 512), "down": (16, 256)})
+    assert p.main(["--no-production", "--ksplit", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "CHECK FAILED" not in out, out
+    assert "fp4mma_ring_r16 ksplit 1, 2/SM: skipped" in out and "fp4mma_ring_r16 ksplit 1, 1/SM" in out
+    for name in p.KERNELS:
+        assert f"{name} ksplit 2, 1/SM" in out, name
+    assert out.count(" best: ") == 2
+    assert kernels["fp4mma_ring_r8"].max_dynamic_shared_size_bytes == p.smem_bytes("fp4mma_ring_r8", 256)   # the last shape
+    # 2 shapes x 2 ksplit x 2 CTAs per SM, less r16's two skips
+    assert len(kernels["fp4mma_ring_r16"].launches) == 4 and len(kernels["fp4mma_quad_d4"].launches) == 8

@@ -622,6 +622,7 @@ def main(argv=None) -> int:
             us = sum(time_launches(recs, reps=o["reps"], iters=o["iters"], flush_bytes=flush))
             print(line(label, nbytes, us, base), flush=True)
             base = us if j == 0 else base
+        best = None   # (us, label) of the fastest configuration that passed its check
         for name in o["kernels"]:
             W_d = cp.asarray(quad_layout(stored) if "_quad_" in name else stored)
             f = mod.get_function(name)
@@ -648,6 +649,10 @@ def main(argv=None) -> int:
                     print(line(f"{name} ksplit {ks}, {per_sm}/SM", nbytes, us, base)
                           + f"; relL2 {rel:.1e}, worst row {worst:.1e}" + ("" if good else "  CHECK FAILED"),
                           flush=True)
+                    if good and (best is None or us < best[0]):
+                        best = (us, f"{name} ksplit {ks}, {per_sm}/SM")
+        if best:
+            print(line(f"{shape} best: {best[1]}", nbytes, best[0], base), flush=True)
     return 0 if ok else 1
 
 
