@@ -139,6 +139,52 @@ struct Cursor {
     }
 };
 
+// What every probe kernel shares.  A warp's place in the persistent grid: lane (g, t), warp w of
+// nw, spt steps of 128 k per task, and its `total` steps over tasks w, w + nw, ...; x staged in
+// shared memory first (xs [K / 8] uint4, B-fragment order).
+struct Walk {
+    int lane, g, t, w, nw, spt, total;
+};
+DEV Walk stage_x_and_walk(uint4* xs, const u16* __restrict__ xh, int O, int K, int KS) {
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
+    __syncthreads();
+    Walk v;
+    v.lane = threadIdx.x & 31;
+    v.g = v.lane >> 2;
+    v.t = v.lane & 3;
+    v.w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    v.nw = gridDim.x * (blockDim.x >> 5);
+    v.spt = K / KS / 128;
+    const int ntasks = (O / 16) * KS;
+    v.total = v.w < ntasks ? ((ntasks - v.w + v.nw - 1) / v.nw) * v.spt : 0;
+    return v;
+}
+// One step (4 blocks of 32 k) of the tile's rows g (wa, scale word qa) and g + 8 (wb, qb): lane
+// (g, t) holds word t of each block; xk = xs + 16 kstep + t
+DEV void mma_step(const uint4& wa, const uint4& wb, u32 qa, u32 qb, const uint4* xk, u32 eb23, float& acc0,
+                  float& acc1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // block 4 kstep + i
+        u32 ha[4], hb[4];
+        fp4_words(word_of(wa, i), ha);
+        fp4_words(word_of(wb, i), hb);
+        const uint4 xv = xk[4 * i];   // x[128 kstep + 32 i + 8 t ..] in B order
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);  // elements (0,4), (1,5)
+        mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);  // elements (2,6), (3,7)
+        acc0 = __fmaf_rn(d[0], fold_scale(qa, i, eb23), acc0);  // D row g, column 2t (every column holds the dot)
+        acc1 = __fmaf_rn(d[2], fold_scale(qb, i, eb23), acc1);  // row g + 8
+    }
+}
+// after a task's last step: lane (g, 0) writes rows row_g and row_g + 8 of partial ks; the sums restart
+DEV void end_task(float* __restrict__ part, int O, int ks, int row_g, int t, float& acc0, float& acc1) {
+    if (t == 0) {
+        part[(i64)ks * O + row_g] = acc0;
+        part[(i64)ks * O + row_g + 8] = acc1;
+    }
+    acc0 = acc1 = 0.0f;
+}
+
 // W [O, K/2] e2m1 (layout 0: quad, else stored), S [O, K/32] e8m0, xh [K] f16 bits of x * 2^c in the
 // B-fragment order (within every 8: 0 4 1 5 2 6 3 7), part [KS, O] f32.  O % 16 == 0,
 // K % (128 KS) == 0, dynamic shared memory 2 K bytes (+ 10 KB for LAYOUT 2), block 256.
@@ -147,12 +193,8 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
               float* __restrict__ part, int O, int K, int KS, int c) {
     extern __shared__ uint4 xs[];
     u8* scratch = reinterpret_cast<u8*>(xs + K / 8);   // LAYOUT 2: 8 warps x 16 rows x 80 B
-    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
-    __syncthreads();
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-    const int spt = K / KS / 128, ntasks = (O / 16) * KS;
-    const int total = w < ntasks ? ((ntasks - w + nw - 1) / nw) * spt : 0;
+    const Walk v = stage_x_and_walk(xs, xh, O, K, KS);
+    const int g = v.g, t = v.t, w = v.w, nw = v.nw, spt = v.spt, total = v.total;
     uint4 ra[DEPTH], rb[DEPTH];
     u32 sa[DEPTH], sb[DEPTH];
     Cursor<LAYOUT> ld, cm;   // the loads run DEPTH steps ahead of the compute
@@ -186,27 +228,8 @@ DEV void gemv(const u8* __restrict__ W, const u8* __restrict__ S, const u16* __r
                 wb = make_uint4(s32[160], s32[164], s32[168], s32[172]);
                 __syncwarp();   // every lane has read before the next step's stores
             }
-            const uint4* xk = xs + 16 * cm.kstep + t;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {  // block 4 kstep + i
-                u32 ha[4], hb[4];
-                fp4_words(word_of(wa, i), ha);
-                fp4_words(word_of(wb, i), hb);
-                const uint4 xv = xk[4 * i];   // x[128 kstep + 32 i + 8 t ..] in B order
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);  // elements (0,4), (1,5)
-                mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);  // elements (2,6), (3,7)
-                acc0 = __fmaf_rn(d[0], fold_scale(qa, i, eb23), acc0);  // D row g, column 2t (every column holds the dot)
-                acc1 = __fmaf_rn(d[2], fold_scale(qb, i, eb23), acc1);  // row g + 8
-            }
-            if (cm.s == spt - 1) {
-                if (t == 0) {
-                    const int ks = cm.task % KS;
-                    part[(i64)ks * O + cm.row] = acc0;
-                    part[(i64)ks * O + cm.row + 8] = acc1;
-                }
-                acc0 = acc1 = 0.0f;
-            }
+            mma_step(wa, wb, qa, qb, xs + 16 * cm.kstep + t, eb23, acc0, acc1);
+            if (cm.s == spt - 1) end_task(part, O, cm.task % KS, cm.row, t, acc0, acc1);
             cm.next(W, S, K, KS, spt, g, t, nw);
         }
     }
@@ -274,12 +297,8 @@ DEV void gemv_ring(const u8* __restrict__ W, const u8* __restrict__ S, const u16
     static_assert(RING >= 2 && (RING & (RING - 1)) == 0, "RING: a power of two >= 2");
     extern __shared__ uint4 xs[];
     u8* ring = reinterpret_cast<u8*>(xs + K / 8) + (threadIdx.x >> 5) * RING * RING_STEP;
-    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) xs[i] = reinterpret_cast<const uint4*>(xh)[i];
-    __syncthreads();
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int w = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), nw = gridDim.x * (blockDim.x >> 5);
-    const int spt = K / KS / 128, ntasks = (O / 16) * KS;
-    const int total = w < ntasks ? ((ntasks - w + nw - 1) / nw) * spt : 0;
+    const Walk v = stage_x_and_walk(xs, xh, O, K, KS);
+    const int lane = v.lane, g = v.g, t = v.t, nw = v.nw, spt = v.spt, total = v.total;
     const i64 hk8 = (i64)4 * K;                   // 8 rows of W
     // this lane's copies: weight rows crow and crow + 8 at byte cpart; the scale word of row
     // crow2, to the image (lanes 0..15) or to the step's 64 B sink (lanes 16..31: branch-free)
@@ -287,7 +306,7 @@ DEV void gemv_ring(const u8* __restrict__ W, const u8* __restrict__ S, const u16
     const u32 ring_s = smem_addr(ring);
     const u32 wdst = ring_s + crow * RING_ROW + cpart, sdst = ring_s + 16 * RING_ROW + 4 * lane;
     RingCursor ld, cm;
-    ld.set(w, W, S, K, KS, spt, crow, cpart, crow2);
+    ld.set(v.w, W, S, K, KS, spt, crow, cpart, crow2);
     cm = ld;
     u32 o = 0;   // the image offset of the next slot to fill (slots in order, wrapping)
     auto issue = [&]() {   // step ld into slot o; then ld and o advance
@@ -316,27 +335,8 @@ DEV void gemv_ring(const u8* __restrict__ W, const u8* __restrict__ S, const u16
         const uint4 wa = ldsm_x4(lsm), wb = ldsm_x4(lsm + 8 * RING_ROW);
         const u32 qa = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g];
         const u32 qb = reinterpret_cast<const u32*>(img + 16 * RING_ROW)[g + 8];
-        const uint4* xk = xs + 16 * cm.kstep + t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // block 4 kstep + i, as gemv
-            u32 ha[4], hb[4];
-            fp4_words(word_of(wa, i), ha);
-            fp4_words(word_of(wb, i), hb);
-            const uint4 xv = xk[4 * i];
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_f16(d, ha[0], hb[0], ha[1], hb[1], xv.x, xv.y);
-            mma_f16(d, ha[2], hb[2], ha[3], hb[3], xv.z, xv.w);
-            acc0 = __fmaf_rn(d[0], fold_scale(qa, i, eb23), acc0);
-            acc1 = __fmaf_rn(d[2], fold_scale(qb, i, eb23), acc1);
-        }
-        if (cm.s == spt - 1) {
-            if (t == 0) {
-                const int ks = cm.task % KS;
-                part[(i64)ks * O + cm.row0 + g] = acc0;
-                part[(i64)ks * O + cm.row0 + g + 8] = acc1;
-            }
-            acc0 = acc1 = 0.0f;
-        }
+        mma_step(wa, wb, qa, qb, xs + 16 * cm.kstep + t, eb23, acc0, acc1);
+        if (cm.s == spt - 1) end_task(part, O, cm.task % KS, cm.row0 + g, t, acc0, acc1);
         cm.next(W, S, K, KS, spt, nw, crow, cpart, crow2);
     }
     cp_wait<0>();   // no copy outstanding at exit (the empty tail groups)
