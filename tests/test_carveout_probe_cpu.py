@@ -4,21 +4,16 @@ stack or spills, the stream kernel's weight loads the production GEMVs' form, an
 kernels' marks ordered as their counts need."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "carveout_probe.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("carveout_probe", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("carveout_probe")
 
 
 def test_carveout_probe_refusals():

@@ -6,22 +6,18 @@ f16 words are e2m1 * 2^-14; the `quad` layout is a permutation inside every 64 b
 source compiles for sm_90a with no stack or spills (where nvcc is installed, as in CI)."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "fp4_mma_probe.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fp4_mma_probe", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("fp4_mma_probe")
 
 
 def test_fp4_mma_probe_refusals():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from memra_dsv4.host.sampling import greedy_token
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,10 +157,7 @@ def test_bench_feed_setting():
 
 def test_host_gap_refusals():
     """tools/host_gap.py refuses its bad arguments before importing CuPy."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("host_gap", ROOT / "tools" / "host_gap.py")
-    hg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hg)
+    hg = load_tool("host_gap")
     for argv, msg in ((["--steps", "9"], "--steps 9: need >= 10"), (["--chunk", "0"], "--chunk 0"),
                       (["--ctx", "0"], "--ctx 0"), (["--warmup", "0"], "--warmup 0"),
                       (["--cprofile", "-1"], "--cprofile -1"), (["--devices", "0,1"], "one device"),
@@ -228,13 +226,8 @@ def test_host_gap_wake_probe_is_fixed_work():
     """host_gap's wake.* probe: the pure-Python workload (host_wake.py_work) is the same work
     every call (its value fixed), and --wake reserves room for its replays (one per after_gpu
     sample and workload)."""
-    import importlib.util
     import inspect
-    mods = {}
-    for name in ("host_gap", "host_wake"):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-        mods[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mods[name])
+    mods = {name: load_tool(name) for name in ("host_gap", "host_wake")}
     want = sum((i * 7) % 5 + 1 for i in range(300))
     assert mods["host_wake"].py_work() == mods["host_wake"].py_work() == want
     src = inspect.getsource(mods["host_gap"].main)

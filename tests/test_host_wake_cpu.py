@@ -3,19 +3,14 @@ after every wait and back to back."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("host_wake", ROOT / "tools" / "host_wake.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("host_wake")
 
 
 def test_refusals():

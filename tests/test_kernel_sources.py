@@ -15,7 +15,6 @@ import concurrent.futures
 import ctypes
 import glob
 import importlib
-import importlib.util
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import types
 
 import numpy as np
 import pytest
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KDIR = os.path.join(ROOT, "kernels_cu")
@@ -51,10 +51,7 @@ def _nvcc() -> str | None:
 
 
 def _compile_kernels_tool():
-    spec = importlib.util.spec_from_file_location("compile_kernels", os.path.join(ROOT, "tools", "compile_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("compile_kernels")
 
 
 def test_sources_exist():

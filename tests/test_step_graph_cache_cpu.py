@@ -16,6 +16,7 @@ import pytest
 
 from memra_dsv4.gpu.cache import DecodeState
 from memra_dsv4.gpu.step_device import DeviceStep, GraphEntry
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 
 @pytest.fixture
@@ -110,12 +111,7 @@ def test_the_real_table_build_drops_graphs_and_keys_by_state():
 
 def test_graph_switch_tool_refusals():
     """tools/graph_switch.py refuses its bad arguments, naming them, before importing CuPy."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "tools" / "graph_switch.py"
-    spec = importlib.util.spec_from_file_location("graph_switch", path)
-    gs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gs)
+    gs = load_tool("graph_switch")
     for argv, msg in ((["--graphs", "4,x"], "--graphs '4,x': expected comma-separated counts"),
                       (["--graphs", "4,0"], "--graphs 4,0: every count must be >= 1"),
                       (["--nodes", "0"], "--nodes 0: expected >= 1"),

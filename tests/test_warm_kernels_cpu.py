@@ -6,17 +6,14 @@ variant must still be used there or be one of FP4_DN_PRELOAD's loop levels."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _warm_module():
-    spec = importlib.util.spec_from_file_location("warm_kernels", os.path.join(ROOT, "tools", "warm_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("warm_kernels")
 
 
 def _constant_fp4_dicts(path: str) -> list[dict]:
