@@ -258,3 +258,63 @@ def test_probe_main_on_a_fake_device(monkeypatch, capsys):
     assert kernels["fp4mma_ring_r8"].max_dynamic_shared_size_bytes == p.smem_bytes("fp4mma_ring_r8", 256)   # the last shape
     # 2 shapes x 2 ksplit x 2 CTAs per SM, less r16's two skips
     assert len(kernels["fp4mma_ring_r16"].launches) == 4 and len(kernels["fp4mma_quad_d4"].launches) == 8
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_report_rows_round_trip():
+    """parse_report reads back every field format_row prints, the ratio and check suffixes too."""
+    p = _tool()
+    bw = 3.01e12
+    head = "device 0: NVIDIA H100 80GB HBM3, 132 SMs; copy bandwidth 3.01 TB/s; each launch timed ..."
+    text = "\n".join([
+        head, "gateup: O 24576, K 4096, 53.5 MB per launch; x in f16 exact: True",
+        p.format_row("ops.experts gate/up (CUDA cores)", 53477376, 26.36, bw),
+        p.format_row("fp4mma_ring_r8 ksplit 2, 1/SM", 53477376, 35.02, bw, 26.36)
+        + "; relL2 9.4e-08, worst row 1.1e-03",
+        p.format_row("fp4mma_quad_d2 ksplit 4, 2/SM", 53477376, 30.48, bw, 26.36)
+        + "; relL2 2.0e-03, worst row 1.0e+00  CHECK FAILED",
+        "  fp4mma_ring_r16 ksplit 2, 2/SM: skipped, 2 x 188416 B of shared memory do not fit one SM's 233472 B",
+        p.format_row("gateup best: fp4mma_ring_r8 ksplit 2, 1/SM", 53477376, 35.02, bw, 26.36)])
+    d = p.parse_report(text)
+    assert (d["device"], d["sms"], d["copy_bw_TBps"]) == ("NVIDIA H100 80GB HBM3", 132, 3.01)
+    g = d["shapes"]["gateup"]
+    assert (g["O"], g["K"], g["MB"], g["x_f16_exact"]) == (24576, 4096, 53.5, True)
+    base, ring, bad = g["rows"]
+    assert base == {"label": "ops.experts gate/up (CUDA cores)", "us": 26.36,
+                    "GBps": round(53477376 / 26.36 / 1e3, 1),
+                    "pct_copy_bw": round(53477376 / 26.36 * 1e6 / bw * 100, 1)}
+    assert (ring["kernel"], ring["ksplit"], ring["ctas_per_sm"], ring["ratio"]) == ("fp4mma_ring_r8", 2, 1, 1.33)
+    assert ring["check_ok"] and ring["rel_l2"] == 9.4e-08 and not bad["check_ok"]
+    assert g["skipped"] == [{"kernel": "fp4mma_ring_r16", "ksplit": 2, "ctas_per_sm": 2}]
+    assert g["best"]["kernel"] == "fp4mma_ring_r8" and g["best"]["us"] == 35.02
+
+
+def test_report_refuses_what_it_does_not_know():
+    p = _tool()
+    with pytest.raises(ValueError, match="line 2 is not a line of the probe's report: 'Traceback"):
+        p.parse_report("device 0: X, 1 SMs; copy bandwidth 1.00 TB/s\nTraceback (most recent call last):")
+    with pytest.raises(ValueError, match="no 'device N: ...' header"):
+        p.parse_report("")
+    with pytest.raises(SystemExit, match="usage: fp4_mma_probe.py --from-log"):
+        p.main(["--from-log", "only-one"])
+
+
+def test_thirty_sixth_session_report_as_committed(tmp_path):
+    """The committed H100 report (bench/results, s36) parses whole, and --from-log writes the same
+    JSON that sits beside it, and a PNG."""
+    p = _tool()
+    import json
+    stem = RESULTS / "2026-12-07-nvidia-h100-fa2e018-s36-fp4_mma_probe_core"
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    assert p.main(["--from-log", f"{stem}.txt", str(out_json), str(out_png)]) == 0
+    d = json.loads(out_json.read_text())
+    assert d == json.loads(Path(f"{stem}.json").read_text())
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for shape in ("gateup", "down"):
+        s = d["shapes"][shape]
+        # 9 kernels x 2 ksplit x 2 CTAs per SM, less r16 at 2 per SM (skipped): 34 timed rows.
+        assert len(s["rows"]) == 34 and len(s["skipped"]) == 2
+        assert all(r["check_ok"] for r in s["rows"])
+        assert s["best"]["us"] == min(r["us"] for r in s["rows"])

@@ -7,6 +7,7 @@ combine, the seam, the legacy path) is built on it.
 
     python tools/fp4_mma_probe.py                      # gate/up and down shapes, every variant
     python tools/fp4_mma_probe.py --shape gateup --kernels fp4mma_quad_d4 --ksplit 4 --ctas-per-sm 2
+    python tools/fp4_mma_probe.py --from-log REPORT.txt OUT.json [OUT.png]   # a report as JSON / PNG
 
 The kernel (SRC, one warp per task = a 16-row tile over K / --ksplit of K; a persistent grid):
 * A = the weights as f16 words of e2m1 * 2^-14 (experts.cu FP4_PRMT's placement: 9 operations per
@@ -53,6 +54,8 @@ non-zero if a check fails.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 import numpy as np
@@ -512,6 +515,93 @@ def emulate_tile(stored: np.ndarray, scale: np.ndarray, xh: np.ndarray, c: int, 
 
 
 # -------------------------------------------------------------------------------------- the probe
+def format_row(label: str, nbytes: int, us: float, bw: float, base: float | None = None) -> str:
+    """One timing line of the report (parse_report reads it back)."""
+    rel = f"  x{us / base:5.2f} the CUDA-core kernel's time" if base else ""
+    return (f"  {label:42s} {us:8.2f} us {nbytes / us / 1e3:7.1f} GB/s "
+            f"{nbytes / us * 1e6 / bw * 100:5.1f} % of copy bw{rel}")
+
+
+_HEAD = re.compile(r"^device (\d+): (.+?), (\d+) SMs; copy bandwidth ([\d.]+) TB/s")
+_SHAPE = re.compile(r"^(\w+): O (\d+), K (\d+), ([\d.]+) MB per launch; x in f16 exact: (True|False)$")
+_ROW = re.compile(r"^  (.+?)\s+([\d.]+) us\s+([\d.]+) GB/s\s+([\d.]+) % of copy bw"
+                  r"(?:  x\s*([\d.]+) the CUDA-core kernel's time)?"
+                  r"(?:; relL2 ([\d.e+-]+), worst row ([\d.e+-]+))?(  CHECK FAILED)?$")
+_SKIP = re.compile(r"^  (\S+) ksplit (\d+), (\d+)/SM: skipped")
+
+
+def parse_report(text: str) -> dict:
+    """The probe's printed report as data: {"device", "sms", "copy_bw_TBps", "shapes": {shape:
+    {"O", "K", "MB", "x_f16_exact", "rows": [...], "skipped": [...], "best": row}}}.  A row:
+    label, us, GBps, pct_copy_bw, and where printed ratio (to the CUDA-core kernel), rel_l2,
+    worst_row, check_ok, and for the probe's kernels kernel / ksplit / ctas_per_sm.  Refuses a
+    line it does not recognise, naming it (a report cut short still parses up to its last line)."""
+    out: dict = {"shapes": {}}
+    cur = None
+    for n, ln in enumerate(text.splitlines(), 1):
+        if not ln.strip() or ln.startswith("production kernels not timed"):
+            continue
+        if m := _HEAD.match(ln):
+            out.update(device=m[2], sms=int(m[3]), copy_bw_TBps=float(m[4]))
+        elif m := _SHAPE.match(ln):
+            cur = out["shapes"][m[1]] = dict(O=int(m[2]), K=int(m[3]), MB=float(m[4]),
+                                             x_f16_exact=m[5] == "True", rows=[], skipped=[], best=None)
+        elif cur is not None and (m := _SKIP.match(ln)):
+            cur["skipped"].append(dict(kernel=m[1], ksplit=int(m[2]), ctas_per_sm=int(m[3])))
+        elif cur is not None and (m := _ROW.match(ln)):
+            row = dict(label=m[1].strip(), us=float(m[2]), GBps=float(m[3]), pct_copy_bw=float(m[4]))
+            if m[5]:
+                row["ratio"] = float(m[5])
+            if m[6]:
+                row.update(rel_l2=float(m[6]), worst_row=float(m[7]), check_ok=m[8] is None)
+            label = row["label"]
+            best = label.startswith(("gateup best: ", "down best: "))
+            if best:
+                label = label.split(": ", 1)[1]
+            if k := re.match(r"^(fp4mma_\w+) ksplit (\d+), (\d+)/SM$", label):
+                row.update(kernel=k[1], ksplit=int(k[2]), ctas_per_sm=int(k[3]))
+            if best:
+                cur["best"] = row
+            else:
+                cur["rows"].append(row)
+        else:
+            raise ValueError(f"line {n} is not a line of the probe's report: {ln!r}")
+    if "device" not in out:
+        raise ValueError("no 'device N: ...' header line: not the probe's report")
+    return out
+
+
+def write_report(text: str, json_path: str, png_path: str | None, source: str = "") -> dict:
+    """parse_report's data as JSON, and a bar chart of % of copy bandwidth per configuration and
+    shape (the CUDA-core kernels first, in their own colour) as PNG, titled with `source` (the
+    report's file name, which carries the date, the GPU and the commit)."""
+    import json
+    data = parse_report(text)
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    if png_path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        shapes = list(data["shapes"].items())
+        tall = max(len(d["rows"]) for _, d in shapes)
+        fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 1.5 + 0.25 * tall), squeeze=False)
+        for ax, (shape, d) in zip(axes[0], shapes):
+            rows = d["rows"][::-1]
+            ax.barh(range(len(rows)), [r["pct_copy_bw"] for r in rows],
+                    color=["tab:gray" if "kernel" not in r else "tab:blue" for r in rows])
+            ax.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+            ax.set_xlabel("% of copy bandwidth")
+            ax.set_title(f"{shape}: O {d['O']}, K {d['K']}, {d['MB']} MB", fontsize=9)
+            ax.set_xlim(0, 100)
+        fig.suptitle(f"{source or 'fp4_mma_probe'}: {data['device']} (copy bw {data['copy_bw_TBps']} "
+                     "TB/s); grey: the decode step's kernels", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
+    return data
+
+
 def _int(flag: str, text: str, lo: int) -> int:
     try:
         v = int(text)
@@ -575,6 +665,17 @@ def production_launches() -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--from-log"]:   # the report of an earlier run as JSON (+ PNG): no GPU needed
+        if len(argv) not in (3, 4):
+            raise SystemExit("usage: fp4_mma_probe.py --from-log REPORT.txt OUT.json [OUT.png]")
+        with open(argv[1], encoding="utf-8") as f:
+            text = f.read()
+        try:
+            write_report(text, argv[2], argv[3] if len(argv) == 4 else None, os.path.basename(argv[1]))
+        except ValueError as e:
+            raise SystemExit(f"--from-log {argv[1]}: {e}") from None
+        return 0
     o = parse(argv)
     import cupy as cp
     from bench.harness import measure_copy_bandwidth
@@ -592,8 +693,7 @@ def main(argv=None) -> int:
     flush = 256 << 20
 
     def line(label, nbytes, us, base=None):
-        rel = f"  x{us / base:5.2f} the CUDA-core kernel's time" if base else ""
-        return f"  {label:42s} {us:8.2f} us {nbytes / us / 1e3:7.1f} GB/s {nbytes / us * 1e6 / bw * 100:5.1f} % of copy bw{rel}"
+        return format_row(label, nbytes, us, bw, base)
 
     prod = {}
     if o["production"]:
