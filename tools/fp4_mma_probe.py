@@ -3,7 +3,10 @@ The thirty-fourth session measured the decode step's CUDA-core FP4 expert GEMVs 
 time on an H100 and an H200 (gate/up 25.9 / 23.8 µs for 53.5 MB): bound by instruction issue at
 ~4 instructions per weight, they leave ~half the H200's bandwidth unused.  This probe times the
 inner loop that counts ~2 per weight, before the production family (gate/up + SwiGLU, down +
-combine, the seam, the legacy path) is built on it.
+combine, the seam, the legacy path) is built on it.  First run (thirty-sixth session, H100, report
+in bench/results/2026-12-07-nvidia-h100-fa2e018-s36-*): every form checked, none faster than the
+CUDA-core kernels (gate/up best 30.48 us against 26.36; deeper rings slower), so the production
+form was not built; an H200 run is still to come.
 
     python tools/fp4_mma_probe.py                      # gate/up and down shapes, every variant
     python tools/fp4_mma_probe.py --shape gateup --kernels fp4mma_quad_d4 --ksplit 4 --ctas-per-sm 2
