@@ -8,8 +8,8 @@ import shutil
 import subprocess
 
 import pytest
-from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 
 def _tool():

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 
 def _tool():

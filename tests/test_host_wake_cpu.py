@@ -3,10 +3,9 @@ after every wait and back to back."""
 
 from __future__ import annotations
 
-
 import pytest
-from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 
 def _tool():

@@ -24,6 +24,7 @@ import types
 
 import numpy as np
 import pytest
+
 from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

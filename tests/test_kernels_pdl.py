@@ -5,19 +5,17 @@ match CuPy's RawKernel conventions byte for byte."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
 from memra_dsv4.gpu import pdl
+from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 KDIR = os.path.join(ROOT, "kernels_cu")
-_spec = importlib.util.spec_from_file_location("pdl_entry", os.path.join(ROOT, "tools", "pdl_entry.py"))
-pdl_entry = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pdl_entry)
+pdl_entry = load_tool("pdl_entry")
 
 
 def test_every_kernel_opens_with_pdl_entry():

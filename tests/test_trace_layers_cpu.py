@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import trace_layers as TL  # noqa: E402

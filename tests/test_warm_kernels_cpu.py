@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+
 from tool_loader import load_tool  # tests/tool_loader.py (prepend import mode)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -525,12 +525,18 @@ def format_row(label: str, nbytes: int, us: float, bw: float, base: float | None
             f"{nbytes / us * 1e6 / bw * 100:5.1f} % of copy bw{rel}")
 
 
+def config_label(name: str, ksplit: int, per_sm: int) -> str:
+    """A probe configuration as the report names it (rows, skips and best lines; _CONFIG reads it)."""
+    return f"{name} ksplit {ksplit}, {per_sm}/SM"
+
+
+_CONFIG = r"(fp4mma_\w+) ksplit (\d+), (\d+)/SM"
 _HEAD = re.compile(r"^device (\d+): (.+?), (\d+) SMs; copy bandwidth ([\d.]+) TB/s")
 _SHAPE = re.compile(r"^(\w+): O (\d+), K (\d+), ([\d.]+) MB per launch; x in f16 exact: (True|False)$")
 _ROW = re.compile(r"^  (.+?)\s+([\d.]+) us\s+([\d.]+) GB/s\s+([\d.]+) % of copy bw"
                   r"(?:  x\s*([\d.]+) the CUDA-core kernel's time)?"
                   r"(?:; relL2 ([\d.e+-]+), worst row ([\d.e+-]+))?(  CHECK FAILED)?$")
-_SKIP = re.compile(r"^  (\S+) ksplit (\d+), (\d+)/SM: skipped")
+_SKIP = re.compile(rf"^  {_CONFIG}: skipped")
 
 
 def parse_report(text: str) -> dict:
@@ -540,14 +546,15 @@ def parse_report(text: str) -> dict:
     worst_row, check_ok, and for the probe's kernels kernel / ksplit / ctas_per_sm.  Refuses a
     line it does not recognise, naming it (a report cut short still parses up to its last line)."""
     out: dict = {"shapes": {}}
-    cur = None
+    cur = shape = None
     for n, ln in enumerate(text.splitlines(), 1):
         if not ln.strip() or ln.startswith("production kernels not timed"):
             continue
         if m := _HEAD.match(ln):
             out.update(device=m[2], sms=int(m[3]), copy_bw_TBps=float(m[4]))
         elif m := _SHAPE.match(ln):
-            cur = out["shapes"][m[1]] = dict(O=int(m[2]), K=int(m[3]), MB=float(m[4]),
+            shape = m[1]
+            cur = out["shapes"][shape] = dict(O=int(m[2]), K=int(m[3]), MB=float(m[4]),
                                              x_f16_exact=m[5] == "True", rows=[], skipped=[], best=None)
         elif cur is not None and (m := _SKIP.match(ln)):
             cur["skipped"].append(dict(kernel=m[1], ksplit=int(m[2]), ctas_per_sm=int(m[3])))
@@ -558,10 +565,10 @@ def parse_report(text: str) -> dict:
             if m[6]:
                 row.update(rel_l2=float(m[6]), worst_row=float(m[7]), check_ok=m[8] is None)
             label = row["label"]
-            best = label.startswith(("gateup best: ", "down best: "))
+            best = label.startswith(f"{shape} best: ")
             if best:
-                label = label.split(": ", 1)[1]
-            if k := re.match(r"^(fp4mma_\w+) ksplit (\d+), (\d+)/SM$", label):
+                label = label[len(f"{shape} best: "):]
+            if k := re.fullmatch(_CONFIG, label):
                 row.update(kernel=k[1], ksplit=int(k[2]), ctas_per_sm=int(k[3]))
             if best:
                 cur["best"] = row
@@ -733,7 +740,7 @@ def main(argv=None) -> int:
                 for per_sm in o["per_sm"]:
                     grid, block, smem = (sms * per_sm,), (256,), smem_bytes(name, K)
                     if per_sm * (smem + 1024) > sm_smem:   # 1 KB per CTA the driver reserves
-                        print(f"  {name} ksplit {ks}, {per_sm}/SM: skipped, {per_sm} x {smem} B of shared "
+                        print(f"  {config_label(name, ks, per_sm)}: skipped, {per_sm} x {smem} B of shared "
                               f"memory do not fit one SM's {sm_smem} B", flush=True)
                         continue
                     if smem > 48 * 1024:
@@ -749,11 +756,11 @@ def main(argv=None) -> int:
                     ln = Launch(f"fp4_mma_probe.{name}", grid, block, o["device"], "probe", f, args,
                                 {"shared_mem": smem})
                     us = time_launches([ln], reps=o["reps"], iters=o["iters"], flush_bytes=flush)[0]
-                    print(line(f"{name} ksplit {ks}, {per_sm}/SM", nbytes, us, base)
+                    print(line(config_label(name, ks, per_sm), nbytes, us, base)
                           + f"; relL2 {rel:.1e}, worst row {worst:.1e}" + ("" if good else "  CHECK FAILED"),
                           flush=True)
                     if good and (best is None or us < best[0]):
-                        best = (us, f"{name} ksplit {ks}, {per_sm}/SM")
+                        best = (us, config_label(name, ks, per_sm))
         if best:
             print(line(f"{shape} best: {best[1]}", nbytes, best[0], base), flush=True)
     return 0 if ok else 1
