@@ -811,7 +811,7 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
 
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
               capture: bool = False, ph: str = "decode", journal=None,
-              one_token: bool = False):
+              one_token: bool = False, keep_streams: bool = False):
     """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
     pos); phases ``{ph}/stage{i}/...``; exactly one ``model._boundary`` per stage boundary.
     Returns a ForwardOut: logits ([vocab], or [S, vocab] with ``all_logits``), hc_state
@@ -819,7 +819,9 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     (NumPy) plus captures_top embed / hc_head / final_norm.  ``journal`` (gpu.verify.Journal):
     each block records what a rollback of this chunk needs before it writes its caches.
     ``one_token`` (decode_step on ``legacy``): the one-token dispatch (module doc,
-    ``one_token_dispatch``)."""
+    ``one_token_dispatch``).  ``keep_streams``: ForwardOut.streams is the last stage's output,
+    the final (pre-hc_head) streams of every row as float32 CuPy [S, hc, dim] on that stage's
+    device (the MTP drafter's input; not copied to the host), else None."""
     from memra_dsv4.oracle.model import ForwardOut
     p0 = state.pos
     S = ids.shape[0]
@@ -841,5 +843,6 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
         d.compute.synchronize()   # aside): the layers and the boundary copies only enqueue
     model._boundary_release()
     state.pos = p0 + S
-    return ForwardOut(logits=logits_h, hc_state=out_state, streams=None, captures=caps,
+    return ForwardOut(logits=logits_h, hc_state=out_state,
+                      streams=streams if keep_streams else None, captures=caps,
                       captures_top=top, numerics=model.numerics)

@@ -35,6 +35,15 @@ API
     on the host; ``self.prefill_dispatch`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
+``drafter=True`` (load / synthetic): also place the checkpoint's MTP block (``mtp.0``, layer id
+    ``num_hidden_layers``) on the last stage, counted in the split's byte math
+    (``weights.drafter_layers``: refused before any device work for a checkpoint without a
+    drafter or with a DSpark one); ``self.drafter_stage`` is that stage's index (None without).
+    It is run by ``gpu.drafters.GpuMtpDrafter``, never by the trunk's chunk routine or step.
+``prefill(ids, state, return_streams=True)`` / ``verify(state, tokens, return_streams=True)``
+    also return the final (pre-hc_head) streams of every row, float32 CuPy [S, hc, dim] on the
+    last stage's device: the MTP drafter's input (a prefill then skips the pipelined schedule,
+    whose stages do not keep them).
 ``forward(token_ids, capture=False) -> ForwardOut``  (memra_dsv4.oracle.model.ForwardOut)
     The prefill is the chunk routine (``gpu.decode.run_chunk``, the same one prefill /
     prefill_chunk / the legacy decode_step run) from position 0 on a fresh DecodeState.
@@ -130,6 +139,9 @@ class Dsv4Gpu:
             "DECODE_QNORM", decode_qnorm, "device-step q head norm (own launch or in the attention)")
         self.decode_shared_w2 = _resolve_announced(            # read once, printed (step_device)
             "DECODE_SHARED_W2", decode_shared_w2, "device-step shared-expert w2 (own GEMV or in the down + combine)")
+        # the stage holding the drafter's layers (Dsv4Gpu.load / synthetic drafter=True), or None
+        self.drafter_stage = next((i for i, st in enumerate(stages)
+                                   if len(getattr(st, "drafter_layers", range(0)))), None)
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -145,9 +157,9 @@ class Dsv4Gpu:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _plan(cfg, devices, experts, dense: str = "bf16"):
+    def _plan(cfg, devices, experts, dense: str = "bf16", drafter: bool = False):
         from memra_dsv4.gpu.weights import weight_plan
-        return weight_plan(cfg, len(devices), experts, dense=dense)
+        return weight_plan(cfg, len(devices), experts, dense=dense, drafter=drafter)
 
     @classmethod
     def load(cls, ckpt, devices=(0,), numerics: str = "bf16", *, force_bounce: bool = False,
@@ -158,17 +170,18 @@ class Dsv4Gpu:
              l2_prefetch: str | None = None, decode_fork: str | None = None,
              hc_split: str | None = None, decode_priority: str | None = None,
              prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None) -> "Dsv4Gpu":
-        from memra_dsv4.gpu.weights import load_stage_weights, resolve_dense
+                 decode_shared_w2: str | None = None, drafter: bool = False) -> "Dsv4Gpu":
+        from memra_dsv4.gpu.weights import drafter_layers, load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
         devices = tuple(int(d) for d in devices)
         cfg = ckpt.config
+        dl = drafter_layers(cfg, drafter)                      # refused before any device work
         kinds = set(ckpt.expert_kinds.values()) if hasattr(ckpt, "expert_kinds") else {"mxfp4"}
-        plan = cls._plan(cfg, devices, "nvfp4" if "nvfp4" in kinds else "mxfp4", dense)
+        plan = cls._plan(cfg, devices, "nvfp4" if "nvfp4" in kinds else "mxfp4", dense, drafter)
         bar = _bar(len(ckpt.names()), "loading")
         stages = [load_stage_weights(ckpt, devices[i], layers, emb, head, progress=bar,
-                                     dense=dense)
+                                     dense=dense, drafter_layers=dl if head else range(0))
                   for i, layers, emb, head in plan]
         if bar is not None:
             bar.close()
@@ -190,22 +203,26 @@ class Dsv4Gpu:
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
                   hc_split: str | None = None, decode_priority: str | None = None,
                   prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None, expert_storage: str = "per-layer") -> "Dsv4Gpu":
+                 decode_shared_w2: str | None = None, expert_storage: str = "per-layer",
+                  drafter: bool = False) -> "Dsv4Gpu":
         """A model of random weights for ``config_or_preset`` (a Dsv4Config or a preset name).
         ``expert_storage`` "shared": each stage's MoE layers alias its first MoE layer's routed
         experts (weights.EXPERT_STORAGE; for a full-depth model on one GPU), else "per-layer"."""
-        from memra_dsv4.gpu.weights import check_expert_storage, resolve_dense, synthetic_stage_weights
+        from memra_dsv4.gpu.weights import (check_expert_storage, drafter_layers, resolve_dense,
+                                            synthetic_stage_weights)
 
         check_expert_storage(expert_storage)   # before any GPU work
         from memra_dsv4.tensors import expected_tensors
 
         dense = resolve_dense(dense)                           # read once, printed
         cfg = preset(config_or_preset) if isinstance(config_or_preset, str) else config_or_preset
+        dl = drafter_layers(cfg, drafter)                      # refused before any device work
         devices = tuple(int(d) for d in devices)
-        plan = cls._plan(cfg, devices, experts, dense)
+        plan = cls._plan(cfg, devices, experts, dense, drafter)
         bar = _bar(len(expected_tensors(cfg, experts)), "synthesising")
         stages = [synthetic_stage_weights(cfg, devices[i], layers, emb, head, seed, experts,
-                                          progress=bar, dense=dense, expert_storage=expert_storage)
+                                          progress=bar, dense=dense, expert_storage=expert_storage,
+                                          drafter_layers=dl if head else range(0))
                   for i, layers, emb, head in plan]
         if bar is not None:
             bar.close()
@@ -286,11 +303,14 @@ class Dsv4Gpu:
                              "model's devices); use this model's new_state()")
         return state
 
-    def prefill(self, token_ids, state=None, *, all_logits: bool = False):
+    def prefill(self, token_ids, state=None, *, all_logits: bool = False,
+                return_streams: bool = False):
         """Start a NEW sequence in ``state`` (reset first; a fresh one when None) and run
         ``token_ids`` from position 0 through the chunk routine (gpu.decode.forward_chunk).
-        Returns (logits float32 NumPy [vocab] or [S, vocab], state)."""
-        from memra_dsv4.gpu.decode import forward_chunk
+        Returns (logits float32 NumPy [vocab] or [S, vocab], state), and with
+        ``return_streams`` also the final streams [S, hc, dim] (float32 CuPy, last stage; the
+        pipelined schedule is not used then: its stages do not keep them)."""
+        from memra_dsv4.gpu.decode import forward_chunk, run_chunk
         ids = self.check_ids(token_ids)
         state = self.new_state() if state is None else self._check_state(state)
         if ids.shape[0] > state.max_seq_len:
@@ -302,8 +322,12 @@ class Dsv4Gpu:
         self.devs.order_after_current()
         if self._step is not None:
             self._step.invalidate()
-        chunks = self._pipeline_plan(ids.shape[0])
+        chunks = None if return_streams else self._pipeline_plan(ids.shape[0])
         with phase("prefill_state"):
+            if return_streams:
+                out = run_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state",
+                                keep_streams=True)
+                return out.logits, state, out.streams
             if chunks:
                 logits = self._pipeline_runner()(self, state, ids, chunks, all_logits=all_logits,
                                                  ph="prefill_state").logits
@@ -410,11 +434,12 @@ class Dsv4Gpu:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
         return int(self.check_ids(t.reshape(1))[0])
 
-    def verify(self, state, tokens) -> np.ndarray:
+    def verify(self, state, tokens, *, return_streams: bool = False):
         """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;
-        logits [k+1, vocab] (gpu.verify: the oracle's convention, journaled for commit)."""
+        logits [k+1, vocab] (gpu.verify: the oracle's convention, journaled for commit); with
+        ``return_streams`` (logits, final streams [k+1, hc, dim] float32 CuPy)."""
         from memra_dsv4.gpu.verify import verify
-        return verify(self, state, tokens)
+        return verify(self, state, tokens, return_streams=return_streams)
 
     def commit(self, state, n_accepted) -> None:
         """Keep positions pos..pos+n of the last verify and roll the rest back (gpu.verify)."""
@@ -483,14 +508,16 @@ class Dsv4Gpu:
         """Drop the boundary sources kept by ``_boundary`` (call after the devices synchronised)."""
         self.__dict__.get("_boundary_keep", []).clear()
 
-    def _head(self, st, streams, all_rows: bool = False):
+    def _head(self, st, streams, all_rows: bool = False, prefix: str = ""):
         """(logits f32 [vocab] of the last position, or [S, vocab] with ``all_rows``, hc_head
-        output, final norm)."""
+        output, final norm).  ``prefix``: whose hc_head / norm ("" the trunk's, "mtp.0." the MTP
+        block's own); the head matrix is the trunk's either way (the MTP block has none)."""
         cp = self._cp
         cfg = self.config
-        y = G.hc_head(streams, st["hc_head_fn"].astype(cp.float64), st["hc_head_scale"],
-                      st["hc_head_base"], hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        yn = G.rmsnorm(y, _f64(st["norm.weight"]), cfg.rms_norm_eps)
+        p = prefix
+        y = G.hc_head(streams, st[f"{p}hc_head_fn"].astype(cp.float64), st[f"{p}hc_head_scale"],
+                      st[f"{p}hc_head_base"], hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        yn = G.rmsnorm(y, _f64(st[f"{p}norm.weight"]), cfg.rms_norm_eps)
         if all_rows:
             return G.linear(self.gemm[st.device], yn, st["head.weight"], out="f32"), y, yn
         logits = G.linear(self.gemm[st.device], yn[-1:], st["head.weight"], out="f32")[0]
@@ -541,7 +568,8 @@ class _Block:
     def __init__(self, model: Dsv4Gpu, st, layer: int, ph: str) -> None:
         self.m, self.st, self.lid, self.ph = model, st, layer, ph
         self.cfg = model.config
-        self.p = f"layers.{layer}"
+        n = self.cfg.num_hidden_layers   # drafter stage s is layer id n + s, tensors mtp.{s}.*
+        self.p = f"layers.{layer}" if layer < n else f"mtp.{layer - n}"
         self.g = model.gemm[st.device]
         self.ratio = self.cfg.compress_ratio(layer)
         self.kind = self.cfg.attn_kind(layer)

@@ -1,7 +1,9 @@
 """Speculative verify and rollback on the GPU, with the oracle's convention
 (memra_dsv4.oracle.decode: verify / commit) on the device ``DecodeState``.
 
-``verify(model, state, [t_last, d1..dk]) -> logits [k+1, vocab]`` (float32 NumPy)
+``verify(model, state, [t_last, d1..dk], return_streams=False) -> logits [k+1, vocab]`` (float32
+NumPy; with ``return_streams`` also the final streams of the k + 1 rows, float32 CuPy
+[k+1, hc, dim] on the last stage: the MTP drafter's input)
     Positions pos .. pos+k in ONE batched pass of the chunk routine (gpu.decode.run_chunk,
     phases ``verify/stage{i}/...``); row i predicts position pos+i+1.  Before a block writes
     its caches it records, per layer (``Journal``): the ring slots the chunk overwrites and
@@ -81,7 +83,7 @@ class _Recorder:
         self.j.layers[self.lid] = L
 
 
-def verify(model, state, tokens) -> np.ndarray:
+def verify(model, state, tokens, return_streams: bool = False):
     from memra_dsv4.gpu.decode import run_chunk
     model._check_state(state)
     check_no_journal(state, "verify")
@@ -92,9 +94,10 @@ def verify(model, state, tokens) -> np.ndarray:
         model._step.invalidate()
     jr = Journal(state.pos, k)
     with phase("verify"):
-        out = run_chunk(model, state, ids, all_logits=True, ph="verify", journal=jr)
+        out = run_chunk(model, state, ids, all_logits=True, ph="verify", journal=jr,
+                        keep_streams=return_streams)
     state.journal = jr
-    return out.logits
+    return (out.logits, out.streams) if return_streams else out.logits
 
 
 def _rollback_layer(cache, j: _LayerJournal, p0: int, last_kept: int, p_end: int, stream) -> None:

@@ -6,12 +6,19 @@ Contract
   ``Dsv4Gpu.load`` / ``Dsv4Gpu.synthetic``): ``"bf16"`` (default) or ``"fp8"``; read once per
   load and printed (``memra_dsv4: gpu dense weights = fp8 (argument)``); anything else raises
   ``ValueError`` naming the value and the choices.
-* ``weight_plan(cfg, n_devices, experts, max_seq_len, dense)`` (pure, CPU-testable) splits the
-  trunk with ``placement.plan_split(dense=dense)`` (the byte math of the chosen dense form; the
-  placement's ``fp8`` arm counts the block scales as fp32, 4x the e8m0 bytes this loader keeps:
-  a conservative ~1 MiB on Flash): embedding on the first stage, head group on the last;
-  returns ``[(stage_index, layers range, has_embed, has_head)]``.
-* ``load_stage_weights(ckpt, device, layers, has_embed, has_head, dense=...)`` uploads one stage:
+* ``weight_plan(cfg, n_devices, experts, max_seq_len, dense, drafter=False)`` (pure,
+  CPU-testable) splits the trunk with ``placement.plan_split(dense=dense,
+  include_drafter=drafter)`` (the byte math of the chosen dense form; the placement's ``fp8`` arm
+  counts the block scales as fp32, 4x the e8m0 bytes this loader keeps: a conservative ~1 MiB on
+  Flash): embedding on the first stage, head group (and, with ``drafter``, the drafter's bytes
+  and cache) on the last; returns ``[(stage_index, layers range, has_embed, has_head)]``.
+* ``drafter_layers(cfg, drafter)``: the layer ids of the drafter stages the GPU path loads on the
+  last stage (``range(n, n + 1)``: the MTP block ``mtp.0``) or ``range(0)`` without ``drafter``.
+  Refused (ValueError naming the checkpoint's drafter kind) for a checkpoint without a drafter
+  and for a DSpark one (its GPU drafter is not built; the oracle's ``DSparkDrafter`` runs it).
+* ``load_stage_weights(ckpt, device, layers, has_embed, has_head, dense=..., drafter_layers=...)``
+  uploads one stage (the trunk ``layers``, and the ``mtp.*`` tensors of ``drafter_layers``: the
+  MTP block's routed experts are MXFP4 in every release, NVIDIA's NVFP4 one included):
     - FP8 dense linears (``spec.kind == "fp8"``), both arms: the load refuses exactly what
       ``formats.dequant_fp8_block_bf16`` refuses (a NaN e4m3 code, an e8m0 0xFF, a product
       e4m3 * 2^(s-127) that bf16 cannot hold exactly), with the message of
@@ -31,6 +38,8 @@ Contract
       ``.ws2`` float32 [E] on the host (a launch argument).  ``StageWeights.expert_fmt[layer]``.
 * ``StageWeights`` (what the chunk routine and the device step read):
     - ``t[name]`` the device arrays above (``sw[name]`` raises a KeyError naming the stage);
+    - ``layers`` the trunk layers (the chunk routine's loop), ``drafter_layers`` the drafter
+      stages' layer ids held here (gpu.drafters; never in the trunk loop);
     - ``dense_fmt``: ``"bf16"`` | ``"fp8"``, the form of the checkpoint's FP8 linears;
     - ``fp8``: the set of linear stems (name without ``.weight``, e.g. ``layers.3.attn.wq_a``)
       stored as FP8 on this device: every FP8 linear of the stage with dense "fp8", empty with
@@ -63,8 +72,8 @@ import numpy as np
 from memra_dsv4.config import QUANT_BLOCK, Dsv4Config
 from memra_dsv4.tensors import expected_tensors
 
-__all__ = ["StageWeights", "DENSE_FORMS", "resolve_dense", "weight_plan", "host_tensors", "e4m3_codes_clipped",
-           "load_stage_weights", "synthetic_stage_weights"]
+__all__ = ["StageWeights", "DENSE_FORMS", "resolve_dense", "weight_plan", "drafter_layers",
+           "host_tensors", "e4m3_codes_clipped", "load_stage_weights", "synthetic_stage_weights"]
 
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale|weight_scale|weight_scale_2|input_scale)$")
 DENSE_FORMS = ("bf16", "fp8")
@@ -101,6 +110,7 @@ class StageWeights:
     nbytes: int = 0
     dense_fmt: str = "bf16"                         # "bf16" | "fp8": the FP8 linears' form
     fp8: set = field(default_factory=set)           # stems stored as FP8 (+ "{stem}.scale")
+    drafter_layers: range = range(0)                # drafter stage layer ids held here
 
     def __getitem__(self, name: str):
         try:
@@ -128,24 +138,40 @@ class StageWeights:
 
 
 def weight_plan(cfg: Dsv4Config, n_devices: int, experts: str = "mxfp4", max_seq_len: int = 4096,
-                dense: str = "bf16"):
-    """[(stage_index, layers, has_embed, has_head)] from placement.plan_split(dense=dense)."""
+                dense: str = "bf16", drafter: bool = False):
+    """[(stage_index, layers, has_embed, has_head)] from placement.plan_split(dense=dense,
+    include_drafter=drafter): the drafter's weights and cache count on the last stage."""
     _check_dense(dense)
     if n_devices == 1:
         return [(0, range(cfg.num_hidden_layers), True, True)]
     from memra_dsv4.placement import plan_split
 
     pl = plan_split(cfg, n_devices, experts=experts, max_seq_len=max_seq_len, dense=dense,
-                    include_drafter=False, device_bytes=1 << 50)
+                    include_drafter=bool(drafter), device_bytes=1 << 50)
     return [(i, st.layers, st.has_embed, st.has_head) for i, st in enumerate(pl.stages)]
 
 
-def _stage_specs(cfg, layers, has_embed, has_head, experts="mxfp4"):
+def drafter_layers(cfg: Dsv4Config, drafter: bool) -> range:
+    """The drafter layer ids the GPU path loads (module doc); checked before any device work."""
+    if not drafter:
+        return range(0)
+    from memra_dsv4.config import DRAFTER_MTP
+    if cfg.drafter_kind != DRAFTER_MTP:
+        what = ("has no drafter" if cfg.drafter_kind == "none" else
+                "has a DSpark drafter, whose GPU form is not built (run it with the oracle's "
+                "memra_dsv4.oracle.dspark.DSparkDrafter)")
+        raise ValueError(f"drafter=True: config {cfg.name!r} {what}; the GPU path drafts with "
+                         f"an MTP block (mtp.0)")
+    n = cfg.num_hidden_layers
+    return range(n, n + 1)
+
+
+def _stage_specs(cfg, layers, has_embed, has_head, experts="mxfp4", drafter=range(0)):
     for s in expected_tensors(cfg, experts):
         if s.layer is None:
             if (s.group == "embed" and has_embed) or (s.group == "head" and has_head):
                 yield s
-        elif s.layer in layers:
+        elif s.layer in layers or s.layer in drafter:
             yield s
 
 
@@ -181,7 +207,8 @@ def host_tensors(ckpt, spec, dense: str) -> dict:
 
 
 def load_stage_weights(ckpt, device: int, layers: range, has_embed: bool, has_head: bool,
-                       progress=None, dense: str = "bf16", *, upload=None) -> StageWeights:
+                       progress=None, dense: str = "bf16", *, upload=None,
+                       drafter_layers: range = range(0)) -> StageWeights:
     """One stage on ``device``.  ``upload`` (tests): host array -> stored array, replacing the
     CuPy upload (then no CuPy is needed and ``device`` is only recorded)."""
     _check_dense(dense)
@@ -195,14 +222,15 @@ def load_stage_weights(ckpt, device: int, layers: range, has_embed: bool, has_he
         ctx = contextlib.nullcontext()
 
     cfg = ckpt.config
-    sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense)
+    sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense,
+                      drafter_layers=drafter_layers)
     experts: dict[str, dict] = {}
     with ctx:
         for spec in ckpt.specs if not callable(ckpt.specs) else ckpt.specs():
             if spec.layer is None:
                 if not ((spec.group == "embed" and has_embed) or (spec.group == "head" and has_head)):
                     continue
-            elif spec.layer not in layers:
+            elif spec.layer not in layers and spec.layer not in drafter_layers:
                 continue
             name = spec.name
             m = _EXPERT.match(name)
@@ -313,23 +341,28 @@ def check_expert_storage(value: str) -> str:
 def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_embed: bool,
                             has_head: bool, seed: int = 0, experts: str = "mxfp4",
                             progress=None, dense: str = "bf16",
-                            expert_storage: str = "per-layer") -> StageWeights:
+                            expert_storage: str = "per-layer",
+                            drafter_layers: range = range(0)) -> StageWeights:
     import cupy as cp
     from memra_dsv4.gpu.ops_glue import bf16_bits
     from memra_dsv4.synth import COMB_DIAGONAL_LOGIT
 
     _check_dense(dense)
     check_expert_storage(expert_storage)
-    sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense)
+    sw = StageWeights(device, layers, has_embed, has_head, dense_fmt=dense,
+                      drafter_layers=drafter_layers)
     hc = cfg.hc_mult
     E = cfg.n_routed_experts
     with cp.cuda.Device(device):
         rs = cp.random.RandomState(seed * 1000 + device + 1)
         done_experts: set[str] = set()
-        first_experts: dict = {}   # "w1" | "w2" | "w3" -> (packed, scale, ws2) (expert_storage "shared")
-        for spec in _stage_specs(cfg, layers, has_embed, has_head, experts):
+        first_experts: dict = {}   # (fmt, "w1" | "w2" | "w3") -> (packed, scale, ws2) ("shared")
+        for spec in _stage_specs(cfg, layers, has_embed, has_head, experts, drafter_layers):
             name = spec.name
             m = _EXPERT.match(name)
+            # the drafter's routed experts are MXFP4 in every release (tensors.py)
+            fmt = "mxfp4" if spec.layer is not None and spec.layer >= cfg.num_hidden_layers \
+                else experts
             if m:
                 key = f"{m.group(1)}.{m.group(3)}"
                 if key not in done_experts:
@@ -338,8 +371,8 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                     if out_f is None:  # expert names arrive weight-first; be safe
                         raise AssertionError(f"unexpected expert spec order at {name}")
                     in_f = 2 * in_half
-                    sw.expert_fmt[spec.layer] = experts
-                    alias = first_experts.get(m.group(3)) if expert_storage == "shared" else None
+                    sw.expert_fmt[spec.layer] = fmt
+                    alias = first_experts.get((fmt, m.group(3))) if expert_storage == "shared" else None
                     if alias is not None:   # the stage's first MoE layer's arrays (no new bytes)
                         packed, scale, ws2 = alias
                         assert packed.shape == (E, out_f, in_half), f"{name}: shape {packed.shape}"
@@ -349,7 +382,7 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                     else:
                         packed = rs.randint(0, 256, size=(E, out_f, in_half), dtype=cp.int32).astype(cp.uint8)
                         target = 1.0 / math.sqrt(in_f) / 2.3   # mean |e2m1| of random codes ~2.3
-                        if experts == "mxfp4":
+                        if fmt == "mxfp4":
                             b = 127 + int(round(math.log2(target)))
                             scale = cp.full((E, out_f, in_f // 32), b, dtype=cp.uint8)
                         else:
@@ -358,7 +391,7 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
                         sw._put(f"{key}.packed", packed)
                         sw._put(f"{key}.scale", scale)
                         if expert_storage == "shared":
-                            first_experts[m.group(3)] = (packed, scale, sw.ws2.get(key))
+                            first_experts[(fmt, m.group(3))] = (packed, scale, sw.ws2.get(key))
                 if progress is not None:
                     progress.update(1)
                 continue

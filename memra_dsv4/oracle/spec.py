@@ -62,8 +62,8 @@ from memra_dsv4.oracle.sampling import greedy, sample_from_probs, sampling_probs
 from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, DecodeState
 
 __all__ = [
-    "MtpDraft", "new_mtp_state", "mtp_propose", "MtpDrafter", "SpecResult",
-    "speculative_generate", "greedy_generate",
+    "MtpDraft", "new_mtp_state", "mtp_propose", "check_propose_args", "MtpDrafter", "SpecResult",
+    "check_spec_args", "spec_loop", "speculative_generate", "greedy_generate",
 ]
 
 
@@ -99,32 +99,45 @@ def _mtp_chunk(oracle, mstate: DecodeState, h: np.ndarray, ids: np.ndarray):
     return logits[0], out
 
 
+def check_propose_args(cfg, pos: int, max_seq_len: int, h_shape, h_kind: str, next_tokens,
+                       k) -> np.ndarray:
+    """The checks of an MTP ``propose`` call, shared by the oracle's and the GPU's drafter (the
+    same messages): hc_rows floating point [m >= 1, hc, dim] (``h_shape`` after a 2-D input got
+    its leading axis; ``h_kind`` its dtype's kind), next_tokens m ids in range, k in
+    1..MAX_DRAFT, and the positions pos .. pos + m + k - 2 inside max_seq_len.  Returns the ids
+    (int64 [m]).  The finiteness of hc_rows is the caller's check (on its own array library)."""
+    from memra_dsv4.oracle.model import check_token_ids
+    if h_kind != "f":
+        raise ValueError(f"hc_rows must be floating point, got dtype kind {h_kind!r}")
+    h_shape = tuple(h_shape)
+    if len(h_shape) != 3 or h_shape[1:] != (cfg.hc_mult, cfg.hidden_size) or h_shape[0] == 0:
+        raise ValueError(f"hc_rows must be [m >= 1, {cfg.hc_mult}, {cfg.hidden_size}], got "
+                         f"shape {h_shape}")
+    ids = check_token_ids(next_tokens, cfg.vocab_size, "next_tokens")
+    if ids.shape[0] != h_shape[0]:
+        raise ValueError(f"next_tokens has {ids.shape[0]} entries but hc_rows has {h_shape[0]} rows")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"k = {k!r} drafts; k must be an integer in 1..{MAX_DRAFT}")
+    m = h_shape[0]
+    if pos + m + k - 1 > max_seq_len:
+        raise ValueError(f"mtp_propose: positions up to {pos + m + k - 2} exceed "
+                         f"max_seq_len {max_seq_len}")
+    return ids
+
+
 def mtp_propose(oracle, mtp_state: DecodeState, hc_rows, next_tokens, k: int = 1, *,
                 sampler=None) -> MtpDraft:
     """Draft k tokens with the MTP block (module doc)."""
-    from memra_dsv4.oracle.model import check_token_ids
     cfg = oracle.config
     _mtp_layer(oracle)
     check_state(oracle, mtp_state, role="mtp")
     h = np.asarray(hc_rows)
-    if h.dtype.kind != "f":
-        raise ValueError(f"hc_rows must be floating point, got dtype {h.dtype}")
     if h.ndim == 2:
         h = h[None]
-    if h.ndim != 3 or h.shape[1:] != (cfg.hc_mult, cfg.hidden_size) or h.shape[0] == 0:
-        raise ValueError(f"hc_rows must be [m >= 1, {cfg.hc_mult}, {cfg.hidden_size}], got "
-                         f"shape {np.asarray(hc_rows).shape}")
+    ids = check_propose_args(cfg, mtp_state.pos, mtp_state.max_seq_len, h.shape, h.dtype.kind,
+                             next_tokens, k)
     if not np.isfinite(h).all():
         raise ValueError("hc_rows contains non-finite values")
-    ids = check_token_ids(next_tokens, cfg.vocab_size, "next_tokens")
-    if ids.shape[0] != h.shape[0]:
-        raise ValueError(f"next_tokens has {ids.shape[0]} entries but hc_rows has {h.shape[0]} rows")
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
-        raise ValueError(f"k = {k!r} drafts; k must be an integer in 1..{MAX_DRAFT}")
-    m = h.shape[0]
-    if mtp_state.pos + m + k - 1 > mtp_state.max_seq_len:
-        raise ValueError(f"mtp_propose: positions up to {mtp_state.pos + m + k - 2} exceed "
-                         f"max_seq_len {mtp_state.max_seq_len}")
     with single_threaded_blas():
         return _propose(oracle, mtp_state, h, ids, k, sampler if sampler is not None else greedy)
 
@@ -206,14 +219,10 @@ def greedy_generate(oracle, prompt, max_new_tokens: int, *, state=None) -> list[
     return toks
 
 
-def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
-                         temperature: float = 0.0, top_p: float = 1.0, generator=None,
-                         state: DecodeState | None = None, schedule=None) -> SpecResult:
-    """Draft (k per round) / verify / commit until ``max_new_tokens`` tokens (module doc).
-
-    ``schedule``: None (verify every draft) or ``cost(t)``, the time of a verify of t tokens:
-    each round then verifies ``host.spec_schedule.verify_length(confidences, cost)`` drafts
-    (at least 1), for drafters that report confidences (DSpark: ``last_confidence``)."""
+def check_spec_args(max_new_tokens, k, temperature, top_p, generator, drafter, schedule):
+    """The checks and set-up of a speculative_generate call, shared by the oracle's and the GPU's
+    (gpu.spec): returns (n_new, sampled, probs, generator).  ``probs(logits)`` is the sampling
+    distribution (it validates temperature / top_p here, before any work)."""
     n_new = _check_n(max_new_tokens, "max_new_tokens")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
         raise ValueError(f"k = {k!r}; k must be an integer in 1..{MAX_DRAFT}")
@@ -222,6 +231,25 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
     probs(np.zeros(2))
     if sampled and generator is None:
         generator = np.random.default_rng()
+    if schedule is not None and not callable(schedule):
+        raise ValueError(f"schedule = {schedule!r}: expected None or a cost function cost(t)")
+    if schedule is not None and not hasattr(drafter, "last_confidence"):
+        raise ValueError(f"schedule: drafter {type(drafter).__name__} reports no confidences "
+                         f"(confidence-scheduled verification needs a DSpark drafter)")
+    return n_new, sampled, probs, generator
+
+
+def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
+                         temperature: float = 0.0, top_p: float = 1.0, generator=None,
+                         state: DecodeState | None = None, schedule=None) -> SpecResult:
+    """Draft (k per round) / verify / commit until ``max_new_tokens`` tokens (module doc).
+
+    ``schedule``: None (verify every draft) or ``cost(t)``, the time of a verify of t tokens:
+    each round then verifies ``host.spec_schedule.verify_length(confidences, cost)`` drafts
+    (at least 1), for drafters that report confidences (DSpark: ``last_confidence``)."""
+    drafter = drafter if drafter is not None else MtpDrafter()
+    n_new, sampled, probs, generator = check_spec_args(max_new_tokens, k, temperature, top_p,
+                                                       generator, drafter, schedule)
     if state is None:
         state = new_state(oracle)
     check_state(oracle, state)
@@ -229,30 +257,54 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
     if ids.ndim == 1 and ids.shape[0] + n_new - 1 > state.max_seq_len:
         raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
                          f"max_seq_len {state.max_seq_len}")
-    drafter = drafter if drafter is not None else MtpDrafter()
-    if schedule is not None and not callable(schedule):
-        raise ValueError(f"schedule = {schedule!r}: expected None or a cost function cost(t)")
-    if schedule is not None and not hasattr(drafter, "last_confidence"):
-        raise ValueError(f"schedule: drafter {type(drafter).__name__} reports no confidences "
-                         f"(confidence-scheduled verification needs a DSpark drafter)")
     # A drafter with ``trunk_taps(oracle)`` (DSpark) is given, instead of the final streams,
     # the output streams of those trunk blocks: rows [m, n_taps, hc, dim].
     taps = getattr(drafter, "trunk_taps", None)
     tap_ids = tuple(taps(oracle)) if taps is not None else None
     state.tap_layers = tap_ids
     try:
-        return _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state,
-                          tap_ids, schedule)
+        return spec_loop(_OracleTarget(oracle, state, tap_ids), drafter, prompt, n_new, k,
+                         sampled, probs, generator, schedule)
     finally:
         state.tap_layers = None
         state.tap_streams = None
 
 
-def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, state, tap_ids,
-               schedule=None):
-    def rows(streams):
-        return streams if tap_ids is None else np.stack(state.tap_streams, axis=1)
+class _OracleTarget:
+    """The target model of ``spec_loop`` on the oracle: ``rows`` are the final streams of the
+    rows run (NumPy [m, hc, dim]) or, for a drafter with trunk taps, the taps' streams
+    [m, n_taps, hc, dim]."""
 
+    def __init__(self, oracle, state: DecodeState, tap_ids):
+        self.model, self.state, self.tap_ids = oracle, state, tap_ids
+
+    def _rows(self, streams):
+        return streams if self.tap_ids is None else np.stack(self.state.tap_streams, axis=1)
+
+    def prefill(self, prompt):
+        out = prefill_state(self.model, prompt, self.state)
+        return out.logits, self._rows(out.streams)
+
+    def verify(self, tokens):
+        logits, streams = verify(self.model, self.state, tokens, return_streams=True)
+        return logits, self._rows(streams)
+
+    def commit(self, n: int) -> None:
+        commit(self.model, self.state, n)
+
+    def decode_step(self, token):
+        return decode_step(self.model, self.state, token)
+
+
+def spec_loop(target, drafter, prompt, n_new: int, k: int, sampled: bool, probs, generator,
+              schedule=None) -> SpecResult:
+    """The draft / verify / commit loop of the module doc against ``target`` (the oracle's
+    ``_OracleTarget`` or gpu.spec's): ``prefill(prompt) -> (logits [V], rows)``,
+    ``verify(tokens) -> (logits [k+1, V], rows)``, ``commit(n)``, ``decode_step(token) ->
+    logits [V]``, ``model`` and ``state`` (the drafter's ``begin(model, state.max_seq_len)``).
+    ``rows`` is what the drafter's ``propose`` takes, indexed by row (NumPy or CuPy).  The
+    acceptance rules (greedy: leading drafts equal to their row's argmax; sampled:
+    sampling.spec_accept) are this function's only: the oracle and the GPU share them."""
     def propose(hc_rows, next_tokens, kk):
         """The drafter's proposal, cut to the scheduled verify length: (tokens, logits, made)."""
         dt, dl = drafter.propose(hc_rows, next_tokens, kk, pick)
@@ -262,27 +314,27 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
             dt, dl = dt[:n], (None if dl is None else np.asarray(dl)[:n])
         return dt, dl, made
 
-    out = prefill_state(oracle, prompt, state)
+    first_logits, rows = target.prefill(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
 
     def pick(lg):
         return sample_from_probs(probs(lg), generator) if sampled else greedy(lg)
 
-    g = pick(out.logits)
+    g = pick(first_logits)
     res = SpecResult(tokens=[g])
     if n_new == 1:
         return res
-    drafter.begin(oracle, state.max_seq_len)
+    drafter.begin(target.model, target.state.max_seq_len)
     kk = min(k, n_new - 1)
-    dt, dl, made = propose(rows(out.streams), np.append(ids[1:], g), kk)
+    dt, dl, made = propose(rows, np.append(ids[1:], g), kk)
     while len(res.tokens) < n_new:
         remaining = n_new - len(res.tokens)
         kk = min(len(dt), remaining - 1)
         if kk == 0:                                   # one token left: plain step
-            res.tokens.append(pick(decode_step(oracle, state, g)))
+            res.tokens.append(pick(target.decode_step(g)))
             break
         dt = np.asarray(dt[:kk], dtype=np.int64)
-        logits, streams = verify(oracle, state, np.append(g, dt), return_streams=True)
+        logits, rows = target.verify(np.append(g, dt))
         if sampled:
             if dl is None:
                 raise ValueError(f"drafter {type(drafter).__name__} returned no draft logits: "
@@ -293,7 +345,7 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
             while n < kk and greedy(logits[n]) == int(dt[n]):
                 n += 1
             bonus = greedy(logits[n])
-        commit(oracle, state, n)
+        target.commit(n)
         res.drafted.append(kk)
         res.proposed.append(made)
         res.accepted.append(n)
@@ -306,6 +358,6 @@ def _spec_loop(oracle, prompt, n_new, k, drafter, sampled, probs, generator, sta
         if remaining == 1:                            # nothing left to draft for
             dt, dl = np.zeros(0, dtype=np.int64), None
             continue
-        dt, dl, made = propose(rows(streams)[:n + 1], np.array(new, dtype=np.int64),
+        dt, dl, made = propose(rows[:n + 1], np.array(new, dtype=np.int64),
                                min(k, remaining - 1))
     return res

@@ -1,0 +1,166 @@
+"""The CPU side of the GPU drafter: which drafter layers the GPU path loads and where
+(gpu.weights.drafter_layers / weight_plan(drafter=True) / load_stage_weights(drafter_layers=)),
+the shared checks of an MTP propose (oracle.spec.check_propose_args) and of a speculative call
+(check_spec_args), and the loop's target interface (oracle.spec.spec_loop) on a scripted target.
+The GPU drafter itself: tests/gpu/test_drafter_gpu.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from memra_dsv4.checkpoint import Checkpoint
+from memra_dsv4.config import preset
+from memra_dsv4.gpu.weights import drafter_layers, load_stage_weights, weight_plan
+from memra_dsv4.oracle.spec import check_propose_args, check_spec_args, spec_loop
+from memra_dsv4.placement import plan_split
+from memra_dsv4.synth import synth_arrays
+
+
+def test_drafter_layers_and_refusals():
+    tiny = preset("tiny")
+    assert drafter_layers(tiny, False) == range(0)
+    assert drafter_layers(tiny, True) == range(4, 5)
+    assert drafter_layers(preset("flash"), True) == range(43, 44)
+    with pytest.raises(ValueError, match=r"flash-0731.*DSpark drafter.*not built"):
+        drafter_layers(preset("flash-0731"), True)
+    assert drafter_layers(preset("flash-0731"), False) == range(0)
+    none = dataclasses.replace(tiny, num_nextn_predict_layers=0, compress_ratios=(0, 4, 16, 4),
+                               name="tiny-nodrafter")
+    assert none.drafter_kind == "none"
+    with pytest.raises(ValueError, match="has no drafter"):
+        drafter_layers(none, True)
+
+
+def test_weight_plan_counts_the_drafter_on_the_last_stage():
+    cfg = preset("flash")
+    with_d = weight_plan(cfg, 2, drafter=True)
+    without = weight_plan(cfg, 2)
+    assert without == weight_plan(cfg, 2, drafter=False)
+    want = plan_split(cfg, 2, dense="bf16", include_drafter=True, device_bytes=1 << 50)
+    assert with_d == [(i, s.layers, s.has_embed, s.has_head) for i, s in enumerate(want.stages)]
+    # the drafter (~7 GB on Flash) lands on the last stage, so the cut moves earlier
+    assert with_d[0][1].stop <= without[0][1].stop
+    assert with_d[-1][3] and not with_d[0][3]
+
+
+def test_load_stage_weights_takes_the_mtp_tensors():
+    cfg = preset("tiny")
+    ck = Checkpoint.from_arrays(cfg, synth_arrays(cfg, seed=3))
+    sw = load_stage_weights(ck, 0, range(4), True, True, upload=np.asarray,
+                            drafter_layers=range(4, 5))
+    trunk = load_stage_weights(ck, 0, range(4), True, True, upload=np.asarray)
+    mtp = sorted(n for n in sw.t if n.startswith("mtp.0."))
+    assert not any(n.startswith("mtp.") for n in trunk.t)
+    assert set(sw.t) - set(trunk.t) == set(mtp)
+    for leaf in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
+                 "hc_head_fn", "attn.wq_a.weight", "ffn.experts.w1.packed", "ffn.gate.weight"):
+        assert f"mtp.0.{leaf}" in sw.t, leaf
+    assert sw.expert_fmt[4] == "mxfp4" and sw.drafter_layers == range(4, 5)
+    assert sw.layers == range(4)          # the trunk loop never sees the drafter
+    np.testing.assert_array_equal(sw.t["mtp.0.enorm.weight"],
+                                  np.asarray(ck.raw("mtp.0.enorm.weight")).view(np.uint16))
+
+
+def test_check_propose_args_messages():
+    cfg = preset("tiny")
+    hc, D = cfg.hc_mult, cfg.hidden_size
+    ids = check_propose_args(cfg, 0, 16, (2, hc, D), "f", [1, 2], 3)
+    assert ids.dtype == np.int64 and ids.tolist() == [1, 2]
+    bad = [((0, 16, (2, hc, D), "i", [1, 2], 1), "floating point"),
+           ((0, 16, (2, hc, D + 1), "f", [1, 2], 1), r"hc_rows must be \[m >= 1"),
+           ((0, 16, (0, hc, D), "f", [], 1), r"hc_rows must be \[m >= 1"),
+           ((0, 16, (2, hc, D), "f", [1], 1), "next_tokens has 1 entries"),
+           ((0, 16, (2, hc, D), "f", [1, 512], 1), "outside the vocabulary"),
+           ((0, 16, (2, hc, D), "f", [1, 2], 0), "k = 0"),
+           ((0, 16, (2, hc, D), "f", [1, 2], True), "k = True"),
+           ((14, 16, (2, hc, D), "f", [1, 2], 2), "positions up to 16 exceed max_seq_len 16")]
+    for args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            check_propose_args(cfg, *args)
+
+
+def test_check_spec_args():
+    n, sampled, probs, gen = check_spec_args(5, 2, 0.0, 1.0, None, object(), None)
+    assert (n, sampled, gen) == (5, False, None)
+    _, sampled, _, gen = check_spec_args(5, 2, 0.7, 0.9, None, object(), None)
+    assert sampled and isinstance(gen, np.random.Generator)
+    for args, msg in [((0, 2, 0.0, 1.0), "max_new_tokens"), ((5, 0, 0.0, 1.0), "k = 0"),
+                      ((5, 2, -1.0, 1.0), "temperature"), ((5, 2, 1.0, 0.0), "top_p")]:
+        with pytest.raises(ValueError, match=msg):
+            check_spec_args(*args, None, object(), None)
+    with pytest.raises(ValueError, match="cost function"):
+        check_spec_args(5, 2, 0.0, 1.0, None, object(), 3)
+    with pytest.raises(ValueError, match="reports no confidences"):
+        check_spec_args(5, 2, 0.0, 1.0, None, object(), lambda t: 1.0)
+
+
+class _ScriptedTarget:
+    """TEST DOUBLE of spec_loop's target: position p's greedy next token is seq[p + 1] (one-hot
+    logits); records the calls.  rows are the positions' indices (what a drafter would get)."""
+
+    class _State:
+        max_seq_len = 64
+
+    def __init__(self, seq, V=16):
+        self.seq, self.V, self.pos, self.calls = list(seq), V, 0, []
+        self.model, self.state = "target", self._State()
+
+    def _logits(self, p):
+        lg = np.zeros(self.V)
+        lg[self.seq[p + 1]] = 1.0
+        return lg
+
+    def prefill(self, prompt):
+        self.pos = len(prompt)
+        self.calls.append(("prefill", len(prompt)))
+        return self._logits(self.pos - 1), np.arange(self.pos)
+
+    def verify(self, tokens):
+        p0 = self.pos
+        self.calls.append(("verify", len(tokens)))
+        return np.stack([self._logits(p0 + i) for i in range(len(tokens))]), \
+            np.arange(p0, p0 + len(tokens))
+
+    def commit(self, n):
+        self.calls.append(("commit", n))
+        self.pos += n + 1
+
+    def decode_step(self, token):
+        self.calls.append(("decode", int(token)))
+        self.pos += 1
+        return self._logits(self.pos - 1)
+
+
+class _RowsDrafter:
+    """TEST DOUBLE: checks the rows / next tokens the loop hands over; drafts the true tokens,
+    the second one of every round wrong."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def begin(self, model, max_seq_len):
+        assert model == "target" and max_seq_len == 64
+        self.next_row = 0
+
+    def propose(self, rows, next_tokens, k, sampler=None):
+        rows = list(rows)
+        assert rows == list(range(self.next_row, self.next_row + len(rows)))
+        assert list(next_tokens) == self.seq[rows[0] + 1:rows[-1] + 2]
+        self.next_row = rows[-1] + 1
+        d = list(self.seq[self.next_row + 1:self.next_row + 1 + k])
+        if len(d) > 1:
+            d[1] = (d[1] + 1) % 16
+        return np.array(d, np.int64), None
+
+
+def test_spec_loop_drives_a_target():
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]
+    prompt, n = seq[:4], 12
+    t = _ScriptedTarget(seq)
+    _, _, probs, _ = check_spec_args(n, 3, 0.0, 1.0, None, object(), None)
+    res = spec_loop(t, _RowsDrafter(seq), prompt, n, 3, False, probs, None)
+    assert res.tokens == seq[4:4 + n]
+    assert res.accepted == [1] * len(res.accepted) and set(res.drafted) <= {1, 2, 3}
+    assert t.calls[0] == ("prefill", 4) and t.pos in (4 + n - 1, 4 + n)
