@@ -109,14 +109,26 @@ class _OracleBackend:
     def step(self, state, token):
         return self.model.decode_step(state, int(token))
 
+    def speculative(self, ids, n: int, k: int):
+        """Greedy speculative decoding with the MTP drafter (oracle.spec): a SpecResult."""
+        from memra_dsv4.oracle.spec import speculative_generate
+        return speculative_generate(self.model, ids, n, k)
+
 
 class _GpuBackend:
     name = "gpu"
 
     def __init__(self, ckpt, numerics):
         from memra_dsv4.gpu.model import Dsv4Gpu
-        self.model = Dsv4Gpu.load(ckpt, numerics=numerics)
+        # the MTP block too when the checkpoint has one (speculative(): gpu.drafters)
+        self.model = Dsv4Gpu.load(ckpt, numerics=numerics,
+                                  drafter=ckpt.config.drafter_kind == "mtp")
         self.numerics = numerics
+
+    def speculative(self, ids, n: int, k: int):
+        """Greedy speculative decoding with the GPU MTP drafter (gpu.spec): a SpecResult."""
+        from memra_dsv4.gpu.spec import speculative_generate
+        return speculative_generate(self.model, ids, n, k)
 
     def prefill(self, ids):
         return self.model.forward(ids)

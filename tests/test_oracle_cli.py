@@ -48,6 +48,8 @@ def test_demo(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[1] wrote" in out and "[6] MTP block" in out and "generated:" in out
     assert "(same tokens as re-prefill)" in out, out
+    assert "[7] speculative decoding on the oracle" in out
+    assert "(same tokens as the incremental decode)" in out, out
     assert demo.main(["--steps", "-2"]) == 2
 
 
