@@ -164,3 +164,13 @@ def test_spec_loop_drives_a_target():
     assert res.tokens == seq[4:4 + n]
     assert res.accepted == [1] * len(res.accepted) and set(res.drafted) <= {1, 2, 3}
     assert t.calls[0] == ("prefill", 4) and t.pos in (4 + n - 1, 4 + n)
+
+
+def test_spec_cost_bench_refuses_before_any_gpu_work():
+    from bench import spec_cost
+    assert spec_cost._ints("1,2,3") == [1, 2, 3]
+    for argv, msg in [(["--tmax", "0"], "--tmax 0"), (["--mtp-k", "0,1"], "integers >= 1"),
+                      (["--mtp-k", "a"], "comma-separated"), (["--model", "/x"], "synthetic"),
+                      (["--ctx", "100"], "multiple of 128")]:
+        with pytest.raises(SystemExit, match=msg):
+            spec_cost.main(argv)
