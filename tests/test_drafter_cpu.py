@@ -6,6 +6,7 @@ The GPU drafter itself: tests/gpu/test_drafter_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -174,3 +175,80 @@ def test_spec_cost_bench_refuses_before_any_gpu_work():
                       (["--ctx", "100"], "multiple of 128")]:
         with pytest.raises(SystemExit, match=msg):
             spec_cost.main(argv)
+
+
+class _FakeGpuModel:
+    """TEST DOUBLE of the Dsv4Gpu surface gpu.spec uses (greedy next token of position p is
+    seq[p + 1]); its methods take the real ones' keyword arguments (checked below)."""
+
+    def __init__(self, seq, V=16):
+        self.seq, self.V = list(seq), V
+        self.config = types.SimpleNamespace(vocab_size=V)
+        self.calls = []
+
+    def _lg(self, p):
+        lg = np.zeros(self.V, np.float32)
+        lg[self.seq[p + 1]] = 1.0
+        return lg
+
+    def check_ids(self, token_ids):
+        return np.asarray(token_ids, np.int64)
+
+    def new_state(self, max_seq_len=None):
+        return types.SimpleNamespace(pos=0, max_seq_len=max_seq_len or 64)
+
+    def _check_state(self, state):
+        return state
+
+    def prefill(self, token_ids, state=None, *, all_logits=False, return_streams=False):
+        assert return_streams and not all_logits
+        state.pos = len(token_ids)
+        self.calls.append("prefill")
+        return self._lg(state.pos - 1), state, np.arange(state.pos)
+
+    def verify(self, state, tokens, *, return_streams=False):
+        assert return_streams
+        self.calls.append(f"verify {len(tokens)}")
+        self.p0, p0 = state.pos, state.pos
+        return np.stack([self._lg(p0 + i) for i in range(len(tokens))]), \
+            np.arange(p0, p0 + len(tokens))
+
+    def commit(self, state, n_accepted):
+        state.pos = self.p0 + n_accepted + 1
+
+    def decode_step(self, state, token, *, readback="logits", out=None):
+        state.pos += 1
+        return self._lg(state.pos - 1)
+
+
+def test_gpu_spec_drives_the_model_surface():
+    import inspect
+
+    from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.gpu.spec import speculative_generate
+    for name in ("prefill", "verify", "commit", "decode_step", "check_ids", "new_state",
+                 "_check_state"):   # the double's keywords are the real methods' keywords
+        real = inspect.signature(getattr(Dsv4Gpu, name)).parameters
+        fake = inspect.signature(getattr(_FakeGpuModel, name)).parameters
+        assert list(fake) == list(real), (name, list(real), list(fake))
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]
+    m = _FakeGpuModel(seq)
+    res = speculative_generate(m, seq[:4], 12, 3, _RowsDrafterGpu(seq))
+    assert res.tokens == seq[4:16] and m.calls[0] == "prefill"
+    assert res.accepted == [1] * len(res.accepted)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 8"):
+        speculative_generate(m, seq[:4], 6, 1, _RowsDrafterGpu(seq),
+                             state=m.new_state(max_seq_len=8))
+    with pytest.raises(ValueError, match="trunk taps"):
+        speculative_generate(m, seq[:4], 6, 1, _TapsDrafter(seq))
+
+
+class _RowsDrafterGpu(_RowsDrafter):
+    def begin(self, model, max_seq_len):
+        assert isinstance(model, _FakeGpuModel)
+        self.next_row = 0
+
+
+class _TapsDrafter(_RowsDrafterGpu):
+    def trunk_taps(self, model):
+        return (0,)
