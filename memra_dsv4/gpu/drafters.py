@@ -117,7 +117,10 @@ class GpuMtpDrafter:
         if isinstance(x, cp.ndarray) and x.device.id == dev:
             return x if x.dtype == cp.float32 else x.astype(cp.float32)
         host = cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
-        with cp.cuda.Device(dev):
+        # the upload on the compute stream: on the caller's current stream (the legacy default
+        # one, unless they made another current) the non-blocking compute stream would not
+        # wait for it
+        with cp.cuda.Device(dev), self.model.devs[dev].compute:
             return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
 
     def _embed_rows(self, ids: np.ndarray):
@@ -132,8 +135,8 @@ class GpuMtpDrafter:
             if st0.device == self.stage.device:
                 return e
             host = cp.asnumpy(e)   # a sync of stage 0's compute stream
-        with cp.cuda.Device(self.stage.device):
-            return cp.asarray(host)
+        with cp.cuda.Device(self.stage.device), m.devs[self.stage.device].compute:
+            return cp.asarray(host)   # on the compute stream that reads it (as _on_device)
 
     def _chunk(self, state, h, ids: np.ndarray):
         """The MTP block over rows at positions state.pos..: (logits NumPy float32 [V] of the

@@ -46,6 +46,11 @@ so exactly ``max_new_tokens`` come out.  ``SpecResult`` has the tokens and, per 
 number drafted and accepted (bonus excluded); ``acceptance_rate`` = accepted / drafted,
 ``mean_accepted_length`` = tokens emitted per verify (accepted + bonus, the DSpark/vLLM
 "acceptance length").
+
+The loop itself is ``spec_loop(target, drafter, ...)``: the one copy of the acceptance rules,
+driven by a target with ``prefill / verify / commit / decode_step`` (``_OracleTarget`` here,
+``memra_dsv4.gpu.spec``'s on a Dsv4Gpu).  ``check_propose_args`` and ``check_spec_args`` are the
+argument checks the GPU drafter and the GPU loop share, so both refuse with the same messages.
 """
 
 from __future__ import annotations
