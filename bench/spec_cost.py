@@ -101,11 +101,11 @@ def main(argv=None) -> int:
     arms += [mtp_arm(k) for k in ks]
 
     samples = run_interleaved(arms, a.steps, a.warmup, PerfCounterTimer())
-    base = float(np.median(samples["decode"]))
+    summaries = {name: summarize(s) for name, s in samples.items()}
+    base = summaries["decode"]["median"]
     res = {}
     print(f"{a.model} ctx {a.ctx} path {a.path}, {a.steps} rounds (wall ms, median [p10, p90])")
-    for name, s in samples.items():
-        sm = summarize(s)
+    for name, sm in summaries.items():
         res[name] = {"summary": sm, "over_decode": sm["median"] / base}
         print(f"  {name:10s} {sm['median']:8.3f} ms [{sm['p10']:.3f}, {sm['p90']:.3f}]  "
               f"x{sm['median'] / base:.2f} of decode")

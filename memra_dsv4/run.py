@@ -119,10 +119,11 @@ class _GpuBackend:
     name = "gpu"
 
     def __init__(self, ckpt, numerics):
+        from memra_dsv4.config import DRAFTER_MTP
         from memra_dsv4.gpu.model import Dsv4Gpu
         # the MTP block too when the checkpoint has one (speculative(): gpu.drafters)
         self.model = Dsv4Gpu.load(ckpt, numerics=numerics,
-                                  drafter=ckpt.config.drafter_kind == "mtp")
+                                  drafter=ckpt.config.drafter_kind == DRAFTER_MTP)
         self.numerics = numerics
 
     def speculative(self, ids, n: int, k: int):

@@ -42,33 +42,28 @@ class _Devs:
 
 
 def _model(monkeypatch, cfg):
-    """A Dsv4Gpu stand-in on the fake CuPy: one stage with the trunk's embedding / head and the
-    MTP block's tensors (hash-filled), the real _head bound to it, name reads recorded."""
+    """The harness's model stand-in (test_block_host_ops_cpu._model) made a Dsv4Gpu one with the
+    drafter: its stage also holds the trunk's embedding / head and the MTP block's tensors
+    (hash-filled), the real _head is bound to it, and name reads are recorded."""
     from memra_dsv4.gpu import model as M
-    from memra_dsv4.gpu import ops_glue as G
     from memra_dsv4.gpu.weights import StageWeights, _stage_specs
+    m, st = H._model(cfg)
     n = cfg.num_hidden_layers
-    st = StageWeights(0, range(n), True, True, drafter_layers=range(n, n + 1))
+    st.has_embed = st.has_head = True
+    st.drafter_layers = range(n, n + 1)
     for spec in _stage_specs(cfg, range(0), True, True, drafter=st.drafter_layers):
         if spec.kind in ("e8m0", "e4m3") or ".ffn.experts." in spec.name:
-            continue
+            continue   # no FP8 sidecars (dense bf16); the routed experts are a stub
         s = H._seed("weight", spec.name)
-        arr = H._fill(spec.shape, np.float32 if spec.kind == "f32" else np.uint16, s)
-        st._put(spec.name, arr)
+        st._put(spec.name, H._fill(spec.shape, np.float32 if spec.kind == "f32" else np.uint16, s))
     st.expert_fmt[n] = "mxfp4"
     reads = []
     get0 = StageWeights.__getitem__
     monkeypatch.setattr(StageWeights, "__getitem__",
                         lambda self, name: (reads.append(name), get0(self, name))[1])
-    g = object.__new__(G.GemmBackend)
-    g.mode, g.lt, g.flops, g.device_id, g._dense_scratch = "blaslt", H._Lt(), 0, 0, None
-    devs = _Devs()
-    m = types.SimpleNamespace(config=cfg, gemm={0: g}, prefill_attn="mma", prefill_moe="wgmma",
-                              prefill_dispatch="device", _ws2_dev={}, _chunk_memo={},
-                              stages=[st], drafter_stage=0, max_seq_len=64, devs=devs,
-                              _cp=sys.modules["cupy"])
-    for meth in ("chunk_memo", "clear_chunk_memo", "_head"):
-        setattr(m, meth, types.MethodType(getattr(M.Dsv4Gpu, meth), m))
+    m.stages, m.drafter_stage, m.max_seq_len, m.devs = [st], 0, 64, _Devs()
+    m._cp = sys.modules["cupy"]
+    m._head = types.MethodType(M.Dsv4Gpu._head, m)
     return m, st, reads
 
 

@@ -140,8 +140,8 @@ class Dsv4Gpu:
         self.decode_shared_w2 = _resolve_announced(            # read once, printed (step_device)
             "DECODE_SHARED_W2", decode_shared_w2, "device-step shared-expert w2 (own GEMV or in the down + combine)")
         # the stage holding the drafter's layers (Dsv4Gpu.load / synthetic drafter=True), or None
-        self.drafter_stage = next((i for i, st in enumerate(stages)
-                                   if len(getattr(st, "drafter_layers", range(0)))), None)
+        self.drafter_stage = next((i for i, st in enumerate(stages) if len(st.drafter_layers)),
+                                  None)
         self._step = None                                      # device step (gpu.step)
         self._ws2_dev: dict = {}   # (device, expert key) -> NVFP4 weight_scale_2 f32 [E]
         self._chunk_memo: dict = {}  # chunk_memo: (device, key) -> per-chunk host-made tables
@@ -322,12 +322,12 @@ class Dsv4Gpu:
         self.devs.order_after_current()
         if self._step is not None:
             self._step.invalidate()
-        chunks = None if return_streams else self._pipeline_plan(ids.shape[0])
         with phase("prefill_state"):
             if return_streams:
                 out = run_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state",
                                 keep_streams=True)
                 return out.logits, state, out.streams
+            chunks = self._pipeline_plan(ids.shape[0])
             if chunks:
                 logits = self._pipeline_runner()(self, state, ids, chunks, all_logits=all_logits,
                                                  ph="prefill_state").logits

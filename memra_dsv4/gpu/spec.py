@@ -13,14 +13,14 @@ top_p=1.0, generator=None, state=None, schedule=None) -> oracle.spec.SpecResult`
     ``drafter``: anything with the MtpDrafter interface whose ``propose`` takes the final
     streams (GpuMtpDrafter; a test's scripted drafter).  A drafter that asks for trunk taps
     (DSpark) is refused: this target keeps only the final streams.
-Checks before any device work (oracle.spec.check_spec_args, the same messages): max_new_tokens,
-k, temperature / top_p, schedule; the state is this model's; prompt + max_new_tokens - 1 within
-its max_seq_len.
+Checks before any device work (oracle.spec.check_spec_args / check_spec_room, the same
+messages): max_new_tokens, k, temperature / top_p, schedule; the state is this model's; prompt +
+max_new_tokens - 1 within its max_seq_len.
 """
 
 from __future__ import annotations
 
-from memra_dsv4.oracle.spec import SpecResult, check_spec_args, spec_loop
+from memra_dsv4.oracle.spec import SpecResult, check_spec_args, check_spec_room, spec_loop
 
 __all__ = ["speculative_generate"]
 
@@ -57,8 +57,6 @@ def speculative_generate(model, prompt, max_new_tokens: int, k: int, drafter=Non
                          f"target keeps only the final streams: run it on the oracle")
     ids = model.check_ids(prompt)
     state = model.new_state() if state is None else model._check_state(state)
-    if ids.shape[0] + n_new - 1 > state.max_seq_len:
-        raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
-                         f"max_seq_len {state.max_seq_len}")
+    check_spec_room(ids.shape[0], n_new, state.max_seq_len)
     return spec_loop(_GpuTarget(model, state), drafter, ids, n_new, k, sampled, probs,
                      generator, schedule)

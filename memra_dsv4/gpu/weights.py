@@ -166,13 +166,17 @@ def drafter_layers(cfg: Dsv4Config, drafter: bool) -> range:
     return range(n, n + 1)
 
 
+def _on_stage(spec, layers, has_embed: bool, has_head: bool, drafter=range(0)) -> bool:
+    """Whether ``spec`` belongs on a stage of these trunk ``layers`` / drafter layer ids that
+    holds (or not) the embedding and the head group."""
+    if spec.layer is None:
+        return (spec.group == "embed" and has_embed) or (spec.group == "head" and has_head)
+    return spec.layer in layers or spec.layer in drafter
+
+
 def _stage_specs(cfg, layers, has_embed, has_head, experts="mxfp4", drafter=range(0)):
-    for s in expected_tensors(cfg, experts):
-        if s.layer is None:
-            if (s.group == "embed" and has_embed) or (s.group == "head" and has_head):
-                yield s
-        elif s.layer in layers or s.layer in drafter:
-            yield s
+    return (s for s in expected_tensors(cfg, experts)
+            if _on_stage(s, layers, has_embed, has_head, drafter))
 
 
 def _fp8_stored(ckpt, name: str):
@@ -227,10 +231,7 @@ def load_stage_weights(ckpt, device: int, layers: range, has_embed: bool, has_he
     experts: dict[str, dict] = {}
     with ctx:
         for spec in ckpt.specs if not callable(ckpt.specs) else ckpt.specs():
-            if spec.layer is None:
-                if not ((spec.group == "embed" and has_embed) or (spec.group == "head" and has_head)):
-                    continue
-            elif spec.layer not in layers and spec.layer not in drafter_layers:
+            if not _on_stage(spec, layers, has_embed, has_head, drafter_layers):
                 continue
             name = spec.name
             m = _EXPERT.match(name)
@@ -361,8 +362,7 @@ def synthetic_stage_weights(cfg: Dsv4Config, device: int, layers: range, has_emb
             name = spec.name
             m = _EXPERT.match(name)
             # the drafter's routed experts are MXFP4 in every release (tensors.py)
-            fmt = "mxfp4" if spec.layer is not None and spec.layer >= cfg.num_hidden_layers \
-                else experts
+            fmt = "mxfp4" if spec.layer in drafter_layers else experts
             if m:
                 key = f"{m.group(1)}.{m.group(3)}"
                 if key not in done_experts:

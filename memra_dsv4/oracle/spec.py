@@ -49,8 +49,8 @@ number drafted and accepted (bonus excluded); ``acceptance_rate`` = accepted / d
 
 The loop itself is ``spec_loop(target, drafter, ...)``: the one copy of the acceptance rules,
 driven by a target with ``prefill / verify / commit / decode_step`` (``_OracleTarget`` here,
-``memra_dsv4.gpu.spec``'s on a Dsv4Gpu).  ``check_propose_args`` and ``check_spec_args`` are the
-argument checks the GPU drafter and the GPU loop share, so both refuse with the same messages.
+``memra_dsv4.gpu.spec``'s on a Dsv4Gpu).  ``check_propose_args``, ``check_spec_args`` and
+``check_spec_room`` are the argument checks the GPU drafter and the GPU loop share, so both refuse with the same messages.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, DecodeState
 
 __all__ = [
     "MtpDraft", "new_mtp_state", "mtp_propose", "check_propose_args", "MtpDrafter", "SpecResult",
-    "check_spec_args", "spec_loop", "speculative_generate", "greedy_generate",
+    "check_spec_args", "check_spec_room", "spec_loop", "speculative_generate", "greedy_generate",
 ]
 
 
@@ -244,6 +244,13 @@ def check_spec_args(max_new_tokens, k, temperature, top_p, generator, drafter, s
     return n_new, sampled, probs, generator
 
 
+def check_spec_room(prompt_len: int, n_new: int, max_seq_len: int) -> None:
+    """A speculative call's room: the prompt and n_new - 1 decoded positions in max_seq_len."""
+    if prompt_len + n_new - 1 > max_seq_len:
+        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({n_new}) - 1 exceeds "
+                         f"max_seq_len {max_seq_len}")
+
+
 def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
                          temperature: float = 0.0, top_p: float = 1.0, generator=None,
                          state: DecodeState | None = None, schedule=None) -> SpecResult:
@@ -259,9 +266,8 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
         state = new_state(oracle)
     check_state(oracle, state)
     ids = np.asarray(prompt)
-    if ids.ndim == 1 and ids.shape[0] + n_new - 1 > state.max_seq_len:
-        raise ValueError(f"prompt ({ids.shape[0]}) + max_new_tokens ({n_new}) - 1 exceeds "
-                         f"max_seq_len {state.max_seq_len}")
+    if ids.ndim == 1:   # anything else is refused by the prefill, naming it
+        check_spec_room(ids.shape[0], n_new, state.max_seq_len)
     # A drafter with ``trunk_taps(oracle)`` (DSpark) is given, instead of the final streams,
     # the output streams of those trunk blocks: rows [m, n_taps, hc, dim].
     taps = getattr(drafter, "trunk_taps", None)
