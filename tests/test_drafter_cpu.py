@@ -24,8 +24,7 @@ def test_drafter_layers_and_refusals():
     assert drafter_layers(tiny, False) == range(0)
     assert drafter_layers(tiny, True) == range(4, 5)
     assert drafter_layers(preset("flash"), True) == range(43, 44)
-    with pytest.raises(ValueError, match=r"flash-0731.*DSpark drafter.*not built"):
-        drafter_layers(preset("flash-0731"), True)
+    assert drafter_layers(preset("flash-0731"), True) == range(43, 46)   # DSpark: mtp.0..2
     assert drafter_layers(preset("flash-0731"), False) == range(0)
     none = dataclasses.replace(tiny, num_nextn_predict_layers=0, compress_ratios=(0, 4, 16, 4),
                                name="tiny-nodrafter")
@@ -200,18 +199,27 @@ class _FakeGpuModel:
     def _check_state(self, state):
         return state
 
-    def prefill(self, token_ids, state=None, *, all_logits=False, return_streams=False):
+    def _rows(self, p0, n, taps):
+        """Row i: position p0 + i; with taps [n, n_taps] (position, tap layer) pairs."""
+        r = np.arange(p0, p0 + n)
+        return r if not taps else np.stack([r * 100 + t for t in taps], axis=1)
+
+    def check_taps(self, taps, return_streams):
+        self.calls.append(f"check_taps {tuple(taps)}")
+        return tuple(taps)
+
+    def prefill(self, token_ids, state=None, *, all_logits=False, return_streams=False, taps=()):
         assert return_streams and not all_logits
         state.pos = len(token_ids)
         self.calls.append("prefill")
-        return self._lg(state.pos - 1), state, np.arange(state.pos)
+        return self._lg(state.pos - 1), state, self._rows(0, state.pos, taps)
 
-    def verify(self, state, tokens, *, return_streams=False):
+    def verify(self, state, tokens, *, return_streams=False, taps=()):
         assert return_streams
         self.calls.append(f"verify {len(tokens)}")
         self.p0, p0 = state.pos, state.pos
         return np.stack([self._lg(p0 + i) for i in range(len(tokens))]), \
-            np.arange(p0, p0 + len(tokens))
+            self._rows(p0, len(tokens), taps)
 
     def commit(self, state, n_accepted):
         state.pos = self.p0 + n_accepted + 1
@@ -227,7 +235,7 @@ def test_gpu_spec_drives_the_model_surface():
     from memra_dsv4.gpu.model import Dsv4Gpu
     from memra_dsv4.gpu.spec import speculative_generate
     for name in ("prefill", "verify", "commit", "decode_step", "check_ids", "new_state",
-                 "_check_state"):   # the double's keywords are the real methods' keywords
+                 "_check_state", "check_taps"):   # the double's keywords are the real methods' keywords
         real = inspect.signature(getattr(Dsv4Gpu, name)).parameters
         fake = inspect.signature(getattr(_FakeGpuModel, name)).parameters
         assert list(fake) == list(real), (name, list(real), list(fake))
@@ -239,8 +247,13 @@ def test_gpu_spec_drives_the_model_surface():
     with pytest.raises(ValueError, match="exceeds max_seq_len 8"):
         speculative_generate(m, seq[:4], 6, 1, _RowsDrafterGpu(seq),
                              state=m.new_state(max_seq_len=8))
-    with pytest.raises(ValueError, match="trunk taps"):
-        speculative_generate(m, seq[:4], 6, 1, _TapsDrafter(seq))
+    # a drafter with trunk taps is handed those layers' rows, checked by the model
+    m = _FakeGpuModel(seq)
+    dr = _TapsDrafter(seq)
+    res = speculative_generate(m, seq[:4], 12, 3, dr)
+    assert res.tokens == seq[4:16] and m.calls[0] == "check_taps (0, 2)"
+    assert dr.seen[0].shape == (4, 2) and dr.seen[0][3].tolist() == [300, 302]
+    assert all(r.ndim == 2 and r.shape[1] == 2 for r in dr.seen)
 
 
 class _RowsDrafterGpu(_RowsDrafter):
@@ -250,5 +263,15 @@ class _RowsDrafterGpu(_RowsDrafter):
 
 
 class _TapsDrafter(_RowsDrafterGpu):
+    """Rows are [m, n_taps] (position * 100 + tap layer): _RowsDrafter reads the position."""
+
     def trunk_taps(self, model):
-        return (0,)
+        return (0, 2)
+
+    def begin(self, model, max_seq_len):
+        super().begin(model, max_seq_len)
+        self.seen = []
+
+    def propose(self, hc_rows, next_tokens, k, sampler=None):
+        self.seen.append(np.asarray(hc_rows))
+        return super().propose(np.asarray(hc_rows)[:, 0] // 100, next_tokens, k, sampler)

@@ -420,7 +420,6 @@ class ChunkBlock:
         indexer takes the chunk's candidate matrix made once per chunk."""
         cp = _cp()
         b, cfg = self.b, self.cfg
-        eps = cfg.rms_norm_eps
         S = x.shape[0]
         W = cfg.sliding_window
         H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -432,26 +431,9 @@ class ChunkBlock:
         ridx = memo(("ridx", S), lambda: cp.arange(S, dtype=cp.int32)) if fused else \
             cp.arange(S, dtype=cp.int32)
         with phase(f"{self.ph}/attn/q"):
-            if fused:   # qr: bf16 bits (every GEMM below rounds an f32 input to these bits)
-                qr = G.rmsnorm_rope_bits(b.lin(x, "attn.wq_a.weight", "f32"),
-                                         b.w("attn.q_norm.weight"), eps, pre_store=True)
-            else:
-                qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")),
-                               eps)
-            qb = G.bf16_bits(b.lin(qr, "attn.wq_b.weight", "f32")).reshape(S, H, hd)
-            RN.head_rms(qb, eps, out=qb, rope=(ridx, cos, sin))
+            qr, qb = self.q_path(x, ridx, cos, sin)
         with phase(f"{self.ph}/attn/kv"):
-            if fused:   # bits: norm + RoPE, then the FP8 simulation in place
-                kvb = G.rmsnorm_rope_bits(b.lin(x, "attn.wkv.weight", "f32"),
-                                          b.w("attn.kv_norm.weight"), eps, cos, sin,
-                                          pre_store=True)
-                kvb = QS.kv_fp8_sim(kvb, cfg.qk_rope_head_dim)
-                kv = None   # the f32 form only for a capture (below)
-            else:
-                kvb = None
-                kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")),
-                               eps)
-                kv = G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
+            kvb, kv = self.kv_path(x, cos, sin)
         h0 = max(0, p0 - W)
         if fused:   # bits rows: the ring's history rows as slices (chronological), the chunk's
             rows = _ring_views(cache.ring, h0, p0 - h0, W) + [kvb]
@@ -504,23 +486,7 @@ class ChunkBlock:
             else:
                 ob = AT.sparse_attention(*sa_args, n_split=None, inverse_rope=(ridx, cos, sin))
         with phase(f"{self.ph}/attn/output"):
-            Gn = cfg.o_groups
-            wa = b.w_bf16("attn.wo_a.weight")   # FP8-stored: the scratch, used right here
-            R = wa.shape[0] // Gn
-            if fused:
-                # one transposed copy [Gn, S, H*hd/Gn]: og[g] holds the bytes of
-                # ascontiguousarray(ob[:, g]) (bf16 bits, which the GEMMs take as they are);
-                # the group outputs unrounded, rounded to bits once: bf16_bits(concat(y_g)) =
-                # concat(bf16_bits(store(y_g))), the bits wo_b's GEMM took of the stored u
-                og = cp.ascontiguousarray(ob.reshape(S, Gn, -1).transpose(1, 0, 2))
-                u = G.bf16_bits(cp.concatenate([G.linear(b.g, og[g], wa[g * R:(g + 1) * R], "f32")
-                                                for g in range(Gn)], axis=1))
-                out = G.bf16_bits(b.lin(u, "attn.wo_b.weight", "f32"))   # = bits(stored out)
-            else:
-                og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are
-                u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
-                                             wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
-                out = b.lin(u, "attn.wo_b.weight")
+            out = self.out_proj(ob)
         if cap is not None:
             cap.update({"attn.qr": G.to_f32(qr) if fused else qr, "attn.q": G.to_f32(qb),
                         "attn.kv": G.to_f32(kvb) if fused else kv, "attn.cand": cand,
@@ -549,6 +515,62 @@ class ChunkBlock:
                 cache.idx_keys[n0:n0 + new_keys.shape[0]] = new_keys
             cache.idx_state.advance(*idx_az, p0)
         return out
+
+    # ------------------------------------------------------- attention's projections
+    # attention's q / kv / output pieces, shared with the DSpark drafter's block
+    # (gpu.dspark.DSparkBlock: the same projections around another candidate set)
+    def q_path(self, x, ridx, cos, sin):
+        """(qr, q bits [S, H, hd]) of the normed input x: qr = q_norm(wq_a x) (bf16 bits fused,
+        f32 on the reference chains), q = RoPE(head_rms(wq_b qr)) (oracle _Layer.q_path)."""
+        b, cfg = self.b, self.cfg
+        eps = cfg.rms_norm_eps
+        S = x.shape[0]
+        if self.fused:   # qr: bf16 bits (every GEMM below rounds an f32 input to these bits)
+            qr = G.rmsnorm_rope_bits(b.lin(x, "attn.wq_a.weight", "f32"),
+                                     b.w("attn.q_norm.weight"), eps, pre_store=True)
+        else:
+            qr = G.rmsnorm(b.lin(x, "attn.wq_a.weight"), _f64(b.w("attn.q_norm.weight")), eps)
+        qb = G.bf16_bits(b.lin(qr, "attn.wq_b.weight", "f32")).reshape(
+            S, cfg.num_attention_heads, cfg.head_dim)
+        RN.head_rms(qb, eps, out=qb, rope=(ridx, cos, sin))
+        return qr, qb
+
+    def kv_path(self, x, cos, sin):
+        """(kv bits [S, hd] or None, kv f32 or None): the window vectors FP8sim(RoPE(
+        kv_norm(wkv x))) (oracle _Layer.kv_path); fused: the bits (norm + RoPE in one chain, the
+        FP8 simulation in place), the reference chains: the f32 form."""
+        b, cfg = self.b, self.cfg
+        eps = cfg.rms_norm_eps
+        if self.fused:
+            kvb = G.rmsnorm_rope_bits(b.lin(x, "attn.wkv.weight", "f32"),
+                                      b.w("attn.kv_norm.weight"), eps, cos, sin, pre_store=True)
+            return QS.kv_fp8_sim(kvb, cfg.qk_rope_head_dim), None
+        kv = G.rmsnorm(b.lin(x, "attn.wkv.weight"), _f64(b.w("attn.kv_norm.weight")), eps)
+        return None, G.kv_sim(G.rope(kv, cos, sin), cfg.qk_rope_head_dim)
+
+    def out_proj(self, ob):
+        """The sub-layer's output of the attended rows' bits ob [S, H, hd] (inverse RoPE already
+        applied by the attention kernel): grouped wo_a, then wo_b (oracle _Layer.out_proj);
+        bf16 bits fused, f32 (bf16-valued) on the reference chains."""
+        cp = _cp()
+        b, cfg = self.b, self.cfg
+        S = ob.shape[0]
+        Gn = cfg.o_groups
+        wa = b.w_bf16("attn.wo_a.weight")   # FP8-stored: the scratch, used right here
+        R = wa.shape[0] // Gn
+        if self.fused:
+            # one transposed copy [Gn, S, H*hd/Gn]: og[g] holds the bytes of
+            # ascontiguousarray(ob[:, g]) (bf16 bits, which the GEMMs take as they are);
+            # the group outputs unrounded, rounded to bits once: bf16_bits(concat(y_g)) =
+            # concat(bf16_bits(store(y_g))), the bits wo_b's GEMM took of the stored u
+            og = cp.ascontiguousarray(ob.reshape(S, Gn, -1).transpose(1, 0, 2))
+            u = G.bf16_bits(cp.concatenate([G.linear(b.g, og[g], wa[g * R:(g + 1) * R], "f32")
+                                            for g in range(Gn)], axis=1))
+            return G.bf16_bits(b.lin(u, "attn.wo_b.weight", "f32"))   # = bits(stored out)
+        og = ob.reshape(S, Gn, -1)   # bf16 bits: the GEMMs take them as they are
+        u = cp.concatenate([G.linear(b.g, cp.ascontiguousarray(og[:, g]),
+                                     wa[g * R:(g + 1) * R]) for g in range(Gn)], axis=1)
+        return b.lin(u, "attn.wo_b.weight")
 
     def indexer(self, x, qr, cos, sin, ridx, cache, p0: int, pos, cap):
         """(selection [S, w] int32 entry ids, the chunk's new keys (bf16 bits), (a, z) of the
@@ -710,7 +732,8 @@ class _Step:
 
 def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str,
                 head: bool, all_logits: bool = False, caps=None, top=None, journal=None,
-                one: bool = False, step_bracket: bool = False, readback: bool = True):
+                one: bool = False, step_bracket: bool = False, readback: bool = True,
+                taps: dict | None = None):
     """``run_stage``'s body as a generator of steps: it yields after the embedding (the ids'
     upload on a stage without it) and after every layer; the head (when asked) is the last step,
     and the generator returns (streams, logits, hc state of the last row) as run_stage does.
@@ -722,7 +745,9 @@ def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph:
     hc state as device arrays (no host wait; the caller reads them back) instead of NumPy.
     Between its layers the streams pass as bf16 bits (ChunkBlock.forward's ``bits_out``: the
     same bits the next layer would round the float32 form to); after the last layer they are
-    float32 (bf16-valued) again, the stage's output form."""
+    float32 (bf16-valued) again, the stage's output form.  ``taps``: {layer id: None}; each of
+    this stage's layers that is a key gets its output streams there (float32 [S, hc, dim] on
+    the stage's device; the DSpark drafter's trunk taps)."""
     cp = _cp()
     from memra_dsv4.gpu.model import _f32
     cfg = model.config
@@ -761,6 +786,8 @@ def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph:
                         None if journal is None else journal.layer(layer), bits_out=True)
                     if li + 1 == len(st.layers) and streams.dtype == cp.uint16:
                         streams = G.to_f32(streams)   # the stage's output: float32, as before
+                if taps is not None and layer in taps:   # a new array: the bits stay as they are
+                    taps[layer] = G.to_f32(streams) if streams.dtype == cp.uint16 else streams
             if capture and not one:
                 caps.append({k: cp.asnumpy(v) for k, v in c.items()})
         yield
@@ -785,7 +812,8 @@ def stage_steps(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph:
 
 
 def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: str, head: bool,
-              all_logits: bool = False, caps=None, top=None, journal=None, one: bool = False):
+              all_logits: bool = False, caps=None, top=None, journal=None, one: bool = False,
+              taps: dict | None = None):
     """Stage ``si``'s part of a chunk at positions p0..: the embedding (first stage), its layers,
     and - when ``head`` and the stage has it - the head, on the stage's device and compute stream,
     bracketed ``{ph}/stage{si}/...``.  ``streams``: the stage's input (already on its device;
@@ -794,12 +822,13 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
     ``one``: the legacy one-token dispatch (``one_token_dispatch``).  The one per-stage body of
     run_chunk and of gpu.pipeline's run_chunk_pipelined (threads) and run_chunk_coop (one thread
     interleaving the stages' ``stage_steps``): this drives ``stage_steps`` to its end inside one
-    ``{ph}/stage{si}`` bracket."""
+    ``{ph}/stage{si}`` bracket; ``taps`` as stage_steps."""
     cp = _cp()
     st = model.stages[si]
     dev = model.devs[st.device]
     steps = stage_steps(model, si, state, ids, p0, streams, ph=ph, head=head,
-                        all_logits=all_logits, caps=caps, top=top, journal=journal, one=one)
+                        all_logits=all_logits, caps=caps, top=top, journal=journal, one=one,
+                        taps=taps)
     with cp.cuda.Device(st.device), dev.compute:
         with phase(f"{ph}/stage{si}"):
             while True:
@@ -811,7 +840,7 @@ def run_stage(model, si: int, state, ids: np.ndarray, p0: int, streams, *, ph: s
 
 def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
               capture: bool = False, ph: str = "decode", journal=None,
-              one_token: bool = False, keep_streams: bool = False):
+              one_token: bool = False, keep_streams: bool = False, taps=()):
     """The chunk routine: ids (validated) at positions state.pos.. against ``state`` (advances
     pos); phases ``{ph}/stage{i}/...``; exactly one ``model._boundary`` per stage boundary.
     Returns a ForwardOut: logits ([vocab], or [S, vocab] with ``all_logits``), hc_state
@@ -821,7 +850,10 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     ``one_token`` (decode_step on ``legacy``): the one-token dispatch (module doc,
     ``one_token_dispatch``).  ``keep_streams``: ForwardOut.streams is the last stage's output,
     the final (pre-hc_head) streams of every row as float32 CuPy [S, hc, dim] on that stage's
-    device (the MTP drafter's input; not copied to the host), else None."""
+    device (the MTP drafter's input; not copied to the host), else None.  ``taps`` (trunk layer
+    ids, with ``keep_streams``): ForwardOut.streams is instead those layers' output streams,
+    float32 CuPy [S, len(taps), hc, dim] on the last stage's device (the DSpark drafter's
+    input, gather_taps)."""
     from memra_dsv4.oracle.model import ForwardOut
     p0 = state.pos
     S = ids.shape[0]
@@ -831,10 +863,11 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
     streams = logits_h = out_state = None
     model.boundary_paths = []
     model.clear_chunk_memo()
+    tap_out = {int(t): None for t in taps} if (keep_streams and len(taps)) else None
     for si, st in enumerate(model.stages):
         streams, lg, hs = run_stage(model, si, state, ids, p0, streams, ph=ph, head=True,
                                     all_logits=all_logits, caps=caps, top=top, journal=journal,
-                                    one=one)
+                                    one=one, taps=tap_out)
         if st.has_head:
             logits_h, out_state = lg, hs
         if si + 1 < len(model.stages):
@@ -843,6 +876,25 @@ def run_chunk(model, state, ids: np.ndarray, *, all_logits: bool = False,
         d.compute.synchronize()   # aside): the layers and the boundary copies only enqueue
     model._boundary_release()
     state.pos = p0 + S
+    if tap_out is not None:
+        streams = gather_taps(model, tap_out, tuple(int(t) for t in taps))
     return ForwardOut(logits=logits_h, hc_state=out_state,
                       streams=streams if keep_streams else None, captures=caps,
                       captures_top=top, numerics=model.numerics)
+
+
+def gather_taps(model, tap_out: dict, order: tuple):
+    """The tap streams ``tap_out[layer]`` ([S, hc, dim] float32 on their stages' devices) stacked
+    in ``order`` as float32 CuPy [S, n_taps, hc, dim] on the last stage's device.  A tap on
+    another device crosses through the host (S x hc x dim float32 each, once per chunk: the
+    drafter's correctness form, as GpuMtpDrafter's embedding rows); the copies are made on the
+    last stage's compute stream, which reads them next."""
+    cp = _cp()
+    missing = [t for t in order if tap_out.get(t) is None]
+    if missing:   # config.py bounds the ids to the trunk: every one is some stage's layer
+        raise AssertionError(f"trunk taps {missing} were not produced by any stage")
+    last = model.stages[-1].device
+    host = {t: cp.asnumpy(v) for t, v in tap_out.items() if v.device.id != last}
+    with cp.cuda.Device(last), model.devs[last].compute:
+        parts = [cp.asarray(host[t]) if t in host else tap_out[t] for t in order]
+        return cp.stack(parts, axis=1)

@@ -42,12 +42,28 @@ from memra_dsv4.oracle.sampling import greedy
 from memra_dsv4.oracle.spec import check_propose_args
 from memra_dsv4.profiling import phase
 
-__all__ = ["GpuMtpDrafter"]
+__all__ = ["GpuMtpDrafter", "embed_rows"]
 
 
 def _cp():
     import cupy as cp
     return cp
+
+
+def embed_rows(model, ids: np.ndarray, device: int):
+    """float32 [m, dim] embedding rows of ``ids`` on ``device`` (the embedding is on the first
+    stage; across devices the rows go through the host: m x dim float32, a sync of stage 0's
+    compute stream), made on ``device``'s compute stream, which reads them next."""
+    cp = _cp()
+    from memra_dsv4.gpu.model import _f32
+    st0 = model.stages[0]
+    with cp.cuda.Device(st0.device), model.devs[st0.device].compute:
+        e = _f32(st0["embed.weight"][cp.asarray(ids)])
+        if st0.device == device:
+            return e
+        host = cp.asnumpy(e)
+    with cp.cuda.Device(device), model.devs[device].compute:
+        return cp.asarray(host)
 
 
 class GpuMtpDrafter:
@@ -63,13 +79,18 @@ class GpuMtpDrafter:
     # ------------------------------------------------------------------ set-up
     def begin(self, model, max_seq_len: int | None = None) -> None:
         from memra_dsv4.gpu.cache import DecodeState
+        from memra_dsv4.config import DRAFTER_MTP
         si = getattr(model, "drafter_stage", None)
         if si is None:
             raise ValueError("GpuMtpDrafter: the model holds no drafter; load it with "
                              "Dsv4Gpu.load(..., drafter=True) (or synthetic(..., drafter=True))")
+        cfg = model.config
+        if cfg.drafter_kind != DRAFTER_MTP:
+            raise ValueError(f"GpuMtpDrafter: config {cfg.name!r} has drafter kind "
+                             f"{cfg.drafter_kind!r}, not an MTP block (a DSpark checkpoint "
+                             f"drafts with gpu.dspark.GpuDSparkDrafter)")
         st = model.stages[si]
         lid = st.drafter_layers[0]
-        cfg = model.config
         if cfg.compress_ratio(lid) != 0:   # config.py refuses this for every drafter stage
             raise AssertionError(f"MTP layer {lid}: compress ratio {cfg.compress_ratio(lid)}")
         msl = int(max_seq_len or model.max_seq_len)
@@ -124,19 +145,7 @@ class GpuMtpDrafter:
             return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
 
     def _embed_rows(self, ids: np.ndarray):
-        """float32 [m, dim] embedding rows of ``ids`` on the drafter's device (the embedding is
-        on the first stage; across devices the rows go through the host)."""
-        cp = _cp()
-        from memra_dsv4.gpu.model import _f32
-        m = self.model
-        st0 = m.stages[0]
-        with cp.cuda.Device(st0.device), m.devs[st0.device].compute:
-            e = _f32(st0["embed.weight"][cp.asarray(ids)])
-            if st0.device == self.stage.device:
-                return e
-            host = cp.asnumpy(e)   # a sync of stage 0's compute stream
-        with cp.cuda.Device(self.stage.device), m.devs[self.stage.device].compute:
-            return cp.asarray(host)   # on the compute stream that reads it (as _on_device)
+        return embed_rows(self.model, ids, self.stage.device)
 
     def _chunk(self, state, h, ids: np.ndarray):
         """The MTP block over rows at positions state.pos..: (logits NumPy float32 [V] of the

@@ -35,11 +35,12 @@ API
     on the host; ``self.prefill_dispatch`` is read per chunk.
 ``Dsv4Gpu.synthetic(config_or_preset, devices=(0,), seed=0, experts="mxfp4", dense=None)``
     Random weights built on the devices in the stored formats (full-size benchmarks).
-``drafter=True`` (load / synthetic): also place the checkpoint's MTP block (``mtp.0``, layer id
-    ``num_hidden_layers``) on the last stage, counted in the split's byte math
-    (``weights.drafter_layers``: refused before any device work for a checkpoint without a
-    drafter or with a DSpark one); ``self.drafter_stage`` is that stage's index (None without).
-    It is run by ``gpu.drafters.GpuMtpDrafter``, never by the trunk's chunk routine or step.
+``drafter=True`` (load / synthetic): also place the checkpoint's drafter stages (the MTP block
+    ``mtp.0``, or DSpark's ``mtp.0..2``; layer ids ``num_hidden_layers + s``) on the last stage,
+    counted in the split's byte math (``weights.drafter_layers``: refused before any device work
+    for a checkpoint without a drafter); ``self.drafter_stage`` is that stage's index (None
+    without).  They are run by ``gpu.drafters.GpuMtpDrafter`` / ``gpu.dspark.GpuDSparkDrafter``,
+    never by the trunk's chunk routine or step.
 ``prefill(ids, state, return_streams=True)`` / ``verify(state, tokens, return_streams=True)``
     also return the final (pre-hc_head) streams of every row, float32 CuPy [S, hc, dim] on the
     last stage's device: the MTP drafter's input (a prefill then skips the pipelined schedule,
@@ -304,14 +305,17 @@ class Dsv4Gpu:
         return state
 
     def prefill(self, token_ids, state=None, *, all_logits: bool = False,
-                return_streams: bool = False):
+                return_streams: bool = False, taps=()):
         """Start a NEW sequence in ``state`` (reset first; a fresh one when None) and run
         ``token_ids`` from position 0 through the chunk routine (gpu.decode.forward_chunk).
         Returns (logits float32 NumPy [vocab] or [S, vocab], state), and with
         ``return_streams`` also the final streams [S, hc, dim] (float32 CuPy, last stage; the
-        pipelined schedule is not used then: its stages do not keep them)."""
+        pipelined schedule is not used then: its stages do not keep them), or with ``taps``
+        (trunk layer ids) those layers' output streams [S, n_taps, hc, dim] instead (the DSpark
+        drafter's input; gpu.decode.gather_taps)."""
         from memra_dsv4.gpu.decode import forward_chunk, run_chunk
         ids = self.check_ids(token_ids)
+        taps = self.check_taps(taps, return_streams)
         state = self.new_state() if state is None else self._check_state(state)
         if ids.shape[0] > state.max_seq_len:
             raise ValueError(f"prompt of {ids.shape[0]} tokens exceeds max_seq_len "
@@ -325,7 +329,7 @@ class Dsv4Gpu:
         with phase("prefill_state"):
             if return_streams:
                 out = run_chunk(self, state, ids, all_logits=all_logits, ph="prefill_state",
-                                keep_streams=True)
+                                keep_streams=True, taps=taps)
                 return out.logits, state, out.streams
             chunks = self._pipeline_plan(ids.shape[0])
             if chunks:
@@ -434,12 +438,32 @@ class Dsv4Gpu:
             raise ValueError(f"token must be one integer id, got shape {t.shape}")
         return int(self.check_ids(t.reshape(1))[0])
 
-    def verify(self, state, tokens, *, return_streams: bool = False):
+    def verify(self, state, tokens, *, return_streams: bool = False, taps=()):
         """Speculative verify of [t_last, d1..dk] at positions pos..pos+k in one batched pass;
         logits [k+1, vocab] (gpu.verify: the oracle's convention, journaled for commit); with
-        ``return_streams`` (logits, final streams [k+1, hc, dim] float32 CuPy)."""
+        ``return_streams`` (logits, final streams [k+1, hc, dim] float32 CuPy), or with
+        ``taps`` too (logits, those trunk layers' streams [k+1, n_taps, hc, dim])."""
         from memra_dsv4.gpu.verify import verify
-        return verify(self, state, tokens, return_streams=return_streams)
+        return verify(self, state, tokens, return_streams=return_streams,
+                      taps=self.check_taps(taps, return_streams))
+
+    def check_taps(self, taps, return_streams: bool) -> tuple:
+        """``taps`` as a tuple of trunk layer ids, refused (naming the value) unless each is a
+        distinct integer in 0..num_hidden_layers-1 and, when there are any, ``return_streams``
+        is set (they are returned in the streams' place)."""
+        n = self.config.num_hidden_layers
+        try:
+            out = tuple(taps)
+        except TypeError:
+            raise ValueError(f"taps = {taps!r} must be a sequence of trunk layer ids") from None
+        for t in out:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < n:
+                raise ValueError(f"taps: {t!r} is not a trunk layer id in 0..{n - 1}")
+        if len(set(int(t) for t in out)) != len(out):
+            raise ValueError(f"taps {out} repeat a layer")
+        if out and not return_streams:
+            raise ValueError("taps are returned in the streams' place: pass return_streams=True")
+        return tuple(int(t) for t in out)
 
     def commit(self, state, n_accepted) -> None:
         """Keep positions pos..pos+n of the last verify and roll the rest back (gpu.verify)."""

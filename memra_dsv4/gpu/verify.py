@@ -3,7 +3,8 @@
 
 ``verify(model, state, [t_last, d1..dk], return_streams=False) -> logits [k+1, vocab]`` (float32
 NumPy; with ``return_streams`` also the final streams of the k + 1 rows, float32 CuPy
-[k+1, hc, dim] on the last stage: the MTP drafter's input)
+[k+1, hc, dim] on the last stage: the MTP drafter's input; with ``taps`` (trunk layer ids) too,
+those layers' output streams [k+1, n_taps, hc, dim] instead: the DSpark drafter's)
     Positions pos .. pos+k in ONE batched pass of the chunk routine (gpu.decode.run_chunk,
     phases ``verify/stage{i}/...``); row i predicts position pos+i+1.  Before a block writes
     its caches it records, per layer (``Journal``): the ring slots the chunk overwrites and
@@ -83,7 +84,7 @@ class _Recorder:
         self.j.layers[self.lid] = L
 
 
-def verify(model, state, tokens, return_streams: bool = False):
+def verify(model, state, tokens, return_streams: bool = False, taps=()):
     from memra_dsv4.gpu.decode import run_chunk
     model._check_state(state)
     check_no_journal(state, "verify")
@@ -95,7 +96,7 @@ def verify(model, state, tokens, return_streams: bool = False):
     jr = Journal(state.pos, k)
     with phase("verify"):
         out = run_chunk(model, state, ids, all_logits=True, ph="verify", journal=jr,
-                        keep_streams=return_streams)
+                        keep_streams=return_streams, taps=taps)
     state.journal = jr
     return (out.logits, out.streams) if return_streams else out.logits
 

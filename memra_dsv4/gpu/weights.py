@@ -13,9 +13,10 @@ Contract
   Flash): embedding on the first stage, head group (and, with ``drafter``, the drafter's bytes
   and cache) on the last; returns ``[(stage_index, layers range, has_embed, has_head)]``.
 * ``drafter_layers(cfg, drafter)``: the layer ids of the drafter stages the GPU path loads on the
-  last stage (``range(n, n + 1)``: the MTP block ``mtp.0``) or ``range(0)`` without ``drafter``.
-  Refused (ValueError naming the checkpoint's drafter kind) for a checkpoint without a drafter
-  and for a DSpark one (its GPU drafter is not built; the oracle's ``DSparkDrafter`` runs it).
+  last stage (``range(n, n + num_drafter_stages)``: the MTP block ``mtp.0``, or DSpark's three
+  stages ``mtp.0..2`` with their extras: main_proj / main_norm, the Markov and confidence heads)
+  or ``range(0)`` without ``drafter``.  Refused (ValueError naming the config) for a checkpoint
+  without a drafter.
 * ``load_stage_weights(ckpt, device, layers, has_embed, has_head, dense=..., drafter_layers=...)``
   uploads one stage (the trunk ``layers``, and the ``mtp.*`` tensors of ``drafter_layers``: the
   MTP block's routed experts are MXFP4 in every release, NVIDIA's NVFP4 one included):
@@ -155,15 +156,12 @@ def drafter_layers(cfg: Dsv4Config, drafter: bool) -> range:
     """The drafter layer ids the GPU path loads (module doc); checked before any device work."""
     if not drafter:
         return range(0)
-    from memra_dsv4.config import DRAFTER_MTP
-    if cfg.drafter_kind != DRAFTER_MTP:
-        what = ("has no drafter" if cfg.drafter_kind == "none" else
-                "has a DSpark drafter, whose GPU form is not built (run it with the oracle's "
-                "memra_dsv4.oracle.dspark.DSparkDrafter)")
-        raise ValueError(f"drafter=True: config {cfg.name!r} {what}; the GPU path drafts with "
-                         f"an MTP block (mtp.0)")
+    from memra_dsv4.config import DRAFTER_NONE
+    if cfg.drafter_kind == DRAFTER_NONE:
+        raise ValueError(f"drafter=True: config {cfg.name!r} has no drafter (no mtp.* stages: "
+                         f"neither an MTP block nor DSpark's dspark_* keys)")
     n = cfg.num_hidden_layers
-    return range(n, n + 1)
+    return range(n, n + cfg.num_drafter_stages)
 
 
 def _on_stage(spec, layers, has_embed: bool, has_head: bool, drafter=range(0)) -> bool:

@@ -40,7 +40,51 @@ from memra_dsv4.oracle._blas import single_threaded_blas
 from memra_dsv4.oracle.sampling import greedy
 from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN
 
-__all__ = ["DSparkDraft", "DSparkDrafter"]
+__all__ = ["DSparkDraft", "DSparkDrafter", "check_dspark_config", "check_tap_rows",
+           "check_dspark_propose"]
+
+
+def check_dspark_config(cfg, who: str = "DSparkDrafter"):
+    """``cfg`` if it has a DSpark drafter, else the ValueError naming its kind (shared with
+    gpu.dspark.GpuDSparkDrafter)."""
+    if cfg.drafter_kind != DRAFTER_DSPARK:
+        raise ValueError(f"{who}: config {cfg.name!r} has drafter kind "
+                         f"{cfg.drafter_kind!r}, not a DSpark drafter (no dspark_* keys / "
+                         f"main_proj; use MtpDrafter for an MTP checkpoint)")
+    return cfg
+
+
+def check_tap_rows(cfg, n_ctx: int, max_seq_len: int, shape: tuple, kind: str) -> int:
+    """m, the number of tap rows of ``shape`` / dtype ``kind``, after the checks a context write
+    makes before any work (shared with the GPU drafter: the same messages): the shape
+    [m >= 1, n_taps, hc, dim], floating point, positions n_ctx..n_ctx+m-1 within max_seq_len.
+    (Finiteness is the caller's check: on the host here, on the device there.)"""
+    nt = len(cfg.dspark_target_layer_ids)
+    if len(shape) != 4 or tuple(shape[1:]) != (nt, cfg.hc_mult, cfg.hidden_size) or shape[0] == 0:
+        raise ValueError(f"tap_rows must be [m >= 1, {nt}, {cfg.hc_mult}, "
+                         f"{cfg.hidden_size}], got shape {tuple(shape)}")
+    if kind != "f":
+        raise ValueError("tap_rows must be finite floating point")
+    m = int(shape[0])
+    if n_ctx + m > max_seq_len:
+        raise ValueError(f"DSpark: positions up to {n_ctx + m - 1} exceed max_seq_len "
+                         f"{max_seq_len}")
+    return m
+
+
+def check_dspark_propose(cfg, next_tokens, n_rows: int, k) -> tuple[np.ndarray, int]:
+    """(ids int64 [m], drafts returned = min(k, B)) of a propose call, after its checks (shared
+    with the GPU drafter: the same messages): ``next_tokens`` ids in the vocabulary, one per tap
+    row; k an integer in 1..MAX_DRAFT (a block drafts B; the first min(k, B) are returned)."""
+    from memra_dsv4.oracle.decode import MAX_DRAFT
+    from memra_dsv4.oracle.model import check_token_ids
+    ids = check_token_ids(next_tokens, cfg.vocab_size, "next_tokens")
+    if ids.shape[0] != n_rows:
+        raise ValueError(f"next_tokens has {ids.shape[0]} entries but the tap rows have "
+                         f"{n_rows}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"k = {k!r} drafts; k must be an integer in 1..{MAX_DRAFT}")
+    return ids, min(int(k), int(cfg.dspark_block_size))
 
 
 @dataclass
@@ -60,12 +104,7 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ setup
     @staticmethod
     def _check(oracle):
-        cfg = oracle.config
-        if cfg.drafter_kind != DRAFTER_DSPARK:
-            raise ValueError(f"DSparkDrafter: config {cfg.name!r} has drafter kind "
-                             f"{cfg.drafter_kind!r}, not a DSpark drafter (no dspark_* keys / "
-                             f"main_proj; use MtpDrafter for an MTP checkpoint)")
-        return cfg
+        return check_dspark_config(oracle.config)
 
     def trunk_taps(self, oracle) -> tuple[int, ...]:
         return tuple(int(t) for t in self._check(oracle).dspark_target_layer_ids)
@@ -105,17 +144,9 @@ class DSparkDrafter:
     def write_context(self, tap_rows) -> None:
         """Commit context rows for positions n_ctx..n_ctx+m-1 into all three rings."""
         t = np.asarray(tap_rows)
-        cfg = self.cfg
-        nt = len(cfg.dspark_target_layer_ids)
-        if t.ndim != 4 or t.shape[1:] != (nt, cfg.hc_mult, cfg.hidden_size) or t.shape[0] == 0:
-            raise ValueError(f"tap_rows must be [m >= 1, {nt}, {cfg.hc_mult}, "
-                             f"{cfg.hidden_size}], got shape {t.shape}")
-        if t.dtype.kind != "f" or not np.isfinite(t).all():
+        if t.dtype.kind == "f" and not np.isfinite(t).all():
             raise ValueError("tap_rows must be finite floating point")
-        m = t.shape[0]
-        if self.n_ctx + m > self.max_seq_len:
-            raise ValueError(f"DSpark: positions up to {self.n_ctx + m - 1} exceed max_seq_len "
-                             f"{self.max_seq_len}")
+        m = check_tap_rows(self.cfg, self.n_ctx, self.max_seq_len, t.shape, t.dtype.kind)
         keep = min(m, self.W)                 # older rows would be overwritten anyway
         pos = self.n_ctx + np.arange(m - keep, m, dtype=np.int64)
         rows = self.context_rows(self.features(t[m - keep:]), pos)
@@ -181,14 +212,10 @@ class DSparkDrafter:
 
     # -------------------------------------------------------------- protocol
     def propose(self, hc_rows, next_tokens, k: int, sampler=None):
-        from memra_dsv4.oracle.model import check_token_ids
-        ids = check_token_ids(next_tokens, self.cfg.vocab_size, "next_tokens")
-        if ids.shape[0] != np.asarray(hc_rows).shape[0]:
-            raise ValueError(f"next_tokens has {ids.shape[0]} entries but the tap rows have "
-                             f"{np.asarray(hc_rows).shape[0]}")
+        rows = np.asarray(hc_rows)
+        ids, kk = check_dspark_propose(self.cfg, next_tokens, rows.shape[0] if rows.ndim else 0, k)
         with single_threaded_blas():
-            self.write_context(hc_rows)
+            self.write_context(rows)
         d = self.draft(ids[-1], sampler)
-        kk = min(int(k), self.B)
         self.last_confidence = d.confidence[:kk]   # for a confidence schedule (spec.py)
         return d.tokens[:kk], d.logits[:kk]
