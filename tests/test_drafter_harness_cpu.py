@@ -50,13 +50,14 @@ def _model(monkeypatch, cfg):
     m, st = H._model(cfg)
     n = cfg.num_hidden_layers
     st.has_embed = st.has_head = True
-    st.drafter_layers = range(n, n + 1)
+    st.drafter_layers = range(n, n + cfg.num_drafter_stages)   # MTP: 1, DSpark: 3
     for spec in _stage_specs(cfg, range(0), True, True, drafter=st.drafter_layers):
         if spec.kind in ("e8m0", "e4m3") or ".ffn.experts." in spec.name:
             continue   # no FP8 sidecars (dense bf16); the routed experts are a stub
         s = H._seed("weight", spec.name)
         st._put(spec.name, H._fill(spec.shape, np.float32 if spec.kind == "f32" else np.uint16, s))
-    st.expert_fmt[n] = "mxfp4"
+    for lid in st.drafter_layers:
+        st.expert_fmt[lid] = "mxfp4"
     reads = []
     get0 = StageWeights.__getitem__
     monkeypatch.setattr(StageWeights, "__getitem__",
@@ -67,9 +68,9 @@ def _model(monkeypatch, cfg):
     return m, st, reads
 
 
-@pytest.fixture
-def harness(monkeypatch):
-    from memra_dsv4.config import preset
+def make_harness(monkeypatch, cfg):
+    """(m, st, reads, asnumpy): the recording CuPy installed and the model stand-in of ``cfg``
+    (its drafter's stages held); ``asnumpy`` lists the shapes read back."""
     from memra_dsv4.gpu import model as M
     fake = H._fake_cupy()
     fake.sqrt = lambda a: H._dev(np.sqrt(np.abs(a)))   # the stubs' means: any sign
@@ -83,9 +84,15 @@ def harness(monkeypatch):
                             self.g, x, idx, wts, {}, "mxfp4", self.cfg.swiglu_limit, shared))
     asnumpy = []
     fake.asnumpy = lambda a: (asnumpy.append(np.shape(a)), np.array(a))[1]
-    cfg = preset("tiny")
     m, st, reads = _model(monkeypatch, cfg)
-    return cfg, m, st, reads, asnumpy
+    return m, st, reads, asnumpy
+
+
+@pytest.fixture
+def harness(monkeypatch):
+    from memra_dsv4.config import preset
+    cfg = preset("tiny")
+    return (cfg,) + make_harness(monkeypatch, cfg)
 
 
 def _rows(cfg, m, seed):

@@ -26,7 +26,8 @@ Contract (the oracle's, same arguments, same convention, same refusals)
     through the three stages, stage 2's hc_head / norm / the trunk's head matrix give U and h,
     then the Markov loop ``logits_k = U_k + markov_w2 . markov_w1[out[k]]`` (one bf16 GEMV per
     draft and one readback: the sampler picks out[k+1] from it on the host) and the confidence
-    ``proj([h_k ; markov_w1[out[k]]])`` (read back once, with the last draft).  ``capture``
+    ``proj([h_k ; markov_w1[out[k]]])`` (read back once, with the last draft); U and h are read
+    back into the draft too (``propose`` skips those two readbacks).  ``capture``
     (list): per stage the oracle's names ``attn_norm``, ``attn.q``, ``attn.kv``, ``attn.rows``,
     ``block.out`` (NumPy float32), for a block-by-block comparison.
 
@@ -220,7 +221,9 @@ class GpuDSparkDrafter:
             raise ValueError(f"anchor = {anchor!r} must be one token id")
         return self._draft(a, sampler or greedy, capture)
 
-    def _draft(self, anchor: int, pick, cap) -> DSparkDraft:
+    def _draft(self, anchor: int, pick, cap, diagnostics: bool = True) -> DSparkDraft:
+        """``diagnostics``: read U and h back into the draft (``draft``); ``propose`` does not
+        need them (base_logits / hidden None: two readbacks fewer per round)."""
         cp = _cp()
         from memra_dsv4.gpu.drafters import embed_rows
         model, st, cfg, B = self.model, self.stage, self.cfg, self.B
@@ -245,7 +248,7 @@ class GpuDSparkDrafter:
                 U, h, _ = model._head(st, streams, all_rows=True, prefix=f"mtp.{N_STAGES - 1}.")
             with phase("draft/dspark/markov"):
                 tokens, logits, conf = self._markov(U, h, anchor, pick)
-            U_h, h_h = cp.asnumpy(U), cp.asnumpy(h)
+            U_h, h_h = (cp.asnumpy(U), cp.asnumpy(h)) if diagnostics else (None, None)
         return DSparkDraft(tokens=tokens, logits=logits, confidence=conf, base_logits=U_h,
                            hidden=h_h, start_pos=p)
 
@@ -267,12 +270,12 @@ class GpuDSparkDrafter:
             bias = G.linear(g, e, w2, "bf16")          # stored, as ops.linear(.., "bf16")
             lk = (U[k].astype(cp.float64) + bias[0].astype(cp.float64)).astype(cp.float32)
             conf.append(G.linear(g, cp.concatenate([h[k:k + 1], G.to_f32(e)], axis=1), proj,
-                                 "f32")[0, 0])
+                                 "f32")[0])           # [1]
             lk_h = cp.asnumpy(lk)                      # the host wait: the sampler needs it
             logits.append(lk_h)
             out.append(int(pick(lk_h)))
         return (np.array(out[1:], dtype=np.int64), np.stack(logits),
-                cp.asnumpy(cp.stack(conf)).astype(np.float32))
+                cp.asnumpy(cp.concatenate(conf)).astype(np.float32))
 
     # ------------------------------------------------------------------ protocol
     def propose(self, hc_rows, next_tokens, k: int, sampler=None):
@@ -280,6 +283,6 @@ class GpuDSparkDrafter:
         shape = tuple(hc_rows.shape)
         ids, kk = check_dspark_propose(self.cfg, next_tokens, shape[0] if shape else 0, k)
         self.write_context(hc_rows)
-        d = self.draft(ids[-1], sampler)
+        d = self._draft(int(ids[-1]), sampler or greedy, None, diagnostics=False)
         self.last_confidence = d.confidence[:kk]   # for a confidence schedule (oracle.spec)
         return d.tokens[:kk], d.logits[:kk]
