@@ -10,8 +10,10 @@ engine's time):
 * ``verify t``, t = 1..tmax: ``verify`` of t tokens (the last token and t - 1 drafts) plus
   ``commit(0)`` (the rollback of t - 1 positions), the cost of a round that accepts nothing;
   ``cost(t)`` for ``speculative_generate(schedule=...)`` is this row over the decode row;
-* ``mtp k``: ``GpuMtpDrafter.propose`` of one new row and k drafts (``--mtp-k``), its window
-  filled by a first propose of 128 rows.
+* ``mtp k`` / ``dspark k``: the checkpoint's drafter's ``propose`` of one new row and k drafts
+  (``--mtp-k``), its window filled by a first propose of 128 rows: ``GpuMtpDrafter`` (rows: final
+  streams), or for a DSpark preset (``synthetic:flash-0731``) ``GpuDSparkDrafter`` (rows: the
+  three taps; every propose drafts a whole block of B and returns the first k).
 The state is a random-filled one at ``--ctx`` (bench.decode_step.random_filled_state: the bytes
 and work of a step depend on pos, not on the values); every arm advances it by one position per
 call (commit(0) keeps the first verified token), so the context grows by (2 + tmax + len(mtp-k))
@@ -67,8 +69,8 @@ def main(argv=None) -> int:
 
     import cupy as cp
     from bench.decode_step import random_filled_state
-    from memra_dsv4.gpu.drafters import GpuMtpDrafter
     from memra_dsv4.gpu.model import Dsv4Gpu
+    from memra_dsv4.gpu.spec import default_drafter
     m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=devices, seed=0, max_seq_len=msl,
                           decode_path=a.path, expert_storage=a.expert_storage, drafter=True)
     cfg = m.config
@@ -78,12 +80,14 @@ def main(argv=None) -> int:
     def tok() -> int:
         return int(rng.integers(0, cfg.vocab_size))
 
-    drafter = GpuMtpDrafter()
+    drafter = default_drafter(m)
     drafter.begin(m, msl)
     last = m.stages[m.drafter_stage]
+    taps = getattr(drafter, "trunk_taps", None)
+    row = (cfg.hc_mult, cfg.hidden_size) if taps is None else (len(taps(m)), cfg.hc_mult,
+                                                               cfg.hidden_size)
     with cp.cuda.Device(last.device):
-        rows = (cp.random.default_rng(1).standard_normal(
-            (128, cfg.hc_mult, cfg.hidden_size), dtype=cp.float32) * 0.5)
+        rows = (cp.random.default_rng(1).standard_normal((128,) + row, dtype=cp.float32) * 0.5)
         rows = (rows.view(cp.uint32) & cp.uint32(0xFFFF0000)).view(cp.float32)   # bf16 values
     drafter.propose(rows, rng.integers(0, cfg.vocab_size, 128), 1)
 
@@ -96,9 +100,9 @@ def main(argv=None) -> int:
         return Arm(f"verify {t}", step)
     arms += [verify_arm(t) for t in range(1, a.tmax + 1)]
 
-    def mtp_arm(k):
-        return Arm(f"mtp {k}", lambda: drafter.propose(rows[-1:], [tok()], k))
-    arms += [mtp_arm(k) for k in ks]
+    def draft_arm(k):
+        return Arm(f"{drafter.name} {k}", lambda: drafter.propose(rows[-1:], [tok()], k))
+    arms += [draft_arm(k) for k in ks]
 
     samples = run_interleaved(arms, a.steps, a.warmup, PerfCounterTimer())
     summaries = {name: summarize(s) for name, s in samples.items()}
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
         payload = {"config": {"bench": "spec_cost", "model": a.model, "devices": list(devices),
                               "ctx": a.ctx, "tmax": a.tmax, "mtp_k": ks, "steps": a.steps,
                               "warmup": a.warmup, "path": a.path,
-                              "expert_storage": a.expert_storage, "timer": "wall"},
+                              "expert_storage": a.expert_storage, "drafter": drafter.name,
+                              "timer": "wall"},
                    "arms": res}
         j, p = write_results(payload)
         print(f"results: {j} {p or ''}")

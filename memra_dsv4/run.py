@@ -110,24 +110,29 @@ class _OracleBackend:
         return self.model.decode_step(state, int(token))
 
     def speculative(self, ids, n: int, k: int):
-        """Greedy speculative decoding with the MTP drafter (oracle.spec): a SpecResult."""
+        """Greedy speculative decoding with the checkpoint's drafter (oracle.spec: the MTP
+        block, or oracle.dspark's DSparkDrafter for a DSpark checkpoint): a SpecResult."""
+        from memra_dsv4.config import DRAFTER_DSPARK
+        from memra_dsv4.oracle.dspark import DSparkDrafter
         from memra_dsv4.oracle.spec import speculative_generate
-        return speculative_generate(self.model, ids, n, k)
+        dspark = self.model.config.drafter_kind == DRAFTER_DSPARK
+        return speculative_generate(self.model, ids, n, k, DSparkDrafter() if dspark else None)
 
 
 class _GpuBackend:
     name = "gpu"
 
     def __init__(self, ckpt, numerics):
-        from memra_dsv4.config import DRAFTER_MTP
+        from memra_dsv4.config import DRAFTER_NONE
         from memra_dsv4.gpu.model import Dsv4Gpu
-        # the MTP block too when the checkpoint has one (speculative(): gpu.drafters)
+        # the drafter's stages too when the checkpoint has one (speculative(): gpu.spec)
         self.model = Dsv4Gpu.load(ckpt, numerics=numerics,
-                                  drafter=ckpt.config.drafter_kind == DRAFTER_MTP)
+                                  drafter=ckpt.config.drafter_kind != DRAFTER_NONE)
         self.numerics = numerics
 
     def speculative(self, ids, n: int, k: int):
-        """Greedy speculative decoding with the GPU MTP drafter (gpu.spec): a SpecResult."""
+        """Greedy speculative decoding with the checkpoint's GPU drafter (gpu.spec's
+        default_drafter: the MTP block or DSpark): a SpecResult."""
         from memra_dsv4.gpu.spec import speculative_generate
         return speculative_generate(self.model, ids, n, k)
 

@@ -275,3 +275,17 @@ class _TapsDrafter(_RowsDrafterGpu):
     def propose(self, hc_rows, next_tokens, k, sampler=None):
         self.seen.append(np.asarray(hc_rows))
         return super().propose(np.asarray(hc_rows)[:, 0] // 100, next_tokens, k, sampler)
+
+
+def test_oracle_backend_drafts_with_the_checkpoints_drafter():
+    """run.py's backends pick the checkpoint's drafter: DSpark's for a DSpark checkpoint (the
+    oracle's default MTP drafter would refuse it), with the greedy tokens of plain decoding."""
+    from memra_dsv4.oracle.spec import greedy_generate
+    from memra_dsv4.run import _OracleBackend
+    from memra_dsv4.synth import with_drafter
+    cfg = with_drafter(preset("tiny"), "dspark")
+    be = _OracleBackend(Checkpoint.from_arrays(cfg, synth_arrays(cfg, seed=0)), "bf16")
+    prompt = [5, 9, 200, 3]
+    res = be.speculative(np.asarray(prompt), 6, 3)
+    assert res.tokens == greedy_generate(be.model, prompt, 6)
+    assert res.drafted and all(d <= 3 for d in res.drafted)
