@@ -11,8 +11,8 @@
   greedy continuation with some drafts replaced (rounds then accept 0..k drafts and roll back),
   the tokens equal Dsv4Gpu.generate's; where they differ, the step must be a near tie of the
   re-prefill's logits at that position (the verify's rows are M = k + 1 GEMMs).
-* Refusals: a model without the drafter, propose before begin, bad hc rows / tokens / k, a
-  drafter with trunk taps; a refused propose leaves the MTP state as it was.
+* Refusals: a model without the drafter, propose before begin, bad hc rows / tokens / k; a
+  refused propose leaves the MTP state as it was.  A drafter with trunk taps is handed them.
 """
 from __future__ import annotations
 
@@ -164,11 +164,16 @@ def test_bad_calls_refused_and_state_unchanged():
         after = gd.state.snapshot()
         assert gd.state.pos == 2 and all(np.array_equal(before[k], after[k]) for k in before), msg
 
-    class Taps(ScriptedDrafterTestDouble):
+    class Taps(ScriptedDrafterTestDouble):   # handed the taps' rows [m, 1, hc, dim]
         def trunk_taps(self, model):
             return (1,)
-    with pytest.raises(ValueError, match="trunk taps"):
-        speculative_generate(m, ids, 4, 2, Taps(ids, [], cfg.vocab_size, 0))
+
+        def propose(self, hc_rows, next_tokens, k, sampler=None):
+            assert hc_rows.shape[1:] == (1, cfg.hc_mult, cfg.hidden_size), hc_rows.shape
+            return super().propose(hc_rows, next_tokens, k, sampler)
+    want = m.generate(ids, 4)
+    res = speculative_generate(m, ids, 4, 2, Taps(ids, want, cfg.vocab_size, 0))
+    _check_lossless(m, ids, res.tokens, want)
     with pytest.raises(ValueError, match="k = 0"):
         speculative_generate(m, ids, 4, 0)
     with pytest.raises(ValueError, match="max_seq_len"):

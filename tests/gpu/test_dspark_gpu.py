@@ -176,6 +176,11 @@ def test_speculative_greedy_equals_generate(path):
                        for a, d in zip(res.accepted, res.drafted))
             _check_lossless(m, prompt, res.tokens, want)
             print(f"{path} L={L} k={k} dspark: {res.summary()}")
+        # the confidence schedule cuts each proposal to its verify length (oracle.spec)
+        res = speculative_generate(m, prompt, n, 5, schedule=lambda t: 1.0 + 0.05 * t)
+        assert len(res.tokens) == n and all(d <= p for d, p in zip(res.drafted, res.proposed))
+        _check_lossless(m, prompt, res.tokens, want)
+        print(f"{path} L={L} k=5 dspark scheduled: {res.summary()}")
 
 
 def test_bad_calls_refused_and_state_unchanged():
