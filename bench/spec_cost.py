@@ -7,7 +7,7 @@ Arms (wall-clock ms per call: every piece ends with its host readback, so the ho
 engine's time):
 * ``decode``: one ``Dsv4Gpu.decode_step`` on ``--path`` (the plain step speculative decoding has to
   beat);
-* ``verify t``, t = 1..tmax: ``verify`` of t tokens (the last token and t - 1 drafts) plus
+* ``verify t``, t = 2..tmax: ``verify`` of t tokens (the last token and t - 1 drafts) plus
   ``commit(0)`` (the rollback of t - 1 positions), the cost of a round that accepts nothing;
   ``cost(t)`` for ``speculative_generate(schedule=...)`` is this row over the decode row;
 * ``mtp k`` / ``dspark k``: the checkpoint's drafter's ``propose`` of one new row and k drafts
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="synthetic:flash-layers:4")
     ap.add_argument("--devices", default="0")
     ap.add_argument("--ctx", type=int, default=1024, help="a multiple of 128")
-    ap.add_argument("--tmax", type=int, default=6, help="verify lengths 1..tmax")
+    ap.add_argument("--tmax", type=int, default=6, help="verify lengths 2..tmax")
     ap.add_argument("--mtp-k", default="1,2,3")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
     from memra_dsv4.oracle.decode import MAX_DRAFT
-    if not 1 <= a.tmax <= MAX_DRAFT + 1:
-        raise SystemExit(f"--tmax {a.tmax}: must be in 1..{MAX_DRAFT + 1}")
+    if not 2 <= a.tmax <= MAX_DRAFT + 1:   # a verify holds the last token and >= 1 draft
+        raise SystemExit(f"--tmax {a.tmax}: must be in 2..{MAX_DRAFT + 1}")
     ks = _ints(a.mtp_k)
     devices = tuple(int(d) for d in a.devices.split(","))
     rounds = a.steps + a.warmup
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             m.verify(state, [tok() for _ in range(t)])
             m.commit(state, 0)
         return Arm(f"verify {t}", step)
-    arms += [verify_arm(t) for t in range(1, a.tmax + 1)]
+    arms += [verify_arm(t) for t in range(2, a.tmax + 1)]
 
     def draft_arm(k):
         return Arm(f"{drafter.name} {k}", lambda: drafter.propose(rows[-1:], [tok()], k))

@@ -169,7 +169,7 @@ def test_spec_loop_drives_a_target():
 def test_spec_cost_bench_refuses_before_any_gpu_work():
     from bench import spec_cost
     assert spec_cost._ints("1,2,3") == [1, 2, 3]
-    for argv, msg in [(["--tmax", "0"], "--tmax 0"), (["--mtp-k", "0,1"], "integers >= 1"),
+    for argv, msg in [(["--tmax", "0"], "--tmax 0"), (["--tmax", "1"], r"--tmax 1: must be in 2\.\."), (["--mtp-k", "0,1"], "integers >= 1"),
                       (["--mtp-k", "a"], "comma-separated"), (["--model", "/x"], "synthetic"),
                       (["--ctx", "100"], "multiple of 128")]:
         with pytest.raises(SystemExit, match=msg):
