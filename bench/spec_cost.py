@@ -17,8 +17,10 @@ engine's time):
 The state is a random-filled one at ``--ctx`` (bench.decode_step.random_filled_state: the bytes
 and work of a step depend on pos, not on the values); every arm advances it by one position per
 call (commit(0) keeps the first verified token), so the context grows by (2 + tmax + len(mtp-k))
-per round; max_seq_len is sized for it.  Prints the medians and the ratios to ``decode``, writes
-JSON + PNG under bench/results/ (bench.harness.write_results).
+per round; max_seq_len is sized for it.  Prints the medians and the ratios to ``decode``, beside
+each verify row the byte model's ratio (gpu.verify_bytes.verify_cost_model at --ctx: what a
+verify reading every weight once for its t rows would cost), writes JSON + PNG under
+bench/results/ (bench.harness.write_results).
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def main(argv=None) -> int:
         return Arm(f"{drafter.name} {k}", lambda: drafter.propose(rows[-1:], [tok()], k))
     arms += [draft_arm(k) for k in ks]
 
+    from memra_dsv4.gpu.verify_bytes import verify_cost_model
+    st0 = m.stages[0]
+    byte_model = verify_cost_model(cfg, a.ctx, [(s.layers, s.has_embed, s.has_head)
+                                                for s in m.stages],
+                                   dense=st0.dense_fmt, experts=st0.expert_fmt.get(
+                                       st0.layers.start, "mxfp4"))
     samples = run_interleaved(arms, a.steps, a.warmup, PerfCounterTimer())
     summaries = {name: summarize(s) for name, s in samples.items()}
     base = summaries["decode"]["median"]
@@ -111,8 +119,12 @@ def main(argv=None) -> int:
     print(f"{a.model} ctx {a.ctx} path {a.path}, {a.steps} rounds (wall ms, median [p10, p90])")
     for name, sm in summaries.items():
         res[name] = {"summary": sm, "over_decode": sm["median"] / base}
+        model_note = ""
+        if name.startswith("verify "):
+            res[name]["byte_model_over_decode"] = bm = byte_model(int(name.split()[1]))
+            model_note = f"  (byte model x{bm:.2f})"
         print(f"  {name:10s} {sm['median']:8.3f} ms [{sm['p10']:.3f}, {sm['p90']:.3f}]  "
-              f"x{sm['median'] / base:.2f} of decode")
+              f"x{sm['median'] / base:.2f} of decode{model_note}")
     if not a.no_write:
         payload = {"config": {"bench": "spec_cost", "model": a.model, "devices": list(devices),
                               "ctx": a.ctx, "tmax": a.tmax, "mtp_k": ks, "steps": a.steps,
