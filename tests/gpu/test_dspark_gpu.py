@@ -10,7 +10,8 @@
   then one draft each, the oracle's Markov loop fed the GPU's tokens (a scripted sampler, so a
   near-tie flip of one draft cannot move the rows after it): per stage the captures attn_norm /
   attn.q / attn.kv / attn.rows / block.out (rel L2 <= REL_L2_BLOCK), every draft's biased logits
-  (test_decode_gpu._logit_check), the base logits U, the confidence logits (|d conf| <= REL_L2_BLOCK |x| |p|).
+  (test_decode_gpu._logit_check), the base logits U, the confidence logits (|d conf| <=
+  REL_L2_BLOCK |x| |p|).
 * The loop, greedy: speculative decoding with the DSpark drafter equals Dsv4Gpu.generate on the
   legacy and device paths (prompts of 3 and 9 tokens: fewer than 4, and past tiny's window),
   except at a near tie of the re-prefill's logits.
