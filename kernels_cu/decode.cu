@@ -360,6 +360,103 @@ GEMV_ROWS_KERNEL(gemv_fp8_r1t4, true, 1, 4, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r2t2, true, 2, 2, GEMV_MINB)
 GEMV_ROWS_KERNEL(gemv_fp8_r2t4, true, 2, 4, 3)
 
+// ------------------------------------------------ multi-row bf16 GEMV (the verify step's)
+// gemv_bf16_x{NX}_r{R}: Y[j, o] = W[o, :] . X[j, xo(o) + :] for the nx <= NX activation rows j
+// of a verify (docs/verify_step_plan.md, stage 1): each weight chunk is loaded ONCE and used for
+// every row, so nx rows cost about one row's bytes.  Per (j, o) the arithmetic is THE ORDER of
+// warp_rows_dot (bf16, the lane's complete groups chunk c + 32 u into partial u, the tail chunks
+// into partial 0, __fmaf_rn(w, x, acc) columns ascending, partials_total), so row j of the output
+// is bit-identical to gemv_bf16's output for X[j] alone (tests/gpu/test_verify_kernels_gpu.py).
+// X: nx rows of groups * K bf16 values, row stride ldx (elements; 16-byte aligned rows); Y: nx
+// rows of O values (f32 or bf16 bits), row stride ldy.  rows_per_group as gemv_bf16 (R | it).
+// Accumulators NX R GEMV_UNROLL floats per lane (32 at NX R = 8): the x chunks are read per use
+// through L1 (every warp of the CTA reads the same X), the weights streamed past L1.
+template <int NX, int R>
+DEV void gemv_xrows(const u16* __restrict__ W, const u16* __restrict__ X, int ldx, int nx,
+                    void* __restrict__ Y, int ldy, int O, int K, int rows_per_group,
+                    int out_bf16) {
+    const int lane = threadIdx.x & 31;
+    const int o0 = gemv_warp_id() * R;
+    if (o0 >= O) return;
+    const u16* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = W + (i64)min(o0 + r, O - 1) * K;
+    const i64 xo = rows_per_group > 0 ? (i64)(o0 / rows_per_group) * K : (i64)0;
+    const int nc = K >> 3;
+    float acc[NX][R][GEMV_UNROLL];
+#pragma unroll
+    for (int j = 0; j < NX; ++j)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) acc[j][r][u] = 0.0f;
+    int c = lane;
+    for (; c + 32 * (GEMV_UNROLL - 1) < nc; c += 32 * GEMV_UNROLL) {  // complete groups
+        uint4 raw[R][GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) raw[r][u] = ldg_stream16(wr[r] + (i64)(c + 32 * u) * 8);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            float a[R][8];
+#pragma unroll
+            for (int r = 0; r < R; ++r) unpack8(raw[r][u], a[r]);
+#pragma unroll
+            for (int j = 0; j < NX; ++j) {
+                if (j < nx) {  // warp-uniform
+                    float b[8];
+                    unpack8(ldg16(X + (i64)j * ldx + xo + (i64)(c + 32 * u) * 8), b);
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i)
+                            acc[j][r][u] = __fmaf_rn(a[r][i], b[i], acc[j][r][u]);
+                }
+            }
+        }
+    }
+    for (; c < nc; c += 32) {  // tail chunks (fewer than GEMV_UNROLL per lane) -> partial 0
+        float a[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack8(ldg_stream16(wr[r] + (i64)c * 8), a[r]);
+#pragma unroll
+        for (int j = 0; j < NX; ++j) {
+            if (j < nx) {
+                float b[8];
+                unpack8(ldg16(X + (i64)j * ldx + xo + (i64)c * 8), b);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[j][r][0] = __fmaf_rn(a[r][i], b[i], acc[j][r][0]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NX; ++j) {
+        if (j < nx) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float v = partials_total(acc[j][r]);
+                if (lane == 0 && o0 + r < O)
+                    store_out(reinterpret_cast<u8*>(Y) + (i64)j * ldy * (out_bf16 ? 2 : 4), o0 + r,
+                              v, out_bf16);
+            }
+        }
+    }
+}
+
+#define GEMV_XROWS_KERNEL(NAME, NX, R)                                                             \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MINB)                          \
+    NAME(const u16* __restrict__ W, const u16* __restrict__ X, int ldx, int nx,                    \
+         void* __restrict__ Y, int ldy, int O, int K, int rows_per_group, int out_bf16) {          \
+        PDL_ENTRY_PREFETCH(gemv_rows_prefetch<false, R>(W, O, K));                                 \
+        gemv_xrows<NX, R>(W, X, ldx, nx, Y, ldy, O, K, rows_per_group, out_bf16);                  \
+    }
+GEMV_XROWS_KERNEL(gemv_bf16_x2_r4, 2, 4)
+GEMV_XROWS_KERNEL(gemv_bf16_x4_r2, 4, 2)
+GEMV_XROWS_KERNEL(gemv_bf16_x8_r1, 8, 1)
+
 // ---------------------------------------------- persistent register-ring bf16 GEMV (variant)
 // gemv_bf16_ps_r{R}d{D}: the same rows, the same bits (THE ORDER: trip t of a row group feeds
 // chunks lane + 128 t + 32 u into partial u, t ascending, then the partials in index order and

@@ -411,6 +411,42 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
     return out
 
 
+# gemv_bf16_x{NX}_r{R} (decode.cu, the verify step's multi-row GEMV): (max rows, rows per warp)
+XROWS_KERNELS = ((2, 4), (4, 2), (8, 1))
+XROWS_MAX = 8
+
+
+def gemv_bf16_xrows(w, X, out, *, groups: int = 1):
+    """out [nx, O] (f32 or bf16 bits) = X [nx, groups * K] (bf16 bits) . W [O, K]^T for the nx <= 8
+    rows of a verify, each weight chunk loaded once for all of them (decode.cu gemv_bf16_x*:
+    docs/verify_step_plan.md stage 1); row j's bits are gemv_bf16(w, X[j])'s.  W bf16 bits (the
+    FP8-as-stored form is not built yet); groups as gemv_bf16 (row o uses X[j, (o // (O //
+    groups)) * K : + K]).  X and out may be row-strided views (last axis contiguous, rows 16-byte
+    aligned); the kernel with the fewest rows per warp for nx (nx <= 2: r4, <= 4: r2, else r1)."""
+    O, K = w.shape
+    check(w, "gemv_bf16_xrows.w", np.uint16)
+    assert w.flags.c_contiguous and w.data.ptr % 16 == 0, "gemv_bf16_xrows.w: contiguous, aligned"
+    assert K % 8 == 0, f"gemv_bf16_xrows: K = {K} must be a multiple of 8"
+    assert X.dtype == np.uint16 and X.ndim == 2, f"gemv_bf16_xrows.X: {X.shape} {X.dtype}"
+    nx = X.shape[0]
+    assert 1 <= nx <= XROWS_MAX, f"gemv_bf16_xrows: {nx} rows, expected 1..{XROWS_MAX}"
+    assert X.shape[1] == groups * K, f"gemv_bf16_xrows.X: {X.shape[1]} values a row, expected {groups} * {K}"
+    assert O % groups == 0, f"gemv_bf16_xrows: {O} rows not divisible into {groups} groups"
+    assert X.strides[1] == 2 and X.strides[0] % 16 == 0 and X.data.ptr % 16 == 0, (
+        f"gemv_bf16_xrows.X: rows 16-byte aligned, last axis contiguous (strides {X.strides})")
+    assert out.dtype in (np.float32, np.uint16) and out.shape == (nx, O), (
+        f"gemv_bf16_xrows.out: {out.shape} {out.dtype}, expected ({nx}, {O}) f32/bf16")
+    assert out.strides[1] == out.itemsize, "gemv_bf16_xrows.out: last axis contiguous"
+    rpg = O // groups if groups > 1 else 0
+    # R = 1 (x8_r1) takes any rows per group
+    NX, R = next((a, r) for a, r in XROWS_KERNELS if nx <= a and rpg % r == 0)
+    kernel(STEM, f"gemv_bf16_x{NX}_r{R}")(
+        _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
+        (w, X, i32(X.strides[0] // 2), i32(nx), out, i32(out.strides[0] // out.itemsize),
+         i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
+    return out
+
+
 QNORM_K = 1024   # decode.cu QN_K: the one row length gemv_bf16_pl_r*_qn takes
 
 
