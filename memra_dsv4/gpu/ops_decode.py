@@ -52,6 +52,9 @@ GEMV_ROWS = {False: (1, 2, 4), True: (1, 2, 4, 8)}    # R instantiated per form 
 GEMV_VARIANTS = {False: ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2)),     # (R, T) instantiated per form
                  True: ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (1, 4), (2, 2), (2, 4))}
 MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
+# gemv_bf16_x{NX}_r{R} (the verify step's multi-row GEMV): (max rows NX, rows per warp R)
+XROWS_KERNELS = ((2, 4), (4, 2), (8, 1))
+XROWS_MAX = 8
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
 # (R | P, bf16 trips at once) instantiated: gemv_bf16_multi_r{R}[t{T}], gemv_bf16_swiglu_p{P}[t{T}]
 MULTI_VARIANTS = ((1, 1), (4, 1), (1, 2), (4, 2))
@@ -295,7 +298,8 @@ def _stream_variant(variant: str, fp8: bool, O: int, K: int, rpg: int):
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
-                          "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32")
+                          "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32") \
+    + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
@@ -409,11 +413,6 @@ def gemv_bf16(w, x, out, *, groups: int = 1, scale=None, rows_per_warp: int | No
         _gemv_grid(-(-O // R)), (32 * GEMV_WARPS,),
         (wa, sa, ld, x, out, i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
     return out
-
-
-# gemv_bf16_x{NX}_r{R} (decode.cu, the verify step's multi-row GEMV): (max rows, rows per warp)
-XROWS_KERNELS = ((2, 4), (4, 2), (8, 1))
-XROWS_MAX = 8
 
 
 def gemv_bf16_xrows(w, X, out, *, groups: int = 1):
