@@ -56,3 +56,29 @@ def test_kernel_names_do_not_collide(stem):
         # a kernel is defined by a macro or spelled out; a spelled-out one must be unique
         defs = re.findall(r'extern "C" __global__[^{;]*?\b%s\s*\(' % re.escape(n), src, re.S)
         assert len(defs) <= 1, f"{stem}.cu: {n} defined {len(defs)} times"
+
+
+def _defined_kernels(src: str) -> set[str]:
+    """Names of the extern "C" kernels a .cu file defines: spelled out, or by a kernel-defining
+    macro (a #define whose body has extern "C") invoked at the start of a line as MACRO(name, ..."""
+    ws = r'[\s\\]*'   # whitespace, line continuations of a macro body included
+    spelled = set(re.findall(r'extern "C"%s__global__%svoid%s(?:__launch_bounds__%s\([^)]*\)%s)?'
+                             r'(\w+)%s\(' % (ws, ws, ws, ws, ws, ws), src))
+    macros = re.findall(r'#define\s+(\w+)\s*\([^)]*\)((?:[^\n]*\\\n)+[^\n]*)', src)
+    out = {n for n in spelled if n != "NAME"}
+    for name, body in macros:
+        if 'extern "C"' in body:
+            out |= set(re.findall(r'^\s*%s\((\w+)\s*[,)]' % re.escape(name), src, re.M))
+    return out
+
+
+@pytest.mark.parametrize("stem", sorted({f[:-3] for f in os.listdir(KDIR) if f.endswith(".cu")}))
+def test_every_defined_kernel_is_registered(stem):
+    """A kernel the .cu defines but its wrapper module does not register cannot be launched: the
+    loader refuses the name on the GPU machine only (the thirty-eighth session's multi-row GEMV:
+    "kernel 'gemv_bf16_x2_r4' of decode.cu is not registered")."""
+    src = open(os.path.join(KDIR, stem + ".cu"), encoding="utf-8").read()
+    defined = _defined_kernels(src)
+    assert defined, f"{stem}.cu: no kernel found (the parser above no longer matches the file)"
+    missing = sorted(defined - set(_registry().get(stem, ())))
+    assert not missing, f"{stem}.cu defines kernels nobody registers: {missing}"
