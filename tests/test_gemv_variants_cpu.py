@@ -103,7 +103,10 @@ def test_every_variant_launches(fake_launch):
         if vn.startswith("bulk_"):
             _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
     gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")
-            and not n.startswith("gemv_bf16_pl2_")}   # pair kernels: test_idxq_pair_launches
+            and not n.startswith("gemv_bf16_pl2_")     # pair kernels: test_idxq_pair_launches
+            and not n.startswith("gemv_bf16_x")}       # multi-row kernels: test_xrows_launches
+    assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_x")} == {
+        f"gemv_bf16_x{nx}_r{r}" for nx, r in DK.XROWS_KERNELS}
     assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_pl2_")} == {f"gemv_bf16_pl2_r{r}" for r in DK.GEMV_PL}
     qn = {n for n in DK.KERNELS if n.endswith("_qn")}
     assert qn == ({f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
@@ -430,3 +433,40 @@ def test_multi_pl_variant_launches(fake_launch, monkeypatch):
         DK.gemv_bf16_multi(tab4, x, pos, variant="pl_r4t2")     # no such kernel
     assert {n for n in DK.KERNELS if "_multi_pl_" in n} == {
         "gemv_bf16_multi_pl_r1", "gemv_bf16_multi_pl_r4", "gemv_bf16_multi_pl_r1t2"}
+
+
+def test_xrows_launches(fake_launch):
+    """gemv_bf16_xrows (the verify step's multi-row GEMV): the kernel with the fewest rows per warp
+    for nx (x2_r4 / x4_r2 / x8_r1; with groups, an R dividing the rows per group), one warp per R
+    rows, arguments W, X, ldx (elements), nx, Y, ldy (elements), O, K, rows per group, out_bf16;
+    bad calls refused before any launch."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    O, K = 4097, 1024
+    w = A(np.zeros((O, K), np.uint16))
+    for nx, want in [(1, "gemv_bf16_x2_r4"), (2, "gemv_bf16_x2_r4"), (3, "gemv_bf16_x4_r2"),
+                     (4, "gemv_bf16_x4_r2"), (5, "gemv_bf16_x8_r1"), (8, "gemv_bf16_x8_r1")]:
+        launched.clear()
+        X, Y = A(np.zeros((nx, K), np.uint16)), A(np.zeros((nx, O), np.float32))
+        DK.gemv_bf16_xrows(w, X, Y)
+        (name, grid, args, _), = launched
+        R = int(name[-1])
+        assert name == want and grid == (-(-(-(-O // R)) // 4),), (nx, name, grid)
+        assert args[0] is w and args[1] is X and args[4] is Y
+        assert [int(a) for a in (args[2], args[3], args[5], args[6], args[7], args[8], args[9])] == \
+            [K, nx, O, O, K, 0, 0]
+    # grouped (wo_a: 8 groups of 1024 rows), bf16 output
+    launched.clear()
+    wg = A(np.zeros((8192, 512), np.uint16))
+    DK.gemv_bf16_xrows(wg, A(np.zeros((2, 8 * 512), np.uint16)), A(np.zeros((2, 8192), np.uint16)),
+                       groups=8)
+    (name, _, args, _), = launched
+    assert name == "gemv_bf16_x2_r4" and int(args[8]) == 1024 and int(args[9]) == 1
+    launched.clear()
+    for X, Y, msg in [(A(np.zeros((9, K), np.uint16)), A(np.zeros((9, O), np.float32)), "rows"),
+                      (A(np.zeros((2, K), np.float32)), A(np.zeros((2, O), np.float32)), "X"),
+                      (A(np.zeros((2, K), np.uint16)), A(np.zeros((2, O - 1), np.float32)), "out")]:
+        with pytest.raises(AssertionError, match=msg):
+            DK.gemv_bf16_xrows(w, X, Y)
+    assert not launched
+
