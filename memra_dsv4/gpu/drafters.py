@@ -42,12 +42,25 @@ from memra_dsv4.oracle.sampling import greedy
 from memra_dsv4.oracle.spec import check_propose_args
 from memra_dsv4.profiling import phase
 
-__all__ = ["GpuMtpDrafter", "embed_rows"]
+__all__ = ["GpuMtpDrafter", "embed_rows", "f32_on_device"]
 
 
 def _cp():
     import cupy as cp
     return cp
+
+
+def f32_on_device(model, x, device: int):
+    """``x`` (CuPy or NumPy) as float32 CuPy on ``device`` (a copy only when needed): the
+    drafters' input rows.  An upload goes on ``device``'s compute stream: on the caller's current
+    stream (the legacy default one, unless they made another current) the non-blocking compute
+    stream would not wait for it."""
+    cp = _cp()
+    if isinstance(x, cp.ndarray) and x.device.id == device:
+        return x if x.dtype == cp.float32 else x.astype(cp.float32)
+    host = cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
+    with cp.cuda.Device(device), model.devs[device].compute:
+        return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
 
 
 def embed_rows(model, ids: np.ndarray, device: int):
@@ -132,17 +145,8 @@ class GpuMtpDrafter:
         return np.array(toks, dtype=np.int64), np.stack(rows)
 
     def _on_device(self, x):
-        """hc rows as float32 CuPy on the drafter's device (a copy only when needed)."""
-        cp = _cp()
-        dev = self.stage.device
-        if isinstance(x, cp.ndarray) and x.device.id == dev:
-            return x if x.dtype == cp.float32 else x.astype(cp.float32)
-        host = cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
-        # the upload on the compute stream: on the caller's current stream (the legacy default
-        # one, unless they made another current) the non-blocking compute stream would not
-        # wait for it
-        with cp.cuda.Device(dev), self.model.devs[dev].compute:
-            return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+        """hc rows as float32 CuPy on the drafter's device."""
+        return f32_on_device(self.model, x, self.stage.device)
 
     def _embed_rows(self, ids: np.ndarray):
         return embed_rows(self.model, ids, self.stage.device)

@@ -58,6 +58,7 @@ import numpy as np
 
 from memra_dsv4.gpu import ops_glue as G
 from memra_dsv4.gpu.decode import ChunkBlock, _ring_views
+from memra_dsv4.gpu.drafters import embed_rows, f32_on_device
 from memra_dsv4.gpu.ops._common import contiguous
 from memra_dsv4.gpu.ops import attention as AT
 from memra_dsv4.oracle.dspark import (DSparkDraft, check_dspark_config, check_dspark_propose,
@@ -159,16 +160,6 @@ class GpuDSparkDrafter:
             raise ValueError(f"GpuDSparkDrafter.{what} before begin(model, max_seq_len)")
 
     # ------------------------------------------------------------------ context
-    def _on_device(self, x):
-        """Tap rows as float32 CuPy on the drafter's device (a copy only when needed)."""
-        cp = _cp()
-        dev = self.stage.device
-        if isinstance(x, cp.ndarray) and x.device.id == dev:
-            return x if x.dtype == cp.float32 else x.astype(cp.float32)
-        host = cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
-        with cp.cuda.Device(dev), self.model.devs[dev].compute:   # as GpuMtpDrafter._on_device
-            return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
-
     def write_context(self, tap_rows) -> None:
         """Commit context rows for positions n_ctx..n_ctx+m-1 into the three rings."""
         cp = _cp()
@@ -176,7 +167,7 @@ class GpuDSparkDrafter:
         shape = tuple(tap_rows.shape)
         m = check_tap_rows(self.cfg, self.n_ctx, self.state.max_seq_len, shape,
                            np.dtype(tap_rows.dtype).kind)
-        t = self._on_device(tap_rows)
+        t = f32_on_device(self.model, tap_rows, self.stage.device)
         dev = self.model.devs[self.stage.device]
         with cp.cuda.Device(self.stage.device), dev.compute:
             if not bool(cp.isfinite(t).all()):   # a host wait: refused before any write
@@ -225,7 +216,6 @@ class GpuDSparkDrafter:
         """``diagnostics``: read U and h back into the draft (``draft``); ``propose`` does not
         need them (base_logits / hidden None: two readbacks fewer per round)."""
         cp = _cp()
-        from memra_dsv4.gpu.drafters import embed_rows
         model, st, cfg, B = self.model, self.stage, self.cfg, self.B
         p = self.n_ctx - 1
         ids = np.full(B, int(cfg.dspark_noise_token_id), dtype=np.int64)
