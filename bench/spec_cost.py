@@ -9,7 +9,10 @@ engine's time):
   beat);
 * ``verify t``, t = 2..tmax: ``verify`` of t tokens (the last token and t - 1 drafts) plus
   ``commit(0)`` (the rollback of t - 1 positions), the cost of a round that accepts nothing;
-  ``cost(t)`` for ``speculative_generate(schedule=...)`` is this row over the decode row;
+  ``cost(t)`` for ``speculative_generate(schedule=...)`` is this row over the decode row.  One
+  set of rows per ``--verify-paths`` entry (seam MEMRA_DSV4_VERIFY_PATH, set on the model
+  before each call): ``chunk`` rows are named ``verify t``, ``device`` rows ``dverify t``
+  (gpu.verify_step; only t <= its row limit, longer verifies would take the chunk routine);
 * ``mtp k`` / ``dspark k``: the checkpoint's drafter's ``propose`` of one new row and k drafts
   (``--mtp-k``), its window filled by a first propose of 128 rows: ``GpuMtpDrafter`` (rows: final
   streams), or for a DSpark preset (``synthetic:flash-0731``) ``GpuDSparkDrafter`` (rows: the
@@ -53,6 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--path", default="device", help="decode path of the decode arm")
+    ap.add_argument("--verify-paths", default="chunk,device",
+                    help="comma-separated verify paths to time (chunk, device)")
     ap.add_argument("--expert-storage", default="per-layer", choices=("per-layer", "shared"))
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args(argv)
@@ -60,6 +65,9 @@ def main(argv=None) -> int:
     if not 2 <= a.tmax <= MAX_DRAFT + 1:   # a verify holds the last token and >= 1 draft
         raise SystemExit(f"--tmax {a.tmax}: must be in 2..{MAX_DRAFT + 1}")
     ks = _ints(a.mtp_k)
+    vpaths = [p for p in a.verify_paths.split(",") if p]
+    if not vpaths or set(vpaths) - {"chunk", "device"}:
+        raise SystemExit(f"--verify-paths {a.verify_paths!r}: expected a comma-separated subset of chunk,device")
     devices = tuple(int(d) for d in a.devices.split(","))
     rounds = a.steps + a.warmup
     msl = a.ctx + 128 + rounds * (2 + a.tmax + len(ks)) + max(ks) + 8
@@ -95,12 +103,17 @@ def main(argv=None) -> int:
 
     arms = [Arm("decode", lambda: m.decode_step(state, tok()))]
 
-    def verify_arm(t):
+    from memra_dsv4.gpu.verify_step import row_limit
+
+    def verify_arm(t, vpath):
         def step():
+            m.verify_path = vpath
             m.verify(state, [tok() for _ in range(t)])
             m.commit(state, 0)
-        return Arm(f"verify {t}", step)
-    arms += [verify_arm(t) for t in range(2, a.tmax + 1)]
+        return Arm(f"{'d' if vpath == 'device' else ''}verify {t}", step)
+    for vpath in vpaths:
+        arms += [verify_arm(t, vpath) for t in range(2, a.tmax + 1)
+                 if vpath == "chunk" or t <= row_limit(cfg)]
 
     def draft_arm(k):
         return Arm(f"{drafter.name} {k}", lambda: drafter.propose(rows[-1:], [tok()], k))
@@ -120,7 +133,7 @@ def main(argv=None) -> int:
     for name, sm in summaries.items():
         res[name] = {"summary": sm, "over_decode": sm["median"] / base}
         model_note = ""
-        if name.startswith("verify "):
+        if "verify " in name:
             res[name]["byte_model_over_decode"] = bm = byte_model(int(name.split()[1]))
             model_note = f"  (byte model x{bm:.2f})"
         print(f"  {name:10s} {sm['median']:8.3f} ms [{sm['p10']:.3f}, {sm['p90']:.3f}]  "
@@ -129,6 +142,7 @@ def main(argv=None) -> int:
         payload = {"config": {"bench": "spec_cost", "model": a.model, "devices": list(devices),
                               "ctx": a.ctx, "tmax": a.tmax, "mtp_k": ks, "steps": a.steps,
                               "warmup": a.warmup, "path": a.path,
+                              "verify_paths": vpaths,
                               "expert_storage": a.expert_storage, "drafter": drafter.name,
                               "timer": "wall"},
                    "arms": res}

@@ -54,7 +54,7 @@ import numpy as np
 from memra_dsv4.host.quant import act_quant_fp8, fp4_sim, kv_fp8_sim, round_bf16
 
 __all__ = [
-    "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
+    "Seam", "SEAMS", "SEAM_NUMERICS", "SEAM_DECODE_PATH", "SEAM_VERIFY_PATH", "SEAM_CONTINUE", "SEAM_DEVICE", "SEAM_PROF", "SEAM_DEBUG",
     "SEAM_GEMM", "SEAM_DENSE", "SEAM_PDL", "SEAM_DECODE_ATTN", "SEAM_PREFILL_ATTN", "SEAM_PREFILL_MOE", "SEAM_PREFILL_DISPATCH", "SEAM_PREFILL_PIPELINE", "SEAM_L2_PREFETCH", "SEAM_DECODE_FORK", "SEAM_HC_SPLIT", "SEAM_DECODE_PRIORITY", "SEAM_DECODE_QNORM", "SEAM_DECODE_SHARED_W2", "SEAM_KERNELS_DIR", "SEAM_DEVICE_TRACE",
     "SEAM_REQUIRE_PARITY", "resolve",
     "seam_table_markdown", "env_value",
@@ -187,6 +187,14 @@ SEAM_DECODE_SHARED_W2 = Seam(
     "weights and the Flash shapes (w2 [hidden, 2048], K = 2048, k even); elsewhere (FP8 dense, "
     "MEMRA_DSV4_DENSE=fp8, or other shapes) the step keeps the separate launch. Default `fused` since "
     "the eleventh session (2x H200, 1K: 7.25 -> 7.16 ms per token in one process).")
+SEAM_VERIFY_PATH = Seam(
+    "verify_path", "MEMRA_DSV4_VERIFY_PATH", "chunk", ("chunk", "device"),
+    "How the GPU path runs a speculative verify (memra_dsv4.gpu.verify, read once per model and "
+    "printed): `chunk` (the k + 1 rows through the chunk routine, prefill's blocks, journaled; "
+    "host-paced at a few rows) or `device` (memra_dsv4.gpu.verify_step: the device step's kernels "
+    "for the rows over a multi-row arena, the weight-streaming GEMVs reading each weight once for "
+    "all rows, one CUDA graph per state, row count and taps; each row's logits are a device "
+    "step's bytes; 2 <= k + 1 <= min(8, sliding_window), longer verifies take `chunk`).")
 SEAM_PREFILL_ATTN = Seam(
     "prefill_attn", "MEMRA_DSV4_PREFILL_ATTN", "mma", ("mma", "simt"),
     "Sparse attention and indexer scores of GPU prefill chunks of >= 64 tokens "
@@ -245,7 +253,7 @@ SEAMS: dict[str, Seam] = {s.name: s for s in (
     SEAM_NUMERICS, SEAM_DECODE_PATH, SEAM_CONTINUE, SEAM_DEVICE, SEAM_PROF, SEAM_DEBUG, SEAM_GEMM,
     SEAM_DENSE, SEAM_PDL, SEAM_DECODE_ATTN, SEAM_PREFILL_ATTN, SEAM_PREFILL_MOE, SEAM_PREFILL_DISPATCH, SEAM_PREFILL_PIPELINE,
     SEAM_L2_PREFETCH, SEAM_DECODE_FORK, SEAM_HC_SPLIT, SEAM_DECODE_PRIORITY, SEAM_DECODE_QNORM,
-    SEAM_DECODE_SHARED_W2, SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
+    SEAM_DECODE_SHARED_W2, SEAM_VERIFY_PATH, SEAM_KERNELS_DIR, SEAM_DEVICE_TRACE,
     SEAM_REQUIRE_PARITY)}
 
 

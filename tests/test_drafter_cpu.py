@@ -171,7 +171,9 @@ def test_spec_cost_bench_refuses_before_any_gpu_work():
     assert spec_cost._ints("1,2,3") == [1, 2, 3]
     for argv, msg in [(["--tmax", "0"], "--tmax 0"), (["--tmax", "1"], r"--tmax 1: must be in 2\.\."), (["--mtp-k", "0,1"], "integers >= 1"),
                       (["--mtp-k", "a"], "comma-separated"), (["--model", "/x"], "synthetic"),
-                      (["--ctx", "100"], "multiple of 128")]:
+                      (["--ctx", "100"], "multiple of 128"),
+                      (["--verify-paths", "chunk,graph"], "subset of chunk,device"),
+                      (["--verify-paths", ","], "subset of chunk,device")]:
         with pytest.raises(SystemExit, match=msg):
             spec_cost.main(argv)
 

@@ -98,7 +98,7 @@ class Dsv4Gpu:
                  l2_prefetch: str | None = None, decode_fork: str | None = None,
                  hc_split: str | None = None, decode_priority: str | None = None,
                  prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None) -> None:
+                 decode_shared_w2: str | None = None, verify_path: str | None = None) -> None:
         import cupy as cp
         from memra_dsv4.gpu.decode import resolve_decode_path
         from memra_dsv4.gpu import runtime
@@ -140,6 +140,9 @@ class Dsv4Gpu:
             "DECODE_QNORM", decode_qnorm, "device-step q head norm (own launch or in the attention)")
         self.decode_shared_w2 = _resolve_announced(            # read once, printed (step_device)
             "DECODE_SHARED_W2", decode_shared_w2, "device-step shared-expert w2 (own GEMV or in the down + combine)")
+        self.verify_path = _resolve_announced(                 # read once, printed (gpu.verify)
+            "VERIFY_PATH", verify_path, "speculative verify (chunk routine or multi-row device graph)")
+        self._verify_step = None                               # gpu.verify_step, made at first use
         # the stage holding the drafter's layers (Dsv4Gpu.load / synthetic drafter=True), or None
         self.drafter_stage = next((i for i, st in enumerate(stages) if len(st.drafter_layers)),
                                   None)
@@ -171,7 +174,8 @@ class Dsv4Gpu:
              l2_prefetch: str | None = None, decode_fork: str | None = None,
              hc_split: str | None = None, decode_priority: str | None = None,
              prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None, drafter: bool = False) -> "Dsv4Gpu":
+                 decode_shared_w2: str | None = None, verify_path: str | None = None,
+             drafter: bool = False) -> "Dsv4Gpu":
         from memra_dsv4.gpu.weights import drafter_layers, load_stage_weights, resolve_dense
 
         dense = resolve_dense(dense)                           # read once, printed
@@ -192,7 +196,7 @@ class Dsv4Gpu:
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
                    prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm,
-                   decode_shared_w2=decode_shared_w2)
+                   decode_shared_w2=decode_shared_w2, verify_path=verify_path)
 
     @classmethod
     def synthetic(cls, config_or_preset, devices=(0,), seed: int = 0, *, experts: str = "mxfp4",
@@ -204,7 +208,8 @@ class Dsv4Gpu:
                   l2_prefetch: str | None = None, decode_fork: str | None = None,
                   hc_split: str | None = None, decode_priority: str | None = None,
                   prefill_dispatch: str | None = None, decode_qnorm: str | None = None,
-                 decode_shared_w2: str | None = None, expert_storage: str = "per-layer",
+                 decode_shared_w2: str | None = None, verify_path: str | None = None,
+                  expert_storage: str = "per-layer",
                   drafter: bool = False) -> "Dsv4Gpu":
         """A model of random weights for ``config_or_preset`` (a Dsv4Config or a preset name).
         ``expert_storage`` "shared": each stage's MoE layers alias its first MoE layer's routed
@@ -233,7 +238,7 @@ class Dsv4Gpu:
                    l2_prefetch=l2_prefetch, decode_fork=decode_fork, hc_split=hc_split,
                    decode_priority=decode_priority,
                    prefill_dispatch=prefill_dispatch, decode_qnorm=decode_qnorm,
-                   decode_shared_w2=decode_shared_w2)
+                   decode_shared_w2=decode_shared_w2, verify_path=verify_path)
 
     # ------------------------------------------------------------------ API
     def check_ids(self, token_ids) -> np.ndarray:

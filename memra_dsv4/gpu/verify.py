@@ -25,6 +25,11 @@ so after commit(n) the state equals, array for array, a state that had run the f
 rows of this verify's chunk.  Against n + 1 single-token decode steps it is equal within the
 bf16 class only: the chunk's GEMMs run with M = k + 1 rows (cuBLASLt may pick another
 algorithm / reduction order than for M = 1).
+With ``model.verify_path == "device"`` (seam MEMRA_DSV4_VERIFY_PATH) and 2 <= k + 1 <=
+gpu.verify_step.row_limit, the rows run through gpu.verify_step instead (the device step's
+kernels, one graph per state / rows / taps; each row's logits are a device step's bytes, and
+after commit(n) the caches are those of n + 1 device steps); its journal is a
+gpu.verify_step.DeviceJournal and commit dispatches on it.
 Bad calls (ValueError naming the problem, state unchanged): k outside 1..MAX_DRAFT, ids out of
 range, positions past max_seq_len, a second verify or a decode while one is pending, commit
 without a verify, n outside 0..k or not an integer.
@@ -40,7 +45,7 @@ from memra_dsv4.oracle.decode import (check_commit, check_draft_count, check_no_
                                       check_room)
 from memra_dsv4.profiling import phase
 
-__all__ = ["Journal", "verify", "commit"]
+__all__ = ["Journal", "verify", "commit", "device_verify_of"]
 
 
 class _LayerJournal:
@@ -93,6 +98,9 @@ def verify(model, state, tokens, return_streams: bool = False, taps=()):
     check_room(state, k + 1, "verify")
     if model._step is not None:
         model._step.invalidate()
+    vs = device_verify_of(model, state, k + 1)
+    if vs is not None:   # seam MEMRA_DSV4_VERIFY_PATH = device (gpu.verify_step)
+        return vs.verify(state, ids, return_streams=return_streams, taps=taps)
     jr = Journal(state.pos, k)
     with phase("verify"):
         out = run_chunk(model, state, ids, all_logits=True, ph="verify", journal=jr,
@@ -121,11 +129,30 @@ def _rollback_layer(cache, j: _LayerJournal, p0: int, last_kept: int, p_end: int
             cache.idx_keys[(last_kept + 1) // 4:p_end // 4] = 0
 
 
+def device_verify_of(model, state, rows: int):
+    """The model's VerifyStep (made at first use) when ``model.verify_path`` is "device" and it
+    takes ``rows`` rows (gpu.verify_step.row_limit), else None (the chunk routine)."""
+    from memra_dsv4.gpu.verify_step import VerifyStep, row_limit
+    if getattr(model, "verify_path", "chunk") != "device" or not 2 <= rows <= row_limit(model.config):
+        return None
+    vs = getattr(model, "_verify_step", None)
+    if vs is None or vs.msl != state.max_seq_len:
+        vs = model._verify_step = VerifyStep(model, state.max_seq_len)
+    return vs
+
+
 def commit(model, state, n_accepted) -> None:
+    from memra_dsv4.gpu.verify_step import DeviceJournal
     model._check_state(state)
     jr = state.journal
     n = check_commit(jr, n_accepted)
     last_kept = jr.p0 + n
+    if isinstance(jr, DeviceJournal):   # a device verify (gpu.verify_step)
+        with phase("verify/rollback"):
+            model._verify_step.commit(state, jr, n)
+        state.pos = last_kept + 1
+        state.journal = None
+        return
     if n < jr.k:
         with phase("verify/rollback"):
             for lid, j in jr.layers.items():

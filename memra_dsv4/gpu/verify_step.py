@@ -1,0 +1,584 @@
+"""The device verify: the k + 1 rows of a speculative verify through the device step's kernels,
+over a multi-row arena (VerifyWs), captured as one CUDA graph per (state, rows, taps) and stage
+(docs/verify_step_plan.md; seam MEMRA_DSV4_VERIFY_PATH = ``device``).
+
+Contract
+--------
+``VerifyStep(model, max_seq_len).verify(state, ids, return_streams, taps, graph=True)`` runs rows
+t = 0..T-1 (T = k + 1, 2 <= T <= ``row_limit(cfg)`` = min(8, sliding_window)) at positions
+pos + t and returns (logits float32 NumPy [T, vocab], streams or taps as gpu.verify does).
+**Row t's logits are the bytes a device step (gpu.step_device, any of its forms) returns for the
+token ids[t] at position pos + t after rows 0..t-1**, and after ``commit(n)`` the state's caches
+equal, array for array, those n + 1 device steps leave (tests/gpu/test_verify_step_gpu.py).
+Why the bytes can be equal: every launch is the step's kernel with the step's arguments for one
+row, except the weight-streaming GEMVs, which read each weight once for the T rows with
+per-row bits equal to the one-row kernel's (decode.cu gemv_bf16_x*: gemv_bf16's row order; the
+FP4 expert kernels' slots: the row arithmetic is fixed by (o, K)).  The step's other forms
+(forks, hc split, fused attention, the q norm inside wq_b / the multi GEMV, the shared expert
+inside the expert launches) are bit-identical to the plain forms used here by their own tests.
+
+Order inside a layer (why: the caches are position-addressed, rows run in position order where
+a cache is read or written):
+  A. per row: the attention boundary (hc), the projections of xn (gemv_bf16_multi over the
+     row's GemvTable: qr, the kv row, the compressor / indexer-compressor pending rows at
+     (pos + t) % r, the indexer weights), q_norm, both compressor emissions (gated on the
+     device by pos + t), then a snapshot of the pending rows (the journal: commit(n) restores
+     snapshot n).  Emitted compressed rows / indexer keys of later rows are invisible to an
+     earlier row: its counts come from its own position.
+  B. wq_b (and the CSA indexer's q GEMV) for the T rows: one weight read.
+  C. per row: q head norm + RoPE, the kv row into ring slot (pos + t) % W, the indexer (q RoPE /
+     Hadamard / FP4, scores over the keys it may see, top-k), the candidates and the sparse
+     attention.  Row t's ring write comes after row t - 1's attention: a later row's write
+     replaces the slot of position pos + t - W, which an earlier row's window still reads.
+  D. wo_a (grouped) and wo_b for the T rows.
+  ffn: per row the boundary and the router; the routed gate/up over the T x k slots (x row
+  s // k), the shared expert's SwiGLU per row, its w2 for the T rows, the down + combine with
+  grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
+Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: those run as T
+one-row launches (the same bits, T weight reads).
+
+Journal (per state, made at its first device verify, on the stages' devices): each layer's ring
+as it was before the verify (captured copy) and the pending rows after each row (captured
+copies).  ``commit(n)``: ring slots of the rolled-back positions back from the copy (k + 1 <= W,
+so no kept position shares one), the pending rows from snapshot n, the compressed rows /
+indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  Host-driven (a few
+copies per layer on the stage's compute stream).
+
+Launches only after every check; the graphs bake the arena, the state's caches and journal, and
+the GemvTables (per state and row), all made before the first capture.  No PDL (the kernels'
+griddepcontrol.wait is a no-op without the launch attribute).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+__all__ = ["VerifyStep", "DeviceJournal", "verify_ws_plan", "row_limit", "ROW_MAX"]
+
+ROW_MAX = 8   # ops_decode.XROWS_MAX: the multi-row GEMV's rows
+# one row's size, shared by the rows (they run in turn on one stream)
+_SHARED_SLOTS = ("dev.attn_ws", "dev.idx_scores")
+# step buffers the verify does not use (greedy history, the WQB_QNORM copy, the host islands)
+_DROPPED_SLOTS = ("head.tok_hist", "boundary.in", "cmp.pooled", "dev.idx_pooled", "attn.qrn",
+                  "dev.head_pre")
+
+
+def row_limit(cfg) -> int:
+    """The most rows a device verify takes: ROW_MAX, and at most the window (commit restores a
+    rolled-back position's ring slot from the pre-verify copy, so no two rows may share one)."""
+    return min(ROW_MAX, int(cfg.sliding_window))
+
+
+def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
+                   stage_index: int = 0, rows: int = ROW_MAX):
+    """VerifyWs of one stage: the step's StepWs slots (gpu.step.step_ws_plan) with a leading
+    ``rows`` axis (row t of every activation at [t]), the split-attention and indexer-score
+    workspaces once (the rows use them in turn), and none of the step's greedy / host-island
+    extras.  moe.h is [rows, k, I]: the routed gate/up's T x k slots in row order."""
+    from memra_dsv4.gpu.arena import ArenaPlan
+    from memra_dsv4.gpu.step import step_ws_plan
+    rows = int(rows)
+    assert 1 <= rows <= ROW_MAX, f"verify_ws_plan: rows = {rows}, expected 1..{ROW_MAX}"
+    one = step_ws_plan(cfg, layers, has_embed, has_head, max_seq_len, stage_index)
+    p = ArenaPlan(f"verify_ws.stage{stage_index}")
+    for s in one:
+        if s.name in _DROPPED_SLOTS:
+            continue
+        p.add(s.name, s.shape if s.name in _SHARED_SLOTS else (rows,) + tuple(s.shape), s.dtype)
+    p.check()
+    return p
+
+
+class DeviceJournal:
+    """A device verify's pending record (state.journal): p0, k (the oracle's check_commit reads
+    them) and the per-state journal buffers it filled."""
+
+    __slots__ = ("p0", "k", "bufs")
+
+    def __init__(self, p0: int, k: int, bufs):
+        self.p0, self.k, self.bufs = int(p0), int(k), bufs
+
+
+class _StateJournal:
+    """Per state and layer: ``ring`` (the pre-verify ring copy, [W, hd] bf16 bits) and
+    ``comp`` / ``idx``: [ROW_MAX, 2, *pending.shape] f32 snapshots (kv, score) after each row."""
+
+    def __init__(self, model, state):
+        import cupy as cp
+        self.ring, self.comp, self.idx = {}, {}, {}
+        for st in model.stages:
+            with cp.cuda.Device(st.device):
+                for lid in st.layers:
+                    c = state.cache(lid)
+                    self.ring[lid] = cp.empty_like(c.ring)
+                    if c.ratio:
+                        self.comp[lid] = cp.empty((ROW_MAX, 2) + c.comp_state.kv.shape, cp.float32)
+                    if c.idx_state is not None:
+                        self.idx[lid] = cp.empty((ROW_MAX, 2) + c.idx_state.kv.shape, cp.float32)
+
+
+class _Stage:
+    pass
+
+
+def _copy(dst, src, stream) -> None:
+    """A device-to-device copy of src's bytes into dst (both contiguous, same size), captured as
+    a memcpy node."""
+    import cupy as cp
+    assert dst.nbytes == src.nbytes and dst.flags.c_contiguous and src.flags.c_contiguous, (
+        f"verify journal copy: {dst.shape} {dst.dtype} <- {src.shape} {src.dtype}")
+    cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+
+
+class VerifyStep:
+    def __init__(self, model, max_seq_len: int) -> None:
+        import cupy as cp
+        import cupyx
+        from memra_dsv4.gpu.arena import Arena
+        from memra_dsv4.gpu.step_device import DeviceStep, stage_views
+        self.m = model
+        self.cfg = cfg = model.config
+        self.msl = int(max_seq_len)
+        self.stages: list[_Stage] = []
+        # per state (weak keys, as DeviceStep): {(T, taps): graphs}, {lid: [GemvTable per row]},
+        # the journal buffers
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._tap_bufs: dict = {}   # (stage, taps) -> {layer: [ROW_MAX, hc, D] bf16}
+        self._taps = ()             # the taps of the graph being captured / enqueued
+        self._logits_host = None
+        for si, st in enumerate(model.stages):
+            S = _Stage()
+            S.st, S.dev, S.si = st, st.device, si
+            S.stream = model.devs[st.device].compute
+            S.ph = f"verify/stage{si}"
+            with cp.cuda.Device(st.device):
+                S.plan = verify_ws_plan(cfg, st.layers, st.has_embed, st.has_head, self.msl, si)
+                S.arena = Arena(S.plan, st.device)
+                S.v = S.arena.views()
+                S.ratios = sorted({cfg.compress_ratio(l) for l in st.layers} - {0}) or [1]
+                if 4 not in S.ratios and len(S.ratios) < 4:
+                    S.ratios = S.ratios + [4]
+                S.host = cupyx.zeros_pinned((2, ROW_MAX), np.int32)   # tok, pos of the rows
+                S.event = cp.cuda.Event(disable_timing=True)
+                S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
+            self.stages.append(S)
+        # the kernels, ticket counters and workspaces the step's launches need (made before any
+        # capture): the device step's own prewarm
+        for S in self.stages:
+            with cp.cuda.Device(S.dev):
+                DeviceStep._prewarm(self, S)
+        model.devs.order_after_current()
+        for d in model.devs:
+            d.compute.synchronize()
+
+    # ------------------------------------------------------------------ the call
+    def supports(self, T: int) -> bool:
+        return 2 <= int(T) <= row_limit(self.cfg)
+
+    def verify(self, state, ids: np.ndarray, return_streams: bool = False, taps=(),
+               graph: bool = True):
+        """Rows ids[0..T-1] at positions state.pos + t (the caller checked the ids, the room,
+        the taps and that no verify is pending); journals into state.journal."""
+        import cupy as cp
+        import cupyx
+        from memra_dsv4.profiling import phase
+        rt = cp.cuda.runtime
+        T = int(ids.shape[0])
+        assert self.supports(T), f"device verify: {T} rows, expected 2..{row_limit(self.cfg)}"
+        if state.max_seq_len != self.msl:
+            raise ValueError(f"device verify: state max_seq_len {state.max_seq_len} != the "
+                             f"VerifyWs built for {self.msl}")
+        taps = tuple(int(t) for t in taps)
+        self._ensure_state(state)
+        pos0 = int(state.pos)
+        gs = None
+        if graph:
+            key = (T, taps)
+            per = self._graphs[state]
+            gs = per.get(key)
+            if gs is None:
+                gs = per[key] = self._capture(state, T, taps)
+        with phase("verify"):
+            for S in self.stages:   # the host input: the rows' tokens and positions
+                S.host[0, :T] = ids
+                S.host[1, :T] = np.arange(pos0, pos0 + T, dtype=np.int32)
+                with cp.cuda.Device(S.dev):
+                    rt.memcpyAsync(S.v["tok"].data.ptr, S.host.ctypes.data, 4 * T,
+                                   rt.memcpyHostToDevice, S.stream.ptr)
+                    rt.memcpyAsync(S.v["pos"].data.ptr, S.host.ctypes.data + 4 * ROW_MAX, 4 * T,
+                                   rt.memcpyHostToDevice, S.stream.ptr)
+            for S, g in zip(self.stages, gs if gs is not None else [None] * len(self.stages)):
+                with cp.cuda.Device(S.dev):
+                    if S.si > 0:
+                        S.stream.wait_event(self.stages[S.si - 1].event)
+                    if g is not None:
+                        g.launch(S.stream)
+                    else:
+                        self._taps = taps
+                        with S.stream:
+                            self._enqueue(S, state, T)
+                        self._taps = ()
+                    if S.si + 1 < len(self.stages):
+                        S.event.record(S.stream)
+            last = self.stages[-1]
+            src = last.v["head.logits"][:T]
+            if self._logits_host is None:
+                self._logits_host = cupyx.empty_pinned(last.v["head.logits"].shape, np.float32)
+            with cp.cuda.Device(last.dev):
+                rt.memcpyAsync(self._logits_host.ctypes.data, src.data.ptr, src.nbytes,
+                               rt.memcpyDeviceToHost, last.stream.ptr)
+            for S in self.stages:
+                S.stream.synchronize()
+        logits = np.array(self._logits_host[:T])
+        state.journal = DeviceJournal(pos0, T - 1, self._journals[state])
+        if not return_streams:
+            return logits
+        return logits, self._streams_out(T, taps)
+
+    def _streams_out(self, T: int, taps: tuple):
+        """float32 CuPy on the last stage's device: the rows' final streams [T, hc, D] or, with
+        taps, those layers' output streams [T, n_taps, hc, D] (gpu.decode.gather_taps)."""
+        import cupy as cp
+        from memra_dsv4.gpu.decode import gather_taps
+        last = self.stages[-1]
+        if not taps:
+            with cp.cuda.Device(last.dev), self.m.devs[last.dev].compute:
+                return _bf16_f32(self._final_streams[:T])
+        out = {}
+        for S in self.stages:
+            bufs = self._tap_bufs.get((S.si, taps), {})
+            with cp.cuda.Device(S.dev), S.stream:
+                for lid, b in bufs.items():
+                    out[lid] = _bf16_f32(b[:T])
+            S.stream.synchronize()
+        return gather_taps(self.m, out, taps)
+
+    def commit(self, state, jr: DeviceJournal, n: int) -> None:
+        """Roll rows n + 1..k of ``jr`` back (module doc); the caller checked n and sets pos."""
+        import cupy as cp
+        if n == jr.k:
+            return   # the caches are those of every row: nothing to undo
+        bufs = jr.bufs
+        p0, last_kept, p_end = jr.p0, jr.p0 + n, jr.p0 + jr.k + 1
+        for st in self.m.stages:
+            stream = self.m.devs[st.device].compute
+            with cp.cuda.Device(st.device), stream:
+                for lid in st.layers:
+                    c = state.cache(lid)
+                    W = c.window
+                    slots = cp.asarray(np.arange(last_kept + 1, p_end) % W)
+                    c.ring[slots] = bufs.ring[lid][slots]
+                    if c.ratio:
+                        snap = bufs.comp[lid][n]
+                        _copy(c.comp_state.kv, snap[0], stream)
+                        _copy(c.comp_state.score, snap[1], stream)
+                        c.comp[(last_kept + 1) // c.ratio:p_end // c.ratio] = 0
+                    if c.idx_state is not None:
+                        snap = bufs.idx[lid][n]
+                        _copy(c.idx_state.kv, snap[0], stream)
+                        _copy(c.idx_state.score, snap[1], stream)
+                        c.idx_keys[(last_kept + 1) // 4:p_end // 4] = 0
+            stream.synchronize()
+        del p0
+
+    # ------------------------------------------------------------------ setup
+    def _ensure_state(self, state) -> None:
+        """The state's GemvTables (one per layer and row: the row's xn, qr, kv and idx.w
+        addresses, the state's pending rows) and journal buffers, made once per state, before
+        any capture."""
+        if state in self._tables:
+            return
+        import cupy as cp
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.step_device import DeviceStep
+        D = self.cfg.hidden_size
+        tabs = {}
+        for S in self.stages:
+            v = S.v
+            with cp.cuda.Device(S.dev):
+                for L in S.layers:
+                    c = state.cache(L.lid)
+                    per_row = []
+                    for t in range(ROW_MAX):
+                        ent = [(L.lin("attn.wq_a"), v["attn.qr"][t]),
+                               (L.lin("attn.wkv"), v["dev.kvraw"][t])]
+                        if L.ratio:
+                            ent += DeviceStep._pending_entries(L, c.comp_state, "attn.compressor")
+                        if L.kind == "csa":
+                            ent += DeviceStep._pending_entries(L, c.idx_state, "attn.indexer.compressor")
+                            ent.append((L.lin("attn.indexer.weights_proj"), v["idx.w"][t]))
+                        per_row.append(DK.GemvTable(ent, D))
+                    tabs[L.lid] = per_row
+        self._journals[state] = _StateJournal(self.m, state)
+        self._graphs[state] = {}
+        self._tables[state] = tabs
+        self.m.devs.order_after_current()   # the tables' uploads ran on the current stream
+
+    def _capture(self, state, T: int, taps: tuple):
+        import cupy as cp
+        from memra_dsv4.gpu import graphs
+        from memra_dsv4.profiling import phase_set_capturing
+        from memra_dsv4.profiling import phases as _ph
+        for d in self.m.devs:
+            d.compute.synchronize()
+        out = []
+        was = _ph._capturing
+        phase_set_capturing(True)
+        self._taps = taps
+        try:
+            for S in self.stages:
+                with cp.cuda.Device(S.dev):
+                    self._tap_buffers(S, taps)
+                    out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, T)))
+        finally:
+            phase_set_capturing(was)
+            self._taps = ()
+        return out
+
+    def _tap_buffers(self, S, taps: tuple) -> dict:
+        """{layer: [ROW_MAX, hc, D] bf16} for this stage's tap layers (made once per taps)."""
+        import cupy as cp
+        key = (S.si, taps)
+        if key not in self._tap_bufs:
+            hc, D = self.cfg.hc_mult, self.cfg.hidden_size
+            with cp.cuda.Device(S.dev):
+                self._tap_bufs[key] = {l: cp.zeros((ROW_MAX, hc, D), cp.uint16)
+                                       for l in taps if l in S.st.layers}
+            S.stream.synchronize()
+        return self._tap_bufs[key]
+
+    # ------------------------------------------------------------------ launches
+    def _enqueue(self, S, state, T: int) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu import runtime
+        from memra_dsv4.gpu.ops import hc as HC
+        from memra_dsv4.gpu.ops import rmsnorm as RN
+        from memra_dsv4.profiling import phase
+        cfg, st, v, sp = self.cfg, S.st, S.v, S.ph
+        D = cfg.hidden_size
+        taps = self._tap_buffers(S, self._taps)
+        jr = self._journals[state]
+        tabs = self._tables[state]
+        with phase(sp):
+            for t in range(T):
+                DK.step_scalars(v["pos"][t], v["dev.aux"][t], S.ratios)
+            cur, oth = v["streams.a"], v["streams.b"]
+            if st.has_embed:
+                with phase(f"{sp}/embed"):
+                    for t in range(T):
+                        DK.embed_gather(v["tok"][t], st["embed.weight"], cur[t])
+            for i, L in enumerate(S.layers):
+                # a tap of the previous layer: its output streams exist only between this
+                # layer's attention boundary (which writes them) and the next write of that
+                # buffer (_block copies them there)
+                prev_tap = taps.get(S.layers[i - 1].lid) if i > 0 else None
+                with phase(f"{sp}/block"):
+                    cur, oth = self._block(S, L, i, T, cur, oth, state.cache(L.lid), tabs[L.lid], jr,
+                                           prev_tap)
+                if L is S.layers[-1] and L.lid in taps:   # the stage's closing hc_post wrote it
+                    _copy(taps[L.lid][:T], cur[:T], S.stream)
+            if st.has_head:
+                with phase(f"{sp}/head"):
+                    self._final_streams = cur
+                    y, yn = v["head.y"], v["head.yn"]
+                    for t in range(T):
+                        HC.hc_head(cur[t:t + 1], S.head_fn, st["hc_head_scale"], st["hc_head_base"],
+                                   hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                                   out=y[t].reshape(1, D), mixes=v["dev.head_mix"][t])
+                        RN.rmsnorm(y[t].reshape(1, D), st["norm.weight"], cfg.rms_norm_eps,
+                                   out=yn[t].reshape(1, D))
+                    _rows_gemv(st["head.weight"], None, yn[:T], v["head.logits"][:T])
+            if S.si + 1 < len(self.stages):
+                nxt = self.stages[S.si + 1]
+                with phase(f"{sp}/boundary_copy"):
+                    runtime.boundary_copy(nxt.v["streams.a"], cur, cur[:T].nbytes, S.stream,
+                                          force_bounce=self.m.force_bounce)
+
+    def _boundary(self, S, L, t: int, streams, sub: str, f=None, out=None) -> None:
+        """Row t's boundary into sub-layer ``sub``: the step's hc_boundary launch (with f, the
+        previous sub-layer's hc_post into ``out`` first)."""
+        from memra_dsv4.gpu.ops import hc as HC
+        cfg, v = self.cfg, S.v
+        D, hc = cfg.hidden_size, cfg.hc_mult
+        HC.hc_boundary(streams[t:t + 1], L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
+                       L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters,
+                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, xn=v["xn"][t].reshape(1, D),
+                       x=v["x"][t].reshape(1, D), pre=v["hc.pre"][t].reshape(1, -1),
+                       post=v["hc.post"][t].reshape(1, -1), comb=v["hc.comb"][t].reshape(1, hc, hc),
+                       mixes=v["dev.mix"][t], f=None if f is None else f[t].reshape(1, D),
+                       out=None if out is None else out[t:t + 1])
+
+    def _block(self, S, L, i: int, T: int, cur, oth, cache, tables, jr, prev_tap=None):
+        """One layer for the T rows (the module doc's order); returns the streams (cur, oth).
+        ``prev_tap``: a [ROW_MAX, hc, D] buffer that receives the previous layer's output streams
+        (written by this layer's attention boundary)."""
+        from memra_dsv4.gpu.ops import hc as HC
+        from memra_dsv4.profiling import phase
+        v, bp = S.v, f"{S.ph}/block"
+        D, hc = self.cfg.hidden_size, self.cfg.hc_mult
+        with phase(f"{bp}/attn"):
+            if i == 0:
+                for t in range(T):
+                    self._boundary(S, L, t, cur, "attn")
+            else:   # the previous layer's ffn hc_post + this attn's boundary
+                for t in range(T):
+                    self._boundary(S, L, t, cur, "attn", f=v["ffn.out"], out=oth)
+                cur, oth = oth, cur
+                if prev_tap is not None:
+                    _copy(prev_tap[:T], cur[:T], S.stream)
+            self._attention(S, L, T, cache, tables, jr)
+        with phase(f"{bp}/ffn"):
+            for t in range(T):
+                self._boundary(S, L, t, cur, "ffn", f=v["attn.out"], out=oth)
+            cur, oth = oth, cur
+            self._moe(S, L, T)
+            if L is S.layers[-1]:
+                for t in range(T):
+                    HC.hc_post(v["ffn.out"][t].reshape(1, D), cur[t:t + 1],
+                               v["hc.post"][t].reshape(1, hc), v["hc.comb"][t].reshape(1, hc, hc),
+                               out=oth[t:t + 1])
+                cur, oth = oth, cur
+        return cur, oth
+
+    def _attention(self, S, L, T: int, cache, tables, jr) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import attention as AT
+        from memra_dsv4.gpu.ops import compressor as CM
+        from memra_dsv4.gpu.ops import indexer as IX
+        from memra_dsv4.gpu.ops import quant_sim as QS
+        from memra_dsv4.gpu.ops import rmsnorm as RN
+        from memra_dsv4.gpu.step_device import decode_attn_head_group
+        from memra_dsv4.profiling import phase
+        cfg, v, ap = self.cfg, S.v, f"{S.ph}/block/attn"
+        eps, W = cfg.rms_norm_eps, cfg.sliding_window
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        csa = bool(L.ratio) and L.kind == "csa"
+        _copy(jr.ring[L.lid], cache.ring, S.stream)   # the journal: the ring before any row
+        # A. per row: projections, q_norm, the emissions (pending state in position order), the
+        # pending snapshot
+        with phase(f"{ap}/projections"):
+            for t in range(T):
+                pos = v["pos"][t]
+                DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
+                qr = v["attn.qr"][t].reshape(1, -1)
+                RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
+                if L.ratio:
+                    st = cache.comp_state
+                    CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
+                            L.f32["attn.compressor.norm.weight"], eps, L.cos, L.sin, "fp8", cache.comp)
+                    _copy(jr.comp[L.lid][t, 0], st.kv, S.stream)
+                    _copy(jr.comp[L.lid][t, 1], st.score, S.stream)
+                if csa:
+                    st = cache.idx_state
+                    CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
+                            L.f32["attn.indexer.compressor.norm.weight"], eps, L.cos, L.sin,
+                            "hadfp4", cache.idx_keys)
+                    _copy(jr.idx[L.lid][t, 0], st.kv, S.stream)
+                    _copy(jr.idx[L.lid][t, 1], st.score, S.stream)
+        # B. the rows' q GEMVs: one weight read
+        qr_rows = v["attn.qr"][:T]
+        with phase(f"{ap}/q"):
+            w, sc = L.lin("attn.wq_b")
+            _rows_gemv(w, sc, qr_rows, v["attn.q"][:T].reshape(T, H * hd))
+            if csa:
+                w, sc = L.lin("attn.indexer.wq_b")
+                _rows_gemv(w, sc, qr_rows, v["idx.q"][:T].reshape(T, nI * dI))
+        # C. per row, in position order: q norm + RoPE, the ring row, the indexer, attention
+        if csa:
+            K = W + v["idx.sel"].shape[1]
+        else:
+            K = W + (cache.comp.shape[0] if L.ratio else 0)
+        hg = decode_attn_head_group(H)
+        split = AT.n_tiles(K) if hg != AT.head_group(H) else None
+        sink = L.w("attn.attn_sink")
+        with phase(f"{ap}/rows"):
+            for t in range(T):
+                pos = v["pos"][t]
+                q = v["attn.q"][t].reshape(1, H, hd)
+                RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
+                CM.norm_rope_sim(v["dev.kvraw"][t].reshape(1, hd), L.f32["attn.kv_norm.weight"], eps,
+                                 L.cos, L.sin, pos, "fp8", out=cache.ring, emit_gate=(pos, W),
+                                 row="ring")
+                sel = None
+                if csa:
+                    qi = v["idx.q"][t].reshape(1, nI, dI)
+                    QS.rope_hadamard128_fp4(qi, pos, L.cos, L.sin, out=qi)
+                    N = cache.idx_keys.shape[0]
+                    sel = v["idx.sel"][t]
+                    IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
+                                   cfg.index_topk, v["dev.idx_scores"][:N].reshape(1, N),
+                                   sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
+                cand = v["attn.cand"][t][:K]
+                DK.build_cand(pos, cand, W, L.ratio, sel)
+                AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5,
+                                    out=v["attn.o"][t].reshape(1, H, hd), n_split=split,
+                                    workspace=v["dev.attn_ws"], inverse_rope=(pos, L.cos, L.sin),
+                                    head_group=hg)
+        # D. the output projections of the rows
+        with phase(f"{ap}/output"):
+            w, sc = L.lin("attn.wo_a")
+            _rows_gemv(w, sc, v["attn.o"][:T].reshape(T, H * hd), v["attn.u"][:T],
+                       groups=cfg.o_groups)
+            w, sc = L.lin("attn.wo_b")
+            _rows_gemv(w, sc, v["attn.u"][:T], v["attn.out"][:T])
+
+    def _moe(self, S, L, T: int) -> None:
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.ops import experts as EX
+        from memra_dsv4.gpu.ops import router as RT
+        from memra_dsv4.gpu.step_device import router_handoff
+        from memra_dsv4.profiling import phase
+        cfg, v, mp = self.cfg, S.v, f"{S.ph}/block/ffn/moe"
+        D, I, E, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
+                      cfg.num_experts_per_tok)
+        handoff = router_handoff()
+        if handoff == "cluster" and not RT.cluster_ok(E):
+            handoff = "ticket"
+        with phase(f"{mp}/router"):
+            for t in range(T):
+                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][t]) if L.hash
+                         else dict(bias=L.w("ffn.gate.bias")))
+                RT.fused(v["xn"][t].reshape(1, D), L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
+                         logits=v["moe.logits"][t].reshape(1, E), scores=v["moe.scores"][t].reshape(1, E),
+                         idx=v["moe.ids"][t].reshape(1, k), weights=v["moe.w"][t].reshape(1, k),
+                         handoff=handoff, **route)
+        ids = v["moe.ids"][:T]
+        h = v["moe.h"][:T].reshape(T * k, I)
+        with phase(f"{mp}/experts"):   # T x k slots, slot s reads x row s // k
+            EX.gemv_fp4_gateup(L.fmt, v["xn"][:T], ids.reshape(T * k), L.wp["w1"], L.sp["w1"],
+                               L.wp["w3"], L.sp["w3"], I, D, weight=v["moe.w"][:T].reshape(T * k),
+                               limit=cfg.swiglu_limit, out=h, x_div=k, ws2_1=L.ws2["w1"],
+                               ws2_3=L.ws2["w3"])
+        with phase(f"{mp}/shared"):
+            (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
+            for t in range(T):
+                DK.gemv_bf16_swiglu(w1, w3, v["xn"][t], v["moe.sh_h"][t], cfg.swiglu_limit,
+                                    scale1=s1, scale3=s3)
+            w, sc = L.lin("ffn.shared_experts.w2")
+            _rows_gemv(w, sc, v["moe.sh_h"][:T], v["moe.shared"][:T])
+        with phase(f"{mp}/combine"):
+            EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
+                                     shared=v["moe.shared"][:T], out=v["ffn.out"][:T],
+                                     ws2=L.ws2["w2"])
+
+
+def _rows_gemv(w, scale, X, out, groups: int = 1) -> None:
+    """out[t] = gemv_bf16(w, X[t]) for the rows of X: one multi-row launch (each weight chunk read
+    once, gemv_bf16's bits per row) for bf16 weights, else (stored FP8) one launch per row."""
+    from memra_dsv4.gpu import ops_decode as DK
+    if scale is None and w.dtype == np.uint16:
+        DK.gemv_bf16_xrows(w, X, out, groups=groups)
+        return
+    for t in range(X.shape[0]):
+        DK.gemv_bf16(w, X[t:t + 1], out[t:t + 1], groups=groups, scale=scale)
+
+
+def _bf16_f32(u16):
+    import cupy as cp
+    return (u16.astype(cp.uint32) << 16).view(cp.float32)

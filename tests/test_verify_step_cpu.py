@@ -1,0 +1,72 @@
+"""VerifyWs bookkeeping of the device verify (memra_dsv4.gpu.verify_step), on the CPU: the plan is
+the step's StepWs with a leading rows axis, the rows' strides suit the multi-row GEMV (16-byte
+aligned rows), the shared workspaces stay one row, and the row limit follows the window."""
+from __future__ import annotations
+
+import pytest
+
+from memra_dsv4.config import preset
+from memra_dsv4.gpu.step import step_ws_plan
+from memra_dsv4.gpu.verify_step import ROW_MAX, row_limit, verify_ws_plan
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "flash"])
+def test_plan_is_the_step_plan_with_rows(name):
+    cfg = preset(name)
+    layers = range(cfg.num_hidden_layers)
+    one = step_ws_plan(cfg, layers, True, True, 1024, 0)
+    p = verify_ws_plan(cfg, layers, True, True, 1024, 0, rows=5)
+    names = {s.name for s in p}
+    for s in one:
+        if s.name in ("head.tok_hist", "boundary.in", "cmp.pooled", "dev.idx_pooled", "attn.qrn",
+                      "dev.head_pre"):
+            assert s.name not in names
+        elif s.name in ("dev.attn_ws", "dev.idx_scores"):
+            assert p.slot(s.name).shape == s.shape and p.slot(s.name).dtype == s.dtype
+        else:
+            got = p.slot(s.name)
+            assert got.shape == (5,) + tuple(s.shape) and got.dtype == s.dtype, s.name
+    # the multi-row GEMVs' operands: rows 16-byte aligned (row stride = one row's bytes)
+    for n in ("attn.qr", "attn.q", "attn.o", "attn.u", "attn.out", "xn", "moe.sh_h", "moe.shared",
+              "head.yn", "head.logits", "ffn.out"):
+        sl = p.slot(n)
+        row = sl.nbytes // sl.shape[0]
+        assert row % 16 == 0 and sl.offset % 16 == 0, (n, row, sl.offset)
+    assert p.slot("moe.h").shape == (5, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+
+
+def test_rows_refused_outside_range():
+    cfg = preset("tiny")
+    for rows in (0, ROW_MAX + 1):
+        with pytest.raises(AssertionError, match="rows"):
+            verify_ws_plan(cfg, range(cfg.num_hidden_layers), True, True, 64, 0, rows=rows)
+
+
+def test_row_limit_is_the_window_or_eight():
+    from types import SimpleNamespace
+    assert row_limit(preset("tiny")) == 8   # W = 8
+    assert row_limit(preset("flash")) == 8
+    assert row_limit(SimpleNamespace(sliding_window=4)) == 4
+    assert row_limit(SimpleNamespace(sliding_window=128)) == ROW_MAX
+
+
+def test_verify_path_seam():
+    from memra_dsv4 import seams
+    s = seams.SEAMS["verify_path"]
+    assert s is seams.SEAM_VERIFY_PATH and s.default == "chunk" and s.allowed == ("chunk", "device")
+    with pytest.raises(ValueError, match="verify_path.*allowed: chunk, device"):
+        seams.resolve(s, "graph")
+
+
+def test_dispatch_takes_the_chunk_routine_outside_the_device_rows():
+    from types import SimpleNamespace
+
+    from memra_dsv4.gpu.verify import device_verify_of
+    cfg = preset("tiny")
+    state = SimpleNamespace(max_seq_len=64)
+    chunk = SimpleNamespace(verify_path="chunk", config=cfg)
+    assert device_verify_of(chunk, state, 3) is None
+    dev = SimpleNamespace(verify_path="device", config=cfg, _verify_step=None)
+    for rows in (1, row_limit(cfg) + 1):   # never reaches the GPU
+        assert device_verify_of(dev, state, rows) is None
+        assert dev._verify_step is None
