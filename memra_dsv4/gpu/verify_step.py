@@ -21,12 +21,13 @@ Order inside a layer (why: the caches are position-addressed, rows run in positi
 a cache is read or written):
   A. per row: the attention boundary (hc), the projections of xn (gemv_bf16_multi over the
      row's GemvTable: qr, the kv row, the compressor / indexer-compressor pending rows at
-     (pos + t) % r, the indexer weights), q_norm, both compressor emissions (gated on the
-     device by pos + t), then a snapshot of the pending rows (the journal: commit(n) restores
-     snapshot n).  Emitted compressed rows / indexer keys of later rows are invisible to an
+     (pos + t) % r, the indexer weights), both compressor emissions (gated on the device by
+     pos + t), then a snapshot of the pending rows (the journal: commit(n) restores snapshot n).  Emitted compressed rows / indexer keys of later rows are invisible to an
      earlier row: its counts come from its own position.
-  B. wq_b (and the CSA indexer's q GEMV) for the T rows: one weight read.
-  C. per row: q head norm + RoPE, the kv row into ring slot (pos + t) % W, the indexer (q RoPE /
+  B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV)
+     for the T rows: one weight read.
+  C. q head norm + RoPE of the T rows (one launch, each row at its position); per row: the
+     kv row into ring slot (pos + t) % W, the indexer (q RoPE /
      Hadamard / FP4, scores over the keys it may see, top-k), the candidates and the sparse
      attention.  Row t's ring write comes after row t - 1's attention: a later row's write
      replaces the slot of position pos + t - W, which an earlier row's window still reads.
@@ -466,8 +467,6 @@ class VerifyStep:
             for t in range(T):
                 pos = v["pos"][t]
                 DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
-                qr = v["attn.qr"][t].reshape(1, -1)
-                RN.rmsnorm(qr, L.w("attn.q_norm.weight"), eps, out=qr)
                 if L.ratio:
                     st = cache.comp_state
                     CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
@@ -481,8 +480,10 @@ class VerifyStep:
                             "hadfp4", cache.idx_keys)
                     _copy(jr.idx[L.lid][t, 0], st.kv, S.stream)
                     _copy(jr.idx[L.lid][t, 1], st.score, S.stream)
-        # B. the rows' q GEMVs: one weight read
+        # B. q_norm (one CTA per row: a row's bits do not depend on the others) and the rows' q
+        # GEMVs: one weight read
         qr_rows = v["attn.qr"][:T]
+        RN.rmsnorm(qr_rows, L.w("attn.q_norm.weight"), eps, out=qr_rows)
         with phase(f"{ap}/q"):
             w, sc = L.lin("attn.wq_b")
             _rows_gemv(w, sc, qr_rows, v["attn.q"][:T].reshape(T, H * hd))
@@ -498,10 +499,13 @@ class VerifyStep:
         split = AT.n_tiles(K) if hg != AT.head_group(H) else None
         sink = L.w("attn.attn_sink")
         with phase(f"{ap}/rows"):
+            # q head norm + RoPE of every row in one launch (a warp per head row, RoPE at the
+            # row's own position pos[t]; the one-row launch's bits)
+            qs = v["attn.q"][:T]
+            RN.head_rms(qs, eps, out=qs, rope=(v["pos"][:T].reshape(T), L.cos, L.sin))
             for t in range(T):
                 pos = v["pos"][t]
                 q = v["attn.q"][t].reshape(1, H, hd)
-                RN.head_rms(q, eps, out=q, rope=(pos, L.cos, L.sin))
                 CM.norm_rope_sim(v["dev.kvraw"][t].reshape(1, hd), L.f32["attn.kv_norm.weight"], eps,
                                  L.cos, L.sin, pos, "fp8", out=cache.ring, emit_gate=(pos, W),
                                  row="ring")
