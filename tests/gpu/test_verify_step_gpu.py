@@ -148,10 +148,12 @@ def test_streams_and_taps(device_verify):
     fails, lines = [], []
     for t in range(k + 1):
         _logit_check(f"row {t}", rows[t], rows3[t], fails, lines, flips=[])
-    d = float(cp.max(cp.abs(taps - taps3)))
-    scale = float(cp.max(cp.abs(taps3)))
-    lines.append(f"taps max |d| {d:.3e} of max {scale:.3e}")
-    assert d <= 0.05 * max(scale, 1.0), f"taps against the chunk verify: {d:.3e}"
+    for j in range(2):   # rel L2 of each tap (unrelated streams would give ~1.4)
+        a, b = taps[:, j].astype(cp.float64), taps3[:, j].astype(cp.float64)
+        rel = float(cp.linalg.norm(a - b) / cp.linalg.norm(b))
+        lines.append(f"tap {j}: rel L2 {rel:.3e} against the chunk verify")
+        if rel > 5e-2:
+            fails.append(f"tap {j}: rel L2 {rel:.3e} > 5e-2")
     assert not fails, "\n".join(lines + fails)
 
 
