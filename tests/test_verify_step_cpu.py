@@ -33,6 +33,7 @@ def test_plan_is_the_step_plan_with_rows(name):
         row = sl.nbytes // sl.shape[0]
         assert row % 16 == 0 and sl.offset % 16 == 0, (n, row, sl.offset)
     assert p.slot("moe.h").shape == (5, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    assert p.slot("moe.sh_a").shape == p.slot("moe.sh_u").shape == p.slot("moe.sh_h").shape
 
 
 def test_rows_refused_outside_range():

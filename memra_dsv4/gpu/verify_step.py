@@ -33,7 +33,8 @@ a cache is read or written):
      replaces the slot of position pos + t - W, which an earlier row's window still reads.
   D. wo_a (grouped) and wo_b for the T rows.
   ffn: per row the boundary and the router; the routed gate/up over the T x k slots (x row
-  s // k), the shared expert's SwiGLU per row, its w2 for the T rows, the down + combine with
+  s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of their bf16 outputs
+  (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
   grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
 Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: those run as T
 one-row launches (the same bits, T weight reads).
@@ -88,6 +89,10 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
         if s.name in _DROPPED_SLOTS:
             continue
         p.add(s.name, s.shape if s.name in _SHARED_SLOTS else (rows,) + tuple(s.shape), s.dtype)
+    # the shared expert's gate and up rows of the multi-row form (VerifyStep.shared_form "rows")
+    sh = tuple(one.slot("moe.sh_h").shape)
+    p.add("moe.sh_a", (rows,) + sh, "bf16")
+    p.add("moe.sh_u", (rows,) + sh, "bf16")
     p.check()
     return p
 
@@ -152,6 +157,10 @@ class VerifyStep:
         self._tap_bufs: dict = {}   # (stage, taps) -> {layer: [ROW_MAX, hc, D] bf16}
         self._taps = ()             # the taps of the graph being captured / enqueued
         self._logits_host = None
+        # the shared expert's SwiGLU: "rows" (W1 / W3 read once for the rows, then the SwiGLU
+        # kernel) or "per_row" (gemv_bf16_swiglu per row, the step's own launch); the same bytes
+        # (tests/gpu/test_verify_step_gpu.py); FP8-as-stored weights always take "per_row"
+        self.shared_form = "rows"
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -561,9 +570,19 @@ class VerifyStep:
                                ws2_3=L.ws2["w3"])
         with phase(f"{mp}/shared"):
             (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
-            for t in range(T):
-                DK.gemv_bf16_swiglu(w1, w3, v["xn"][t], v["moe.sh_h"][t], cfg.swiglu_limit,
-                                    scale1=s1, scale3=s3)
+            if self.shared_form == "rows" and s1 is None and s3 is None:
+                # W1 and W3 once for the rows (gemv_bf16's bits: bf16(W1 x), bf16(W3 x)), then
+                # the clamped SwiGLU of those bf16 values (moe.swiglu: swiglu_value, unweighted):
+                # what gemv_bf16_swiglu computes in one launch per row
+                from memra_dsv4.gpu.ops import moe as MO
+                a, u = v["moe.sh_a"][:T], v["moe.sh_u"][:T]
+                DK.gemv_bf16_xrows(w1, v["xn"][:T], a)
+                DK.gemv_bf16_xrows(w3, v["xn"][:T], u)
+                MO.swiglu(a, u, cfg.swiglu_limit, out=v["moe.sh_h"][:T])
+            else:
+                for t in range(T):
+                    DK.gemv_bf16_swiglu(w1, w3, v["xn"][t], v["moe.sh_h"][t], cfg.swiglu_limit,
+                                        scale1=s1, scale3=s3)
             w, sc = L.lin("ffn.shared_experts.w2")
             _rows_gemv(w, sc, v["moe.sh_h"][:T], v["moe.shared"][:T])
         with phase(f"{mp}/combine"):

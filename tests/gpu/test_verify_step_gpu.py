@@ -10,7 +10,8 @@ the device step, byte for byte.
 * Boundary positions on tiny (W = 8, CSA ratio 4, HCA 16): prompts of 1..3 tokens, rows across
   the first CSA emit (positions 3 / 7), the window wrap (7 / 8), the first HCA emit (15), and
   later (28..35: the indexer's top-k of 2 drops blocks there); k up to row_limit - 1 = 7.
-* Graph replay == eager; a second verify of the same shape replays the same graph.
+* Graph replay == eager (the eager call with the shared expert's per-row form: the same bytes);
+  a second verify of the same shape replays the same graph.
 * return_streams / taps: the last trunk layer's tap is the returned final streams, byte for byte;
   against the chunk routine's verify within the bf16 class (logits as test_decode_gpu judges).
 * Greedy speculative decoding with the device verify == the device path's greedy generate.
@@ -110,8 +111,12 @@ def test_graph_equals_eager_and_replays(device_verify):
     g = m.verify(sg, toks)
     vs = m._verify_step
     n_graphs = len(vs._graphs[sg])
-    e = vs.verify(se, toks, graph=False)
-    assert np.array_equal(_bits(g), _bits(e)), "graph replay != eager"
+    vs.shared_form = "per_row"   # the step's own shared-expert launch, eagerly
+    try:
+        e = vs.verify(se, toks, graph=False)
+    finally:
+        vs.shared_form = "rows"
+    assert np.array_equal(_bits(g), _bits(e)), "graph replay != eager (shared expert per row)"
     m.commit(sg, 2)
     m.commit(se, 2)   # the eager call journaled too
     _same_caches(_caches(sg), _caches(se), "graph vs eager commit(2)")
