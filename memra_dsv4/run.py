@@ -112,11 +112,8 @@ class _OracleBackend:
     def speculative(self, ids, n: int, k: int):
         """Greedy speculative decoding with the checkpoint's drafter (oracle.spec: the MTP
         block, or oracle.dspark's DSparkDrafter for a DSpark checkpoint): a SpecResult."""
-        from memra_dsv4.config import DRAFTER_DSPARK
-        from memra_dsv4.oracle.dspark import DSparkDrafter
         from memra_dsv4.oracle.spec import speculative_generate
-        dspark = self.model.config.drafter_kind == DRAFTER_DSPARK
-        return speculative_generate(self.model, ids, n, k, DSparkDrafter() if dspark else None)
+        return speculative_generate(self.model, ids, n, k)   # oracle.spec.default_drafter
 
 
 class _GpuBackend:

@@ -57,7 +57,20 @@ def test_refusals():
     with pytest.raises(ValueError, match="no MTP block"):
         MtpDrafter().begin(o_ds)
     with pytest.raises(ValueError, match="no MTP block"):
-        speculative_generate(o_ds, [1, 2, 3], 4, 3)          # default drafter = MTP
+        speculative_generate(o_ds, [1, 2, 3], 4, 3, MtpDrafter())
+
+
+def test_default_drafter_follows_the_checkpoint():
+    """speculative_generate without a drafter takes the checkpoint's (oracle.spec.default_drafter):
+    DSpark on a DSpark config (the same tokens as an explicit DSparkDrafter), MTP otherwise."""
+    from memra_dsv4.oracle.spec import default_drafter
+    o_mtp, o_ds = oracle("bf16", "mtp"), oracle("bf16", "dspark")
+    assert type(default_drafter(o_ds)) is DSparkDrafter
+    assert type(default_drafter(o_mtp)) is MtpDrafter
+    ids = prompt(1, 4)
+    a = speculative_generate(o_ds, ids, 5, 3)
+    b = speculative_generate(o_ds, ids, 5, 3, DSparkDrafter())
+    assert list(a.tokens) == list(b.tokens) and a.accepted == b.accepted
 
 
 # ------------------------------------------------------------------------ one round

@@ -67,7 +67,8 @@ from memra_dsv4.oracle.sampling import greedy, sample_from_probs, sampling_probs
 from memra_dsv4.oracle.state import DEFAULT_MAX_SEQ_LEN, DecodeState
 
 __all__ = [
-    "MtpDraft", "new_mtp_state", "mtp_propose", "check_propose_args", "MtpDrafter", "SpecResult",
+    "MtpDraft", "new_mtp_state", "mtp_propose", "check_propose_args", "MtpDrafter", "default_drafter",
+    "SpecResult",
     "check_spec_args", "check_spec_room", "spec_loop", "speculative_generate", "greedy_generate",
 ]
 
@@ -251,6 +252,17 @@ def check_spec_room(prompt_len: int, n_new: int, max_seq_len: int) -> None:
                          f"max_seq_len {max_seq_len}")
 
 
+def default_drafter(oracle):
+    """The drafter of the oracle's checkpoint (gpu.spec.default_drafter's rule): oracle.dspark's
+    DSparkDrafter for a DSpark config, else MtpDrafter (whose begin refuses a checkpoint without
+    an MTP block, naming it)."""
+    from memra_dsv4.config import DRAFTER_DSPARK
+    if oracle.config.drafter_kind == DRAFTER_DSPARK:
+        from memra_dsv4.oracle.dspark import DSparkDrafter
+        return DSparkDrafter()
+    return MtpDrafter()
+
+
 def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=None, *,
                          temperature: float = 0.0, top_p: float = 1.0, generator=None,
                          state: DecodeState | None = None, schedule=None) -> SpecResult:
@@ -258,8 +270,9 @@ def speculative_generate(oracle, prompt, max_new_tokens: int, k: int, drafter=No
 
     ``schedule``: None (verify every draft) or ``cost(t)``, the time of a verify of t tokens:
     each round then verifies ``host.spec_schedule.verify_length(confidences, cost)`` drafts
-    (at least 1), for drafters that report confidences (DSpark: ``last_confidence``)."""
-    drafter = drafter if drafter is not None else MtpDrafter()
+    (at least 1), for drafters that report confidences (DSpark: ``last_confidence``).
+    ``drafter`` None: the checkpoint's own (``default_drafter``: DSpark or the MTP block)."""
+    drafter = drafter if drafter is not None else default_drafter(oracle)
     n_new, sampled, probs, generator = check_spec_args(max_new_tokens, k, temperature, top_p,
                                                        generator, drafter, schedule)
     if state is None:
