@@ -377,7 +377,10 @@ class VerifyStep:
         with phase(sp):
             for t in range(T):
                 DK.step_scalars(v["pos"][t], v["dev.aux"][t], S.ratios)
-            cur, oth = v["streams.a"], v["streams.b"]
+            # the step's [1, hc, D] stream slots with the rows axis: [ROW_MAX, hc, D]
+            hc = cfg.hc_mult
+            cur = v["streams.a"].reshape(ROW_MAX, hc, D)
+            oth = v["streams.b"].reshape(ROW_MAX, hc, D)
             if st.has_embed:
                 with phase(f"{sp}/embed"):
                     for t in range(T):
