@@ -71,3 +71,40 @@ def test_dispatch_takes_the_chunk_routine_outside_the_device_rows():
     for rows in (1, row_limit(cfg) + 1):   # never reaches the GPU
         assert device_verify_of(dev, state, rows) is None
         assert dev._verify_step is None
+
+
+def test_xn_projection_entries_per_layer_kind():
+    """The one builder of the device step's and the device verify's GemvTable entries: order
+    (wq_a, wkv, compressor wkv / wgate, indexer-compressor wkv / wgate, weights_proj) and the
+    pending rows' offsets (ratio 4 overlaps: rows r..2r-1 take the current block)."""
+    from types import SimpleNamespace as NS
+
+    from memra_dsv4.gpu.step_device import xn_projection_entries
+
+    def layer(ratio, kind):
+        return NS(ratio=ratio, kind=kind, lin=lambda pre: ("W", pre), w=lambda leaf: ("w", leaf))
+
+    def pend(ratio):
+        return NS(ratio=ratio, overlap=ratio == 4, kv=("kv", ratio), score=("score", ratio))
+    cache = NS(comp_state=None, idx_state=None)
+    got = xn_projection_entries(layer(0, "sliding"), cache, "qr", "kv", None)
+    assert got == [(("W", "attn.wq_a"), "qr"), (("W", "attn.wkv"), "kv")]
+    cache = NS(comp_state=pend(16), idx_state=None)
+    got = xn_projection_entries(layer(16, "hca"), cache, "qr", "kv", None)
+    assert got[2:] == [(("W", "attn.compressor.wkv"), ("kv", 16), None, 0, 16),
+                       (("W", "attn.compressor.wgate"), ("score", 16),
+                        ("w", "attn.compressor.ape"), 0, 16)]
+    cache = NS(comp_state=pend(4), idx_state=pend(4))
+    got = xn_projection_entries(layer(4, "csa"), cache, "qr", "kv", "iw")
+    assert [e[0][1] for e in got] == ["attn.wq_a", "attn.wkv", "attn.compressor.wkv",
+                                      "attn.compressor.wgate", "attn.indexer.compressor.wkv",
+                                      "attn.indexer.compressor.wgate", "attn.indexer.weights_proj"]
+    assert [e[3] for e in got[2:6]] == [4, 4, 4, 4] and got[6][1] == "iw"
+
+
+def test_step_ratios():
+    from memra_dsv4.gpu.step_device import step_ratios
+    cfg = preset("tiny")
+    assert step_ratios(cfg, range(cfg.num_hidden_layers)) == [4, 16]
+    assert step_ratios(cfg, [0]) == [1, 4]       # a sliding-only stage
+    assert step_ratios(cfg, [2]) == [16, 4]      # HCA only: 4 appended for the key count

@@ -71,7 +71,7 @@ import numpy as np
 
 from memra_dsv4.host.rope import layer_cos_sin
 
-__all__ = ["DeviceStep"]
+__all__ = ["DeviceStep", "stage_views", "step_ratios", "xn_projection_entries"]
 
 
 class _Layer:
@@ -145,10 +145,7 @@ class DeviceStep:
                 S.plan = step_ws_plan(cfg, st.layers, st.has_embed, st.has_head, self.msl, si)
                 S.arena = Arena(S.plan, st.device)
                 S.v = S.arena.views()
-                S.ratios = sorted({cfg.compress_ratio(l) for l in st.layers} - {0}) or [1]
-                if 4 not in S.ratios and len(S.ratios) < 4:
-                    S.ratios = S.ratios + [4]
-                assert len(S.ratios) <= 4, f"stage {si}: ratios {S.ratios} (at most 4)"
+                S.ratios = step_ratios(cfg, st.layers, si)
                 # token / position for the step's two 4-byte uploads: pinned, so memcpyAsync
                 # enqueues without a staging copy (rewritten only after the previous step's
                 # final synchronize, when its uploads have run)
@@ -475,26 +472,14 @@ class DeviceStep:
             v = S.v
             with cp.cuda.Device(S.dev):
                 for L in S.layers:
-                    c = state.cache(L.lid)
-                    ent = [(L.lin("attn.wq_a"), v["attn.qr"]),
-                           (L.lin("attn.wkv"), v["dev.kvraw"])]
-                    if L.ratio:
-                        ent += self._pending_entries(L, c.comp_state, "attn.compressor")
-                    if L.kind == "csa":
-                        ent += self._pending_entries(L, c.idx_state, "attn.indexer.compressor")
-                        ent.append((L.lin("attn.indexer.weights_proj"), v["idx.w"]))
-                    tabs[L.lid] = DK.GemvTable(ent, D)
+                    tabs[L.lid] = DK.GemvTable(
+                        xn_projection_entries(L, state.cache(L.lid), v["attn.qr"], v["dev.kvraw"],
+                                              v.get("idx.w")), D)
         self._graphs.pop(state, None)   # a graph bakes its table's address: never one without it
         self._tables[state] = tabs
         # each GemvTable was uploaded by cp.asarray on the current stream (pinned staging, then
         # an async H2D): order the compute streams, whose gemv_bf16_multi reads it, after that
         self.m.devs.order_after_current()
-
-    @staticmethod
-    def _pending_entries(L, pend, sub):
-        r, off = pend.ratio, pend.ratio if pend.overlap else 0
-        return [(L.lin(f"{sub}.wkv"), pend.kv, None, off, r),
-                (L.lin(f"{sub}.wgate"), pend.score, L.w(f"{sub}.ape"), off, r)]
 
     def _capture(self, state, pdl_on: bool = False, attn: str = "split", fork: str = "off",
                  hc_split: bool = False, prio: str = "off", qnorm: str = "kernel", w2: str = "gemv"):
@@ -1386,6 +1371,38 @@ def _gateup_pdl_scope():
 
     from memra_dsv4.gpu.pdl import pdl_launches
     return pdl_launches(False) if gateup_pdl_off() else contextlib.nullcontext()
+
+
+def step_ratios(cfg, layers, stage_index: int = 0) -> list:
+    """The compress ratios step_scalars derives its per-step counts for (ops_decode.step_scalars:
+    at most 4): the stage's nonzero ratios ([1] when none), plus 4 when missing and there is room
+    (the indexer's key count)."""
+    ratios = sorted({cfg.compress_ratio(l) for l in layers} - {0}) or [1]
+    if 4 not in ratios and len(ratios) < 4:
+        ratios = ratios + [4]
+    assert len(ratios) <= 4, f"stage {stage_index}: ratios {ratios} (at most 4)"
+    return ratios
+
+
+def xn_projection_entries(L, cache, qr, kvraw, idx_w):
+    """The GemvTable entries (ops_decode.GemvTable) of one layer's projections of the attention
+    input xn, for one token: wq_a -> qr, wkv -> kvraw, the compressor and indexer-compressor wkv /
+    wgate straight into the cache's pending rows (row pos % r [+ r], ape on the score half), the
+    indexer's weights_proj -> idx_w (CSA layers).  The device step's table (DeviceStep) and each
+    row's table of the device verify (gpu.verify_step) are built by it."""
+    ent = [(L.lin("attn.wq_a"), qr), (L.lin("attn.wkv"), kvraw)]
+    pend = []
+    if L.ratio:
+        pend.append((cache.comp_state, "attn.compressor"))
+    if L.kind == "csa":
+        pend.append((cache.idx_state, "attn.indexer.compressor"))
+    for st, sub in pend:
+        r, off = st.ratio, st.ratio if st.overlap else 0
+        ent += [(L.lin(f"{sub}.wkv"), st.kv, None, off, r),
+                (L.lin(f"{sub}.wgate"), st.score, L.w(f"{sub}.ape"), off, r)]
+    if L.kind == "csa":
+        ent.append((L.lin("attn.indexer.weights_proj"), idx_w))
+    return ent
 
 
 def stage_views(model, st, msl: int):

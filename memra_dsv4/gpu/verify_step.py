@@ -144,7 +144,7 @@ class VerifyStep:
         import cupy as cp
         import cupyx
         from memra_dsv4.gpu.arena import Arena
-        from memra_dsv4.gpu.step_device import DeviceStep, stage_views
+        from memra_dsv4.gpu.step_device import DeviceStep, stage_views, step_ratios
         self.m = model
         self.cfg = cfg = model.config
         self.msl = int(max_seq_len)
@@ -170,9 +170,7 @@ class VerifyStep:
                 S.plan = verify_ws_plan(cfg, st.layers, st.has_embed, st.has_head, self.msl, si)
                 S.arena = Arena(S.plan, st.device)
                 S.v = S.arena.views()
-                S.ratios = sorted({cfg.compress_ratio(l) for l in st.layers} - {0}) or [1]
-                if 4 not in S.ratios and len(S.ratios) < 4:
-                    S.ratios = S.ratios + [4]
+                S.ratios = step_ratios(cfg, st.layers, si)
                 S.host = cupyx.zeros_pinned((2, ROW_MAX), np.int32)   # tok, pos of the rows
                 S.event = cp.cuda.Event(disable_timing=True)
                 S.layers, S.head_fn, S.head_host = stage_views(model, st, self.msl)
@@ -254,17 +252,18 @@ class VerifyStep:
         """float32 CuPy on the last stage's device: the rows' final streams [T, hc, D] or, with
         taps, those layers' output streams [T, n_taps, hc, D] (gpu.decode.gather_taps)."""
         import cupy as cp
+        from memra_dsv4.gpu import ops_glue as G
         from memra_dsv4.gpu.decode import gather_taps
         last = self.stages[-1]
         if not taps:
             with cp.cuda.Device(last.dev), self.m.devs[last.dev].compute:
-                return _bf16_f32(self._final_streams[:T])
+                return G.to_f32(self._final_streams[:T])
         out = {}
         for S in self.stages:
             bufs = self._tap_bufs.get((S.si, taps), {})
             with cp.cuda.Device(S.dev), S.stream:
                 for lid, b in bufs.items():
-                    out[lid] = _bf16_f32(b[:T])
+                    out[lid] = G.to_f32(b[:T])
             S.stream.synchronize()
         return gather_taps(self.m, out, taps)
 
@@ -274,14 +273,14 @@ class VerifyStep:
         if n == jr.k:
             return   # the caches are those of every row: nothing to undo
         bufs = jr.bufs
-        p0, last_kept, p_end = jr.p0, jr.p0 + n, jr.p0 + jr.k + 1
+        last_kept, p_end = jr.p0 + n, jr.p0 + jr.k + 1
         for st in self.m.stages:
             stream = self.m.devs[st.device].compute
             with cp.cuda.Device(st.device), stream:
+                # the rolled-back positions' ring slots: the same for every layer (one window)
+                slots = cp.asarray(np.arange(last_kept + 1, p_end) % self.cfg.sliding_window)
                 for lid in st.layers:
                     c = state.cache(lid)
-                    W = c.window
-                    slots = cp.asarray(np.arange(last_kept + 1, p_end) % W)
                     c.ring[slots] = bufs.ring[lid][slots]
                     if c.ratio:
                         snap = bufs.comp[lid][n]
@@ -294,7 +293,6 @@ class VerifyStep:
                         _copy(c.idx_state.score, snap[1], stream)
                         c.idx_keys[(last_kept + 1) // 4:p_end // 4] = 0
             stream.synchronize()
-        del p0
 
     # ------------------------------------------------------------------ setup
     def _ensure_state(self, state) -> None:
@@ -305,25 +303,18 @@ class VerifyStep:
             return
         import cupy as cp
         from memra_dsv4.gpu import ops_decode as DK
-        from memra_dsv4.gpu.step_device import DeviceStep
+        from memra_dsv4.gpu.step_device import xn_projection_entries
         D = self.cfg.hidden_size
         tabs = {}
         for S in self.stages:
             v = S.v
+            idx_w = v.get("idx.w")
             with cp.cuda.Device(S.dev):
                 for L in S.layers:
                     c = state.cache(L.lid)
-                    per_row = []
-                    for t in range(ROW_MAX):
-                        ent = [(L.lin("attn.wq_a"), v["attn.qr"][t]),
-                               (L.lin("attn.wkv"), v["dev.kvraw"][t])]
-                        if L.ratio:
-                            ent += DeviceStep._pending_entries(L, c.comp_state, "attn.compressor")
-                        if L.kind == "csa":
-                            ent += DeviceStep._pending_entries(L, c.idx_state, "attn.indexer.compressor")
-                            ent.append((L.lin("attn.indexer.weights_proj"), v["idx.w"][t]))
-                        per_row.append(DK.GemvTable(ent, D))
-                    tabs[L.lid] = per_row
+                    tabs[L.lid] = [DK.GemvTable(xn_projection_entries(
+                        L, c, v["attn.qr"][t], v["dev.kvraw"][t],
+                        None if idx_w is None else idx_w[t]), D) for t in range(ROW_MAX)]
         self._journals[state] = _StateJournal(self.m, state)
         self._graphs[state] = {}
         self._tables[state] = tabs
@@ -604,7 +595,3 @@ def _rows_gemv(w, scale, X, out, groups: int = 1) -> None:
     for t in range(X.shape[0]):
         DK.gemv_bf16(w, X[t:t + 1], out[t:t + 1], groups=groups, scale=scale)
 
-
-def _bf16_f32(u16):
-    import cupy as cp
-    return (u16.astype(cp.uint32) << 16).view(cp.float32)
