@@ -1462,6 +1462,31 @@ pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __re
     }
 }
 
+// copy_vec4_x4: up to four device-to-device copies in one launch, dst_i[0, n_i) = src_i[0, n_i)
+// in 16-byte words (a null pair with n_i = 0 is skipped).  The device verify's journal (the
+// pending rows after each row, the ring before the rows): one kernel node where memcpy nodes
+// would cost a node each and end the PDL chain (a kernel after a memcpy node waits for the
+// memcpy's full completion).  Pure data movement: bit-identical to cudaMemcpy.  Grid-stride
+// over the concatenation of the four ranges; the wrapper (ops_decode.copy_words) asserts the
+// 16-byte alignment and sizes.
+extern "C" __global__ void __launch_bounds__(256)
+copy_vec4_x4(const uint4* __restrict__ s0, uint4* __restrict__ d0, long long n0,
+             const uint4* __restrict__ s1, uint4* __restrict__ d1, long long n1,
+             const uint4* __restrict__ s2, uint4* __restrict__ d2, long long n2,
+             const uint4* __restrict__ s3, uint4* __restrict__ d3, long long n3) { PDL_ENTRY();
+    const i64 total = n0 + n1 + n2 + n3;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        i64 j = i;
+        if (j < n0) { d0[j] = __ldcg(s0 + j); continue; }
+        j -= n0;
+        if (j < n1) { d1[j] = __ldcg(s1 + j); continue; }
+        j -= n1;
+        if (j < n2) { d2[j] = __ldcg(s2 + j); continue; }
+        j -= n2;
+        d3[j] = __ldcg(s3 + j);
+    }
+}
+
 // The position is loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD): the step's arena pos is written
 // before its graph starts (read through L2); the selection (sel) stays after the wait.
 extern "C" __global__ void __launch_bounds__(256)

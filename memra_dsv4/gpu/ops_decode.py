@@ -298,7 +298,8 @@ def _stream_variant(variant: str, fp8: bool, O: int, K: int, rpg: int):
 def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
-                          "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32") \
+                          "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32",
+                          "copy_vec4_x4") \
     + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
 kernel_loader.register(STEM, KERNELS)
 
@@ -307,7 +308,8 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
-           "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "KERNELS", "STEM"]
+           "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "COPY_PAIRS_MAX",
+           "KERNELS", "STEM"]
 
 
 def _blocks(n: int) -> int:
@@ -749,6 +751,37 @@ def greedy_argmax(logits, tok, pos=None, hist=None):
     kernel(STEM, "greedy_argmax_f32")((1,), (1024,), (logits, i32(n), tok, null_or(pos),
                                                       null_or(hist), i32(0 if hist is None else hist.size)))
     return tok
+
+
+COPY_PAIRS_MAX = 4   # decode.cu copy_vec4_x4's ranges per launch
+
+
+def copy_words(pairs) -> None:
+    """dst[...] = src for up to COPY_PAIRS_MAX (dst, src) pairs of device arrays, one launch
+    (decode.cu copy_vec4_x4: bit-identical to a device-to-device memcpy; NumPy twin: the
+    assignment).  Each pair: same byte size, both C-contiguous, on the current device, 16-byte
+    aligned with a size that is a multiple of 16 bytes (the kernel moves uint4 words).  Why a
+    kernel, not memcpy: inside a PDL graph a memcpy node ends the programmatic chain and costs a
+    node of its own (the device verify's journal takes up to four copies per row and layer)."""
+    pairs = list(pairs)
+    assert 1 <= len(pairs) <= COPY_PAIRS_MAX, f"copy_words: {len(pairs)} pairs, expected 1..{COPY_PAIRS_MAX}"
+    args, total = [], 0
+    for i, (dst, src) in enumerate(pairs):
+        assert dst.nbytes == src.nbytes, f"copy_words pair {i}: dst {dst.shape} {dst.dtype} ({dst.nbytes} B) <- src {src.shape} {src.dtype} ({src.nbytes} B)"
+        assert dst.flags.c_contiguous and src.flags.c_contiguous, f"copy_words pair {i}: not C-contiguous"
+        for name, a in (("dst", dst), ("src", src)):
+            assert a.data.ptr % 16 == 0, f"copy_words pair {i}: {name} address {a.data.ptr:#x} is not 16-byte aligned"
+        assert src.nbytes % 16 == 0, f"copy_words pair {i}: {src.nbytes} B is not a multiple of 16"
+        n = src.nbytes // 16
+        args += [src, dst, np.int64(n)]
+        total += n
+    for _ in range(len(pairs), COPY_PAIRS_MAX):
+        args += [null_or(None), null_or(None), np.int64(0)]
+    if total == 0:
+        return
+    # at most 4 words per thread at this grid (an H200 runs 132 x 8 CTAs of 256 at once)
+    blocks = max(1, min(-(-total // (256 * 4)), 1024))
+    kernel(STEM, "copy_vec4_x4")((blocks,), (256,), tuple(args))
 
 
 def ring_write(pos, src, ring):

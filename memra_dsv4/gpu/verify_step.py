@@ -47,8 +47,14 @@ indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  Host-dr
 copies per layer on the stage's compute stream).
 
 Launches only after every check; the graphs bake the arena, the state's caches and journal, and
-the GemvTables (per state and row), all made before the first capture.  No PDL (the kernels'
-griddepcontrol.wait is a no-op without the launch attribute).
+the GemvTables (per state and row), all made before the first capture.  PDL follows the model's
+seam (MEMRA_DSV4_PDL, as the device step): every launch carries the attribute, graph and eager
+(a graph per (rows, taps, pdl)).  Why it is safe in this launch order: every kernel waits before
+it triggers, and what a kernel loads before its wait (common.cuh PDL_ENTRY_PRELOAD) is static
+weights, the rows' position words (uploaded before the graph) or buffers written two or more
+launches back (down + combine's expert ids: the last row's router, then the routed gate/up and
+the shared expert's launches).  The journal copies are kernels (ops_decode.copy_words), not
+memcpy nodes, so the chain stays programmatic.
 """
 
 from __future__ import annotations
@@ -129,6 +135,19 @@ class _Stage:
     pass
 
 
+def _journal_copy(pairs, stream) -> None:
+    """The (dst, src) pairs' copies in one kernel launch (ops_decode.copy_words: a kernel node
+    keeps the PDL chain) when every pair is 16-byte aligned and sized, else one memcpy each."""
+    from memra_dsv4.gpu import ops_decode as DK
+    pairs = [(d, s) for d, s in pairs]
+    if all(d.data.ptr % 16 == 0 and s.data.ptr % 16 == 0 and s.nbytes % 16 == 0 for d, s in pairs):
+        for i in range(0, len(pairs), DK.COPY_PAIRS_MAX):
+            DK.copy_words(pairs[i:i + DK.COPY_PAIRS_MAX])
+        return
+    for d, s in pairs:
+        _copy(d, s, stream)
+
+
 def _copy(dst, src, stream) -> None:
     """A device-to-device copy of src's bytes into dst (both contiguous, same size), captured as
     a memcpy node."""
@@ -194,6 +213,7 @@ class VerifyStep:
         the taps and that no verify is pending); journals into state.journal."""
         import cupy as cp
         import cupyx
+        from memra_dsv4.gpu.pdl import pdl_launches
         from memra_dsv4.profiling import phase
         rt = cp.cuda.runtime
         T = int(ids.shape[0])
@@ -204,13 +224,16 @@ class VerifyStep:
         taps = tuple(int(t) for t in taps)
         self._ensure_state(state)
         pos0 = int(state.pos)
+        # the model's PDL seam, as the device step reads it: every launch of the verify carries
+        # the attribute (captured as programmatic edges); a graph per (rows, taps, pdl)
+        pdl_on = getattr(self.m, "pdl", "off") == "on"
         gs = None
         if graph:
-            key = (T, taps)
+            key = (T, taps, pdl_on)
             per = self._graphs[state]
             gs = per.get(key)
             if gs is None:
-                gs = per[key] = self._capture(state, T, taps)
+                gs = per[key] = self._capture(state, T, taps, pdl_on)
         with phase("verify"):
             for S in self.stages:   # the host input: the rows' tokens and positions
                 S.host[0, :T] = ids
@@ -228,7 +251,7 @@ class VerifyStep:
                         g.launch(S.stream)
                     else:
                         self._taps = taps
-                        with S.stream:
+                        with S.stream, pdl_launches(pdl_on):
                             self._enqueue(S, state, T)
                         self._taps = ()
                     if S.si + 1 < len(self.stages):
@@ -320,9 +343,10 @@ class VerifyStep:
         self._tables[state] = tabs
         self.m.devs.order_after_current()   # the tables' uploads ran on the current stream
 
-    def _capture(self, state, T: int, taps: tuple):
+    def _capture(self, state, T: int, taps: tuple, pdl_on: bool = False):
         import cupy as cp
         from memra_dsv4.gpu import graphs
+        from memra_dsv4.gpu.pdl import pdl_launches
         from memra_dsv4.profiling import phase_set_capturing
         from memra_dsv4.profiling import phases as _ph
         for d in self.m.devs:
@@ -335,6 +359,7 @@ class VerifyStep:
             for S in self.stages:
                 with cp.cuda.Device(S.dev):
                     self._tap_buffers(S, taps)
+                with cp.cuda.Device(S.dev), pdl_launches(pdl_on):
                     out.append(graphs.capture(S.stream, lambda S=S: self._enqueue(S, state, T)))
         finally:
             phase_set_capturing(was)
@@ -385,7 +410,7 @@ class VerifyStep:
                     cur, oth = self._block(S, L, i, T, cur, oth, state.cache(L.lid), tabs[L.lid], jr,
                                            prev_tap)
                 if L is S.layers[-1] and L.lid in taps:   # the stage's closing hc_post wrote it
-                    _copy(taps[L.lid][:T], cur[:T], S.stream)
+                    _journal_copy([(taps[L.lid][:T], cur[:T])], S.stream)
             if st.has_head:
                 with phase(f"{sp}/head"):
                     self._final_streams = cur
@@ -434,7 +459,7 @@ class VerifyStep:
                     self._boundary(S, L, t, cur, "attn", f=v["ffn.out"], out=oth)
                 cur, oth = oth, cur
                 if prev_tap is not None:
-                    _copy(prev_tap[:T], cur[:T], S.stream)
+                    _journal_copy([(prev_tap[:T], cur[:T])], S.stream)
             self._attention(S, L, T, cache, tables, jr)
         with phase(f"{bp}/ffn"):
             for t in range(T):
@@ -463,26 +488,27 @@ class VerifyStep:
         H, hd = cfg.num_attention_heads, cfg.head_dim
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         csa = bool(L.ratio) and L.kind == "csa"
-        _copy(jr.ring[L.lid], cache.ring, S.stream)   # the journal: the ring before any row
+        _journal_copy([(jr.ring[L.lid], cache.ring)], S.stream)   # the journal: the ring before any row
         # A. per row: projections, q_norm, the emissions (pending state in position order), the
         # pending snapshot
         with phase(f"{ap}/projections"):
             for t in range(T):
                 pos = v["pos"][t]
                 DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
+                snaps = []
                 if L.ratio:
                     st = cache.comp_state
                     CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
                             L.f32["attn.compressor.norm.weight"], eps, L.cos, L.sin, "fp8", cache.comp)
-                    _copy(jr.comp[L.lid][t, 0], st.kv, S.stream)
-                    _copy(jr.comp[L.lid][t, 1], st.score, S.stream)
+                    snaps += [(jr.comp[L.lid][t, 0], st.kv), (jr.comp[L.lid][t, 1], st.score)]
                 if csa:
                     st = cache.idx_state
                     CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
                             L.f32["attn.indexer.compressor.norm.weight"], eps, L.cos, L.sin,
                             "hadfp4", cache.idx_keys)
-                    _copy(jr.idx[L.lid][t, 0], st.kv, S.stream)
-                    _copy(jr.idx[L.lid][t, 1], st.score, S.stream)
+                    snaps += [(jr.idx[L.lid][t, 0], st.kv), (jr.idx[L.lid][t, 1], st.score)]
+                if snaps:   # the row's pending snapshot: one launch (after both emissions)
+                    _journal_copy(snaps, S.stream)
         # B. q_norm (one CTA per row: a row's bits do not depend on the others) and the rows' q
         # GEMVs: one weight read
         qr_rows = v["attn.qr"][:T]

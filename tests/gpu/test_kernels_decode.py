@@ -572,6 +572,39 @@ def test_ring_write(W, d):
         assert_same_bytes(dfull.get(), full, "ring_write", seed, W=W, d=d, pos=p)
 
 
+# ------------------------------------------------------------------------------ copy_words
+@pytest.mark.parametrize("sizes", [[16], [16384, 16384, 4096, 4096], [131072], [48, 0, 1 << 20],
+                                   [4096 * 7, 16 * 3]])
+def test_copy_words(sizes):
+    """One launch copies up to four ranges (the verify journal's pending snapshots / ring copy):
+    every destination frame equals its source after it, and the frames around each destination
+    keep their bytes (twin: the assignment)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    pairs, frames = [], []
+    for n in sizes:   # rows of 16 B: _framed's guard rows are 16 B each side
+        src = rng.integers(0, 1 << 32, max(n // 4, 0), dtype=np.uint32).reshape(-1, 4)
+        full, host, dfull, dev = _framed(rng.integers(0, 1 << 32, src.shape, dtype=np.uint32), rng)
+        host[...] = src
+        pairs.append((dev, cp.asarray(src)))
+        frames.append((dfull, full))
+    DK.copy_words(pairs)
+    for i, (dfull, full) in enumerate(frames):
+        assert_same_bytes(dfull.get(), full, f"copy_words range {i}", seed, sizes=sizes)
+
+
+def test_copy_words_refusals():
+    a = cp.zeros(64, cp.uint32)
+    with pytest.raises(AssertionError, match="pairs"):
+        DK.copy_words([(a, a)] * 5)
+    with pytest.raises(AssertionError, match="B\\)"):
+        DK.copy_words([(a[:32], a[:16])])
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        DK.copy_words([(a[1:5], a[8:12])])
+    with pytest.raises(AssertionError, match="multiple of 16"):
+        DK.copy_words([(a[:3], a[8:11])])
+
+
 # ------------------------------------------------------------------------------ pending rows
 # (ratio, overlap, C): CSA main (4, 2 x 512), CSA indexer (4, 2 x 128), HCA (128, 512), and two
 # combinations the model does not use (the kernels take ratio and overlap independently)

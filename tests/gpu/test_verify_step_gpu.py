@@ -11,6 +11,7 @@ the device step, byte for byte.
   the first CSA emit (positions 3 / 7), the window wrap (7 / 8), the first HCA emit (15), and
   later (28..35: the indexer's top-k of 2 drops blocks there); k up to row_limit - 1 = 7.
 * Graph replay == eager (the eager call with the shared expert's per-row form: the same bytes);
+  the graph with PDL (the model's seam) == without it;
   a second verify of the same shape replays the same graph.
 * return_streams / taps: the last trunk layer's tap is the returned final streams, byte for byte;
   against the chunk routine's verify within the bf16 class (logits as test_decode_gpu judges).
@@ -124,6 +125,32 @@ def test_graph_equals_eager_and_replays(device_verify):
     m.verify(sg, more)   # same (state, rows): the same graph
     assert len(vs._graphs[sg]) == n_graphs
     m.commit(sg, 0)
+
+
+def test_pdl_on_off_same_bytes(device_verify):
+    """The verify's graph with PDL (the model's seam, on by default) and without it: the same
+    logits and, after commit(k), the same caches as k + 1 device steps; one graph per form."""
+    ck, m = device_verify("tiny")
+    L, k = 14, 5   # rows 14..19: the first HCA emit (15) and a CSA emit (15, 19)
+    ids = _ids(ck.config, L + k + 1, seed=11)
+    toks = np.asarray(ids[L:L + k + 1], np.int64)
+    old = m.pdl
+    out = {}
+    try:
+        for form in ("off", "on"):
+            m.pdl = form
+            _, s = m.prefill(ids[:L], m.new_state())
+            out[form] = (m.verify(s, toks), s)
+            assert (k + 1, (), form == "on") in m._verify_step._graphs[s], f"pdl {form}: no graph"
+            m.commit(s, k)
+    finally:
+        m.pdl = old
+    assert np.array_equal(_bits(out["on"][0]), _bits(out["off"][0])), "PDL on != off (logits)"
+    _same_caches(_caches(out["on"][1]), _caches(out["off"][1]), "PDL on vs off commit(k)")
+    _, sd = m.prefill(ids[:L], m.new_state())
+    want = _steps(m, sd, toks)
+    assert np.array_equal(_bits(out["on"][0]), _bits(np.stack(want))), "PDL verify != device steps"
+    _same_caches(_caches(out["on"][1]), _caches(sd), "PDL verify commit(k) vs k + 1 steps")
 
 
 def test_streams_and_taps(device_verify):
