@@ -795,6 +795,8 @@ DEV void bnd_lastcta(const BndFn& fr, const u16* __restrict__ f, const u16* __re
 // mixes [24], pre_out [4], post_out [4], comb_out [16] f32; x_out, xn_out [D] bf16;
 // ws double [n/256 * 32]; counter int [1], zero before the first launch (left zero).
 // n = 4D, n % 256 == 0, n <= 32768. grid (n / 256), block 256, dynamic shared 14 D bytes.
+// Multi-row (grid (n / 256, T)): every per-token array above with T contiguous rows ([T, D],
+// [T, 4, D], [T, 24], [T, 4], [T, 4, 4]), ws [T][n/256 * 32], counter [T]; row t independent.
 // (min 1 CTA/SM: lets ptxas keep all of phase A's loads in flight at once; the grid is n/256 CTAs)
 extern "C" __global__ void __launch_bounds__(BND_THREADS, 1)
 hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* post_in,
@@ -804,6 +806,29 @@ hc_boundary(const u16* __restrict__ f, const u16* __restrict__ R, const float* p
             float* comb_out, u16* x_out, u16* xn_out, int D, int iters, float hc_eps,
             double norm_eps, double* ws, int* counter) {
     PDL_ENTRY_PRELOAD(const BndFn fr = bnd_fn_preload(fn, D));
+    // blockIdx.y = row t of a multi-row launch (the device verify's T tokens, each its own
+    // boundary): every per-token pointer moves by row t's stride, the split workspace by row t's
+    // nseg x 32 partials and ticket t.  Row 0 (the step's grid.y = 1) is the one-token launch
+    // unchanged; a row's CTAs compute exactly what a one-token launch computes: the same bytes.
+    const int t = blockIdx.y;
+    const i64 hd = (i64)HC * D;
+    if (t != 0) {
+        if (f != nullptr) {
+            f += t * (i64)D;
+            post_in += t * HC;
+            comb_in += t * HC * HC;
+            out += t * hd;
+        }
+        R += t * hd;
+        mixes += t * BND_ROWS;
+        pre_out += t * HC;
+        post_out += t * HC;
+        comb_out += t * HC * HC;
+        x_out += t * (i64)D;
+        xn_out += t * (i64)D;
+        ws += (i64)t * (hd / MIX_SEG) * 32;
+        counter += t;
+    }
     bnd_lastcta<true>(fr, f, R, post_in, comb_in, out, scale, base, norm_w, mixes, pre_out, post_out,
                       comb_out, x_out, xn_out, D, iters, hc_eps, norm_eps, ws, counter);
 }

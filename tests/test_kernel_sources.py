@@ -445,6 +445,10 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     monkeypatch.setattr(M["hc"], "_BND_SLOTS", {0: i32(M["hc"]._BND_SLOT_WORDS)})  # hc_boundary_poll's slots
     for f_kw in ({}, dict(f=u16(1, 64), out=u16(1, 4, 64))):
         M["hc"].hc_boundary(u16(1, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), impl="poll", **f_kw, **bx)
+    bx3 = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6, xn=u16(3, 64), x=u16(3, 64), pre=f32(3, 4),
+               post=f32(3, 4), comb=f32(3, 4, 4), mixes=f32(3, 24))   # the device verify's rows
+    M["hc"].hc_boundary(u16(3, 4, 64), f32(24, 256), f32(3), f32(24), u16(64), f=u16(3, 64),
+                        out=u16(3, 4, 64), impl="lastcta", **bx3)
     M["compressor"].add_ape(f32(3, 8), f32(4, 8), i32(3))
     st = f32(8, 32)
     M["compressor"].pool_overlap(st[4:8], st[4:8], 1, prev_kv=st[0:4], prev_score=st[0:4])

@@ -19,7 +19,9 @@ inside the expert launches) are bit-identical to the plain forms used here by th
 
 Order inside a layer (why: the caches are position-addressed, rows run in position order where
 a cache is read or written):
-  A. per row: the attention boundary (hc), the projections of xn (gemv_bf16_multi over the
+  the T rows' attention boundaries: one multi-row hc_boundary launch (grid.y = T, each row the
+     one-token launch's bytes; boundary_form "per_row": the step's launch per row);
+  A. per row: the projections of xn (gemv_bf16_multi over the
      row's GemvTable: qr, the kv row, the compressor / indexer-compressor pending rows at
      (pos + t) % r, the indexer weights), both compressor emissions (gated on the device by
      pos + t), then a snapshot of the pending rows (the journal: commit(n) restores snapshot n).  Emitted compressed rows / indexer keys of later rows are invisible to an
@@ -32,7 +34,7 @@ a cache is read or written):
      attention.  Row t's ring write comes after row t - 1's attention: a later row's write
      replaces the slot of position pos + t - W, which an earlier row's window still reads.
   D. wo_a (grouped) and wo_b for the T rows.
-  ffn: per row the boundary and the router; the routed gate/up over the T x k slots (x row
+  ffn: the T rows' boundaries (one launch), per row the router; the routed gate/up over the T x k slots (x row
   s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of their bf16 outputs
   (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
   grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
@@ -180,6 +182,9 @@ class VerifyStep:
         # kernel) or "per_row" (gemv_bf16_swiglu per row, the step's own launch); the same bytes
         # (tests/gpu/test_verify_step_gpu.py); FP8-as-stored weights always take "per_row"
         self.shared_form = "rows"
+        # the hc boundaries: "rows" (one hc_boundary launch for the T rows, grid.y = T) or
+        # "per_row" (the step's one-token launch per row); the same bytes (GPU test)
+        self.boundary_form = "rows"
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -428,6 +433,23 @@ class VerifyStep:
                     runtime.boundary_copy(nxt.v["streams.a"], cur, cur[:T].nbytes, S.stream,
                                           force_bounce=self.m.force_bounce)
 
+    def _boundaries(self, S, L, T: int, streams, sub: str, f=None, out=None) -> None:
+        """The T rows' boundaries into sub-layer ``sub``: one multi-row hc_boundary launch (grid.y
+        = T; each row's bytes those of the step's one-token launch) under boundary_form "rows"
+        with the lastcta kernel, else the step's launch per row (_boundary)."""
+        from memra_dsv4.gpu.ops import hc as HC
+        if self.boundary_form != "rows" or HC.boundary_impl(None) != "lastcta":
+            for t in range(T):
+                self._boundary(S, L, t, streams, sub, f=f, out=out)
+            return
+        cfg, v = self.cfg, S.v
+        HC.hc_boundary(streams[:T], L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
+                       L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters,
+                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, xn=v["xn"][:T], x=v["x"][:T],
+                       pre=v["hc.pre"][:T], post=v["hc.post"][:T], comb=v["hc.comb"][:T],
+                       mixes=v["dev.mix"][:T].reshape(T, -1), f=None if f is None else f[:T],
+                       out=None if out is None else out[:T])
+
     def _boundary(self, S, L, t: int, streams, sub: str, f=None, out=None) -> None:
         """Row t's boundary into sub-layer ``sub``: the step's hc_boundary launch (with f, the
         previous sub-layer's hc_post into ``out`` first)."""
@@ -452,18 +474,15 @@ class VerifyStep:
         D, hc = self.cfg.hidden_size, self.cfg.hc_mult
         with phase(f"{bp}/attn"):
             if i == 0:
-                for t in range(T):
-                    self._boundary(S, L, t, cur, "attn")
+                self._boundaries(S, L, T, cur, "attn")
             else:   # the previous layer's ffn hc_post + this attn's boundary
-                for t in range(T):
-                    self._boundary(S, L, t, cur, "attn", f=v["ffn.out"], out=oth)
+                self._boundaries(S, L, T, cur, "attn", f=v["ffn.out"], out=oth)
                 cur, oth = oth, cur
                 if prev_tap is not None:
                     _journal_copy([(prev_tap[:T], cur[:T])], S.stream)
             self._attention(S, L, T, cache, tables, jr)
         with phase(f"{bp}/ffn"):
-            for t in range(T):
-                self._boundary(S, L, t, cur, "ffn", f=v["attn.out"], out=oth)
+            self._boundaries(S, L, T, cur, "ffn", f=v["attn.out"], out=oth)
             cur, oth = oth, cur
             self._moe(S, L, T)
             if L is S.layers[-1]:

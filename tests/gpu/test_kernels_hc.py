@@ -353,6 +353,44 @@ def test_hc_boundary_graph_replay():
         _assert_same_bytes(got, want, seed, rep=rep)
 
 
+@pytest.mark.parametrize("D,T,with_post,in_place,wide", [
+    (4096, 2, True, True, False), (4096, 8, True, True, True), (4096, 5, False, False, False),
+    (4096, 3, True, False, False), (7168, 4, True, True, False), (256, 8, True, True, False)])
+def test_hc_boundary_rows_bitwise(D, T, with_post, in_place, wide):
+    """T rows in one launch (grid.y = T: the device verify's boundaries) == T one-row launches,
+    byte for byte, each row with its own streams / f / post / comb (one sub-layer's fn / scale /
+    base / norm weight); twice with fresh data (the T tickets self-reset)."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    for rep in range(2):
+        cases = [_dev(_boundary_case(rng, D, wide)) for _ in range(T)]
+        g0 = cases[0]
+        one = [_fused(dict(c, fn=g0["fn"], scale=g0["scale"], base=g0["base"], w=g0["w"]),
+                      with_post, in_place) for c in cases]
+        X = cp.concatenate([c["X"] for c in cases])
+        o = dict(x=_poisoned((T, D), np.uint16), xn=_poisoned((T, D), np.uint16),
+                 pre=_poisoned((T, 4), np.float32), mixes=_poisoned((T, 24), np.float32))
+        post_in = cp.concatenate([c["post"] for c in cases])
+        comb_in = cp.concatenate([c["comb"] for c in cases])
+        if in_place:
+            o["post"], o["comb"], pin, cin = post_in, comb_in, None, None
+        else:
+            o["post"], o["comb"] = _poisoned((T, 4), np.float32), _poisoned((T, 4, 4), np.float32)
+            pin, cin = post_in, comb_in
+        out = _poisoned((T, 4, D), np.uint16) if with_post else None
+        kw = dict(f=cp.concatenate([c["f"] for c in cases]), out=out, post_in=pin,
+                  comb_in=cin) if with_post else {}
+        S = K.hc_boundary(X, g0["fn"], g0["scale"], g0["base"], g0["w"], iters=ITERS, hc_eps=HC_EPS,
+                          norm_eps=NORM_EPS, xn=o["xn"], x=o["x"], pre=o["pre"], post=o["post"],
+                          comb=o["comb"], mixes=o["mixes"], impl="lastcta", **kw)
+        assert S is (out if with_post else X)
+        o["streams"] = S
+        for t in range(T):
+            _assert_same_bytes({k: v[t:t + 1] for k, v in o.items()}, one[t], seed, D=D, T=T,
+                               row=t, rep=rep, with_post=with_post, in_place=in_place)
+        _counters_zero("lastcta")   # every row's ticket back to zero
+
+
 def test_hc_boundary_refusals():
     rng = rng_for(1)
     g = _dev(_boundary_case(rng, 256))
@@ -363,9 +401,19 @@ def test_hc_boundary_refusals():
               mixes=cp.empty((1, 24), np.float32))
     with pytest.raises(AssertionError, match="out must not alias"):
         K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"], f=g["f"], out=g["X"], **kw)
-    with pytest.raises(AssertionError, match="one token"):
-        X2 = cp.zeros((2, 4, D), np.uint16)
-        K.hc_boundary(X2, g["fn"], g["scale"], g["base"], g["w"], **kw)
+    with pytest.raises(AssertionError, match="9 tokens, expected 1..8"):
+        X9 = cp.zeros((9, 4, D), np.uint16)
+        K.hc_boundary(X9, g["fn"], g["scale"], g["base"], g["w"], **kw)
+    with pytest.raises(AssertionError, match="x: shape"):   # 2 rows of streams, one row of x
+        K.hc_boundary(cp.zeros((2, 4, D), np.uint16), g["fn"], g["scale"], g["base"], g["w"], **kw)
+    kw2 = {k: cp.concatenate([v, v]) for k, v in kw.items() if k not in ("iters", "hc_eps", "norm_eps")}
+    with pytest.raises(ValueError, match="impl 'lastcta'"):
+        K.hc_boundary(cp.zeros((2, 4, D), np.uint16), g["fn"], g["scale"], g["base"], g["w"],
+                      iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, impl="poll", **kw2)
+    kw2["xn"] = cp.empty((2, 2 * D), np.uint16)[:, :D]
+    with pytest.raises(AssertionError, match="xn: 2 rows need a C-contiguous"):
+        K.hc_boundary(cp.zeros((2, 4, D), np.uint16), g["fn"], g["scale"], g["base"], g["w"],
+                      iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, **kw2)
     with pytest.raises(AssertionError, match="norm_weight"):
         K.hc_boundary(g["X"], g["fn"], g["scale"], g["base"], g["w"].view(np.int16).astype(np.float32), **kw)
     with pytest.raises(AssertionError, match="belong to the hc_post half"):

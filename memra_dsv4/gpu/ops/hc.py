@@ -307,10 +307,16 @@ def hc_post(f, residual, post, comb, out=None):
     return out
 
 
-def _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, who: str):
-    """The shape / dtype / alignment checks hc_boundary and hc_boundary_pre share; returns D."""
+BOUNDARY_ROWS_MAX = 8   # hc_boundary's rows per launch (the device verify's ROW_MAX)
+
+
+def _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, who: str,
+                    rows_max: int = 1):
+    """The shape / dtype / alignment checks hc_boundary and hc_boundary_pre share (T tokens, 1 <=
+    T <= rows_max: each its own boundary); returns D."""
     T, D = _streams(streams, f"{who}.streams")
-    assert T == 1, f"{who}: one token (decode), got T = {T}"
+    assert 1 <= T <= rows_max, (f"{who}: one token (decode), got T = {T}" if rows_max == 1 else
+                                f"{who}: {T} tokens, expected 1..{rows_max}")
     n = HC * D
     rows = (2 + HC) * HC
     assert n % SEG == 0 and n // SEG <= 128, f"{who}: hc*D = {n} (need a multiple of 256, <= 32768)"
@@ -318,28 +324,29 @@ def _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, wh
     check(scale, f"{who}.scale", np.float32, (3,))
     check(base, f"{who}.base", np.float32, (rows,))
     check(norm_weight, f"{who}.norm_weight", np.uint16, (D,))
-    check(x, f"{who}.x", np.uint16, (1, D))
-    check(xn, f"{who}.xn", np.uint16, (1, D))
-    check(pre, f"{who}.pre", np.float32, (1, HC))
-    check(mixes, f"{who}.mixes", np.float32, (1, rows))
+    check(x, f"{who}.x", np.uint16, (T, D))
+    check(xn, f"{who}.xn", np.uint16, (T, D))
+    check(pre, f"{who}.pre", np.float32, (T, HC))
+    check(mixes, f"{who}.mixes", np.float32, (T, rows))
     for a, name in ((streams, "streams"), (norm_weight, "norm_weight"), (x, "x"), (xn, "xn")):
         assert a.data.ptr % 16 == 0, f"{who}.{name}: 16-byte loads need a 16-byte aligned base"
     return D
 
 
 def _boundary_post_half(streams, D: int, f, out, post_in, comb_in, who: str):
-    """The hc_post half's checks hc_boundary and hc_boundary_pre share: with f, f [1, D], out
-    [1, 4, D] (made when None; not aliasing streams), post_in [1, 4], comb_in [1, 4, 4], f / out
-    16-byte aligned; without f, none of out / post_in / comb_in.  Returns (out, the streams the
-    pre half reads: out or streams)."""
+    """The hc_post half's checks hc_boundary and hc_boundary_pre share (T = streams' tokens): with
+    f, f [T, D], out [T, 4, D] (made when None; not aliasing streams), post_in [T, 4], comb_in
+    [T, 4, 4], f / out 16-byte aligned; without f, none of out / post_in / comb_in.  Returns (out,
+    the streams the pre half reads: out or streams)."""
     if f is None:
         assert out is None and post_in is None and comb_in is None, (
             f"{who}: out / post_in / comb_in belong to the hc_post half (f given)")
         return out, streams
-    check(f, f"{who}.f", np.uint16, (1, D))
-    out = out_array(out, f"{who}.out", (1, HC, D), np.uint16)
-    check(post_in, f"{who}.post_in", np.float32, (1, HC))
-    check(comb_in, f"{who}.comb_in", np.float32, (1, HC, HC))
+    T = streams.shape[0]
+    check(f, f"{who}.f", np.uint16, (T, D))
+    out = out_array(out, f"{who}.out", (T, HC, D), np.uint16)
+    check(post_in, f"{who}.post_in", np.float32, (T, HC))
+    check(comb_in, f"{who}.comb_in", np.float32, (T, HC, HC))
     assert out.data.ptr != streams.data.ptr, f"{who}: out must not alias streams"
     assert f.data.ptr % 16 == 0 and out.data.ptr % 16 == 0, f"{who}: f / out not 16-byte aligned"
     return out, out
@@ -348,8 +355,10 @@ def _boundary_post_half(streams, D: int, f, out, post_in, comb_in, who: str):
 def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: float,
                 norm_eps: float, xn, x, pre, post, comb, mixes, f=None, out=None, post_in=None,
                 comb_in=None, impl: str | None = None):
-    """One decode token (T = 1) across a sub-layer boundary, one launch (kernels_cu/hc.cu
-    hc_boundary), bit for bit the unfused chain:
+    """One decode token (T = 1), or T <= BOUNDARY_ROWS_MAX tokens each with its own boundary
+    (the device verify's rows: grid.y = T, every row's bytes those of a one-token launch), across
+    a sub-layer boundary in one launch (kernels_cu/hc.cu hc_boundary), bit for bit the unfused
+    chain:
 
         f given:   out = hc_post(f, streams, post_in, comb_in); S = out
         f None:    S = streams (the first sub-layer of a stage: embed or the boundary copy)
@@ -359,29 +368,42 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     post_in / comb_in default to post / comb: the device step updates them in place (the
     kernel reads them before any CTA writes them).  streams [1, 4, D] bf16 bits, fn [24, 4D]
     f32, scale [3], base [24] f32, norm_weight [D] bf16 bits; x, xn [1, D]; pre, post [1, 4];
-    comb [1, 4, 4]; mixes [1, 24].  Uses the per-device split workspace (not concurrently on two
-    streams of one device).  Returns the streams the norm was taken from (out or streams).
-    impl: "lastcta" / "poll" (None: boundary_impl(), see the module docstring); same bytes."""
-    D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary")
+    comb [1, 4, 4]; mixes [1, 24]; with T rows every per-token array has a leading T (C-contiguous:
+    the kernel steps row t by its size).  Uses the per-device split workspace (not concurrently on
+    two streams of one device).  Returns the streams the norm was taken from (out or streams).
+    impl: "lastcta" / "poll" (None: boundary_impl(), see the module docstring); same bytes; T > 1
+    takes "lastcta" only."""
+    D = _boundary_check(streams, fn, scale, base, norm_weight, x, xn, pre, mixes, "hc_boundary",
+                        rows_max=BOUNDARY_ROWS_MAX)
+    T = streams.shape[0]
     n = HC * D
-    check(post, "hc_boundary.post", np.float32, (1, HC))
-    check(comb, "hc_boundary.comb", np.float32, (1, HC, HC))
+    check(post, "hc_boundary.post", np.float32, (T, HC))
+    check(comb, "hc_boundary.comb", np.float32, (T, HC, HC))
     if f is not None:
         post_in = post if post_in is None else post_in
         comb_in = comb if comb_in is None else comb_in
     out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary")
     nseg = n // SEG
     name = boundary_impl(impl)
+    if T > 1:
+        if name == "poll":
+            raise ValueError(f"hc_boundary: {T} rows need impl 'lastcta' (the poll form is one token)")
+        per_row = [("streams", streams), ("xn", xn), ("x", x), ("pre", pre), ("post", post),
+                   ("comb", comb), ("mixes", mixes)]
+        if f is not None:
+            per_row += [("f", f), ("out", out), ("post_in", post_in), ("comb_in", comb_in)]
+        for nm, a in per_row:
+            assert a.flags.c_contiguous, f"hc_boundary.{nm}: {T} rows need a C-contiguous array"
     if name == "poll":
         k = kernel(STEM, "hc_boundary_poll")
         tail = (boundary_slots(),)
     else:
         k = kernel(STEM, "hc_boundary")
-        tail = split_workspace(1, nseg)
+        tail = split_workspace(T, nseg)   # row t: partials [t][nseg][32], ticket t
     smem = 14 * D  # the tail CTA: partials (4D), the streams (8D), the norm weight (2D); the opt-in below also covers ~0.9 KB static
     dynamic_smem(k, smem + 1024)
     null = np.uint64(0)
-    k((nseg,), (256,), (null if f is None else f, streams, null if f is None else post_in,
+    k((nseg, T), (256,), (null if f is None else f, streams, null if f is None else post_in,
                         null if f is None else comb_in, null if f is None else out, fn, scale, base,
                         norm_weight, mixes, pre, post, comb, x, xn, i32(D), i32(iters),
                         np.float32(hc_eps), np.float64(norm_eps)) + tuple(tail), shared_mem=smem)
@@ -457,6 +479,7 @@ def hc_boundary_sinkhorn(mixes, scale, base, *, iters: int, hc_eps: float, post,
 
 __all__ = ["hc_mixes", "hc_pre_finish", "hc_pre", "hc_weighted_sum", "hc_head", "hc_post",
            "hc_boundary", "hc_boundary_pre", "hc_boundary_sinkhorn", "boundary_impl", "boundary_slots", "BOUNDARY_IMPLS",
+           "BOUNDARY_ROWS_MAX",
            "PRE_HANDOFFS", "COOP_HANDOFFS", "pre_handoff_covers", "pre_cluster_ok", "pre_cluster_ctas",
            "pre_coop_ok", "coop_tail_ctas", "coop_slots",
            "pre_launch_shape"]
