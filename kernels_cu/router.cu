@@ -217,6 +217,9 @@ ROUTER_SELECT(router_select_e512, 16)
 // x [1, D] bf16 (D % 8 == 0, 16-byte aligned); w [E, D] bf16; bias [E] f32 or null (hash:
 // tid2eid [V, k] int32 + token_ids [1] int32); logits_out, scores_out [E] f32; idx_out [k] int32;
 // w_out [k] f32. grid ceil(E / RF_WARPS), block 32 * RF_WARPS, dynamic smem D * 2 bytes.
+// Multi-row (grid (ceil(E / RF_WARPS), T): the device verify's T tokens, each routed alone):
+// x [T, D], token_ids [T], logits_out / scores_out [T, E], idx_out / w_out [T, k], counter [T];
+// row t's CTAs are a one-token launch on row t's pointers (the same bytes); row 0 unchanged.
 // ---------------------------------------------------------------------------------------------
 namespace {
 
@@ -346,7 +349,10 @@ DEV void router_fused_body(const RfFirst& first, const u16* __restrict__ x, cons
          float* __restrict__ scores_out, int* __restrict__ idx_out, float* __restrict__ w_out,    \
          int* __restrict__ counter, int D, int E, int k, float route_scale) {                     \
         PDL_ENTRY_PRELOAD(const RfFirst first = rf_preload<RF_WARPS>(w, D, E));                             \
-        router_fused_body<EPL>(first, x, w, bias, tid2eid, token_ids, logits_out, scores_out, idx_out, w_out, counter, \
+        const int t = blockIdx.y;  /* row t of a multi-row launch: its own token, outputs, ticket */ \
+        router_fused_body<EPL>(first, x + (i64)t * D, w, bias, tid2eid,                           \
+                               token_ids == nullptr ? nullptr : token_ids + t, logits_out + (i64)t * E, \
+                               scores_out + (i64)t * E, idx_out + t * k, w_out + t * k, counter + t, \
                                D, E, k, route_scale);                                             \
     }
 

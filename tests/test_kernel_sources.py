@@ -511,6 +511,7 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
     for E in (8, 64, 128, 256, 384, 512):  # counter given: the fake arrays stay out of the workspace cache
         M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), counter=i32(1))
     M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), counter=i32(1))
+    M["router"].fused(u16(4, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(4), counter=i32(8))
     for E in (8, 64, 128, 200, 256):   # the cluster handoff (router_cluster_e*)
         M["router"].fused(u16(1, 64), u16(E, 64), 2, 1.5, bias=f32(E), handoff="cluster")
     M["router"].fused(u16(1, 64), u16(256, 64), 6, 1.5, tid2eid=i32(100, 6), token_ids=i32(1), handoff="cluster")

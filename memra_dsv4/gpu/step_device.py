@@ -221,7 +221,8 @@ class DeviceStep:
         for stem, names in list(ops.kernel_names().items()) + [(ops_decode.STEM, ops_decode.KERNELS)]:
             for n in names:
                 loader.get(stem, n)
-        HC.split_workspace(4, max(1, 4 * self.cfg.hidden_size // HC.SEG))
+        # 4 groups: the split hc_pre; BOUNDARY_ROWS_MAX: the device verify's multi-row boundaries
+        HC.split_workspace(max(4, HC.BOUNDARY_ROWS_MAX), max(1, 4 * self.cfg.hidden_size // HC.SEG))
         HC.boundary_slots()  # hc_boundary_poll's slots (BOUNDARY_IMPL "poll"; zero, baked by graphs)
         HC.coop_slots()  # hc_boundary_pre_coop's tagged slots (MEMRA_DSV4_HC_PRE_HANDOFF=coop)
         RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket

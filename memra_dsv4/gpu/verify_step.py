@@ -20,7 +20,7 @@ inside the expert launches) are bit-identical to the plain forms used here by th
 Order inside a layer (why: the caches are position-addressed, rows run in position order where
 a cache is read or written):
   the T rows' attention boundaries: one multi-row hc_boundary launch (grid.y = T, each row the
-     one-token launch's bytes; boundary_form "per_row": the step's launch per row);
+     one-token launch's bytes; row_form "per_row": the step's launch per row);
   A. per row: the projections of xn (gemv_bf16_multi over the
      row's GemvTable: qr, the kv row, the compressor / indexer-compressor pending rows at
      (pos + t) % r, the indexer weights), both compressor emissions (gated on the device by
@@ -34,7 +34,7 @@ a cache is read or written):
      attention.  Row t's ring write comes after row t - 1's attention: a later row's write
      replaces the slot of position pos + t - W, which an earlier row's window still reads.
   D. wo_a (grouped) and wo_b for the T rows.
-  ffn: the T rows' boundaries (one launch), per row the router; the routed gate/up over the T x k slots (x row
+  ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over the T x k slots (x row
   s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of their bf16 outputs
   (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
   grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
@@ -97,7 +97,7 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
         if s.name in _DROPPED_SLOTS:
             continue
         p.add(s.name, s.shape if s.name in _SHARED_SLOTS else (rows,) + tuple(s.shape), s.dtype)
-    # the shared expert's gate and up rows of the multi-row form (VerifyStep.shared_form "rows")
+    # the shared expert's gate and up rows of the multi-row form (VerifyStep.row_form "rows")
     sh = tuple(one.slot("moe.sh_h").shape)
     p.add("moe.sh_a", (rows,) + sh, "bf16")
     p.add("moe.sh_u", (rows,) + sh, "bf16")
@@ -178,13 +178,12 @@ class VerifyStep:
         self._tap_bufs: dict = {}   # (stage, taps) -> {layer: [ROW_MAX, hc, D] bf16}
         self._taps = ()             # the taps of the graph being captured / enqueued
         self._logits_host = None
-        # the shared expert's SwiGLU: "rows" (W1 / W3 read once for the rows, then the SwiGLU
-        # kernel) or "per_row" (gemv_bf16_swiglu per row, the step's own launch); the same bytes
-        # (tests/gpu/test_verify_step_gpu.py); FP8-as-stored weights always take "per_row"
-        self.shared_form = "rows"
-        # the hc boundaries: "rows" (one hc_boundary launch for the T rows, grid.y = T) or
-        # "per_row" (the step's one-token launch per row); the same bytes (GPU test)
-        self.boundary_form = "rows"
+        # "rows": the multi-row launches where a row's bits do not depend on the others (the hc
+        # boundaries and the router with grid.y = T; the shared expert's W1 / W3 read once for
+        # the rows, then the SwiGLU kernel); "per_row": the step's own one-token launch per row
+        # (hc_boundary, router.fused, gemv_bf16_swiglu).  The same bytes
+        # (tests/gpu/test_verify_step_gpu.py); FP8-as-stored shared weights always run per row
+        self.row_form = "rows"
         for si, st in enumerate(model.stages):
             S = _Stage()
             S.st, S.dev, S.si = st, st.device, si
@@ -435,10 +434,10 @@ class VerifyStep:
 
     def _boundaries(self, S, L, T: int, streams, sub: str, f=None, out=None) -> None:
         """The T rows' boundaries into sub-layer ``sub``: one multi-row hc_boundary launch (grid.y
-        = T; each row's bytes those of the step's one-token launch) under boundary_form "rows"
+        = T; each row's bytes those of the step's one-token launch) under row_form "rows"
         with the lastcta kernel, else the step's launch per row (_boundary)."""
         from memra_dsv4.gpu.ops import hc as HC
-        if self.boundary_form != "rows" or HC.boundary_impl(None) != "lastcta":
+        if self.row_form != "rows" or HC.boundary_impl(None) != "lastcta":
             for t in range(T):
                 self._boundary(S, L, t, streams, sub, f=f, out=out)
             return
@@ -593,7 +592,13 @@ class VerifyStep:
         if handoff == "cluster" and not RT.cluster_ok(E):
             handoff = "ticket"
         with phase(f"{mp}/router"):
-            for t in range(T):
+            if self.row_form == "rows":   # the T rows in one ticket-form launch (grid.y = T)
+                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][:T].reshape(T)) if L.hash
+                         else dict(bias=L.w("ffn.gate.bias")))
+                RT.fused(v["xn"][:T], L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
+                         logits=v["moe.logits"][:T], scores=v["moe.scores"][:T], idx=v["moe.ids"][:T],
+                         weights=v["moe.w"][:T], handoff="ticket", **route)
+            for t in range(T if self.row_form != "rows" else 0):
                 route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][t]) if L.hash
                          else dict(bias=L.w("ffn.gate.bias")))
                 RT.fused(v["xn"][t].reshape(1, D), L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
@@ -609,7 +614,7 @@ class VerifyStep:
                                ws2_3=L.ws2["w3"])
         with phase(f"{mp}/shared"):
             (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
-            if self.shared_form == "rows" and s1 is None and s3 is None:
+            if self.row_form == "rows" and s1 is None and s3 is None:
                 # W1 and W3 once for the rows (gemv_bf16's bits: bf16(W1 x), bf16(W3 x)), then
                 # the clamped SwiGLU of those bf16 values (moe.swiglu: swiglu_value, unweighted):
                 # what gemv_bf16_swiglu computes in one launch per row

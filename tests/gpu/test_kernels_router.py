@@ -148,6 +148,46 @@ def test_router_fused_bitwise_vs_unfused(D, E, k, hash_layer):
                 assert ids.index(1) < ids.index(3), f"router fused: exact tie not to the lower id {ids} {describe(seed)}"
 
 
+@pytest.mark.parametrize("D,E,k,T", [(4096, 256, 6, 2), (4096, 256, 6, 8), (512, 37, 5, 5), (4096, 512, 16, 3)])
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_router_fused_rows_bitwise(D, E, k, T, hash_layer):
+    """T tokens in one router_fused_* launch (grid.y = T: the device verify's rows), each routed
+    alone == T one-token launches byte for byte (ids, weights, scores, logits), twice (the T
+    tickets reset themselves); the hash form reads row t's token id."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    scale = 2.5
+    for rep in range(2):
+        cases = [_fused_case(rng, D, E, k, hash_layer) for _ in range(T)]
+        wg, how0 = cases[0][1], cases[0][2]
+        xs = cp.concatenate([c[0] for c in cases])
+        if hash_layer:
+            how = dict(tid2eid=how0["tid2eid"], token_ids=cp.concatenate([c[2]["token_ids"] for c in cases]))
+            one = [K.fused(c[0], wg, k, scale, tid2eid=how0["tid2eid"], token_ids=c[2]["token_ids"])
+                   for c in cases]
+        else:
+            how = dict(bias=how0["bias"])
+            one = [K.fused(c[0], wg, k, scale, bias=how0["bias"]) for c in cases]
+        got = K.fused(xs, wg, k, scale, handoff="ticket", **how)
+        cp.cuda.get_current_stream().synchronize()
+        for t in range(T):
+            _assert_same_bits([g[t:t + 1] for g in got], one[t], seed, D=D, E=E, k=k, T=T, row=t,
+                              hash_layer=hash_layer, rep=rep)
+        assert not bool(cp.any(K.workspace())), f"router fused rows: tickets not reset {describe(seed)}"
+
+
+def test_router_fused_rows_refusals():
+    rng = rng_for(2)
+    xg, wg, how, _ = _fused_case(rng, 512, 37, 5, False)
+    x9 = cp.concatenate([xg] * 9)
+    with pytest.raises(AssertionError, match="9 tokens, expected 1..8"):
+        K.fused(x9, wg, 5, 1.0, **how)
+    with pytest.raises(AssertionError, match="one token .* 'cluster', got T = 2"):
+        K.fused(x9[:2], wg, 5, 1.0, handoff="cluster", **how)
+    with pytest.raises(AssertionError, match="a ticket per row"):
+        K.fused(x9[:3], wg, 5, 1.0, counter=cp.zeros(2, cp.int32), **how)
+
+
 def _check_graph_replay(hash_layer, launch):
     """``launch(xg, wg, k, scale, how, outs)`` (one fused-router launch into outs = idx, weights,
     scores, logits) run once eagerly, captured once, then replayed on new inputs written into the

@@ -10,8 +10,8 @@ the device step, byte for byte.
 * Boundary positions on tiny (W = 8, CSA ratio 4, HCA 16): prompts of 1..3 tokens, rows across
   the first CSA emit (positions 3 / 7), the window wrap (7 / 8), the first HCA emit (15), and
   later (28..35: the indexer's top-k of 2 drops blocks there); k up to row_limit - 1 = 7.
-* Graph replay == eager (the eager call with the shared expert's and the hc boundaries' per-row
-  forms: the same bytes);
+* Graph replay == eager (the eager call with row_form "per_row": the step's one-token hc boundary,
+  router and shared-expert launches per row: the same bytes);
   the graph with PDL (the model's seam) == without it;
   a second verify of the same shape replays the same graph.
 * return_streams / taps: the last trunk layer's tap is the returned final streams, byte for byte;
@@ -113,15 +113,13 @@ def test_graph_equals_eager_and_replays(device_verify):
     g = m.verify(sg, toks)
     vs = m._verify_step
     n_graphs = len(vs._graphs[sg])
-    vs.shared_form = "per_row"   # the step's own shared-expert launch, eagerly
-    vs.boundary_form = "per_row"   # and its one-token hc_boundary per row
+    vs.row_form = "per_row"   # the step's own one-token launches per row, eagerly
     try:
         e = vs.verify(se, toks, graph=False)
     finally:
-        vs.shared_form = "rows"
-        vs.boundary_form = "rows"
+        vs.row_form = "rows"
     assert np.array_equal(_bits(g), _bits(e)), (
-        "graph replay (multi-row boundaries / shared expert) != eager (per row)")
+        "graph replay (multi-row boundaries / router / shared expert) != eager (per row)")
     m.commit(sg, 2)
     m.commit(se, 2)   # the eager call journaled too
     _same_caches(_caches(sg), _caches(se), "graph vs eager commit(2)")

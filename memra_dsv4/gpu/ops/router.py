@@ -40,10 +40,14 @@ CLUSTER_MAX_CTAS = 16      # the largest (non-portable) cluster of an H100 / H20
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of router_fused_* (kept 0)
 
 
+FUSED_ROWS_MAX = 8   # router.fused's tokens per launch (ticket form; the device verify's ROW_MAX)
+
+
 def workspace():
-    """The current device's ticket counter of router_fused_* (_common.ticket_counter: int32 [1],
-    zero between launches; made before the first capture by DeviceStep._prewarm)."""
-    return ticket_counter(_WS, "router.workspace")
+    """The current device's ticket counters of router_fused_* (_common.ticket_counter: int32
+    [FUSED_ROWS_MAX], one per row of a multi-row launch, zero between launches; made before the
+    first capture by DeviceStep._prewarm)."""
+    return ticket_counter(_WS, "router.workspace", FUSED_ROWS_MAX)
 
 
 def logits(x, w_gate, out=None):
@@ -104,15 +108,21 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
     f32) or hash (tid2eid [V, k] int32 + token_ids [1] int32) routing, in one launch.  Returns
     (idx int32 [1, k], weights f32 [1, k], scores f32 [1, E], logits f32 [1, E]), bit-identical
     to logits() + select().  handoff "ticket": router_fused_* (its last CTA selects; counter:
-    int32 [1], zero, default workspace()); "cluster": router_cluster_* (one cluster of
-    ceil(E / 16) CTAs, E <= 256: cluster_ok; no counter, so none may be given)."""
+    int32 [T] (>= T entries), zero, default workspace()); "cluster": router_cluster_* (one
+    cluster of ceil(E / 16) CTAs, E <= 256: cluster_ok; no counter, so none may be given).
+    With "ticket", T <= FUSED_ROWS_MAX tokens, each routed alone, in one launch (grid.y = T; the
+    device verify's rows): x [T, D], token_ids [T], outputs with a leading T (C-contiguous), row
+    t the bytes of a one-token launch."""
     if handoff not in HANDOFFS:
         raise ValueError(f"router.fused: handoff {handoff!r} is not one of {HANDOFFS}")
     if handoff == "cluster" and counter is not None:
         raise ValueError("router.fused: handoff 'cluster' takes no ticket counter")
     check(x, "router.fused.x", np.uint16)
     T, D = x.shape
-    assert T == 1, f"router.fused: one token (decode), got T = {T}; use logits() + select()"
+    rows_max = FUSED_ROWS_MAX if handoff == "ticket" else 1
+    assert 1 <= T <= rows_max, (f"router.fused: one token (decode) with handoff {handoff!r}, got T = {T}"
+                                if rows_max == 1 else f"router.fused: {T} tokens, expected 1..{rows_max}; "
+                                "use logits() + select()")
     assert D % 8 == 0 and x.data.ptr % 16 == 0, f"router.fused: D = {D} % 8, 16-byte aligned x"
     E = w_gate.shape[0]
     check(w_gate, "router.fused.w_gate", np.uint16, (E, D))
@@ -123,16 +133,19 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
         check(bias, "router.fused.bias", np.float32, (E,))
     else:
         check(tid2eid, "router.fused.tid2eid", np.int32, (None, k))
-        check(token_ids, "router.fused.token_ids", np.int32, (1,))
+        check(token_ids, "router.fused.token_ids", np.int32, (T,))
     cap = next((c for c in sorted(_FUSED) if c >= E), None)
     assert cap is not None, f"router.fused: E = {E} > {max(_FUSED)}"
     if handoff == "cluster" and not cluster_ok(E):
         raise ValueError(f"router.fused: handoff 'cluster' covers E <= {CLUSTER_ROWS_PER_CTA * CLUSTER_MAX_CTAS} "
                          f"experts (one row per warp, one cluster), got E = {E}; use handoff 'ticket'")
-    logits = out_array(logits, "router.fused.logits", (1, E), np.float32)
-    scores = out_array(scores, "router.fused.scores", (1, E), np.float32)
-    idx = out_array(idx, "router.fused.idx", (1, k), np.int32)
-    weights = out_array(weights, "router.fused.weights", (1, k), np.float32)
+    logits = out_array(logits, "router.fused.logits", (T, E), np.float32)
+    scores = out_array(scores, "router.fused.scores", (T, E), np.float32)
+    idx = out_array(idx, "router.fused.idx", (T, k), np.int32)
+    weights = out_array(weights, "router.fused.weights", (T, k), np.float32)
+    if T > 1:   # the kernel steps row t by the row size
+        for nm, a in (("x", x), ("logits", logits), ("scores", scores), ("idx", idx), ("weights", weights)):
+            assert a.flags.c_contiguous, f"router.fused.{nm}: {T} rows need a C-contiguous array"
     # the two kernels take the same arguments, router_fused_* with the ticket counter before D
     head = (x, w_gate, null_or(bias), null_or(tid2eid), null_or(token_ids), logits, scores, idx, weights)
     tail = (i32(D), i32(E), i32(k), np.float32(route_scale))
@@ -142,8 +155,13 @@ def fused(x, w_gate, k: int, route_scale: float, *, bias=None, tid2eid=None, tok
         kern((n_cta,), (32 * CLUSTER_ROWS_PER_CTA,), head + tail, shared_mem=dynamic_smem(kern, 2 * D),
              cluster=(n_cta, 1, 1))
     else:
-        counter = workspace() if counter is None else check(counter, "router.fused.counter", np.int32, (1,))
+        if counter is None:
+            counter = workspace()
+        else:
+            check(counter, "router.fused.counter", np.int32)
+            assert counter.ndim == 1 and counter.size >= T, (
+                f"router.fused.counter: {counter.shape}, expected int32 [>= {T}] (a ticket per row)")
         kern = kernel(STEM, _FUSED[cap])
-        kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA,), (32 * FUSED_ROWS_PER_CTA,),
+        kern(((E + FUSED_ROWS_PER_CTA - 1) // FUSED_ROWS_PER_CTA, T), (32 * FUSED_ROWS_PER_CTA,),
              head + (counter,) + tail, shared_mem=dynamic_smem(kern, 2 * D))
     return idx, weights, scores, logits
