@@ -124,7 +124,7 @@ def test_router_cluster_wrapper_launch_and_checks(monkeypatch):
         assert [o.shape for o in out] == [(1, k), (1, k), (1, E), (1, E)]
     call(256)
     name, grid, block, a, smem, kw = rec[-1]
-    assert name == "router_fused_e256" and grid == (64,) and block == (128,) and kw == {} and a[9] is counter
+    assert name == "router_fused_e256" and grid == (64, 1) and block == (128,) and kw == {} and a[9] is counter
     n = len(rec)
     with pytest.raises(ValueError, match="handoff 'dsmem' is not one of"):
         call(256, handoff="dsmem")
