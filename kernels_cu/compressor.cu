@@ -24,7 +24,8 @@
 // Decode gate (pool_* and norm_rope_sim_*: trailing gate_pos, gate_r[, row_mode, n_rows]): with
 //   gate_pos != null the kernel does nothing unless (pos + 1) % r == 0, so the per-step graph can
 //   hold the emission work at no cost on the r - 1 steps that emit nothing (ratio 128: the pool
-//   reads 128 pending rows).  norm_rope_sim (one row) places it by row_mode: ROW_GATE: out row 0;
+//   reads 128 pending rows).  norm_rope_sim (one row; ROW_RING: n rows, row b at gate_pos[b])
+//   places it by row_mode: ROW_GATE: out row 0;
 //   ROW_ENTRY: row (pos + 1) / r - 1 of out = the compressed cache (skipped past n_rows);
 //   ROW_RING: no gate, row pos % r of out = the window ring (r = W).
 // compress_emit_{fp8_d512,hadfp4_d128}: the decode emission chain of one compressor in ONE
@@ -253,7 +254,9 @@ DEV NrsRowPre<EPT> nrs_row_preload(const float* __restrict__ w, const float* __r
                                    const float* __restrict__ sin_t, const int* __restrict__ pos, int R,
                                    const int* __restrict__ gate_pos) {
     NrsRowPre<EPT> f;
-    f.gp = gate_pos != nullptr ? __ldcg(gate_pos) : 0;
+    // ring mode with n rows (the device verify's T kv rows): row b's own position gate_pos[b];
+    // every other use is one row (blockIdx.x == 0)
+    f.gp = gate_pos != nullptr ? __ldcg(gate_pos + blockIdx.x) : 0;
     const int d0 = threadIdx.x * EPT;
     const bool rope = d0 >= D - R;
     nrs_load<D, EPT>(f.pre, d0, w, cos_t, sin_t, rope ? __ldcg(pos + blockIdx.x) : 0, R, rope);

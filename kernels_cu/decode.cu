@@ -1489,15 +1489,24 @@ copy_vec4_x4(const uint4* __restrict__ s0, uint4* __restrict__ d0, long long n0,
 
 // The position is loaded BEFORE the PDL wait (PDL_ENTRY_PRELOAD): the step's arena pos is written
 // before its graph starts (read through L2); the selection (sel) stays after the wait.
+// Multi-row (grid.y = T: the device verify's rows at pos[0] + t): row t reads pos[t], sel row t
+// (stride sel_w) and writes cand row t (stride K).  shadow_row > 0 (the verify, whose T kv rows
+// are all in the ring before any row attends): a window position q < pos[0] whose slot a later
+// row j = q + W - pos[0] < T replaced is read from kv row shadow_row + q % W instead (the
+// pre-verify ring copy, the same bytes that slot held), so row t sees what a device step at
+// pos[t] sees, in the same candidate order.  shadow_row 0 and T = 1: the step's candidates.
 extern "C" __global__ void __launch_bounds__(256)
 build_cand(const int* __restrict__ pos, int W, int ratio, const int* __restrict__ sel, int sel_w,
-           int* __restrict__ cand, int K) {
-    PDL_ENTRY_PRELOAD(const int p = __ldcg(pos));
+           int* __restrict__ cand, int K, int shadow_row) {
+    PDL_ENTRY_PRELOAD(const int p = __ldcg(pos + blockIdx.y); const int p0 = __ldcg(pos));
+    const int nrow = gridDim.y;
+    if (sel != nullptr) sel += (i64)blockIdx.y * sel_w;
+    cand += (i64)blockIdx.y * K;
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < K; j += gridDim.x * blockDim.x) {
         int v = -1;
         if (j < W) {
             const int t = max(p - W + 1, 0) + j;
-            if (t <= p) v = t % W;
+            if (t <= p) v = (shadow_row > 0 && t < p0 && t + W - p0 < nrow) ? shadow_row + t % W : t % W;
         } else if (ratio > 0) {
             const int k = j - W;
             if (sel == nullptr) {

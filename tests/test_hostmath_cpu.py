@@ -105,6 +105,55 @@ def test_step_candidates_equal_build_cand(W):
                               _build_cand(pos, W, 4, W + width, list(sel)))
 
 
+def _build_cand_rows(pos0, T, W, ratio, K, sels=None, shadow_row=0):
+    """kernels_cu/decode.cu build_cand's multi-row form (grid.y = T), transcribed."""
+    out = []
+    for t in range(T):
+        p = pos0 + t
+        row = _build_cand(p, W, ratio, K, None if sels is None else sels[t])
+        for j in range(min(W, K)):
+            q = max(p - W + 1, 0) + j
+            if q <= p and shadow_row > 0 and q < pos0 and q + W - pos0 < T:
+                row[j] = shadow_row + q % W
+        out.append(row)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("W,T", [(8, 2), (8, 8), (4, 3), (128, 8)])
+def test_verify_candidates_read_what_a_step_reads(W, T):
+    """The verify's rows all write the ring before any row attends; with the shadow rows each row
+    t still reads the kv rows of positions max(p - W + 1, 0)..p (p = pos0 + t) in the step's
+    order: a simulated buffer [ring | comp | ring_copy] holding position ids gives, through
+    verify_candidates, exactly the positions step_candidates gives on the pre-verify ring with
+    rows 0..t written.  Also == the kernel's transcription."""
+    n_comp = 10
+    shadow = W + n_comp
+    for pos0 in list(range(0, 3 * W + 2)) + [1000, 1000 + W - 1]:
+        ring = np.full(W, -1)
+        for q in range(max(0, pos0 - W), pos0):
+            ring[q % W] = q                  # the pre-verify ring: the latest position of each slot
+        buf = np.full(W + n_comp + W, -7)
+        buf[shadow:] = ring                  # the journal's copy (ring_copy)
+        after = ring.copy()
+        for j in range(T):
+            after[(pos0 + j) % W] = pos0 + j  # every row's kv written
+        buf[:W] = after
+        want_cands = _build_cand_rows(pos0, T, W, 0, W, shadow_row=shadow)
+        for t in range(T):
+            step_ring = ring.copy()
+            for j in range(t + 1):
+                step_ring[(pos0 + j) % W] = pos0 + j
+            ref = HM.step_candidates(pos0 + t, W, 0, W)
+            want = [step_ring[c] if c >= 0 else None for c in ref]
+            got_c = HM.verify_candidates(pos0, t, T, W, 0, W, shadow_row=shadow)
+            assert np.array_equal(got_c, want_cands[t]), f"twin != kernel transcription at pos0 {pos0} t {t}"
+            got = [buf[c] if c >= 0 else None for c in got_c]
+            assert got == want, f"pos0 {pos0} row {t}: reads {got}, a step reads {want}"
+        assert np.array_equal(_build_cand_rows(pos0, T, W, 0, W),
+                              np.stack([HM.step_candidates(pos0 + t, W, 0, W) for t in range(T)])), (
+            "without shadow rows the multi-row form is the step's per row")
+
+
 def test_sel_width_is_the_step_plans():
     from memra_dsv4.config import preset
     from memra_dsv4.gpu import step

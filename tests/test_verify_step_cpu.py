@@ -3,6 +3,8 @@ the step's StepWs with a leading rows axis, the rows' strides suit the multi-row
 aligned rows), the shared workspaces stay one row, and the row limit follows the window."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from memra_dsv4.config import preset
@@ -21,7 +23,7 @@ def test_plan_is_the_step_plan_with_rows(name):
         if s.name in ("head.tok_hist", "boundary.in", "cmp.pooled", "dev.idx_pooled", "attn.qrn",
                       "dev.head_pre"):
             assert s.name not in names
-        elif s.name in ("dev.attn_ws", "dev.idx_scores"):
+        elif s.name == "dev.idx_scores":   # the rows score in turn: one row's workspace
             assert p.slot(s.name).shape == s.shape and p.slot(s.name).dtype == s.dtype
         else:
             got = p.slot(s.name)
@@ -33,6 +35,11 @@ def test_plan_is_the_step_plan_with_rows(name):
         row = sl.nbytes // sl.shape[0]
         assert row % 16 == 0 and sl.offset % 16 == 0, (n, row, sl.offset)
     assert p.slot("moe.h").shape == (5, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    # one multi-row attention launch: its split workspace holds T rows' partials
+    from memra_dsv4.gpu.ops.attention import workspace_size
+    kmax = p.slot("attn.cand").shape[1]
+    ws = p.slot("dev.attn_ws")
+    assert math.prod(ws.shape) >= workspace_size(5, cfg.num_attention_heads, cfg.head_dim, kmax)
     assert p.slot("moe.sh_a").shape == p.slot("moe.sh_u").shape == p.slot("moe.sh_h").shape
 
 

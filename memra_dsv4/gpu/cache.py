@@ -8,6 +8,10 @@ Reference: /work/shared/reference/dsv4_attention.md 7.1-7.4; the layout is the o
 Layout (all preallocated at construction; nothing grows afterwards)
 --------------------------------------------------------------------
 ``ring``      bf16 bits (uint16) [W, head_dim]: ``ring[t % W] = k_t`` (post RoPE + KV FP8 sim).
+``ring_copy`` bf16 bits [W, head_dim]: the device verify's pre-verify ring (its journal and
+              its attention's shadow rows; not part of the state's contents).
+``kv``        the one buffer [W + n_comp + W, head_dim] the three views share (ring, comp,
+              ring_copy), so one attention launch indexes all of them.
 ``comp``      bf16 bits [max_seq_len // r, head_dim]: row k = compressed entry k; the first
               ``n_comp = pos // r`` rows are valid (ratio > 0 layers only).
 ``comp_kv`` / ``comp_score``   f32 [coff*r, coff*d]: the main compressor's pending rows in the
@@ -82,12 +86,20 @@ class LayerCache:
             # ring and compressed rows are views of ONE [W + n_comp, hd] buffer (fixed
             # addresses): the device step attends rows of it directly (window rows t % W,
             # compressed entry k at row W + k).
+            # A third view, ``ring_copy`` (W rows after the compressed ones), is the device
+            # verify's copy of the ring before its rows (gpu.verify_step): its commit restores
+            # rolled-back slots from it, and its rows' attention reads a slot a later row
+            # replaced from it (build_cand's shadow rows), in the same buffer the attention
+            # indexes.  Nothing else reads or writes it.
             n_comp = max(1, max_seq_len // self.ratio) if self.ratio else 0
-            self.kv = cp.zeros((self.window + n_comp, hd), dtype=cp.uint16)
-            self.ring = self.kv[:self.window]
+            W = self.window
+            self.kv = cp.zeros((W + n_comp + W, hd), dtype=cp.uint16)
+            self.ring = self.kv[:W]
+            self.ring_copy = self.kv[W + n_comp:]
+            self.shadow_row = W + n_comp   # ring_copy's first row in kv
             self.comp = self.comp_state = self.idx_keys = self.idx_state = None
             if self.ratio:
-                self.comp = self.kv[self.window:]
+                self.comp = self.kv[W:W + n_comp]
                 self.comp_state = PendingRows(self.ratio, hd)
             if self.kind == "csa":
                 self.idx_keys = cp.zeros((max(1, max_seq_len // 4), dI), dtype=cp.uint16)

@@ -29,7 +29,7 @@ from memra_dsv4.host.hc import hc_head_weights, hc_split
 from memra_dsv4.host.indices import topk_desc
 from memra_dsv4.host.routing import route
 
-__all__ = ["hc_rule", "head_rule", "route_rule", "index_rule", "sel_width", "step_candidates",
+__all__ = ["hc_rule", "head_rule", "route_rule", "index_rule", "sel_width", "step_candidates", "verify_candidates",
            "HostIO", "hc_island", "head_island", "router_island", "indexer_island"]
 
 
@@ -97,6 +97,23 @@ def step_candidates(pos: int, window: int, ratio: int, K: int, sel=None) -> np.n
         return np.ascontiguousarray(win[:K], np.int32)
     comp = hidx.hca_entries(int(pos), int(ratio)) if sel is None else np.asarray(sel, np.int64)
     return hidx.candidate_row(win, comp, W, int(K) - W).astype(np.int32)
+
+
+def verify_candidates(pos0: int, t: int, T: int, window: int, ratio: int, K: int, sel=None,
+                      shadow_row: int = 0) -> np.ndarray:
+    """int32 [K]: the candidates build_cand makes for row t of a T-row device verify at pos0
+    (kernels_cu/decode.cu, multi-row form): step_candidates(pos0 + t, ...), except that a window
+    position q < pos0 whose ring slot a later row j = q + W - pos0 (t < j < T) has replaced reads
+    kv row shadow_row + q % W (the pre-verify ring copy) when shadow_row > 0."""
+    W = int(window)
+    c = step_candidates(int(pos0) + int(t), W, ratio, K, sel)
+    if shadow_row > 0:
+        p = int(pos0) + int(t)
+        for j in range(min(W, int(K))):
+            q = max(p - W + 1, 0) + j
+            if q <= p and q < pos0 and q + W - pos0 < T:
+                c[j] = int(shadow_row) + q % W
+    return c
 
 
 # ------------------------------------------------------------------------- device side

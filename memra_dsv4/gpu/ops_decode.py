@@ -825,13 +825,25 @@ def pending_advance(pos, kv, score, ratio: int, overlap: bool):
                                     (pos, kv, score, i32(ratio), i32(int(overlap)), i32(C)))
 
 
-def build_cand(pos, cand, window: int, ratio: int, sel=None):
-    """cand int32 [K] (see the .cu header); sel int32 [sel_w] ascending entry ids (CSA)."""
+def build_cand(pos, cand, window: int, ratio: int, sel=None, shadow_row: int = 0):
+    """cand int32 [K] (see the .cu header); sel int32 [sel_w] ascending entry ids (CSA).
+    Multi-row (the device verify): cand [T, K], sel [T, sel_w], pos int32 [>= T] (row t at
+    pos[t] = pos[0] + t), one launch (grid.y = T); shadow_row > 0: window slots a later row
+    replaced are read from kv rows shadow_row + slot (LayerCache.ring_copy; see the .cu
+    header).  T = 1 with shadow_row 0 is the step's launch."""
     check(cand, "build_cand.cand", np.int32)
-    K = cand.size
+    T = 1 if cand.ndim == 1 else cand.shape[0]
+    assert cand.ndim in (1, 2) and 1 <= T <= 65535, f"build_cand.cand: {cand.shape}, expected [K] or [T, K]"
+    K = cand.size // T
+    check(pos, "build_cand.pos", np.int32)
+    assert pos.size >= T, f"build_cand.pos: {pos.size} positions for {T} rows"
+    assert int(shadow_row) >= 0, f"build_cand: shadow_row {shadow_row}"
     sel_w = 0
     if sel is not None:
         check(sel, "build_cand.sel", np.int32)
-        sel_w = sel.size
-    kernel(STEM, "build_cand")((_blocks(K),), (256,),
-                               (pos, i32(window), i32(ratio), null_or(sel), i32(sel_w), cand, i32(K)))
+        assert sel.size % T == 0 and (T == 1 or (sel.ndim == 2 and sel.shape[0] == T)), (
+            f"build_cand.sel: {sel.shape} for {T} rows")
+        sel_w = sel.size // T
+    kernel(STEM, "build_cand")((_blocks(K), T), (256,),
+                               (pos, i32(window), i32(ratio), null_or(sel), i32(sel_w), cand, i32(K),
+                                i32(shadow_row)))

@@ -11,7 +11,9 @@ pos + t and returns (logits float32 NumPy [T, vocab], streams or taps as gpu.ver
 token ids[t] at position pos + t after rows 0..t-1**, and after ``commit(n)`` the state's caches
 equal, array for array, those n + 1 device steps leave (tests/gpu/test_verify_step_gpu.py).
 Why the bytes can be equal: every launch is the step's kernel with the step's arguments for one
-row, except the weight-streaming GEMVs, which read each weight once for the T rows with
+row, or the same kernel over T rows (grid.y = T or a row per CTA: hc_boundary, router.fused,
+head_rms, norm_rope_sim's ring rows, build_cand, sparse_attention; each row computed exactly as
+alone), or a weight-streaming GEMV that reads each weight once for the T rows with
 per-row bits equal to the one-row kernel's (decode.cu gemv_bf16_x*: gemv_bf16's row order; the
 FP4 expert kernels' slots: the row arithmetic is fixed by (o, K)).  The step's other forms
 (forks, hc split, fused attention, the q norm inside wq_b / the multi GEMV, the shared expert
@@ -28,11 +30,14 @@ a cache is read or written):
      earlier row: its counts come from its own position.
   B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV)
      for the T rows: one weight read.
-  C. q head norm + RoPE of the T rows (one launch, each row at its position); per row: the
-     kv row into ring slot (pos + t) % W, the indexer (q RoPE /
-     Hadamard / FP4, scores over the keys it may see, top-k), the candidates and the sparse
-     attention.  Row t's ring write comes after row t - 1's attention: a later row's write
-     replaces the slot of position pos + t - W, which an earlier row's window still reads.
+  C. q head norm + RoPE of the T rows (one launch, each row at its position); the T kv rows into
+     ring slots (pos + t) % W (one launch); per row the indexer (q RoPE / Hadamard / FP4, scores
+     over the keys its own position may see, top-k); the rows' candidates and sparse attention
+     (one launch each).  Every row's kv row is in the ring before any row attends, so a slot a
+     later row replaced (position pos + j - W, j > t, still in row t's window) is read from the
+     cache's ring_copy (the pre-verify ring, written first in the layer): build_cand's shadow
+     rows, the same bytes in the same candidate order (gpu.hostmath.verify_candidates; CPU test
+     of what each row reads).
   D. wo_a (grouped) and wo_b for the T rows.
   ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over the T x k slots (x row
   s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of their bf16 outputs
@@ -42,8 +47,8 @@ Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: t
 one-row launches (the same bits, T weight reads).
 
 Journal (per state, made at its first device verify, on the stages' devices): each layer's ring
-as it was before the verify (captured copy) and the pending rows after each row (captured
-copies).  ``commit(n)``: ring slots of the rolled-back positions back from the copy (k + 1 <= W,
+as it was before the verify (LayerCache.ring_copy, a captured copy) and the pending rows after
+each row (captured copies).  ``commit(n)``: ring slots of the rolled-back positions back from the copy (k + 1 <= W,
 so no kept position shares one), the pending rows from snapshot n, the compressed rows /
 indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  Host-driven (a few
 copies per layer on the stage's compute stream).
@@ -69,7 +74,7 @@ __all__ = ["VerifyStep", "DeviceJournal", "verify_ws_plan", "row_limit", "ROW_MA
 
 ROW_MAX = 8   # ops_decode.XROWS_MAX: the multi-row GEMV's rows
 # one row's size, shared by the rows (they run in turn on one stream)
-_SHARED_SLOTS = ("dev.attn_ws", "dev.idx_scores")
+_SHARED_SLOTS = ("dev.idx_scores",)
 # step buffers the verify does not use (greedy history, the WQB_QNORM copy, the host islands)
 _DROPPED_SLOTS = ("head.tok_hist", "boundary.in", "cmp.pooled", "dev.idx_pooled", "attn.qrn",
                   "dev.head_pre")
@@ -116,17 +121,16 @@ class DeviceJournal:
 
 
 class _StateJournal:
-    """Per state and layer: ``ring`` (the pre-verify ring copy, [W, hd] bf16 bits) and
-    ``comp`` / ``idx``: [ROW_MAX, 2, *pending.shape] f32 snapshots (kv, score) after each row."""
+    """Per state and layer: ``comp`` / ``idx``: [ROW_MAX, 2, *pending.shape] f32 snapshots (kv,
+    score) after each row.  (The pre-verify ring is the cache's own ring_copy.)"""
 
     def __init__(self, model, state):
         import cupy as cp
-        self.ring, self.comp, self.idx = {}, {}, {}
+        self.comp, self.idx = {}, {}
         for st in model.stages:
             with cp.cuda.Device(st.device):
                 for lid in st.layers:
                     c = state.cache(lid)
-                    self.ring[lid] = cp.empty_like(c.ring)
                     if c.ratio:
                         self.comp[lid] = cp.empty((ROW_MAX, 2) + c.comp_state.kv.shape, cp.float32)
                     if c.idx_state is not None:
@@ -308,7 +312,7 @@ class VerifyStep:
                 slots = cp.asarray(np.arange(last_kept + 1, p_end) % self.cfg.sliding_window)
                 for lid in st.layers:
                     c = state.cache(lid)
-                    c.ring[slots] = bufs.ring[lid][slots]
+                    c.ring[slots] = c.ring_copy[slots]
                     if c.ratio:
                         snap = bufs.comp[lid][n]
                         _copy(c.comp_state.kv, snap[0], stream)
@@ -506,7 +510,8 @@ class VerifyStep:
         H, hd = cfg.num_attention_heads, cfg.head_dim
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         csa = bool(L.ratio) and L.kind == "csa"
-        _journal_copy([(jr.ring[L.lid], cache.ring)], S.stream)   # the journal: the ring before any row
+        # the journal: the ring before any row (LayerCache.ring_copy, in the attention's buffer)
+        _journal_copy([(cache.ring_copy, cache.ring)], S.stream)
         # A. per row: projections, q_norm, the emissions (pending state in position order), the
         # pending snapshot
         with phase(f"{ap}/projections"):
@@ -545,32 +550,37 @@ class VerifyStep:
         hg = decode_attn_head_group(H)
         split = AT.n_tiles(K) if hg != AT.head_group(H) else None
         sink = L.w("attn.attn_sink")
+        pos_rows = v["pos"][:T].reshape(T)
         with phase(f"{ap}/rows"):
             # q head norm + RoPE of every row in one launch (a warp per head row, RoPE at the
             # row's own position pos[t]; the one-row launch's bits)
             qs = v["attn.q"][:T]
-            RN.head_rms(qs, eps, out=qs, rope=(v["pos"][:T].reshape(T), L.cos, L.sin))
-            for t in range(T):
-                pos = v["pos"][t]
-                q = v["attn.q"][t].reshape(1, H, hd)
-                CM.norm_rope_sim(v["dev.kvraw"][t].reshape(1, hd), L.f32["attn.kv_norm.weight"], eps,
-                                 L.cos, L.sin, pos, "fp8", out=cache.ring, emit_gate=(pos, W),
-                                 row="ring")
-                sel = None
-                if csa:
+            RN.head_rms(qs, eps, out=qs, rope=(pos_rows, L.cos, L.sin))
+            # the T kv rows into the ring in one launch (row t at slot (pos + t) % W, each the
+            # one-row launch's bytes), before any row attends: a window slot a later row replaced
+            # is read from ring_copy (build_cand's shadow rows), so every row sees its step's rows
+            CM.norm_rope_sim(v["dev.kvraw"][:T].reshape(T, hd), L.f32["attn.kv_norm.weight"], eps,
+                             L.cos, L.sin, pos_rows, "fp8", out=cache.ring, emit_gate=(pos_rows, W),
+                             row="ring")
+            sel = None
+            if csa:   # per row: the keys a row may see are counted from its own position
+                N = cache.idx_keys.shape[0]
+                for t in range(T):
+                    pos = v["pos"][t]
                     qi = v["idx.q"][t].reshape(1, nI, dI)
                     QS.rope_hadamard128_fp4(qi, pos, L.cos, L.sin, out=qi)
-                    N = cache.idx_keys.shape[0]
-                    sel = v["idx.sel"][t]
                     IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
                                    cfg.index_topk, v["dev.idx_scores"][:N].reshape(1, N),
-                                   sel.reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
-                cand = v["attn.cand"][t][:K]
-                DK.build_cand(pos, cand, W, L.ratio, sel)
-                AT.sparse_attention(q, cache.kv, cand.reshape(1, K), sink, hd ** -0.5,
-                                    out=v["attn.o"][t].reshape(1, H, hd), n_split=split,
-                                    workspace=v["dev.attn_ws"], inverse_rope=(pos, L.cos, L.sin),
-                                    head_group=hg)
+                                   v["idx.sel"][t].reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
+                sel = v["idx.sel"][:T]
+            # the rows' candidates [T, K] (contiguous: the kernel steps a row by K) and their
+            # attention, one launch each (a row's bits do not depend on the others)
+            cand = v["attn.cand"].reshape(-1)[:T * K].reshape(T, K)
+            DK.build_cand(v["pos"][:T], cand, W, L.ratio, sel, shadow_row=cache.shadow_row)
+            AT.sparse_attention(v["attn.q"][:T].reshape(T, H, hd), cache.kv, cand, sink, hd ** -0.5,
+                                out=v["attn.o"][:T].reshape(T, H, hd), n_split=split,
+                                workspace=v["dev.attn_ws"].reshape(-1),
+                                inverse_rope=(pos_rows, L.cos, L.sin), head_group=hg)
         # D. the output projections of the rows
         with phase(f"{ap}/output"):
             w, sc = L.lin("attn.wo_a")

@@ -196,6 +196,28 @@ def test_norm_rope_row_modes(yarn_table, mode):
                 assert bool((cache[i] == 0x1234).all()), f"{mode} pos {p}: row {i} touched [seed={seed}]"
 
 
+@pytest.mark.parametrize("T,p0", [(8, 120), (8, 0), (2, 127), (5, 1000)])
+def test_norm_rope_ring_rows(yarn_table, T, p0):
+    """row='ring' with T rows (the device verify's kv rows, one launch): row t lands in slot
+    (p0 + t) % W with the bytes of its one-row launch; other slots untouched."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    _, _, cos_g, sin_g = yarn_table
+    d, W = 512, 128
+    x = cp.asarray((rng.standard_normal((T, d)) * 1.5).astype(np.float32))
+    w = cp.asarray(bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0))
+    pos = cp.asarray(np.arange(p0, p0 + T, dtype=np.int32))
+    want = cp.full((W, d), 0x1234, dtype=cp.uint16)
+    for t in range(T):
+        K.norm_rope_sim(x[t:t + 1], w, EPS, cos_g, sin_g, pos[t:t + 1], "fp8", out=want,
+                        emit_gate=(pos[t:t + 1], W), row="ring")
+    got = cp.full((W, d), 0x1234, dtype=cp.uint16)
+    K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", out=got, emit_gate=(pos, W), row="ring")
+    assert cp.array_equal(got, want), f"ring rows T {T} p0 {p0}: differ from one-row launches [seed={seed}]"
+    touched = {(p0 + t) % W for t in range(T)}
+    assert all(bool((got[i] == 0x1234).all()) for i in range(W) if i not in touched)
+
+
 def test_norm_rope_row_mode_refusals(yarn_table):
     _, _, cos_g, sin_g = yarn_table
     x, w = cp.zeros((1, 512), cp.float32), cp.ones(512, cp.float32)
@@ -206,6 +228,12 @@ def test_norm_rope_row_mode_refusals(yarn_table):
     with pytest.raises(AssertionError, match="ring of 8 rows"):
         K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", out=cp.zeros((8, 512), cp.uint16),
                         emit_gate=(pos, 128), row="ring")
+    with pytest.raises(AssertionError, match="one row"):   # entry rows: one at a time
+        K.norm_rope_sim(cp.zeros((2, 512), cp.float32), w, EPS, cos_g, sin_g, cp.zeros(2, cp.int32), "fp8",
+                        out=cp.zeros((8, 512), cp.uint16), emit_gate=(cp.zeros(2, cp.int32), 4), row="entry")
+    with pytest.raises(AssertionError, match="emit_gate.pos: shape"):   # a position per ring row
+        K.norm_rope_sim(cp.zeros((2, 512), cp.float32), w, EPS, cos_g, sin_g, cp.zeros(2, cp.int32), "fp8",
+                        out=cp.zeros((128, 512), cp.uint16), emit_gate=(pos, 128), row="ring")
     with pytest.raises(AssertionError, match="row 'bogus'"):
         K.norm_rope_sim(x, w, EPS, cos_g, sin_g, pos, "fp8", row="bogus")
 

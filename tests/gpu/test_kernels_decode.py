@@ -572,6 +572,32 @@ def test_ring_write(W, d):
         assert_same_bytes(dfull.get(), full, "ring_write", seed, W=W, d=d, pos=p)
 
 
+@pytest.mark.parametrize("W,T", [(W_FLASH, 8), (W_FLASH, 2), (5, 5), (8, 3)])
+@pytest.mark.parametrize("kind,ratio,width", [("window", 0, 0), ("hca", 4, 80), ("csa", 4, 16)])
+def test_build_cand_rows(W, T, kind, ratio, width):
+    """The device verify's form: T rows at pos0 + t in one launch (grid.y = T), with and without
+    the shadow rows, == the host twin (gpu.hostmath.verify_candidates) row by row; the frame
+    around the [T, K] block is untouched."""
+    from memra_dsv4.gpu import hostmath as HM
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    K = W + width
+    shadow = W + 40
+    for p0 in sorted(set(BOUNDARY) | {W - T, W - 1, W, 2 * W - 1, 2 * W}):
+        if p0 < 0:
+            continue
+        sels = [(_csa_sel(rng, p0 + t, width) if kind == "csa" else None) for t in range(T)]
+        dsel = None if kind != "csa" else cp.asarray(np.stack(sels))
+        pos = cp.asarray(np.arange(p0, p0 + T, dtype=np.int32))
+        for sh in (0, shadow):
+            full, cand, dfull, dcand = _framed(np.full((T, K), -7, np.int32), rng, g=2)
+            DK.build_cand(pos, dcand, W, ratio, dsel, shadow_row=sh)
+            for t in range(T):
+                cand[t] = HM.verify_candidates(p0, t, T, W, ratio, K, sels[t], shadow_row=sh)
+            assert_same_bytes(dfull.get(), full, "build_cand rows", seed, kind=kind, W=W, T=T, pos0=p0,
+                              shadow=sh)
+
+
 # ------------------------------------------------------------------------------ copy_words
 @pytest.mark.parametrize("sizes", [[16], [16384, 16384, 4096, 4096], [131072], [48, 0, 1 << 20],
                                    [4096 * 7, 16 * 3]])

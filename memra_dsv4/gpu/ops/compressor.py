@@ -50,12 +50,13 @@ def add_ape(z, ape, pos):
     return z
 
 
-def _gate(emit_gate):
-    """(gate_pos pointer, gate_r) kernel arguments of an emit gate (pos int32 [1], r) or None."""
+def _gate(emit_gate, n: int = 1):
+    """(gate_pos pointer, gate_r) kernel arguments of an emit gate (pos int32 [n], r) or None
+    (n > 1: norm_rope_sim's ring rows only)."""
     if emit_gate is None:
         return np.uint64(0), i32(1)
     pos, r = emit_gate
-    check(pos, "emit_gate.pos", np.int32, (1,))
+    check(pos, "emit_gate.pos", np.int32, (n,))
     assert int(r) >= 1, f"emit_gate: ratio {r}"
     return pos, i32(r)
 
@@ -129,7 +130,9 @@ def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=N
     "gate": nothing happens unless (pos + 1) % r == 0, else out [1, D];
     "entry": the same gate, ``out`` is the compressed cache [N, D], the row goes to
     (pos + 1) // r - 1 (nothing past N); "ring": no gate, ``out`` is the ring [r, D], the row goes
-    to pos % r."""
+    to pos % r.  "ring" takes n rows too (the device verify's T kv rows; emit_gate's pos int32
+    [n]): row b goes to pos[b] % r, each row the bytes of its one-row launch (distinct slots:
+    the caller's n <= r consecutive positions)."""
     assert x.ndim == 2 and x.dtype in (np.float32, np.uint16), f"norm_rope_sim.x: {x.shape} {x.dtype}"
     check(x, "norm_rope_sim.x", x.dtype, rows_strided=True)
     n, D = x.shape
@@ -145,7 +148,8 @@ def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=N
     assert row in _ROW_MODES, f"norm_rope_sim: row {row!r} (expected {sorted(_ROW_MODES)})"
     n_rows = 0
     if row != "gate":
-        assert emit_gate is not None and n == 1, f"norm_rope_sim: row={row!r} needs emit_gate, one row"
+        assert emit_gate is not None and (n == 1 or row == "ring"), (
+            f"norm_rope_sim: row={row!r} needs emit_gate, one row")
         check(out, "norm_rope_sim.out", np.uint16, (None, D), rows_strided=True)
         n_rows = out.shape[0]
         assert row != "ring" or n_rows == int(emit_gate[1]), (
@@ -156,7 +160,8 @@ def norm_rope_sim(x, weight, eps: float, cos, sin, pos, mode: str = "fp8", out=N
         check(out, "norm_rope_sim.out", np.uint16, (n, D), rows_strided=True)
     if n:
         kernel(STEM, name)((n,), (threads,), (x, i32(row_stride(x)), weight, np.float64(eps), cos, sin, pos,
-                                              i32(R), out, i32(row_stride(out)), *_gate(emit_gate),
+                                              i32(R), out, i32(row_stride(out)),
+                                              *_gate(emit_gate, n if row == "ring" else 1),
                                               i32(_ROW_MODES[row]), i32(n_rows)))
     return out
 
