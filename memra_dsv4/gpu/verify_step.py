@@ -31,8 +31,9 @@ a cache is read or written):
   B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV)
      for the T rows: one weight read.
   C. q head norm + RoPE of the T rows (one launch, each row at its position); the T kv rows into
-     ring slots (pos + t) % W (one launch); per row the indexer (q RoPE / Hadamard / FP4, scores
-     over the keys its own position may see, top-k); the rows' candidates and sparse attention
+     ring slots (pos + t) % W (one launch); the indexer's q RoPE / Hadamard / FP4 (one launch),
+     per row its scores over the keys its own position may see and top-k; the rows' candidates
+     and sparse attention
      (one launch each).  Every row's kv row is in the ring before any row attends, so a slot a
      later row replaced (position pos + j - W, j > t, still in row t's window) is read from the
      cache's ring_copy (the pre-verify ring, written first in the layer): build_cand's shadow
@@ -563,12 +564,15 @@ class VerifyStep:
                              L.cos, L.sin, pos_rows, "fp8", out=cache.ring, emit_gate=(pos_rows, W),
                              row="ring")
             sel = None
-            if csa:   # per row: the keys a row may see are counted from its own position
+            if csa:
+                # the rows' index q: RoPE at each row's position, Hadamard, FP4 (one launch, a
+                # warp per head row); then per row the scores and top-k over the keys its own
+                # position may see (dev.aux[t][0]: complete blocks at pos + t)
+                qis = v["idx.q"][:T].reshape(T, nI, dI)
+                QS.rope_hadamard128_fp4(qis, pos_rows, L.cos, L.sin, out=qis)
                 N = cache.idx_keys.shape[0]
                 for t in range(T):
-                    pos = v["pos"][t]
                     qi = v["idx.q"][t].reshape(1, nI, dI)
-                    QS.rope_hadamard128_fp4(qi, pos, L.cos, L.sin, out=qi)
                     IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
                                    cfg.index_topk, v["dev.idx_scores"][:N].reshape(1, N),
                                    v["idx.sel"][t].reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
