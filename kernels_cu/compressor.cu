@@ -304,7 +304,8 @@ DEV void norm_rope_sim_row(const void* in_v, int ld_in, double eps, int R, u16* 
             v[i + 2] = bf16lo(q.y); v[i + 3] = bf16hi(q.y);
         }
     }
-    norm_rope_sim_core<D, EPT, SIM>(v, d0, first.pre, eps, R, out + row * ld_out,
+    // gate_pos given: out is already the row's placed target (ring rows: row b at gate_pos[b] % r)
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, first.pre, eps, R, out + (gate_pos != nullptr ? 0 : row) * ld_out,
                                     [&](double x) { return block_sum<NW>(x, red); });
 }
 
