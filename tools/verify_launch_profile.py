@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     msl = a.ctx + 128 + 4 * (a.rounds + 4) * max(ts)
     m = Dsv4Gpu.synthetic(a.model.split(":", 1)[1], devices=(0,), seed=0, max_seq_len=msl,
-                          expert_storage="shared", verify_path="device")
+                          expert_storage="shared", verify_path="device", decode_path="device")
     st = random_filled_state(m, a.ctx, msl)
     rng = np.random.default_rng(0)
     report = {"model": a.model, "ctx": a.ctx, "walls_ms": {}, "profiles": {}}
