@@ -37,6 +37,27 @@ def _walls(m, st, rng, t: int, rounds: int) -> float:
     return statistics.median(out)
 
 
+def plot_doc(report: dict, meta: dict, top: int = 8) -> dict:
+    """bench.plot's document of a report: one bar per verify row count (PDL on) stacked by its
+    launch profile's top kernels (each launch alone, so the stack is the launches' time, not the
+    replay's), the rest as "other kernels", the wall (verify + commit(0)) as the median; the
+    device step as a bar of its wall only.  p10 / p90 are not measured here: both = the median."""
+    arms = {}
+    step = report["walls_ms"]["decode_step"]
+    arms["device step"] = {"summary": {"median": step, "p10": step, "p90": step, "tok_s": 1e3 / step}}
+    for t, prof in sorted(report["profiles"].items(), key=lambda kv: int(kv[0])):
+        wall = report["walls_ms"].get(f"verify t={t} pdl=on")
+        if wall is None:
+            continue
+        rows = prof["by_kernel"]
+        phases = {r["kernel"]: r["total_us"] for r in rows[:top]}
+        phases["other kernels"] = sum(r["total_us"] for r in rows[top:])
+        arms[f"verify t={t} + commit(0)"] = {
+            "phases_us": phases,
+            "summary": {"median": wall, "p10": wall, "p90": wall, "tok_s": int(t) * 1e3 / wall}}
+    return {"meta": meta, "config": {"model": report["model"], "ctx": report["ctx"]}, "arms": arms}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="synthetic:flash")
@@ -45,7 +66,21 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default="")
+    ap.add_argument("--png-from", default="", metavar="JSON",
+                    help="only draw PNG (--png) from a report this tool wrote; no GPU")
+    ap.add_argument("--png", default="")
+    ap.add_argument("--meta", default="", help="with --png-from: 'gpu,date,commit' for the title")
     a = ap.parse_args(argv)
+    if a.png_from:
+        if not a.png:
+            raise SystemExit("--png-from needs --png")
+        from bench.plot import plot_results
+        with open(a.png_from) as f:
+            report = json.load(f)
+        meta = dict(zip(("gpu", "date", "commit"), a.meta.split(","))) if a.meta else {}
+        plot_results(plot_doc(report, meta), a.png)
+        print(f"png: {a.png}")
+        return 0
     ts = [int(x) for x in a.t.split(",") if x]
     if (not ts or any(not 2 <= t <= 8 for t in ts) or a.rounds < 1 or a.reps < 1
             or not a.model.startswith("synthetic:") or a.ctx % 128 or a.ctx < 128):
