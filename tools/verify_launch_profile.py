@@ -7,7 +7,8 @@ call site, at two row counts, so the per-row share stands out.
 
 The model is synthetic with shared expert storage (bench.spec_cost's default for one GPU); the
 state is random-filled at pos = ctx (bench.decode_step.random_filled_state).  Walls: medians of
-``rounds`` verify(t) + commit(0) after two warm-ups, the device step's median beside them.  The
+``rounds`` verify(t) + commit(0) after two warm-ups (and of each half), the device step's median
+beside them.  The
 launch profile records one eager verify of each t (PDL off while recording: the launches, not
 their overlap) and times each launch alone as a graph of ``reps`` copies (L2-warm: small
 weights read faster than in the verify; see profiling/launches.py).  The profile's replays
@@ -24,17 +25,24 @@ import sys
 import time
 
 
-def _walls(m, st, rng, t: int, rounds: int) -> float:
+def _walls(m, st, rng, t: int, rounds: int) -> tuple[float, float, float]:
+    """Medians (ms) of verify(t) + commit(0), of the verify alone and of the commit alone (both
+    return only once their work is done: the verify reads the logits back, the commit
+    synchronises its streams)."""
     vocab = m.config.vocab_size
-    out = []
+    both, ver, com = [], [], []
     for i in range(rounds + 2):
         ids = rng.integers(0, vocab, t).tolist()
         t0 = time.perf_counter()
         m.verify(st, ids)
+        t1 = time.perf_counter()
         m.commit(st, 0)
+        t2 = time.perf_counter()
         if i >= 2:
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+            both.append((t2 - t0) * 1e3)
+            ver.append((t1 - t0) * 1e3)
+            com.append((t2 - t1) * 1e3)
+    return statistics.median(both), statistics.median(ver), statistics.median(com)
 
 
 def plot_doc(report: dict, meta: dict, top: int = 8) -> dict:
@@ -115,10 +123,13 @@ def main(argv=None) -> int:
         for pdl in ("on", "off"):
             m.pdl = pdl
             for t in ts:
-                w = _walls(m, st, rng, t, a.rounds)
+                w, wv, wc = _walls(m, st, rng, t, a.rounds)
                 report["walls_ms"][f"verify t={t} pdl={pdl}"] = w
+                report["walls_ms"][f"verify only t={t} pdl={pdl}"] = wv
+                report["walls_ms"][f"commit(0) t={t} pdl={pdl}"] = wc
                 print(f"  device verify t={t} + commit(0), pdl {pdl}: {w:.3f} ms "
-                      f"({w / report['walls_ms']['decode_step']:.2f} steps)")
+                      f"({w / report['walls_ms']['decode_step']:.2f} steps; verify {wv:.3f}, "
+                      f"commit(0) {wc:.3f})")
         # the launch profile (PDL off while recording)
         m.pdl = "off"
         for t in ts:
