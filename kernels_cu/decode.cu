@@ -1462,6 +1462,60 @@ pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __re
     }
 }
 
+// verify_rollback: the device verify's commit(n) for every layer of a stage in one launch
+// (gpu.verify_step VerifyStep.commit, commit_form "device"; the host form is that method's CuPy
+// operations, which this kernel must equal byte for byte).  Rows 0..k were verified at p0..p0+k
+// and rows n+1..k are rolled back, i.e. positions [lo, hi) = [p0 + n + 1, p0 + k + 1):
+//   ring slots q % W of those positions <- ring_copy (the pre-verify ring; k + 1 <= W, so no
+//     kept position shares a slot);
+//   ratio > 0: the pending rows (kv, score) <- the journal's snapshot n (the state after row n),
+//     compressed rows [lo / r, hi / r) (those below n_comp) <- 0 (emitted by rolled-back rows);
+//   idx_keys != 0: the same for the indexer's pending rows and keys [lo / 4, hi / 4) (< n_idx).
+// Pure data movement.  grid (blocks, layers): blockIdx.y picks the layer's table entry, the
+// x-blocks stride over its work.  Why a kernel: the host form is ~7 CuPy launches per layer.
+struct RbLayer {  // ops_decode.RollbackTable.SEG (112 bytes)
+    u64 ring, ring_copy, comp_kv, comp_score, comp_snap, comp, idx_kv, idx_score, idx_snap, idx_keys;
+    int W, hd, ratio, comp_p, n_comp, dI, idx_p, n_idx;
+};
+static_assert(sizeof(RbLayer) == 112, "RbLayer: the host table's 112-byte records");
+
+extern "C" __global__ void __launch_bounds__(256)
+verify_rollback(const RbLayer* __restrict__ tab, int p0, int k, int n) { PDL_ENTRY();
+    const RbLayer L = tab[blockIdx.y];
+    const int lo = p0 + n + 1, hi = p0 + k + 1;
+    const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthr = gridDim.x * blockDim.x;
+    u16* ring = reinterpret_cast<u16*>(L.ring);
+    const u16* rcopy = reinterpret_cast<const u16*>(L.ring_copy);
+    for (int i = tid; i < (hi - lo) * L.hd; i += nthr) {
+        const i64 o = (i64)((lo + i / L.hd) % L.W) * L.hd + i % L.hd;
+        ring[o] = rcopy[o];
+    }
+    if (L.ratio > 0) {
+        float* kv = reinterpret_cast<float*>(L.comp_kv);
+        float* sc = reinterpret_cast<float*>(L.comp_score);
+        const float* snap = reinterpret_cast<const float*>(L.comp_snap) + (i64)n * 2 * L.comp_p;
+        for (int i = tid; i < L.comp_p; i += nthr) {
+            kv[i] = snap[i];
+            sc[i] = snap[L.comp_p + i];
+        }
+        u16* comp = reinterpret_cast<u16*>(L.comp);
+        const int r0 = lo / L.ratio, r1 = min(hi / L.ratio, L.n_comp);
+        for (int i = tid; i < max(r1 - r0, 0) * L.hd; i += nthr) comp[(i64)r0 * L.hd + i] = 0;
+    }
+    if (L.idx_keys != 0) {
+        float* kv = reinterpret_cast<float*>(L.idx_kv);
+        float* sc = reinterpret_cast<float*>(L.idx_score);
+        const float* snap = reinterpret_cast<const float*>(L.idx_snap) + (i64)n * 2 * L.idx_p;
+        for (int i = tid; i < L.idx_p; i += nthr) {
+            kv[i] = snap[i];
+            sc[i] = snap[L.idx_p + i];
+        }
+        u16* keys = reinterpret_cast<u16*>(L.idx_keys);
+        const int r0 = lo / 4, r1 = min(hi / 4, L.n_idx);
+        for (int i = tid; i < max(r1 - r0, 0) * L.dI; i += nthr) keys[(i64)r0 * L.dI + i] = 0;
+    }
+}
+
 // copy_vec4_x4: up to four device-to-device copies in one launch, dst_i[0, n_i) = src_i[0, n_i)
 // in 16-byte words (a null pair with n_i = 0 is skipped).  The device verify's journal (the
 // pending rows after each row, the ring before the rows): one kernel node where memcpy nodes

@@ -299,7 +299,7 @@ def _bulk_ok(K: int, fp8: bool) -> bool:
     return K % 16 == 0 and (not fp8 or K <= 8192)
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
                           "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32",
-                          "copy_vec4_x4") \
+                          "copy_vec4_x4", "verify_rollback") \
     + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
 kernel_loader.register(STEM, KERNELS)
 
@@ -309,6 +309,7 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "COPY_PAIRS_MAX",
+           "RollbackTable", "verify_rollback",
            "KERNELS", "STEM"]
 
 
@@ -782,6 +783,76 @@ def copy_words(pairs) -> None:
     # at most 4 words per thread at this grid (an H200 runs 132 x 8 CTAs of 256 at once)
     blocks = max(1, min(-(-total // (256 * 4)), 1024))
     kernel(STEM, "copy_vec4_x4")((blocks,), (256,), tuple(args))
+
+
+class RollbackTable:
+    """Device table of a stage's layers for verify_rollback (decode.cu RbLayer, 112 bytes each),
+    built once per state: per layer its ring and ring_copy [W, hd] bf16 bits, and where the layer
+    has them its compressor's pending rows (kv, score f32), their journal snapshots [ROW_MAX, 2,
+    *pending] f32 and the compressed rows [n_comp, hd], and the indexer's pending rows, snapshots
+    and keys [n_idx, dI].  The addresses are baked in (graphs are not involved: one eager launch
+    per commit)."""
+
+    SEG = np.dtype([("ring", "<u8"), ("ring_copy", "<u8"), ("comp_kv", "<u8"), ("comp_score", "<u8"),
+                    ("comp_snap", "<u8"), ("comp", "<u8"), ("idx_kv", "<u8"), ("idx_score", "<u8"),
+                    ("idx_snap", "<u8"), ("idx_keys", "<u8"), ("W", "<i4"), ("hd", "<i4"),
+                    ("ratio", "<i4"), ("comp_p", "<i4"), ("n_comp", "<i4"), ("dI", "<i4"),
+                    ("idx_p", "<i4"), ("n_idx", "<i4")])
+
+    def __init__(self, layers):
+        """layers: dicts with ring, ring_copy and optionally (comp_kv, comp_score, comp_snap,
+        comp, ratio) and (idx_kv, idx_score, idx_snap, idx_keys) device arrays."""
+        import cupy as cp
+        assert self.SEG.itemsize == 112
+        assert layers, "RollbackTable: no layers"
+        rec = np.zeros(len(layers), dtype=self.SEG)
+        self.keep = []
+        for i, L in enumerate(layers):
+            ring, rc = L["ring"], L["ring_copy"]
+            check(ring, f"RollbackTable[{i}].ring", np.uint16)
+            check(rc, f"RollbackTable[{i}].ring_copy", np.uint16, ring.shape)
+            W, hd = ring.shape
+            rec[i]["ring"], rec[i]["ring_copy"], rec[i]["W"], rec[i]["hd"] = ring.data.ptr, rc.data.ptr, W, hd
+            self.keep += [ring, rc]
+            if L.get("ratio"):
+                kv, sc, snap, comp = L["comp_kv"], L["comp_score"], L["comp_snap"], L["comp"]
+                check(kv, f"RollbackTable[{i}].comp_kv", np.float32)
+                check(sc, f"RollbackTable[{i}].comp_score", np.float32, kv.shape)
+                check(snap, f"RollbackTable[{i}].comp_snap", np.float32, (None, 2) + kv.shape)
+                check(comp, f"RollbackTable[{i}].comp", np.uint16, (None, hd))
+                rec[i]["comp_kv"], rec[i]["comp_score"] = kv.data.ptr, sc.data.ptr
+                rec[i]["comp_snap"], rec[i]["comp"] = snap.data.ptr, comp.data.ptr
+                rec[i]["ratio"], rec[i]["comp_p"], rec[i]["n_comp"] = int(L["ratio"]), kv.size, comp.shape[0]
+                self.keep += [kv, sc, snap, comp]
+            if L.get("idx_keys") is not None:
+                kv, sc, snap, keys = L["idx_kv"], L["idx_score"], L["idx_snap"], L["idx_keys"]
+                check(kv, f"RollbackTable[{i}].idx_kv", np.float32)
+                check(sc, f"RollbackTable[{i}].idx_score", np.float32, kv.shape)
+                check(snap, f"RollbackTable[{i}].idx_snap", np.float32, (None, 2) + kv.shape)
+                check(keys, f"RollbackTable[{i}].idx_keys", np.uint16)
+                rec[i]["idx_kv"], rec[i]["idx_score"] = kv.data.ptr, sc.data.ptr
+                rec[i]["idx_snap"], rec[i]["idx_keys"] = snap.data.ptr, keys.data.ptr
+                rec[i]["dI"], rec[i]["idx_p"], rec[i]["n_idx"] = keys.shape[1], kv.size, keys.shape[0]
+                self.keep += [kv, sc, snap, keys]
+        self.n = len(layers)
+        self.snap_rows = min([int(L["comp_snap"].shape[0]) for L in layers if L.get("ratio")]
+                             + [int(L["idx_snap"].shape[0]) for L in layers if L.get("idx_keys") is not None]
+                             + [1 << 30])
+        self.window = int(layers[0]["ring"].shape[0])
+        self.dev = cp.asarray(rec.view(np.uint8))
+
+
+def verify_rollback(table: RollbackTable, p0: int, k: int, n: int) -> None:
+    """The device verify's commit(n) on every layer of ``table`` in one launch (decode.cu
+    verify_rollback: ring slots of positions p0 + n + 1 .. p0 + k from ring_copy, the pending
+    rows from snapshot n, rolled-back compressed rows / indexer keys zeroed).  0 <= n <= k,
+    k + 1 <= the window and the snapshots' rows."""
+    p0, k, n = int(p0), int(k), int(n)
+    assert 0 <= n <= k and p0 >= 0, f"verify_rollback: p0 {p0}, k {k}, n {n}"
+    assert k + 1 <= table.window and n < table.snap_rows, (
+        f"verify_rollback: k {k} + 1 rows past the window {table.window} or snapshot {n} past "
+        f"{table.snap_rows}")
+    kernel(STEM, "verify_rollback")((8, table.n), (256,), (table.dev, i32(p0), i32(k), i32(n)))
 
 
 def ring_write(pos, src, ring):

@@ -180,6 +180,11 @@ class VerifyStep:
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._rollback: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # commit(n): "host" (CuPy operations per layer, a few launches each; GPU-tested) or
+        # "device" (ops_decode.verify_rollback: one launch per stage over a RollbackTable; its
+        # GPU test compares the caches with the host form's: tests/gpu/test_verify_step_gpu.py)
+        self.commit_form = "host"
         self._tap_bufs: dict = {}   # (stage, taps) -> {layer: [ROW_MAX, hc, D] bf16}
         self._taps = ()             # the taps of the graph being captured / enqueued
         self._logits_host = None
@@ -304,6 +309,15 @@ class VerifyStep:
         import cupy as cp
         if n == jr.k:
             return   # the caches are those of every row: nothing to undo
+        if self.commit_form == "device":
+            from memra_dsv4.gpu import ops_decode as DK
+            rb = self._rollback[state]
+            for S in self.stages:
+                with cp.cuda.Device(S.dev), S.stream:
+                    DK.verify_rollback(rb[S.si], jr.p0, jr.k, n)
+            for S in self.stages:
+                S.stream.synchronize()
+            return
         bufs = jr.bufs
         last_kept, p_end = jr.p0 + n, jr.p0 + jr.k + 1
         for st in self.m.stages:
@@ -347,9 +361,25 @@ class VerifyStep:
                     tabs[L.lid] = [DK.GemvTable(xn_projection_entries(
                         L, c, v["attn.qr"][t], v["dev.kvraw"][t],
                         None if idx_w is None else idx_w[t]), D) for t in range(ROW_MAX)]
-        self._journals[state] = _StateJournal(self.m, state)
+        jr = self._journals[state] = _StateJournal(self.m, state)
         self._graphs[state] = {}
         self._tables[state] = tabs
+        rb = {}   # per stage: the layers' RollbackTable (commit_form "device")
+        for S in self.stages:
+            layers = []
+            for lid in S.st.layers:
+                c = state.cache(lid)
+                L = dict(ring=c.ring, ring_copy=c.ring_copy)
+                if c.ratio:
+                    L.update(ratio=c.ratio, comp_kv=c.comp_state.kv, comp_score=c.comp_state.score,
+                             comp_snap=jr.comp[lid], comp=c.comp)
+                if c.idx_state is not None:
+                    L.update(idx_kv=c.idx_state.kv, idx_score=c.idx_state.score, idx_snap=jr.idx[lid],
+                             idx_keys=c.idx_keys)
+                layers.append(L)
+            with cp.cuda.Device(S.dev):
+                rb[S.si] = DK.RollbackTable(layers)
+        self._rollback[state] = rb
         self.m.devs.order_after_current()   # the tables' uploads ran on the current stream
 
     def _capture(self, state, T: int, taps: tuple, pdl_on: bool = False):

@@ -18,6 +18,7 @@ the device step, byte for byte.
   against the chunk routine's verify within the bf16 class (logits as test_decode_gpu judges).
 * Greedy speculative decoding with the device verify == the device path's greedy generate.
 * k + 1 beyond row_limit takes the chunk routine (its journal type says so).
+* commit_form "device" (one verify_rollback launch per stage) == the host form's caches.
 """
 from __future__ import annotations
 
@@ -153,6 +154,36 @@ def test_pdl_on_off_same_bytes(device_verify):
     want = _steps(m, sd, toks)
     assert np.array_equal(_bits(out["on"][0]), _bits(np.stack(want))), "PDL verify != device steps"
     _same_caches(_caches(out["on"][1]), _caches(sd), "PDL verify commit(k) vs k + 1 steps")
+
+
+@pytest.mark.parametrize("L,k", [(2, 7), (13, 4), (28, 7)])
+def test_device_commit_equals_host(device_verify, L, k):
+    """commit_form "device" (ops_decode.verify_rollback: one launch per stage) leaves the caches
+    the host form leaves, array for array, for every n; the next verify from both agrees."""
+    ck, m = device_verify("tiny")
+    ids = _ids(ck.config, L + 2 * (k + 1), seed=L + 5 * k)
+    toks = np.asarray(ids[L:L + k + 1], np.int64)
+    vs = None
+    try:
+        for n in range(k + 1):
+            _, sh = m.prefill(ids[:L], m.new_state())
+            _, sd = m.prefill(ids[:L], m.new_state())
+            m.verify(sh, toks)
+            vs = m._verify_step
+            m.verify(sd, toks)
+            m.commit(sh, n)
+            vs.commit_form = "device"
+            m.commit(sd, n)
+            vs.commit_form = "host"
+            _same_caches(_caches(sd), _caches(sh), f"L {L} k {k} device commit({n}) vs host")
+            more = np.asarray(ids[L + k + 1:L + 2 * (k + 1)], np.int64)
+            a, b = m.verify(sh, more), m.verify(sd, more)
+            assert np.array_equal(_bits(a), _bits(b)), f"L {L} k {k} n {n}: the next verify differs"
+            m.commit(sh, 0)
+            m.commit(sd, 0)
+    finally:
+        if vs is not None:
+            vs.commit_form = "host"
 
 
 def test_streams_and_taps(device_verify):
