@@ -8,7 +8,7 @@ call site, at two row counts, so the per-row share stands out.
 The model is synthetic with shared expert storage (bench.spec_cost's default for one GPU); the
 state is random-filled at pos = ctx (bench.decode_step.random_filled_state).  Walls: medians of
 ``rounds`` verify(t) + commit(0) after two warm-ups (and of each half), the device step's median
-beside them.  The
+beside them; then the commit's host and device forms (VerifyStep.commit_form), PDL on.  The
 launch profile records one eager verify of each t (PDL off while recording: the launches, not
 their overlap) and times each launch alone as a graph of ``reps`` copies (L2-warm: small
 weights read faster than in the verify; see profiling/launches.py).  The profile's replays
@@ -130,6 +130,19 @@ def main(argv=None) -> int:
                 print(f"  device verify t={t} + commit(0), pdl {pdl}: {w:.3f} ms "
                       f"({w / report['walls_ms']['decode_step']:.2f} steps; verify {wv:.3f}, "
                       f"commit(0) {wc:.3f})")
+        # the commit's two forms, PDL on (VerifyStep.commit_form: host CuPy operations per
+        # layer | one verify_rollback launch per stage), in this process
+        m.pdl = "on"
+        vs = device_verify_of(m, st, max(ts))
+        try:
+            for form in ("host", "device"):
+                vs.commit_form = form
+                for t in ts:
+                    w, wv, wc = _walls(m, st, rng, t, a.rounds)
+                    report["walls_ms"][f"commit(0) t={t} form={form}"] = wc
+                    print(f"  commit form {form}, t={t}: verify + commit(0) {w:.3f} ms, commit(0) {wc:.3f} ms")
+        finally:
+            vs.commit_form = "host"
         # the launch profile (PDL off while recording)
         m.pdl = "off"
         for t in ts:
