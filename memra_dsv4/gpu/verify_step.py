@@ -51,8 +51,9 @@ Journal (per state, made at its first device verify, on the stages' devices): ea
 as it was before the verify (LayerCache.ring_copy, a captured copy) and the pending rows after
 each row (captured copies).  ``commit(n)``: ring slots of the rolled-back positions back from the copy (k + 1 <= W,
 so no kept position shares one), the pending rows from snapshot n, the compressed rows /
-indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  Host-driven (a few
-copies per layer on the stage's compute stream).
+indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  commit_form "host": a
+few CuPy operations per layer on the stage's compute stream; "device": one verify_rollback launch
+per stage over the state's RollbackTable (the same bytes; its GPU test compares the caches).
 
 Launches only after every check; the graphs bake the arena, the state's caches and journal, and
 the GemvTables (per state and row), all made before the first capture.  PDL follows the model's
