@@ -1,4 +1,5 @@
-"""GPU speculative verify / commit (memra_dsv4.gpu.verify) on the device DecodeState.
+"""GPU speculative verify / commit (memra_dsv4.gpu.verify) on the device DecodeState: the chunk
+routine (pinned by an autouse fixture; the device verify is tests/gpu/test_verify_step_gpu.py's).
 
 * The rollback restores bytes: after verify(k) + commit(n), every ring slot the verify wrote holds
   the verify's own vector of the newest kept position mapping to it, else its pre-verify row;
@@ -20,6 +21,15 @@ import pytest
 from test_decode_gpu import _ids, _logit_check, _model, _state_check  # prepend import mode
 
 cp = pytest.importorskip("cupy")
+
+
+@pytest.fixture(autouse=True)
+def _chunk_routine(monkeypatch):
+    """This file tests the chunk routine's verify and journal: pinned to it whatever the models'
+    verify_path (MEMRA_DSV4_VERIFY_PATH), so the device verify can become the default
+    (tests/gpu/test_verify_step_gpu.py tests that one)."""
+    from memra_dsv4.gpu import verify as V
+    monkeypatch.setattr(V, "device_verify_of", lambda model, state, rows: None)
 
 
 def _pending_replay(kv, score, a, z, p0, ratio):
