@@ -23,37 +23,37 @@ Order inside a layer (why: the caches are position-addressed, rows run in positi
 a cache is read or written):
   the T rows' attention boundaries: one multi-row hc_boundary launch (grid.y = T, each row the
      one-token launch's bytes; row_form "per_row": the step's launch per row);
-  A. per row: the projections of xn (gemv_bf16_multi over the
-     row's GemvTable: qr, the kv row, the compressor / indexer-compressor pending rows at
-     (pos + t) % r, the indexer weights), both compressor emissions (gated on the device by
-     pos + t), then a snapshot of the pending rows (the journal: commit(n) restores snapshot n).  Emitted compressed rows / indexer keys of later rows are invisible to an
-     earlier row: its counts come from its own position.
-  B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV)
-     for the T rows: one weight read.
+  A. per row: the projections of xn (gemv_bf16_multi over the row's GemvTable: qr, the kv row,
+     the compressor / indexer-compressor pending rows at (pos + t) % r, the indexer weights),
+     both compressor emissions (gated on the device by pos + t), then a snapshot of the pending
+     rows (the journal: commit(n) restores snapshot n).  Emitted compressed rows / indexer keys
+     of later rows are invisible to an earlier row: its counts come from its own position.
+  B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV) for
+     the T rows: one weight read.
   C. q head norm + RoPE of the T rows (one launch, each row at its position); the T kv rows into
      ring slots (pos + t) % W (one launch); the indexer's q RoPE / Hadamard / FP4 (one launch),
      per row its scores over the keys its own position may see and top-k; the rows' candidates
-     and sparse attention
-     (one launch each).  Every row's kv row is in the ring before any row attends, so a slot a
-     later row replaced (position pos + j - W, j > t, still in row t's window) is read from the
-     cache's ring_copy (the pre-verify ring, written first in the layer): build_cand's shadow
-     rows, the same bytes in the same candidate order (gpu.hostmath.verify_candidates; CPU test
-     of what each row reads).
+     and sparse attention (one launch each).  Every row's kv row is in the ring before any row
+     attends, so a slot a later row replaced (position pos + j - W, j > t, still in row t's
+     window) is read from the cache's ring_copy (the pre-verify ring, copied first in the
+     layer): build_cand's shadow rows, the same bytes in the same candidate order
+     (gpu.hostmath.verify_candidates; a CPU test checks what each row reads).
   D. wo_a (grouped) and wo_b for the T rows.
-  ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over the T x k slots (x row
-  s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of their bf16 outputs
-  (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
+  ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over
+  the T x k slots (x row s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of
+  their bf16 outputs (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
   grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
 Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: those run as T
 one-row launches (the same bits, T weight reads).
 
 Journal (per state, made at its first device verify, on the stages' devices): each layer's ring
 as it was before the verify (LayerCache.ring_copy, a captured copy) and the pending rows after
-each row (captured copies).  ``commit(n)``: ring slots of the rolled-back positions back from the copy (k + 1 <= W,
-so no kept position shares one), the pending rows from snapshot n, the compressed rows /
-indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.  commit_form "host": a
-few CuPy operations per layer on the stage's compute stream; "device": one verify_rollback launch
-per stage over the state's RollbackTable (the same bytes; its GPU test compares the caches).
+each row (captured copies).  ``commit(n)``: ring slots of the rolled-back positions back from
+the copy (k + 1 <= W, so no kept position shares one), the pending rows from snapshot n, the
+compressed rows / indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.
+commit_form "host": a few CuPy operations per layer on the stage's compute stream; "device": one
+verify_rollback launch per stage over the state's RollbackTable (the same bytes; its GPU test
+compares the caches).
 
 Launches only after every check; the graphs bake the arena, the state's caches and journal, and
 the GemvTables (per state and row), all made before the first capture.  PDL follows the model's
