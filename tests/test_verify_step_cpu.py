@@ -115,3 +115,13 @@ def test_step_ratios():
     assert step_ratios(cfg, range(cfg.num_hidden_layers)) == [4, 16]
     assert step_ratios(cfg, [0]) == [1, 4]       # a sliding-only stage
     assert step_ratios(cfg, [2]) == [16, 4]      # HCA only: 4 appended for the key count
+
+
+def test_forms_are_checked():
+    from memra_dsv4.gpu.verify_step import COMMIT_FORMS, ROW_FORMS, checked_form
+    assert checked_form("rows", ROW_FORMS, "row_form") == "rows"
+    assert checked_form("device", COMMIT_FORMS, "commit_form") == "device"
+    with pytest.raises(ValueError, match=r"VerifyStep.commit_form = 'gpu': expected one of \('host', 'device'\)"):
+        checked_form("gpu", COMMIT_FORMS, "commit_form")
+    with pytest.raises(ValueError, match="VerifyStep.row_form = 'row'"):
+        checked_form("row", ROW_FORMS, "row_form")

@@ -58,7 +58,7 @@ compares the caches).
 Launches only after every check; the graphs bake the arena, the state's caches and journal, and
 the GemvTables (per state and row), all made before the first capture.  PDL follows the model's
 seam (MEMRA_DSV4_PDL, as the device step): every launch carries the attribute, graph and eager
-(a graph per (rows, taps, pdl)).  Why it is safe in this launch order: every kernel waits before
+(a graph per (rows, taps, pdl, row_form)).  Why it is safe in this launch order: every kernel waits before
 it triggers, and what a kernel loads before its wait (common.cuh PDL_ENTRY_PRELOAD) is static
 weights, the rows' position words (uploaded before the graph) or buffers written two or more
 launches back (down + combine's expert ids: the last row's router, then the routed gate/up and
@@ -72,7 +72,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["VerifyStep", "DeviceJournal", "verify_ws_plan", "row_limit", "ROW_MAX"]
+__all__ = ["VerifyStep", "DeviceJournal", "verify_ws_plan", "row_limit", "ROW_MAX", "ROW_FORMS",
+           "COMMIT_FORMS", "checked_form"]
 
 ROW_MAX = 8   # ops_decode.XROWS_MAX: the multi-row GEMV's rows
 # one row's size, shared by the rows (they run in turn on one stream)
@@ -110,6 +111,19 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
     p.add("moe.sh_u", (rows,) + sh, "bf16")
     p.check()
     return p
+
+
+ROW_FORMS = ("rows", "per_row")      # VerifyStep.row_form
+COMMIT_FORMS = ("host", "device")    # VerifyStep.commit_form
+
+
+def checked_form(value, allowed: tuple, name: str) -> str:
+    """``value`` when it is one of ``allowed``, else ValueError naming the attribute: the verify's
+    forms are plain attributes an engine or a bench may set, so a typo must not fall through to
+    the other branch."""
+    if value not in allowed:
+        raise ValueError(f"VerifyStep.{name} = {value!r}: expected one of {allowed}")
+    return value
 
 
 class DeviceJournal:
@@ -237,14 +251,15 @@ class VerifyStep:
             raise ValueError(f"device verify: state max_seq_len {state.max_seq_len} != the "
                              f"VerifyWs built for {self.msl}")
         taps = tuple(int(t) for t in taps)
+        checked_form(self.row_form, ROW_FORMS, "row_form")
         self._ensure_state(state)
         pos0 = int(state.pos)
         # the model's PDL seam, as the device step reads it: every launch of the verify carries
-        # the attribute (captured as programmatic edges); a graph per (rows, taps, pdl)
+        # the attribute (captured as programmatic edges); a graph per (rows, taps, pdl, row_form)
         pdl_on = getattr(self.m, "pdl", "off") == "on"
         gs = None
         if graph:
-            key = (T, taps, pdl_on)
+            key = (T, taps, pdl_on, self.row_form)   # the forms a graph bakes in
             per = self._graphs[state]
             gs = per.get(key)
             if gs is None:
@@ -310,7 +325,7 @@ class VerifyStep:
         import cupy as cp
         if n == jr.k:
             return   # the caches are those of every row: nothing to undo
-        if self.commit_form == "device":
+        if checked_form(self.commit_form, COMMIT_FORMS, "commit_form") == "device":
             from memra_dsv4.gpu import ops_decode as DK
             rb = self._rollback[state]
             for S in self.stages:

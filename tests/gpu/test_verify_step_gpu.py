@@ -144,7 +144,7 @@ def test_pdl_on_off_same_bytes(device_verify):
             m.pdl = form
             _, s = m.prefill(ids[:L], m.new_state())
             out[form] = (m.verify(s, toks), s)
-            assert (k + 1, (), form == "on") in m._verify_step._graphs[s], f"pdl {form}: no graph"
+            assert (k + 1, (), form == "on", "rows") in m._verify_step._graphs[s], f"pdl {form}: no graph"
             m.commit(s, k)
     finally:
         m.pdl = old
