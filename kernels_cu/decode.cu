@@ -1479,6 +1479,25 @@ struct RbLayer {  // ops_decode.RollbackTable.SEG (112 bytes)
 };
 static_assert(sizeof(RbLayer) == 112, "RbLayer: the host table's 112-byte records");
 
+namespace {
+// One compressor of a layer (the main one: ratio r, rows of width hd; the indexer's: ratio 4,
+// keys of width dI): its pending rows (kv, score, P floats each) <- snapshot n of the journal
+// ([ROW_MAX][2][P]), rows [lo / r, hi / r) below n_rows <- 0.
+DEV void rb_compressor(u64 kv_a, u64 score_a, u64 snap_a, u64 rows_a, int P, int ratio, int width,
+                       int n_rows, int lo, int hi, int n, int tid, int nthr) {
+    float* kv = reinterpret_cast<float*>(kv_a);
+    float* sc = reinterpret_cast<float*>(score_a);
+    const float* snap = reinterpret_cast<const float*>(snap_a) + (i64)n * 2 * P;
+    for (int i = tid; i < P; i += nthr) {
+        kv[i] = snap[i];
+        sc[i] = snap[P + i];
+    }
+    u16* rows = reinterpret_cast<u16*>(rows_a);
+    const int r0 = lo / ratio, r1 = min(hi / ratio, n_rows);
+    for (int i = tid; i < max(r1 - r0, 0) * width; i += nthr) rows[(i64)r0 * width + i] = 0;
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(256)
 verify_rollback(const RbLayer* __restrict__ tab, int p0, int k, int n) { PDL_ENTRY();
     const RbLayer L = tab[blockIdx.y];
@@ -1490,30 +1509,12 @@ verify_rollback(const RbLayer* __restrict__ tab, int p0, int k, int n) { PDL_ENT
         const i64 o = (i64)((lo + i / L.hd) % L.W) * L.hd + i % L.hd;
         ring[o] = rcopy[o];
     }
-    if (L.ratio > 0) {
-        float* kv = reinterpret_cast<float*>(L.comp_kv);
-        float* sc = reinterpret_cast<float*>(L.comp_score);
-        const float* snap = reinterpret_cast<const float*>(L.comp_snap) + (i64)n * 2 * L.comp_p;
-        for (int i = tid; i < L.comp_p; i += nthr) {
-            kv[i] = snap[i];
-            sc[i] = snap[L.comp_p + i];
-        }
-        u16* comp = reinterpret_cast<u16*>(L.comp);
-        const int r0 = lo / L.ratio, r1 = min(hi / L.ratio, L.n_comp);
-        for (int i = tid; i < max(r1 - r0, 0) * L.hd; i += nthr) comp[(i64)r0 * L.hd + i] = 0;
-    }
-    if (L.idx_keys != 0) {
-        float* kv = reinterpret_cast<float*>(L.idx_kv);
-        float* sc = reinterpret_cast<float*>(L.idx_score);
-        const float* snap = reinterpret_cast<const float*>(L.idx_snap) + (i64)n * 2 * L.idx_p;
-        for (int i = tid; i < L.idx_p; i += nthr) {
-            kv[i] = snap[i];
-            sc[i] = snap[L.idx_p + i];
-        }
-        u16* keys = reinterpret_cast<u16*>(L.idx_keys);
-        const int r0 = lo / 4, r1 = min(hi / 4, L.n_idx);
-        for (int i = tid; i < max(r1 - r0, 0) * L.dI; i += nthr) keys[(i64)r0 * L.dI + i] = 0;
-    }
+    if (L.ratio > 0)
+        rb_compressor(L.comp_kv, L.comp_score, L.comp_snap, L.comp, L.comp_p, L.ratio, L.hd, L.n_comp,
+                      lo, hi, n, tid, nthr);
+    if (L.idx_keys != 0)
+        rb_compressor(L.idx_kv, L.idx_score, L.idx_snap, L.idx_keys, L.idx_p, 4, L.dI, L.n_idx,
+                      lo, hi, n, tid, nthr);
 }
 
 // copy_vec4_x4: up to four device-to-device copies in one launch, dst_i[0, n_i) = src_i[0, n_i)

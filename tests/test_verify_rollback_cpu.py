@@ -11,6 +11,16 @@ import pytest
 ROW_MAX = 8
 
 
+def _compressor_twin(kv, score, snap, rows, ratio, lo, hi, n):
+    """decode.cu rb_compressor, transcribed."""
+    P, width = kv.size, rows.shape[1]
+    flat = snap.reshape(-1)[n * 2 * P:(n + 1) * 2 * P]
+    kv.reshape(-1)[:] = flat[:P]
+    score.reshape(-1)[:] = flat[P:]
+    r0, r1 = lo // ratio, min(hi // ratio, rows.shape[0])
+    rows.reshape(-1)[r0 * width:r0 * width + max(r1 - r0, 0) * width] = 0
+
+
 def _kernel_twin(L, p0, k, n):
     """decode.cu verify_rollback, transcribed (one layer, NumPy arrays in place)."""
     lo, hi = p0 + n + 1, p0 + k + 1
@@ -19,20 +29,9 @@ def _kernel_twin(L, p0, k, n):
         o = ((lo + i // hd) % W, i % hd)
         L["ring"][o] = L["ring_copy"][o]
     if L.get("ratio"):
-        P = L["comp_kv"].size
-        snap = L["comp_snap"].reshape(-1)[n * 2 * P:(n + 1) * 2 * P]
-        L["comp_kv"].reshape(-1)[:] = snap[:P]
-        L["comp_score"].reshape(-1)[:] = snap[P:]
-        r0, r1 = lo // L["ratio"], min(hi // L["ratio"], L["comp"].shape[0])
-        L["comp"].reshape(-1)[r0 * hd:r0 * hd + max(r1 - r0, 0) * hd] = 0
+        _compressor_twin(L["comp_kv"], L["comp_score"], L["comp_snap"], L["comp"], L["ratio"], lo, hi, n)
     if L.get("idx_keys") is not None:
-        P = L["idx_kv"].size
-        dI = L["idx_keys"].shape[1]
-        snap = L["idx_snap"].reshape(-1)[n * 2 * P:(n + 1) * 2 * P]
-        L["idx_kv"].reshape(-1)[:] = snap[:P]
-        L["idx_score"].reshape(-1)[:] = snap[P:]
-        r0, r1 = lo // 4, min(hi // 4, L["idx_keys"].shape[0])
-        L["idx_keys"].reshape(-1)[r0 * dI:r0 * dI + max(r1 - r0, 0) * dI] = 0
+        _compressor_twin(L["idx_kv"], L["idx_score"], L["idx_snap"], L["idx_keys"], 4, lo, hi, n)
 
 
 def _host_commit(L, p0, k, n):

@@ -308,7 +308,7 @@ __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUT
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
            "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
-           "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "COPY_PAIRS_MAX",
+           "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "copy_words_ok", "COPY_PAIRS_MAX",
            "RollbackTable", "verify_rollback",
            "KERNELS", "STEM"]
 
@@ -757,6 +757,13 @@ def greedy_argmax(logits, tok, pos=None, hist=None):
 COPY_PAIRS_MAX = 4   # decode.cu copy_vec4_x4's ranges per launch
 
 
+def copy_words_ok(dst, src) -> bool:
+    """Whether copy_words takes the pair (dst, src): same byte size, both C-contiguous, 16-byte
+    aligned, a multiple of 16 bytes (copy_vec4_x4 moves uint4 words)."""
+    return (dst.nbytes == src.nbytes and dst.flags.c_contiguous and src.flags.c_contiguous
+            and dst.data.ptr % 16 == 0 and src.data.ptr % 16 == 0 and src.nbytes % 16 == 0)
+
+
 def copy_words(pairs) -> None:
     """dst[...] = src for up to COPY_PAIRS_MAX (dst, src) pairs of device arrays, one launch
     (decode.cu copy_vec4_x4: bit-identical to a device-to-device memcpy; NumPy twin: the
@@ -815,31 +822,30 @@ class RollbackTable:
             rec[i]["ring"], rec[i]["ring_copy"], rec[i]["W"], rec[i]["hd"] = ring.data.ptr, rc.data.ptr, W, hd
             self.keep += [ring, rc]
             if L.get("ratio"):
-                kv, sc, snap, comp = L["comp_kv"], L["comp_score"], L["comp_snap"], L["comp"]
-                check(kv, f"RollbackTable[{i}].comp_kv", np.float32)
-                check(sc, f"RollbackTable[{i}].comp_score", np.float32, kv.shape)
-                check(snap, f"RollbackTable[{i}].comp_snap", np.float32, (None, 2) + kv.shape)
-                check(comp, f"RollbackTable[{i}].comp", np.uint16, (None, hd))
-                rec[i]["comp_kv"], rec[i]["comp_score"] = kv.data.ptr, sc.data.ptr
-                rec[i]["comp_snap"], rec[i]["comp"] = snap.data.ptr, comp.data.ptr
-                rec[i]["ratio"], rec[i]["comp_p"], rec[i]["n_comp"] = int(L["ratio"]), kv.size, comp.shape[0]
-                self.keep += [kv, sc, snap, comp]
+                self._compressor(rec[i], i, "comp", L, "comp", "n_comp", hd)
+                rec[i]["ratio"] = int(L["ratio"])
             if L.get("idx_keys") is not None:
-                kv, sc, snap, keys = L["idx_kv"], L["idx_score"], L["idx_snap"], L["idx_keys"]
-                check(kv, f"RollbackTable[{i}].idx_kv", np.float32)
-                check(sc, f"RollbackTable[{i}].idx_score", np.float32, kv.shape)
-                check(snap, f"RollbackTable[{i}].idx_snap", np.float32, (None, 2) + kv.shape)
-                check(keys, f"RollbackTable[{i}].idx_keys", np.uint16)
-                rec[i]["idx_kv"], rec[i]["idx_score"] = kv.data.ptr, sc.data.ptr
-                rec[i]["idx_snap"], rec[i]["idx_keys"] = snap.data.ptr, keys.data.ptr
-                rec[i]["dI"], rec[i]["idx_p"], rec[i]["n_idx"] = keys.shape[1], kv.size, keys.shape[0]
-                self.keep += [kv, sc, snap, keys]
+                self._compressor(rec[i], i, "idx", L, "idx_keys", "n_idx", None)
+                rec[i]["dI"] = L["idx_keys"].shape[1]
         self.n = len(layers)
         self.snap_rows = min([int(L["comp_snap"].shape[0]) for L in layers if L.get("ratio")]
                              + [int(L["idx_snap"].shape[0]) for L in layers if L.get("idx_keys") is not None]
                              + [1 << 30])
         self.window = int(layers[0]["ring"].shape[0])
         self.dev = cp.asarray(rec.view(np.uint8))
+
+    def _compressor(self, r, i: int, pre: str, L, rows_key: str, n_field: str, width) -> None:
+        """One compressor's fields of record r (prefix ``pre``: "comp" / "idx"): its pending rows
+        {pre}_kv / {pre}_score f32, their snapshots {pre}_snap [*, 2, *pending] f32, the rows it
+        emits (L[rows_key]: bf16 bits [n, width], width None: any) and their count (n_field)."""
+        kv, sc, snap, rows = L[f"{pre}_kv"], L[f"{pre}_score"], L[f"{pre}_snap"], L[rows_key]
+        check(kv, f"RollbackTable[{i}].{pre}_kv", np.float32)
+        check(sc, f"RollbackTable[{i}].{pre}_score", np.float32, kv.shape)
+        check(snap, f"RollbackTable[{i}].{pre}_snap", np.float32, (None, 2) + kv.shape)
+        check(rows, f"RollbackTable[{i}].{rows_key}", np.uint16, (None, width))
+        r[f"{pre}_kv"], r[f"{pre}_score"], r[f"{pre}_snap"] = kv.data.ptr, sc.data.ptr, snap.data.ptr
+        r[rows_key], r[f"{pre}_p"], r[n_field] = rows.data.ptr, kv.size, rows.shape[0]
+        self.keep += [kv, sc, snap, rows]
 
 
 def verify_rollback(table: RollbackTable, p0: int, k: int, n: int) -> None:

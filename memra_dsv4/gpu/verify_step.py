@@ -159,10 +159,10 @@ class _Stage:
 
 def _journal_copy(pairs, stream) -> None:
     """The (dst, src) pairs' copies in one kernel launch (ops_decode.copy_words: a kernel node
-    keeps the PDL chain) when every pair is 16-byte aligned and sized, else one memcpy each."""
+    keeps the PDL chain) when it takes every pair (ops_decode.copy_words_ok), else one memcpy each."""
     from memra_dsv4.gpu import ops_decode as DK
-    pairs = [(d, s) for d, s in pairs]
-    if all(d.data.ptr % 16 == 0 and s.data.ptr % 16 == 0 and s.nbytes % 16 == 0 for d, s in pairs):
+    pairs = list(pairs)
+    if all(DK.copy_words_ok(d, s) for d, s in pairs):
         for i in range(0, len(pairs), DK.COPY_PAIRS_MAX):
             DK.copy_words(pairs[i:i + DK.COPY_PAIRS_MAX])
         return
@@ -484,35 +484,23 @@ class VerifyStep:
                                           force_bounce=self.m.force_bounce)
 
     def _boundaries(self, S, L, T: int, streams, sub: str, f=None, out=None) -> None:
-        """The T rows' boundaries into sub-layer ``sub``: one multi-row hc_boundary launch (grid.y
-        = T; each row's bytes those of the step's one-token launch) under row_form "rows"
-        with the lastcta kernel, else the step's launch per row (_boundary)."""
+        """The T rows' boundaries into sub-layer ``sub`` (with f, the previous sub-layer's hc_post
+        into ``out`` first): one multi-row hc_boundary launch (grid.y = T; each row's bytes those
+        of the step's one-token launch) under row_form "rows" with the lastcta kernel, else the
+        step's one-token launch per row."""
         from memra_dsv4.gpu.ops import hc as HC
-        if self.row_form != "rows" or HC.boundary_impl(None) != "lastcta":
-            for t in range(T):
-                self._boundary(S, L, t, streams, sub, f=f, out=out)
-            return
+        if self.row_form == "rows" and HC.boundary_impl(None) == "lastcta":
+            spans = [(0, T)]
+        else:
+            spans = [(t, t + 1) for t in range(T)]
         cfg, v = self.cfg, S.v
-        HC.hc_boundary(streams[:T], L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
-                       L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters,
-                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, xn=v["xn"][:T], x=v["x"][:T],
-                       pre=v["hc.pre"][:T], post=v["hc.post"][:T], comb=v["hc.comb"][:T],
-                       mixes=v["dev.mix"][:T].reshape(T, -1), f=None if f is None else f[:T],
-                       out=None if out is None else out[:T])
-
-    def _boundary(self, S, L, t: int, streams, sub: str, f=None, out=None) -> None:
-        """Row t's boundary into sub-layer ``sub``: the step's hc_boundary launch (with f, the
-        previous sub-layer's hc_post into ``out`` first)."""
-        from memra_dsv4.gpu.ops import hc as HC
-        cfg, v = self.cfg, S.v
-        D, hc = cfg.hidden_size, cfg.hc_mult
-        HC.hc_boundary(streams[t:t + 1], L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
-                       L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters,
-                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, xn=v["xn"][t].reshape(1, D),
-                       x=v["x"][t].reshape(1, D), pre=v["hc.pre"][t].reshape(1, -1),
-                       post=v["hc.post"][t].reshape(1, -1), comb=v["hc.comb"][t].reshape(1, hc, hc),
-                       mixes=v["dev.mix"][t], f=None if f is None else f[t].reshape(1, D),
-                       out=None if out is None else out[t:t + 1])
+        for a, b in spans:
+            HC.hc_boundary(streams[a:b], L.f32[f"hc_{sub}_fn"], L.w(f"hc_{sub}_scale"),
+                           L.w(f"hc_{sub}_base"), L.w(f"{sub}_norm.weight"), iters=cfg.hc_sinkhorn_iters,
+                           hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, xn=v["xn"][a:b], x=v["x"][a:b],
+                           pre=v["hc.pre"][a:b], post=v["hc.post"][a:b], comb=v["hc.comb"][a:b],
+                           mixes=v["dev.mix"][a:b].reshape(b - a, -1), f=None if f is None else f[a:b],
+                           out=None if out is None else out[a:b])
 
     def _block(self, S, L, i: int, T: int, cur, oth, cache, tables, jr, prev_tap=None):
         """One layer for the T rows (the module doc's order); returns the streams (cur, oth).
@@ -648,23 +636,19 @@ class VerifyStep:
         cfg, v, mp = self.cfg, S.v, f"{S.ph}/block/ffn/moe"
         D, I, E, k = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts,
                       cfg.num_experts_per_tok)
-        handoff = router_handoff()
-        if handoff == "cluster" and not RT.cluster_ok(E):
-            handoff = "ticket"
+        if self.row_form == "rows":   # the T rows in one ticket-form launch (grid.y = T)
+            spans, handoff = [(0, T)], "ticket"
+        else:                         # the step's one-token launch per row, its handoff
+            spans, handoff = [(t, t + 1) for t in range(T)], router_handoff()
+            if handoff == "cluster" and not RT.cluster_ok(E):
+                handoff = "ticket"
         with phase(f"{mp}/router"):
-            if self.row_form == "rows":   # the T rows in one ticket-form launch (grid.y = T)
-                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][:T].reshape(T)) if L.hash
+            for a, b in spans:
+                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][a:b].reshape(b - a)) if L.hash
                          else dict(bias=L.w("ffn.gate.bias")))
-                RT.fused(v["xn"][:T], L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
-                         logits=v["moe.logits"][:T], scores=v["moe.scores"][:T], idx=v["moe.ids"][:T],
-                         weights=v["moe.w"][:T], handoff="ticket", **route)
-            for t in range(T if self.row_form != "rows" else 0):
-                route = (dict(tid2eid=L.tid2eid, token_ids=v["tok"][t]) if L.hash
-                         else dict(bias=L.w("ffn.gate.bias")))
-                RT.fused(v["xn"][t].reshape(1, D), L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
-                         logits=v["moe.logits"][t].reshape(1, E), scores=v["moe.scores"][t].reshape(1, E),
-                         idx=v["moe.ids"][t].reshape(1, k), weights=v["moe.w"][t].reshape(1, k),
-                         handoff=handoff, **route)
+                RT.fused(v["xn"][a:b], L.w("ffn.gate.weight"), k, cfg.routed_scaling_factor,
+                         logits=v["moe.logits"][a:b], scores=v["moe.scores"][a:b], idx=v["moe.ids"][a:b],
+                         weights=v["moe.w"][a:b], handoff=handoff, **route)
         ids = v["moe.ids"][:T]
         h = v["moe.h"][:T].reshape(T * k, I)
         with phase(f"{mp}/experts"):   # T x k slots, slot s reads x row s // k

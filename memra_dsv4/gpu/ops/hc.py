@@ -368,8 +368,8 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     post_in / comb_in default to post / comb: the device step updates them in place (the
     kernel reads them before any CTA writes them).  streams [1, 4, D] bf16 bits, fn [24, 4D]
     f32, scale [3], base [24] f32, norm_weight [D] bf16 bits; x, xn [1, D]; pre, post [1, 4];
-    comb [1, 4, 4]; mixes [1, 24]; with T rows every per-token array has a leading T (C-contiguous:
-    the kernel steps row t by its size).  Uses the per-device split workspace (not concurrently on
+    comb [1, 4, 4]; mixes [1, 24]; with T rows every per-token array has a leading T (C-contiguous,
+    as check() requires of each: the kernel steps row t by its size).  Uses the per-device split workspace (not concurrently on
     two streams of one device).  Returns the streams the norm was taken from (out or streams).
     impl: "lastcta" / "poll" (None: boundary_impl(), see the module docstring); same bytes; T > 1
     takes "lastcta" only."""
@@ -385,15 +385,8 @@ def hc_boundary(streams, fn, scale, base, norm_weight, *, iters: int, hc_eps: fl
     out, src = _boundary_post_half(streams, D, f, out, post_in, comb_in, "hc_boundary")
     nseg = n // SEG
     name = boundary_impl(impl)
-    if T > 1:
-        if name == "poll":
-            raise ValueError(f"hc_boundary: {T} rows need impl 'lastcta' (the poll form is one token)")
-        per_row = [("streams", streams), ("xn", xn), ("x", x), ("pre", pre), ("post", post),
-                   ("comb", comb), ("mixes", mixes)]
-        if f is not None:
-            per_row += [("f", f), ("out", out), ("post_in", post_in), ("comb_in", comb_in)]
-        for nm, a in per_row:
-            assert a.flags.c_contiguous, f"hc_boundary.{nm}: {T} rows need a C-contiguous array"
+    if T > 1 and name == "poll":
+        raise ValueError(f"hc_boundary: {T} rows need impl 'lastcta' (the poll form is one token)")
     if name == "poll":
         k = kernel(STEM, "hc_boundary_poll")
         tail = (boundary_slots(),)
