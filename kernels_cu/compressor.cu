@@ -31,7 +31,10 @@
 // compress_emit_{fp8_d512,hadfp4_d128}: the decode emission chain of one compressor in ONE
 //   launch, byte-for-byte what compress_pool_{overlap,plain} (emit-gated) + norm_rope_sim
 //   (row_mode ROW_ENTRY, rope position pos + 1 - r) + decode.cu pending_advance write, in that
-//   order.  Gate closed ((pos + 1) % r != 0): every thread returns before touching memory.
+//   order.  0. With kv_in / score_in (the device verify's staging rows), the row's incoming
+//   pending values go into pending row pos % r (+ r overlapping) first, then __syncthreads: what
+//   the step's gemv_bf16_multi epilogue writes before this launch.  Gate closed ((pos + 1) % r
+//   != 0): every thread returns (after step 0) before touching memory.
 //   Gate open, one CTA of d threads (d = the pooled width = D):
 //     1. thread c pools channel c with the SAME routine as the pool kernels (pool_small<8> over
 //        the overlap candidates / pool_plain_channel over the r rows) into shared memory (the f32
@@ -370,17 +373,29 @@ DEV EmitPre<EPT> emit_preload(const int* __restrict__ pos, int r, const float* _
 }
 
 template <int D, int EPT, int SIM>
-DEV void compress_emit_body(int r, int ovl, float* kv, float* score, double eps, int R, u16* out, int ld_out,
+DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float* kv_in,
+                            const float* score_in, double eps, int R, u16* out, int ld_out,
                             int n_rows, const EmitPre<EPT>& first) {
     constexpr int NT = D / EPT;  // norm_rope_sim's threads
     constexpr int NW = NT / 32;
     static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
     const int p = first.p;
+    const int C = ovl ? 2 * D : D;  // pending row width = the row stride (contiguous rows)
+    // 0. the row's incoming pending values (the device verify's staging rows: gemv_bf16_multi_x*
+    //    wrote them for every row at once, this launch places row p's in position order) into
+    //    pending row p % r (+ r when overlapping): the slot gemv_bf16_multi's epilogue writes
+    if (kv_in != nullptr) {
+        const i64 o = (i64)(p % r + (ovl ? r : 0)) * C;
+        for (int i = threadIdx.x; i < C; i += D) {
+            kv[o + i] = kv_in[i];
+            score[o + i] = score_in[i];
+        }
+        __syncthreads();   // the pool below reads this row (global writes of this CTA)
+    }
     if ((p + 1) % r != 0) return;  // the emission gate (uniform: the whole CTA leaves)
     __shared__ __align__(16) float pooled[D];
     __shared__ double red[NW];
     const int c = threadIdx.x;
-    const int C = ovl ? 2 * D : D;  // pending row width = the row stride (contiguous rows)
     // 1. pool channel c (compress_pool_overlap with kv = rows r.., prev = rows 0..3, entry 0;
     //    compress_pool_plain with entry 0)
     if (ovl) {
@@ -431,15 +446,18 @@ DEV void compress_emit_body(int r, int ovl, float* kv, float* score, double eps,
 }  // namespace
 
 // pos: [1] int32 (the decoded token's position); kv, score: the pending rows [(ovl ? 2r : r), C]
-// f32, contiguous (ovl: r = 4, C = 2D; else C = D); w [D] f32; cos/sin [n_pos, R/2] f32; out: the
-// compressed cache [n_rows, ld_out] bf16.  grid 1, block D.
+// f32, contiguous (ovl: r = 4, C = 2D; else C = D); kv_in, score_in: null, or C f32 each (the
+// row's incoming pending values, written first: step 0); w [D] f32; cos/sin [n_pos, R/2] f32;
+// out: the compressed cache [n_rows, ld_out] bf16.  grid 1, block D.
 #define COMPRESS_EMIT(NAME, D, EPT, SIM)                                                            \
     extern "C" __global__ void __launch_bounds__(D)                                                 \
-    NAME(const int* __restrict__ pos, int r, int ovl, float* kv, float* score, const float* __restrict__ w, \
-         double eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int R, u16* out, \
-         int ld_out, int n_rows) {                                                                  \
+    NAME(const int* __restrict__ pos, int r, int ovl, float* kv, float* score,                      \
+         const float* __restrict__ kv_in, const float* __restrict__ score_in,                       \
+         const float* __restrict__ w, double eps, const float* __restrict__ cos_t,                  \
+         const float* __restrict__ sin_t, int R, u16* out, int ld_out, int n_rows) {                \
         PDL_ENTRY_PRELOAD(const EmitPre<EPT> first = emit_preload<D, EPT>(pos, r, w, cos_t, sin_t, R)); \
-        compress_emit_body<D, EPT, SIM>(r, ovl, kv, score, eps, R, out, ld_out, n_rows, first);     \
+        compress_emit_body<D, EPT, SIM>(r, ovl, kv, score, kv_in, score_in, eps, R, out, ld_out,    \
+                                        n_rows, first);                                             \
     }
 
 COMPRESS_EMIT(compress_emit_fp8_d512, 512, 8, SIM_FP8)

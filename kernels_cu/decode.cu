@@ -371,19 +371,11 @@ GEMV_ROWS_KERNEL(gemv_fp8_r2t4, true, 2, 4, 3)
 // rows of O values (f32 or bf16 bits), row stride ldy.  rows_per_group as gemv_bf16 (R | it).
 // Accumulators NX R GEMV_UNROLL floats per lane (32 at NX R = 8): the x chunks are read per use
 // through L1 (every warp of the CTA reads the same X), the weights streamed past L1.
+// The x-rows loop: acc[j][r][u] of rows wr[r] against X row j (j < nx), the order above.  Shared
+// by gemv_xrows and the table form gemv_multi_xrows.
 template <int NX, int R>
-DEV void gemv_xrows(const u16* __restrict__ W, const u16* __restrict__ X, int ldx, int nx,
-                    void* __restrict__ Y, int ldy, int O, int K, int rows_per_group,
-                    int out_bf16) {
-    const int lane = threadIdx.x & 31;
-    const int o0 = gemv_warp_id() * R;
-    if (o0 >= O) return;
-    const u16* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = W + (i64)min(o0 + r, O - 1) * K;
-    const i64 xo = rows_per_group > 0 ? (i64)(o0 / rows_per_group) * K : (i64)0;
-    const int nc = K >> 3;
-    float acc[NX][R][GEMV_UNROLL];
+DEV void xrows_dot(const u16* const (&wr)[R], const u16* __restrict__ X, int ldx, i64 xo, int nx,
+                   int nc, int lane, float (&acc)[NX][R][GEMV_UNROLL]) {
 #pragma unroll
     for (int j = 0; j < NX; ++j)
 #pragma unroll
@@ -432,6 +424,21 @@ DEV void gemv_xrows(const u16* __restrict__ W, const u16* __restrict__ X, int ld
             }
         }
     }
+}
+
+template <int NX, int R>
+DEV void gemv_xrows(const u16* __restrict__ W, const u16* __restrict__ X, int ldx, int nx,
+                    void* __restrict__ Y, int ldy, int O, int K, int rows_per_group,
+                    int out_bf16) {
+    const int lane = threadIdx.x & 31;
+    const int o0 = gemv_warp_id() * R;
+    if (o0 >= O) return;
+    const u16* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = W + (i64)min(o0 + r, O - 1) * K;
+    const i64 xo = rows_per_group > 0 ? (i64)(o0 / rows_per_group) * K : (i64)0;
+    float acc[NX][R][GEMV_UNROLL];
+    xrows_dot<NX, R>(wr, X, ldx, xo, nx, K >> 3, lane, acc);
 #pragma unroll
     for (int j = 0; j < NX; ++j) {
         if (j < nx) {
@@ -1024,6 +1031,71 @@ GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r1_qn, 1, 1, 1, GEMV_MINB)
 GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r4_qn, 4, 2, 1, 3)
 GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r4t2_qn, 4, 2, 2, 2)
 GEMV_MULTI_QN_KERNEL(gemv_bf16_multi_r1t2_qn, 1, 2, 2, GEMV_MINB)
+
+// gemv_bf16_multi_x{NX}_r{R}: the table form of gemv_bf16_x{NX}_r{R}, for the device verify's
+// projections of its T rows' xn (gpu.verify_step): gemv_bf16_multi's warps and segments (the
+// table is built for this R), each weight chunk loaded ONCE for the nx rows, row j's bits those
+// of gemv_bf16_multi for X[j] alone (xrows_dot is warp_rows_dot's bf16 order, as gemv_bf16_x*).
+// Outputs of row j: a plain segment's at y + j n_s (the arena slot's rows axis: rows of n_s
+// values, f32 or bf16); a ring segment (ring_r > 0) is written to a STAGING row, f32(dot +
+// ape[(pos[j] % ring_r) n_s + r]) at y + j n_s (f32): the value gemv_bf16_multi's epilogue puts
+// into pending row pos % ring_r + ring_off (ring_off is not read here).  Why staging: row j's
+// pending slot may be one an earlier row's emission still pools (the rows cross an emission), so
+// the row's emission launch writes it into the pending rows (compress_emit_*'s kv_in / score_in),
+// in position order.  bf16 segments only (ops_decode.gemv_bf16_multi_rows refuses FP8 tables).
+// X: nx rows of K bf16 values, row stride ldx; pos: nx int32 (row j's position).
+namespace {
+template <int NX, int R>
+DEV void gemv_multi_xrows(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ X,
+                          int ldx, int nx, int K, const int* __restrict__ pos) {
+    const int lane = threadIdx.x & 31;
+    const int w = gemv_warp_id();
+    if (w >= segs[nseg].warp0) return;
+    int s = 0;
+    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    const GemvSeg& g = segs[s];
+    const int n = segs[s + 1].row0 - g.row0;
+    const int r0 = (w - g.warp0) * R;
+    const u16* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const u16*>(g.w) + (i64)min(r0 + r, n - 1) * K;
+    float acc[NX][R][GEMV_UNROLL];
+    xrows_dot<NX, R>(wr, X, ldx, (i64)0, nx, K >> 3, lane, acc);
+#pragma unroll
+    for (int j = 0; j < NX; ++j) {
+        if (j >= nx) break;  // warp-uniform
+        float v[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) v[r] = partials_total(acc[j][r]);   // every lane: the butterfly
+        if (lane != 0) continue;
+        const int slot = g.ring_r > 0 ? pos[j] % g.ring_r : 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int o = r0 + r;
+            if (o >= n) break;
+            if (g.ring_r > 0) {
+                float a = v[r];
+                if (g.ape != nullptr) a = __fadd_rn(a, __ldg(g.ape + (i64)slot * n + o));
+                reinterpret_cast<float*>(g.y)[(i64)j * n + o] = a;
+            } else {
+                store_out(reinterpret_cast<u8*>(g.y) + (i64)j * n * (g.out_bf16 ? 2 : 4), o, v[r],
+                          g.out_bf16);
+            }
+        }
+    }
+}
+}  // namespace
+
+#define GEMV_MULTI_XROWS_KERNEL(NAME, NX, R)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MINB)                          \
+    NAME(const GemvSeg* __restrict__ segs, int nseg, const u16* __restrict__ X, int ldx, int nx,   \
+         int K, const int* __restrict__ pos) {                                                      \
+        PDL_ENTRY_PREFETCH(gemv_multi_prefetch<R>(segs, nseg, K));                                 \
+        gemv_multi_xrows<NX, R>(segs, nseg, X, ldx, nx, K, pos);                                   \
+    }
+GEMV_MULTI_XROWS_KERNEL(gemv_bf16_multi_x2_r4, 2, 4)
+GEMV_MULTI_XROWS_KERNEL(gemv_bf16_multi_x4_r2, 4, 2)
+GEMV_MULTI_XROWS_KERNEL(gemv_bf16_multi_x8_r1, 8, 1)
 
 // h[o] = swiglu(bf16(W1[o] . x), bf16(W3[o] . x)) (clamped, no routing weight): the bits of
 // gemv_bf16 (bf16 out) x 2 then swiglu_clamped_bf16.  W1, W3 both bf16 or both fp8 (S1, S3);

@@ -470,3 +470,64 @@ def test_xrows_launches(fake_launch):
             DK.gemv_bf16_xrows(w, X, Y)
     assert not launched
 
+
+
+def test_multi_rows_launches(fake_launch):
+    """gemv_bf16_multi_rows (the device verify's xn projections of its T rows, decode.cu
+    gemv_bf16_multi_x{NX}_r{R}): the row-form GemvTable records each staging row's ring ratio,
+    no ring offset and the ape; the launch is the kernel of the table's R (nx <= its NX) over
+    the table's warps, arguments table, nseg, X, ldx, nx, K, pos; bad tables and calls refused
+    before any launch."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    K = 1024
+    w = lambda o: A(np.zeros((o, K), np.uint16))
+    ape = A(np.zeros((4, 256), np.float32))
+    ents = [(w(1024), A(np.zeros((8, 1024), np.uint16))), (w(512), A(np.zeros((8, 512), np.float32))),
+            (w(256), A(np.zeros((8, 256), np.float32)), None, 4, 4),
+            (w(256), A(np.zeros((8, 256), np.float32)), ape, 4, 4)]
+    assert DK.XROWS_R == (4, 2, 1)
+    for R, NX in ((4, 2), (2, 4), (1, 8)):
+        tab = DK.GemvTable(ents, K, rows_per_warp=R, rows=8)
+        rec = np.asarray(tab.table).view(np.ndarray).view(DK.GemvTable.SEG)
+        assert list(rec["ring_r"][:4]) == [0, 0, 4, 4] and list(rec["ring_off"][:4]) == [0, 0, 0, 0]
+        assert rec["ape"][3] == ape.data.ptr and rec["ape"][2] == 0 and list(rec["out_bf16"][:4]) == [1, 0, 0, 0]
+        assert tab.warps == sum(-(-o // R) for o in (1024, 512, 256, 256))
+        for nx in range(1, NX + 1):
+            assert DK.xrows_R(nx) >= R   # a table of fewer rows per warp serves fewer-row calls too
+            launched.clear()
+            X = A(np.zeros((nx, K + 8), np.uint16))[:, :K]
+            pos = A(np.zeros(nx, np.int32))
+            DK.gemv_bf16_multi_rows(tab, X, pos)
+            (name, grid, args, _), = launched
+            assert name == f"gemv_bf16_multi_x{NX}_r{R}" and grid == (-(-tab.warps // 4),), (name, grid)
+            assert args[0] is tab.table and args[2] is X and args[6] is pos
+            assert [int(args[i]) for i in (1, 3, 4, 5)] == [4, K + 8, nx, K]
+        with pytest.raises(AssertionError, match=f"serves <= {NX}"):
+            if NX < 8:
+                DK.gemv_bf16_multi_rows(tab, A(np.zeros((NX + 1, K), np.uint16)),
+                                        A(np.zeros(NX + 1, np.int32)))
+            else:
+                raise AssertionError(f"serves <= {NX}")
+    assert [DK.xrows_R(n) for n in range(1, 9)] == [4, 4, 2, 2, 1, 1, 1, 1]
+    launched.clear()
+    tab = DK.GemvTable(ents, K, rows_per_warp=1, rows=8)
+    for args, msg in [((DK.GemvTable([(w(64), A(np.zeros(64, np.float32)))], K), A(np.zeros((2, K), np.uint16)),
+                        A(np.zeros(2, np.int32))), "row-form"),
+                      ((tab, A(np.zeros((2, K), np.uint16)), A(np.zeros(3, np.int32))), "pos"),
+                      ((tab, A(np.zeros((2, K), np.float32)), A(np.zeros(2, np.int32))), "X"),
+                      ((tab, A(np.zeros((2, K - 8), np.uint16)), A(np.zeros(2, np.int32))), "K is")]:
+        with pytest.raises(AssertionError, match=msg):
+            DK.gemv_bf16_multi_rows(*args)
+    assert not launched
+    sc = A(np.zeros((8, 8), np.uint8))
+    for bad, kw, msg in [([((A(np.zeros((1024, K), np.uint8)), sc), A(np.zeros((8, 1024), np.uint16)))],
+                          dict(rows_per_warp=4, rows=8), "bf16 weights only"),
+                         (ents, dict(rows_per_warp=8, rows=8), "rows_per_warp"),
+                         (ents, dict(rows_per_warp=None, rows=8), "rows_per_warp"),
+                         (ents, dict(rows_per_warp=4, rows=9), "rows = 9"),
+                         ([(w(512), A(np.zeros(512, np.float32)))], dict(rows_per_warp=4, rows=8), "row form wants"),
+                         ([(w(256), A(np.zeros((8, 256), np.uint16)), None, 4, 4)], dict(rows_per_warp=4, rows=8),
+                          "row form wants")]:
+        with pytest.raises(AssertionError, match=msg):
+            DK.GemvTable(bad, K, **kw)

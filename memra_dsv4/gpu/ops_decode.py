@@ -55,6 +55,7 @@ MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 # gemv_bf16_x{NX}_r{R} (the verify step's multi-row GEMV): (max rows NX, rows per warp R)
 XROWS_KERNELS = ((2, 4), (4, 2), (8, 1))
 XROWS_MAX = 8
+XROWS_R = tuple(r for _, r in XROWS_KERNELS)          # their rows per warp
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
 # (R | P, bf16 trips at once) instantiated: gemv_bf16_multi_r{R}[t{T}], gemv_bf16_swiglu_p{P}[t{T}]
 MULTI_VARIANTS = ((1, 1), (4, 1), (1, 2), (4, 2))
@@ -300,14 +301,15 @@ def _bulk_ok(K: int, fp8: bool) -> bool:
 KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending_write", "entry_commit",
                           "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32",
                           "copy_vec4_x4", "verify_rollback") \
-    + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
+    + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS) \
+    + tuple(f"gemv_bf16_multi_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
            "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
-           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "xrows_R", "gemv_bf16_multi_rows", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "copy_words_ok", "COPY_PAIRS_MAX",
            "RollbackTable", "verify_rollback",
            "KERNELS", "STEM"]
@@ -546,25 +548,38 @@ class GemvTable:
     plus ape [r, O_s] f32 when given (the score half), i.e. what pending_write + add_ape do, in
     the GEMV epilogue.  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair.
     Each projection gets ceil(O_s / R) warps of R rows (field warp0: its first warp), so no warp
-    straddles two projections; R (rows_per_warp) changes the speed only, never the bits."""
+    straddles two projections; R (rows_per_warp) changes the speed only, never the bits.
+
+    The row form (``rows`` = n, for gemv_bf16_multi_rows, the device verify's T rows): bf16
+    weights only, R one of the x-rows kernels' (xrows_R), every output [n, O_s] C-contiguous
+    (row j of the launch's rows at [j]); a pending entry's array is a STAGING buffer [n, O_s] f32
+    that gets f32(dot + ape[pos[j] % r]) in row j (ring_off is not used): the row's emission
+    launch places it (compressor.emit(incoming=)), in position order."""
 
     SEG = np.dtype([("w", "<u8"), ("y", "<u8"), ("ape", "<u8"), ("scale", "<u8"), ("row0", "<i4"),
                     ("out_bf16", "<i4"), ("ring_r", "<i4"), ("ring_off", "<i4"),
                     ("ld_scale", "<i4"), ("warp0", "<i4")])
 
-    def __init__(self, entries, K: int, rows_per_warp: int | None = None):
+    def __init__(self, entries, K: int, rows_per_warp: int | None = None, rows: int | None = None):
         import cupy as cp
         assert entries, "GemvTable: no projections"
         assert self.SEG.itemsize == 56
         self.fp8 = any(isinstance(e[0], tuple) for e in entries)
+        self.row_axis = None if rows is None else int(rows)
+        if rows is not None:
+            assert 1 <= int(rows) <= XROWS_MAX, f"GemvTable: rows = {rows}, expected 1..{XROWS_MAX}"
+            assert not self.fp8, "GemvTable: the row form takes bf16 weights only (no FP8 x-rows kernel)"
+            assert rows_per_warp in XROWS_R, (
+                f"GemvTable: the row form's rows_per_warp {rows_per_warp} not in {XROWS_R}")
         self.cls = gemv_shape_class(sum(int((e[0][0] if isinstance(e[0], tuple) else e[0]).shape[0])
                                         for e in entries), K)
-        if rows_per_warp is None:   # the R of the selected variant (a table serves that R only)
+        if rows_per_warp is None and rows is None:   # the selected variant's R (a table serves one R)
             v = gemv_selected("multi", self.fp8, self.cls)
             rows_per_warp = 4 if v is None else parse_multi_variant(v)[1]
             if rows_per_warp not in MULTI_ROWS:
                 rows_per_warp = 4
-        assert rows_per_warp in MULTI_ROWS, f"GemvTable: rows_per_warp {rows_per_warp} not in {MULTI_ROWS}"
+        assert rows is not None or rows_per_warp in MULTI_ROWS, (
+            f"GemvTable: rows_per_warp {rows_per_warp} not in {MULTI_ROWS}")
         assert K % 8 == 0, f"GemvTable: K = {K} must be a multiple of 8"
         R = int(rows_per_warp)
         rec = np.zeros(len(entries) + 1, dtype=self.SEG)
@@ -578,7 +593,19 @@ class GemvTable:
             sp = 0 if sc is None else sc.data.ptr
             O = w.shape[0]
             assert w.shape[1] == K, f"GemvTable.w[{i}]: shape {w.shape}, expected [*, {K}]"
-            if len(e) == 2:
+            if rows is not None:   # the row form: [rows, O] outputs / staging rows
+                want = np.float32 if len(e) > 2 else None
+                assert out.dtype in ((want,) if want else (np.float32, np.uint16)) and \
+                    tuple(out.shape) == (int(rows), O) and out.flags.c_contiguous, (
+                        f"GemvTable.out[{i}]: {out.shape} {out.dtype}, the row form wants [{rows}, {O}] "
+                        + ("f32" if want else "f32 / bf16") + " contiguous")
+                ape, r = (e[2], int(e[4])) if len(e) > 2 else (None, 0)
+                if ape is not None:
+                    check(ape, f"GemvTable.ape[{i}]", np.float32, (r, O))
+                    self.keep.append(ape)
+                rec[i] = (w.data.ptr, out.data.ptr, 0 if ape is None else ape.data.ptr, sp, row,
+                          int(out.dtype == np.uint16), r, 0, int(ld), warp)
+            elif len(e) == 2:
                 assert out.dtype in (np.float32, np.uint16) and out.size == O and \
                     out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}, want {O}"
                 rec[i] = (w.data.ptr, out.data.ptr, 0, sp, row, int(out.dtype == np.uint16), 0, 0,
@@ -602,6 +629,36 @@ class GemvTable:
         rec[len(entries)]["warp0"] = warp
         self.rows, self.K, self.nseg, self.R, self.warps = row, int(K), len(entries), R, warp
         self.table = cp.asarray(rec.view(np.uint8))
+
+
+def xrows_R(nx: int) -> int:
+    """Rows per warp of the x-rows kernels (gemv_bf16_x*, gemv_bf16_multi_x*) for nx rows: the
+    fewest rows per warp whose kernel takes nx (nx <= 2: 4, <= 4: 2, else 1)."""
+    assert 1 <= int(nx) <= XROWS_MAX, f"xrows_R: {nx} rows, expected 1..{XROWS_MAX}"
+    return next(r for a, r in XROWS_KERNELS if nx <= a)
+
+
+def gemv_bf16_multi_rows(table: GemvTable, X, pos):
+    """Every projection of a row-form ``table`` (GemvTable(rows=n)) for the nx <= n rows of X
+    (bf16 bits [nx, K], rows 16-byte aligned, last axis contiguous) in one launch, each weight
+    chunk read once (decode.cu gemv_bf16_multi_x{NX}_r{R}, R the table's: nx <= NX); pos int32
+    [nx] (row j's position: the ring entries' ape slot).  Row j of each output (or staging row
+    of a pending entry) is what gemv_bf16_multi(the one-row table, X[j], pos[j]) writes to that
+    output (or to the pending row pos[j] % r + ring_off), bit for bit."""
+    assert isinstance(table, GemvTable) and table.row_axis is not None, (
+        "gemv_bf16_multi_rows: expected a row-form GemvTable (rows=)")
+    assert X.dtype == np.uint16 and X.ndim == 2, f"gemv_bf16_multi_rows.X: {X.shape} {X.dtype}"
+    nx = int(X.shape[0])
+    assert 1 <= nx <= table.row_axis, f"gemv_bf16_multi_rows: {nx} rows, the table has {table.row_axis}"
+    NX = next(a for a, r in XROWS_KERNELS if r == table.R)
+    assert nx <= NX, f"gemv_bf16_multi_rows: {nx} rows, the table's R {table.R} serves <= {NX}"
+    assert X.shape[1] == table.K, f"gemv_bf16_multi_rows.X: {X.shape[1]} values a row, the table's K is {table.K}"
+    assert X.strides[1] == 2 and X.strides[0] % 16 == 0 and X.data.ptr % 16 == 0, (
+        f"gemv_bf16_multi_rows.X: rows 16-byte aligned, last axis contiguous (strides {X.strides})")
+    check(pos, "gemv_bf16_multi_rows.pos", np.int32, (nx,))
+    kernel(STEM, f"gemv_bf16_multi_x{NX}_r{table.R}")(
+        _gemv_grid(table.warps), (32 * GEMV_WARPS,),
+        (table.table, i32(table.nseg), X, i32(X.strides[0] // 2), i32(nx), i32(table.K), pos))
 
 
 _QN_COUNTERS: dict = {}   # device -> int32 [1] ticket counter of gemv_bf16_multi_*_qn (kept 0)

@@ -1385,12 +1385,15 @@ def step_ratios(cfg, layers, stage_index: int = 0) -> list:
     return ratios
 
 
-def xn_projection_entries(L, cache, qr, kvraw, idx_w):
+def xn_projection_entries(L, cache, qr, kvraw, idx_w, staging=None):
     """The GemvTable entries (ops_decode.GemvTable) of one layer's projections of the attention
     input xn, for one token: wq_a -> qr, wkv -> kvraw, the compressor and indexer-compressor wkv /
     wgate straight into the cache's pending rows (row pos % r [+ r], ape on the score half), the
     indexer's weights_proj -> idx_w (CSA layers).  The device step's table (DeviceStep) and each
-    row's table of the device verify (gpu.verify_step) are built by it."""
+    row's table of the device verify (gpu.verify_step) are built by it.  ``staging`` = {sub: (kv,
+    score)} replaces the pending rows of compressor ``sub`` ("attn.compressor",
+    "attn.indexer.compressor") by those arrays (the device verify's row-form table,
+    GemvTable(rows=): qr, kvraw, idx_w and the staging arrays are then [rows, O_s])."""
     ent = [(L.lin("attn.wq_a"), qr), (L.lin("attn.wkv"), kvraw)]
     pend = []
     if L.ratio:
@@ -1399,8 +1402,9 @@ def xn_projection_entries(L, cache, qr, kvraw, idx_w):
         pend.append((cache.idx_state, "attn.indexer.compressor"))
     for st, sub in pend:
         r, off = st.ratio, st.ratio if st.overlap else 0
-        ent += [(L.lin(f"{sub}.wkv"), st.kv, None, off, r),
-                (L.lin(f"{sub}.wgate"), st.score, L.w(f"{sub}.ape"), off, r)]
+        kv, score = (st.kv, st.score) if staging is None else staging[sub]
+        ent += [(L.lin(f"{sub}.wkv"), kv, None, off, r),
+                (L.lin(f"{sub}.wgate"), score, L.w(f"{sub}.ape"), off, r)]
     if L.kind == "csa":
         ent.append((L.lin("attn.indexer.weights_proj"), idx_w))
     return ent

@@ -109,6 +109,13 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
     sh = tuple(one.slot("moe.sh_h").shape)
     p.add("moe.sh_a", (rows,) + sh, "bf16")
     p.add("moe.sh_u", (rows,) + sh, "bf16")
+    # the row-form xn projections' staging rows of the pending values (GemvTable(rows=)): per
+    # row the compressor's / the indexer compressor's kv and score row, at most 2d wide (ratio 4
+    # overlaps), flat so that a layer of width C views the first rows * C as [rows, C]; the
+    # layers use them in turn
+    for name, d in (("dev.pend", cfg.head_dim), ("dev.ipend", cfg.index_head_dim)):
+        p.add(f"{name}_kv", (rows * 2 * int(d),), "f32")
+        p.add(f"{name}_sc", (rows * 2 * int(d),), "f32")
     p.check()
     return p
 
@@ -194,6 +201,10 @@ class VerifyStep:
         # the journal buffers
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # per layer: {R: row-form GemvTable} (gemv_bf16_multi_rows: the T rows' xn projections in
+        # one launch; nothing in them is a state's: arena rows, staging rows, weights), or None
+        # where a weight is stored FP8 (no FP8 x-rows kernel: the per-row tables then)
+        self._row_tables: dict = {}
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._rollback: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # commit(n): "host" (CuPy operations per layer, a few launches each; GPU-tested) or
@@ -377,6 +388,8 @@ class VerifyStep:
                     tabs[L.lid] = [DK.GemvTable(xn_projection_entries(
                         L, c, v["attn.qr"][t], v["dev.kvraw"][t],
                         None if idx_w is None else idx_w[t]), D) for t in range(ROW_MAX)]
+        if not self._row_tables:
+            self._build_row_tables(state)
         jr = self._journals[state] = _StateJournal(self.m, state)
         self._graphs[state] = {}
         self._tables[state] = tabs
@@ -397,6 +410,30 @@ class VerifyStep:
                 rb[S.si] = DK.RollbackTable(layers)
         self._rollback[state] = rb
         self.m.devs.order_after_current()   # the tables' uploads ran on the current stream
+
+    def _build_row_tables(self, state) -> None:
+        """The layers' row-form GemvTables (one per x-rows R: the launch for T rows uses
+        xrows_R(T)), built at the first state (its caches give each compressor's ratio and
+        width; the tables hold none of its arrays)."""
+        import cupy as cp
+        from memra_dsv4.gpu import ops_decode as DK
+        from memra_dsv4.gpu.step_device import xn_projection_entries
+        D = self.cfg.hidden_size
+        for S in self.stages:
+            v = S.v
+            idx_w = v.get("idx.w")
+            with cp.cuda.Device(S.dev):
+                for L in S.layers:
+                    c = state.cache(L.lid)
+                    staging = _staging_views(v, c)
+                    ent = xn_projection_entries(L, c, v["attn.qr"], v["dev.kvraw"].reshape(ROW_MAX, -1),
+                                                None if idx_w is None else idx_w.reshape(ROW_MAX, -1),
+                                                staging=staging)
+                    if any(isinstance(e[0], tuple) for e in ent):
+                        self._row_tables[L.lid] = None   # a stored-FP8 projection: per row
+                        continue
+                    self._row_tables[L.lid] = {R: DK.GemvTable(ent, D, rows_per_warp=R, rows=ROW_MAX)
+                                               for R in DK.XROWS_R}
 
     def _capture(self, state, T: int, taps: tuple, pdl_on: bool = False):
         import cupy as cp
@@ -547,23 +584,36 @@ class VerifyStep:
         csa = bool(L.ratio) and L.kind == "csa"
         # the journal: the ring before any row (LayerCache.ring_copy, in the attention's buffer)
         _journal_copy([(cache.ring_copy, cache.ring)], S.stream)
-        # A. per row: projections, q_norm, the emissions (pending state in position order), the
-        # pending snapshot
+        pos_rows = v["pos"][:T].reshape(T)
+        # A. the projections of xn, the emissions (pending state in position order), the pending
+        # snapshots.  Row form: one launch for the T rows' projections (each weight read once;
+        # the pending values into staging rows), then per row its emissions, each placing the
+        # row's staging values into the pending rows first (a later row's pending slot may be
+        # one an earlier row's emission still pools).  Else per row the step's one-row table.
+        row_tabs = self._row_tables.get(L.lid) if self.row_form == "rows" else None
+        staging = _staging_views(v, cache) if row_tabs is not None else {}
         with phase(f"{ap}/projections"):
+            if row_tabs is not None:
+                DK.gemv_bf16_multi_rows(row_tabs[DK.xrows_R(T)], v["xn"][:T], pos_rows)
             for t in range(T):
                 pos = v["pos"][t]
-                DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
+                if row_tabs is None:
+                    DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
                 snaps = []
                 if L.ratio:
                     st = cache.comp_state
+                    inc = staging.get("attn.compressor")
                     CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
-                            L.f32["attn.compressor.norm.weight"], eps, L.cos, L.sin, "fp8", cache.comp)
+                            L.f32["attn.compressor.norm.weight"], eps, L.cos, L.sin, "fp8", cache.comp,
+                            incoming=None if inc is None else (inc[0][t], inc[1][t]))
                     snaps += [(jr.comp[L.lid][t, 0], st.kv), (jr.comp[L.lid][t, 1], st.score)]
                 if csa:
                     st = cache.idx_state
+                    inc = staging.get("attn.indexer.compressor")
                     CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
                             L.f32["attn.indexer.compressor.norm.weight"], eps, L.cos, L.sin,
-                            "hadfp4", cache.idx_keys)
+                            "hadfp4", cache.idx_keys,
+                            incoming=None if inc is None else (inc[0][t], inc[1][t]))
                     snaps += [(jr.idx[L.lid][t, 0], st.kv), (jr.idx[L.lid][t, 1], st.score)]
                 if snaps:   # the row's pending snapshot: one launch (after both emissions)
                     _journal_copy(snaps, S.stream)
@@ -585,7 +635,6 @@ class VerifyStep:
         hg = decode_attn_head_group(H)
         split = AT.n_tiles(K) if hg != AT.head_group(H) else None
         sink = L.w("attn.attn_sink")
-        pos_rows = v["pos"][:T].reshape(T)
         with phase(f"{ap}/rows"):
             # q head norm + RoPE of every row in one launch (a warp per head row, RoPE at the
             # row's own position pos[t]; the one-row launch's bits)
@@ -677,6 +726,20 @@ class VerifyStep:
             EX.gemv_fp4_down_combine(L.fmt, h, ids, L.wp["w2"], L.sp["w2"], D, I,
                                      shared=v["moe.shared"][:T], out=v["ffn.out"][:T],
                                      ws2=L.ws2["w2"])
+
+
+def _staging_views(v, cache) -> dict:
+    """{compressor: (kv, score) [ROW_MAX, C] f32} of a layer's compressors (C its pending rows'
+    width): the first ROW_MAX * C values of the arena's flat staging slots (VerifyWs dev.pend_* /
+    dev.ipend_*; verify_ws_plan sizes them for the widest layer)."""
+    out = {}
+    for st, sub, name in ((cache.comp_state if cache.ratio else None, "attn.compressor", "dev.pend"),
+                          (cache.idx_state, "attn.indexer.compressor", "dev.ipend")):
+        if st is None:
+            continue
+        C = int(st.kv.shape[1])
+        out[sub] = tuple(v[f"{name}_{h}"][:ROW_MAX * C].reshape(ROW_MAX, C) for h in ("kv", "sc"))
+    return out
 
 
 def _rows_gemv(w, scale, X, out, groups: int = 1) -> None:

@@ -301,7 +301,9 @@ def test_compress_emit_equals_three_launches(yarn_table, d, mode, r, ovl):
 @pytest.mark.parametrize("d,mode,r,ovl", EMIT_CASES)
 def test_compress_emit_state_machine(yarn_table, d, mode, r, ovl):
     """Consecutive tokens from a fresh state: write this token's pending row, then emit; the
-    one-launch path and the three-launch path keep identical pending states and caches."""
+    one-launch path and the three-launch path keep identical pending states and caches.  A third
+    path hands the row to the emission (emit(incoming=): the device verify's staging rows)
+    instead of writing it first: the same bytes."""
     from memra_dsv4.gpu import ops_decode as DK
     seed = fresh_seed()
     rng = rng_for(seed)
@@ -310,19 +312,23 @@ def test_compress_emit_state_machine(yarn_table, d, mode, r, ovl):
     rows, C = (2 if ovl else 1) * r, (2 if ovl else 1) * d
     N = 5
     fresh_kv, fresh_sc = np.zeros((rows, C), np.float32), np.full((rows, C), -np.inf, np.float32)
-    paths = [[cp.asarray(fresh_kv), cp.asarray(fresh_sc), cp.zeros((N, d), cp.uint16)] for _ in range(2)]
+    paths = [[cp.asarray(fresh_kv), cp.asarray(fresh_sc), cp.zeros((N, d), cp.uint16)] for _ in range(3)]
     for p in range(min(N * r + r // 2 + 1, 3 * r + 3) if r > 16 else N * r + 3):
         a, z = _proj(rng, 1, C)
         pos = cp.asarray(np.array([p], np.int32))
-        for kv, sc, _ in paths:
+        for kv, sc, _ in paths[:2]:
             DK.pending_write(pos, cp.asarray(a[0]), cp.asarray(z[0]), kv, sc, r, ovl)
         _emit_reference(pos, paths[0][0], paths[0][1], r, ovl, w, cos_g, sin_g, mode, paths[0][2])
         K.emit(pos, paths[1][0], paths[1][1], r, ovl, w, EPS, cos_g, sin_g, mode, paths[1][2])
-        for i, what in enumerate(("kv", "score", "cache")):
-            x, y = paths[1][i].get(), paths[0][i].get()
-            assert np.array_equal(x.view(np.uint32 if x.itemsize == 4 else np.uint16),
-                                  y.view(np.uint32 if y.itemsize == 4 else np.uint16)), (
-                f"emit state machine: {what} differs after pos {p} [seed={seed}] d={d} r={r} ovl={ovl}")
+        K.emit(pos, paths[2][0], paths[2][1], r, ovl, w, EPS, cos_g, sin_g, mode, paths[2][2],
+               incoming=(cp.asarray(a[0]), cp.asarray(z[0])))
+        for j in (1, 2):
+            for i, what in enumerate(("kv", "score", "cache")):
+                x, y = paths[j][i].get(), paths[0][i].get()
+                assert np.array_equal(x.view(np.uint32 if x.itemsize == 4 else np.uint16),
+                                      y.view(np.uint32 if y.itemsize == 4 else np.uint16)), (
+                    f"emit state machine (path {j}): {what} differs after pos {p} [seed={seed}] "
+                    f"d={d} r={r} ovl={ovl}")
     assert paths[1][2].any(), f"no entry emitted [seed={seed}]"
 
 
@@ -339,3 +345,10 @@ def test_compress_emit_refusals(yarn_table):
     with pytest.raises(AssertionError, match="unsupported"):
         K.emit(pos, cp.zeros((4, 256), cp.float32), cp.zeros((4, 256), cp.float32), 4, False,
                cp.ones(256, cp.float32), EPS, cos_g, sin_g, "fp8", cp.zeros((4, 256), cp.uint16))
+    kv8 = cp.zeros((8, 1024), cp.float32)
+    with pytest.raises(AssertionError, match="incoming.kv"):   # the row is C = 2d wide
+        K.emit(pos, kv8, kv8.copy(), 4, True, w, EPS, cos_g, sin_g, "fp8", cache,
+               incoming=(cp.zeros(512, cp.float32), cp.zeros(1024, cp.float32)))
+    with pytest.raises(AssertionError, match="incoming.score"):
+        K.emit(pos, kv8, kv8.copy(), 4, True, w, EPS, cos_g, sin_g, "fp8", cache,
+               incoming=(cp.zeros(1024, cp.float32), cp.zeros(1024, cp.uint16)))

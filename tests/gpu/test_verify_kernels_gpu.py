@@ -8,6 +8,9 @@
   f32 bound (GEMV_F32_ULPS of sum |w x|), which the equality above implies but is checked here
   directly too.
 * Refusals: nx = 0 or 9, a K that is not a multiple of 8, a wrong out shape.
+* The table form (gemv_bf16_multi_x*, ops_decode.gemv_bf16_multi_rows): row j == the one-row
+  GemvTable's launch for X[j] at pos[j], byte for byte (staging rows of the ring entries == the
+  pending row that launch writes); its refusals.
 """
 from __future__ import annotations
 
@@ -70,3 +73,74 @@ def test_refusals():
     with pytest.raises(AssertionError, match="multiple of 8"):
         DK.gemv_bf16_xrows(cp.zeros((64, 12), cp.uint16), cp.zeros((2, 12), cp.uint16),
                            cp.zeros((2, 64), cp.float32))
+
+
+# ------------------------------------------------ the table form: gemv_bf16_multi_x{NX}_r{R}
+# (ops_decode.gemv_bf16_multi_rows over a row-form GemvTable: the device verify's xn projections
+# of its T rows in one launch).  Row j == gemv_bf16_multi of the one-row table for X[j] at
+# pos[j], byte for byte: each plain output's row j, and each ring entry's staging row j == the
+# pending row pos[j] % r + ring_off the one-row launch writes (ape added on the score entry);
+# rows past nx untouched.  Segments: bf16 and f32 plain outputs, an overlapping ring pair (r 4,
+# offset 4) and a plain one (r 8); O not a multiple of R; K with and without tail chunks.
+def _table_entries(rng, K, outs, pend_rows):
+    """(one-row entries, row-form entries) over the same weights; outs: (O, dtype) plain,
+    pend_rows: (O, r, ring_off) ring pairs (kv without ape, score with)."""
+    one, rows = [], []
+    for O, dt in outs:
+        w = cp.asarray(_bf16(rng, (O, K)))
+        one.append((w, cp.zeros(O, dt)))
+        rows.append((w, cp.full((8, O), 0x7FC1 if dt == cp.uint16 else -1234.5, dt)))
+    for O, r, off in pend_rows:
+        for with_ape in (False, True):
+            w = cp.asarray(_bf16(rng, (O, K)))
+            ape = cp.asarray(rng.standard_normal((r, O)).astype(np.float32)) if with_ape else None
+            one.append((w, cp.zeros((off + r, O), cp.float32), ape, off, r))
+            rows.append((w, cp.full((8, O), -1234.5, cp.float32), ape, off, r))
+    return one, rows
+
+
+@pytest.mark.parametrize("K", [1024, 520])
+@pytest.mark.parametrize("nx", [1, 2, 3, 4, 5, 8])
+def test_multi_rows_equal_one_row_tables(K, nx):
+    rng = np.random.default_rng(K * 7 + nx)
+    one_e, rows_e = _table_entries(rng, K, [(1030, cp.uint16), (61, cp.float32)],
+                                   [(256, 4, 4), (129, 8, 0)])
+    R = DK.xrows_R(nx)
+    tab = DK.GemvTable(rows_e, K, rows_per_warp=R, rows=8)
+    one = DK.GemvTable(one_e, K)
+    X = cp.asarray(_bf16(rng, (nx, K + 8)))[:, :K]            # row-strided view
+    p0 = int(rng.integers(0, 5000))
+    pos = cp.arange(p0, p0 + nx, dtype=cp.int32)
+    before = [e[1].copy() for e in rows_e]
+    DK.gemv_bf16_multi_rows(tab, X, pos)
+    for j in range(nx):
+        DK.gemv_bf16_multi(one, cp.ascontiguousarray(X[j]), pos[j:j + 1])
+        for i, (eo, er) in enumerate(zip(one_e, rows_e)):
+            got = er[1][j].get()
+            if len(eo) == 2:
+                want = eo[1].get()
+            else:
+                r, off = eo[4], eo[3]
+                want = eo[1][(p0 + j) % r + off].get()
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
+                f"segment {i}, row {j} of {nx} (R {R}, K {K}, pos {p0 + j}): not the one-row table's bits")
+    for i, er in enumerate(rows_e):
+        assert cp.array_equal(er[1][nx:], before[i][nx:]), f"segment {i}: rows past {nx} written"
+
+
+def test_multi_rows_refusals():
+    rng = np.random.default_rng(3)
+    K = 256
+    one_e, rows_e = _table_entries(rng, K, [(64, cp.float32)], [(32, 4, 4)])
+    tab = DK.GemvTable(rows_e, K, rows_per_warp=4, rows=8)
+    X = cp.zeros((3, K), cp.uint16)
+    with pytest.raises(AssertionError, match="serves <= 2"):     # R 4 is the 2-row kernel's
+        DK.gemv_bf16_multi_rows(tab, X, cp.zeros(3, cp.int32))
+    with pytest.raises(AssertionError, match="row-form"):
+        DK.gemv_bf16_multi_rows(DK.GemvTable(one_e, K), X[:2], cp.zeros(2, cp.int32))
+    with pytest.raises(AssertionError, match="pos"):
+        DK.gemv_bf16_multi_rows(tab, X[:2], cp.zeros(3, cp.int32))
+    with pytest.raises(AssertionError, match="row form wants"):
+        DK.GemvTable([(rows_e[0][0], cp.zeros((4, 64), cp.float32))], K, rows_per_warp=4, rows=8)
+    with pytest.raises(AssertionError, match="rows_per_warp"):
+        DK.GemvTable(rows_e, K, rows_per_warp=8, rows=8)

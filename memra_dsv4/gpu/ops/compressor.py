@@ -170,7 +170,8 @@ _EMIT = {(512, "fp8"): "compress_emit_fp8_d512", (128, "fp8"): "compress_emit_fp
          (128, "hadfp4"): "compress_emit_hadfp4_d128"}
 
 
-def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin, mode: str, out):
+def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin, mode: str, out,
+         incoming=None):
     """Decode emission of one compressor (one launch, graph-safe: reads pos on the device).
     pos int32 [1]; kv, score: the pending rows f32 [(2 if overlap else 1) * ratio, C], contiguous
     (overlap: ratio 4, C = 2d; else C = d), read and then advanced in place; weight [d] f32 norm
@@ -178,7 +179,10 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
     view).  When (pos + 1) % ratio == 0: entry (pos + 1) // ratio - 1 (if < N) = norm_rope_sim of
     the pooled pending rows at rope position pos + 1 - ratio, and the pending rows advance
     (CompressorState.advance); otherwise nothing is touched.  The same bytes as
-    pool_* (emit_gate) -> norm_rope_sim(row="entry") -> ops_decode.pending_advance."""
+    pool_* (emit_gate) -> norm_rope_sim(row="entry") -> ops_decode.pending_advance.
+    ``incoming`` = (kv_in, score_in), f32 [C] each (the device verify's staging rows of this
+    position, gemv_bf16_multi_rows): first written into pending row pos % ratio (+ ratio when
+    overlapping), the row the step's gemv_bf16_multi epilogue writes; then the above."""
     check(pos, "compress.emit.pos", np.int32, (1,))
     check(kv, "compress.emit.kv", np.float32)
     check(score, "compress.emit.score", np.float32, kv.shape)
@@ -198,8 +202,15 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
     R = 2 * cos.shape[1]
     assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"compress.emit: rope dims {R} unsupported"
     check(out, "compress.emit.out", np.uint16, (None, d), rows_strided=True)
-    kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, weight, np.float64(eps),
-                                          cos, sin, i32(R), out, i32(row_stride(out)), i32(out.shape[0])))
+    kv_in = score_in = np.uint64(0)
+    if incoming is not None:
+        assert isinstance(incoming, tuple) and len(incoming) == 2, "compress.emit.incoming: expected (kv_in, score_in)"
+        kv_in, score_in = incoming
+        check(kv_in, "compress.emit.incoming.kv", np.float32, (C,))
+        check(score_in, "compress.emit.incoming.score", np.float32, (C,))
+    kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, kv_in, score_in,
+                                          weight, np.float64(eps), cos, sin, i32(R), out,
+                                          i32(row_stride(out)), i32(out.shape[0])))
     return out
 
 
