@@ -372,32 +372,27 @@ DEV EmitPre<EPT> emit_preload(const int* __restrict__ pos, int r, const float* _
     return f;
 }
 
-template <int D, int EPT, int SIM>
-DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float* kv_in,
-                            const float* score_in, double eps, int R, u16* out, int ld_out,
-                            int n_rows, const EmitPre<EPT>& first) {
-    constexpr int NT = D / EPT;  // norm_rope_sim's threads
-    constexpr int NW = NT / 32;
-    static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
-    const int p = first.p;
-    const int C = ovl ? 2 * D : D;  // pending row width = the row stride (contiguous rows)
-    // 0. the row's incoming pending values (the device verify's staging rows: gemv_bf16_multi_x*
-    //    wrote them for every row at once, this launch places row p's in position order) into
-    //    pending row p % r (+ r when overlapping): the slot gemv_bf16_multi's epilogue writes
-    if (kv_in != nullptr) {
-        const i64 o = (i64)(p % r + (ovl ? r : 0)) * C;
-        for (int i = threadIdx.x; i < C; i += D) {
-            kv[o + i] = kv_in[i];
-            score[o + i] = score_in[i];
-        }
-        __syncthreads();   // the pool below reads this row (global writes of this CTA)
+// 0. The row's incoming pending values (the device verify's staging rows: the GEMV wrote them
+//    for every row at once; the emission places row p's, in position order) into pending row
+//    p % r (+ r overlapping): the row gemv_bf16_multi's epilogue writes in the step.  All D
+//    threads; ends with __syncthreads (the pool reads this row).
+template <int D>
+DEV void emit_copy_in(int p, int r, int ovl, int C, float* kv, float* score,
+                      const float* __restrict__ kv_in, const float* __restrict__ score_in) {
+    const i64 o = (i64)(p % r + (ovl ? r : 0)) * C;
+    for (int i = threadIdx.x; i < C; i += D) {
+        kv[o + i] = kv_in[i];
+        score[o + i] = score_in[i];
     }
-    if ((p + 1) % r != 0) return;  // the emission gate (uniform: the whole CTA leaves)
-    __shared__ __align__(16) float pooled[D];
-    __shared__ double red[NW];
+    __syncthreads();
+}
+
+// 1-2. Pool channel c into pooled[c] (compress_pool_overlap with kv = rows r.., prev = rows
+//    0..3, entry 0; compress_pool_plain with entry 0), __syncthreads (every pending read done),
+//    then pending_advance's loop (the same elements, the same values).  All D threads.
+template <int D>
+DEV void emit_pool_advance(int r, int ovl, int C, float* kv, float* score, float* pooled) {
     const int c = threadIdx.x;
-    // 1. pool channel c (compress_pool_overlap with kv = rows r.., prev = rows 0..3, entry 0;
-    //    compress_pool_plain with entry 0)
     if (ovl) {
         const float* cur_kv = kv + (i64)r * C;
         const float* cur_sc = score + (i64)r * C;
@@ -414,21 +409,25 @@ DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float
         pooled[c] = pool_plain_channel(kv + c, score + c, C, r);
     }
     __syncthreads();  // all pending-row reads are done (and pooled is complete)
-    // 2. pending_advance's loop (the same elements, the same values)
-    {
-        const int o = ovl ? r : 0;
-        for (int i = threadIdx.x; i < r * C; i += D) {
-            const i64 cur = (i64)o * C + i;
-            if (ovl) {
-                kv[i] = kv[cur];
-                score[i] = score[cur];
-            }
-            kv[cur] = 0.0f;
-            score[cur] = f32_ninf();
+    const int o = ovl ? r : 0;
+    for (int i = threadIdx.x; i < r * C; i += D) {
+        const i64 cur = (i64)o * C + i;
+        if (ovl) {
+            kv[i] = kv[cur];
+            score[i] = score[cur];
         }
+        kv[cur] = 0.0f;
+        score[cur] = f32_ninf();
     }
-    // 3. norm_rope_sim (f32 input, ROW_ENTRY) on the pooled row, rope position p + 1 - r
-    if (threadIdx.x >= NT) return;
+}
+
+// 3. norm_rope_sim (f32 input, ROW_ENTRY) of the pooled row at rope position p + 1 - r into
+//    compressed row (p + 1) / r - 1 (nothing past n_rows).  Threads < D / EPT only (the caller
+//    tests it; the named barrier inside spans exactly them); pre = nrs_load at that position.
+template <int D, int EPT, int SIM>
+DEV void emit_entry(const float* pooled, const NrsPre<EPT>& pre, int p, int r, double eps, int R,
+                    u16* out, int ld_out, int n_rows, double* red) {
+    constexpr int NW = D / EPT / 32;
     const int k = (p + 1) / r - 1;
     if (k >= n_rows) return;  // uniform over the NT threads: the named barrier is never split
     const int d0 = threadIdx.x * EPT;
@@ -439,8 +438,59 @@ DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float
         v[i] = round_bf16(q.x); v[i + 1] = round_bf16(q.y);
         v[i + 2] = round_bf16(q.z); v[i + 3] = round_bf16(q.w);
     }
-    norm_rope_sim_core<D, EPT, SIM>(v, d0, first.pre, eps, R, out + (i64)k * ld_out,
+    norm_rope_sim_core<D, EPT, SIM>(v, d0, pre, eps, R, out + (i64)k * ld_out,
                                     [&](double x) { return block_sum_first_warps<NW>(x, red); });
+}
+
+template <int D, int EPT, int SIM>
+DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float* kv_in,
+                            const float* score_in, double eps, int R, u16* out, int ld_out,
+                            int n_rows, const EmitPre<EPT>& first) {
+    constexpr int NT = D / EPT;  // norm_rope_sim's threads
+    constexpr int NW = NT / 32;
+    static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
+    const int p = first.p;
+    const int C = ovl ? 2 * D : D;  // pending row width = the row stride (contiguous rows)
+    if (kv_in != nullptr) emit_copy_in<D>(p, r, ovl, C, kv, score, kv_in, score_in);
+    if ((p + 1) % r != 0) return;  // the emission gate (uniform: the whole CTA leaves)
+    __shared__ __align__(16) float pooled[D];
+    __shared__ double red[NW];
+    emit_pool_advance<D>(r, ovl, C, kv, score, pooled);
+    if (threadIdx.x >= NT) return;
+    emit_entry<D, EPT, SIM>(pooled, first.pre, p, r, eps, R, out, ld_out, n_rows, red);
+}
+
+// compress_emit_rows: the device verify's T rows through one compressor in ONE launch, in
+// position order: per row t, its staging values in (step 0), then when pos[t] closes a block
+// the pool, the advance and the entry (steps 1-3): the same helpers, in the same order, as T
+// compress_emit launches with kv_in / score_in (so the same bytes: the state between rows lives
+// in the pending rows, global memory, and the CTA's __syncthreads orders it).  The norm weight
+// and RoPE rows are loaded per emitting row after the PDL wait (nrs_load: loads only).
+template <int D, int EPT, int SIM>
+DEV void compress_emit_rows_body(const int* __restrict__ pos, int T, int r, int ovl, float* kv,
+                                 float* score, const float* __restrict__ kv_in,
+                                 const float* __restrict__ score_in, int ld_in,
+                                 const float* __restrict__ w, double eps,
+                                 const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                 int R, u16* out, int ld_out, int n_rows) {
+    constexpr int NT = D / EPT;
+    constexpr int NW = NT / 32;
+    static_assert(NT % 32 == 0 && D % 32 == 0, "whole warps");
+    __shared__ __align__(16) float pooled[D];
+    __shared__ double red[NW];
+    const int C = ovl ? 2 * D : D;
+    for (int t = 0; t < T; ++t) {
+        const int p = pos[t];
+        emit_copy_in<D>(p, r, ovl, C, kv, score, kv_in + (i64)t * ld_in, score_in + (i64)t * ld_in);
+        if ((p + 1) % r != 0) continue;  // uniform
+        const bool norm_thread = threadIdx.x < NT;
+        NrsPre<EPT> pre;
+        nrs_load<D, EPT>(pre, norm_thread ? (int)threadIdx.x * EPT : 0, w, cos_t, sin_t, p + 1 - r, R,
+                         norm_thread);
+        emit_pool_advance<D>(r, ovl, C, kv, score, pooled);
+        if (norm_thread) emit_entry<D, EPT, SIM>(pooled, pre, p, r, eps, R, out, ld_out, n_rows, red);
+        __syncthreads();  // pooled / red read and the advance written before the next row
+    }
 }
 
 }  // namespace
@@ -463,6 +513,23 @@ DEV void compress_emit_body(int r, int ovl, float* kv, float* score, const float
 COMPRESS_EMIT(compress_emit_fp8_d512, 512, 8, SIM_FP8)
 COMPRESS_EMIT(compress_emit_fp8_d128, 128, 4, SIM_FP8)
 COMPRESS_EMIT(compress_emit_hadfp4_d128, 128, 4, SIM_HAD_FP4)
+
+// pos: [T] int32 (row t's position, ascending); kv_in / score_in: [T, ld_in] f32 (row t's
+// incoming pending values, C used); the rest as compress_emit.  grid 1, block D.
+#define COMPRESS_EMIT_ROWS(NAME, D, EPT, SIM)                                                       \
+    extern "C" __global__ void __launch_bounds__(D)                                                 \
+    NAME(const int* __restrict__ pos, int T, int r, int ovl, float* kv, float* score,               \
+         const float* __restrict__ kv_in, const float* __restrict__ score_in, int ld_in,            \
+         const float* __restrict__ w, double eps, const float* __restrict__ cos_t,                  \
+         const float* __restrict__ sin_t, int R, u16* out, int ld_out, int n_rows) {                \
+        PDL_ENTRY();                                                                               \
+        compress_emit_rows_body<D, EPT, SIM>(pos, T, r, ovl, kv, score, kv_in, score_in, ld_in, w, \
+                                             eps, cos_t, sin_t, R, out, ld_out, n_rows);           \
+    }
+
+COMPRESS_EMIT_ROWS(compress_emit_rows_fp8_d512, 512, 8, SIM_FP8)
+COMPRESS_EMIT_ROWS(compress_emit_rows_fp8_d128, 128, 4, SIM_FP8)
+COMPRESS_EMIT_ROWS(compress_emit_rows_hadfp4_d128, 128, 4, SIM_HAD_FP4)
 
 // ----------------------------------------------------------------------------------------------
 // The chunk routine's rmsnorm (+ RoPE) in two launches instead of ~25 CuPy ops, bit-identical to

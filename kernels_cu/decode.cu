@@ -741,7 +741,8 @@ GEMV_PS_KERNEL(gemv_bf16_ps_r4d2, 4, 2, 2)
 // warps).  ring_r > 0 makes y_s the compressor's pending rows: row r of the output goes to
 // y_s[((pos % ring_r) + ring_off) * n_s + r] (f32), plus ape_s[(pos % ring_r) * n_s + r] when
 // ape_s != null (the gate-score position bias; f32(dot + ape), the same rounding as
-// compress_add_ape).  The table lives in device memory, built once at setup (weights and arena
+// compress_add_ape); ring_off < 0: to y_s[r] (a staging row of the device verify, placed into
+// the pending rows by the row's emission: compress_emit*'s kv_in / score_in).  The table lives in device memory, built once at setup (weights and arena
 // outputs never move).
 struct GemvSeg {
     const void* w;     // bf16 bits or e4m3 bytes [n_s, K]
@@ -770,7 +771,8 @@ DEV void store_seg_rows(const GemvSeg& g, int n, int r0, const int* __restrict__
         if (g.ring_r > 0) {
             float a = v[j];
             if (g.ape != nullptr) a = __fadd_rn(a, __ldg(g.ape + (i64)slot * n + r));
-            reinterpret_cast<float*>(g.y)[(i64)(slot + g.ring_off) * n + r] = a;
+            // ring_off < 0: a staging row (the device verify's: its emission places the values)
+            reinterpret_cast<float*>(g.y)[(i64)(g.ring_off >= 0 ? slot + g.ring_off : 0) * n + r] = a;
         } else {
             store_out(g.y, r, v[j], g.out_bf16);
         }
@@ -1540,29 +1542,37 @@ pending_advance(const int* __restrict__ pos, float* __restrict__ kv, float* __re
 // and rows n+1..k are rolled back, i.e. positions [lo, hi) = [p0 + n + 1, p0 + k + 1):
 //   ring slots q % W of those positions <- ring_copy (the pre-verify ring; k + 1 <= W, so no
 //     kept position shares a slot);
-//   ratio > 0: the pending rows (kv, score) <- the journal's snapshot n (the state after row n),
-//     compressed rows [lo / r, hi / r) (those below n_comp) <- 0 (emitted by rolled-back rows);
-//   idx_keys != 0: the same for the indexer's pending rows and keys [lo / 4, hi / 4) (< n_idx).
+//   ratio > 0: the pending rows (kv, score; P rows of C floats) <- a gather of the layer's
+//     journal buffers jkv / jsc [P pre-verify rows | staging rows | a fresh row (0, -inf)]:
+//     row s <- journal row srcs[src + s] (gpu.hostmath.pending_sources: the oracle's pending
+//     state machine replaying rows 0..n, run on row indices; uploaded by the wrapper, one list
+//     per ratio), and compressed rows [lo / r, hi / r) (those below n_comp) <- 0 (emitted by
+//     rolled-back rows);
+//   idx_keys != 0: the same for the indexer's pending rows (ratio 4) and keys [lo / 4, hi / 4).
 // Pure data movement.  grid (blocks, layers): blockIdx.y picks the layer's table entry, the
 // x-blocks stride over its work.  Why a kernel: the host form is ~7 CuPy launches per layer.
-struct RbLayer {  // ops_decode.RollbackTable.SEG (112 bytes)
-    u64 ring, ring_copy, comp_kv, comp_score, comp_snap, comp, idx_kv, idx_score, idx_snap, idx_keys;
-    int W, hd, ratio, comp_p, n_comp, dI, idx_p, n_idx;
+struct RbLayer {  // ops_decode.RollbackTable.SEG (144 bytes)
+    u64 ring, ring_copy, comp_kv, comp_score, comp_jkv, comp_jsc, comp, idx_kv, idx_score, idx_jkv,
+        idx_jsc, idx_keys;
+    int W, hd, ratio, comp_P, comp_C, n_comp, comp_src, dI, idx_P, idx_C, n_idx, idx_src;
 };
-static_assert(sizeof(RbLayer) == 112, "RbLayer: the host table's 112-byte records");
+static_assert(sizeof(RbLayer) == 144, "RbLayer: the host table's 144-byte records");
 
 namespace {
-// One compressor of a layer (the main one: ratio r, rows of width hd; the indexer's: ratio 4,
-// keys of width dI): its pending rows (kv, score, P floats each) <- snapshot n of the journal
-// ([ROW_MAX][2][P]), rows [lo / r, hi / r) below n_rows <- 0.
-DEV void rb_compressor(u64 kv_a, u64 score_a, u64 snap_a, u64 rows_a, int P, int ratio, int width,
-                       int n_rows, int lo, int hi, int n, int tid, int nthr) {
+// One compressor of a layer (the main one: ratio r, compressed rows of width hd; the indexer's:
+// ratio 4, keys of width dI): pending rows (kv, score: P rows of C) <- journal rows src[s],
+// rows [lo / r, hi / r) below n_rows <- 0.
+DEV void rb_compressor(u64 kv_a, u64 score_a, u64 jkv_a, u64 jsc_a, u64 rows_a, const int* src,
+                       int P, int C, int ratio, int width, int n_rows, int lo, int hi, int tid,
+                       int nthr) {
     float* kv = reinterpret_cast<float*>(kv_a);
     float* sc = reinterpret_cast<float*>(score_a);
-    const float* snap = reinterpret_cast<const float*>(snap_a) + (i64)n * 2 * P;
-    for (int i = tid; i < P; i += nthr) {
-        kv[i] = snap[i];
-        sc[i] = snap[P + i];
+    const float* jkv = reinterpret_cast<const float*>(jkv_a);
+    const float* jsc = reinterpret_cast<const float*>(jsc_a);
+    for (int i = tid; i < P * C; i += nthr) {
+        const i64 from = (i64)src[i / C] * C + i % C;
+        kv[i] = jkv[from];
+        sc[i] = jsc[from];
     }
     u16* rows = reinterpret_cast<u16*>(rows_a);
     const int r0 = lo / ratio, r1 = min(hi / ratio, n_rows);
@@ -1571,7 +1581,8 @@ DEV void rb_compressor(u64 kv_a, u64 score_a, u64 snap_a, u64 rows_a, int P, int
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256)
-verify_rollback(const RbLayer* __restrict__ tab, int p0, int k, int n) { PDL_ENTRY();
+verify_rollback(const RbLayer* __restrict__ tab, const int* __restrict__ srcs, int p0, int k, int n) {
+    PDL_ENTRY();
     const RbLayer L = tab[blockIdx.y];
     const int lo = p0 + n + 1, hi = p0 + k + 1;
     const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthr = gridDim.x * blockDim.x;
@@ -1582,11 +1593,11 @@ verify_rollback(const RbLayer* __restrict__ tab, int p0, int k, int n) { PDL_ENT
         ring[o] = rcopy[o];
     }
     if (L.ratio > 0)
-        rb_compressor(L.comp_kv, L.comp_score, L.comp_snap, L.comp, L.comp_p, L.ratio, L.hd, L.n_comp,
-                      lo, hi, n, tid, nthr);
+        rb_compressor(L.comp_kv, L.comp_score, L.comp_jkv, L.comp_jsc, L.comp, srcs + L.comp_src,
+                      L.comp_P, L.comp_C, L.ratio, L.hd, L.n_comp, lo, hi, tid, nthr);
     if (L.idx_keys != 0)
-        rb_compressor(L.idx_kv, L.idx_score, L.idx_snap, L.idx_keys, L.idx_p, 4, L.dI, L.n_idx,
-                      lo, hi, n, tid, nthr);
+        rb_compressor(L.idx_kv, L.idx_score, L.idx_jkv, L.idx_jsc, L.idx_keys, srcs + L.idx_src,
+                      L.idx_P, L.idx_C, 4, L.dI, L.n_idx, lo, hi, tid, nthr);
 }
 
 // copy_vec4_x4: up to four device-to-device copies in one launch, dst_i[0, n_i) = src_i[0, n_i)

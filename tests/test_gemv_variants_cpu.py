@@ -104,9 +104,12 @@ def test_every_variant_launches(fake_launch):
             _bulk_check(name, grid, args, -(-2048 // DK._parse_variant(vn, "p")[1]))
     gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")
             and not n.startswith("gemv_bf16_pl2_")     # pair kernels: test_idxq_pair_launches
-            and not n.startswith("gemv_bf16_x")}       # multi-row kernels: test_xrows_launches
+            and not n.startswith("gemv_bf16_x")         # multi-row kernels: test_xrows_launches,
+            and not n.startswith("gemv_bf16_multi_x")}  # test_multi_rows_launches
     assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_x")} == {
         f"gemv_bf16_x{nx}_r{r}" for nx, r in DK.XROWS_KERNELS}
+    assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_multi_x")} == {
+        f"gemv_bf16_multi_x{nx}_r{r}" for nx, r in DK.XROWS_KERNELS}
     assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_pl2_")} == {f"gemv_bf16_pl2_r{r}" for r in DK.GEMV_PL}
     qn = {n for n in DK.KERNELS if n.endswith("_qn")}
     assert qn == ({f"gemv_bf16_multi_r{r}" + (f"t{t}" if t > 1 else "") + "_qn" for r, t in DK.MULTI_VARIANTS}
@@ -490,7 +493,7 @@ def test_multi_rows_launches(fake_launch):
     for R, NX in ((4, 2), (2, 4), (1, 8)):
         tab = DK.GemvTable(ents, K, rows_per_warp=R, rows=8)
         rec = np.asarray(tab.table).view(np.ndarray).view(DK.GemvTable.SEG)
-        assert list(rec["ring_r"][:4]) == [0, 0, 4, 4] and list(rec["ring_off"][:4]) == [0, 0, 0, 0]
+        assert list(rec["ring_r"][:4]) == [0, 0, 4, 4] and list(rec["ring_off"][:4]) == [0, 0, -1, -1]
         assert rec["ape"][3] == ape.data.ptr and rec["ape"][2] == 0 and list(rec["out_bf16"][:4]) == [1, 0, 0, 0]
         assert tab.warps == sum(-(-o // R) for o in (1024, 512, 256, 256))
         for nx in range(1, NX + 1):

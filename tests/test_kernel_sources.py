@@ -469,6 +469,8 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                              mode, u16(5, D)[1:3])
         M["compressor"].emit(i32(1), f32(rows, C), f32(rows, C), r, ovl, f32(D), 1e-6, f32(10, 32), f32(10, 32),
                              mode, u16(5, D)[1:3], incoming=(f32(C), f32(C)))   # the verify's rows
+        M["compressor"].emit_rows(i32(3), f32(rows, C), f32(rows, C), r, ovl, f32(D), 1e-6, f32(10, 32),
+                                  f32(10, 32), mode, u16(5, D)[1:3], incoming=(f32(8, C), f32(8, C)))
     sc = M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(10, 128), i32(2), w_scale=0.011)
     M["indexer"].scores(u16(2, 64, 128), u16(2, 64), u16(300, 128), i32(2), impl="mma")
     M["indexer"].topk(sc, i32(2), 4, order="index")

@@ -41,11 +41,6 @@ def test_plan_is_the_step_plan_with_rows(name):
     ws = p.slot("dev.attn_ws")
     assert math.prod(ws.shape) >= workspace_size(5, cfg.num_attention_heads, cfg.head_dim, kmax)
     assert p.slot("moe.sh_a").shape == p.slot("moe.sh_u").shape == p.slot("moe.sh_h").shape
-    # the row-form projections' staging rows: 5 rows of the widest pending row (ratio 4: 2d)
-    for n, d in (("dev.pend", cfg.head_dim), ("dev.ipend", cfg.index_head_dim)):
-        for h in ("kv", "sc"):
-            sl = p.slot(f"{n}_{h}")
-            assert sl.shape == (5 * 2 * d,) and sl.dtype == "f32" and sl.offset % 16 == 0
 
 
 def test_rows_refused_outside_range():
@@ -112,11 +107,14 @@ def test_xn_projection_entries_per_layer_kind():
                                       "attn.compressor.wgate", "attn.indexer.compressor.wkv",
                                       "attn.indexer.compressor.wgate", "attn.indexer.weights_proj"]
     assert [e[3] for e in got[2:6]] == [4, 4, 4, 4] and got[6][1] == "iw"
-    # the device verify's row form: the staging arrays replace the pending rows, the rest equal
+    # the device verify's tables: the staging arrays replace the pending rows, ring offset -1
+    # (GemvTable's staging mark), the rest equal
     stg = {"attn.compressor": ("ckv", "csc"), "attn.indexer.compressor": ("ikv", "isc")}
     rows = xn_projection_entries(layer(4, "csa"), cache, "qr", "kv", "iw", staging=stg)
     assert [e[1] for e in rows[2:6]] == ["ckv", "csc", "ikv", "isc"]
-    assert [e[:1] + e[2:] for e in rows] == [e[:1] + e[2:] for e in got]
+    assert [e[3] for e in rows[2:6]] == [-1, -1, -1, -1]
+    assert [(e[0], e[2]) + e[4:] for e in rows[2:6]] == [(e[0], e[2]) + e[4:] for e in got[2:6]]
+    assert rows[:2] + rows[6:] == got[:2] + got[6:]
 
 
 def test_step_ratios():

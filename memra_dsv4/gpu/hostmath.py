@@ -116,6 +116,26 @@ def verify_candidates(pos0: int, t: int, T: int, window: int, ratio: int, K: int
     return c
 
 
+def pending_sources(p0: int, n_rows: int, ratio: int, rows_max: int) -> np.ndarray:
+    """int32 [P] (P = the pending rows: 2r for ratio 4, else r): where each pending row comes
+    from after a device verify's rows 0..n_rows-1 at positions p0.. fed the compressor, as rows
+    of its journal buffer [the P pre-verify rows | rows_max staging rows (row j: the values row j
+    fed in) | one fresh row (0, -inf)].  What the commit gathers (host and device forms):
+    host.pending.advance_pending (the oracle's own state machine, the rule its rollback replays)
+    run on row indices instead of values, so the gather equals restoring the pre-verify rows and
+    replaying rows 0..n_rows-1, byte for byte (pure data movement)."""
+    from memra_dsv4.host.pending import advance_pending
+    r, n = int(ratio), int(n_rows)
+    assert r >= 1 and 0 <= n <= int(rows_max), f"pending_sources: ratio {r}, {n} rows of {rows_max}"
+    P = 2 * r if r == 4 else r
+    # index "values": kv carries the source row, score marks the fresh rows (-inf)
+    kv = np.arange(P, dtype=np.float64)[:, None]
+    score = kv.copy()
+    rows = np.arange(P, P + n, dtype=np.float64)[:, None]
+    advance_pending(kv, score, rows, rows.copy(), int(p0), r)
+    return np.where(np.isneginf(score[:, 0]), P + int(rows_max), kv[:, 0]).astype(np.int32)
+
+
 # ------------------------------------------------------------------------- device side
 class HostIO:
     """Device <-> host copies of the islands on ``stream`` through pinned buffers, one per key,

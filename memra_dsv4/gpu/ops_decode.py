@@ -546,15 +546,17 @@ class GemvTable:
     Entries: (w, out) with out f32 or bf16 bits of O_s values; or (w, pending, ape, ring_off,
     r): the compressor pending rows ``pending`` f32 [rows, O_s] get row (pos % r) + ring_off,
     plus ape [r, O_s] f32 when given (the score half), i.e. what pending_write + add_ape do, in
-    the GEMV epilogue.  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair.
+    the GEMV epilogue; ring_off < 0: ``pending`` is one staging row f32 [O_s] that gets those
+    values (the device verify's: the row's emission places them, compressor.emit(incoming=)).  w is a bf16-bits array [O_s, K] or a (e4m3 bytes, e8m0 scale) pair.
     Each projection gets ceil(O_s / R) warps of R rows (field warp0: its first warp), so no warp
     straddles two projections; R (rows_per_warp) changes the speed only, never the bits.
 
     The row form (``rows`` = n, for gemv_bf16_multi_rows, the device verify's T rows): bf16
     weights only, R one of the x-rows kernels' (xrows_R), every output [n, O_s] C-contiguous
     (row j of the launch's rows at [j]); a pending entry's array is a STAGING buffer [n, O_s] f32
-    that gets f32(dot + ape[pos[j] % r]) in row j (ring_off is not used): the row's emission
-    launch places it (compressor.emit(incoming=)), in position order."""
+    that gets f32(dot + ape[pos[j] % r]) in row j (its ring_off is recorded as -1, the staging
+    mark): the rows' emission launch places them (compressor.emit_rows / emit(incoming=)), in
+    position order."""
 
     SEG = np.dtype([("w", "<u8"), ("y", "<u8"), ("ape", "<u8"), ("scale", "<u8"), ("row0", "<i4"),
                     ("out_bf16", "<i4"), ("ring_r", "<i4"), ("ring_off", "<i4"),
@@ -604,7 +606,7 @@ class GemvTable:
                     check(ape, f"GemvTable.ape[{i}]", np.float32, (r, O))
                     self.keep.append(ape)
                 rec[i] = (w.data.ptr, out.data.ptr, 0 if ape is None else ape.data.ptr, sp, row,
-                          int(out.dtype == np.uint16), r, 0, int(ld), warp)
+                          int(out.dtype == np.uint16), r, -1 if r else 0, int(ld), warp)
             elif len(e) == 2:
                 assert out.dtype in (np.float32, np.uint16) and out.size == O and \
                     out.flags.c_contiguous, f"GemvTable.out[{i}]: {out.shape} {out.dtype}, want {O}"
@@ -614,9 +616,14 @@ class GemvTable:
                     self.bf16_outs[int(out.data.ptr)] = int(O)   # gemv_bf16_multi(qnorm=) targets
             else:
                 ape, ring_off, r = e[2], int(e[3]), int(e[4])
-                check(out, f"GemvTable.pending[{i}]", np.float32, (None, O))
-                assert 0 <= ring_off and ring_off + r <= out.shape[0], (
-                    f"GemvTable.pending[{i}]: rows {out.shape[0]} < offset {ring_off} + r {r}")
+                if ring_off < 0:   # a staging row (the device verify's): O values, f32
+                    assert out.dtype == np.float32 and out.size == O and out.flags.c_contiguous, (
+                        f"GemvTable.staging[{i}]: {out.shape} {out.dtype}, want {O} f32 contiguous")
+                    ring_off = -1
+                else:
+                    check(out, f"GemvTable.pending[{i}]", np.float32, (None, O))
+                    assert ring_off + r <= out.shape[0], (
+                        f"GemvTable.pending[{i}]: rows {out.shape[0]} < offset {ring_off} + r {r}")
                 if ape is not None:
                     check(ape, f"GemvTable.ape[{i}]", np.float32, (r, O))
                     self.keep.append(ape)
@@ -850,27 +857,39 @@ def copy_words(pairs) -> None:
 
 
 class RollbackTable:
-    """Device table of a stage's layers for verify_rollback (decode.cu RbLayer, 112 bytes each),
+    """Device table of a stage's layers for verify_rollback (decode.cu RbLayer, 144 bytes each),
     built once per state: per layer its ring and ring_copy [W, hd] bf16 bits, and where the layer
-    has them its compressor's pending rows (kv, score f32), their journal snapshots [ROW_MAX, 2,
-    *pending] f32 and the compressed rows [n_comp, hd], and the indexer's pending rows, snapshots
-    and keys [n_idx, dI].  The addresses are baked in (graphs are not involved: one eager launch
-    per commit)."""
+    has them its compressor's pending rows (kv, score f32 [P, C]), their journal buffers (jkv,
+    jsc f32 [P + rows_max + 1, C]: the pre-verify rows, the staging rows, a fresh row) and the
+    compressed rows [n_comp, hd], and the same for the indexer's (keys [n_idx, dI]).  The
+    addresses are baked in (graphs are not involved: one eager launch per commit).  ``sources``
+    (int32, device) holds one gather list per distinct ratio (gpu.hostmath.pending_sources),
+    rewritten by ``upload_sources`` before each commit (host and device forms read it)."""
 
     SEG = np.dtype([("ring", "<u8"), ("ring_copy", "<u8"), ("comp_kv", "<u8"), ("comp_score", "<u8"),
-                    ("comp_snap", "<u8"), ("comp", "<u8"), ("idx_kv", "<u8"), ("idx_score", "<u8"),
-                    ("idx_snap", "<u8"), ("idx_keys", "<u8"), ("W", "<i4"), ("hd", "<i4"),
-                    ("ratio", "<i4"), ("comp_p", "<i4"), ("n_comp", "<i4"), ("dI", "<i4"),
-                    ("idx_p", "<i4"), ("n_idx", "<i4")])
+                    ("comp_jkv", "<u8"), ("comp_jsc", "<u8"), ("comp", "<u8"), ("idx_kv", "<u8"),
+                    ("idx_score", "<u8"), ("idx_jkv", "<u8"), ("idx_jsc", "<u8"), ("idx_keys", "<u8"),
+                    ("W", "<i4"), ("hd", "<i4"), ("ratio", "<i4"), ("comp_P", "<i4"), ("comp_C", "<i4"),
+                    ("n_comp", "<i4"), ("comp_src", "<i4"), ("dI", "<i4"), ("idx_P", "<i4"),
+                    ("idx_C", "<i4"), ("n_idx", "<i4"), ("idx_src", "<i4")])
 
-    def __init__(self, layers):
-        """layers: dicts with ring, ring_copy and optionally (comp_kv, comp_score, comp_snap,
-        comp, ratio) and (idx_kv, idx_score, idx_snap, idx_keys) device arrays."""
+    def __init__(self, layers, rows_max: int):
+        """layers: dicts with ring, ring_copy and optionally (comp_kv, comp_score, comp_jkv,
+        comp_jsc, comp, ratio) and (idx_kv, idx_score, idx_jkv, idx_jsc, idx_keys) device arrays;
+        rows_max: the journal buffers' staging rows (the verify's most rows)."""
         import cupy as cp
-        assert self.SEG.itemsize == 112
+        import cupyx
+        assert self.SEG.itemsize == 144
         assert layers, "RollbackTable: no layers"
+        self.rows_max = int(rows_max)
         rec = np.zeros(len(layers), dtype=self.SEG)
         self.keep = []
+        ratios = sorted({int(L["ratio"]) for L in layers if L.get("ratio")}
+                        | ({4} if any(L.get("idx_keys") is not None for L in layers) else set()))
+        self.src_off, off = {}, 0   # ratio -> its gather list's offset in sources
+        for r in ratios:
+            self.src_off[r] = off
+            off += 2 * r if r == 4 else r
         for i, L in enumerate(layers):
             ring, rc = L["ring"], L["ring_copy"]
             check(ring, f"RollbackTable[{i}].ring", np.uint16)
@@ -879,43 +898,69 @@ class RollbackTable:
             rec[i]["ring"], rec[i]["ring_copy"], rec[i]["W"], rec[i]["hd"] = ring.data.ptr, rc.data.ptr, W, hd
             self.keep += [ring, rc]
             if L.get("ratio"):
-                self._compressor(rec[i], i, "comp", L, "comp", "n_comp", hd)
+                self._compressor(rec[i], i, "comp", L, "comp", "n_comp", int(L["ratio"]), hd)
                 rec[i]["ratio"] = int(L["ratio"])
             if L.get("idx_keys") is not None:
-                self._compressor(rec[i], i, "idx", L, "idx_keys", "n_idx", None)
+                self._compressor(rec[i], i, "idx", L, "idx_keys", "n_idx", 4, None)
                 rec[i]["dI"] = L["idx_keys"].shape[1]
         self.n = len(layers)
-        self.snap_rows = min([int(L["comp_snap"].shape[0]) for L in layers if L.get("ratio")]
-                             + [int(L["idx_snap"].shape[0]) for L in layers if L.get("idx_keys") is not None]
-                             + [1 << 30])
         self.window = int(layers[0]["ring"].shape[0])
         self.dev = cp.asarray(rec.view(np.uint8))
+        self.sources = cp.asarray(np.zeros(max(off, 1), np.int32))
+        self._sources_host = cupyx.zeros_pinned(max(off, 1), np.int32)
 
-    def _compressor(self, r, i: int, pre: str, L, rows_key: str, n_field: str, width) -> None:
+    def _compressor(self, r, i: int, pre: str, L, rows_key: str, n_field: str, ratio: int, width) -> None:
         """One compressor's fields of record r (prefix ``pre``: "comp" / "idx"): its pending rows
-        {pre}_kv / {pre}_score f32, their snapshots {pre}_snap [*, 2, *pending] f32, the rows it
-        emits (L[rows_key]: bf16 bits [n, width], width None: any) and their count (n_field)."""
-        kv, sc, snap, rows = L[f"{pre}_kv"], L[f"{pre}_score"], L[f"{pre}_snap"], L[rows_key]
+        {pre}_kv / {pre}_score f32 [P, C], their journal buffers {pre}_jkv / {pre}_jsc f32
+        [P + rows_max + 1, C], the rows it emits (L[rows_key]: bf16 bits [n, width], width None:
+        any), their count (n_field) and its gather list's offset."""
+        kv, sc, jkv, jsc, rows = L[f"{pre}_kv"], L[f"{pre}_score"], L[f"{pre}_jkv"], L[f"{pre}_jsc"], L[rows_key]
         check(kv, f"RollbackTable[{i}].{pre}_kv", np.float32)
+        P = 2 * ratio if ratio == 4 else ratio
+        assert kv.ndim == 2 and kv.shape[0] == P, f"RollbackTable[{i}].{pre}_kv: {kv.shape}, expected [{P}, C] (ratio {ratio})"
+        C = kv.shape[1]
         check(sc, f"RollbackTable[{i}].{pre}_score", np.float32, kv.shape)
-        check(snap, f"RollbackTable[{i}].{pre}_snap", np.float32, (None, 2) + kv.shape)
+        check(jkv, f"RollbackTable[{i}].{pre}_jkv", np.float32, (P + self.rows_max + 1, C))
+        check(jsc, f"RollbackTable[{i}].{pre}_jsc", np.float32, jkv.shape)
         check(rows, f"RollbackTable[{i}].{rows_key}", np.uint16, (None, width))
-        r[f"{pre}_kv"], r[f"{pre}_score"], r[f"{pre}_snap"] = kv.data.ptr, sc.data.ptr, snap.data.ptr
-        r[rows_key], r[f"{pre}_p"], r[n_field] = rows.data.ptr, kv.size, rows.shape[0]
-        self.keep += [kv, sc, snap, rows]
+        for f, a in (("kv", kv), ("score", sc), ("jkv", jkv), ("jsc", jsc)):
+            r[f"{pre}_{f}"] = a.data.ptr
+        r[rows_key], r[f"{pre}_P"], r[f"{pre}_C"], r[n_field] = rows.data.ptr, P, C, rows.shape[0]
+        r[f"{pre}_src"] = self.src_off[ratio]
+        self.keep += [kv, sc, jkv, jsc, rows]
+
+    def upload_sources(self, p0: int, n: int, stream) -> None:
+        """Write the gather lists of commit(n) after a verify at p0 (rows 0..n kept: for each
+        ratio gpu.hostmath.pending_sources(p0, n + 1, ratio, rows_max)) into ``sources``, an
+        asynchronous copy on ``stream`` from a pinned buffer.  Sync point: the caller
+        synchronises ``stream`` before the next upload (VerifyStep.commit does), so the pinned
+        buffer is not rewritten while its copy is in flight."""
+        import cupy as cp
+        from memra_dsv4.gpu.hostmath import pending_sources
+        for r, off in self.src_off.items():
+            src = pending_sources(p0, n + 1, r, self.rows_max)
+            self._sources_host[off:off + src.size] = src
+        cp.cuda.runtime.memcpyAsync(self.sources.data.ptr, self._sources_host.ctypes.data,
+                                    self.sources.nbytes, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+    def source_rows(self, ratio: int):
+        """The device gather list of ``ratio`` (a view of ``sources``)."""
+        off = self.src_off[int(ratio)]
+        return self.sources[off:off + (2 * ratio if ratio == 4 else ratio)]
 
 
 def verify_rollback(table: RollbackTable, p0: int, k: int, n: int) -> None:
     """The device verify's commit(n) on every layer of ``table`` in one launch (decode.cu
     verify_rollback: ring slots of positions p0 + n + 1 .. p0 + k from ring_copy, the pending
-    rows from snapshot n, rolled-back compressed rows / indexer keys zeroed).  0 <= n <= k,
-    k + 1 <= the window and the snapshots' rows."""
+    rows gathered from the journal buffers by ``table.sources``, which the caller has uploaded
+    for (p0, n) (RollbackTable.upload_sources), rolled-back compressed rows / indexer keys
+    zeroed).  0 <= n <= k, k + 1 <= the window and the journal's staging rows."""
     p0, k, n = int(p0), int(k), int(n)
     assert 0 <= n <= k and p0 >= 0, f"verify_rollback: p0 {p0}, k {k}, n {n}"
-    assert k + 1 <= table.window and n < table.snap_rows, (
-        f"verify_rollback: k {k} + 1 rows past the window {table.window} or snapshot {n} past "
-        f"{table.snap_rows}")
-    kernel(STEM, "verify_rollback")((8, table.n), (256,), (table.dev, i32(p0), i32(k), i32(n)))
+    assert k + 1 <= table.window and k + 1 <= table.rows_max, (
+        f"verify_rollback: k {k} + 1 rows past the window {table.window} or the journal's "
+        f"{table.rows_max} staging rows")
+    kernel(STEM, "verify_rollback")((8, table.n), (256,), (table.dev, table.sources, i32(p0), i32(k), i32(n)))
 
 
 def ring_write(pos, src, ring):

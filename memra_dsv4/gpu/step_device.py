@@ -1392,8 +1392,9 @@ def xn_projection_entries(L, cache, qr, kvraw, idx_w, staging=None):
     indexer's weights_proj -> idx_w (CSA layers).  The device step's table (DeviceStep) and each
     row's table of the device verify (gpu.verify_step) are built by it.  ``staging`` = {sub: (kv,
     score)} replaces the pending rows of compressor ``sub`` ("attn.compressor",
-    "attn.indexer.compressor") by those arrays (the device verify's row-form table,
-    GemvTable(rows=): qr, kvraw, idx_w and the staging arrays are then [rows, O_s])."""
+    "attn.indexer.compressor") by those staging arrays, ring offset -1 (GemvTable's staging
+    mark): one row [O_s] for a one-row table, [rows, O_s] for the row form, GemvTable(rows=),
+    whose qr, kvraw and idx_w are then [rows, O_s] too."""
     ent = [(L.lin("attn.wq_a"), qr), (L.lin("attn.wkv"), kvraw)]
     pend = []
     if L.ratio:
@@ -1401,7 +1402,7 @@ def xn_projection_entries(L, cache, qr, kvraw, idx_w, staging=None):
     if L.kind == "csa":
         pend.append((cache.idx_state, "attn.indexer.compressor"))
     for st, sub in pend:
-        r, off = st.ratio, st.ratio if st.overlap else 0
+        r, off = st.ratio, (st.ratio if st.overlap else 0) if staging is None else -1
         kv, score = (st.kv, st.score) if staging is None else staging[sub]
         ent += [(L.lin(f"{sub}.wkv"), kv, None, off, r),
                 (L.lin(f"{sub}.wgate"), score, L.w(f"{sub}.ape"), off, r)]

@@ -109,13 +109,6 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
     sh = tuple(one.slot("moe.sh_h").shape)
     p.add("moe.sh_a", (rows,) + sh, "bf16")
     p.add("moe.sh_u", (rows,) + sh, "bf16")
-    # the row-form xn projections' staging rows of the pending values (GemvTable(rows=)): per
-    # row the compressor's / the indexer compressor's kv and score row, at most 2d wide (ratio 4
-    # overlaps), flat so that a layer of width C views the first rows * C as [rows, C]; the
-    # layers use them in turn
-    for name, d in (("dev.pend", cfg.head_dim), ("dev.ipend", cfg.index_head_dim)):
-        p.add(f"{name}_kv", (rows * 2 * int(d),), "f32")
-        p.add(f"{name}_sc", (rows * 2 * int(d),), "f32")
     p.check()
     return p
 
@@ -144,8 +137,13 @@ class DeviceJournal:
 
 
 class _StateJournal:
-    """Per state and layer: ``comp`` / ``idx``: [ROW_MAX, 2, *pending.shape] f32 snapshots (kv,
-    score) after each row.  (The pre-verify ring is the cache's own ring_copy.)"""
+    """Per state and layer: ``comp`` / ``idx``: (kv, score) journal buffers of the compressor /
+    the indexer's compressor, f32 [P + ROW_MAX + 1, C] each (P, C: its pending rows' shape):
+    rows [0, P) the pending rows before the verify (copied first in the layer), rows P + t the
+    values row t fed in (the xn projections write them: the staging rows, which the emissions
+    then place), row P + ROW_MAX a fresh row (0, -inf), set here and never written.  commit(n)
+    gathers the pending rows from them (gpu.hostmath.pending_sources).  (The pre-verify ring is
+    the cache's own ring_copy.)"""
 
     def __init__(self, model, state):
         import cupy as cp
@@ -154,10 +152,28 @@ class _StateJournal:
             with cp.cuda.Device(st.device):
                 for lid in st.layers:
                     c = state.cache(lid)
-                    if c.ratio:
-                        self.comp[lid] = cp.empty((ROW_MAX, 2) + c.comp_state.kv.shape, cp.float32)
-                    if c.idx_state is not None:
-                        self.idx[lid] = cp.empty((ROW_MAX, 2) + c.idx_state.kv.shape, cp.float32)
+                    for pend, into in ((c.comp_state if c.ratio else None, self.comp),
+                                       (c.idx_state, self.idx)):
+                        if pend is None:
+                            continue
+                        P, C = pend.kv.shape
+                        kv = cp.zeros((P + ROW_MAX + 1, C), cp.float32)
+                        sc = cp.zeros((P + ROW_MAX + 1, C), cp.float32)
+                        sc[P + ROW_MAX] = -np.inf
+                        into[lid] = (kv, sc)
+            cp.cuda.Device(st.device).synchronize()
+
+    @staticmethod
+    def pre(buf, P: int):
+        """The pre-verify rows of a journal buffer pair: (kv[:P], score[:P])."""
+        return buf[0][:P], buf[1][:P]
+
+    @staticmethod
+    def staging(buf, P: int, t: int | None = None):
+        """The staging rows of a journal buffer pair: [ROW_MAX, C] each, or row t's [C]."""
+        if t is None:
+            return buf[0][P:P + ROW_MAX], buf[1][P:P + ROW_MAX]
+        return buf[0][P + t], buf[1][P + t]
 
 
 class _Stage:
@@ -201,10 +217,10 @@ class VerifyStep:
         # the journal buffers
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # per layer: {R: row-form GemvTable} (gemv_bf16_multi_rows: the T rows' xn projections in
-        # one launch; nothing in them is a state's: arena rows, staging rows, weights), or None
-        # where a weight is stored FP8 (no FP8 x-rows kernel: the per-row tables then)
-        self._row_tables: dict = {}
+        # per state: {lid: {R: row-form GemvTable}} (gemv_bf16_multi_rows: the T rows' xn
+        # projections in one launch, the pending values into the state's journal staging rows),
+        # None for a layer with a weight stored FP8 (no FP8 x-rows kernel: the per-row tables)
+        self._row_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._journals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._rollback: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # commit(n): "host" (CuPy operations per layer, a few launches each; GPU-tested) or
@@ -332,40 +348,42 @@ class VerifyStep:
         return gather_taps(self.m, out, taps)
 
     def commit(self, state, jr: DeviceJournal, n: int) -> None:
-        """Roll rows n + 1..k of ``jr`` back (module doc); the caller checked n and sets pos."""
+        """Roll rows n + 1..k of ``jr`` back (module doc); the caller checked n and sets pos.
+        Both forms: the ring slots of the rolled-back positions from ring_copy, the pending rows
+        gathered from the journal buffers by the stage's gather lists (RollbackTable.sources,
+        uploaded here for (p0, n)), the compressed rows / indexer keys the rolled-back rows
+        emitted zeroed."""
         import cupy as cp
+        from memra_dsv4.gpu import ops_decode as DK
         if n == jr.k:
             return   # the caches are those of every row: nothing to undo
-        if checked_form(self.commit_form, COMMIT_FORMS, "commit_form") == "device":
-            from memra_dsv4.gpu import ops_decode as DK
-            rb = self._rollback[state]
-            for S in self.stages:
-                with cp.cuda.Device(S.dev), S.stream:
-                    DK.verify_rollback(rb[S.si], jr.p0, jr.k, n)
-            for S in self.stages:
-                S.stream.synchronize()
-            return
+        form = checked_form(self.commit_form, COMMIT_FORMS, "commit_form")
+        rb = self._rollback[state]
         bufs = jr.bufs
         last_kept, p_end = jr.p0 + n, jr.p0 + jr.k + 1
-        for st in self.m.stages:
-            stream = self.m.devs[st.device].compute
-            with cp.cuda.Device(st.device), stream:
+        for S in self.stages:
+            tab = rb[S.si]
+            with cp.cuda.Device(S.dev), S.stream:
+                tab.upload_sources(jr.p0, n, S.stream)
+                if form == "device":
+                    DK.verify_rollback(tab, jr.p0, jr.k, n)
+                    continue
                 # the rolled-back positions' ring slots: the same for every layer (one window)
                 slots = cp.asarray(np.arange(last_kept + 1, p_end) % self.cfg.sliding_window)
-                for lid in st.layers:
+                for lid in S.st.layers:
                     c = state.cache(lid)
                     c.ring[slots] = c.ring_copy[slots]
-                    if c.ratio:
-                        snap = bufs.comp[lid][n]
-                        _copy(c.comp_state.kv, snap[0], stream)
-                        _copy(c.comp_state.score, snap[1], stream)
-                        c.comp[(last_kept + 1) // c.ratio:p_end // c.ratio] = 0
-                    if c.idx_state is not None:
-                        snap = bufs.idx[lid][n]
-                        _copy(c.idx_state.kv, snap[0], stream)
-                        _copy(c.idx_state.score, snap[1], stream)
-                        c.idx_keys[(last_kept + 1) // 4:p_end // 4] = 0
-            stream.synchronize()
+                    for pend, buf, rows, r in ((c.comp_state if c.ratio else None, bufs.comp.get(lid),
+                                                c.comp, c.ratio), (c.idx_state, bufs.idx.get(lid), c.idx_keys, 4)):
+                        if pend is None:
+                            continue
+                        src = tab.source_rows(pend.ratio)
+                        cp.take(buf[0], src, axis=0, out=pend.kv)
+                        cp.take(buf[1], src, axis=0, out=pend.score)
+                        rows[(last_kept + 1) // r:p_end // r] = 0
+        # sync point: the gather lists' pinned buffers are rewritten by the next commit
+        for S in self.stages:
+            S.stream.synchronize()
 
     # ------------------------------------------------------------------ setup
     def _ensure_state(self, state) -> None:
@@ -378,21 +396,27 @@ class VerifyStep:
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.step_device import xn_projection_entries
         D = self.cfg.hidden_size
-        tabs = {}
+        jr = self._journals[state] = _StateJournal(self.m, state)
+        tabs, row_tabs = {}, {}
         for S in self.stages:
             v = S.v
             idx_w = v.get("idx.w")
             with cp.cuda.Device(S.dev):
                 for L in S.layers:
                     c = state.cache(L.lid)
+                    # one table per row (the step's kernels: any weight form), pending values
+                    # into the row's staging rows
                     tabs[L.lid] = [DK.GemvTable(xn_projection_entries(
-                        L, c, v["attn.qr"][t], v["dev.kvraw"][t],
-                        None if idx_w is None else idx_w[t]), D) for t in range(ROW_MAX)]
-        if not self._row_tables:
-            self._build_row_tables(state)
-        jr = self._journals[state] = _StateJournal(self.m, state)
+                        L, c, v["attn.qr"][t], v["dev.kvraw"][t], None if idx_w is None else idx_w[t],
+                        staging=_staging(jr, c, t)), D) for t in range(ROW_MAX)]
+                    # the row form: all rows in one launch (bf16 weights only)
+                    ent = xn_projection_entries(L, c, v["attn.qr"], v["dev.kvraw"], idx_w,
+                                                staging=_staging(jr, c))
+                    row_tabs[L.lid] = None if any(isinstance(e[0], tuple) for e in ent) else {
+                        R: DK.GemvTable(ent, D, rows_per_warp=R, rows=ROW_MAX) for R in DK.XROWS_R}
         self._graphs[state] = {}
         self._tables[state] = tabs
+        self._row_tables[state] = row_tabs
         rb = {}   # per stage: the layers' RollbackTable (commit_form "device")
         for S in self.stages:
             layers = []
@@ -401,39 +425,15 @@ class VerifyStep:
                 L = dict(ring=c.ring, ring_copy=c.ring_copy)
                 if c.ratio:
                     L.update(ratio=c.ratio, comp_kv=c.comp_state.kv, comp_score=c.comp_state.score,
-                             comp_snap=jr.comp[lid], comp=c.comp)
+                             comp_jkv=jr.comp[lid][0], comp_jsc=jr.comp[lid][1], comp=c.comp)
                 if c.idx_state is not None:
-                    L.update(idx_kv=c.idx_state.kv, idx_score=c.idx_state.score, idx_snap=jr.idx[lid],
-                             idx_keys=c.idx_keys)
+                    L.update(idx_kv=c.idx_state.kv, idx_score=c.idx_state.score, idx_jkv=jr.idx[lid][0],
+                             idx_jsc=jr.idx[lid][1], idx_keys=c.idx_keys)
                 layers.append(L)
             with cp.cuda.Device(S.dev):
-                rb[S.si] = DK.RollbackTable(layers)
+                rb[S.si] = DK.RollbackTable(layers, ROW_MAX)
         self._rollback[state] = rb
         self.m.devs.order_after_current()   # the tables' uploads ran on the current stream
-
-    def _build_row_tables(self, state) -> None:
-        """The layers' row-form GemvTables (one per x-rows R: the launch for T rows uses
-        xrows_R(T)), built at the first state (its caches give each compressor's ratio and
-        width; the tables hold none of its arrays)."""
-        import cupy as cp
-        from memra_dsv4.gpu import ops_decode as DK
-        from memra_dsv4.gpu.step_device import xn_projection_entries
-        D = self.cfg.hidden_size
-        for S in self.stages:
-            v = S.v
-            idx_w = v.get("idx.w")
-            with cp.cuda.Device(S.dev):
-                for L in S.layers:
-                    c = state.cache(L.lid)
-                    staging = _staging_views(v, c)
-                    ent = xn_projection_entries(L, c, v["attn.qr"], v["dev.kvraw"].reshape(ROW_MAX, -1),
-                                                None if idx_w is None else idx_w.reshape(ROW_MAX, -1),
-                                                staging=staging)
-                    if any(isinstance(e[0], tuple) for e in ent):
-                        self._row_tables[L.lid] = None   # a stored-FP8 projection: per row
-                        continue
-                    self._row_tables[L.lid] = {R: DK.GemvTable(ent, D, rows_per_warp=R, rows=ROW_MAX)
-                                               for R in DK.XROWS_R}
 
     def _capture(self, state, T: int, taps: tuple, pdl_on: bool = False):
         import cupy as cp
@@ -482,6 +482,7 @@ class VerifyStep:
         taps = self._tap_buffers(S, self._taps)
         jr = self._journals[state]
         tabs = self._tables[state]
+        rtabs = self._row_tables[state]
         with phase(sp):
             for t in range(T):
                 DK.step_scalars(v["pos"][t], v["dev.aux"][t], S.ratios)
@@ -499,8 +500,8 @@ class VerifyStep:
                 # buffer (_block copies them there)
                 prev_tap = taps.get(S.layers[i - 1].lid) if i > 0 else None
                 with phase(f"{sp}/block"):
-                    cur, oth = self._block(S, L, i, T, cur, oth, state.cache(L.lid), tabs[L.lid], jr,
-                                           prev_tap)
+                    cur, oth = self._block(S, L, i, T, cur, oth, state.cache(L.lid),
+                                           (tabs[L.lid], rtabs[L.lid]), jr, prev_tap)
                 if L is S.layers[-1] and L.lid in taps:   # the stage's closing hc_post wrote it
                     _journal_copy([(taps[L.lid][:T], cur[:T])], S.stream)
             if st.has_head:
@@ -569,6 +570,8 @@ class VerifyStep:
         return cur, oth
 
     def _attention(self, S, L, T: int, cache, tables, jr) -> None:
+        """One layer's attention for the T rows; tables = (the per-row GemvTables, the row-form
+        tables by R or None)."""
         from memra_dsv4.gpu import ops_decode as DK
         from memra_dsv4.gpu.ops import attention as AT
         from memra_dsv4.gpu.ops import compressor as CM
@@ -582,41 +585,43 @@ class VerifyStep:
         H, hd = cfg.num_attention_heads, cfg.head_dim
         nI, dI = cfg.index_n_heads, cfg.index_head_dim
         csa = bool(L.ratio) and L.kind == "csa"
-        # the journal: the ring before any row (LayerCache.ring_copy, in the attention's buffer)
-        _journal_copy([(cache.ring_copy, cache.ring)], S.stream)
         pos_rows = v["pos"][:T].reshape(T)
-        # A. the projections of xn, the emissions (pending state in position order), the pending
-        # snapshots.  Row form: one launch for the T rows' projections (each weight read once;
-        # the pending values into staging rows), then per row its emissions, each placing the
-        # row's staging values into the pending rows first (a later row's pending slot may be
-        # one an earlier row's emission still pools).  Else per row the step's one-row table.
-        row_tabs = self._row_tables.get(L.lid) if self.row_form == "rows" else None
-        staging = _staging_views(v, cache) if row_tabs is not None else {}
+        # the journal: the ring before any row (LayerCache.ring_copy, in the attention's buffer)
+        # and the pending rows before any row (the journal buffers' first P rows)
+        pends = [(st, jbuf, sub, mode, out) for st, jbuf, sub, mode, out in (
+            (cache.comp_state if L.ratio else None, jr.comp.get(L.lid), "attn.compressor", "fp8", cache.comp),
+            (cache.idx_state if csa else None, jr.idx.get(L.lid), "attn.indexer.compressor", "hadfp4",
+             cache.idx_keys)) if st is not None]
+        pairs = [(cache.ring_copy, cache.ring)]
+        for st, jbuf, *_ in pends:
+            P = st.kv.shape[0]
+            pairs += list(zip(_StateJournal.pre(jbuf, P), (st.kv, st.score)))
+        _journal_copy(pairs, S.stream)
+        # A. the projections of xn (the pending values into the journal's staging rows), then the
+        # emissions in position order, each row's staging values placed into the pending rows
+        # first (a later row's pending slot may be one an earlier row's emission still pools).
+        # Row form: one projection launch for the T rows (per-row tables where a weight is
+        # stored FP8), one emission launch per compressor for the T rows (emit_rows); per_row:
+        # per row the step's table launch and emissions.
+        tables, row_tabs = tables
         with phase(f"{ap}/projections"):
-            if row_tabs is not None:
-                DK.gemv_bf16_multi_rows(row_tabs[DK.xrows_R(T)], v["xn"][:T], pos_rows)
-            for t in range(T):
-                pos = v["pos"][t]
-                if row_tabs is None:
-                    DK.gemv_bf16_multi(tables[t], v["xn"][t], pos)
-                snaps = []
-                if L.ratio:
-                    st = cache.comp_state
-                    inc = staging.get("attn.compressor")
-                    CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
-                            L.f32["attn.compressor.norm.weight"], eps, L.cos, L.sin, "fp8", cache.comp,
-                            incoming=None if inc is None else (inc[0][t], inc[1][t]))
-                    snaps += [(jr.comp[L.lid][t, 0], st.kv), (jr.comp[L.lid][t, 1], st.score)]
-                if csa:
-                    st = cache.idx_state
-                    inc = staging.get("attn.indexer.compressor")
-                    CM.emit(pos, st.kv, st.score, st.ratio, st.overlap,
-                            L.f32["attn.indexer.compressor.norm.weight"], eps, L.cos, L.sin,
-                            "hadfp4", cache.idx_keys,
-                            incoming=None if inc is None else (inc[0][t], inc[1][t]))
-                    snaps += [(jr.idx[L.lid][t, 0], st.kv), (jr.idx[L.lid][t, 1], st.score)]
-                if snaps:   # the row's pending snapshot: one launch (after both emissions)
-                    _journal_copy(snaps, S.stream)
+            if self.row_form == "rows":
+                if row_tabs is not None:
+                    DK.gemv_bf16_multi_rows(row_tabs[DK.xrows_R(T)], v["xn"][:T], pos_rows)
+                else:
+                    for t in range(T):
+                        DK.gemv_bf16_multi(tables[t], v["xn"][t], v["pos"][t])
+                for st, jbuf, sub, mode, out in pends:
+                    CM.emit_rows(pos_rows, st.kv, st.score, st.ratio, st.overlap,
+                                 L.f32[f"{sub}.norm.weight"], eps, L.cos, L.sin, mode, out,
+                                 incoming=_StateJournal.staging(jbuf, st.kv.shape[0]))
+            else:
+                for t in range(T):
+                    DK.gemv_bf16_multi(tables[t], v["xn"][t], v["pos"][t])
+                    for st, jbuf, sub, mode, out in pends:
+                        CM.emit(v["pos"][t], st.kv, st.score, st.ratio, st.overlap,
+                                L.f32[f"{sub}.norm.weight"], eps, L.cos, L.sin, mode, out,
+                                incoming=_StateJournal.staging(jbuf, st.kv.shape[0], t))
         # B. q_norm (one CTA per row: a row's bits do not depend on the others) and the rows' q
         # GEMVs: one weight read
         qr_rows = v["attn.qr"][:T]
@@ -728,17 +733,14 @@ class VerifyStep:
                                      ws2=L.ws2["w2"])
 
 
-def _staging_views(v, cache) -> dict:
-    """{compressor: (kv, score) [ROW_MAX, C] f32} of a layer's compressors (C its pending rows'
-    width): the first ROW_MAX * C values of the arena's flat staging slots (VerifyWs dev.pend_* /
-    dev.ipend_*; verify_ws_plan sizes them for the widest layer)."""
+def _staging(jr, cache, t: int | None = None) -> dict:
+    """{compressor: (kv, score)} staging arrays of a layer's compressors in the state's journal
+    (xn_projection_entries' ``staging``): the [ROW_MAX, C] rows, or row t's [C]."""
     out = {}
-    for st, sub, name in ((cache.comp_state if cache.ratio else None, "attn.compressor", "dev.pend"),
-                          (cache.idx_state, "attn.indexer.compressor", "dev.ipend")):
-        if st is None:
-            continue
-        C = int(st.kv.shape[1])
-        out[sub] = tuple(v[f"{name}_{h}"][:ROW_MAX * C].reshape(ROW_MAX, C) for h in ("kv", "sc"))
+    for st, sub, into in ((cache.comp_state if cache.ratio else None, "attn.compressor", jr.comp),
+                          (cache.idx_state, "attn.indexer.compressor", jr.idx)):
+        if st is not None:
+            out[sub] = _StateJournal.staging(into[cache.layer_id], st.kv.shape[0], t)
     return out
 
 

@@ -332,6 +332,47 @@ def test_compress_emit_state_machine(yarn_table, d, mode, r, ovl):
     assert paths[1][2].any(), f"no entry emitted [seed={seed}]"
 
 
+@pytest.mark.parametrize("d,mode,r,ovl", EMIT_CASES)
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_compress_emit_rows_equals_row_launches(yarn_table, d, mode, r, ovl, T):
+    """emit_rows (the device verify's T rows through a compressor in one launch) == T emit
+    launches with incoming rows, byte for byte: pending rows and the compressed cache, from
+    states reached by real tokens, at start positions whose T rows cross zero, one or two
+    emits (and past the cache's last row)."""
+    from memra_dsv4.gpu import ops_decode as DK
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    _, _, cos_g, sin_g = yarn_table
+    w = cp.asarray(bf16(rng.standard_normal(d).astype(np.float32) * 0.3 + 1.0))
+    rows, C = (2 if ovl else 1) * r, (2 if ovl else 1) * d
+    N = 6
+    starts = sorted({0, r - T if r >= T else 0, r - 1, 2 * r - 2, N * r - 1, int(rng.integers(0, 3 * r + 1))})
+    for p0 in starts:
+        kv0, sc0 = cp.zeros((rows, C), cp.float32), cp.full((rows, C), -np.inf, cp.float32)
+        for p in range(p0):   # the state p0 real tokens leave (the pending state machine)
+            a, z = _proj(rng, 1, C)
+            DK.pending_write(cp.asarray(np.array([p], np.int32)), cp.asarray(a[0]), cp.asarray(z[0]), kv0, sc0, r, ovl)
+            if (p + 1) % r == 0:
+                DK.pending_advance(cp.asarray(np.array([p], np.int32)), kv0, sc0, r, ovl)
+        cache0 = rng.integers(0, 65536, (N + 2, d)).astype(np.uint16)
+        a, z = _proj(rng, 8, C)
+        kin, zin = cp.asarray(a), cp.asarray(z)
+        pos = cp.arange(p0, p0 + T, dtype=cp.int32)
+        ref = [kv0.copy(), sc0.copy(), cp.asarray(cache0)]
+        for t in range(T):
+            K.emit(pos[t:t + 1], ref[0], ref[1], r, ovl, w, EPS, cos_g, sin_g, mode, ref[2][1:N + 1],
+                   incoming=(kin[t], zin[t]))
+        got = [kv0.copy(), sc0.copy(), cp.asarray(cache0)]
+        K.emit_rows(pos, got[0], got[1], r, ovl, w, EPS, cos_g, sin_g, mode, got[2][1:N + 1], incoming=(kin, zin))
+        ctx = f"[seed={seed}] d={d} mode={mode} r={r} ovl={ovl} p0={p0} T={T}"
+        for i, what in enumerate(("kv", "score", "cache")):
+            x, y = got[i].get(), ref[i].get()
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"emit_rows: {what} differs {ctx}"
+        emits = [p for p in range(p0, p0 + T) if (p + 1) % r == 0 and (p + 1) // r - 1 < N]
+        if emits:   # non-vacuity: the rows emitted
+            assert not cp.array_equal(got[2], cp.asarray(cache0)), ctx
+
+
 def test_compress_emit_refusals(yarn_table):
     _, _, cos_g, sin_g = yarn_table
     pos, w = cp.zeros(1, cp.int32), cp.ones(512, cp.float32)

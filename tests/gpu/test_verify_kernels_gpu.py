@@ -10,7 +10,8 @@
 * Refusals: nx = 0 or 9, a K that is not a multiple of 8, a wrong out shape.
 * The table form (gemv_bf16_multi_x*, ops_decode.gemv_bf16_multi_rows): row j == the one-row
   GemvTable's launch for X[j] at pos[j], byte for byte (staging rows of the ring entries == the
-  pending row that launch writes); its refusals.
+  pending row that launch writes, and == the staging row of a one-row table in the staging form,
+  ring offset -1); its refusals.
 """
 from __future__ import annotations
 
@@ -111,10 +112,20 @@ def test_multi_rows_equal_one_row_tables(K, nx):
     X = cp.asarray(_bf16(rng, (nx, K + 8)))[:, :K]            # row-strided view
     p0 = int(rng.integers(0, 5000))
     pos = cp.arange(p0, p0 + nx, dtype=cp.int32)
+    # the one-row table in the staging form (ring offset -1: the device verify's per-row tables)
+    stg_e = [e if len(e) == 2 else (e[0], cp.full(e[1].shape[1], -1234.5, cp.float32), e[2], -1, e[4])
+             for e in one_e]
+    stg = DK.GemvTable(stg_e, K)
     before = [e[1].copy() for e in rows_e]
     DK.gemv_bf16_multi_rows(tab, X, pos)
     for j in range(nx):
-        DK.gemv_bf16_multi(one, cp.ascontiguousarray(X[j]), pos[j:j + 1])
+        xj = cp.ascontiguousarray(X[j])
+        DK.gemv_bf16_multi(stg, xj, pos[j:j + 1])
+        for i, (es, er) in enumerate(zip(stg_e, rows_e)):
+            if len(es) > 2:
+                assert np.array_equal(es[1].get().view(np.uint8), er[1][j].get().view(np.uint8)), (
+                    f"segment {i}, row {j}: the staging-form one-row table differs from the row form")
+        DK.gemv_bf16_multi(one, xj, pos[j:j + 1])
         for i, (eo, er) in enumerate(zip(one_e, rows_e)):
             got = er[1][j].get()
             if len(eo) == 2:

@@ -34,6 +34,7 @@ KERNELS = ("compress_add_ape", "compress_pool_overlap", "compress_pool_plain",
            "norm_rope_fp8_d512_f32in", "norm_rope_fp8_d512_bf16in", "norm_rope_fp8_d128_f32in",
            "norm_rope_fp8_d128_bf16in", "norm_rope_hadfp4_d128_f32in", "norm_rope_hadfp4_d128_bf16in",
            "compress_emit_fp8_d512", "compress_emit_fp8_d128", "compress_emit_hadfp4_d128",
+           "compress_emit_rows_fp8_d512", "compress_emit_rows_fp8_d128", "compress_emit_rows_hadfp4_d128",
            "chain_sq", "chain_rms_rope")
 kernel_loader.register(STEM, KERNELS)
 
@@ -211,6 +212,47 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
     kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, kv_in, score_in,
                                           weight, np.float64(eps), cos, sin, i32(R), out,
                                           i32(row_stride(out)), i32(out.shape[0])))
+    return out
+
+
+_EMIT_ROWS = {key: name.replace("compress_emit_", "compress_emit_rows_") for key, name in _EMIT.items()}
+
+
+def emit_rows(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin, mode: str, out,
+              incoming):
+    """The device verify's T rows through one compressor in one launch (compress_emit_rows_*):
+    for t = 0..T-1, in position order, exactly emit(pos[t], ..., incoming=(kv_in[t],
+    score_in[t])): the row's values into pending row pos[t] % ratio (+ ratio overlapping), then
+    the emission when pos[t] closes a block.  pos int32 [T] (ascending positions); incoming =
+    (kv_in, score_in) f32 [T', C] (T' >= T rows, contiguous; row t used); the rest as emit."""
+    check(pos, "compress.emit_rows.pos", np.int32)
+    assert pos.ndim == 1 and 1 <= pos.shape[0], f"compress.emit_rows.pos: expected [T >= 1], got {pos.shape}"
+    T = int(pos.shape[0])
+    check(kv, "compress.emit_rows.kv", np.float32)
+    check(score, "compress.emit_rows.score", np.float32, kv.shape)
+    assert kv.ndim == 2, f"compress.emit_rows.kv: expected [rows, C], got {kv.shape}"
+    r, C = int(ratio), kv.shape[1]
+    assert kv.shape[0] == (2 if overlap else 1) * r, (
+        f"compress.emit_rows: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * r} "
+        f"(ratio {r}, overlap {overlap})")
+    assert not overlap or r == 4, f"compress.emit_rows: overlap pooling is ratio 4, got {r}"
+    d = C // 2 if overlap else C
+    key = (d, mode)
+    assert key in _EMIT_ROWS, f"compress.emit_rows: d = {d}, mode {mode!r} unsupported (have {sorted(_EMIT_ROWS)})"
+    check(weight, "compress.emit_rows.weight", np.float32, (d,))
+    check(cos, "compress.emit_rows.cos", np.float32)
+    check(sin, "compress.emit_rows.sin", np.float32, cos.shape)
+    R = 2 * cos.shape[1]
+    assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"compress.emit_rows: rope dims {R} unsupported"
+    check(out, "compress.emit_rows.out", np.uint16, (None, d), rows_strided=True)
+    assert isinstance(incoming, tuple) and len(incoming) == 2, "compress.emit_rows.incoming: expected (kv_in, score_in)"
+    kv_in, score_in = incoming
+    check(kv_in, "compress.emit_rows.incoming.kv", np.float32, (None, C))
+    check(score_in, "compress.emit_rows.incoming.score", np.float32, kv_in.shape)
+    assert kv_in.shape[0] >= T, f"compress.emit_rows.incoming: {kv_in.shape[0]} rows < {T} positions"
+    kernel(STEM, _EMIT_ROWS[key])((1,), (d,), (pos, i32(T), i32(r), i32(int(overlap)), kv, score, kv_in,
+                                               score_in, i32(C), weight, np.float64(eps), cos, sin, i32(R),
+                                               out, i32(row_stride(out)), i32(out.shape[0])))
     return out
 
 
