@@ -23,11 +23,16 @@ Order inside a layer (why: the caches are position-addressed, rows run in positi
 a cache is read or written):
   the T rows' attention boundaries: one multi-row hc_boundary launch (grid.y = T, each row the
      one-token launch's bytes; row_form "per_row": the step's launch per row);
-  A. per row: the projections of xn (gemv_bf16_multi over the row's GemvTable: qr, the kv row,
-     the compressor / indexer-compressor pending rows at (pos + t) % r, the indexer weights),
-     both compressor emissions (gated on the device by pos + t), then a snapshot of the pending
-     rows (the journal: commit(n) restores snapshot n).  Emitted compressed rows / indexer keys
-     of later rows are invisible to an earlier row: its counts come from its own position.
+  A. the pending rows and the ring copied into the journal (copy_words: four arrays a launch),
+     the projections
+     of xn for the T rows in one launch (gemv_bf16_multi_rows over the layer's row-form
+     GemvTable: qr, the kv row, the indexer weights, and the compressor / indexer-compressor
+     pending values into the journal's staging rows; per-row tables where a weight is stored
+     FP8), then each compressor's emissions for the T rows in one launch (emit_rows: per row,
+     in position order, its staging values into pending row (pos + t) % r, then the emission
+     when pos + t closes a block; a later row's pending slot may be one an earlier row's
+     emission still pools, hence the staging).  Emitted compressed rows / indexer keys of later
+     rows are invisible to an earlier row: its counts come from its own position.
   B. q_norm of the T rows (one launch, a CTA per row), wq_b (and the CSA indexer's q GEMV) for
      the T rows: one weight read.
   C. q head norm + RoPE of the T rows (one launch, each row at its position); the T kv rows into
@@ -47,13 +52,16 @@ Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: t
 one-row launches (the same bits, T weight reads).
 
 Journal (per state, made at its first device verify, on the stages' devices): each layer's ring
-as it was before the verify (LayerCache.ring_copy, a captured copy) and the pending rows after
-each row (captured copies).  ``commit(n)``: ring slots of the rolled-back positions back from
-the copy (k + 1 <= W, so no kept position shares one), the pending rows from snapshot n, the
-compressed rows / indexer keys emitted by rolled-back positions zeroed; pos = p0 + n + 1.
-commit_form "host": a few CuPy operations per layer on the stage's compute stream; "device": one
-verify_rollback launch per stage over the state's RollbackTable (the same bytes; its GPU test
-compares the caches).
+as it was before the verify (LayerCache.ring_copy, a captured copy) and, per compressor, a
+buffer pair [the pending rows before the verify | the staging rows (row t: the values row t
+fed in) | a fresh row (0, -inf)].  ``commit(n)``: ring slots of the rolled-back positions back
+from the copy (k + 1 <= W, so no kept position shares one), the pending rows gathered from the
+journal buffers by gpu.hostmath.pending_sources (the oracle's pending state machine,
+host.pending.advance_pending, replaying rows 0..n on row indices: restore + replay, byte for
+byte), the compressed rows / indexer keys emitted by rolled-back positions zeroed; pos = p0 +
+n + 1.  commit_form "host": a few CuPy operations per layer on the stage's compute stream
+(cp.take for the gathers); "device": one verify_rollback launch per stage over the state's
+RollbackTable (the same bytes; its GPU test compares the caches).
 
 Launches only after every check; the graphs bake the arena, the state's caches and journal, and
 the GemvTables (per state and row), all made before the first capture.  PDL follows the model's
