@@ -24,8 +24,7 @@ a cache is read or written):
   the T rows' attention boundaries: one multi-row hc_boundary launch (grid.y = T, each row the
      one-token launch's bytes; row_form "per_row": the step's launch per row);
   A. the pending rows and the ring copied into the journal (copy_words: four arrays a launch),
-     the projections
-     of xn for the T rows in one launch (gemv_bf16_multi_rows over the layer's row-form
+     the projections of xn for the T rows in one launch (gemv_bf16_multi_rows over the layer's row-form
      GemvTable: qr, the kv row, the indexer weights, and the compressor / indexer-compressor
      pending values into the journal's staging rows; per-row tables where a weight is stored
      FP8), then each compressor's emissions for the T rows in one launch (emit_rows: per row,
