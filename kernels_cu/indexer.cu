@@ -856,9 +856,9 @@ indexer_scores_tiles_d128(const u16* __restrict__ q, const u16* __restrict__ w, 
     if_body<false>(q, w, keys, ld_k, n_valid, scores_out, H, N, w_scale, k, sel_out, width, offset, hist_hi);
 }
 
-extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
-indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
-                    int* __restrict__ sel_out, int width, int offset, int* __restrict__ hist_hi) { PDL_ENTRY();
+namespace {
+DEV void select_body(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
+                     int* __restrict__ sel_out, int width, int offset, int* __restrict__ hist_hi) {
     __shared__ SelShared sh;
     const int tid = threadIdx.x;
     const int n = max(min(__ldg(n_valid), N), 0), ksel = min(k, n);
@@ -874,4 +874,48 @@ indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_va
     else if (S <= 8) sel_regs<8>(scores, n, ksel, S, sel_out, width, offset, sh);
     else if (S <= IX_SEL_REG_STEPS) sel_regs<IX_SEL_REG_STEPS>(scores, n, ksel, S, sel_out, width, offset, sh);
     else sel_l2(scores, n, ksel, S, sel_out, width, offset, sh);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
+indexer_select_d128(const u16* __restrict__ scores, const int* __restrict__ n_valid, int N, int k,
+                    int* __restrict__ sel_out, int width, int offset, int* __restrict__ hist_hi) { PDL_ENTRY();
+    select_body(scores, n_valid, N, k, sel_out, width, offset, hist_hi);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The row forms (the device verify's T rows in one launch each, grid.y = T): row y = blockIdx.y
+// runs the one-row kernel's body on its own operands, q + y ld_q, w + y ld_w, n_valid + y ld_nv,
+// scores_out + y ld_s, sel_out + y ld_sel, and its own workspace (fused: counter + y; split:
+// hist_hi + 256 y), over the same keys.  A row's CTAs never touch another row's operands or
+// workspace, and a row's arithmetic is the one-row launch's (the grid's x extent and the tile
+// walk per CTA as there), so each row's scores and selection are that launch's bytes.
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_fused_rows_d128(const u16* __restrict__ q, int ld_q, const u16* __restrict__ w, int ld_w,
+                        const u16* __restrict__ keys, int ld_k, const int* __restrict__ n_valid, int ld_nv,
+                        u16* __restrict__ scores_out, int ld_s, int H, int N, float w_scale, int k,
+                        int* __restrict__ sel_out, int ld_sel, int width, int offset,
+                        int* __restrict__ counter) { PDL_ENTRY();
+    const i64 y = blockIdx.y;
+    if_body<true>(q + y * ld_q, w + y * ld_w, keys, ld_k, n_valid + y * ld_nv, scores_out + y * ld_s, H, N,
+                  w_scale, k, sel_out + y * ld_sel, width, offset, counter + y);
+}
+
+extern "C" __global__ void __launch_bounds__(IF_THREADS)
+indexer_scores_tiles_rows_d128(const u16* __restrict__ q, int ld_q, const u16* __restrict__ w, int ld_w,
+                               const u16* __restrict__ keys, int ld_k, const int* __restrict__ n_valid,
+                               int ld_nv, u16* __restrict__ scores_out, int ld_s, int H, int N,
+                               float w_scale, int* __restrict__ hist_hi) { PDL_ENTRY();
+    const i64 y = blockIdx.y;
+    if_body<false>(q + y * ld_q, w + y * ld_w, keys, ld_k, n_valid + y * ld_nv, scores_out + y * ld_s, H, N,
+                   w_scale, 0, nullptr, 0, 0, hist_hi + 256 * y);
+}
+
+extern "C" __global__ void __launch_bounds__(IX_SEL_THREADS)
+indexer_select_rows_d128(const u16* __restrict__ scores, int ld_s, const int* __restrict__ n_valid, int ld_nv,
+                         int N, int k, int* __restrict__ sel_out, int ld_sel, int width, int offset,
+                         int* __restrict__ hist_hi) { PDL_ENTRY();
+    const i64 y = blockIdx.y;
+    select_body(scores + y * ld_s, n_valid + y * ld_nv, N, k, sel_out + y * ld_sel, width, offset,
+                hist_hi + 256 * y);
 }

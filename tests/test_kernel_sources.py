@@ -478,6 +478,9 @@ def test_wrappers_marshal_kernel_signatures(monkeypatch):
                              w_scale=0.011, counter=i32(1), form="fused")
     M["indexer"].scores_topk(u16(1, 64, 128), u16(1, 64), u16(300, 128), i32(1), 8, u16(1, 300), i32(1, 8),
                              w_scale=0.011, form="split", hist=i32(256))
+    for form in ("fused", "split"):   # the device verify's row form
+        M["indexer"].scores_topk_rows(u16(3, 64, 128), u16(3, 64), u16(304, 128), i32(3, 4), 8, u16(3, 304),
+                                      i32(3, 8), w_scale=0.011, form=form, workspaces=(i32(8), i32(2048)))
     for H, D in ((64, 512), (8, 512), (4, 512), (4, 128), (8, 128), (16, 128)):
         for n_split in (1, 3):
             M["attention"].sparse_attention(u16(2, H, D), u16(10, D), i32(2, 70), f32(H), 0.1,

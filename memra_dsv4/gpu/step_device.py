@@ -227,6 +227,7 @@ class DeviceStep:
         HC.coop_slots()  # hc_boundary_pre_coop's tagged slots (MEMRA_DSV4_HC_PRE_HANDOFF=coop)
         RT.workspace()  # router_fused_* / indexer_fused_d128 / sparse_attn_decode_* ticket
         IX.workspace()  # counters (graphs bake their addresses)
+        IX.rows_workspace()  # the device verify's row form: per-row counters and histograms
         IX.hist_workspace()  # the split indexer's histogram (the same rule)
         ops_decode.qnorm_counter()  # gemv_bf16_multi_*_qn's ticket counter (MEMRA_DSV4_MULTI_QNORM)
         AT.decode_counters()

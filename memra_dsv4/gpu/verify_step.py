@@ -36,7 +36,8 @@ a cache is read or written):
      the T rows: one weight read.
   C. q head norm + RoPE of the T rows (one launch, each row at its position); the T kv rows into
      ring slots (pos + t) % W (one launch); the indexer's q RoPE / Hadamard / FP4 (one launch),
-     per row its scores over the keys its own position may see and top-k; the rows' candidates
+     the rows' scores over the keys each row's position may see and their top-k (one launch per
+     kernel, grid.y = T: scores_topk_rows; per row under "per_row"); the rows' candidates
      and sparse attention (one launch each).  Every row's kv row is in the ring before any row
      attends, so a slot a later row replaced (position pos + j - W, j > t, still in row t's
      window) is read from the cache's ring_copy (the pre-verify ring, copied first in the
@@ -83,8 +84,9 @@ __all__ = ["VerifyStep", "DeviceJournal", "verify_ws_plan", "row_limit", "ROW_MA
            "COMMIT_FORMS", "checked_form"]
 
 ROW_MAX = 8   # ops_decode.XROWS_MAX: the multi-row GEMV's rows
-# one row's size, shared by the rows (they run in turn on one stream)
-_SHARED_SLOTS = ("dev.idx_scores",)
+# one row's size, shared by the rows (they run in turn on one stream): none now (the indexer's
+# scores have a rows axis: one scores_topk_rows launch for the rows)
+_SHARED_SLOTS = ()
 # step buffers the verify does not use (greedy history, the WQB_QNORM copy, the host islands)
 _DROPPED_SLOTS = ("head.tok_hist", "boundary.in", "cmp.pooled", "dev.idx_pooled", "attn.qrn",
                   "dev.head_pre")
@@ -99,9 +101,8 @@ def row_limit(cfg) -> int:
 def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: int,
                    stage_index: int = 0, rows: int = ROW_MAX):
     """VerifyWs of one stage: the step's StepWs slots (gpu.step.step_ws_plan) with a leading
-    ``rows`` axis (row t of every activation at [t]), the split-attention and indexer-score
-    workspaces once (the rows use them in turn), and none of the step's greedy / host-island
-    extras.  moe.h is [rows, k, I]: the routed gate/up's T x k slots in row order."""
+    ``rows`` axis (row t of every activation at [t]; the indexer's score rows too: one
+    scores_topk_rows launch), and none of the step's greedy / host-island extras.  moe.h is [rows, k, I]: the routed gate/up's T x k slots in row order."""
     from memra_dsv4.gpu.arena import ArenaPlan
     from memra_dsv4.gpu.step import step_ws_plan
     rows = int(rows)
@@ -666,11 +667,19 @@ class VerifyStep:
                 qis = v["idx.q"][:T].reshape(T, nI, dI)
                 QS.rope_hadamard128_fp4(qis, pos_rows, L.cos, L.sin, out=qis)
                 N = cache.idx_keys.shape[0]
-                for t in range(T):
-                    qi = v["idx.q"][t].reshape(1, nI, dI)
-                    IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
-                                   cfg.index_topk, v["dev.idx_scores"][:N].reshape(1, N),
-                                   v["idx.sel"][t].reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
+                scores = v["dev.idx_scores"].reshape(ROW_MAX, -1)
+                if self.row_form == "rows" and (T == 1 or N % 8 == 0):
+                    # the T rows' scores and top-k in one launch per kernel (grid.y = T; each
+                    # row the one-row launch's bytes, its own counter / histogram)
+                    IX.scores_topk_rows(qis, v["idx.w"][:T].reshape(T, nI), cache.idx_keys, v["dev.aux"][:T],
+                                        cfg.index_topk, _rows_view(scores, T, N), v["idx.sel"][:T].reshape(T, -1),
+                                        w_scale=dI ** -0.5 * nI ** -0.5)
+                else:
+                    for t in range(T):
+                        qi = v["idx.q"][t].reshape(1, nI, dI)
+                        IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
+                                       cfg.index_topk, scores[t, :N].reshape(1, N),
+                                       v["idx.sel"][t].reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
                 sel = v["idx.sel"][:T]
             # the rows' candidates [T, K] (contiguous: the kernel steps a row by K) and their
             # attention, one launch each (a row's bits do not depend on the others)
@@ -749,6 +758,12 @@ def _staging(jr, cache, t: int | None = None) -> dict:
         if st is not None:
             out[sub] = _StateJournal.staging(into[cache.layer_id], st.kv.shape[0], t)
     return out
+
+
+def _rows_view(buf, T: int, N: int):
+    """A contiguous [T, N] view of the first T * N values of a [rows, Nmax] slot (the rows of a
+    layer whose key count N is below the slot's width, packed at stride N)."""
+    return buf.reshape(-1)[:T * N].reshape(T, N)
 
 
 def _rows_gemv(w, scale, X, out, groups: int = 1) -> None:

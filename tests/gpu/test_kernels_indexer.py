@@ -351,3 +351,52 @@ def test_scores_topk_split_graph_replay_env(monkeypatch):
         return want_sc, want_sel
 
     _graph_replays_match(qg, wg, kg, k, (100, 512, 513, 8192, 3000, 7, 0, 2222), fused, "split", seed)
+
+# ------------------------------------- the row form (the device verify's T rows in one launch each)
+@pytest.mark.parametrize("N", [256, 1024, 4104])
+@pytest.mark.parametrize("form", ["fused", "split"])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_scores_topk_rows_equal_row_launches(N, form, T):
+    """scores_topk_rows (grid.y = T) == scores_topk per row, byte for byte: each row's score row
+    and selection, rows with their own q, w and n_valid (across the n <= k short-circuit and the
+    selection), read from a [T, m] step-scalar array's column 0; the per-row workspaces are zero
+    after the call."""
+    seed = fresh_seed()
+    rng = rng_for(seed)
+    H, k = 64, 512
+    _, _, kg = _fused_inputs(rng, H, N, "rand")
+    qs, ws = zip(*[_fused_inputs(rng, H, 8, "dup")[:2] for _ in range(T)])
+    q, w = cp.concatenate(qs), cp.concatenate(ws)
+    width = min(k, N) + 3
+    offset = int(rng.integers(0, 1000))
+    w_scale = 128 ** -0.5 * H ** -0.5
+    nvs = np.array([min(N, v) for v in rng.choice([1, k - 1, k, k + 1, 3000, N], T)], np.int32)
+    aux = cp.asarray(np.stack([nvs, np.full(T, 77, np.int32), np.zeros(T, np.int32)], axis=1))
+    sc = cp.full((T, N), 0x1234, np.uint16)
+    sel = cp.full((T, width), -7, np.int32)
+    K.scores_topk_rows(q, w, kg, aux, k, sc, sel, offset=offset, w_scale=w_scale, form=form)
+    for t in range(T):
+        sc1 = cp.full((1, N), 0x1234, np.uint16)
+        sel1 = cp.full((1, width), -7, np.int32)
+        K.scores_topk(q[t:t + 1], w[t:t + 1], kg, aux[t, 0:1], k, sc1, sel1, offset=offset, w_scale=w_scale,
+                      form=form)
+        ctx = describe(seed, N=N, form=form, T=T, t=t, nv=int(nvs[t]))
+        assert np.array_equal(sc[t].get(), sc1[0].get()), f"indexer rows: scores of row {t} differ {ctx}"
+        assert np.array_equal(sel[t].get(), sel1[0].get()), f"indexer rows: selection of row {t} differs {ctx}"
+    counters, hists = K.rows_workspace()
+    assert int(cp.count_nonzero(counters)) == 0 and int(cp.count_nonzero(hists)) == 0, (
+        f"indexer rows: workspaces not zero after the call {describe(seed, N=N, form=form, T=T)}")
+
+
+def test_scores_topk_rows_refusals():
+    q, w = cp.zeros((2, 64, 128), cp.uint16), cp.zeros((2, 64), cp.uint16)
+    keys, aux = cp.zeros((256, 128), cp.uint16), cp.zeros((2, 3), cp.int32)
+    sc, sel = cp.zeros((2, 256), cp.uint16), cp.zeros((2, 256), cp.int32)
+    with pytest.raises(AssertionError, match="T <= 8"):
+        K.scores_topk_rows(cp.zeros((9, 64, 128), cp.uint16), w, keys, aux, 8, sc, sel)
+    with pytest.raises(AssertionError, match="n_valid"):
+        K.scores_topk_rows(q, w, keys, cp.zeros(2, cp.int32), 8, sc, sel)
+    with pytest.raises(AssertionError, match="scores_out"):
+        K.scores_topk_rows(q, w, keys, aux, 8, cp.zeros((2, 255), cp.uint16), sel)
+    with pytest.raises(AssertionError, match="rows must be 16-byte aligned"):
+        K.scores_topk_rows(q, w, keys[:250], aux, 8, cp.zeros((2, 250), cp.uint16), sel)

@@ -35,7 +35,8 @@ from memra_dsv4.gpu.ops._common import (check, dynamic_smem, i32, kernel, out_ar
 
 STEM = "indexer"
 KERNELS = ("indexer_scores_d128", "indexer_scores_mma_d128", "indexer_topk", "indexer_fused_d128",
-           "indexer_scores_tiles_d128", "indexer_select_d128")
+           "indexer_scores_tiles_d128", "indexer_select_d128", "indexer_fused_rows_d128",
+           "indexer_scores_tiles_rows_d128", "indexer_select_rows_d128")
 kernel_loader.register(STEM, KERNELS)
 
 TOPK_MAX = 1024
@@ -49,7 +50,10 @@ SPLIT_SCORE_CTAS_PER_SM = 2               # indexer_scores_tiles_d128's grid cap
 SELECT_FORMS = ("fused", "split", "auto")
 SELECT_FORM = "auto"                      # scores_topk's default form (the env overrides it)
 SELECT_ENV = "MEMRA_DSV4_INDEXER_SELECT"
+ROWS_MAX = 8                  # scores_topk_rows' rows (the device verify's: ops_decode.XROWS_MAX)
 _WS: dict[int, object] = {}  # device -> int32 [1] ticket counter of indexer_fused_d128 (kept 0)
+_ROWS_WS: dict[int, object] = {}    # device -> int32 [ROWS_MAX] the row form's counters (kept 0)
+_ROWS_HIST: dict[int, object] = {}  # device -> int32 [ROWS_MAX * 256] its histograms (kept 0)
 _HIST: dict[int, object] = {}  # device -> int32 [256] high-byte histogram of the split form (kept 0)
 
 
@@ -65,6 +69,14 @@ def hist_workspace():
     zeroes it; made before the first capture by DeviceStep._prewarm).  One per device: two split
     calls on one device must not overlap (the decode step runs one CSA layer's indexer at a time)."""
     return ticket_counter(_HIST, "indexer.hist_workspace", 256)
+
+
+def rows_workspace():
+    """The row form's per-row ticket counters (int32 [ROWS_MAX], zero between launches) and
+    per-row high-byte histograms (int32 [ROWS_MAX * 256], zero between calls), the current
+    device's; made before the first capture by DeviceStep._prewarm."""
+    return (ticket_counter(_ROWS_WS, "indexer.rows_workspace", ROWS_MAX),
+            ticket_counter(_ROWS_HIST, "indexer.rows_hist_workspace", ROWS_MAX * 256))
 
 
 def select_form() -> str:
@@ -199,5 +211,64 @@ def scores_topk(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int
     kern(grid, (128,),
          (q, w, keys, i32(row_stride(keys)), n_valid, scores_out, i32(H), i32(N), np.float32(w_scale), i32(k),
           sel_out, i32(width), i32(offset), counter),
+         shared_mem=dynamic_smem(kern, FUSED_SMEM))
+    return sel_out
+
+
+def scores_topk_rows(q, w, keys, n_valid, k: int, scores_out, sel_out, *, offset: int = 0,
+                     w_scale: float = 1.0, form: str | None = None, workspaces=None):
+    """scores_topk for T <= ROWS_MAX rows over the same keys in one launch per kernel (the device
+    verify's rows; grid.y = T): row t's scores_out[t] and sel_out[t] are the bytes scores_topk
+    makes for (q[t:t+1], w[t:t+1], n_valid[t, 0]) alone, in the same form (``form`` resolved as
+    there, from N and k: the same for every row).  q [T, H, 128] bf16, w [T, H] bf16, n_valid
+    int32 [T, m] (column 0 read: the rows' step scalars), scores_out [T, N] bf16, sel_out [T,
+    width] int32, all C-contiguous.  workspaces: (counters int32 [>= T], hists int32 [>= 256 T]),
+    zero (default rows_workspace()).  Returns sel_out."""
+    check(q, "indexer.scores_topk_rows.q", np.uint16)
+    assert q.ndim == 3 and 1 <= q.shape[0] <= ROWS_MAX and q.shape[2] == 128, (
+        f"indexer.scores_topk_rows.q: expected [T <= {ROWS_MAX}, H, 128], got {q.shape}")
+    T, H = q.shape[0], q.shape[1]
+    assert H % 4 == 0 and H <= 64, f"indexer.scores_topk_rows: H = {H} (need H % 4 == 0, H <= 64)"
+    check(w, "indexer.scores_topk_rows.w", np.uint16, (T, H))
+    check(keys, "indexer.scores_topk_rows.keys", np.uint16, rows_strided=True)
+    N = keys.shape[0]
+    assert keys.shape[1] == 128 and N > 0, f"indexer.scores_topk_rows.keys: expected [N > 0, 128], got {keys.shape}"
+    assert row_stride(keys) % 8 == 0 and keys.data.ptr % 16 == 0, "indexer.scores_topk_rows.keys: 16-byte aligned rows"
+    assert q.data.ptr % 16 == 0, "indexer.scores_topk_rows.q: 16-byte alignment"
+    check(n_valid, "indexer.scores_topk_rows.n_valid", np.int32, (T, None))
+    check(scores_out, "indexer.scores_topk_rows.scores_out", np.uint16, (T, N))
+    assert scores_out.data.ptr % 16 == 0 and (T == 1 or N % 8 == 0), (
+        f"indexer.scores_topk_rows.scores_out: rows must be 16-byte aligned (read back as uint4): "
+        f"address {scores_out.data.ptr:#x}, N = {N}")
+    assert 0 < k <= TOPK_MAX, f"indexer.scores_topk_rows: k = {k} outside 1..{TOPK_MAX}"
+    check(sel_out, "indexer.scores_topk_rows.sel_out", np.int32, (T, None))
+    width = sel_out.shape[1]
+    assert width >= min(k, N), f"indexer.scores_topk_rows: width {width} < min(k, N) = {min(k, N)}"
+    form = select_form() if form is None else form
+    assert form in SELECT_FORMS, f"indexer.scores_topk_rows: form {form!r} not in {SELECT_FORMS}"
+    form = resolve_form(form, N, k)
+    counters, hists = rows_workspace() if workspaces is None else workspaces
+    check(counters, "indexer.scores_topk_rows.counters", np.int32)
+    check(hists, "indexer.scores_topk_rows.hists", np.int32)
+    assert counters.size >= T and hists.size >= 256 * T, (
+        f"indexer.scores_topk_rows: workspaces {counters.size} / {hists.size} for {T} rows")
+    ld_q, ld_nv = H * 128, n_valid.shape[1]
+    if form == "split":   # scores_topk's split form per row: the same grid x extent, grid.y = T
+        kern = kernel(STEM, "indexer_scores_tiles_rows_d128")
+        split_tiles = -(-N // SPLIT_KEYS_PER_TILE)
+        kern((max(1, min(split_tiles, SPLIT_SCORE_CTAS_PER_SM * sm_count())), T), (128,),
+             (q, i32(ld_q), w, i32(H), keys, i32(row_stride(keys)), n_valid, i32(ld_nv), scores_out, i32(N),
+              i32(H), i32(N), np.float32(w_scale), hists),
+             shared_mem=dynamic_smem(kern, SPLIT_SMEM))
+        kernel(STEM, "indexer_select_rows_d128")(
+            (1, T), (SELECT_THREADS,),
+            (scores_out, i32(N), n_valid, i32(ld_nv), i32(N), i32(k), sel_out, i32(width), i32(width),
+             i32(offset), hists))
+        return sel_out
+    kern = kernel(STEM, "indexer_fused_rows_d128")
+    tiles = -(-N // FUSED_KEYS_PER_TILE)
+    kern((max(1, min(tiles, 2 * sm_count())), T), (128,),
+         (q, i32(ld_q), w, i32(H), keys, i32(row_stride(keys)), n_valid, i32(ld_nv), scores_out, i32(N),
+          i32(H), i32(N), np.float32(w_scale), i32(k), sel_out, i32(width), i32(width), i32(offset), counters),
          shared_mem=dynamic_smem(kern, FUSED_SMEM))
     return sel_out
