@@ -464,6 +464,40 @@ GEMV_XROWS_KERNEL(gemv_bf16_x2_r4, 2, 4)
 GEMV_XROWS_KERNEL(gemv_bf16_x4_r2, 4, 2)
 GEMV_XROWS_KERNEL(gemv_bf16_x8_r1, 8, 1)
 
+// gemv_bf16_swiglu_x{NX}_p{P}: the shared expert's first half for the nx <= NX rows of a verify
+// in one launch, each weight chunk of W1 and W3 loaded once for the rows: H[j, o] =
+// swiglu(bf16(W1[o] . X[j]), bf16(W3[o] . X[j])) (clamped at limit, unweighted), the bits of
+// gemv_bf16_swiglu for X[j] alone (its dots are warp_rows_dot's bf16 order, which xrows_dot
+// keeps; the same bf16 roundings and swiglu_value).  A warp takes P outputs: the P rows of W1
+// and the P of W3 in one xrows_dot (2P rows).  X: nx rows of K, row stride ldx; H: nx rows of O
+// bf16, row stride ldh.
+template <int NX, int P>
+DEV void gemv_swiglu_xrows(const u16* __restrict__ W1, const u16* __restrict__ W3, const u16* __restrict__ X,
+                           int ldx, int nx, u16* __restrict__ H, int ldh, int O, int K, double limit) {
+    const int lane = threadIdx.x & 31;
+    const int o0 = gemv_warp_id() * P;
+    if (o0 >= O) return;
+    const u16* wr[2 * P];
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+        wr[j] = W1 + (i64)min(o0 + j, O - 1) * K;
+        wr[P + j] = W3 + (i64)min(o0 + j, O - 1) * K;
+    }
+    float acc[NX][2 * P][GEMV_UNROLL];
+    xrows_dot<NX, 2 * P>(wr, X, ldx, (i64)0, nx, K >> 3, lane, acc);
+#pragma unroll
+    for (int j = 0; j < NX; ++j) {
+        if (j >= nx) break;  // warp-uniform
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            const float g = round_bf16(partials_total(acc[j][p]));
+            const float u = round_bf16(partials_total(acc[j][P + p]));
+            if (lane == 0 && o0 + p < O)
+                H[(i64)j * ldh + o0 + p] = (u16)f32_to_bf16(swiglu_value(g, u, 1.0f, false, limit));
+        }
+    }
+}
+
 // ---------------------------------------------- persistent register-ring bf16 GEMV (variant)
 // gemv_bf16_ps_r{R}d{D}: the same rows, the same bits (THE ORDER: trip t of a row group feeds
 // chunks lane + 128 t + 32 u into partial u, t ascending, then the partials in index order and
@@ -1115,6 +1149,19 @@ GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2, 2, 2, 1, 3)
 // Variants (same bits; bf16 rows TB trips at once): 2048 outputs at P = 2 are ~8 warps per SM.
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p1t2, 1, 2, 2, GEMV_MINB)   // 2 rows x 2 trips, 16 warps / SM
 GEMV_SWIGLU_KERNEL(gemv_bf16_swiglu_p2t2, 2, 2, 2, 2)           // 4 rows x 2 trips: 254 registers
+
+// the x-rows SwiGLU (gemv_swiglu_xrows above; the device verify's shared expert): P outputs per
+// warp for nx <= NX rows
+#define GEMV_SWIGLU_XROWS_KERNEL(NAME, NX, P)                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MINB)                          \
+    NAME(const u16* __restrict__ W1, const u16* __restrict__ W3, const u16* __restrict__ X, int ldx, \
+         int nx, u16* __restrict__ H, int ldh, int O, int K, double limit) {                       \
+        PDL_ENTRY_PREFETCH(gemv_swiglu_prefetch<P>(W1, W3, false, O, K));                          \
+        gemv_swiglu_xrows<NX, P>(W1, W3, X, ldx, nx, H, ldh, O, K, limit);                         \
+    }
+GEMV_SWIGLU_XROWS_KERNEL(gemv_bf16_swiglu_x2_p2, 2, 2)
+GEMV_SWIGLU_XROWS_KERNEL(gemv_bf16_swiglu_x4_p1, 4, 1)
+GEMV_SWIGLU_XROWS_KERNEL(gemv_bf16_swiglu_x8_p1, 8, 1)
 
 // ------------------------------------------------ dense GEMV variants: TMA bulk-copy streaming
 // gemv_{bf16,fp8}_bulk_r{R}s{S}, gemv_bf16_multi_bulk_r{R}s{S}, gemv_bf16_swiglu_bulk_p{P}s{S}:

@@ -105,7 +105,8 @@ def test_every_variant_launches(fake_launch):
     gemv = {n for n in DK.KERNELS if n.startswith("gemv_") and not n.endswith("_qn")
             and not n.startswith("gemv_bf16_pl2_")     # pair kernels: test_idxq_pair_launches
             and not n.startswith("gemv_bf16_x")         # multi-row kernels: test_xrows_launches,
-            and not n.startswith("gemv_bf16_multi_x")}  # test_multi_rows_launches
+            and not n.startswith("gemv_bf16_multi_x")   # test_multi_rows_launches,
+            and not n.startswith("gemv_bf16_swiglu_x")}  # test_swiglu_xrows_launches
     assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_x")} == {
         f"gemv_bf16_x{nx}_r{r}" for nx, r in DK.XROWS_KERNELS}
     assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_multi_x")} == {
@@ -534,3 +535,36 @@ def test_multi_rows_launches(fake_launch):
                           "row form wants")]:
         with pytest.raises(AssertionError, match=msg):
             DK.GemvTable(bad, K, **kw)
+
+
+def test_swiglu_xrows_launches(fake_launch):
+    """gemv_bf16_swiglu_xrows (the verify's shared expert W1 / W3 + SwiGLU over its rows): the
+    kernel of the fewest rows per warp for nx (x2_p2 / x4_p1 / x8_p1), one warp per P outputs,
+    arguments W1, W3, X, ldx, nx, H, ldh, O, K, limit; bad calls refused before any launch."""
+    fake, DK, launched = fake_launch
+    A = fake.asarray
+    O, K = 2051, 1024
+    w1, w3 = A(np.zeros((O, K), np.uint16)), A(np.zeros((O, K), np.uint16))
+    assert {n for n in DK.KERNELS if n.startswith("gemv_bf16_swiglu_x")} == {
+        f"gemv_bf16_swiglu_x{a}_p{p}" for a, p in DK.SWIGLU_XROWS_KERNELS}
+    for nx, want in [(1, "x2_p2"), (2, "x2_p2"), (3, "x4_p1"), (4, "x4_p1"), (5, "x8_p1"), (8, "x8_p1")]:
+        launched.clear()
+        X = A(np.zeros((nx, K + 16), np.uint16))[:, :K]
+        H = A(np.zeros((nx, O + 5), np.uint16))[:, :O]
+        DK.gemv_bf16_swiglu_xrows(w1, w3, X, H, 10.0)
+        (name, grid, args, _), = launched
+        P = int(name[-1])
+        assert name == f"gemv_bf16_swiglu_{want}" and grid == (-(-(-(-O // P)) // 4),), (nx, name, grid)
+        assert args[0] is w1 and args[1] is w3 and args[2] is X and args[5] is H
+        assert [int(a) for a in (args[3], args[4], args[6], args[7], args[8])] == [K + 16, nx, O + 5, O, K]
+        assert float(args[9]) == 10.0
+    launched.clear()
+    for a, msg in [((w1, A(np.zeros((O, K - 8), np.uint16)), A(np.zeros((2, K), np.uint16)),
+                     A(np.zeros((2, O), np.uint16))), "w3"),
+                   ((w1, w3, A(np.zeros((9, K), np.uint16)), A(np.zeros((9, O), np.uint16))), "rows"),
+                   ((w1, w3, A(np.zeros((2, K), np.float32)), A(np.zeros((2, O), np.uint16))), "X"),
+                   ((w1, w3, A(np.zeros((2, K), np.uint16)), A(np.zeros((2, O), np.float32))), "h")]:
+        with pytest.raises(AssertionError, match=msg):
+            DK.gemv_bf16_swiglu_xrows(*a, 10.0)
+    assert not launched
+

@@ -56,6 +56,8 @@ MULTI_ROWS = (1, 4)                                   # gemv_bf16_multi_r*
 XROWS_KERNELS = ((2, 4), (4, 2), (8, 1))
 XROWS_MAX = 8
 XROWS_R = tuple(r for _, r in XROWS_KERNELS)          # their rows per warp
+# gemv_bf16_swiglu_x{NX}_p{P} (the verify's shared-expert W1 / W3 + SwiGLU): (max rows, outputs per warp)
+SWIGLU_XROWS_KERNELS = ((2, 2), (4, 1), (8, 1))
 SWIGLU_OUTS = (1, 2)                                  # gemv_bf16_swiglu_p* (2P rows per warp)
 # (R | P, bf16 trips at once) instantiated: gemv_bf16_multi_r{R}[t{T}], gemv_bf16_swiglu_p{P}[t{T}]
 MULTI_VARIANTS = ((1, 1), (4, 1), (1, 2), (4, 2))
@@ -302,14 +304,15 @@ KERNELS = GEMV_KERNELS + ("embed_gather", "step_scalars", "ring_write", "pending
                           "pending_advance", "build_cand", "l2_prefetch_paced", "greedy_argmax_f32",
                           "copy_vec4_x4", "verify_rollback") \
     + tuple(f"gemv_bf16_x{nx}_r{r}" for nx, r in XROWS_KERNELS) \
-    + tuple(f"gemv_bf16_multi_x{nx}_r{r}" for nx, r in XROWS_KERNELS)
+    + tuple(f"gemv_bf16_multi_x{nx}_r{r}" for nx, r in XROWS_KERNELS) \
+    + tuple(f"gemv_bf16_swiglu_x{nx}_p{p}" for nx, p in SWIGLU_XROWS_KERNELS)
 kernel_loader.register(STEM, KERNELS)
 
 __all__ = ["GEMV_WARPS", "GEMV_ROWS", "GEMV_VARIANTS", "MULTI_ROWS", "SWIGLU_OUTS", "MULTI_VARIANTS",
            "SWIGLU_VARIANTS", "gemv_default_variant",
            "GEMV_BULK", "MULTI_BULK", "SWIGLU_BULK", "GEMV_SELECT", "GEMV_VARIANT_ENV", "gemv_variant_names",
            "gemv_shape_class", "gemv_selected",
-           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "xrows_R", "gemv_bf16_multi_rows", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
+           "dense_weight", "gemv_bf16", "gemv_bf16_qnorm", "gemv_bf16_pair", "l2_prefetch_paced", "QNORM_K", "GemvTable", "gemv_bf16_multi", "xrows_R", "gemv_bf16_multi_rows", "gemv_bf16_swiglu_xrows", "gemv_bf16_swiglu", "embed_gather", "step_scalars", "ring_write", "pending_write",
            "entry_commit", "pending_advance", "build_cand", "greedy_argmax", "copy_words", "copy_words_ok", "COPY_PAIRS_MAX",
            "RollbackTable", "verify_rollback",
            "KERNELS", "STEM"]
@@ -449,6 +452,33 @@ def gemv_bf16_xrows(w, X, out, *, groups: int = 1):
         (w, X, i32(X.strides[0] // 2), i32(nx), out, i32(out.strides[0] // out.itemsize),
          i32(O), i32(K), i32(rpg), i32(1 if out.dtype == np.uint16 else 0)))
     return out
+
+
+def gemv_bf16_swiglu_xrows(w1, w3, X, h, limit: float):
+    """h [nx, O] bf16 = swiglu_clamped(bf16(W1 X[j]), bf16(W3 X[j]), limit) for the nx <= 8 rows
+    of a verify in one launch (decode.cu gemv_bf16_swiglu_x{NX}_p{P}: W1 and W3 read once for the
+    rows); row j's bits are gemv_bf16_swiglu(w1, w3, X[j], h[j], limit)'s.  W1, W3 bf16 bits [O,
+    K] (the FP8-as-stored form has no x-rows kernel); X [nx, K] bf16 rows, h [nx, O] (row-strided
+    views: last axis contiguous, 16-byte aligned rows for X)."""
+    O, K = w1.shape
+    for name, w in (("w1", w1), ("w3", w3)):
+        check(w, f"gemv_bf16_swiglu_xrows.{name}", np.uint16, (O, K))
+        assert w.data.ptr % 16 == 0, f"gemv_bf16_swiglu_xrows.{name}: 16-byte alignment"
+    assert K % 8 == 0, f"gemv_bf16_swiglu_xrows: K = {K} must be a multiple of 8"
+    assert X.dtype == np.uint16 and X.ndim == 2 and X.shape[1] == K, (
+        f"gemv_bf16_swiglu_xrows.X: {X.shape} {X.dtype}, expected [nx, {K}] bf16")
+    nx = X.shape[0]
+    assert 1 <= nx <= XROWS_MAX, f"gemv_bf16_swiglu_xrows: {nx} rows, expected 1..{XROWS_MAX}"
+    assert X.strides[1] == 2 and X.strides[0] % 16 == 0 and X.data.ptr % 16 == 0, (
+        f"gemv_bf16_swiglu_xrows.X: rows 16-byte aligned, last axis contiguous (strides {X.strides})")
+    assert h.dtype == np.uint16 and h.shape == (nx, O) and h.strides[1] == 2, (
+        f"gemv_bf16_swiglu_xrows.h: {h.shape} {h.dtype}, expected ({nx}, {O}) bf16, last axis contiguous")
+    NX, P = next((a, p) for a, p in SWIGLU_XROWS_KERNELS if nx <= a)
+    kernel(STEM, f"gemv_bf16_swiglu_x{NX}_p{P}")(
+        _gemv_grid(-(-O // P)), (32 * GEMV_WARPS,),
+        (w1, w3, X, i32(X.strides[0] // 2), i32(nx), h, i32(h.strides[0] // 2), i32(O), i32(K),
+         np.float64(limit)))
+    return h
 
 
 QNORM_K = 1024   # decode.cu QN_K: the one row length gemv_bf16_pl_r*_qn takes

@@ -45,9 +45,9 @@ a cache is read or written):
      (gpu.hostmath.verify_candidates; a CPU test checks what each row reads).
   D. wo_a (grouped) and wo_b for the T rows.
   ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over
-  the T x k slots (x row s // k), the shared expert's W1 / W3 for the T rows and the SwiGLU of
-  their bf16 outputs (gemv_bf16_swiglu's bytes), its w2 for the T rows, the down + combine with
-  grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
+  the T x k slots (x row s // k), the shared expert's W1 / W3 + SwiGLU for the T rows in one
+  launch (gemv_bf16_swiglu_xrows: gemv_bf16_swiglu's bytes per row), its w2 for the T rows, the
+  down + combine with grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
 Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: those run as T
 one-row launches (the same bits, T weight reads).
 
@@ -113,10 +113,6 @@ def verify_ws_plan(cfg, layers, has_embed: bool, has_head: bool, max_seq_len: in
         if s.name in _DROPPED_SLOTS:
             continue
         p.add(s.name, s.shape if s.name in _SHARED_SLOTS else (rows,) + tuple(s.shape), s.dtype)
-    # the shared expert's gate and up rows of the multi-row form (VerifyStep.row_form "rows")
-    sh = tuple(one.slot("moe.sh_h").shape)
-    p.add("moe.sh_a", (rows,) + sh, "bf16")
-    p.add("moe.sh_u", (rows,) + sh, "bf16")
     p.check()
     return p
 
@@ -239,9 +235,10 @@ class VerifyStep:
         self._taps = ()             # the taps of the graph being captured / enqueued
         self._logits_host = None
         # "rows": the multi-row launches where a row's bits do not depend on the others (the hc
-        # boundaries and the router with grid.y = T; the shared expert's W1 / W3 read once for
-        # the rows, then the SwiGLU kernel); "per_row": the step's own one-token launch per row
-        # (hc_boundary, router.fused, gemv_bf16_swiglu).  The same bytes
+        # boundaries and the router with grid.y = T; the xn projections, the emissions and the
+        # indexer's top-k over the rows; the shared expert's W1 / W3 + SwiGLU in one launch);
+        # "per_row": the step's own one-token launch per row (hc_boundary, router.fused,
+        # gemv_bf16_multi, emit, scores_topk, gemv_bf16_swiglu).  The same bytes
         # (tests/gpu/test_verify_step_gpu.py); FP8-as-stored shared weights always run per row
         self.row_form = "rows"
         for si, st in enumerate(model.stages):
@@ -729,14 +726,9 @@ class VerifyStep:
         with phase(f"{mp}/shared"):
             (w1, s1), (w3, s3) = L.lin("ffn.shared_experts.w1"), L.lin("ffn.shared_experts.w3")
             if self.row_form == "rows" and s1 is None and s3 is None:
-                # W1 and W3 once for the rows (gemv_bf16's bits: bf16(W1 x), bf16(W3 x)), then
-                # the clamped SwiGLU of those bf16 values (moe.swiglu: swiglu_value, unweighted):
-                # what gemv_bf16_swiglu computes in one launch per row
-                from memra_dsv4.gpu.ops import moe as MO
-                a, u = v["moe.sh_a"][:T], v["moe.sh_u"][:T]
-                DK.gemv_bf16_xrows(w1, v["xn"][:T], a)
-                DK.gemv_bf16_xrows(w3, v["xn"][:T], u)
-                MO.swiglu(a, u, cfg.swiglu_limit, out=v["moe.sh_h"][:T])
+                # W1 and W3 read once for the rows and the clamped SwiGLU in the epilogue (one
+                # launch: row t's bits gemv_bf16_swiglu's for xn[t])
+                DK.gemv_bf16_swiglu_xrows(w1, w3, v["xn"][:T], v["moe.sh_h"][:T], cfg.swiglu_limit)
             else:
                 for t in range(T):
                     DK.gemv_bf16_swiglu(w1, w3, v["xn"][t], v["moe.sh_h"][t], cfg.swiglu_limit,

@@ -12,6 +12,7 @@
   GemvTable's launch for X[j] at pos[j], byte for byte (staging rows of the ring entries == the
   pending row that launch writes, and == the staging row of a one-row table in the staging form,
   ring offset -1); its refusals.
+* The x-rows SwiGLU (gemv_bf16_swiglu_x*): row j == gemv_bf16_swiglu for X[j], byte for byte.
 """
 from __future__ import annotations
 
@@ -155,3 +156,29 @@ def test_multi_rows_refusals():
         DK.GemvTable([(rows_e[0][0], cp.zeros((4, 64), cp.float32))], K, rows_per_warp=4, rows=8)
     with pytest.raises(AssertionError, match="rows_per_warp"):
         DK.GemvTable(rows_e, K, rows_per_warp=8, rows=8)
+
+
+# ------------------------------------------------ gemv_bf16_swiglu_x{NX}_p{P}: the shared expert's
+# W1 / W3 + SwiGLU for the rows in one launch == gemv_bf16_swiglu per row, byte for byte (rows
+# whose gate / up values cross the clamp limit: scaled x), O not a multiple of P, K with a tail.
+@pytest.mark.parametrize("O,K", [(2048, 4096), (1030, 520)])
+@pytest.mark.parametrize("nx", [1, 2, 3, 4, 5, 8])
+def test_swiglu_xrows_equal_row_launches(O, K, nx):
+    rng = np.random.default_rng(O + K + nx)
+    w1, w3 = cp.asarray(_bf16(rng, (O, K))), cp.asarray(_bf16(rng, (O, K)))
+    X = cp.asarray(_bf16(rng, (nx, K + 8)))[:, :K]
+    limit = 10.0
+    big = cp.full((nx, O + 8), 0x7FC1, cp.uint16)
+    DK.gemv_bf16_swiglu_xrows(w1, w3, X, big[:, :O], limit)
+    got = big.get()
+    assert (got[:, O:] == 0x7FC1).all(), "gemv_bf16_swiglu_xrows wrote past O"
+    clamped = 0
+    for j in range(nx):
+        ref = cp.empty(O, cp.uint16)
+        DK.gemv_bf16_swiglu(w1, w3, cp.ascontiguousarray(X[j]), ref, limit)
+        assert np.array_equal(got[j, :O], ref.get()), f"row {j} of {nx}: not gemv_bf16_swiglu's bits (O={O} K={K})"
+        g = cp.empty(O, cp.float32)
+        DK.gemv_bf16(w1, cp.ascontiguousarray(X[j]), g)
+        clamped += int((cp.abs(g) > limit).sum())
+    assert clamped > 0, "no gate value crossed the clamp: the limit path was not exercised"
+
