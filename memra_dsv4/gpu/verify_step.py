@@ -47,7 +47,8 @@ a cache is read or written):
   ffn: the T rows' boundaries and router (one launch each: grid.y = T); the routed gate/up over
   the T x k slots (x row s // k), the shared expert's W1 / W3 + SwiGLU for the T rows in one
   launch (gemv_bf16_swiglu_xrows: gemv_bf16_swiglu's bytes per row), its w2 for the T rows, the
-  down + combine with grid.y = T.  Head: per row hc_head + norm, the head GEMV for the T rows.
+  down + combine with grid.y = T.  Head: hc_head, its norm and the head GEMV, one launch each
+  for the T rows.
 Dense weights stored as FP8 (MEMRA_DSV4_DENSE=fp8) have no multi-row GEMV yet: those run as T
 one-row launches (the same bits, T weight reads).
 
@@ -512,13 +513,13 @@ class VerifyStep:
             if st.has_head:
                 with phase(f"{sp}/head"):
                     self._final_streams = cur
-                    y, yn = v["head.y"], v["head.yn"]
-                    for t in range(T):
-                        HC.hc_head(cur[t:t + 1], S.head_fn, st["hc_head_scale"], st["hc_head_base"],
-                                   hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                                   out=y[t].reshape(1, D), mixes=v["dev.head_mix"][t])
-                        RN.rmsnorm(y[t].reshape(1, D), st["norm.weight"], cfg.rms_norm_eps,
-                                   out=yn[t].reshape(1, D))
+                    y, yn = v["head.y"][:T].reshape(T, D), v["head.yn"][:T].reshape(T, D)
+                    # the T rows in one launch each: hc_mixes' bits are the same for any T
+                    # (its canonical order), hc_head_apply and the rmsnorm work per row
+                    HC.hc_head(cur[:T], S.head_fn, st["hc_head_scale"], st["hc_head_base"],
+                               hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, out=y,
+                               mixes=v["dev.head_mix"][:T].reshape(T, -1))
+                    RN.rmsnorm(y, st["norm.weight"], cfg.rms_norm_eps, out=yn)
                     _rows_gemv(st["head.weight"], None, yn[:T], v["head.logits"][:T])
             if S.si + 1 < len(self.stages):
                 nxt = self.stages[S.si + 1]
@@ -566,11 +567,9 @@ class VerifyStep:
             self._boundaries(S, L, T, cur, "ffn", f=v["attn.out"], out=oth)
             cur, oth = oth, cur
             self._moe(S, L, T)
-            if L is S.layers[-1]:
-                for t in range(T):
-                    HC.hc_post(v["ffn.out"][t].reshape(1, D), cur[t:t + 1],
-                               v["hc.post"][t].reshape(1, hc), v["hc.comb"][t].reshape(1, hc, hc),
-                               out=oth[t:t + 1])
+            if L is S.layers[-1]:   # the stage's closing hc_post, the T rows in one launch
+                HC.hc_post(v["ffn.out"][:T].reshape(T, D), cur[:T], v["hc.post"][:T].reshape(T, hc),
+                           v["hc.comb"][:T].reshape(T, hc, hc), out=oth[:T])
                 cur, oth = oth, cur
         return cur, oth
 
