@@ -371,9 +371,30 @@ def test_source_fused_and_tiles_share_the_templated_body():
     assert "scores_out[" not in body[stop:]          # no score written after the split form's return
 
 
+def test_source_row_forms_share_the_bodies(IX):
+    """The device verify's row forms (grid.y = T): the one-row bodies on row y's operands, each
+    row its own ticket counter / histogram, the same keys."""
+    fused, tiles = _kernel_body("indexer_fused_rows_d128"), _kernel_body("indexer_scores_tiles_rows_d128")
+    flat = lambda b: " ".join(b.split())
+    assert ("if_body<true>(q + y * ld_q, w + y * ld_w, keys, ld_k, n_valid + y * ld_nv, scores_out + y * ld_s, "
+            "H, N, w_scale, k, sel_out + y * ld_sel, width, offset, counter + y);") in flat(fused)
+    assert ("if_body<false>(q + y * ld_q, w + y * ld_w, keys, ld_k, n_valid + y * ld_nv, scores_out + y * ld_s, "
+            "H, N, w_scale, 0, nullptr, 0, 0, hist_hi + 256 * y);") in flat(tiles)
+    for b in (fused, tiles, _kernel_body("indexer_select_rows_d128")):
+        assert "const i64 y = blockIdx.y;" in b
+    assert {"indexer_fused_rows_d128", "indexer_scores_tiles_rows_d128", "indexer_select_rows_d128"} <= set(IX.KERNELS)
+
+
 def test_source_select_kernel(IX):
-    body = _kernel_body("indexer_select_d128")
-    assert body.lstrip("{").lstrip().startswith("PDL_ENTRY();")
+    kern = _kernel_body("indexer_select_d128")
+    stmts = [s.strip() for s in kern.strip("{}").split(";") if s.strip()]
+    assert stmts == ["PDL_ENTRY()", "select_body(scores, n_valid, N, k, sel_out, width, offset, hist_hi)"], stmts
+    # the row form (the device verify's): the same body on row y's operands and histogram
+    rows = _kernel_body("indexer_select_rows_d128")
+    assert rows.lstrip("{").lstrip().startswith("PDL_ENTRY();")
+    assert ("select_body(scores + y * ld_s, n_valid + y * ld_nv, N, k, sel_out + y * ld_sel, width, offset,\n"
+            "                hist_hi + 256 * y);") in rows
+    body = braced(SRC, "DEV void select_body(")
     assert "__ldg(n_valid)" in body and "counter" not in body
     # hist_hi read into shared memory, then zeroed on every path (before the n <= k return)
     read, zero = "sh.hist_hi[tid] = __ldcg(hist_hi + tid);", "if (tid < 256) hist_hi[tid] = 0;"
