@@ -208,10 +208,23 @@ def test_shipped_pick_launches(fake_launch, monkeypatch):
         DK.gemv_bf16(w, A(np.zeros(K, np.uint16)), A(np.zeros(O, np.float32)), **kw)
         assert launched[-1][0] == name, (O, K, dt, launched[-1][0])
     K = 4096
-    tab = DK.GemvTable([(A(np.zeros((o, K), np.uint16)), A(np.zeros(o, np.float32))) for o in (1024, 512)], K)
+    # multi.bf16 "default": the r4 kernel every measured step ran (GEMV_SELECT's comment), for
+    # plain bf16 arrays and for the step's (weight, None) pairs alike (not FP8: the forty-first
+    # session's fix; before it a pair flagged the table FP8)
+    for pair in (False, True):
+        ents = [((A(np.zeros((o, K), np.uint16)), None) if pair else A(np.zeros((o, K), np.uint16)),
+                 A(np.zeros(o, np.float32))) for o in (1024, 512)]
+        tab = DK.GemvTable(ents, K)
+        assert not tab.fp8 and tab.R == 4
+        DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)))
+        assert launched[-1][0] == "gemv_bf16_multi_r4"
+    # the env's multi.bf16 key now reaches a table of (weight, None) pairs
+    monkeypatch.setenv(DK.GEMV_VARIANT_ENV, "multi.bf16=r1t2")
+    tab = DK.GemvTable([((A(np.zeros((o, K), np.uint16)), None), A(np.zeros(o, np.float32))) for o in (1024, 512)], K)
     assert tab.R == 1
     DK.gemv_bf16_multi(tab, A(np.zeros(K, np.uint16)), A(np.zeros(1, np.int32)))
     assert launched[-1][0] == "gemv_bf16_multi_r1t2"
+    monkeypatch.delenv(DK.GEMV_VARIANT_ENV)
     tab8 = DK.GemvTable([((A(np.zeros((256, K), np.uint8)), A(np.zeros((2, 32), np.uint8))),
                           A(np.zeros(256, np.uint16)))], K)
     assert tab8.R == 4

@@ -85,7 +85,12 @@ GEMV_PL = (2, 4)                                              # gemv_bf16_pl_r{R
 # at 5a2e011 / 3bbb826): 7.56 -> 7.51 ms at 3bbb826 and 7.23 -> 7.17 ms at a40ee2f (1K bf16,
 # 160 steps per arm, one process; bench/results/2026-11-30-nvidia-h200-a40ee2f-ab_1k.log).
 # Launches pl_r2 cannot take (K % 1024 != 0, or R not dividing rows_per_group) keep r2t2.
-GEMV_SELECT: dict = {"multi.bf16": "r1t2", "plain.bf16.large": "pl_r2", "plain.bf16.small": "r1t2",
+# multi.bf16: the probe's pick (r1t2) never reached the step: until the forty-first session
+# GemvTable flagged every table built from (weight, None) entries (all of the step's) as FP8, so
+# the multi GEMV's selection (and MEMRA_DSV4_GEMV_VARIANT's multi.bf16 keys, e.g. the s24 A/B of
+# pl_r1t2, "neutral") fell through to the default r4, which every measured step ran.  With the
+# flag fixed, "default" keeps that measured kernel until a step A/B on the GPU picks another.
+GEMV_SELECT: dict = {"multi.bf16": "default", "plain.bf16.large": "pl_r2", "plain.bf16.small": "r1t2",
                      "plain.fp8.small": "r2t2", "swiglu.bf16": "p1t2", "swiglu.fp8": "p1t2"}
 GEMV_VARIANT_ENV = "MEMRA_DSV4_GEMV_VARIANT"
 _SMALL_ELEMS = 1 << 23     # weight elements at or below which a GEMV is "small" (<= 16 MB bf16)
@@ -596,7 +601,9 @@ class GemvTable:
         import cupy as cp
         assert entries, "GemvTable: no projections"
         assert self.SEG.itemsize == 56
-        self.fp8 = any(isinstance(e[0], tuple) for e in entries)
+        # FP8 = some projection is stored e4m3 with its scale: a (weight, None) pair is bf16 (the
+        # step's L.lin returns pairs for both forms)
+        self.fp8 = any(isinstance(e[0], tuple) and e[0][1] is not None for e in entries)
         self.row_axis = None if rows is None else int(rows)
         if rows is not None:
             assert 1 <= int(rows) <= XROWS_MAX, f"GemvTable: rows = {rows}, expected 1..{XROWS_MAX}"

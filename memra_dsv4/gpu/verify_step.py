@@ -418,7 +418,8 @@ class VerifyStep:
                     # the row form: all rows in one launch (bf16 weights only)
                     ent = xn_projection_entries(L, c, v["attn.qr"], v["dev.kvraw"], idx_w,
                                                 staging=_staging(jr, c))
-                    row_tabs[L.lid] = None if any(isinstance(e[0], tuple) for e in ent) else {
+                    fp8 = any(isinstance(e[0], tuple) and e[0][1] is not None for e in ent)
+                    row_tabs[L.lid] = None if fp8 else {
                         R: DK.GemvTable(ent, D, rows_per_warp=R, rows=ROW_MAX) for R in DK.XROWS_R}
         self._graphs[state] = {}
         self._tables[state] = tabs
