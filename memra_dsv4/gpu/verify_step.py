@@ -671,12 +671,14 @@ class VerifyStep:
                     IX.scores_topk_rows(qis, v["idx.w"][:T].reshape(T, nI), cache.idx_keys, v["dev.aux"][:T],
                                         cfg.index_topk, _rows_view(scores, T, N), v["idx.sel"][:T].reshape(T, -1),
                                         w_scale=dI ** -0.5 * nI ** -0.5)
-                else:
+                else:   # per row, in turn, on the slot's first N values (16-byte aligned for
+                    # any N: row t of a [rows, N] view is not when N % 8 != 0)
+                    one = _rows_view(scores, 1, N)
                     for t in range(T):
                         qi = v["idx.q"][t].reshape(1, nI, dI)
                         IX.scores_topk(qi, v["idx.w"][t].reshape(1, nI), cache.idx_keys, v["dev.aux"][t][0:1],
-                                       cfg.index_topk, scores[t, :N].reshape(1, N),
-                                       v["idx.sel"][t].reshape(1, -1), w_scale=dI ** -0.5 * nI ** -0.5)
+                                       cfg.index_topk, one, v["idx.sel"][t].reshape(1, -1),
+                                       w_scale=dI ** -0.5 * nI ** -0.5)
                 sel = v["idx.sel"][:T]
             # the rows' candidates [T, K] (contiguous: the kernel steps a row by K) and their
             # attention, one launch each (a row's bits do not depend on the others)
