@@ -171,6 +171,30 @@ _EMIT = {(512, "fp8"): "compress_emit_fp8_d512", (128, "fp8"): "compress_emit_fp
          (128, "hadfp4"): "compress_emit_hadfp4_d128"}
 
 
+def _emit_operands(who: str, kernels: dict, kv, score, ratio: int, overlap: bool, weight, cos, sin,
+                   mode: str):
+    """The pending rows, norm weight and RoPE tables emit and emit_rows check alike; returns
+    (r, C, d, R): the ratio, the pending row width, the pooled width, the RoPE dims."""
+    check(kv, f"{who}.kv", np.float32)
+    check(score, f"{who}.score", np.float32, kv.shape)
+    assert kv.ndim == 2, f"{who}.kv: expected [rows, C], got {kv.shape}"
+    r, C = int(ratio), kv.shape[1]
+    assert kv.shape[0] == (2 if overlap else 1) * r, (
+        f"{who}: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * r} "
+        f"(ratio {r}, overlap {overlap})")
+    assert not overlap or r == 4, f"{who}: overlap pooling is ratio 4, got {r}"
+    d = C // 2 if overlap else C
+    assert not overlap or C == 2 * d, f"{who}: overlap rows must be 2d wide, got {C}"
+    key = (d, mode)
+    assert key in kernels, f"{who}: d = {d}, mode {mode!r} unsupported (have {sorted(kernels)})"
+    check(weight, f"{who}.weight", np.float32, (d,))
+    check(cos, f"{who}.cos", np.float32)
+    check(sin, f"{who}.sin", np.float32, cos.shape)
+    R = 2 * cos.shape[1]
+    assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"{who}: rope dims {R} unsupported"
+    return r, C, d, R
+
+
 def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin, mode: str, out,
          incoming=None):
     """Decode emission of one compressor (one launch, graph-safe: reads pos on the device).
@@ -185,23 +209,7 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
     position, gemv_bf16_multi_rows): first written into pending row pos % ratio (+ ratio when
     overlapping), the row the step's gemv_bf16_multi epilogue writes; then the above."""
     check(pos, "compress.emit.pos", np.int32, (1,))
-    check(kv, "compress.emit.kv", np.float32)
-    check(score, "compress.emit.score", np.float32, kv.shape)
-    assert kv.ndim == 2, f"compress.emit.kv: expected [rows, C], got {kv.shape}"
-    r, C = int(ratio), kv.shape[1]
-    assert kv.shape[0] == (2 if overlap else 1) * r, (
-        f"compress.emit: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * r} "
-        f"(ratio {r}, overlap {overlap})")
-    assert not overlap or r == 4, f"compress.emit: overlap pooling is ratio 4, got {r}"
-    d = C // 2 if overlap else C
-    assert not overlap or C == 2 * d, f"compress.emit: overlap rows must be 2d wide, got {C}"
-    key = (d, mode)
-    assert key in _EMIT, f"compress.emit: d = {d}, mode {mode!r} unsupported (have {sorted(_EMIT)})"
-    check(weight, "compress.emit.weight", np.float32, (d,))
-    check(cos, "compress.emit.cos", np.float32)
-    check(sin, "compress.emit.sin", np.float32, cos.shape)
-    R = 2 * cos.shape[1]
-    assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"compress.emit: rope dims {R} unsupported"
+    r, C, d, R = _emit_operands("compress.emit", _EMIT, kv, score, ratio, overlap, weight, cos, sin, mode)
     check(out, "compress.emit.out", np.uint16, (None, d), rows_strided=True)
     kv_in = score_in = np.uint64(0)
     if incoming is not None:
@@ -209,7 +217,7 @@ def emit(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos, sin
         kv_in, score_in = incoming
         check(kv_in, "compress.emit.incoming.kv", np.float32, (C,))
         check(score_in, "compress.emit.incoming.score", np.float32, (C,))
-    kernel(STEM, _EMIT[key])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, kv_in, score_in,
+    kernel(STEM, _EMIT[(d, mode)])((1,), (d,), (pos, i32(r), i32(int(overlap)), kv, score, kv_in, score_in,
                                           weight, np.float64(eps), cos, sin, i32(R), out,
                                           i32(row_stride(out)), i32(out.shape[0])))
     return out
@@ -228,29 +236,15 @@ def emit_rows(pos, kv, score, ratio: int, overlap: bool, weight, eps: float, cos
     check(pos, "compress.emit_rows.pos", np.int32)
     assert pos.ndim == 1 and 1 <= pos.shape[0], f"compress.emit_rows.pos: expected [T >= 1], got {pos.shape}"
     T = int(pos.shape[0])
-    check(kv, "compress.emit_rows.kv", np.float32)
-    check(score, "compress.emit_rows.score", np.float32, kv.shape)
-    assert kv.ndim == 2, f"compress.emit_rows.kv: expected [rows, C], got {kv.shape}"
-    r, C = int(ratio), kv.shape[1]
-    assert kv.shape[0] == (2 if overlap else 1) * r, (
-        f"compress.emit_rows: {kv.shape[0]} pending rows, expected {(2 if overlap else 1) * r} "
-        f"(ratio {r}, overlap {overlap})")
-    assert not overlap or r == 4, f"compress.emit_rows: overlap pooling is ratio 4, got {r}"
-    d = C // 2 if overlap else C
-    key = (d, mode)
-    assert key in _EMIT_ROWS, f"compress.emit_rows: d = {d}, mode {mode!r} unsupported (have {sorted(_EMIT_ROWS)})"
-    check(weight, "compress.emit_rows.weight", np.float32, (d,))
-    check(cos, "compress.emit_rows.cos", np.float32)
-    check(sin, "compress.emit_rows.sin", np.float32, cos.shape)
-    R = 2 * cos.shape[1]
-    assert R % 8 == 0 and R <= d and (mode != "fp8" or (d - R) % 64 == 0), f"compress.emit_rows: rope dims {R} unsupported"
+    r, C, d, R = _emit_operands("compress.emit_rows", _EMIT_ROWS, kv, score, ratio, overlap, weight, cos, sin,
+                                mode)
     check(out, "compress.emit_rows.out", np.uint16, (None, d), rows_strided=True)
     assert isinstance(incoming, tuple) and len(incoming) == 2, "compress.emit_rows.incoming: expected (kv_in, score_in)"
     kv_in, score_in = incoming
     check(kv_in, "compress.emit_rows.incoming.kv", np.float32, (None, C))
     check(score_in, "compress.emit_rows.incoming.score", np.float32, kv_in.shape)
     assert kv_in.shape[0] >= T, f"compress.emit_rows.incoming: {kv_in.shape[0]} rows < {T} positions"
-    kernel(STEM, _EMIT_ROWS[key])((1,), (d,), (pos, i32(T), i32(r), i32(int(overlap)), kv, score, kv_in,
+    kernel(STEM, _EMIT_ROWS[(d, mode)])((1,), (d,), (pos, i32(T), i32(r), i32(int(overlap)), kv, score, kv_in,
                                                score_in, i32(C), weight, np.float64(eps), cos, sin, i32(R),
                                                out, i32(row_stride(out)), i32(out.shape[0])))
     return out
