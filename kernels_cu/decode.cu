@@ -813,14 +813,20 @@ DEV void store_seg_rows(const GemvSeg& g, int n, int r0, const int* __restrict__
     }
 }
 
+// The segment of a table warp w < segs[nseg].warp0 (the multi kernels' one lookup).
+DEV int seg_of_warp(const GemvSeg* __restrict__ segs, int nseg, int w) {
+    int s = 0;
+    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    return s;
+}
+
 // gemv_multi_rows' warp: its R rows of its segment (the table is static device memory)
 template <int R>
 DEV void gemv_multi_prefetch(const GemvSeg* __restrict__ segs, int nseg, int K) {
     if ((threadIdx.x & 31) != 0) return;
     const int w = gemv_warp_id();
     if (w >= segs[nseg].warp0) return;
-    int s = 0;
-    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    const int s = seg_of_warp(segs, nseg, w);
     const GemvSeg& g = segs[s];
     const int n = segs[s + 1].row0 - g.row0, r0 = (w - g.warp0) * R;
     if (r0 < n) l2_prefetch_rows(g.w, r0, min(R, n - r0), (u64)K * (g.scale != nullptr ? 1 : 2));
@@ -833,8 +839,7 @@ DEV void gemv_multi_rows(const GemvSeg* __restrict__ segs, int nseg, const u16* 
     const int lane = threadIdx.x & 31;
     const int w = gemv_warp_id();
     if (w >= segs[nseg].warp0) return;
-    int s = 0;
-    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    const int s = seg_of_warp(segs, nseg, w);
     const GemvSeg& g = segs[s];
     const int n = segs[s + 1].row0 - g.row0;
     const int r0 = (w - g.warp0) * R;
@@ -954,8 +959,7 @@ DEV MultiFirst<R, T> multi_first(const GemvSeg* __restrict__ segs, int nseg, int
     f.seg = -1;
     f.pre = false;
     if (w < segs[nseg].warp0) {
-        int s = 0;
-        while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+        const int s = seg_of_warp(segs, nseg, w);
         f.seg = s;
         const GemvSeg& g = segs[s];
         f.pre = g.scale == nullptr && K % (32 * 8 * GEMV_UNROLL) == 0 && K >= 32 * 8 * GEMV_UNROLL * T;
@@ -1087,8 +1091,7 @@ DEV void gemv_multi_xrows(const GemvSeg* __restrict__ segs, int nseg, const u16*
     const int lane = threadIdx.x & 31;
     const int w = gemv_warp_id();
     if (w >= segs[nseg].warp0) return;
-    int s = 0;
-    while (s + 1 < nseg && w >= segs[s + 1].warp0) ++s;
+    const int s = seg_of_warp(segs, nseg, w);
     const GemvSeg& g = segs[s];
     const int n = segs[s + 1].row0 - g.row0;
     const int r0 = (w - g.warp0) * R;
